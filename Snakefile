@@ -1,0 +1,28 @@
+# draftsmith: train an EAGLE-3 drafter for a target LLM and measure its acceptance before deploying.
+# Stages: target -> prompts -> generate -> tokenize -> extract (per shard) -> manifest -> vocab -> train -> evaluate
+
+
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "config.yaml"
+
+
+include: "rules/common.smk"
+include: "rules/target.smk"
+include: "rules/prompts.smk"
+include: "rules/generate.smk"
+include: "rules/extract.smk"
+include: "rules/vocab.smk"
+include: "rules/train.smk"
+include: "rules/evaluate.smk"
+
+
+rule all:
+    input:
+        "results/drafter",
+        "results/eval/summary.json",
+        "results/eval/acceptance.png",
+    default_target: True

@@ -1,0 +1,114 @@
+"""Tokenize stage: traces -> training sequences (ids + loss mask) in one file, plus the shard plan.
+
+`tokens.safetensors` holds input_ids [N], loss_mask [N] and offsets [S+1] like a hidden-state shard (without
+the states); its metadata records sample ids, the template fingerprint and the shard assignment. Vocab
+and estimates read it; each extract job takes its contiguous block of samples.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoTokenizer
+
+from draftsmith.atomic import atomic_path
+from draftsmith.chat import render_prompt, render_with_response, template_fingerprint, training_sequence
+from draftsmith.target import check_target_dir
+
+
+def shard_bounds(token_counts: list[int], num_shards: int) -> list[tuple[int, int]]:
+    """Split samples into `num_shards` contiguous [start, end) blocks of about equal token count.
+
+    Every shard gets at least one sample when there are enough samples; boundaries depend only on the
+    counts, so the same data always shards the same way.
+    """
+    n = len(token_counts)
+    if num_shards < 1:
+        raise ValueError("num_shards must be >= 1")
+    if n < num_shards:
+        raise ValueError(f"{n} samples cannot fill {num_shards} shards; lower extract.num_shards")
+    total = sum(token_counts)
+    bounds, start, cum = [], 0, 0
+    for k in range(1, num_shards):
+        goal = total * k / num_shards
+        end = start + 1  # at least one sample per shard
+        cum += token_counts[start]
+        while end < n - (num_shards - k) and cum + token_counts[end] / 2 <= goal:
+            cum += token_counts[end]
+            end += 1
+        bounds.append((start, end))
+        start = end
+    bounds.append((start, n))
+    return bounds
+
+
+def tokenize_traces(
+    target: str, traces_path: str, out_path: str, num_shards: int, max_seq_len: int
+) -> dict[str, Any]:
+    tokenizer = AutoTokenizer.from_pretrained(check_target_dir(target))
+    fingerprint = template_fingerprint(tokenizer)
+    ids_all, mask_all, offsets, sample_ids = [], [], [0], []
+    truncated = 0
+    with open(traces_path, encoding="utf-8") as fh:
+        for line_no, line in enumerate(fh, 1):
+            row = json.loads(line)
+            where = f"{traces_path}:{line_no} (id {row.get('id')!r})"
+            if row.get("template") not in (None, fingerprint):
+                raise ValueError(
+                    f"{where}: generated with chat template {row['template']} but the target's is {fingerprint}; "
+                    "regenerate the traces (the drafter must see what the serving engine renders)"
+                )
+            if "response_token_ids" in row:
+                prompt = render_prompt(tokenizer, row["messages"])
+                if row.get("prompt_token_ids") not in (None, prompt):
+                    raise ValueError(f"{where}: prompt renders to other tokens than at generation time")
+                ids, mask = training_sequence(prompt, row["response_token_ids"])
+            else:
+                ids, mask = render_with_response(tokenizer, row["messages"], row["response"])
+            if len(ids) > max_seq_len:
+                ids, mask, truncated = ids[:max_seq_len], mask[:max_seq_len], truncated + 1
+            if sum(mask) == 0:
+                continue  # nothing to learn (empty answer or prompt fills max_seq_len)
+            ids_all.extend(ids)
+            mask_all.extend(mask)
+            offsets.append(len(ids_all))
+            sample_ids.append(row["id"])
+    counts = [b - a for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+    bounds = shard_bounds(counts, num_shards)
+    meta = {
+        "sample_ids": sample_ids,
+        "template": fingerprint,
+        "target": str(target),
+        "max_seq_len": max_seq_len,
+        "shards": [list(b) for b in bounds],
+    }
+    with atomic_path(out_path) as tmp:
+        save_file(
+            {
+                "input_ids": torch.tensor(ids_all, dtype=torch.int64),
+                "loss_mask": torch.tensor(mask_all, dtype=torch.uint8),
+                "offsets": torch.tensor(offsets, dtype=torch.int64),
+            },
+            str(tmp),
+            metadata={"draftsmith_tokens": json.dumps(meta)},
+        )
+    summary = {
+        "samples": len(sample_ids),
+        "tokens": len(ids_all),
+        "masked_tokens": int(sum(mask_all)),
+        "truncated": truncated,
+        "shard_tokens": [sum(counts[a:b]) for a, b in bounds],
+    }
+    print(f"tokenize: {summary}", flush=True)
+    return summary
+
+
+def load_tokens(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads(f.metadata()["draftsmith_tokens"])
+        return {k: f.get_tensor(k) for k in ("input_ids", "loss_mask", "offsets")}, meta

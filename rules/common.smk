@@ -1,0 +1,55 @@
+import json
+
+from snakemake.utils import validate
+
+from draftsmith.config import config_errors
+
+
+# A short message naming each bad key first; then validate() fills in the schema's defaults.
+if config_errors(config):
+    raise ValueError("invalid configuration:\n  " + "\n  ".join(config_errors(config)))
+validate(config, schema="../draftsmith/config.schema.yaml")
+
+
+wildcard_constraints:
+    shard=r"\d+",
+
+
+TARGET = config["target"]["model"]
+
+
+def hidden_shards():
+    """One extraction output per shard; the count comes from config so a dry-run shows every job."""
+    return expand(
+        "results/hidden/shard-{shard}.safetensors",
+        shard=range(config["extract"]["num_shards"]),
+    )
+
+
+def section_json(section):
+    """A whole config section as stable JSON: any change to it reruns the rule that takes it."""
+    return json.dumps(config[section], sort_keys=True)
+
+
+def aux_layers_option():
+    layers = config["extract"]["aux_layers"]
+    return "--aux-layers " + ",".join(str(i) for i in layers) if layers else ""
+
+
+def prompt_source_options():
+    """CLI options naming the prompt source."""
+    prompts = config["prompts"]
+    if prompts["source"] == "jsonl":
+        return f"--path {prompts['path']}"
+    if prompts["source"] == "sharegpt":
+        return "--wheel resources/data/sharegpt.whl"
+    return ""
+
+
+def prompt_source_inputs():
+    prompts = config["prompts"]
+    if prompts["source"] == "jsonl":
+        return [prompts["path"]]
+    if prompts["source"] == "sharegpt":
+        return ["resources/data/sharegpt.whl"]
+    return []

@@ -1,0 +1,62 @@
+rule tokenize:
+    input:
+        target=TARGET,
+        traces="results/traces.jsonl",
+    output:
+        "results/tokens.safetensors",
+    log:
+        "logs/tokenize.log",
+    benchmark:
+        "benchmarks/tokenize.tsv"
+    conda:
+        "../envs/draftsmith.yaml"
+    params:
+        num_shards=config["extract"]["num_shards"],
+        max_seq_len=config["extract"]["max_seq_len"],
+    shell:
+        "draftsmith tokenize --target {input.target} --traces {input.traces} --out {output}"
+        " --num-shards {params.num_shards} --max-seq-len {params.max_seq_len} 2>&1 | tee {log}"
+
+
+rule extract:
+    input:
+        target=TARGET,
+        tokens="results/tokens.safetensors",
+    output:
+        "results/hidden/shard-{shard}.safetensors",
+    log:
+        "logs/extract/shard-{shard}.log",
+    benchmark:
+        "benchmarks/extract/shard-{shard}.tsv"
+    conda:
+        "../envs/draftsmith.yaml"
+    threads: workflow.cores
+    resources:
+        gpu=config["extract"]["gpus"],
+    params:
+        aux_layers=aux_layers_option(),
+        dtype=config["target"]["dtype"],
+        batch_tokens=config["extract"]["batch_tokens"],
+    shell:
+        "draftsmith extract --target {input.target} --tokens {input.tokens} --shard {wildcards.shard}"
+        " --out {output} {params.aux_layers} --dtype {params.dtype} --batch-tokens {params.batch_tokens}"
+        " --threads {threads} 2>&1 | tee {log}"
+
+
+rule manifest:
+    input:
+        target=TARGET,
+        shards=hidden_shards(),
+    output:
+        "results/data_config.json",
+    log:
+        "logs/manifest.log",
+    benchmark:
+        "benchmarks/manifest.tsv"
+    conda:
+        "../envs/draftsmith.yaml"
+    params:
+        min_teacher_agreement=config["extract"]["min_teacher_agreement"],
+    shell:
+        "draftsmith manifest --target {input.target} --out {output}"
+        " --min-teacher-agreement {params.min_teacher_agreement} {input.shards} 2>&1 | tee {log}"

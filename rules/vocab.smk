@@ -1,0 +1,17 @@
+rule vocab:
+    input:
+        target=TARGET,
+        tokens="results/tokens.safetensors",
+    output:
+        "results/vocab_map.pt",
+    log:
+        "logs/vocab.log",
+    benchmark:
+        "benchmarks/vocab.tsv"
+    conda:
+        "../envs/draftsmith.yaml"
+    params:
+        size=config["vocab"]["size"],
+    shell:
+        "draftsmith vocab --tokens {input.tokens} --target {input.target} --size {params.size}"
+        " --out {output} 2>&1 | tee {log}"
