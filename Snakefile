@@ -21,8 +21,8 @@ include: "rules/evaluate.smk"
 
 
 rule all:
+    default_target: True
     input:
         "results/drafter",
         "results/eval/summary.json",
         "results/eval/acceptance.png",
-    default_target: True

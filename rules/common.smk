@@ -4,7 +4,6 @@ from snakemake.utils import validate
 
 from draftsmith.config import config_errors
 
-
 # A short message naming each bad key first; then validate() fills in the schema's defaults.
 if config_errors(config):
     raise ValueError("invalid configuration:\n  " + "\n  ".join(config_errors(config)))

