@@ -289,13 +289,15 @@ def train(
 @click.option("--threads", type=int, default=None)
 def evaluate(target_path: str, drafter: str, prompts_path: str, **kw: Any) -> None:
     """Speculative greedy decoding on held-out prompts: lossless check, tau, acceptance, speedup."""
-    from draftsmith.evaluate import GateFailed
+    from draftsmith.evaluate import GateFailed, NotLossless
     from draftsmith.evaluate import evaluate as run_eval
 
     try:
         run_eval(target_path, drafter, prompts_path, kw.pop("out"), **kw)
     except GateFailed as err:
         _fail(str(err), EXIT_GATE)
+    except NotLossless as err:
+        _fail(f"speculative decoding changed the output: {err}")
 
 
 @main.command("check-export")
