@@ -169,7 +169,15 @@ def tokenize(target_path: str, traces: str, out: str, num_shards: int, max_seq_l
 @click.option("--out", required=True, type=click.Path(dir_okay=False))
 @click.option("--aux-layers", default=None, help="Comma-separated ids, input convention; default 2,L//2,L-3.")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
-@click.option("--batch-tokens", default=4096, show_default=True)
+@click.option("--batch-tokens", default=4096, show_default=True, help="Padded tokens per forward pass.")
+@click.option(
+    "--codec",
+    type=click.Choice(["zstd-planes", "none"]),
+    default="zstd-planes",
+    show_default=True,
+    help="Lossless shard compression (see draftsmith/shards.py).",
+)
+@click.option("--zstd-level", default=1, show_default=True)
 @click.option("--threads", type=int, default=None)
 def extract(target_path: str, tokens: str, shard: int, out: str, aux_layers: str | None, **kw: Any) -> None:
     """Capture aux-layer inputs and the final normed state of one shard's samples (no lm_head)."""

@@ -59,6 +59,8 @@ def extract_shard(
     aux_layers: list[int] | None,
     dtype: str,
     batch_tokens: int,
+    codec: str = "zstd-planes",
+    zstd_level: int = 1,
     threads: int | None = None,
 ) -> dict[str, Any]:
     if threads:
@@ -127,7 +129,9 @@ def extract_shard(
         "template": meta["template"],
         "stats": stats,
     }
-    write_shard(out_path, [samples[i] for i in range(len(samples))], shard_meta)
+    write_shard(
+        out_path, [samples[i] for i in range(len(samples))], shard_meta, codec=codec, level=zstd_level
+    )
     print(
         f"extract shard {shard}: {total_tokens} tokens in {seconds:.1f}s ({stats['tokens_per_second']} tok/s), "
         f"teacher agreement {stats['teacher_agreement']:.4f} over {checked} positions, "

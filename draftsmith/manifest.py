@@ -48,7 +48,7 @@ def build_manifest(
                 "teacher_agreement": stats["teacher_agreement"],
             }
         )
-    for key in ("aux_layer_ids", "layer_convention", "template", "dtype"):
+    for key in ("aux_layer_ids", "layer_convention", "template", "dtype", "codec"):
         values = {json.dumps(m[key]) for m in metas}
         if len(values) > 1:
             raise DataError(f"shards disagree on {key}: {sorted(values)}; re-extract them together")
@@ -70,8 +70,8 @@ def build_manifest(
         "num_aux": len(metas[0]["aux_layer_ids"]),
         "final_hidden_state": "after the final norm: teacher logits = lm_head(final)",
         "dtype": metas[0]["dtype"],
-        "codec": "none",
-        "format": "safetensors: input_ids, loss_mask, offsets, aux_hidden_states [N, A, H], final_hidden_states [N, H]",
+        "codec": metas[0]["codec"],
+        "format": "safetensors shards; layout and codecs documented in draftsmith/shards.py",
         "chat_template_fingerprint": metas[0]["template"],
         "num_samples": sum(s["num_samples"] for s in shards),
         "num_tokens": sum(s["num_tokens"] for s in shards),

@@ -37,10 +37,12 @@ rule extract:
         aux_layers=aux_layers_option(),
         dtype=config["target"]["dtype"],
         batch_tokens=config["extract"]["batch_tokens"],
+        codec=config["extract"]["codec"],
+        zstd_level=config["extract"]["zstd_level"],
     shell:
         "draftsmith extract --target {input.target} --tokens {input.tokens} --shard {wildcards.shard}"
         " --out {output} {params.aux_layers} --dtype {params.dtype} --batch-tokens {params.batch_tokens}"
-        " --threads {threads} 2>&1 | tee {log}"
+        " --codec {params.codec} --zstd-level {params.zstd_level} --threads {threads} 2>&1 | tee {log}"
 
 
 rule manifest:

@@ -134,15 +134,19 @@ def _shard_meta(agree=9, checked=10):
     }
 
 
-def test_shard_round_trip(tmp_path):
+@pytest.mark.parametrize("codec", ["none", "zstd-planes"])
+def test_shard_round_trip_is_lossless(tmp_path, codec):
     samples = [_sample(0, 4), _sample(1, 5)]
+    samples[0].aux[0, 0, 0] = float("inf")  # extreme values survive the byte-plane split
+    samples[1].final[2, 3] = -3.0e38
     path = tmp_path / "shard-0.safetensors"
-    write_shard(path, samples, _shard_meta())
+    write_shard(path, samples, _shard_meta(), codec=codec)
     back = list(iter_samples(path))
     assert [s.id for s in back] == ["s0", "s1"]
     for a, b in zip(samples, back, strict=True):
         assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
         assert torch.equal(a.aux, b.aux) and torch.equal(a.final, b.final)
+        assert a.aux.shape == b.aux.shape and a.final.dtype == b.final.dtype == torch.bfloat16
     ids, mask, offsets = read_tokens(path)
     assert offsets.tolist() == [0, 4, 9] and ids.numel() == 9 and mask.sum() == 5
 

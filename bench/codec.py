@@ -1,0 +1,123 @@
+"""Shard codec benchmark: compression ratio and encode/decode MB/s of candidate codecs on real states.
+
+    python bench/codec.py [--shard results/hidden/shard-0.safetensors] [--json results/bench/codec.json]
+
+All candidates are lossless and run in this one process on the same bytes (the bf16 aux + final states
+of one shard), single-threaded; decode includes rebuilding the bf16 tensor. Ratio = compressed / raw.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import click
+import numpy as np
+import torch
+import zstandard
+
+from draftsmith.atomic import write_json
+from draftsmith.shards import iter_samples, split_planes
+
+
+def _planes_encoder(level: int, per_layer: bool) -> tuple[Callable, Callable]:
+    comp, decomp = zstandard.ZstdCompressor(level=level), zstandard.ZstdDecompressor()
+
+    def encode(states: torch.Tensor) -> list[bytes]:  # states [N, L, H]
+        parts = [states[:, i] for i in range(states.shape[1])] if per_layer else [states]
+        return [comp.compress(p) for part in parts for p in split_planes(part)]
+
+    def decode(frames: list[bytes], shape: tuple[int, ...]) -> torch.Tensor:
+        n_parts = len(frames) // 2
+        per = int(np.prod(shape)) // n_parts
+        pairs = np.empty((n_parts, per, 2), dtype=np.uint8)
+        for i in range(n_parts):
+            pairs[i, :, 1] = np.frombuffer(decomp.decompress(frames[2 * i]), dtype=np.uint8)
+            pairs[i, :, 0] = np.frombuffer(decomp.decompress(frames[2 * i + 1]), dtype=np.uint8)
+        out = torch.from_numpy(pairs).view(torch.bfloat16)
+        if per_layer:  # [L, N*H] -> [N, L, H]
+            return out.reshape(shape[1], shape[0], shape[2]).transpose(0, 1).contiguous()
+        return out.reshape(shape)
+
+    return encode, decode
+
+
+def _bytes_codec(
+    compress: Callable[[bytes], bytes], decompress: Callable[[bytes], bytes]
+) -> tuple[Callable, Callable]:
+    def encode(states: torch.Tensor) -> list[bytes]:
+        return [compress(states.contiguous().view(torch.uint8).numpy().tobytes())]
+
+    def decode(frames: list[bytes], shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.frombuffer(bytearray(decompress(frames[0])), dtype=torch.bfloat16).reshape(shape)
+
+    return encode, decode
+
+
+def candidates() -> dict[str, tuple[Callable, Callable]]:
+    out = {}
+    for level in (1, 3, 9):
+        c, d = zstandard.ZstdCompressor(level=level), zstandard.ZstdDecompressor()
+        out[f"zstd-{level} (plain)"] = _bytes_codec(c.compress, d.decompress)
+    out["gzip-6 (SpecForge)"] = _bytes_codec(lambda b: gzip.compress(b, 6), gzip.decompress)
+    out["byte planes, all layers, zstd-1"] = _planes_encoder(1, per_layer=False)
+    for level in (1, 3):
+        out[f"byte planes per layer, zstd-{level}"] = _planes_encoder(level, per_layer=True)
+    return out
+
+
+def measure(states: torch.Tensor, encode: Callable, decode: Callable, repeats: int) -> dict[str, float]:
+    raw = states.numel() * 2
+    enc_times, dec_times = [], []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        frames = encode(states)
+        enc_times.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        back = decode(frames, tuple(states.shape))
+        dec_times.append(time.perf_counter() - t)
+    if not torch.equal(back.view(torch.int16), states.view(torch.int16)):
+        raise AssertionError("codec is not lossless")
+    size = sum(len(f) for f in frames)
+    return {
+        "ratio": size / raw,
+        "encode_mb_s": raw / min(enc_times) / 1e6,
+        "decode_mb_s": raw / min(dec_times) / 1e6,
+        "bytes_per_token": size / states.shape[0],
+    }
+
+
+@click.command()
+@click.option(
+    "--shard", default="results/hidden/shard-0.safetensors", show_default=True, type=click.Path(exists=True)
+)
+@click.option("--json", "json_path", default="results/bench/codec.json", show_default=True)
+@click.option("--repeats", default=3, show_default=True)
+def main(shard: str, json_path: str, repeats: int) -> None:
+    torch.set_num_threads(1)
+    samples = list(iter_samples(shard))
+    states = torch.cat(
+        [torch.cat([s.aux, s.final[:, None]], dim=1) for s in samples]
+    ).contiguous()  # [N, A+1, H]
+    print(
+        f"{shard}: {states.shape[0]:,} tokens x {states.shape[1]} layers x {states.shape[2]} = {states.numel() * 2 / 1e6:.1f} MB raw bf16"
+    )
+    rows = {}
+    print(f"{'codec':36s} {'ratio':>6s} {'B/token':>8s} {'enc MB/s':>9s} {'dec MB/s':>9s}")
+    for name, (enc, dec) in candidates().items():
+        r = measure(states, enc, dec, repeats)
+        rows[name] = r
+        print(
+            f"{name:36s} {r['ratio']:6.3f} {r['bytes_per_token']:8.0f} {r['encode_mb_s']:9.0f} {r['decode_mb_s']:9.0f}"
+        )
+    write_json(
+        json_path, {"shard": shard, "tokens": states.shape[0], "layers": states.shape[1], "codecs": rows}
+    )
+    print(f"wrote {json_path}")
+
+
+if __name__ == "__main__":
+    main()
