@@ -9,10 +9,8 @@ of one shard), single-threaded; decode includes rebuilding the bf16 tensor. Rati
 from __future__ import annotations
 
 import gzip
-import json
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import click
 import numpy as np
