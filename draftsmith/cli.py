@@ -191,6 +191,63 @@ def extract(target_path: str, tokens: str, shard: int, out: str, aux_layers: str
 
 
 @main.command()
+@click.option(
+    "--tokens", type=click.Path(dir_okay=False, exists=True), help="tokens.safetensors from tokenize."
+)
+@click.option(
+    "--target", "target_path", type=click.Path(file_okay=False, exists=True), help="Target model folder."
+)
+@click.option(
+    "--aux-layers", default=None, help="Comma-separated ids (input convention); default 2,L//2,L-3."
+)
+@click.option("--codec", type=click.Choice(["zstd-planes", "none"]), default="zstd-planes", show_default=True)
+@click.option("--zstd-level", default=1, show_default=True)
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
+@click.option("--num-tokens", type=float, help="Without --tokens: the token count, e.g. 17.3e6.")
+@click.option("--hidden-size", type=int, help="Without --target: the hidden size, e.g. 7168.")
+@click.option(
+    "--layers", "stored_layers", type=int, default=4, show_default=True, help="Stored layers (aux + final)."
+)
+def estimate(tokens: str | None, target_path: str | None, aux_layers: str | None, **kw: Any) -> None:
+    """Exact extraction size (and, with --tokens and --target, measured compressed size and time).
+
+    \b
+    From a workflow's data:   draftsmith estimate --tokens results/tokens.safetensors --target resources/...
+    For any model, by hand:   draftsmith estimate --num-tokens 17.3e6 --hidden-size 7168 --layers 4
+    """
+    from draftsmith.estimate import estimate_lines, probe
+
+    if tokens and target_path:
+        import torch
+
+        from draftsmith.extract import resolve_aux_layers
+        from draftsmith.target import load_target
+        from draftsmith.tokens import load_tokens
+
+        tensors, _ = load_tokens(tokens)
+        offsets = tensors["offsets"].tolist()
+        model, _ = load_target(target_path, getattr(torch, kw["dtype"]))
+        ids = [int(x) for x in aux_layers.split(",")] if aux_layers else None
+        layer_ids = resolve_aux_layers(ids, model.config.num_hidden_layers)
+        picks = range(min(4, len(offsets) - 1))
+        samples = [
+            (
+                tensors["input_ids"][offsets[i] : offsets[i + 1]],
+                tensors["loss_mask"][offsets[i] : offsets[i + 1]],
+            )
+            for i in picks
+        ]
+        measured = probe(model, samples, layer_ids, kw["codec"], kw["zstd_level"], Path(tokens).parent)
+        lines, _ = estimate_lines(int(offsets[-1]), len(layer_ids) + 1, model.config.hidden_size, measured)
+    elif kw["num_tokens"] and kw["hidden_size"]:
+        lines, _ = estimate_lines(int(kw["num_tokens"]), kw["stored_layers"], kw["hidden_size"], None)
+    else:
+        raise click.UsageError("give --tokens and --target, or --num-tokens and --hidden-size")
+    for line in lines:
+        click.echo(line)
+
+
+@main.command()
 @click.option("--target", "target_path", required=True, type=click.Path(file_okay=False, exists=True))
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="data_config.json to write.")
 @click.option("--min-teacher-agreement", default=0.9, show_default=True)

@@ -26,7 +26,13 @@ The metadata also holds sample ids, aux layer ids and their convention, dtype, a
 
 from __future__ import annotations
 
+import itertools
 import json
+import queue
+import shutil
+import struct
+import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +42,6 @@ import numpy as np
 import torch
 import zstandard
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor
 
 from draftsmith.atomic import atomic_path
@@ -69,63 +74,186 @@ def _slots(sample: Sample) -> list[Tensor]:
     return [sample.aux[:, a] for a in range(sample.aux.shape[1])] + [sample.final]
 
 
-def encode_samples(samples: list[Sample], level: int) -> tuple[Tensor, Tensor]:
-    """-> (blob uint8 [B], blob_index int64 [S, A+1, 2, 2]) for codec zstd-planes."""
-    compressor = zstandard.ZstdCompressor(level=level)
-    frames: list[bytes] = []
-    index = []
-    offset = 0
-    for sample in samples:
-        rows = []
-        for slot in _slots(sample):
-            planes = []
-            for plane in split_planes(slot.to(torch.bfloat16)):
-                frame = compressor.compress(plane)
-                frames.append(frame)
-                planes.append((offset, len(frame)))
-                offset += len(frame)
-            rows.append(planes)
-        index.append(rows)
-    blob = (
-        torch.frombuffer(bytearray(b"".join(frames)), dtype=torch.uint8)
-        if frames
-        else torch.zeros(0, dtype=torch.uint8)
-    )
-    return blob, torch.tensor(index, dtype=torch.int64).reshape(len(samples), -1, 2, 2)
+def encode_sample(sample: Sample, compressor: zstandard.ZstdCompressor) -> list[bytes]:
+    """zstd-planes frames of one sample: for each slot (aux layers, then final) high plane, low plane."""
+    return [
+        compressor.compress(plane)
+        for slot in _slots(sample)
+        for plane in split_planes(slot.to(torch.bfloat16))
+    ]
+
+
+_DTYPES = {torch.int64: ("I64", 8), torch.uint8: ("U8", 1), torch.bfloat16: ("BF16", 2)}
+
+
+class ShardWriter:
+    """Streams samples into one shard file; encoding and writing run in a background thread.
+
+    `add()` returns at once (a bounded queue gives back-pressure); state bytes go to a temporary data
+    file as they are encoded; `close()` writes the safetensors header and the small tensors, appends the
+    data and renames the result into place. Until then only a hidden temporary file exists.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        meta: dict[str, Any],
+        codec: str = "zstd-planes",
+        level: int = 1,
+        queue_size: int = 64,
+    ):
+        if codec not in CODECS:
+            raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
+        self.path, self.meta, self.codec, self.level = Path(path), meta, codec, level
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._data = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed in close()/abort())
+            prefix=f".{self.path.name}.", suffix=".data", dir=self.path.parent, delete=False
+        )
+        self._final = None
+        if codec == "none":  # aux and final are separate tensors: the final states wait in their own file
+            self._final = tempfile.NamedTemporaryFile(  # noqa: SIM115
+                prefix=f".{self.path.name}.", suffix=".final", dir=self.path.parent, delete=False
+            )
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._error: BaseException | None = None
+        self.ids: list[str] = []
+        self._input_ids: list[Tensor] = []
+        self._masks: list[Tensor] = []
+        self._index: list[list[list[int]]] = []
+        self.num_aux = self.hidden_size = None
+        self.bytes_written = 0
+        self._thread = threading.Thread(target=self._work, name=f"shard-writer-{self.path.name}", daemon=True)
+        self._thread.start()
+
+    def add(self, sample: Sample) -> None:
+        if self._error:
+            raise RuntimeError(f"writing {self.path} failed") from self._error
+        if self.num_aux is None:
+            self.num_aux, self.hidden_size = sample.aux.shape[1], sample.final.shape[-1]
+        elif (sample.aux.shape[1], sample.final.shape[-1]) != (self.num_aux, self.hidden_size):
+            raise ValueError(f"sample {sample.id}: shape differs from the shard's first sample")
+        self.ids.append(sample.id)
+        self._input_ids.append(sample.input_ids.to(torch.int64))
+        self._masks.append(sample.loss_mask.to(torch.uint8))
+        self._queue.put(sample)
+
+    def _work(self) -> None:
+        compressor = zstandard.ZstdCompressor(level=self.level)
+        while (sample := self._queue.get()) is not None:
+            if self._error:
+                continue
+            try:
+                if self.codec == "none":
+                    aux = sample.aux.to(torch.bfloat16).contiguous().view(torch.uint8).numpy()
+                    final = sample.final.to(torch.bfloat16).contiguous().view(torch.uint8).numpy()
+                    self._data.write(aux.tobytes())
+                    self._final.write(final.tobytes())
+                    self.bytes_written += aux.nbytes + final.nbytes
+                    continue
+                rows, frames = [], encode_sample(sample, compressor)
+                offset = self.bytes_written
+                for i in range(0, len(frames), 2):
+                    rows.append([[offset, len(frames[i])], [offset + len(frames[i]), len(frames[i + 1])]])
+                    offset += len(frames[i]) + len(frames[i + 1])
+                for frame in frames:
+                    self._data.write(frame)
+                self._index.append(rows)
+                self.bytes_written = offset
+            except BaseException as err:  # reported by add() / close()
+                self._error = err
+
+    def close(self, extra_meta: dict[str, Any] | None = None) -> None:
+        """Finish the file: header + small tensors + streamed data, fsynced and renamed into place."""
+        self.meta = {**self.meta, **(extra_meta or {})}
+        self._queue.put(None)
+        self._thread.join()
+        try:
+            if self._error:
+                raise RuntimeError(f"writing {self.path} failed") from self._error
+            self._assemble()
+        finally:
+            for f in (self._data, self._final):
+                if f is not None:
+                    f.close()
+                    Path(f.name).unlink(missing_ok=True)
+
+    def abort(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        for f in (self._data, self._final):
+            if f is not None:
+                f.close()
+                Path(f.name).unlink(missing_ok=True)
+
+    def _assemble(self) -> None:
+        n_tok = sum(t.numel() for t in self._input_ids)
+        lengths = [t.numel() for t in self._input_ids]
+        small = {
+            "input_ids": torch.cat(self._input_ids) if self._input_ids else torch.zeros(0, dtype=torch.int64),
+            "loss_mask": torch.cat(self._masks) if self._masks else torch.zeros(0, dtype=torch.uint8),
+            "offsets": torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64),
+        }
+        num_aux, hidden = self.num_aux or 0, self.hidden_size or 0
+        if self.codec == "zstd-planes":
+            small["blob_index"] = torch.tensor(self._index, dtype=torch.int64).reshape(
+                len(self.ids), num_aux + 1, 2, 2
+            )
+            streamed = [("blob", "U8", [self.bytes_written], self._data)]
+        else:
+            aux_bytes = n_tok * num_aux * hidden * 2
+            streamed = [
+                ("aux_hidden_states", "BF16", [n_tok, num_aux, hidden], self._data),
+                ("final_hidden_states", "BF16", [n_tok, hidden], self._final),
+            ]
+            assert self.bytes_written == aux_bytes + n_tok * hidden * 2
+        header_meta = {
+            "version": SHARD_FORMAT_VERSION,
+            "codec": self.codec,
+            "zstd_level": self.level if self.codec != "none" else None,
+            "num_aux": num_aux,
+            "hidden_size": hidden,
+            "sample_ids": self.ids,
+            **self.meta,
+        }
+        header: dict[str, Any] = {"__metadata__": {"draftsmith_shard": json.dumps(header_meta)}}
+        offset = 0
+        for name, tensor in small.items():
+            code, size = _DTYPES[tensor.dtype]
+            header[name] = {
+                "dtype": code,
+                "shape": list(tensor.shape),
+                "data_offsets": [offset, offset + tensor.numel() * size],
+            }
+            offset += tensor.numel() * size
+        for name, code, shape, f in streamed:
+            f.flush()
+            size = Path(f.name).stat().st_size
+            header[name] = {"dtype": code, "shape": shape, "data_offsets": [offset, offset + size]}
+            offset += size
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)  # safetensors pads the header to 8 bytes
+        with atomic_path(self.path) as tmp, open(tmp, "wb") as out:
+            out.write(struct.pack("<Q", len(blob)))
+            out.write(blob)
+            for tensor in small.values():
+                out.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+            for _, _, _, f in streamed:
+                with open(f.name, "rb") as src:
+                    shutil.copyfileobj(src, out, 1 << 24)
 
 
 def write_shard(
     path: str | Path, samples: list[Sample], meta: dict[str, Any], codec: str = "none", level: int = 1
 ) -> None:
-    """Write samples to one shard file atomically."""
-    if codec not in CODECS:
-        raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
-    offsets = [0]
-    for s in samples:
-        offsets.append(offsets[-1] + s.num_tokens)
-    tensors = {
-        "input_ids": torch.cat([s.input_ids for s in samples]).to(torch.int64),
-        "loss_mask": torch.cat([s.loss_mask for s in samples]).to(torch.uint8),
-        "offsets": torch.tensor(offsets, dtype=torch.int64),
-    }
-    if codec == "none":
-        tensors["aux_hidden_states"] = torch.cat([s.aux for s in samples]).to(torch.bfloat16).contiguous()
-        tensors["final_hidden_states"] = torch.cat([s.final for s in samples]).to(torch.bfloat16).contiguous()
-    else:
-        tensors["blob"], tensors["blob_index"] = encode_samples(samples, level)
-    num_aux = samples[0].aux.shape[1] if samples else 0
-    hidden = samples[0].final.shape[-1] if samples else 0
-    header = {
-        "version": SHARD_FORMAT_VERSION,
-        "codec": codec,
-        "zstd_level": level if codec != "none" else None,
-        "num_aux": num_aux,
-        "hidden_size": hidden,
-        "sample_ids": [s.id for s in samples],
-        **meta,
-    }
-    with atomic_path(path) as tmp:
-        save_file(tensors, str(tmp), metadata={"draftsmith_shard": json.dumps(header)})
+    """Write samples to one shard file atomically (see ShardWriter for the streaming form)."""
+    writer = ShardWriter(path, meta, codec, level)
+    try:
+        for sample in samples:
+            writer.add(sample)
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close()
 
 
 def read_shard_meta(path: str | Path) -> dict[str, Any]:
