@@ -253,7 +253,7 @@ class Eagle3Drafter(nn.Module):
 
     def init_from_target(self, lm_head_weight: Tensor, final_norm_weight: Tensor) -> None:
         """Start lm_head and norm from the target's (EAGLE-3 reference and SpecForge do the same)."""
-        draft_ids = self.draft_to_target(torch.arange(self.cfg.draft_vocab_size))
+        draft_ids = self.draft_to_target(torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device))
         with torch.no_grad():
             self.lm_head.weight.copy_(lm_head_weight[draft_ids])
             self.norm.weight.copy_(final_norm_weight)

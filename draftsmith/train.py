@@ -1,0 +1,786 @@
+"""EAGLE-3 drafter training with training-time test (TTT), in one readable file.
+
+A sample is tokens x_0..x_{T-1} with, per position t, the target's aux states a_t [A, Ht] (inputs of the
+aux layers) and its final state f_t [Ht] (after the final norm, so the target's distribution of x_{t+1}
+is softmax(lm_head(f_t))). The drafter learns, for every position t at once:
+
+    step 0:  hidden = fc(a_t),                 embed e(x_{t+1}),   position t    -> predicts x_{t+2}
+    step j:  hidden = its own step-(j-1) output at t, e(x_{t+1+j}), position t+j  -> predicts x_{t+2+j}
+
+with teacher softmax(W_d f_{t+1+j}) over the draft vocabulary (W_d = the target's lm_head rows of the
+draft ids). Step j counts only where t+2+j < T and x_{t+2+j} is an assistant token (loss_mask); its
+soft cross-entropy is averaged over those positions and weighted ttt_decay**j. One `TTTKV` per forward
+gives step j at t the keys a cached drafter would see (drafter.py).
+
+References: EAGLE `eagle/traineagle3/cnets.py` (7 steps, 0.8**j, soft CE to the target softmax, position
+ids + j, AdamW betas (0.9, 0.95)); SpecForge `training/strategies/base.py` (ttt_length 7, 0.8**j, cosine
+schedule, grad clip 0.5); speculators `models/eagle3/core.py` + `train/noise_transforms.py` (teacher
+restricted to the draft vocabulary, uniform noise 0.05 on the aux states).
+
+Layout: settings -> target head -> data (in memory; `InMemoryData` is the seam for a streaming loader)
+-> the TTT objective -> checkpoints -> `train()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+from tqdm import tqdm
+
+from draftsmith.atomic import atomic_dir, write_json, write_jsonl
+from draftsmith.drafter import TTTKV, DrafterConfig, Eagle3Drafter
+from draftsmith.export import check_export, save_drafter
+from draftsmith.layers import convert_layer_ids
+from draftsmith.manifest import load_manifest
+from draftsmith.shards import Sample, iter_samples
+from draftsmith.vocab import load_vocab_map
+
+log = logging.getLogger(__name__)
+
+METRICS_FLUSH_S = 10.0  # rewrite metrics.jsonl at most this often (and at every epoch end / checkpoint)
+KEEP_CHECKPOINTS = 2
+COMPLETE_MARKER = "COMPLETE"
+# settings that do not change the trajectory: a run may resume under different values
+RESUME_FREE_SETTINGS = ("max_steps", "threads")
+
+
+# ----------------------------------------------------------------------------------------------- settings
+
+
+@dataclass
+class TrainSettings:
+    epochs: int  # passes over the training split
+    max_steps: int | None  # stop early (tiny configs/tests); does not change the LR schedule; None = no limit
+    lr: float
+    weight_decay: float  # on matrices only (norm weights are not decayed)
+    warmup_steps: int
+    grad_clip: float  # max global grad norm; 0 = off
+    batch_tokens: int  # token budget per optimizer step (padded size of a batch of whole samples)
+    max_seq_len: int  # longer samples are truncated
+    ttt_steps: int  # training-time-test steps
+    ttt_decay: float  # step j loss weight decay**j (EAGLE-3 reference and SpecForge: 0.8)
+    noise_std: float  # uniform noise U(-std, std) on aux states (speculators: 0.05); 0 = off
+    val_fraction: float  # held-out samples for validation, chosen by a hash of the sample id
+    seed: int
+    threads: int | None  # torch.set_num_threads; None = torch's default
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.epochs < 1:
+            problems.append(f"epochs={self.epochs} must be >= 1")
+        if self.max_steps is not None and self.max_steps < 0:
+            problems.append(f"max_steps={self.max_steps} must be >= 0 or null")
+        if not self.lr > 0:
+            problems.append(f"lr={self.lr} must be > 0")
+        if self.weight_decay < 0 or self.warmup_steps < 0 or self.grad_clip < 0 or self.noise_std < 0:
+            problems.append("weight_decay, warmup_steps, grad_clip and noise_std must be >= 0")
+        if self.max_seq_len < 3:
+            problems.append(f"max_seq_len={self.max_seq_len} must be >= 3 (a prediction needs t+2 < T)")
+        if self.batch_tokens < 1:
+            problems.append(f"batch_tokens={self.batch_tokens} must be >= 1")
+        if self.ttt_steps < 1:
+            problems.append(f"ttt_steps={self.ttt_steps} must be >= 1")
+        if not self.ttt_decay > 0:
+            problems.append(f"ttt_decay={self.ttt_decay} must be > 0")
+        if not 0 <= self.val_fraction < 1:
+            problems.append(f"val_fraction={self.val_fraction} must be in [0, 1)")
+        if self.threads is not None and self.threads < 1:
+            problems.append(f"threads={self.threads} must be >= 1 or null")
+        if problems:
+            raise ValueError("invalid train settings: " + "; ".join(problems))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainSettings:
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(d) - set(names))
+        missing = [n for n in names if n not in d]
+        if unknown or missing:
+            raise ValueError(f"train settings: unknown keys {unknown}, missing keys {missing}")
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ------------------------------------------------------------------------------------------------ target
+
+
+@dataclass
+class TargetHead:
+    """The three target tensors the drafter needs; the rest of the target is dropped."""
+
+    config: Any  # the target's transformers config
+    embed: Tensor  # [V, Ht] input embeddings (frozen, shared with the target as vLLM does)
+    lm_head: Tensor  # [V, Ht]
+    norm: Tensor  # [Ht] final norm weight
+
+
+def load_target_head(path: str | Path) -> TargetHead:
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.target import check_target_dir
+
+    model = AutoModelForCausalLM.from_pretrained(check_target_dir(path), dtype=torch.float32)
+    embed = model.get_input_embeddings().weight.detach().clone()
+    out = model.get_output_embeddings().weight.detach()
+    lm_head = embed if out.data_ptr() == model.get_input_embeddings().weight.data_ptr() else out.clone()
+    norm = getattr(model, "model", model).norm.weight.detach().clone()
+    config = model.config
+    del model
+    return TargetHead(config, embed, lm_head, norm)
+
+
+# -------------------------------------------------------------------------------------------------- data
+
+
+def is_validation(sample_id: str, val_fraction: float) -> bool:
+    """Deterministic split: a sample is held out when the hash of its id falls below val_fraction."""
+    h = int.from_bytes(hashlib.sha256(sample_id.encode("utf-8")).digest()[:8], "big")
+    return h / 2**64 < val_fraction
+
+
+def load_samples(shard_paths: list[Path], max_seq_len: int, num_aux: int, hidden_size: int) -> list[Sample]:
+    """Every sample of the shards, truncated to max_seq_len; aux/final stay in their stored dtype (bf16)."""
+    samples = []
+    for path in shard_paths:
+        for s in iter_samples(path):
+            if tuple(s.aux.shape[1:]) != (num_aux, hidden_size) or tuple(s.final.shape[1:]) != (hidden_size,):
+                raise ValueError(
+                    f"{path}: sample {s.id} has aux {list(s.aux.shape)} / final {list(s.final.shape)}, "
+                    f"expected [T, {num_aux}, {hidden_size}] / [T, {hidden_size}] from the manifest"
+                )
+            if s.num_tokens > max_seq_len:
+                n = max_seq_len
+                s = Sample(
+                    s.id,
+                    s.input_ids[:n].clone(),
+                    s.loss_mask[:n].clone(),
+                    s.aux[:n].clone(),
+                    s.final[:n].clone(),
+                )
+            samples.append(s)
+    return samples
+
+
+def plan_batches(lengths: list[int], batch_tokens: int, generator: torch.Generator | None) -> list[list[int]]:
+    """Shuffle (when a generator is given) and greedily fill batches while B * longest <= batch_tokens.
+    A sample longer than the budget gets a batch of its own."""
+    order = torch.randperm(len(lengths), generator=generator).tolist() if generator else range(len(lengths))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i in order:
+        new_longest = max(longest, lengths[i])
+        if current and new_longest * (len(current) + 1) > batch_tokens:
+            batches.append(current)
+            current, new_longest = [], lengths[i]
+        current.append(i)
+        longest = new_longest
+    if current:
+        batches.append(current)
+    return batches
+
+
+@dataclass
+class Batch:
+    input_ids: Tensor  # [B, T] int64, right-padded with 0
+    loss_mask: Tensor  # [B, T] bool, False on padding
+    lengths: Tensor  # [B] int64 real lengths
+    aux: Tensor  # [B, T, A*Ht] stored dtype, zeros on padding
+    final: Tensor  # [B, T, Ht]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+
+def collate(samples: list[Sample], device: torch.device | str = "cpu") -> Batch:
+    """Right-pad to the longest sample: causal attention keeps real tokens unaffected by padding."""
+    B, T = len(samples), max(s.num_tokens for s in samples)
+    A, Ht = samples[0].aux.shape[1:]
+    input_ids = torch.zeros(B, T, dtype=torch.int64)
+    loss_mask = torch.zeros(B, T, dtype=torch.bool)
+    aux = torch.zeros(B, T, A * Ht, dtype=samples[0].aux.dtype)
+    final = torch.zeros(B, T, Ht, dtype=samples[0].final.dtype)
+    for b, s in enumerate(samples):
+        n = s.num_tokens
+        input_ids[b, :n] = s.input_ids
+        loss_mask[b, :n] = s.loss_mask
+        aux[b, :n] = s.aux.reshape(n, A * Ht)  # aux layers concatenated in id order, as fc expects
+        final[b, :n] = s.final
+    lengths = torch.tensor([s.num_tokens for s in samples], dtype=torch.int64)
+    return Batch(*(t.to(device) for t in (input_ids, loss_mask, lengths, aux, final)))
+
+
+class InMemoryData:
+    """Train/validation samples held in memory. The loop only calls `epoch_batches`, `val_batches` and
+    `batch`, so a streaming background loader can replace this class without touching it."""
+
+    def __init__(self, train: list[Sample], val: list[Sample], batch_tokens: int, seed: int):
+        if not train:
+            raise ValueError("no training samples (all held out for validation, or none with a target token)")
+        self.train, self.val = train, val
+        self.batch_tokens, self.seed = batch_tokens, seed
+
+    @classmethod
+    def from_manifest(cls, manifest: dict[str, Any], settings: TrainSettings) -> InMemoryData:
+        paths = [Path(s["path"]) for s in manifest["shards"]]
+        samples = load_samples(
+            paths, settings.max_seq_len, int(manifest["num_aux"]), int(manifest["hidden_size"])
+        )
+        # a sample contributes only if some x_{t+2} (t >= 0) is an assistant token
+        usable = [s for s in samples if bool(s.loss_mask[2:].any())]
+        if len(usable) < len(samples):
+            log.info("skipping %d samples without a predictable assistant token", len(samples) - len(usable))
+        train = [s for s in usable if not is_validation(s.id, settings.val_fraction)]
+        val = [s for s in usable if is_validation(s.id, settings.val_fraction)]
+        return cls(train, val, settings.batch_tokens, settings.seed)
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        """The batches of an epoch: a pure function of (seed, epoch), so a resumed run sees the same ones."""
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return plan_batches([s.num_tokens for s in self.train], self.batch_tokens, g)
+
+    def val_batches(self) -> list[list[int]]:
+        return plan_batches([s.num_tokens for s in self.val], self.batch_tokens, None)
+
+    def batch(self, indices: list[int], split: str, device: torch.device | str) -> Batch:
+        pool = self.train if split == "train" else self.val
+        return collate([pool[i] for i in indices], device)
+
+
+# --------------------------------------------------------------------------------------------- objective
+
+
+def ttt_step_targets(loss_mask: Tensor, lengths: Tensor, step: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Where TTT step j = `step` is trained, and which tokens it reads and predicts.
+
+    loss_mask [B, T] bool, lengths [B] -> (valid [B, T] bool, src [T], tgt [T]):
+      src[t] = t+1+j: the embedded input token and the teacher's final state (f_{t+1+j} gives x_{t+2+j})
+      tgt[t] = t+2+j: the predicted token
+      valid[b, t] = t+2+j < lengths[b] and loss_mask[b, t+2+j]
+    Indices are clamped to T-1; a clamped position is never valid (EAGLE's cnets.py shifts input_ids,
+    target and loss_mask left by one per step, padding the end: the same thing).
+    """
+    T = loss_mask.shape[1]
+    t = torch.arange(T, device=loss_mask.device)
+    tgt = t + 2 + step
+    src = (t + 1 + step).clamp(max=T - 1)
+    in_range = tgt[None, :] < lengths[:, None]
+    tgt = tgt.clamp(max=T - 1)
+    return in_range & loss_mask[:, tgt], src, tgt
+
+
+@dataclass
+class StepStats:
+    """Sums over one or more batches, per TTT step j."""
+
+    loss_sum: list[float]  # sum over valid positions of the soft cross-entropy
+    correct: list[int]  # drafter top-1 == the real next token
+    count: list[int]  # valid positions
+    teacher_correct: int = 0  # step 0: the teacher's top-1 over the draft vocab == the real token
+    tokens: int = 0
+
+    @classmethod
+    def zeros(cls, steps: int) -> StepStats:
+        return cls([0.0] * steps, [0] * steps, [0] * steps)
+
+    def add(self, other: StepStats) -> None:
+        for j in range(len(self.count)):
+            self.loss_sum[j] += other.loss_sum[j]
+            self.correct[j] += other.correct[j]
+            self.count[j] += other.count[j]
+        self.teacher_correct += other.teacher_correct
+        self.tokens += other.tokens
+
+    def step_loss(self) -> list[float | None]:
+        return [s / n if n else None for s, n in zip(self.loss_sum, self.count, strict=True)]
+
+    def acc(self) -> list[float | None]:
+        return [c / n if n else None for c, n in zip(self.correct, self.count, strict=True)]
+
+    def loss(self, decay: float) -> float:
+        return sum(
+            decay**j * (s / n) for j, (s, n) in enumerate(zip(self.loss_sum, self.count, strict=True)) if n
+        )
+
+    def teacher_acc(self) -> float | None:
+        return self.teacher_correct / self.count[0] if self.count[0] else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def ttt_loss(
+    drafter: Eagle3Drafter,
+    embed_weight: Tensor,
+    teacher_weight: Tensor,
+    batch: Batch,
+    ttt_steps: int,
+    ttt_decay: float,
+    noise_std: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, StepStats]:
+    """The EAGLE-3 TTT objective on a batch -> (weighted loss, stats).
+
+    embed_weight [V, Ht]: the target's frozen input embedding; teacher_weight [Vd, Ht]: the target's
+    lm_head rows of the draft ids (teacher_logits = f @ teacher_weight.T).
+    """
+    B, T = batch.input_ids.shape
+    device = batch.input_ids.device
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    aux = batch.aux.float()
+    if noise_std > 0:
+        # speculators AddUniformNoise: x + 2 * (U[0, 1) - 0.5) * std, on the aux states only
+        aux = aux + 2 * (torch.rand(aux.shape, generator=generator, device=device) - 0.5) * noise_std
+    positions = torch.arange(T, device=device).expand(B, T)
+    kv = TTTKV()  # one per forward: step j attends to step-0 keys <= t and its own earlier steps at t
+    stats = StepStats.zeros(ttt_steps)
+    stats.tokens = batch.num_tokens
+    total = torch.zeros((), device=device)
+    with amp:
+        hidden = drafter.fuse(aux)  # [B, T, H]
+    for j in range(ttt_steps):
+        valid, src, tgt = ttt_step_targets(batch.loss_mask, batch.lengths, j)
+        with amp:
+            embeds = F.embedding(batch.input_ids[:, src], embed_weight)  # e(x_{t+1+j})
+            # = drafter.forward(...), with norm + lm_head (the costliest matmul) only on the valid rows
+            hidden = drafter.midlayer(embeds, hidden, positions + j, kv)  # recurrent state for step j+1
+        b, t = valid.nonzero(as_tuple=True)
+        if b.numel() == 0:
+            continue
+        with amp:
+            logits = drafter.lm_head(drafter.norm(hidden[b, t]))  # [N, Vd]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        with torch.no_grad():
+            # teacher: the target's distribution restricted to (renormalised over) the draft vocabulary
+            # (EAGLE cnets.py target_p, SpecForge, speculators' verifier_lm_head)
+            teacher_logits = batch.final[b, src[t]].float() @ teacher_weight.T
+            p = torch.softmax(teacher_logits, dim=-1)
+            real = batch.input_ids[b, tgt[t]]  # x_{t+2+j}
+            stats.correct[j] = int((drafter.draft_to_target(logits.argmax(-1)) == real).sum())
+            if j == 0:
+                stats.teacher_correct = int(
+                    (drafter.draft_to_target(teacher_logits.argmax(-1)) == real).sum()
+                )
+        per_position = -(p * logp).sum(-1)  # soft cross-entropy
+        stats.loss_sum[j] = float(per_position.detach().sum())
+        stats.count[j] = int(b.numel())
+        total = total + ttt_decay**j * per_position.mean()
+    return total, stats
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, final_ratio: float = 0.1) -> float:
+    """Linear warm-up to 1, then cosine down to final_ratio at total_steps."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return final_ratio + (1 - final_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def make_optimizer(drafter: Eagle3Drafter, settings: TrainSettings) -> torch.optim.AdamW:
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": settings.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=settings.lr, betas=(0.9, 0.95))  # betas of the EAGLE reference
+
+
+@torch.no_grad()
+def evaluate(
+    drafter: Eagle3Drafter,
+    embed: Tensor,
+    teacher: Tensor,
+    data: InMemoryData,
+    settings: TrainSettings,
+    device,
+) -> StepStats:
+    was_training = drafter.training
+    drafter.eval()
+    stats = StepStats.zeros(settings.ttt_steps)
+    for indices in data.val_batches():
+        _, s = ttt_loss(
+            drafter,
+            embed,
+            teacher,
+            data.batch(indices, "val", device),
+            settings.ttt_steps,
+            settings.ttt_decay,
+        )
+        stats.add(s)
+    drafter.train(was_training)
+    return stats
+
+
+# ------------------------------------------------------------------------------------------- checkpoints
+
+
+def _step_of(path: Path) -> int | None:
+    name = path.name
+    if not name.startswith("step-") or not name[5:].isdigit():
+        return None
+    return int(name[5:])
+
+
+def list_checkpoints(checkpoint_dir: str | Path) -> list[Path]:
+    """Complete checkpoints (marker present), oldest first; partial ones are ignored."""
+    root = Path(checkpoint_dir)
+    if not root.is_dir():
+        return []
+    found = [
+        p
+        for p in root.iterdir()
+        if p.is_dir() and _step_of(p) is not None and (p / COMPLETE_MARKER).is_file()
+    ]
+    return sorted(found, key=_step_of)
+
+
+def save_checkpoint(
+    checkpoint_dir: str | Path,
+    step: int,
+    drafter: Eagle3Drafter,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    noise_gen: torch.Generator,
+    state: dict[str, Any],
+) -> Path:
+    """checkpoint_dir/step-{n}/: model.safetensors (fp32), optimizer.pt, trainer.pt (scheduler + RNG),
+    state.json (position, settings), COMPLETE (written last). Keeps the newest KEEP_CHECKPOINTS."""
+    path = Path(checkpoint_dir) / f"step-{step}"
+    with atomic_dir(path) as tmp:
+        weights = {k: v.detach().to("cpu").contiguous().clone() for k, v in drafter.state_dict().items()}
+        save_file(weights, str(tmp / "model.safetensors"))
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        rng = {
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "python": random.getstate(),
+            "noise": noise_gen.get_state(),
+        }
+        torch.save({"scheduler": scheduler.state_dict(), "rng": rng}, tmp / "trainer.pt")
+        (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
+        (tmp / COMPLETE_MARKER).write_text(f"step {step}\n", encoding="utf-8")
+    for old in list_checkpoints(checkpoint_dir)[:-KEEP_CHECKPOINTS]:
+        shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def load_checkpoint(
+    path: Path,
+    drafter: Eagle3Drafter,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    noise_gen: torch.Generator,
+) -> dict[str, Any]:
+    device = next(drafter.parameters()).device
+    drafter.load_state_dict(load_file(str(path / "model.safetensors"), device=str(device)), strict=True)
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=True))
+    trainer = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
+    scheduler.load_state_dict(trainer["scheduler"])
+    rng = trainer["rng"]
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    random.setstate(rng["python"])
+    noise_gen.set_state(rng["noise"])
+    return json.loads((path / "state.json").read_text(encoding="utf-8"))
+
+
+def resume_key(
+    settings: TrainSettings, manifest: dict[str, Any], vocab: dict[str, Any], cfg: DrafterConfig
+) -> dict:
+    """What must match to resume a checkpoint: settings (bar max_steps/threads), data, vocab, model."""
+    data = {
+        "shards": [
+            [Path(s["path"]).name, s.get("num_samples"), s.get("num_tokens")] for s in manifest["shards"]
+        ],
+        "aux_layer_ids": [int(i) for i in manifest["aux_layer_ids"]],
+        "d2t_sha256": hashlib.sha256(vocab["d2t"].to(torch.int64).numpy().tobytes()).hexdigest(),
+    }
+    kept = {k: v for k, v in settings.to_dict().items() if k not in RESUME_FREE_SETTINGS}
+    return {"settings": kept, "data": data, "drafter": cfg.to_dict()}
+
+
+def _differences(a: dict, b: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k in sorted(set(a) | set(b)):
+        if isinstance(a.get(k), dict) and isinstance(b.get(k), dict):
+            out += _differences(a[k], b[k], f"{prefix}{k}.")
+        elif a.get(k) != b.get(k):
+            out.append(f"{prefix}{k}: {a.get(k)!r} -> {b.get(k)!r}")
+    return out
+
+
+def _read_rows(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+# ------------------------------------------------------------------------------------------------- train
+
+
+def train(
+    manifest_path: str | Path,
+    vocab_path: str | Path,
+    out_dir: str | Path,
+    checkpoint_dir: str | Path,
+    metrics_path: str | Path,
+    settings: TrainSettings,
+    *,
+    device: str | torch.device | None = None,
+    checkpoint_every: int | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Train a drafter on the shards of data_config.json and export it to out_dir -> summary dict.
+
+    Resumes from the newest complete checkpoint in checkpoint_dir when it was written with the same
+    settings (max_steps and threads aside), data and vocabulary; otherwise those checkpoints are removed
+    and training starts fresh. Checkpoints are written at each epoch end, every `checkpoint_every` steps
+    and when max_steps stops the run.
+    """
+    wall_start = time.perf_counter()
+    out_dir, checkpoint_dir, metrics_path = Path(out_dir), Path(checkpoint_dir), Path(metrics_path)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if settings.threads is not None:
+        torch.set_num_threads(settings.threads)
+    manifest = load_manifest(manifest_path)
+    aux_ids = [int(i) for i in manifest["aux_layer_ids"]]
+    convention = manifest.get("layer_convention", "input")  # of aux_layer_ids
+    aux_ids_input = convert_layer_ids(aux_ids, convention, "input")
+    num_aux = int(manifest["num_aux"])
+    if len(aux_ids) != num_aux:
+        raise ValueError(f"manifest: {len(aux_ids)} aux_layer_ids {aux_ids} but num_aux = {num_aux}")
+    vocab = load_vocab_map(vocab_path)
+    d2t, t2d = vocab["d2t"], vocab["t2d"]
+    target = load_target_head(manifest["target"])
+    tcfg = target.config
+    if int(manifest["hidden_size"]) != tcfg.hidden_size:
+        raise ValueError(
+            f"manifest hidden_size {manifest['hidden_size']} != target hidden_size {tcfg.hidden_size}"
+        )
+    if t2d.numel() != tcfg.vocab_size:
+        raise ValueError(
+            f"vocab map covers {t2d.numel()} target ids but the target vocabulary is {tcfg.vocab_size}"
+        )
+
+    data = InMemoryData.from_manifest(manifest, settings)
+    plans = [data.epoch_batches(e) for e in range(settings.epochs)]
+    total_steps = sum(len(p) for p in plans)  # the schedule's horizon; max_steps only stops early
+    stop_at = total_steps if settings.max_steps is None else min(total_steps, settings.max_steps)
+
+    cfg = DrafterConfig.from_target(tcfg, d2t.numel(), num_aux)
+    random.seed(settings.seed)
+    torch.manual_seed(settings.seed)  # the drafter's initial weights
+    drafter = Eagle3Drafter(cfg)
+    drafter.set_vocab_map(d2t, t2d)
+    drafter.init_from_target(target.lm_head, target.norm)
+    drafter.to(device).train()
+    embed = target.embed.to(device)  # frozen, not part of the drafter
+    draft_ids = torch.arange(cfg.draft_vocab_size) + d2t  # target id of each draft id
+    teacher_weight = target.lm_head[draft_ids].to(device)  # [Vd, Ht]: only the draft rows of the teacher
+    del target
+
+    optimizer = make_optimizer(drafter, settings)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, settings.warmup_steps, total_steps)
+    )
+    noise_gen = torch.Generator(device=device).manual_seed(settings.seed + 1)
+
+    # ---- resume
+    key = resume_key(settings, manifest, vocab, cfg)
+    step, epoch, batch_in_epoch = 0, 0, 0
+    epoch_stats, last_epoch_stats = StepStats.zeros(settings.ttt_steps), None
+    rows: list[dict[str, Any]] = []
+    resumed_from = None
+    checkpoints = list_checkpoints(checkpoint_dir)
+    if checkpoints:
+        latest = checkpoints[-1]
+        saved = json.loads((latest / "state.json").read_text(encoding="utf-8"))
+        if saved.get("resume_key") == key:
+            saved = load_checkpoint(latest, drafter, optimizer, scheduler, noise_gen)
+            step, epoch, batch_in_epoch = saved["step"], saved["epoch"], saved["batch_in_epoch"]
+            epoch_stats = StepStats(**saved["epoch_stats"])
+            last_epoch_stats = StepStats(**saved["last_epoch_stats"]) if saved["last_epoch_stats"] else None
+            rows = [r for r in _read_rows(metrics_path) if r.get("step", 0) <= step]
+            rows.append({"kind": "resume", "step": step, "checkpoint": str(latest)})
+            resumed_from = step
+            log.info("resumed from %s (step %d, epoch %d, batch %d)", latest, step, epoch + 1, batch_in_epoch)
+        else:
+            diff = _differences(saved.get("resume_key") or {}, key)
+            log.warning(
+                "not resuming %s: written for other settings/data (%s); starting fresh",
+                latest,
+                "; ".join(diff),
+            )
+            for p in Path(checkpoint_dir).iterdir():
+                if p.is_dir() and _step_of(p) is not None:
+                    shutil.rmtree(p, ignore_errors=True)
+
+    last_flush = 0.0
+
+    def flush_metrics(force: bool = False) -> None:
+        nonlocal last_flush
+        if force or time.perf_counter() - last_flush > METRICS_FLUSH_S:
+            write_jsonl(metrics_path, rows)
+            last_flush = time.perf_counter()
+
+    last_saved = resumed_from
+
+    def checkpoint(at_epoch: int, at_batch: int) -> None:
+        nonlocal last_saved
+        if last_saved == step:
+            return
+        state = {
+            "step": step,
+            "epoch": at_epoch,  # the epoch to continue (0-based) ...
+            "batch_in_epoch": at_batch,  # ... from this batch of its plan
+            "total_steps": total_steps,
+            "epoch_stats": epoch_stats.to_dict(),
+            "last_epoch_stats": last_epoch_stats.to_dict() if last_epoch_stats else None,
+            "resume_key": key,
+        }
+        save_checkpoint(checkpoint_dir, step, drafter, optimizer, scheduler, noise_gen, state)
+        last_saved = step
+        flush_metrics(force=True)
+
+    # ---- loop
+    trained_tokens, train_time = 0, 0.0
+    bar = tqdm(total=stop_at, initial=min(step, stop_at), disable=not progress, desc="train", mininterval=1.0)
+    stopped = False
+    while epoch < settings.epochs and not stopped:
+        plan = plans[epoch]
+        while batch_in_epoch < len(plan):
+            if step >= stop_at:
+                stopped = True
+                break
+            t0 = time.perf_counter()
+            batch = data.batch(plan[batch_in_epoch], "train", device)
+            loss, stats = ttt_loss(
+                drafter, embed, teacher_weight, batch, settings.ttt_steps, settings.ttt_decay,
+                settings.noise_std, noise_gen,
+            )  # fmt: skip
+            optimizer.zero_grad(set_to_none=True)
+            if loss.requires_grad:  # False only if no position of the batch is trainable
+                loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                drafter.parameters(), settings.grad_clip if settings.grad_clip > 0 else float("inf")
+            )
+            lr = optimizer.param_groups[0]["lr"]
+            loss_value = float(loss.detach())
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            batch_in_epoch += 1
+            dt = time.perf_counter() - t0
+            trained_tokens += stats.tokens
+            train_time += dt
+            epoch_stats.add(stats)
+            acc = stats.acc()
+            rows.append(
+                {
+                    "kind": "train",
+                    "step": step,
+                    "epoch": epoch + 1,
+                    "batch": batch_in_epoch,
+                    "batches_in_epoch": len(plan),
+                    "lr": lr,
+                    "loss": loss_value,
+                    "step_loss": stats.step_loss(),
+                    "acc": acc,
+                    "positions": stats.count,
+                    "teacher_acc": stats.teacher_acc(),
+                    "grad_norm": float(grad_norm),
+                    "tokens": stats.tokens,
+                    "tokens_per_s": stats.tokens / dt if dt > 0 else None,
+                }
+            )
+            bar.update(1)
+            bar.set_postfix_str(
+                f"loss {loss_value:.3f} "
+                + " ".join(f"acc{j} {a:.2f}" for j, a in enumerate(acc) if a is not None)
+                + f" tok/s {stats.tokens / dt:.0f}"
+            )
+            flush_metrics()
+            if checkpoint_every and step % checkpoint_every == 0 and batch_in_epoch < len(plan):
+                checkpoint(epoch, batch_in_epoch)
+        if stopped:
+            break
+        # ---- epoch end: validation, then a checkpoint positioned at the next epoch
+        if data.val:
+            v = evaluate(drafter, embed, teacher_weight, data, settings, device)
+            rows.append(
+                {
+                    "kind": "val",
+                    "step": step,
+                    "epoch": epoch + 1,
+                    "loss": v.loss(settings.ttt_decay),
+                    "step_loss": v.step_loss(),
+                    "acc": v.acc(),
+                    "positions": v.count,
+                    "teacher_acc": v.teacher_acc(),
+                    "samples": len(data.val),
+                    "tokens": v.tokens,
+                }
+            )
+            log.info("epoch %d val loss %.4f acc %s", epoch + 1, rows[-1]["loss"], rows[-1]["acc"])
+        last_epoch_stats, epoch_stats = epoch_stats, StepStats.zeros(settings.ttt_steps)
+        epoch, batch_in_epoch = epoch + 1, 0
+        checkpoint(epoch, 0)
+    bar.close()
+    checkpoint(epoch, batch_in_epoch)  # no-op unless stopped since the last one
+    flush_metrics(force=True)
+
+    # ---- summary + export
+    train_stats = epoch_stats if sum(epoch_stats.count) else (last_epoch_stats or epoch_stats)
+    val_rows = [r for r in rows if r["kind"] == "val"]
+    summary = {
+        "steps": step,
+        "total_steps": total_steps,
+        "epochs": settings.epochs,
+        "epochs_completed": epoch,
+        "steps_per_epoch": [len(p) for p in plans],
+        "stopped_early": step < total_steps,
+        "resumed_from_step": resumed_from,
+        "train_samples": len(data.train),
+        "val_samples": len(data.val),
+        "train_loss": train_stats.loss(settings.ttt_decay) if sum(train_stats.count) else None,
+        "train_acc": train_stats.acc(),
+        "teacher_acc": train_stats.teacher_acc(),
+        "val_loss": val_rows[-1]["loss"] if val_rows else None,
+        "val_acc": val_rows[-1]["acc"] if val_rows else None,
+        "trained_tokens": trained_tokens,
+        "tokens_per_s": trained_tokens / train_time if train_time > 0 else None,
+        "wall_s": time.perf_counter() - wall_start,
+    }
+    with atomic_dir(out_dir) as tmp:
+        save_drafter(
+            drafter,
+            tmp,
+            aux_ids_input,
+            str(manifest["target"]),
+            extra={"training": {"settings": settings.to_dict(), "summary": summary}},
+        )
+        problems = check_export(
+            tmp, target_num_layers=tcfg.num_hidden_layers, target_vocab_size=tcfg.vocab_size
+        )
+        if problems:
+            raise RuntimeError(f"the export failed its own checks: {problems}")
+        write_json(tmp / "train_summary.json", summary)
+    log.info("exported the drafter to %s", out_dir)
+    return summary

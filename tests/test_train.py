@@ -1,0 +1,373 @@
+"""EAGLE-3 training on a tiny random Llama target: offsets, the TTT objective, the loop, resume."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from draftsmith.drafter import TTTKV, DrafterConfig, Eagle3Drafter
+from draftsmith.export import check_export, load_drafter
+from draftsmith.layers import capture_aux, stack_aux
+from draftsmith.shards import Sample, iter_samples, write_shard
+from draftsmith.train import (
+    TrainSettings,
+    collate,
+    load_target_head,
+    lr_factor,
+    make_optimizer,
+    plan_batches,
+    train,
+    ttt_loss,
+    ttt_step_targets,
+)
+from draftsmith.vocab import build_vocab_map, save_vocab_map
+
+AUX_IDS = [1, 2, 3]
+VOCAB, DRAFT_VOCAB, LAYERS, HIDDEN = 256, 128, 4, 64
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A tiny random target, greedy traces of it as shards, the manifest and the vocab map."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("train-data")
+    torch.set_num_threads(1)  # tiny matmuls: more threads only add spin-waiting on a busy machine
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        initializer_range=0.1,  # peaked next-token distributions, so greedy traces are learnable
+    )
+    model = LlamaForCausalLM(config).eval()
+    target_dir = root / "target"
+    model.save_pretrained(target_dir)
+
+    gen = torch.Generator().manual_seed(1)
+    prompt_len, longest = 5, 35
+    ids = torch.randint(0, VOCAB, (24, prompt_len), generator=gen)
+    with torch.no_grad():
+        for _ in range(longest - prompt_len):  # greedy continuations: the target's own traces
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        with capture_aux(model, AUX_IDS) as captured:
+            final = model.model(ids).last_hidden_state  # after the final norm
+        aux = stack_aux(captured, AUX_IDS)
+    samples = []
+    for i in range(24):
+        n = int(torch.randint(15, longest + 1, (1,), generator=gen))  # causal: a prefix keeps its states
+        mask = torch.arange(n) >= prompt_len
+        samples.append(
+            Sample(
+                f"sample-{i}",
+                ids[i, :n],
+                mask,
+                aux[i, :n].to(torch.bfloat16),
+                final[i, :n].to(torch.bfloat16),
+            )
+        )
+    shards = []
+    for k, part in enumerate((samples[:12], samples[12:])):
+        path = root / "hidden" / f"shard-{k}.safetensors"
+        meta = {"aux_layer_ids": AUX_IDS, "layer_convention": "input", "dtype": "bfloat16"}
+        write_shard(path, part, meta, codec=("none", "zstd-planes")[k])  # both codecs
+        shards.append(
+            {
+                "path": f"hidden/shard-{k}.safetensors",
+                "num_samples": len(part),
+                "num_tokens": sum(s.num_tokens for s in part),
+            }
+        )
+    manifest = {
+        "version": 1,
+        "target": str(target_dir),
+        "hidden_size": HIDDEN,
+        "num_layers": LAYERS,
+        "vocab_size": VOCAB,
+        "aux_layer_ids": AUX_IDS,
+        "layer_convention": "input",
+        "num_aux": len(AUX_IDS),
+        "shards": shards,
+    }
+    manifest_path = root / "data_config.json"
+    manifest_path.write_text(json.dumps(manifest))
+    masked = torch.cat([s.input_ids[s.loss_mask] for s in samples])
+    vocab_path = root / "vocab_map.pt"
+    save_vocab_map(vocab_path, build_vocab_map(masked, VOCAB, DRAFT_VOCAB))
+    return {
+        "manifest": manifest_path,
+        "vocab": vocab_path,
+        "target": target_dir,
+        "root": root,
+        "samples": samples,
+    }
+
+
+def settings(**over) -> TrainSettings:
+    base = {
+        "epochs": 2,
+        "max_steps": None,
+        "lr": 3e-3,
+        "weight_decay": 0.01,
+        "warmup_steps": 2,
+        "grad_clip": 1.0,
+        "batch_tokens": 128,
+        "max_seq_len": 64,
+        "ttt_steps": 3,
+        "ttt_decay": 0.8,
+        "noise_std": 0.05,
+        "val_fraction": 0.2,
+        "seed": 0,
+        "threads": 1,
+    }
+    return TrainSettings.from_dict({**base, **over})
+
+
+def run(data: dict, root: Path, s: TrainSettings) -> dict:
+    return train(
+        data["manifest"],
+        data["vocab"],
+        root / "drafter",
+        root / "checkpoints",
+        root / "metrics.jsonl",
+        s,
+        progress=False,
+    )
+
+
+def rows(root: Path) -> list[dict]:
+    return [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
+
+
+# ---------------------------------------------------------------------------------------------- offsets
+
+
+def test_step_targets_hand_example() -> None:
+    # sample 0: 6 tokens, prompt x0 x1, assistant x2..x5 except x3; sample 1: 4 tokens, assistant x1..x3
+    loss_mask = torch.tensor([[0, 0, 1, 0, 1, 1], [0, 1, 1, 1, 0, 0]], dtype=torch.bool)
+    lengths = torch.tensor([6, 4])
+    expected_valid = {
+        # step 0, position t predicts x_{t+2}
+        0: [[1, 0, 1, 1, 0, 0], [1, 1, 0, 0, 0, 0]],
+        # step 1: x_{t+3}
+        1: [[0, 1, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0]],
+        # step 2: x_{t+4}
+        2: [[1, 1, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0]],
+    }
+    for step, valid_rows in expected_valid.items():
+        valid, src, tgt = ttt_step_targets(loss_mask, lengths, step)
+        assert valid.tolist() == [[bool(v) for v in r] for r in valid_rows], step
+        # input token / teacher state t+1+j, predicted token t+2+j, clamped to T-1 (never valid there)
+        assert src.tolist() == [min(t + 1 + step, 5) for t in range(6)]
+        assert tgt.tolist() == [min(t + 2 + step, 5) for t in range(6)]
+
+
+def test_plan_batches_budget_and_determinism() -> None:
+    lengths = [10, 30, 20, 5, 40, 25, 60]
+    g = torch.Generator().manual_seed(3)
+    batches = plan_batches(lengths, 64, g)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:
+        assert len(b) == 1 or max(lengths[i] for i in b) * len(b) <= 64
+    assert batches == plan_batches(lengths, 64, torch.Generator().manual_seed(3))
+    assert plan_batches(lengths, 64, None)[0] == [0, 1]  # unshuffled: in order
+
+
+def test_lr_schedule() -> None:
+    assert lr_factor(0, 4, 20) == pytest.approx(0.25)
+    assert lr_factor(3, 4, 20) == pytest.approx(1.0)
+    assert lr_factor(4, 4, 20) == pytest.approx(1.0)
+    assert lr_factor(20, 4, 20) == pytest.approx(0.1)
+    assert lr_factor(12, 4, 20) == pytest.approx(0.55)
+
+
+def test_settings_from_dict_names_bad_keys() -> None:
+    good = settings().to_dict()
+    assert TrainSettings.from_dict(good) == settings()
+    with pytest.raises(ValueError, match=r"unknown keys \['bogus'\], missing keys \['lr'\]"):
+        TrainSettings.from_dict({**{k: v for k, v in good.items() if k != "lr"}, "bogus": 1})
+    with pytest.raises(ValueError, match="ttt_steps"):
+        TrainSettings.from_dict({**good, "ttt_steps": 0})
+
+
+# -------------------------------------------------------------------------------------------- objective
+
+
+def build(data: dict, seed: int = 0) -> tuple[Eagle3Drafter, torch.Tensor, torch.Tensor]:
+    from draftsmith.vocab import load_vocab_map
+
+    torch.manual_seed(seed)
+    head = load_target_head(data["target"])
+    vocab = load_vocab_map(data["vocab"])
+    drafter = Eagle3Drafter(DrafterConfig.from_target(head.config, DRAFT_VOCAB, len(AUX_IDS)))
+    drafter.set_vocab_map(vocab["d2t"], vocab["t2d"])
+    drafter.init_from_target(head.lm_head, head.norm)
+    teacher = head.lm_head[torch.arange(DRAFT_VOCAB) + vocab["d2t"]]
+    return drafter, head.embed, teacher
+
+
+def reference_loss(drafter, embed, teacher_weight, batch, steps: int, decay: float) -> torch.Tensor:
+    """EAGLE cnets.py's formulation: full-length forward per step, inputs/teacher/mask shifted left by
+    one per step (zero padded), position ids + j."""
+    B, T = batch.input_ids.shape
+
+    def shift(x: torch.Tensor) -> torch.Tensor:  # x[:, t] <- x[:, t+1], zero at the end
+        return torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], dim=1)
+
+    inputs = shift(batch.input_ids)  # position t reads x_{t+1}
+    teacher = shift(torch.softmax(batch.final.float() @ teacher_weight.T, -1))  # f_{t+1}
+    mask = shift(shift(batch.loss_mask.float()))  # x_{t+2} is an assistant token (0 past the end)
+    hidden = drafter.fuse(batch.aux.float())
+    kv, pos, total = TTTKV(), torch.arange(T).expand(B, T), 0.0
+    for j in range(steps):
+        logits, hidden = drafter(F.embedding(inputs, embed), hidden, pos + j, kv)
+        ce = -(teacher * torch.log_softmax(logits, -1)).sum(-1)
+        total = total + decay**j * (ce * mask).sum() / mask.sum()
+        inputs, teacher, mask = shift(inputs), shift(teacher), shift(mask)
+    return total
+
+
+def test_ttt_loss_matches_reference_formulation(data: dict) -> None:
+    drafter, embed, teacher = build(data)
+    batch = collate(data["samples"][:4])
+    loss, stats = ttt_loss(drafter, embed, teacher, batch, ttt_steps=3, ttt_decay=0.8)
+    ref = reference_loss(drafter, embed, teacher, batch, 3, 0.8)
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+    assert stats.count[0] >= stats.count[1] >= stats.count[2] > 0
+    # greedy traces: the target's argmax reproduces the next token wherever it lies in the draft vocab
+    assert stats.teacher_acc() > 0.9
+
+
+def test_ttt_steps_reduce_loss(data: dict) -> None:
+    torch.set_num_threads(1)
+    drafter, embed, teacher = build(data)
+    batch = collate(data["samples"][:4])
+    opt = make_optimizer(drafter, settings(lr=1e-3))
+    losses = []
+    for _ in range(6):
+        loss, _ = ttt_loss(drafter, embed, teacher, batch, ttt_steps=3, ttt_decay=0.8)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert all(b < a for a, b in zip(losses, losses[1:], strict=False)), losses
+    # the embedding stays frozen and outside the drafter
+    assert not any(p.data_ptr() == embed.data_ptr() for p in drafter.parameters())
+    assert "embed_tokens.weight" not in drafter.state_dict()
+
+
+# ---------------------------------------------------------------------------------------------- the loop
+
+
+def test_train_writes_export_metrics_checkpoint(data: dict, tmp_path: Path) -> None:
+    summary = run(data, tmp_path, settings(max_steps=3))
+    assert summary["steps"] == 3 and summary["stopped_early"] and summary["resumed_from_step"] is None
+    assert len(summary["train_acc"]) == 3
+
+    out = tmp_path / "drafter"
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    assert check_export(out, target_num_layers=LAYERS, target_vocab_size=VOCAB) == []
+    config = json.loads((out / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == AUX_IDS
+    assert config["draftsmith"]["training"]["summary"]["steps"] == 3
+    assert json.loads((out / "train_summary.json").read_text())["steps"] == 3
+    model, _ = load_drafter(out)
+    assert model.cfg.draft_vocab_size == DRAFT_VOCAB and model.cfg.target_hidden_size == HIDDEN
+
+    train_rows = [r for r in rows(tmp_path) if r["kind"] == "train"]
+    assert [r["step"] for r in train_rows] == [1, 2, 3]
+    first = train_rows[0]
+    assert set(first) >= {"step", "epoch", "lr", "loss", "acc", "step_loss", "positions", "tokens_per_s"}
+    assert len(first["acc"]) == 3 and first["epoch"] == 1
+    assert first["lr"] == pytest.approx(3e-3 * 0.5)  # warm-up step 1 of 2
+
+    ckpts = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert ckpts == ["step-3"]
+    step3 = tmp_path / "checkpoints" / "step-3"
+    for name in ("model.safetensors", "optimizer.pt", "trainer.pt", "state.json", "COMPLETE"):
+        assert (step3 / name).is_file(), name
+    state = json.loads((step3 / "state.json").read_text())
+    assert state["step"] == 3 and state["epoch"] == 0 and state["batch_in_epoch"] == 3
+
+
+def test_training_learns(data: dict, tmp_path: Path) -> None:
+    summary = run(data, tmp_path, settings(epochs=4, noise_std=0.0, lr=5e-3))
+    val = [r for r in rows(tmp_path) if r["kind"] == "val"]
+    assert len(val) == 4 and summary["val_samples"] > 0
+    assert val[-1]["loss"] < val[0]["loss"]
+    assert summary["train_acc"][0] > 0.3, summary
+    # keeps the newest two complete checkpoints
+    names = sorted((tmp_path / "checkpoints").iterdir(), key=lambda p: int(p.name.split("-")[1]))
+    assert [p.name for p in names] == [f"step-{sum(summary['steps_per_epoch'][:k])}" for k in (3, 4)]
+
+
+@pytest.mark.parametrize("stop", ["epoch_end", "mid_epoch"])
+def test_resume_gives_identical_weights(data: dict, tmp_path: Path, stop: str, caplog) -> None:
+    s = settings()
+    full = run(data, tmp_path / "full", s)
+    assert full["steps"] == sum(full["steps_per_epoch"]) and not full["stopped_early"]
+    k = full["steps_per_epoch"][0] if stop == "epoch_end" else 2
+
+    first = run(data, tmp_path / "resumed", replace(s, max_steps=k))  # "interrupted" after k steps
+    assert first["steps"] == k
+    with caplog.at_level(logging.INFO, logger="draftsmith.train"):
+        second = run(data, tmp_path / "resumed", s)
+    assert second["resumed_from_step"] == k and second["steps"] == full["steps"]
+    assert any("resumed from" in r.getMessage() for r in caplog.records)
+
+    a = load_file(str(tmp_path / "full" / "checkpoints" / f"step-{full['steps']}" / "model.safetensors"))
+    b = load_file(str(tmp_path / "resumed" / "checkpoints" / f"step-{full['steps']}" / "model.safetensors"))
+    assert set(a) == set(b)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    ea = load_file(str(tmp_path / "full" / "drafter" / "model.safetensors"))
+    eb = load_file(str(tmp_path / "resumed" / "drafter" / "model.safetensors"))
+    assert all(torch.equal(ea[n], eb[n]) for n in ea)
+
+    def losses(root: Path) -> list:
+        return [(r["kind"], r["step"], r["loss"]) for r in rows(root) if r["kind"] in ("train", "val")]
+
+    assert losses(tmp_path / "full") == losses(tmp_path / "resumed")
+    assert full["val_acc"] == second["val_acc"]
+
+
+def test_partial_or_foreign_checkpoints_are_not_resumed(data: dict, tmp_path: Path, caplog) -> None:
+    partial = tmp_path / "checkpoints" / "step-99"
+    partial.mkdir(parents=True)
+    (partial / "state.json").write_text("{}")  # no COMPLETE marker: a crash mid-write
+    summary = run(data, tmp_path, settings(max_steps=2))
+    assert summary["resumed_from_step"] is None and summary["steps"] == 2
+
+    with caplog.at_level(logging.WARNING, logger="draftsmith.train"):
+        summary = run(data, tmp_path, settings(max_steps=1, lr=1e-3))  # other settings: start fresh
+    assert summary["resumed_from_step"] is None and summary["steps"] == 1
+    assert any("not resuming" in r.getMessage() and "lr" in r.getMessage() for r in caplog.records)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-1"]
+
+    # max_steps and threads may change between runs: resume, then stop immediately
+    summary = run(data, tmp_path, settings(max_steps=1, lr=1e-3, threads=2))
+    assert summary["resumed_from_step"] == 1 and summary["steps"] == 1
+
+
+def test_samples_are_truncated(data: dict) -> None:
+    from draftsmith.train import load_samples
+
+    paths = sorted((data["root"] / "hidden").glob("shard-*.safetensors"))
+    samples = load_samples(paths, 12, len(AUX_IDS), HIDDEN)
+    assert len(samples) == 24 and max(s.num_tokens for s in samples) == 12
+    for path, first in ((paths[0], samples[0]), (paths[1], samples[12])):
+        full = next(iter_samples(path))
+        assert torch.equal(first.aux, full.aux[:12]) and torch.equal(first.final, full.final[:12])
+        assert torch.equal(full.aux, data["samples"][int(full.id.split("-")[1])].aux)  # codec round trip
