@@ -32,3 +32,26 @@ def config_errors(config: dict[str, Any]) -> list[str]:
         where = ".".join(str(p) for p in err.absolute_path) or "(top level)"
         lines.append(f"{where}: {err.message}")
     return lines
+
+
+def coerce_strings(config: dict[str, Any], spec: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Parse strings where the schema wants another type, in place.
+
+    `snakemake --config train="{lr: 0.001}"` delivers nested values as strings ('0.001'); reading them
+    as YAML scalars gives what the user meant. Values that still do not fit are left for validation.
+    """
+    spec = spec or schema()
+    for key, value in config.items():
+        sub = spec.get("properties", {}).get(key)
+        if sub is None:
+            continue
+        types = sub.get("type", [])
+        types = [types] if isinstance(types, str) else types
+        if isinstance(value, dict) and "object" in types:
+            coerce_strings(value, sub)
+        elif isinstance(value, str) and "string" not in types:
+            try:
+                config[key] = yaml.safe_load(value)
+            except yaml.YAMLError:
+                pass
+    return config

@@ -2,9 +2,10 @@ import json
 
 from snakemake.utils import validate
 
-from draftsmith.config import config_errors
+from draftsmith.config import coerce_strings, config_errors
 
 # A short message naming each bad key first; then validate() fills in the schema's defaults.
+coerce_strings(config)
 if config_errors(config):
     raise ValueError("invalid configuration:\n  " + "\n  ".join(config_errors(config)))
 validate(config, schema="../draftsmith/config.schema.yaml")
