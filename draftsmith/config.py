@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -50,8 +51,6 @@ def coerce_strings(config: dict[str, Any], spec: dict[str, Any] | None = None) -
         if isinstance(value, dict) and "object" in types:
             coerce_strings(value, sub)
         elif isinstance(value, str) and "string" not in types:
-            try:
+            with contextlib.suppress(yaml.YAMLError):
                 config[key] = yaml.safe_load(value)
-            except yaml.YAMLError:
-                pass
     return config
