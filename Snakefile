@@ -26,3 +26,4 @@ rule all:
         "results/drafter",
         "results/eval/summary.json",
         "results/eval/acceptance.png",
+        "results/eval/gate.json",

@@ -33,16 +33,53 @@ def training_sequence(prompt_ids: list[int], response_ids: list[int]) -> tuple[l
     return list(prompt_ids) + list(response_ids), [0] * len(prompt_ids) + [1] * len(response_ids)
 
 
+def assistant_message(response: str, reasoning: str | None = None) -> dict[str, str]:
+    """An assistant turn as chat templates take it; thinking templates (Qwen3, DeepSeek-R1, ...) render
+    `reasoning_content` in their own thinking format."""
+    message = {"role": "assistant", "content": response}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    return message
+
+
+def _render_full(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True)
+    return [int(i) for i in (out["input_ids"] if hasattr(out, "keys") else out)]
+
+
 def render_with_response(
-    tokenizer: Any, messages: list[dict[str, str]], response: str
+    tokenizer: Any, messages: list[dict[str, str]], response: str, reasoning: str | None = None
 ) -> tuple[list[int], list[int]]:
     """For traces without token ids (text only): render the whole conversation and mask what follows
-    the prompt. Fails if the template does not render the prompt as a prefix of the full conversation."""
+    the prompt. Fails if the template does not render the prompt as a prefix of the full conversation,
+    or drops the reasoning (the drafter would never see the thinking tokens the target generates)."""
     prompt = render_prompt(tokenizer, messages)
-    out = tokenizer.apply_chat_template(
-        [*messages, {"role": "assistant", "content": response}], add_generation_prompt=False, tokenize=True
-    )
-    full = [int(i) for i in (out["input_ids"] if hasattr(out, "keys") else out)]
+    full = _render_full(tokenizer, [*messages, assistant_message(response, reasoning)])
     if full[: len(prompt)] != prompt:
         raise ValueError("chat template renders the prompt differently inside the full conversation")
+    if reasoning and full == _render_full(tokenizer, [*messages, assistant_message(response)]):
+        raise ValueError(
+            "the trace has reasoning but the chat template has no thinking format (it ignores "
+            "`reasoning_content`); regenerate with an engine that returns token ids (vLLM), or use the "
+            "target's own thinking template"
+        )
     return full, [0] * len(prompt) + [1] * (len(full) - len(prompt))
+
+
+def merge_turns(seqs: list[tuple[list[int], list[int]]]) -> tuple[tuple[list[int], list[int]], list[int]]:
+    """Fold the sequences of a conversation's earlier turns into its last one.
+
+    `seqs` holds one (ids, mask) per answered turn, in order. An earlier turn whose tokens are a prefix
+    of the last sequence is already inside it: its mask is added there. A turn that is not (the template
+    rewrote the history, e.g. dropped old reasoning, or the answer re-tokenises differently) must become
+    a sequence of its own, so every trained token is one the serving engine saw in that position.
+    Returns ((last ids, merged mask), indices of the earlier turns that did not nest).
+    """
+    last_ids, last_mask = seqs[-1]
+    mask, separate = list(last_mask), []
+    for k, (ids, turn_mask) in enumerate(seqs[:-1]):
+        if last_ids[: len(ids)] == ids:
+            mask[: len(ids)] = [a | b for a, b in zip(mask, turn_mask, strict=False)]
+        else:
+            separate.append(k)
+    return (list(last_ids), mask), separate

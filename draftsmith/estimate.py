@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,17 +48,26 @@ def probe(
     codec: str,
     level: int,
     workdir: Path,
+    capture: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> dict[str, float]:
-    """Run the capture on a few real samples and encode them: measured tokens/s and codec ratio."""
-    from draftsmith.engines.hf import capture_states
+    """Run the capture on a few real samples and encode them: measured tokens/s and codec ratio.
+
+    `capture(ids [T]) -> (aux [T, A, H], final [T, H])` replaces the transformers capture of `model`
+    (how extraction engines probe themselves)."""
+    if capture is None:
+        from draftsmith.engines.hf import capture_states
+
+        def capture(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            aux, final = capture_states(model, ids[None], aux_layer_ids)
+            return aux[0], final[0]
 
     tokens = sum(ids.numel() for ids, _ in samples)
     captured = []
-    capture_states(model, samples[0][0][None, :16], aux_layer_ids)  # warm-up: first calls are slow
+    capture(samples[0][0][:16])  # warm-up: first calls are slow
     start = time.perf_counter()
     for ids, mask in samples:
-        aux, final = capture_states(model, ids[None], aux_layer_ids)
-        captured.append(Sample("probe", ids, mask.bool(), aux[0].bfloat16(), final[0].bfloat16()))
+        aux, final = capture(ids)
+        captured.append(Sample("probe", ids, mask.bool(), aux.bfloat16(), final.bfloat16()))
     seconds = time.perf_counter() - start
     path = workdir / ".estimate-probe.safetensors"
     write_shard(path, captured, {"probe": True}, codec=codec, level=level)

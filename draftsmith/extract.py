@@ -3,10 +3,17 @@
 No lm_head runs in the capture pass. The teacher-agreement check (does argmax(lm_head(final[t]))
 equal the trace's next token?) runs afterwards on the masked positions only: it is the check that
 catches wrong layers, a missing final norm or a template mismatch before anyone trains.
+
+Two engines produce the same samples: `transformers` (engines/hf.py: in-process, hooks, length-bucketed
+right-padded batches, optionally compiled) and `vllm` (engines/vllm_extract.py: vLLM's
+extract_hidden_states, tensor parallel). The shard streams out through a background writer; until it is
+complete only hidden `.shard-k.safetensors.*` files exist, and the next run of the shard removes them.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -15,11 +22,10 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from draftsmith.engines.hf import capture_states
 from draftsmith.estimate import check_free_disk, estimate_lines, human_bytes, probe
 from draftsmith.layers import default_aux_layers, validate_aux_layers
-from draftsmith.shards import Sample, ShardWriter
-from draftsmith.target import load_target
+from draftsmith.shards import Sample, ShardWriter, remove_stale_temp_files
+from draftsmith.target import check_target_dir
 from draftsmith.tokens import load_tokens
 
 
@@ -53,6 +59,55 @@ def teacher_agreement(
     return int(agree), int(positions.numel())
 
 
+COMPILE_MIN_SECONDS = 300.0  # "auto" compiles when eager compute would take longer than this
+
+
+def should_compile(mode: str, engine: str, eager_seconds: float) -> bool:
+    """torch.compile pays off on CPU (fused elementwise kernels) once a shard outlasts its one-off
+    compile time (minutes on 2 cores); "auto" compiles only then, and only the transformers engine."""
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"compile must be auto, on or off, not {mode!r}")
+    if engine != "transformers":
+        return False
+    return mode == "on" or (mode == "auto" and eager_seconds >= COMPILE_MIN_SECONDS)
+
+
+def make_engine(
+    engine: str,
+    target: str,
+    layer_ids: list[int],
+    dtype: str,
+    gpus: int = 0,
+    max_model_len: int = 2048,
+    workdir: Path | None = None,
+    vllm_eager: bool = True,
+):
+    """An extraction engine: `.capture(list of [T] ids) -> [(aux [T, A, H], final [T, H])]`,
+    `.lm_head_weight`, `.close()`."""
+    if engine == "transformers":
+        from draftsmith.engines.hf import HfExtractor
+
+        return HfExtractor.from_target(target, layer_ids, dtype)
+    if engine == "vllm":
+        from draftsmith.engines.vllm_extract import VllmExtractor
+
+        return VllmExtractor(
+            target,
+            layer_ids,
+            dtype,
+            tensor_parallel_size=max(1, gpus),
+            max_model_len=max_model_len,
+            storage_dir=workdir,
+            enforce_eager=vllm_eager,
+        )
+    raise ValueError(f"unknown extraction engine {engine!r}; expected transformers or vllm")
+
+
+def temp_prefix(out_path: str | Path) -> str:
+    """Every temporary file or folder of one shard's job starts with this (hidden, never a shard)."""
+    return f".{Path(out_path).name}."
+
+
 def extract_shard(
     target: str,
     tokens_path: str,
@@ -64,8 +119,14 @@ def extract_shard(
     codec: str = "zstd-planes",
     zstd_level: int = 1,
     threads: int | None = None,
+    engine: str = "transformers",
+    compile: str = "auto",
+    gpus: int = 0,
+    vllm_eager: bool = True,
+    extractor=None,
 ) -> dict[str, Any]:
-    """Extract one shard. `out_path=None` computes everything but writes nothing (for benchmarks)."""
+    """Extract one shard. `out_path=None` computes everything but writes nothing, and `extractor` is an
+    engine to reuse (left open), both for benchmarks."""
     if threads:
         torch.set_num_threads(threads)
     tensors, meta = load_tokens(tokens_path)
@@ -73,10 +134,9 @@ def extract_shard(
         raise ValueError(f"shard {shard} does not exist: {tokens_path} plans {len(meta['shards'])} shards")
     start, end = meta["shards"][shard]
     offsets = tensors["offsets"].tolist()
-    model, _ = load_target(target, getattr(torch, dtype))
-    layer_ids = resolve_aux_layers(aux_layers, model.config.num_hidden_layers)
-    hidden = model.config.hidden_size
-    lm_head = model.get_output_embeddings().weight.detach()
+    config = json.loads((check_target_dir(target) / "config.json").read_text(encoding="utf-8"))
+    layer_ids = resolve_aux_layers(aux_layers, config["num_hidden_layers"])
+    hidden = config["hidden_size"]
     lengths = [offsets[i + 1] - offsets[i] for i in range(start, end)]
     total_tokens = sum(lengths)
 
@@ -84,70 +144,53 @@ def extract_shard(
         a, b = offsets[start + i], offsets[start + i + 1]
         return tensors["input_ids"][a:b], tensors["loss_mask"][a:b]
 
+    workdir = Path(out_path).parent if out_path else Path(tempfile.gettempdir())
+    workdir.mkdir(parents=True, exist_ok=True)
+    if out_path:
+        # A killed earlier run of this shard may have left its hidden temporary files behind.
+        remove_stale_temp_files(out_path)
+    scratch = Path(tempfile.mkdtemp(prefix=temp_prefix(out_path or f"shard-{shard}") + "job-", dir=workdir))
     print(
         f"extract shard {shard}: samples {start}..{end - 1}, aux layers {layer_ids} (input convention) "
-        f"+ final normed state, {dtype} compute, bf16 storage, codec {codec}",
+        f"+ final normed state, {engine} engine, {dtype} compute, bf16 storage, codec {codec}",
         flush=True,
     )
-    shortest = sorted(range(len(lengths)), key=lambda i: lengths[i])[len(lengths) // 2 :][:2]
-    workdir = Path(out_path).parent if out_path else Path(tempfile.gettempdir())
-    measured = probe(model, [sample_tokens(i) for i in shortest], layer_ids, codec, zstd_level, workdir)
-    lines, estimate = estimate_lines(total_tokens, len(layer_ids) + 1, hidden, measured)
-    for line in lines:
-        print(f"extract shard {shard}: estimate: {line}", flush=True)
-    if out_path:
-        check_free_disk(Path(out_path).parent, estimate["compressed_bytes"])
-    writer = (
-        ShardWriter(out_path, {"aux_layer_ids": layer_ids, "layer_convention": "input"}, codec, zstd_level)
-        if out_path
-        else None
-    )
-    agree = checked = masked = 0
-    t0 = time.perf_counter()
-    bar = tqdm(
-        total=total_tokens, desc=f"extract shard {shard}", unit="tok", unit_scale=True, dynamic_ncols=True
-    )
+    own_engine = extractor is None
+    if own_engine:
+        extractor = make_engine(
+            engine, target, layer_ids, dtype, gpus, max(lengths) + 1, scratch, vllm_eager=vllm_eager
+        )
+    writer = None
     try:
-        for batch in token_batches(lengths, batch_tokens):
-            width = max(lengths[i] for i in batch)
-            ids = torch.zeros((len(batch), width), dtype=torch.long)
-            for row, i in enumerate(batch):
-                ids[row, : lengths[i]] = sample_tokens(i)[0]
-            aux, final = capture_states(model, ids, layer_ids)
-            for row, i in enumerate(batch):
-                input_ids, loss_mask = sample_tokens(i)
-                n = lengths[i]
-                sample = Sample(
-                    meta["sample_ids"][start + i],
-                    input_ids,
-                    loss_mask.bool(),
-                    aux[row, :n].to(torch.bfloat16),
-                    final[row, :n].to(torch.bfloat16),
-                )
-                g, c = teacher_agreement(lm_head, sample.final, sample.input_ids, sample.loss_mask)
-                agree, checked, masked = agree + g, checked + c, masked + int(sample.loss_mask.sum())
-                if writer:
-                    writer.add(sample)
-            bar.update(sum(lengths[i] for i in batch))
-            if writer:
-                done = bar.n / total_tokens
-                bar.set_postfix(
-                    written=human_bytes(writer.bytes_written),
-                    projected=human_bytes(writer.bytes_written / done),
-                )
-        seconds = time.perf_counter() - t0
-        stats = {
-            "shard": shard,
-            "num_samples": len(lengths),
-            "num_tokens": total_tokens,
-            "num_masked_tokens": masked,
-            "teacher_agree": agree,
-            "teacher_checked": checked,
-            "teacher_agreement": agree / checked if checked else None,
-            "seconds": round(seconds, 2),
-            "tokens_per_second": round(total_tokens / seconds, 1) if seconds > 0 else None,
-            "estimate": estimate,
-        }
+        shortest = sorted(range(len(lengths)), key=lambda i: lengths[i])[len(lengths) // 2 :][:2]
+        measured = probe(
+            None,
+            [sample_tokens(i) for i in shortest],
+            layer_ids,
+            codec,
+            zstd_level,
+            scratch,
+            capture=lambda ids: extractor.capture([ids])[0],
+        )
+        lines, estimate = estimate_lines(total_tokens, len(layer_ids) + 1, hidden, measured)
+        for line in lines:
+            print(f"extract shard {shard}: estimate: {line}", flush=True)
+        if out_path:
+            check_free_disk(Path(out_path).parent, estimate["compressed_bytes"])
+        compile_seconds = None
+        if should_compile(compile, engine, estimate["seconds"]) and not extractor.compiled:
+            print(f"extract shard {shard}: compiling the forward (torch.compile, one-off)...", flush=True)
+            compile_seconds = extractor.compile()
+            print(f"extract shard {shard}: compiled in {compile_seconds:.0f}s", flush=True)
+        if out_path:
+            writer = ShardWriter(
+                out_path, {"aux_layer_ids": layer_ids, "layer_convention": "input"}, codec, zstd_level
+            )
+        t0 = time.perf_counter()
+        stats = _extract_loop(
+            extractor, writer, shard, lengths, sample_tokens, meta["sample_ids"][start:end], batch_tokens
+        )
+        stats |= {"engine": engine, "compile_seconds": compile_seconds, "estimate": estimate}
         if writer:
             writer.close(
                 {
@@ -162,12 +205,66 @@ def extract_shard(
             writer.abort()
         raise
     finally:
-        bar.close()
+        if own_engine:
+            extractor.close()
+        shutil.rmtree(scratch, ignore_errors=True)
     stats["wall_seconds_with_write"] = round(time.perf_counter() - t0, 2)
     size = f", {human_bytes(Path(out_path).stat().st_size)} written" if out_path else ""
+    agreement = stats["teacher_agreement"]
     print(
-        f"extract shard {shard}: {total_tokens:,} tokens in {seconds:.1f}s ({stats['tokens_per_second']} tok/s), "
-        f"teacher agreement {stats['teacher_agreement']:.4f} over {checked:,} positions{size}",
+        f"extract shard {shard}: {total_tokens:,} tokens in {stats['seconds']:.1f}s "
+        f"({stats['tokens_per_second']} tok/s), teacher agreement "
+        f"{'n/a' if agreement is None else f'{agreement:.4f}'} over {stats['teacher_checked']:,} positions{size}",
         flush=True,
     )
     return stats
+
+
+def _extract_loop(
+    extractor, writer, shard: int, lengths: list[int], sample_tokens, sample_ids: list[str], batch_tokens: int
+) -> dict[str, Any]:
+    """Capture every sample, check teacher agreement, hand samples to the writer; returns the stats."""
+    total_tokens = sum(lengths)
+    agree = checked = masked = 0
+    t0 = time.perf_counter()
+    bar = tqdm(
+        total=total_tokens, desc=f"extract shard {shard}", unit="tok", unit_scale=True, dynamic_ncols=True
+    )
+    try:
+        for batch in token_batches(lengths, batch_tokens):
+            captured = extractor.capture([sample_tokens(i)[0] for i in batch])
+            for i, (aux, final) in zip(batch, captured, strict=True):
+                input_ids, loss_mask = sample_tokens(i)
+                sample = Sample(
+                    sample_ids[i],
+                    input_ids,
+                    loss_mask.bool(),
+                    aux.to(torch.bfloat16),
+                    final.to(torch.bfloat16),
+                )
+                g, c = teacher_agreement(
+                    extractor.lm_head_weight, sample.final, sample.input_ids, sample.loss_mask
+                )
+                agree, checked, masked = agree + g, checked + c, masked + int(sample.loss_mask.sum())
+                if writer:
+                    writer.add(sample)
+            bar.update(sum(lengths[i] for i in batch))
+            if writer:
+                bar.set_postfix(
+                    written=human_bytes(writer.bytes_written),
+                    projected=human_bytes(writer.bytes_written * total_tokens / bar.n),
+                )
+    finally:
+        bar.close()
+    seconds = time.perf_counter() - t0
+    return {
+        "shard": shard,
+        "num_samples": len(lengths),
+        "num_tokens": total_tokens,
+        "num_masked_tokens": masked,
+        "teacher_agree": agree,
+        "teacher_checked": checked,
+        "teacher_agreement": agree / checked if checked else None,
+        "seconds": round(seconds, 2),
+        "tokens_per_second": round(total_tokens / seconds, 1) if seconds > 0 else None,
+    }

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import queue
 import shutil
 import struct
@@ -84,6 +85,20 @@ def encode_sample(sample: Sample, compressor: zstandard.ZstdCompressor) -> list[
 
 
 _DTYPES = {torch.int64: ("I64", 8), torch.uint8: ("U8", 1), torch.bfloat16: ("BF16", 2)}
+
+
+def remove_stale_temp_files(path: str | Path) -> list[Path]:
+    """Delete what a killed writer of `path` left behind: hidden `.{name}.*` files and folders beside it
+    (ShardWriter's data files, atomic_path's temp file, an extraction job's scratch folder). Call it
+    before a new writer of the same shard starts; returns what was removed."""
+    path = Path(path)
+    stale = sorted(path.parent.glob(f".{path.name}.*")) if path.parent.is_dir() else []
+    for p in stale:
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    return stale
 
 
 class ShardWriter:
@@ -313,3 +328,99 @@ def read_tokens(path: str | Path) -> tuple[Tensor, Tensor, Tensor]:
     """(input_ids [N], loss_mask [N] bool, offsets [S+1]) of a shard, without touching hidden states."""
     with safe_open(str(path), framework="pt") as f:
         return f.get_tensor("input_ids"), f.get_tensor("loss_mask").bool(), f.get_tensor("offsets")
+
+
+class ShardReader:
+    """Random access to one shard: `read(i)` reads and decodes sample i alone, in any order.
+
+    Only the offsets and the frame index stay in memory; a sample's bytes are fetched with one
+    positioned read (os.preadv, which releases the GIL, as zstd and numpy do), so background threads can
+    decode samples of many shards at once. Thread-safe: reads share one file descriptor (positioned, no
+    seek), and each thread gets its own zstd decompressor.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        with open(self.path, "rb") as fh:
+            (header_len,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(header_len))
+        self._data_start = 8 + header_len
+        self._entries = {k: v for k, v in header.items() if k != "__metadata__"}
+        self.meta: dict[str, Any] = json.loads(header["__metadata__"]["draftsmith_shard"])
+        self.codec = self.meta.get("codec", "none")
+        self.ids: list[str] = list(self.meta["sample_ids"])
+        if self.codec == "none":  # shapes from the header (older shards lack these metadata keys)
+            _, self.num_aux, self.hidden_size = self._entries["aux_hidden_states"]["shape"]
+        else:
+            self.num_aux, self.hidden_size = int(self.meta["num_aux"]), int(self.meta["hidden_size"])
+        self._fd = os.open(self.path, os.O_RDONLY)
+        self._local = threading.local()
+        self.offsets: list[int] = self.read_tensor("offsets").tolist()
+        self._index = self.read_tensor("blob_index").tolist() if self.codec == "zstd-planes" else None
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __enter__(self) -> ShardReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def num_tokens(self, i: int) -> int:
+        return self.offsets[i + 1] - self.offsets[i]
+
+    def _pread(self, start: int, length: int) -> np.ndarray:
+        buf = bytearray(length)  # writable, so torch.from_numpy does not warn
+        if length and os.preadv(self._fd, [buf], self._data_start + start) != length:
+            raise OSError(f"{self.path}: short read at byte {self._data_start + start} (truncated file?)")
+        return np.frombuffer(buf, dtype=np.uint8)
+
+    def read_tensor(self, name: str, start: int = 0, stop: int | None = None) -> Tensor:
+        """Rows start:stop (along the first dimension) of a stored tensor, read from disk."""
+        entry = self._entries[name]
+        np_dtype, torch_dtype = {
+            "I64": (np.int64, None),
+            "U8": (np.uint8, None),
+            "BF16": (np.uint16, torch.bfloat16),
+        }[entry["dtype"]]
+        shape = entry["shape"]
+        row = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(np_dtype).itemsize
+        stop = shape[0] if stop is None else stop
+        raw = self._pread(entry["data_offsets"][0] + start * row, (stop - start) * row)
+        t = torch.from_numpy(raw.view(np_dtype).reshape(stop - start, *shape[1:]))
+        return t.view(torch_dtype) if torch_dtype is not None else t
+
+    def read(self, i: int, max_tokens: int | None = None) -> Sample:
+        """Sample i, cut to its first max_tokens tokens (whole frames are decoded, then sliced)."""
+        a, b = self.offsets[i], self.offsets[i + 1]
+        n = b - a if max_tokens is None else min(b - a, max_tokens)
+        input_ids = self.read_tensor("input_ids", a, a + n)
+        loss_mask = self.read_tensor("loss_mask", a, a + n).bool()
+        if self.codec == "none":
+            aux = self.read_tensor("aux_hidden_states", a, a + n)
+            final = self.read_tensor("final_hidden_states", a, a + n)
+            return Sample(self.ids[i], input_ids, loss_mask, aux, final)
+        # the sample's frames lie back to back: one read, offsets rebased onto it
+        frames = self._index[i]
+        first = min(off for slot in frames for off, _ in slot)
+        last = max(off + size for slot in frames for off, size in slot)
+        blob_start = self._entries["blob"]["data_offsets"][0]
+        blob = self._pread(blob_start + first, last - first)
+        local = [[[off - first, size] for off, size in slot] for slot in frames]
+        decompressor = getattr(self._local, "decompressor", None)
+        if decompressor is None:
+            decompressor = self._local.decompressor = zstandard.ZstdDecompressor()
+        aux, final = decode_sample(blob, local, b - a, self.meta, decompressor)
+        return Sample(self.ids[i], input_ids, loss_mask, aux[:n], final[:n])
+
+
+def read_sample(path: str | Path, i: int) -> Sample:
+    """Sample i of a shard, read on its own (see ShardReader to read many)."""
+    with ShardReader(path) as reader:
+        return reader.read(i)

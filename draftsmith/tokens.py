@@ -17,7 +17,13 @@ from safetensors.torch import save_file
 from transformers import AutoTokenizer
 
 from draftsmith.atomic import atomic_path
-from draftsmith.chat import render_prompt, render_with_response, template_fingerprint, training_sequence
+from draftsmith.chat import (
+    merge_turns,
+    render_prompt,
+    render_with_response,
+    template_fingerprint,
+    training_sequence,
+)
 from draftsmith.target import check_target_dir
 
 
@@ -47,6 +53,37 @@ def shard_bounds(token_counts: list[int], num_shards: int) -> list[tuple[int, in
     return bounds
 
 
+def turn_contexts(messages: list[dict], n_turns: int) -> list[list[dict]]:
+    """The prompt messages of each answered turn of a multi-turn trace: every assistant message in
+    `messages` is a regenerated answer (see traces.py), so turn k was asked with messages[:index_k]."""
+    points = [i for i, m in enumerate(messages) if m["role"] == "assistant"] + [len(messages)]
+    if len(points) != n_turns:
+        raise ValueError(f"{n_turns - 1} earlier turns recorded but {len(points) - 1} assistant messages")
+    return [messages[:i] for i in points]
+
+
+def trace_sequences(tokenizer: Any, row: dict[str, Any]) -> list[tuple[str, list[int], list[int]]]:
+    """(sample id, input_ids, loss_mask) for one trace: the exact served tokens when the trace has them,
+    else the text re-rendered with the target's template (reasoning in its thinking format). Earlier
+    turns of a multi-turn trace are masked too (merged into the conversation where they nest)."""
+    answers = [*row.get("turns", []), row]
+    contexts = turn_contexts(row["messages"], len(answers)) if "turns" in row else [row["messages"]]
+    seqs = []
+    for k, (answer, messages) in enumerate(zip(answers, contexts, strict=True)):
+        if "response_token_ids" in answer:
+            prompt = render_prompt(tokenizer, messages)
+            if answer.get("prompt_token_ids") not in (None, prompt):
+                raise ValueError(f"turn {k}: prompt renders to other tokens than at generation time")
+            seqs.append(training_sequence(prompt, answer["response_token_ids"]))
+        else:
+            seqs.append(
+                render_with_response(tokenizer, messages, answer["response"], answer.get("reasoning"))
+            )
+    (ids, mask), separate = merge_turns(seqs)
+    # Turns that did not nest into the conversation (template rewrote history) become their own samples.
+    return [(row["id"], ids, mask)] + [(f"{row['id']}#turn{k}", *seqs[k]) for k in separate]
+
+
 def tokenize_traces(
     target: str, traces_path: str, out_path: str, num_shards: int, max_seq_len: int
 ) -> dict[str, Any]:
@@ -63,21 +100,19 @@ def tokenize_traces(
                     f"{where}: generated with chat template {row['template']} but the target's is {fingerprint}; "
                     "regenerate the traces (the drafter must see what the serving engine renders)"
                 )
-            if "response_token_ids" in row:
-                prompt = render_prompt(tokenizer, row["messages"])
-                if row.get("prompt_token_ids") not in (None, prompt):
-                    raise ValueError(f"{where}: prompt renders to other tokens than at generation time")
-                ids, mask = training_sequence(prompt, row["response_token_ids"])
-            else:
-                ids, mask = render_with_response(tokenizer, row["messages"], row["response"])
-            if len(ids) > max_seq_len:
-                ids, mask, truncated = ids[:max_seq_len], mask[:max_seq_len], truncated + 1
-            if sum(mask) == 0:
-                continue  # nothing to learn (empty answer or prompt fills max_seq_len)
-            ids_all.extend(ids)
-            mask_all.extend(mask)
-            offsets.append(len(ids_all))
-            sample_ids.append(row["id"])
+            try:
+                sequences = trace_sequences(tokenizer, row)
+            except ValueError as err:
+                raise ValueError(f"{where}: {err}") from None
+            for sample_id, ids, mask in sequences:
+                if len(ids) > max_seq_len:
+                    ids, mask, truncated = ids[:max_seq_len], mask[:max_seq_len], truncated + 1
+                if sum(mask) == 0:
+                    continue  # nothing to learn (empty answer or prompt fills max_seq_len)
+                ids_all.extend(ids)
+                mask_all.extend(mask)
+                offsets.append(len(ids_all))
+                sample_ids.append(sample_id)
     counts = [b - a for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
     bounds = shard_bounds(counts, num_shards)
     meta = {

@@ -17,26 +17,41 @@ ids + j, AdamW betas (0.9, 0.95)); SpecForge `training/strategies/base.py` (ttt_
 schedule, grad clip 0.5); speculators `models/eagle3/core.py` + `train/noise_transforms.py` (teacher
 restricted to the draft vocabulary, uniform noise 0.05 on the aux states).
 
-Layout: settings -> target head -> data (in memory; `InMemoryData` is the seam for a streaming loader)
--> the TTT objective -> checkpoints -> `train()`.
+Data: the shards are never loaded whole (the seed's data was 828 GB). `StreamingData` indexes samples
+from token arrays only, plans each epoch's batches as a pure function of (seed, epoch) — shuffled across
+shards, packed by length within windows, under a padded token budget — and decodes the samples of the
+next batches in background threads while the current one trains. A run resumes at (epoch, batch).
+
+Data parallel: under `torchrun` (or `draftsmith train --nproc N`) every rank takes a disjoint slice of
+every batch; each rank's loss is normalised by the *global* count of trained positions, and gradients
+are summed across ranks, so N processes compute the gradient one process computes on the whole batch.
+gloo on CPU, nccl on CUDA; rank 0 writes checkpoints, metrics and the export.
+
+Layout: settings -> target head -> distributed -> data -> the TTT objective -> checkpoints -> `train()`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import logging
 import math
+import os
 import random
 import shutil
 import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 from tqdm import tqdm
@@ -46,7 +61,7 @@ from draftsmith.drafter import TTTKV, DrafterConfig, Eagle3Drafter
 from draftsmith.export import check_export, save_drafter
 from draftsmith.layers import convert_layer_ids
 from draftsmith.manifest import load_manifest
-from draftsmith.shards import Sample, iter_samples
+from draftsmith.shards import Sample, ShardReader
 from draftsmith.vocab import load_vocab_map
 
 log = logging.getLogger(__name__)
@@ -55,7 +70,7 @@ METRICS_FLUSH_S = 10.0  # rewrite metrics.jsonl at most this often (and at every
 KEEP_CHECKPOINTS = 2
 COMPLETE_MARKER = "COMPLETE"
 # settings that do not change the trajectory: a run may resume under different values
-RESUME_FREE_SETTINGS = ("max_steps", "threads")
+RESUME_FREE_SETTINGS = ("max_steps", "threads", "checkpoint_every", "loader_threads")
 
 
 # ----------------------------------------------------------------------------------------------- settings
@@ -77,6 +92,11 @@ class TrainSettings:
     val_fraction: float  # held-out samples for validation, chosen by a hash of the sample id
     seed: int
     threads: int | None  # torch.set_num_threads; None = torch's default
+    checkpoint_every: (
+        int | None
+    )  # also checkpoint every N steps (always at each epoch end); None = epochs only
+    pack_window: int  # samples sorted by length together before packing into batches (1 = no sorting)
+    loader_threads: int  # background threads decoding the next batches; 0 = decode in the loop
 
     def __post_init__(self) -> None:
         problems = []
@@ -100,6 +120,12 @@ class TrainSettings:
             problems.append(f"val_fraction={self.val_fraction} must be in [0, 1)")
         if self.threads is not None and self.threads < 1:
             problems.append(f"threads={self.threads} must be >= 1 or null")
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            problems.append(f"checkpoint_every={self.checkpoint_every} must be >= 1 or null")
+        if self.pack_window < 1:
+            problems.append(f"pack_window={self.pack_window} must be >= 1")
+        if self.loader_threads < 0:
+            problems.append(f"loader_threads={self.loader_threads} must be >= 0")
         if problems:
             raise ValueError("invalid train settings: " + "; ".join(problems))
 
@@ -129,12 +155,48 @@ class TargetHead:
     norm: Tensor  # [Ht] final norm weight
 
 
+HEAD_TENSORS = {
+    "embed": "model.embed_tokens.weight",
+    "norm": "model.norm.weight",
+    "lm_head": "lm_head.weight",
+}
+
+
+def _read_head_tensors(folder: Path, tied: bool) -> dict[str, Tensor] | None:
+    """embed/norm/lm_head straight from the safetensors files (Llama-style names), without building the
+    model: a 1T-parameter target must not be loaded to train its drafter. None when a name is absent."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    elif (folder / "model.safetensors").is_file():
+        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+            weight_map = dict.fromkeys(f.keys(), "model.safetensors")
+    else:
+        return None
+    wanted = {k: v for k, v in HEAD_TENSORS.items() if not (tied and k == "lm_head")}
+    if any(name not in weight_map for name in wanted.values()):
+        return None
+    out = {}
+    for key, name in wanted.items():
+        with safe_open(str(folder / weight_map[name]), framework="pt") as f:
+            out[key] = f.get_tensor(name).to(torch.float32)
+    out.setdefault("lm_head", out["embed"])
+    return out
+
+
 def load_target_head(path: str | Path) -> TargetHead:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from draftsmith.target import check_target_dir
 
-    model = AutoModelForCausalLM.from_pretrained(check_target_dir(path), dtype=torch.float32)
+    folder = check_target_dir(path)
+    config = AutoConfig.from_pretrained(folder)
+    tensors = _read_head_tensors(folder, bool(getattr(config, "tie_word_embeddings", False)))
+    if tensors is not None:
+        return TargetHead(config, tensors["embed"], tensors["lm_head"], tensors["norm"])
+    from transformers import AutoModelForCausalLM  # other layouts: build the model, keep three tensors
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     embed = model.get_input_embeddings().weight.detach().clone()
     out = model.get_output_embeddings().weight.detach()
     lm_head = embed if out.data_ptr() == model.get_input_embeddings().weight.data_ptr() else out.clone()
@@ -142,6 +204,70 @@ def load_target_head(path: str | Path) -> TargetHead:
     config = model.config
     del model
     return TargetHead(config, embed, lm_head, norm)
+
+
+# ------------------------------------------------------------------------------------------- distributed
+
+
+@dataclass
+class Dist:
+    """This process's place in a data-parallel run (rank 0 of 1 when not under torchrun)."""
+
+    rank: int = 0
+    world: int = 1
+    device: torch.device = torch.device("cpu")
+    owns_group: bool = False  # this train() call created the process group (and destroys it)
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def all_sum(self, t: Tensor) -> Tensor:
+        if self.world > 1:
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
+        return t
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier()
+
+
+def init_distributed(device: str | torch.device | None) -> Dist:
+    """Join the torchrun process group when WORLD_SIZE > 1: nccl on CUDA (rank r on cuda:LOCAL_RANK),
+    gloo on CPU. Otherwise a single process on `device` (default: CUDA when available)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    use_cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+    if world == 1:
+        return Dist(device=torch.device(device or ("cuda" if use_cuda else "cpu")))
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+    else:
+        dev = torch.device("cpu")
+    owns = not torch.distributed.is_initialized()
+    if owns:
+        torch.distributed.init_process_group("nccl" if use_cuda else "gloo")
+    return Dist(rank, world, dev, owns)
+
+
+def sync_gradients(params: list[torch.nn.Parameter], dist: Dist) -> None:
+    """Sum gradients over ranks in one flat all-reduce (each rank's loss already carries the global
+    normalisation). A parameter no rank produced a gradient for keeps grad None, as in one process, so
+    the optimizer skips it the same way."""
+    if dist.world == 1:
+        return
+    parts = [
+        p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device) for p in params
+    ]
+    has = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=dist.device)
+    flat = dist.all_sum(torch.cat([*parts, has]))
+    present = flat[-len(params) :] > 0
+    offset = 0
+    for p, keep in zip(params, present.tolist(), strict=True):
+        n = p.numel()
+        p.grad = flat[offset : offset + n].view_as(p).clone() if keep else None
+        offset += n
 
 
 # -------------------------------------------------------------------------------------------------- data
@@ -153,33 +279,43 @@ def is_validation(sample_id: str, val_fraction: float) -> bool:
     return h / 2**64 < val_fraction
 
 
-def load_samples(shard_paths: list[Path], max_seq_len: int, num_aux: int, hidden_size: int) -> list[Sample]:
-    """Every sample of the shards, truncated to max_seq_len; aux/final stay in their stored dtype (bf16)."""
-    samples = []
-    for path in shard_paths:
-        for s in iter_samples(path):
-            if tuple(s.aux.shape[1:]) != (num_aux, hidden_size) or tuple(s.final.shape[1:]) != (hidden_size,):
-                raise ValueError(
-                    f"{path}: sample {s.id} has aux {list(s.aux.shape)} / final {list(s.final.shape)}, "
-                    f"expected [T, {num_aux}, {hidden_size}] / [T, {hidden_size}] from the manifest"
-                )
-            if s.num_tokens > max_seq_len:
-                n = max_seq_len
-                s = Sample(
-                    s.id,
-                    s.input_ids[:n].clone(),
-                    s.loss_mask[:n].clone(),
-                    s.aux[:n].clone(),
-                    s.final[:n].clone(),
-                )
-            samples.append(s)
-    return samples
+@dataclass(frozen=True)
+class SampleRef:
+    """Where a sample lives and how many of its tokens are trained (after truncation to max_seq_len)."""
+
+    shard: int  # index into the manifest's shard list
+    index: int  # sample index within the shard
+    id: str
+    num_tokens: int
 
 
-def plan_batches(lengths: list[int], batch_tokens: int, generator: torch.Generator | None) -> list[list[int]]:
-    """Shuffle (when a generator is given) and greedily fill batches while B * longest <= batch_tokens.
-    A sample longer than the budget gets a batch of its own."""
-    order = torch.randperm(len(lengths), generator=generator).tolist() if generator else range(len(lengths))
+def index_samples(
+    readers: list[ShardReader], max_seq_len: int, num_aux: int, hidden_size: int
+) -> tuple[list[SampleRef], int]:
+    """The usable samples of the shards in storage order, from token masks only (no state is decoded)
+    -> (refs, skipped). Usable: some x_{t+2} (t >= 0) within the first max_seq_len tokens is an
+    assistant token, so the sample has a position to train."""
+    refs, skipped = [], 0
+    for k, reader in enumerate(readers):
+        if (reader.num_aux, reader.hidden_size) != (num_aux, hidden_size):
+            raise ValueError(
+                f"{reader.path}: stores {reader.num_aux} aux states of size {reader.hidden_size}, expected "
+                f"{num_aux} x {hidden_size} from the manifest"
+            )
+        mask = reader.read_tensor("loss_mask").numpy()
+        for i, sample_id in enumerate(reader.ids):
+            a = reader.offsets[i]
+            n = min(reader.num_tokens(i), max_seq_len)
+            if n > 2 and mask[a + 2 : a + n].any():
+                refs.append(SampleRef(k, i, sample_id, n))
+            else:
+                skipped += 1
+    return refs, skipped
+
+
+def pack_batches(order: Iterable[int], lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Greedily fill batches in `order` while B * longest <= batch_tokens (the padded size). A sample
+    longer than the budget gets a batch of its own."""
     batches: list[list[int]] = []
     current: list[int] = []
     longest = 0
@@ -195,6 +331,26 @@ def plan_batches(lengths: list[int], batch_tokens: int, generator: torch.Generat
     return batches
 
 
+def plan_batches(
+    lengths: list[int], batch_tokens: int, generator: torch.Generator | None, pack_window: int = 1
+) -> list[list[int]]:
+    """The batches of one pass: a pure function of its arguments (so a resumed run sees the same ones).
+
+    With a generator the samples are shuffled first (across all shards). pack_window > 1 then sorts each
+    run of pack_window samples by length, longest first, before packing, so a batch holds samples of
+    similar length (less padding); the batches are shuffled again so that the order of lengths within a
+    window does not become the order of training."""
+    n = len(lengths)
+    order = torch.randperm(n, generator=generator).tolist() if generator is not None else list(range(n))
+    if pack_window > 1:
+        windows = (order[i : i + pack_window] for i in range(0, n, pack_window))
+        order = [i for w in windows for i in sorted(w, key=lambda i: -lengths[i])]  # stable for ties
+    batches = pack_batches(order, lengths, batch_tokens)
+    if generator is not None and pack_window > 1:
+        batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
+    return batches
+
+
 @dataclass
 class Batch:
     input_ids: Tensor  # [B, T] int64, right-padded with 0
@@ -206,6 +362,9 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return int(self.lengths.sum())
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
 def collate(samples: list[Sample], device: torch.device | str = "cpu") -> Batch:
@@ -223,44 +382,118 @@ def collate(samples: list[Sample], device: torch.device | str = "cpu") -> Batch:
         aux[b, :n] = s.aux.reshape(n, A * Ht)  # aux layers concatenated in id order, as fc expects
         final[b, :n] = s.final
     lengths = torch.tensor([s.num_tokens for s in samples], dtype=torch.int64)
-    return Batch(*(t.to(device) for t in (input_ids, loss_mask, lengths, aux, final)))
+    return Batch(input_ids, loss_mask, lengths, aux, final).to(device)
 
 
-class InMemoryData:
-    """Train/validation samples held in memory. The loop only calls `epoch_batches`, `val_batches` and
-    `batch`, so a streaming background loader can replace this class without touching it."""
+_END = object()
 
-    def __init__(self, train: list[Sample], val: list[Sample], batch_tokens: int, seed: int):
+
+def prefetch(fn: Callable[[Any], Any], items: Iterable[Any], threads: int, depth: int) -> Iterator[Any]:
+    """fn(item) for each item, in order; with threads > 0 computed up to `depth` items ahead by a pool of
+    background threads. Closing the iterator early cancels what is queued."""
+    if threads == 0:
+        yield from map(fn, items)
+        return
+    items = iter(items)
+    with ThreadPoolExecutor(threads, thread_name_prefix="draftsmith-loader") as pool:
+        pending = deque(pool.submit(fn, item) for item in itertools.islice(items, max(1, depth)))
+        try:
+            while pending:
+                result = pending.popleft().result()
+                nxt = next(items, _END)
+                if nxt is not _END:
+                    pending.append(pool.submit(fn, nxt))
+                yield result
+        finally:
+            for future in pending:
+                future.cancel()
+
+
+class StreamingData:
+    """Train/validation samples of a manifest, read from the shards on demand.
+
+    Memory holds only the sample index (shard, position, length); the loop asks for an epoch's plan
+    (`epoch_batches`, lists of sample indices) and iterates `batches(plan)`, which decodes and collates
+    the next batches in `loader_threads` background threads while the current one trains. (Collating in
+    the training thread is also slow on a busy CPU: its many small copies each wait for torch's
+    intra-op thread team; measured 70x slower than in a background thread with 2 threads on 2 busy cores.)
+    """
+
+    def __init__(
+        self,
+        readers: list[ShardReader],
+        train: list[SampleRef],
+        val: list[SampleRef],
+        settings: TrainSettings,
+    ):
         if not train:
             raise ValueError("no training samples (all held out for validation, or none with a target token)")
-        self.train, self.val = train, val
-        self.batch_tokens, self.seed = batch_tokens, seed
+        self.readers, self.train, self.val = readers, train, val
+        self.batch_tokens, self.seed = settings.batch_tokens, settings.seed
+        self.pack_window, self.threads = settings.pack_window, settings.loader_threads
 
     @classmethod
-    def from_manifest(cls, manifest: dict[str, Any], settings: TrainSettings) -> InMemoryData:
-        paths = [Path(s["path"]) for s in manifest["shards"]]
-        samples = load_samples(
-            paths, settings.max_seq_len, int(manifest["num_aux"]), int(manifest["hidden_size"])
+    def from_manifest(cls, manifest: dict[str, Any], settings: TrainSettings) -> StreamingData:
+        readers = [ShardReader(s["path"]) for s in manifest["shards"]]
+        refs, skipped = index_samples(
+            readers, settings.max_seq_len, int(manifest["num_aux"]), int(manifest["hidden_size"])
         )
-        # a sample contributes only if some x_{t+2} (t >= 0) is an assistant token
-        usable = [s for s in samples if bool(s.loss_mask[2:].any())]
-        if len(usable) < len(samples):
-            log.info("skipping %d samples without a predictable assistant token", len(samples) - len(usable))
-        train = [s for s in usable if not is_validation(s.id, settings.val_fraction)]
-        val = [s for s in usable if is_validation(s.id, settings.val_fraction)]
-        return cls(train, val, settings.batch_tokens, settings.seed)
+        if skipped:
+            log.info("skipping %d samples without a predictable assistant token", skipped)
+        train = [r for r in refs if not is_validation(r.id, settings.val_fraction)]
+        val = [r for r in refs if is_validation(r.id, settings.val_fraction)]
+        return cls(readers, train, val, settings)
+
+    def close(self) -> None:
+        for reader in self.readers:
+            reader.close()
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
         """The batches of an epoch: a pure function of (seed, epoch), so a resumed run sees the same ones."""
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return plan_batches([s.num_tokens for s in self.train], self.batch_tokens, g)
+        return plan_batches([r.num_tokens for r in self.train], self.batch_tokens, g, self.pack_window)
 
     def val_batches(self) -> list[list[int]]:
-        return plan_batches([s.num_tokens for s in self.val], self.batch_tokens, None)
+        """Validation batches, sorted by length for the least padding."""
+        lengths = [r.num_tokens for r in self.val]
+        return plan_batches(lengths, self.batch_tokens, None, max(1, len(lengths)))
 
-    def batch(self, indices: list[int], split: str, device: torch.device | str) -> Batch:
-        pool = self.train if split == "train" else self.val
-        return collate([pool[i] for i in indices], device)
+    def sample(self, split: str, i: int) -> Sample:
+        ref = (self.train if split == "train" else self.val)[i]
+        return self.readers[ref.shard].read(ref.index, ref.num_tokens)
+
+    def batch(self, indices: list[int], split: str) -> Batch:
+        return collate([self.sample(split, i) for i in indices])
+
+    def batches(self, plan: Iterable[list[int]], split: str) -> Iterator[Batch | None]:
+        """One CPU batch per list of the plan (None for an empty list: a rank with no share), in order."""
+
+        def make(indices: list[int]) -> Batch | None:
+            return self.batch(indices, split) if indices else None
+
+        return prefetch(make, plan, self.threads, 2 * self.threads + 1)
+
+
+class InMemoryData(StreamingData):
+    """The same samples, plans and batches, with every sample decoded once up front and held in memory
+    (batches are still collated in the background threads): the streaming loader's reference in
+    bench/train.py and the tests."""
+
+    def __init__(
+        self,
+        readers: list[ShardReader],
+        train: list[SampleRef],
+        val: list[SampleRef],
+        settings: TrainSettings,
+    ):
+        super().__init__(readers, train, val, settings)
+        self.loaded = {
+            split: [self.readers[r.shard].read(r.index, r.num_tokens) for r in refs]
+            for split, refs in (("train", train), ("val", val))
+        }
+
+    def sample(self, split: str, i: int) -> Sample:
+        return self.loaded[split][i]
 
 
 # --------------------------------------------------------------------------------------------- objective
@@ -324,6 +557,16 @@ class StepStats:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def all_sum(self, dist: Dist) -> StepStats:
+        """The sums over every rank (float64 carries the integer counts exactly)."""
+        if dist.world == 1:
+            return self
+        n = len(self.count)
+        flat = [*self.loss_sum, *self.correct, *self.count, self.teacher_correct, self.tokens]
+        t = dist.all_sum(torch.tensor(flat, dtype=torch.float64, device=dist.device)).tolist()
+        ints = [int(round(x)) for x in t[n:]]
+        return StepStats(t[:n], ints[:n], ints[n : 2 * n], ints[2 * n], ints[2 * n + 1])
+
 
 def ttt_loss(
     drafter: Eagle3Drafter,
@@ -334,11 +577,14 @@ def ttt_loss(
     ttt_decay: float,
     noise_std: float = 0.0,
     generator: torch.Generator | None = None,
+    step_counts: list[int] | None = None,
 ) -> tuple[Tensor, StepStats]:
     """The EAGLE-3 TTT objective on a batch -> (weighted loss, stats).
 
     embed_weight [V, Ht]: the target's frozen input embedding; teacher_weight [Vd, Ht]: the target's
-    lm_head rows of the draft ids (teacher_logits = f @ teacher_weight.T).
+    lm_head rows of the draft ids (teacher_logits = f @ teacher_weight.T). Step j's cross-entropy sum is
+    divided by step_counts[j] (default: this batch's count of valid positions, i.e. the mean); data
+    parallel ranks pass the count over all ranks' slices, so their losses add up to the whole batch's.
     """
     B, T = batch.input_ids.shape
     device = batch.input_ids.device
@@ -380,8 +626,14 @@ def ttt_loss(
         per_position = -(p * logp).sum(-1)  # soft cross-entropy
         stats.loss_sum[j] = float(per_position.detach().sum())
         stats.count[j] = int(b.numel())
-        total = total + ttt_decay**j * per_position.mean()
+        denominator = step_counts[j] if step_counts is not None else b.numel()
+        total = total + ttt_decay**j * per_position.sum() / denominator
     return total, stats
+
+
+def ttt_step_counts(loss_mask: Tensor, lengths: Tensor, ttt_steps: int) -> list[int]:
+    """Valid positions per TTT step of a batch (known before the forward: they depend on masks only)."""
+    return [int(ttt_step_targets(loss_mask, lengths, j)[0].sum()) for j in range(ttt_steps)]
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, final_ratio: float = 0.1) -> float:
@@ -406,25 +658,21 @@ def evaluate(
     drafter: Eagle3Drafter,
     embed: Tensor,
     teacher: Tensor,
-    data: InMemoryData,
+    data: StreamingData,
     settings: TrainSettings,
-    device,
+    dist: Dist,
 ) -> StepStats:
+    """Validation stats over every rank's slice of the validation batches."""
     was_training = drafter.training
     drafter.eval()
     stats = StepStats.zeros(settings.ttt_steps)
-    for indices in data.val_batches():
-        _, s = ttt_loss(
-            drafter,
-            embed,
-            teacher,
-            data.batch(indices, "val", device),
-            settings.ttt_steps,
-            settings.ttt_decay,
-        )
-        stats.add(s)
+    plan = [b[dist.rank :: dist.world] for b in data.val_batches()]
+    for batch in data.batches(plan, "val"):
+        if batch is not None:
+            batch = batch.to(dist.device)
+            stats.add(ttt_loss(drafter, embed, teacher, batch, settings.ttt_steps, settings.ttt_decay)[1])
     drafter.train(was_training)
-    return stats
+    return stats.all_sum(dist)
 
 
 # ------------------------------------------------------------------------------------------- checkpoints
@@ -456,7 +704,6 @@ def save_checkpoint(
     drafter: Eagle3Drafter,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
-    noise_gen: torch.Generator,
     state: dict[str, Any],
 ) -> Path:
     """checkpoint_dir/step-{n}/: model.safetensors (fp32), optimizer.pt, trainer.pt (scheduler + RNG),
@@ -470,7 +717,6 @@ def save_checkpoint(
             "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
             "python": random.getstate(),
-            "noise": noise_gen.get_state(),
         }
         torch.save({"scheduler": scheduler.state_dict(), "rng": rng}, tmp / "trainer.pt")
         (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
@@ -485,7 +731,6 @@ def load_checkpoint(
     drafter: Eagle3Drafter,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
-    noise_gen: torch.Generator,
 ) -> dict[str, Any]:
     device = next(drafter.parameters()).device
     drafter.load_state_dict(load_file(str(path / "model.safetensors"), device=str(device)), strict=True)
@@ -497,14 +742,25 @@ def load_checkpoint(
     if rng["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
     random.setstate(rng["python"])
-    noise_gen.set_state(rng["noise"])
     return json.loads((path / "state.json").read_text(encoding="utf-8"))
+
+
+def remove_partial_checkpoints(checkpoint_dir: str | Path) -> None:
+    """What a run killed while writing a checkpoint left: atomic_dir's hidden temp folders, step-N
+    folders without the COMPLETE marker."""
+    root = Path(checkpoint_dir)
+    if not root.is_dir():
+        return
+    for p in root.iterdir():
+        partial = _step_of(p) is not None and not (p / COMPLETE_MARKER).is_file()
+        if p.is_dir() and (partial or (p.name.startswith(".step-") and p.name.endswith(".tmp"))):
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def resume_key(
     settings: TrainSettings, manifest: dict[str, Any], vocab: dict[str, Any], cfg: DrafterConfig
 ) -> dict:
-    """What must match to resume a checkpoint: settings (bar max_steps/threads), data, vocab, model."""
+    """What must match to resume a checkpoint: settings (bar RESUME_FREE_SETTINGS), data, vocab, model."""
     data = {
         "shards": [
             [Path(s["path"]).name, s.get("num_samples"), s.get("num_tokens")] for s in manifest["shards"]
@@ -532,7 +788,31 @@ def _read_rows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
+def noise_seed(seed: int, step: int, rank: int) -> int:
+    """Seed of the aux-state noise of one step on one rank: reproducible without saving any generator
+    state, so a resumed run draws the same noise."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{step}/{rank}".encode()).digest()[:7], "big")
+
+
 # ------------------------------------------------------------------------------------------------- train
+
+
+def build_drafter(
+    target: TargetHead, d2t: Tensor, t2d: Tensor, num_aux: int, seed: int, device: torch.device | str
+) -> tuple[Eagle3Drafter, Tensor, Tensor]:
+    """-> (the drafter at its initial weights, in train mode; the frozen target embedding [V, Ht]; the
+    teacher weight [Vd, Ht] = the target's lm_head rows of the draft ids), on device. The initial
+    weights are a function of the seed: every data-parallel rank builds the same drafter."""
+    cfg = DrafterConfig.from_target(target.config, d2t.numel(), num_aux)
+    random.seed(seed)
+    torch.manual_seed(seed)
+    drafter = Eagle3Drafter(cfg)
+    drafter.set_vocab_map(d2t, t2d)
+    drafter.init_from_target(target.lm_head, target.norm)
+    drafter.to(device).train()
+    embed = target.embed.to(device)  # frozen, not part of the drafter
+    draft_ids = torch.arange(cfg.draft_vocab_size) + d2t  # target id of each draft id
+    return drafter, embed, target.lm_head[draft_ids].to(device)
 
 
 def train(
@@ -544,19 +824,20 @@ def train(
     settings: TrainSettings,
     *,
     device: str | torch.device | None = None,
-    checkpoint_every: int | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Train a drafter on the shards of data_config.json and export it to out_dir -> summary dict.
 
     Resumes from the newest complete checkpoint in checkpoint_dir when it was written with the same
-    settings (max_steps and threads aside), data and vocabulary; otherwise those checkpoints are removed
+    settings (RESUME_FREE_SETTINGS aside), data and vocabulary; otherwise those checkpoints are removed
     and training starts fresh. Checkpoints are written at each epoch end, every `checkpoint_every` steps
-    and when max_steps stops the run.
+    and when max_steps stops the run. Under torchrun (WORLD_SIZE > 1) this runs on every rank; rank 0
+    writes checkpoints, metrics and the export.
     """
     wall_start = time.perf_counter()
     out_dir, checkpoint_dir, metrics_path = Path(out_dir), Path(checkpoint_dir), Path(metrics_path)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dist = init_distributed(device)
+    device = dist.device
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     manifest = load_manifest(manifest_path)
@@ -579,56 +860,60 @@ def train(
             f"vocab map covers {t2d.numel()} target ids but the target vocabulary is {tcfg.vocab_size}"
         )
 
-    data = InMemoryData.from_manifest(manifest, settings)
-    plans = [data.epoch_batches(e) for e in range(settings.epochs)]
-    total_steps = sum(len(p) for p in plans)  # the schedule's horizon; max_steps only stops early
+    data = StreamingData.from_manifest(manifest, settings)
+    steps_per_epoch = [len(data.epoch_batches(e)) for e in range(settings.epochs)]
+    total_steps = sum(steps_per_epoch)  # the schedule's horizon; max_steps only stops early
     stop_at = total_steps if settings.max_steps is None else min(total_steps, settings.max_steps)
 
-    cfg = DrafterConfig.from_target(tcfg, d2t.numel(), num_aux)
-    random.seed(settings.seed)
-    torch.manual_seed(settings.seed)  # the drafter's initial weights
-    drafter = Eagle3Drafter(cfg)
-    drafter.set_vocab_map(d2t, t2d)
-    drafter.init_from_target(target.lm_head, target.norm)
-    drafter.to(device).train()
-    embed = target.embed.to(device)  # frozen, not part of the drafter
-    draft_ids = torch.arange(cfg.draft_vocab_size) + d2t  # target id of each draft id
-    teacher_weight = target.lm_head[draft_ids].to(device)  # [Vd, Ht]: only the draft rows of the teacher
+    drafter, embed, teacher_weight = build_drafter(target, d2t, t2d, num_aux, settings.seed, device)
+    cfg = drafter.cfg
     del target
+    params = [p for p in drafter.parameters() if p.requires_grad]
 
     optimizer = make_optimizer(drafter, settings)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, settings.warmup_steps, total_steps)
     )
-    noise_gen = torch.Generator(device=device).manual_seed(settings.seed + 1)
+    noise_gen = torch.Generator(device=device)
 
-    # ---- resume
+    # ---- resume: every rank reads the same checkpoint; rank 0 clears what cannot be resumed, after
+    # the others have read
     key = resume_key(settings, manifest, vocab, cfg)
     step, epoch, batch_in_epoch = 0, 0, 0
     epoch_stats, last_epoch_stats = StepStats.zeros(settings.ttt_steps), None
     rows: list[dict[str, Any]] = []
     resumed_from = None
     checkpoints = list_checkpoints(checkpoint_dir)
+    foreign = False
     if checkpoints:
         latest = checkpoints[-1]
         saved = json.loads((latest / "state.json").read_text(encoding="utf-8"))
         if saved.get("resume_key") == key:
-            saved = load_checkpoint(latest, drafter, optimizer, scheduler, noise_gen)
+            saved = load_checkpoint(latest, drafter, optimizer, scheduler)
             step, epoch, batch_in_epoch = saved["step"], saved["epoch"], saved["batch_in_epoch"]
             epoch_stats = StepStats(**saved["epoch_stats"])
             last_epoch_stats = StepStats(**saved["last_epoch_stats"]) if saved["last_epoch_stats"] else None
             rows = [r for r in _read_rows(metrics_path) if r.get("step", 0) <= step]
-            rows.append({"kind": "resume", "step": step, "checkpoint": str(latest)})
+            rows.append({"kind": "resume", "step": step, "checkpoint": str(latest), "world_size": dist.world})
             resumed_from = step
-            log.info("resumed from %s (step %d, epoch %d, batch %d)", latest, step, epoch + 1, batch_in_epoch)
+            if dist.main:
+                log.info(
+                    "resumed from %s (step %d, epoch %d, batch %d)", latest, step, epoch + 1, batch_in_epoch
+                )
         else:
-            diff = _differences(saved.get("resume_key") or {}, key)
-            log.warning(
-                "not resuming %s: written for other settings/data (%s); starting fresh",
-                latest,
-                "; ".join(diff),
-            )
-            for p in Path(checkpoint_dir).iterdir():
+            foreign = True
+            if dist.main:
+                diff = _differences(saved.get("resume_key") or {}, key)
+                log.warning(
+                    "not resuming %s: written for other settings/data (%s); starting fresh",
+                    latest,
+                    "; ".join(diff),
+                )
+    dist.barrier()
+    if dist.main:
+        remove_partial_checkpoints(checkpoint_dir)
+        if foreign:
+            for p in checkpoint_dir.iterdir():
                 if p.is_dir() and _step_of(p) is not None:
                     shutil.rmtree(p, ignore_errors=True)
 
@@ -636,7 +921,7 @@ def train(
 
     def flush_metrics(force: bool = False) -> None:
         nonlocal last_flush
-        if force or time.perf_counter() - last_flush > METRICS_FLUSH_S:
+        if dist.main and (force or time.perf_counter() - last_flush > METRICS_FLUSH_S):
             write_jsonl(metrics_path, rows)
             last_flush = time.perf_counter()
 
@@ -651,40 +936,60 @@ def train(
             "epoch": at_epoch,  # the epoch to continue (0-based) ...
             "batch_in_epoch": at_batch,  # ... from this batch of its plan
             "total_steps": total_steps,
+            "world_size": dist.world,
             "epoch_stats": epoch_stats.to_dict(),
             "last_epoch_stats": last_epoch_stats.to_dict() if last_epoch_stats else None,
             "resume_key": key,
         }
-        save_checkpoint(checkpoint_dir, step, drafter, optimizer, scheduler, noise_gen, state)
-        last_saved = step
+        # metrics first: a run killed between the two resumes from an older checkpoint and keeps the
+        # rows up to it; the other order would lose the rows since the last flush
         flush_metrics(force=True)
+        if dist.main:
+            save_checkpoint(checkpoint_dir, step, drafter, optimizer, scheduler, state)
+        last_saved = step
 
     # ---- loop
-    trained_tokens, train_time = 0, 0.0
-    bar = tqdm(total=stop_at, initial=min(step, stop_at), disable=not progress, desc="train", mininterval=1.0)
-    stopped = False
-    while epoch < settings.epochs and not stopped:
-        plan = plans[epoch]
-        while batch_in_epoch < len(plan):
-            if step >= stop_at:
-                stopped = True
-                break
+    trained_tokens, train_time, wait_time = 0, 0.0, 0.0
+    bar = tqdm(
+        total=stop_at,
+        initial=min(step, stop_at),
+        disable=not (progress and dist.main),
+        desc="train",
+        mininterval=1.0,
+    )
+    while epoch < settings.epochs and step < stop_at:
+        plan = data.epoch_batches(epoch)
+        todo = plan[batch_in_epoch : batch_in_epoch + stop_at - step]  # no decoding past max_steps
+        batches = data.batches([b[dist.rank :: dist.world] for b in todo], "train")
+        for _ in todo:
+            t_wait = time.perf_counter()
+            batch = next(batches)  # decoded in the background while the previous step trained
             t0 = time.perf_counter()
-            batch = data.batch(plan[batch_in_epoch], "train", device)
-            loss, stats = ttt_loss(
-                drafter, embed, teacher_weight, batch, settings.ttt_steps, settings.ttt_decay,
-                settings.noise_std, noise_gen,
-            )  # fmt: skip
+            wait_time += t0 - t_wait
+            stats = StepStats.zeros(settings.ttt_steps)
+            counts = torch.zeros(settings.ttt_steps, dtype=torch.int64)
+            if batch is not None:
+                batch = batch.to(device)
+                counts = torch.tensor(ttt_step_counts(batch.loss_mask, batch.lengths, settings.ttt_steps))
+            counts = dist.all_sum(counts.to(device)).tolist()  # the whole batch's, over all ranks
             optimizer.zero_grad(set_to_none=True)
-            if loss.requires_grad:  # False only if no position of the batch is trainable
-                loss.backward()
+            if batch is not None:
+                if settings.noise_std > 0:
+                    noise_gen.manual_seed(noise_seed(settings.seed, step, dist.rank))
+                loss, stats = ttt_loss(
+                    drafter, embed, teacher_weight, batch, settings.ttt_steps, settings.ttt_decay,
+                    settings.noise_std, noise_gen, step_counts=counts,
+                )  # fmt: skip
+                if loss.requires_grad:  # False only if no position of the batch is trainable
+                    loss.backward()
+            sync_gradients(params, dist)
             grad_norm = torch.nn.utils.clip_grad_norm_(
-                drafter.parameters(), settings.grad_clip if settings.grad_clip > 0 else float("inf")
+                params, settings.grad_clip if settings.grad_clip > 0 else float("inf")
             )
             lr = optimizer.param_groups[0]["lr"]
-            loss_value = float(loss.detach())
             optimizer.step()
             scheduler.step()
+            stats = stats.all_sum(dist)
             step += 1
             batch_in_epoch += 1
             dt = time.perf_counter() - t0
@@ -692,6 +997,7 @@ def train(
             train_time += dt
             epoch_stats.add(stats)
             acc = stats.acc()
+            loss_value = stats.loss(settings.ttt_decay)
             rows.append(
                 {
                     "kind": "train",
@@ -708,6 +1014,7 @@ def train(
                     "grad_norm": float(grad_norm),
                     "tokens": stats.tokens,
                     "tokens_per_s": stats.tokens / dt if dt > 0 else None,
+                    "data_wait_s": t0 - t_wait,
                 }
             )
             bar.update(1)
@@ -717,13 +1024,15 @@ def train(
                 + f" tok/s {stats.tokens / dt:.0f}"
             )
             flush_metrics()
-            if checkpoint_every and step % checkpoint_every == 0 and batch_in_epoch < len(plan):
+            every = settings.checkpoint_every
+            if every and step % every == 0 and batch_in_epoch < len(plan):
                 checkpoint(epoch, batch_in_epoch)
-        if stopped:
-            break
+        batches.close()
+        if batch_in_epoch < len(plan):
+            break  # stopped by max_steps
         # ---- epoch end: validation, then a checkpoint positioned at the next epoch
         if data.val:
-            v = evaluate(drafter, embed, teacher_weight, data, settings, device)
+            v = evaluate(drafter, embed, teacher_weight, data, settings, dist)
             rows.append(
                 {
                     "kind": "val",
@@ -738,11 +1047,13 @@ def train(
                     "tokens": v.tokens,
                 }
             )
-            log.info("epoch %d val loss %.4f acc %s", epoch + 1, rows[-1]["loss"], rows[-1]["acc"])
+            if dist.main:
+                log.info("epoch %d val loss %.4f acc %s", epoch + 1, rows[-1]["loss"], rows[-1]["acc"])
         last_epoch_stats, epoch_stats = epoch_stats, StepStats.zeros(settings.ttt_steps)
         epoch, batch_in_epoch = epoch + 1, 0
         checkpoint(epoch, 0)
     bar.close()
+    data.close()
     checkpoint(epoch, batch_in_epoch)  # no-op unless stopped since the last one
     flush_metrics(force=True)
 
@@ -754,9 +1065,11 @@ def train(
         "total_steps": total_steps,
         "epochs": settings.epochs,
         "epochs_completed": epoch,
-        "steps_per_epoch": [len(p) for p in plans],
+        "steps_per_epoch": steps_per_epoch,
         "stopped_early": step < total_steps,
         "resumed_from_step": resumed_from,
+        "world_size": dist.world,
+        "device": str(device),
         "train_samples": len(data.train),
         "val_samples": len(data.val),
         "train_loss": train_stats.loss(settings.ttt_decay) if sum(train_stats.count) else None,
@@ -766,21 +1079,28 @@ def train(
         "val_acc": val_rows[-1]["acc"] if val_rows else None,
         "trained_tokens": trained_tokens,
         "tokens_per_s": trained_tokens / train_time if train_time > 0 else None,
+        # time the loop waited for the loader: ~0 when background decoding keeps ahead of training
+        "data_wait_s": wait_time,
+        "data_wait_fraction": wait_time / (wait_time + train_time) if train_time > 0 else None,
         "wall_s": time.perf_counter() - wall_start,
     }
-    with atomic_dir(out_dir) as tmp:
-        save_drafter(
-            drafter,
-            tmp,
-            aux_ids_input,
-            str(manifest["target"]),
-            extra={"training": {"settings": settings.to_dict(), "summary": summary}},
-        )
-        problems = check_export(
-            tmp, target_num_layers=tcfg.num_hidden_layers, target_vocab_size=tcfg.vocab_size
-        )
-        if problems:
-            raise RuntimeError(f"the export failed its own checks: {problems}")
-        write_json(tmp / "train_summary.json", summary)
-    log.info("exported the drafter to %s", out_dir)
+    if dist.main:
+        with atomic_dir(out_dir) as tmp:
+            save_drafter(
+                drafter,
+                tmp,
+                aux_ids_input,
+                str(manifest["target"]),
+                extra={"training": {"settings": settings.to_dict(), "summary": summary}},
+            )
+            problems = check_export(
+                tmp, target_num_layers=tcfg.num_hidden_layers, target_vocab_size=tcfg.vocab_size
+            )
+            if problems:
+                raise RuntimeError(f"the export failed its own checks: {problems}")
+            write_json(tmp / "train_summary.json", summary)
+        log.info("exported the drafter to %s", out_dir)
+    dist.barrier()  # the export exists before any rank returns
+    if dist.owns_group:
+        torch.distributed.destroy_process_group()
     return summary

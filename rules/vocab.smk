@@ -10,6 +10,9 @@ rule vocab:
         "benchmarks/vocab.tsv"
     conda:
         "../envs/draftsmith.yaml"
+    resources:
+        runtime=config["resources"]["default"]["runtime"],
+        mem_mb=config["resources"]["default"]["mem_mb"],
     params:
         size=config["vocab"]["size"],
     shell:

@@ -10,14 +10,19 @@ import torch
 from draftsmith.drafter import DrafterConfig, Eagle3Drafter
 from draftsmith.speculate import (
     Eagle3Proposer,
+    NgramProposer,
     SpecResult,
     acceptance_length,
+    acceptance_stats,
     accepted_tokens,
     catch_up_inputs,
     extend_until_stop,
     first_difference,
     greedy_decode,
+    ngram_propose,
     position_counts,
+    rejection_sample,
+    sample_decode,
     speculative_decode,
 )
 from draftsmith.vocab import vocab_maps
@@ -136,7 +141,7 @@ class ReferenceProposer:
         self.ref, self.correct = ref, correct
         self.reset()
 
-    def reset(self) -> None:
+    def reset(self, prompt_ids=()) -> None:
         self.last = -1
         self.step = 0
         self.expected: list[int] = []  # leading correct drafts per step
@@ -255,8 +260,8 @@ class CheckingProposer(Eagle3Proposer):
     """Checks the cached drafter against a fresh one fed the whole history at once, and records every
     aux state that was caught up, to compare with the target's hidden_states."""
 
-    def reset(self) -> None:
-        super().reset()
+    def reset(self, prompt_ids=()) -> None:
+        super().reset(prompt_ids)
         self.history: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def catch_up(self, aux, next_ids, positions) -> None:
@@ -351,87 +356,237 @@ def test_chain_step_inputs(drafter, target):
         torch.testing.assert_close(got, want)
 
 
-# ----------------------------------------------------------------------------- evaluate end to end
+# ----------------------------------------------------------------------------- variable drafts, n-gram
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+
+def test_position_counts_with_short_and_empty_drafts():
+    # steps drafted 3, 0, 2, 1 tokens and accepted 2, 0, 2, 0
+    accepts, proposals = position_counts([2, 0, 2, 0], 3, proposed=[3, 0, 2, 1])
+    assert proposals == [3, 2, 1] and accepts == [2, 2, 0]
+    with pytest.raises(ValueError):
+        position_counts([2], 3, proposed=[1])  # more accepted than drafted
+    stats = acceptance_stats([2, 0, 2, 0], [3, 0, 2, 1], 3)
+    # vLLM: the step without drafts is not a draft; tau = 1 + accepted / drafts
+    assert stats["drafts"] == 3 and stats["draft_tokens"] == 6 and stats["accepted_tokens"] == 4
+    assert stats["tau"] == pytest.approx(1 + 4 / 3)
+    assert stats["accepted_per_pos"] == [2, 2, 0]
+    assert stats["acceptance_rate_per_position"] == pytest.approx([2 / 3, 2 / 3, 0.0])
+    assert stats["draft_acceptance_rate"] == pytest.approx(4 / 6)
+
+
+@pytest.mark.parametrize(
+    "tokens,k,expected",
+    [
+        ([1, 2, 3, 4, 1, 2], 3, [3, 4, 1]),  # suffix [1, 2] seen at 0
+        ([5, 6, 7, 5, 6, 8, 5, 6], 3, [7, 5, 6]),  # two earlier matches: the earliest wins
+        ([1, 2, 9, 3, 1, 2, 7, 0, 3, 1, 2], 3, [7, 0, 3]),  # the longer match [3, 1, 2] beats [1, 2] at 0
+        ([4, 4, 4, 4], 3, [4]),  # overlapping match; only one token follows it
+        ([1, 2, 3, 1, 2], 1, [3]),
+        ([1, 2, 3, 4], 3, []),  # no repeated bigram
+        ([7, 7], 3, []),  # shorter than min_n + 1: nothing earlier to match
+        ([3], 2, []),
+    ],
 )
+def test_ngram_propose_matches_vllm_rules(tokens, k, expected):
+    assert ngram_propose(tokens, 2, 4, k) == expected
+
+
+def test_ngram_propose_caps_the_match_at_max_n():
+    # the 5-token suffix repeats, but max_n = 2 looks only at [8, 9]: earliest [8, 9] is at 0
+    seq = [8, 9, 1, 5, 6, 7, 8, 9, 2, 5, 6, 7, 8, 9]
+    assert ngram_propose(seq, 2, 2, 2) == [1, 5]
+    assert ngram_propose(seq, 2, 5, 2) == [2, 5]  # [5, 6, 7, 8, 9] at 3 -> followed by 2, 5
+    with pytest.raises(ValueError):
+        ngram_propose(seq, 3, 2, 1)
+
+
+def test_ngram_speculation_is_lossless_and_counts_like_vllm(target):
+    # a repetitive prompt, so lookups find matches and some steps have none
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 9, 5, 6]])
+    max_new = 30
+    plain = greedy_decode(target, ids, max_new, eos_ids=[])
+    res = speculative_decode(target, NgramProposer(2, 4), None, [], ids, max_new, 3, eos_ids=[])
+    assert res.tokens == plain
+    assert res.drafts >= 1 and any(m == 0 for m in res.drafted)  # steps without a match exist
+    assert res.drafts == sum(1 for m in res.drafted if m > 0) < res.steps
+    assert all(n <= m for n, m in zip(res.accepted, res.drafted, strict=True))
+    assert res.tau == pytest.approx(1 + sum(res.accepted) / res.drafts)
+    # the proposer saw the whole sequence, prompt included
+    seq = ids[0].tolist() + res.tokens
+    prop = NgramProposer(2, 4)
+    prop.reset(ids[0].tolist())
+    assert prop.tokens == seq[: ids.shape[1]]
+
+
+# ----------------------------------------------------------------------------- speculative sampling
+
+
+def chi_square(counts: list[int], probs: list[float]) -> tuple[float, int]:
+    """Pearson's statistic and degrees of freedom, cells with expected count < 5 merged into one."""
+    n = sum(counts)
+    stat, merged_c, merged_e, cells = 0.0, 0, 0.0, 0
+    for c, p in zip(counts, probs, strict=True):
+        e = n * p
+        if e < 5:
+            merged_c, merged_e = merged_c + c, merged_e + e
+            continue
+        stat += (c - e) ** 2 / e
+        cells += 1
+    if merged_e > 0:
+        stat += (merged_c - merged_e) ** 2 / merged_e
+        cells += 1
+    return stat, cells - 1
+
+
+def chi_square_critical(df: int, z: float = 3.29) -> float:
+    """Upper 0.9995 quantile of chi-square(df) (Wilson-Hilferty); a fixed-seed test far from flaky."""
+    a = 2 / (9 * df)
+    return df * (1 - a + z * a**0.5) ** 3
+
+
+def assert_distributed_as(samples: list[int], probs: torch.Tensor) -> None:
+    counts = torch.bincount(torch.tensor(samples), minlength=probs.numel()).tolist()
+    stat, df = chi_square(counts, probs.tolist())
+    assert stat < chi_square_critical(df), f"chi-square {stat:.1f} >= {chi_square_critical(df):.1f} (df {df})"
+
+
+def test_chi_square_detects_a_biased_sampler():
+    """The test above has power: samples from q (what an always-accepting verifier emits) fail it."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+    q = torch.tensor([0.2, 0.2, 0.2, 0.2, 0.2])
+    with pytest.raises(AssertionError):
+        assert_distributed_as(torch.multinomial(q, 4000, replacement=True, generator=g).tolist(), p)
+    assert_distributed_as(torch.multinomial(p, 4000, replacement=True, generator=g).tolist(), p)
+
+
+@pytest.mark.parametrize("sampled_drafts", [True, False])
+def test_rejection_sample_is_distributed_as_the_target(sampled_drafts):
+    """Per position: the emitted token ~ p_0; and after an accepted first draft, the next ~ p_1."""
+    g = torch.Generator().manual_seed(1)
+    p = torch.tensor([[0.45, 0.25, 0.15, 0.1, 0.05], [0.05, 0.1, 0.2, 0.3, 0.35], [0.2] * 5])
+    q = torch.tensor([[0.1, 0.4, 0.3, 0.1, 0.1], [0.3, 0.3, 0.2, 0.1, 0.1]])
+    first, second, accepted_any = [], [], 0
+    for _ in range(6000):
+        if sampled_drafts:
+            drafts = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(2)]
+            out = rejection_sample(p, q, drafts, g)
+        else:  # deterministic drafts (greedy EAGLE, n-gram): q is one-hot
+            drafts = [1, 4]
+            out = rejection_sample(p, None, drafts, g)
+        assert 1 <= len(out) <= 3 and out[:-1] == drafts[: len(out) - 1]
+        first.append(out[0])
+        if len(out) >= 2:
+            second.append(out[1])
+            accepted_any += 1
+    assert_distributed_as(first, p[0])
+    assert accepted_any > 500
+    assert_distributed_as(second, p[1])
+
+
+def test_rejection_sample_rejects_impossible_drafts():
+    p = torch.tensor([[0.5, 0.5], [0.5, 0.5]])
+    with pytest.raises(ValueError, match="draft probability 0"):
+        rejection_sample(p, torch.tensor([[1.0, 0.0]]), [1], None)
+    with pytest.raises(ValueError):
+        rejection_sample(p, None, [0, 1], None)  # 2 drafts need 3 rows of p
+
+
+SMALL_V = 8
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    """A target with an 8-token vocabulary (distributions can be enumerated) and a random drafter."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(5)
+    cfg = LlamaConfig(vocab_size=SMALL_V, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                      initializer_range=0.4, tie_word_embeddings=False)  # fmt: skip
+    tgt = LlamaForCausalLM(cfg).float().eval()
+    torch.manual_seed(6)
+    d = Eagle3Drafter(DrafterConfig.from_target(cfg, draft_vocab_size=SMALL_V, num_aux=len(AUX)))
+    d.set_vocab_map(*vocab_maps(torch.arange(SMALL_V), SMALL_V))
+    d.init_from_target(tgt.lm_head.weight, tgt.model.norm.weight)
+    return tgt, d.float().eval()
+
+
+def exact_marginals(target, prompt: list[int], temperature: float, n: int) -> list[torch.Tensor]:
+    """Exact distributions of generated tokens 1..n under plain sampling, by enumerating prefixes."""
+    marginals = []
+    prefixes, weights = [[]], torch.ones(1)
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.tensor([prompt + pre for pre in prefixes])
+            probs = torch.softmax(target(ids).logits[:, -1].double() / temperature, -1)  # [P, V]
+            joint = weights[:, None] * probs
+            marginals.append(joint.sum(0))
+            prefixes = [pre + [t] for pre in prefixes for t in range(SMALL_V)]
+            weights = joint.flatten()
+    return marginals
+
+
+class TargetGreedyProposer:
+    """Deterministic drafts (q one-hot, the n-gram / greedy-EAGLE case) that the target often accepts:
+    its own greedy chain."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def reset(self, prompt_ids=()) -> None:
+        self.tokens = list(prompt_ids)
+
+    def catch_up(self, aux, next_ids, positions) -> None:
+        self.tokens[int(positions[0, 0]) + 1 :] = next_ids[0].tolist()
+
+    def propose(self, k: int) -> list[int]:
+        seq = list(self.tokens)
+        with torch.no_grad():
+            for _ in range(k):
+                seq.append(int(self.target(torch.tensor([seq])).logits[0, -1].argmax()))
+        return seq[len(self.tokens) :]
 
 
 @pytest.fixture()
-def eval_setup(tmp_path, monkeypatch, target, drafter):
-    """A saved tiny target with a character-level chat tokenizer, a prompts file, and a stand-in
-    `draftsmith.export` whose load_drafter returns the in-memory drafter."""
-    import json
-    import sys
-    import types
-
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    chars = list("abcdefghijklmnopqrstuvwxyz0123456789 .,?!:\n")
-    vocab = {"[UNK]": 0, "<|im_start|>": 1, "<|im_end|>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", unk_token="[UNK]")
-    fast.chat_template = CHAT_TEMPLATE
-    target_dir = tmp_path / "target"
-    target.save_pretrained(target_dir)
-    fast.save_pretrained(target_dir)
-
-    prompts = tmp_path / "heldout.jsonl"
-    rows = [
-        {"id": f"p{i}", "messages": [{"role": "user", "content": f"question {i}: why?"}]} for i in range(3)
-    ]
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-    export_config = {
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [a - 1 for a in AUX]},
-        "draftsmith": {"aux_layer_convention": "output"},
-    }
-    fake = types.ModuleType("draftsmith.export")
-    fake.load_drafter = lambda path, dtype=torch.float32: (drafter, export_config)
-    monkeypatch.setitem(sys.modules, "draftsmith.export", fake)
-    return target_dir, prompts, tmp_path / "eval"
+def one_thread():
+    """Tiny forwards in a loop: a second thread only adds spin-waiting."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
-def test_evaluate_writes_summary_plot_and_gates(eval_setup, capsys):
-    import json
+@pytest.mark.parametrize("drafts", ["sampled from the drafter", "deterministic"])
+def test_speculative_sampling_matches_plain_sampling(small_pair, drafts, one_thread):
+    """End to end through the target (and the real drafter): the first three generated tokens of
+    speculative sampling (k = 2) follow the target's exact distribution at each position."""
+    tgt, d = small_pair
+    prompt, temperature, runs = [1, 5, 2, 7], 1.3, 500
+    exact = exact_marginals(tgt, prompt, temperature, 3)
+    g = torch.Generator().manual_seed(11)
+    ids = torch.tensor([prompt])
+    if drafts == "deterministic":
+        proposer, embed, aux, mode = TargetGreedyProposer(tgt), None, [], "greedy"
+    else:
+        proposer, embed, aux, mode = d, tgt.get_input_embeddings(), AUX, "sample"
+    outs, accepted = [], 0
+    for _ in range(runs):
+        res = speculative_decode(tgt, proposer, embed, aux, ids, 3, 2, eos_ids=None, temperature=temperature,
+                                 generator=g, draft_sampling=mode)  # fmt: skip
+        assert len(res.tokens) == 3
+        outs.append(res.tokens)
+        accepted += sum(res.accepted)
+    assert accepted > 40, "too few accepted drafts to exercise the accept branch"
+    for pos in range(3):
+        assert_distributed_as([o[pos] for o in outs], exact[pos])
 
-    from draftsmith.evaluate import GateFailed, evaluate
 
-    target_dir, prompts, out = eval_setup
-    summary = evaluate(target_dir, "drafter", prompts, out, num_prompts=2, max_new_tokens=12,
-                       num_draft_tokens=3, min_tau=1.0, threads=1)  # fmt: skip
-    on_disk = json.loads((out / "summary.json").read_text())
-    assert on_disk == json.loads(json.dumps(summary))
-    assert (out / "acceptance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert summary["num_prompts"] == 2 and [r["id"] for r in summary["per_prompt"]] == ["p0", "p1"]
-    assert summary["aux_layer_ids"] == AUX and summary["lossless"] and summary["gate_passed"]
-    assert len(summary["acceptance_rate_per_position"]) == 3 and summary["tau"] >= 1.0
-    assert summary["speedup"] > 0 and summary["plain"]["tokens"] == summary["speculative"]["tokens"]
-    assert "tau" in capsys.readouterr().out
-
-    (out / "summary.json").unlink()
-    with pytest.raises(GateFailed, match=r"tau 1\.\d+ is below the gate min_tau=3.5.*data_config.json"):
-        evaluate(target_dir, "drafter", prompts, out, 1, 8, 3, min_tau=3.5, threads=1)
-    assert not json.loads((out / "summary.json").read_text())["gate_passed"]
-
-
-def test_evaluate_fails_hard_when_not_lossless(eval_setup, monkeypatch):
-    import draftsmith.evaluate as ev
-
-    real = ev.speculative_decode
-
-    def corrupt(*args, **kw):
-        res = real(*args, **kw)
-        if len(res.tokens) > 4:
-            res.tokens[4] = (res.tokens[4] + 1) % VOCAB
-        return res
-
-    monkeypatch.setattr(ev, "speculative_decode", corrupt)
-    target_dir, prompts, out = eval_setup
-    with pytest.raises(ev.NotLossless, match=r"prompt 'p0' differs at generated position 4"):
-        ev.evaluate(target_dir, "drafter", prompts, out, 2, 10, 2, min_tau=1.0, threads=1)
+def test_sample_decode(small_pair, one_thread):
+    tgt, _ = small_pair
+    ids = torch.tensor([[1, 5, 2, 7]])
+    assert sample_decode(tgt, ids, 6, None, temperature=0.0) == greedy_decode(tgt, ids, 6, None)
+    exact = exact_marginals(tgt, [1, 5, 2, 7], 1.3, 2)
+    g = torch.Generator().manual_seed(3)
+    outs = [sample_decode(tgt, ids, 2, None, temperature=1.3, generator=g) for _ in range(500)]
+    assert_distributed_as([o[1] for o in outs], exact[1])

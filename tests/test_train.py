@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,14 +17,22 @@ from safetensors.torch import load_file
 from draftsmith.drafter import TTTKV, DrafterConfig, Eagle3Drafter
 from draftsmith.export import check_export, load_drafter
 from draftsmith.layers import capture_aux, stack_aux
-from draftsmith.shards import Sample, iter_samples, write_shard
+from draftsmith.manifest import load_manifest
+from draftsmith.shards import Sample, ShardReader, iter_samples, read_sample, write_shard
+from draftsmith.target import file_sha256
 from draftsmith.train import (
+    InMemoryData,
+    StreamingData,
     TrainSettings,
+    _step_of,
     collate,
+    is_validation,
+    list_checkpoints,
     load_target_head,
     lr_factor,
     make_optimizer,
     plan_batches,
+    prefetch,
     train,
     ttt_loss,
     ttt_step_targets,
@@ -33,12 +43,11 @@ AUX_IDS = [1, 2, 3]
 VOCAB, DRAFT_VOCAB, LAYERS, HIDDEN = 256, 128, 4, 64
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """A tiny random target, greedy traces of it as shards, the manifest and the vocab map."""
+def make_tiny_data(root: Path) -> dict:
+    """A tiny random target, greedy traces of it as shards, the manifest and the vocab map (also used
+    by test_train_ddp.py)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    root = tmp_path_factory.mktemp("train-data")
     torch.set_num_threads(1)  # tiny matmuls: more threads only add spin-waiting on a busy machine
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -88,6 +97,9 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> dict:
                 "path": f"hidden/shard-{k}.safetensors",
                 "num_samples": len(part),
                 "num_tokens": sum(s.num_tokens for s in part),
+                "bytes": path.stat().st_size,  # what `draftsmith train` verifies before training
+                "sha256": file_sha256(path),
+                "teacher_agreement": None,
             }
         )
     manifest = {
@@ -99,6 +111,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "aux_layer_ids": AUX_IDS,
         "layer_convention": "input",
         "num_aux": len(AUX_IDS),
+        "min_teacher_agreement": 0.9,
         "shards": shards,
     }
     manifest_path = root / "data_config.json"
@@ -113,6 +126,11 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "root": root,
         "samples": samples,
     }
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return make_tiny_data(tmp_path_factory.mktemp("train-data"))
 
 
 def settings(**over) -> TrainSettings:
@@ -131,6 +149,9 @@ def settings(**over) -> TrainSettings:
         "val_fraction": 0.2,
         "seed": 0,
         "threads": 1,
+        "checkpoint_every": None,
+        "pack_window": 8,
+        "loader_threads": 2,
     }
     return TrainSettings.from_dict({**base, **over})
 
@@ -361,13 +382,168 @@ def test_partial_or_foreign_checkpoints_are_not_resumed(data: dict, tmp_path: Pa
     assert summary["resumed_from_step"] == 1 and summary["steps"] == 1
 
 
-def test_samples_are_truncated(data: dict) -> None:
-    from draftsmith.train import load_samples
+# ------------------------------------------------------------------------------------------ the loader
 
+
+def test_shard_reader_random_access(data: dict) -> None:
+    """Sample i read alone, in any order, equals the streamed sample (both codecs), and truncates."""
     paths = sorted((data["root"] / "hidden").glob("shard-*.safetensors"))
-    samples = load_samples(paths, 12, len(AUX_IDS), HIDDEN)
-    assert len(samples) == 24 and max(s.num_tokens for s in samples) == 12
-    for path, first in ((paths[0], samples[0]), (paths[1], samples[12])):
-        full = next(iter_samples(path))
-        assert torch.equal(first.aux, full.aux[:12]) and torch.equal(first.final, full.final[:12])
-        assert torch.equal(full.aux, data["samples"][int(full.id.split("-")[1])].aux)  # codec round trip
+    for path in paths:  # shard-0 codec "none", shard-1 "zstd-planes"
+        streamed = list(iter_samples(path))
+        with ShardReader(path) as reader:
+            assert len(reader) == len(streamed) and reader.codec in ("none", "zstd-planes")
+            for i in reversed(range(len(reader))):
+                got, want = reader.read(i), streamed[i]
+                assert got.id == want.id
+                for name in ("input_ids", "loss_mask", "aux", "final"):
+                    assert torch.equal(getattr(got, name), getattr(want, name)[:]), (path.name, i, name)
+                cut = reader.read(i, 12)
+                assert cut.num_tokens == 12 and torch.equal(cut.aux, want.aux[:12])
+                assert torch.equal(cut.final, want.final[:12])
+        original = data["samples"][int(streamed[3].id.split("-")[1])]
+        assert torch.equal(read_sample(path, 3).aux, original.aux)  # the codec round trip is lossless
+
+
+def test_plan_batches_packs_by_length() -> None:
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(5, 100, (200,), generator=gen).tolist()
+
+    def padded(batches: list[list[int]]) -> int:
+        return sum(len(b) * max(lengths[i] for i in b) for b in batches)
+
+    def plan(window: int, seed: int = 1) -> list[list[int]]:
+        return plan_batches(lengths, 400, torch.Generator().manual_seed(seed), window)
+
+    for window in (1, 16, 200):
+        batches = plan(window)
+        assert sorted(i for b in batches for i in b) == list(range(200)), window
+        assert all(len(b) * max(lengths[i] for i in b) <= 400 for b in batches)
+        assert batches == plan(window)  # a pure function of the generator's seed
+        assert batches != plan(window, seed=2)
+    # sorting by length within windows packs with less padding than plain shuffling
+    assert padded(plan(200)) < padded(plan(16)) < padded(plan(1))
+
+
+def test_streaming_loader_matches_in_memory(data: dict, monkeypatch) -> None:
+    """The same plans and bit-identical batches, whether decoded in background threads on demand or
+    up front; the streaming loader decodes nothing until a batch is asked for."""
+    manifest = load_manifest(data["manifest"])
+    reads = []
+    real_read = ShardReader.read
+    monkeypatch.setattr(ShardReader, "read", lambda self, i, n=None: reads.append(i) or real_read(self, i, n))
+    stream = StreamingData.from_manifest(manifest, settings(loader_threads=2))
+    assert reads == []  # the index comes from token masks only: no state decoded to build it
+    memory = InMemoryData.from_manifest(manifest, settings())
+    assert len(reads) == len(memory.train) + len(memory.val) == 24
+    assert [r.id for r in stream.val] == [r.id for r in memory.val] and len(stream.val) > 0
+    assert all(is_validation(r.id, 0.2) for r in stream.val)
+    reads.clear()
+    first = stream.epoch_batches(0)[:2]
+    batches = stream.batches(first, "train")
+    next(batches)
+    batches.close()
+    assert len(reads) <= sum(len(b) for b in first)  # at most what was asked for was decoded
+    for epoch in (0, 1):
+        plan = stream.epoch_batches(epoch)
+        assert plan == memory.epoch_batches(epoch)
+        for a, b in zip(stream.batches(plan, "train"), memory.batches(plan, "train"), strict=True):
+            for name in ("input_ids", "loss_mask", "lengths", "aux", "final"):
+                assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert stream.epoch_batches(0) != stream.epoch_batches(1)  # reshuffled every epoch
+    shards = {stream.train[i].shard for b in stream.epoch_batches(0)[:3] for i in b}
+    assert shards == {0, 1}  # batches mix the shards
+    stream.close()
+
+
+def test_prefetch_keeps_order_and_stops_early() -> None:
+    import threading
+
+    started = []
+    lock = threading.Lock()
+
+    def slow_square(x: int) -> int:
+        with lock:
+            started.append(x)
+        return x * x
+
+    assert list(prefetch(slow_square, range(20), threads=3, depth=4)) == [x * x for x in range(20)]
+    started.clear()
+    it = prefetch(slow_square, range(1000), threads=2, depth=4)
+    assert [next(it) for _ in range(3)] == [0, 1, 4]
+    it.close()
+    assert len(started) <= 3 + 4  # nothing is decoded far beyond what was consumed
+
+
+def test_target_head_read_directly_equals_model(data: dict, tmp_path: Path) -> None:
+    """embed/lm_head/norm read from the safetensors (no model built) equal the loaded model's, for a
+    tied and an untied target."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    untied = tmp_path / "untied"
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    LlamaForCausalLM(cfg).save_pretrained(untied)
+    for folder in (data["target"], untied):
+        head = load_target_head(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        assert torch.equal(head.embed, model.get_input_embeddings().weight)
+        assert torch.equal(head.lm_head, model.get_output_embeddings().weight)
+        assert torch.equal(head.norm, model.model.norm.weight)
+        assert head.config.hidden_size == HIDDEN
+
+
+# ------------------------------------------------------------------------------------------- real kill
+
+
+def _cli_train(data: dict, root: Path, s: TrainSettings) -> list[str]:
+    return [
+        sys.executable, "-m", "draftsmith.cli", "train", "--data", str(data["manifest"]),
+        "--vocab", str(data["vocab"]), "--out", str(root / "drafter"),
+        "--checkpoints", str(root / "checkpoints"), "--metrics", str(root / "metrics.jsonl"),
+        "--settings", json.dumps(s.to_dict()),
+    ]  # fmt: skip
+
+
+def test_killed_run_resumes_to_identical_weights(data: dict, tmp_path: Path) -> None:
+    """SIGKILL a real `draftsmith train` process once a mid-run checkpoint exists, rerun the same
+    command: the final weights equal an uninterrupted run's bit for bit (CPU, 1 thread)."""
+    import signal
+    import subprocess
+    import time
+
+    s = settings(epochs=6, checkpoint_every=4, noise_std=0.05)
+    full = run(data, tmp_path / "full", s)
+    killed = tmp_path / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        _cli_train(data, killed, s), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not list_checkpoints(killed / "checkpoints"):
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    out = proc.communicate()[0].decode(errors="replace")
+    assert proc.returncode == -signal.SIGKILL, f"finished before the kill:\n{out[-3000:]}"
+    assert not (killed / "drafter").exists()
+    done = list_checkpoints(killed / "checkpoints")
+    assert done and _step_of(done[-1]) < full["steps"], [p.name for p in done]
+
+    rerun = subprocess.run(_cli_train(data, killed, s), env=env, capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    summary = json.loads((killed / "drafter" / "train_summary.json").read_text())
+    assert summary["resumed_from_step"] is not None and summary["steps"] == full["steps"]
+    a = load_file(str(tmp_path / "full" / "drafter" / "model.safetensors"))
+    b = load_file(str(killed / "drafter" / "model.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
+    a = load_file(str(tmp_path / "full" / "checkpoints" / f"step-{full['steps']}" / "model.safetensors"))
+    b = load_file(str(killed / "checkpoints" / f"step-{full['steps']}" / "model.safetensors"))
+    assert all(torch.equal(a[n], b[n]) for n in a)  # fp32 master weights, not only the bf16 export
+
+    def losses(root: Path) -> list:
+        return [(r["kind"], r["step"], r["loss"]) for r in rows(root) if r["kind"] in ("train", "val")]
+
+    assert losses(killed) == losses(tmp_path / "full")
+    assert [r["kind"] for r in rows(killed)].count("resume") == 1

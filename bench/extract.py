@@ -1,0 +1,316 @@
+"""Extraction benchmark: the naive way of dumping hidden states vs draftsmith's extraction, on the same
+samples in one process, against this machine's measured matmul ceilings.
+
+    python bench/extract.py [--tokens results/tokens.safetensors] [--json results/bench/extract.json]
+
+Variants (interleaved over --repeats rounds, medians reported, so background load hits all alike):
+
+    naive          fp32, full model with lm_head, `output_hidden_states=True`, one sequence per pass
+    draftsmith     `extract_shard` (bf16 base model, hooks on the aux layers, no lm_head, length-bucketed
+                   right-padded batches, teacher agreement on masked rows), compile off and on, without
+                   writing and writing through the background writer (codecs none and zstd-planes)
+
+Useful FLOPs count only real tokens: 2 x non-embedding parameters per token plus causal attention
+(4 x heads x head_dim x layers per query-key pair, T(T+1)/2 pairs per sequence); lm_head, padding and
+the teacher check are overhead. The rate is given as a fraction of the bf16 matmul ceiling measured
+here (the best of a few large matmuls shaped like the model's MLP). Write overlap = tokens/s including
+writing and closing the shard / tokens/s of the same variant without writing.
+
+Without --tokens, the tiny workflow run's tokens (/tmp/wf/results/tokens.safetensors) are used if they
+exist, else chat sequences made here from the built-in prompts; samples repeat until --min-tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+from safetensors.torch import save_file
+
+from draftsmith.atomic import atomic_path, write_json
+from draftsmith.engines.hf import HfExtractor
+from draftsmith.extract import extract_shard, resolve_aux_layers
+from draftsmith.target import load_target
+from draftsmith.tokens import load_tokens
+
+TINY_RUN_TOKENS = "/tmp/wf/results/tokens.safetensors"
+DEFAULT_TARGET = "resources/SmolLM2-135M-Instruct"
+
+
+def matmul_ceiling(
+    dtype: torch.dtype, rounds: int = 12, shape: tuple[int, int, int] = (2048, 576, 1536)
+) -> float:
+    """Best GFLOP/s of an [M, K] @ [K, N] matmul (a ceiling: the best this machine reached)."""
+    m, k, n = shape
+    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+    for _ in range(3):
+        a @ b
+    best = float("inf")
+    for _ in range(rounds):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * m * k * n / best / 1e9
+
+
+def non_embedding_params(model) -> int:
+    return sum(
+        p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n and "lm_head" not in n
+    )
+
+
+def useful_flops(lengths: list[int], params: int, cfg) -> float:
+    """2 x params per token + causal attention (QK^T and AV, multiply-add) over T(T+1)/2 pairs."""
+    attn_width = cfg.num_attention_heads * getattr(
+        cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads
+    )
+    pairs = sum(t * (t + 1) // 2 for t in lengths)
+    return 2.0 * params * sum(lengths) + 4.0 * attn_width * cfg.num_hidden_layers * pairs
+
+
+def made_up_samples(target: str) -> tuple[list[list[int]], list[list[int]]]:
+    """Chat sequences from the built-in prompts: each prompt answered with the text of the next few
+    prompts (real-looking English of 150-700 tokens). Throughput does not depend on the words."""
+    from transformers import AutoTokenizer
+
+    from draftsmith.chat import render_with_response
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    data = Path(__file__).resolve().parents[1] / "draftsmith" / "data" / "prompts.jsonl"
+    prompts = [
+        json.loads(line)["prompt"] for line in data.read_text(encoding="utf-8").splitlines() if line.strip()
+    ]
+    ids, masks = [], []
+    for i, prompt in enumerate(prompts):
+        answer = " ".join(prompts[(i + 1 + j) % len(prompts)] for j in range(2 + i % 10))
+        seq, mask = render_with_response(tokenizer, [{"role": "user", "content": prompt}], answer)
+        ids.append(seq)
+        masks.append(mask)
+    return ids, masks
+
+
+def bench_tokens(source: str | None, target: str, min_tokens: int, out: Path) -> dict[str, Any]:
+    """Write a one-shard tokens file with the chosen samples, repeated up to min_tokens."""
+    if source is None and Path(TINY_RUN_TOKENS).is_file():
+        source = TINY_RUN_TOKENS
+    if source:
+        tensors, meta = load_tokens(source)
+        offsets = tensors["offsets"].tolist()
+        ids = [tensors["input_ids"][a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+        masks = [tensors["loss_mask"][a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+        template = meta["template"]
+    else:
+        ids, masks = made_up_samples(target)
+        template = "bench"
+    base = len(ids)
+    while sum(len(s) for s in ids) < min_tokens:
+        k = len(ids) % base
+        ids.append(ids[k])
+        masks.append(masks[k])
+    flat_ids = [t for s in ids for t in s]
+    flat_mask = [m for s in masks for m in s]
+    offsets = [0]
+    for s in ids:
+        offsets.append(offsets[-1] + len(s))
+    meta = {
+        "sample_ids": [f"b{i}" for i in range(len(ids))],
+        "template": template,
+        "target": target,
+        "shards": [[0, len(ids)]],
+    }
+    with atomic_path(out) as tmp:
+        save_file(
+            {
+                "input_ids": torch.tensor(flat_ids, dtype=torch.int64),
+                "loss_mask": torch.tensor(flat_mask, dtype=torch.uint8),
+                "offsets": torch.tensor(offsets, dtype=torch.int64),
+            },
+            str(tmp),
+            metadata={"draftsmith_tokens": json.dumps(meta)},
+        )
+    return {"source": source or "built-in prompts (made up answers)", "lengths": [len(s) for s in ids]}
+
+
+@torch.inference_mode()
+def naive_pass(model, sequences: list[torch.Tensor], layer_ids: list[int]) -> float:
+    """The usual dump: full model, all hidden states, logits; one sequence per pass. Returns seconds."""
+    start = time.perf_counter()
+    for seq in sequences:
+        out = model(seq[None], output_hidden_states=True)
+        states = [out.hidden_states[k] for k in layer_ids] + [out.hidden_states[-1]]
+        del out, states
+    return time.perf_counter() - start
+
+
+@click.command()
+@click.option(
+    "--tokens",
+    type=click.Path(exists=True, dir_okay=False),
+    help="A tokens.safetensors to take samples from.",
+)
+@click.option(
+    "--target", default=DEFAULT_TARGET, show_default=True, type=click.Path(file_okay=False, exists=True)
+)
+@click.option("--min-tokens", default=8192, show_default=True, help="Repeat samples up to this many tokens.")
+@click.option("--threads", default=2, show_default=True)
+@click.option("--repeats", default=2, show_default=True, help="Interleaved rounds; medians are reported.")
+@click.option("--batch-tokens", default=4096, show_default=True)
+@click.option(
+    "--compile/--no-compile", "with_compile", default=True, show_default=True, help="Also time compiled."
+)
+@click.option("--json", "json_path", default="results/bench/extract.json", show_default=True)
+def main(
+    tokens: str | None,
+    target: str,
+    min_tokens: int,
+    threads: int,
+    repeats: int,
+    batch_tokens: int,
+    with_compile: bool,
+    json_path: str,
+) -> None:
+    torch.set_num_threads(threads)
+    load_before = os.getloadavg()
+    work = Path(tempfile.mkdtemp(prefix="bench-extract-"))
+    data = bench_tokens(tokens, target, min_tokens, work / "tokens.safetensors")
+    lengths = data["lengths"]
+    tensors, _ = load_tokens(work / "tokens.safetensors")
+    offsets = tensors["offsets"].tolist()
+    sequences = [tensors["input_ids"][a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+    n_tok = sum(lengths)
+    print(
+        f"{len(lengths)} samples, {n_tok:,} tokens (lengths {min(lengths)}-{max(lengths)}, "
+        f"mean {n_tok / len(lengths):.0f}) from {data['source']}; {threads} threads, {platform.processor() or platform.machine()}"
+    )
+
+    model, _ = load_target(target, torch.float32)
+    cfg = model.config
+    layer_ids = resolve_aux_layers(None, cfg.num_hidden_layers)
+    params = non_embedding_params(model)
+    flops = useful_flops(lengths, params, cfg)
+    print(
+        f"useful work: {params / 1e6:.1f} M non-embedding parameters, {flops / n_tok / 1e6:.0f} MFLOP/token "
+        f"({2 * params / 1e6:.0f} linear + {(flops / n_tok - 2 * params) / 1e6:.0f} attention)"
+    )
+    naive_pass(model, sequences[:1], layer_ids)  # warm-up
+    # One engine per compile mode, reused by every round and codec (as one job would use it).
+    engines = {"off": HfExtractor.from_target(target, layer_ids, "bfloat16")}
+    compile_seconds = None
+    if with_compile:
+        engines["on"] = HfExtractor.from_target(target, layer_ids, "bfloat16")
+        print("compiling (torch.compile of the decoder layers, one-off)...", flush=True)
+        compile_seconds = engines["on"].compile()
+        print(f"compiled in {compile_seconds:.0f}s", flush=True)
+
+    variants: dict[str, dict[str, Any]] = {"naive": {}}
+    modes = ["off", "on"] if with_compile else ["off"]
+    for mode in modes:
+        for codec in (None, "none", "zstd-planes"):
+            variants[f"draftsmith compile={mode} write={codec or 'no'}"] = {"compile": mode, "codec": codec}
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    extra: dict[str, list[dict]] = {name: [] for name in variants}
+    ceilings = {"bf16": [], "fp32": []}
+    for rnd in range(repeats):
+        ceilings["bf16"].append(matmul_ceiling(torch.bfloat16))
+        ceilings["fp32"].append(matmul_ceiling(torch.float32))
+        for name, v in variants.items():
+            if name == "naive":
+                times[name].append(naive_pass(model, sequences, layer_ids))
+            else:
+                out = str(work / f"hidden-{rnd}" / "shard-0.safetensors") if v["codec"] else None
+                stats = extract_shard(
+                    target,
+                    str(work / "tokens.safetensors"),
+                    0,
+                    out,
+                    None,
+                    "bfloat16",
+                    batch_tokens,
+                    codec=v["codec"] or "zstd-planes",
+                    threads=threads,
+                    compile=v["compile"],
+                    extractor=engines[v["compile"]],
+                )
+                # with a writer: until the shard file is complete; without: the capture loop
+                times[name].append(stats["wall_seconds_with_write"] if v["codec"] else stats["seconds"])
+                extra[name].append(
+                    {
+                        "teacher_agreement": stats["teacher_agreement"],
+                        "bytes": os.path.getsize(out) if out else None,
+                    }
+                )
+                if out:
+                    os.unlink(out)
+            print(f"round {rnd + 1}/{repeats}: {name}: {n_tok / times[name][-1]:,.0f} tok/s", flush=True)
+        ceilings["bf16"].append(matmul_ceiling(torch.bfloat16))
+        ceilings["fp32"].append(matmul_ceiling(torch.float32))
+
+    ceiling = {k: max(v) for k, v in ceilings.items()}
+    naive_tps = n_tok / statistics.median(times["naive"])
+    rows = {}
+    for name in variants:
+        tps = n_tok / statistics.median(times[name])
+        rate = flops / statistics.median(times[name]) / 1e9
+        rows[name] = {
+            "tokens_per_second": round(tps, 1),
+            "vs_naive": round(tps / naive_tps, 3),
+            "useful_gflops": round(rate, 1),
+            "pct_of_bf16_ceiling": round(100 * rate / ceiling["bf16"], 1),
+            "pct_of_fp32_ceiling": round(100 * rate / ceiling["fp32"], 1),
+            "seconds": [round(t, 3) for t in times[name]],
+            "runs": extra[name],
+        }
+    for mode in modes:
+        base = rows[f"draftsmith compile={mode} write=no"]["tokens_per_second"]
+        for codec in ("none", "zstd-planes"):
+            row = rows[f"draftsmith compile={mode} write={codec}"]
+            row["write_overlap"] = round(row["tokens_per_second"] / base, 3)
+
+    print(
+        f"\nceilings (best of {len(ceilings['bf16'])} rounds): bf16 {ceiling['bf16']:.0f} GFLOP/s, "
+        f"fp32 {ceiling['fp32']:.0f} GFLOP/s (2048x576 @ 576x1536)"
+    )
+    header = f"{'variant':40s} {'tok/s':>8s} {'x naive':>8s} {'GFLOP/s':>8s} {'% bf16':>7s} {'% fp32':>7s} {'overlap':>8s}"
+    print(header)
+    for name, r in rows.items():
+        overlap = f"{r['write_overlap']:.1%}" if "write_overlap" in r else ""
+        print(
+            f"{name:40s} {r['tokens_per_second']:8,.0f} {r['vs_naive']:8.2f} {r['useful_gflops']:8.0f} "
+            f"{r['pct_of_bf16_ceiling']:6.1f}% {r['pct_of_fp32_ceiling']:6.1f}% {overlap:>8s}"
+        )
+    if compile_seconds:
+        print(f"compile: {compile_seconds:.0f}s once per job (not in the rates)")
+    print(f"load average during the run: {load_before} -> {os.getloadavg()}")
+    write_json(
+        json_path,
+        {
+            "samples": len(lengths),
+            "tokens": n_tok,
+            "lengths": {"min": min(lengths), "max": max(lengths), "mean": n_tok / len(lengths)},
+            "source": data["source"],
+            "threads": threads,
+            "batch_tokens": batch_tokens,
+            "torch": torch.__version__,
+            "cpu": platform.processor() or platform.machine(),
+            "non_embedding_params": params,
+            "useful_mflop_per_token": flops / n_tok / 1e6,
+            "ceiling_gflops": ceiling,
+            "compile_seconds": compile_seconds,
+            "load_average": {"before": load_before, "after": os.getloadavg()},
+            "ceiling_rounds": ceilings,
+            "variants": rows,
+        },
+    )
+    print(f"wrote {json_path}")
+
+
+if __name__ == "__main__":
+    main()

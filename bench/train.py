@@ -1,0 +1,234 @@
+"""Training benchmark: can the loader feed training? Loader samples/s and tokens/s alone vs what training
+consumes, on real shards, side by side in one process.
+
+    python bench/train.py [--data results/data_config.json] [--vocab results/vocab_map.pt]
+                          [--json results/bench/train.json]
+
+Measured, each the median of --repeats rounds (the rounds of all variants interleave, so a busy
+machine slows them alike):
+  loader    decode + batch --epochs epoch plans, no model: the streaming loader with 0 (in the loop), 1
+            and 2 background threads, and the in-memory loader (everything decoded up front, its one-off
+            load time reported apart; batches collated by 2 background threads). For the shards as stored and, if they are not zstd-planes, a
+            zstd-planes copy of the same states (the default codec, whose decode costs the most).
+  train     forward + backward + optimizer step of the real drafter (target head and draft vocabulary
+            from the data) on already-decoded batches: what training consumes.
+  together  the same steps fed by the streaming loader: the fraction of time spent waiting for data.
+headroom = loader tokens/s / training tokens/s (the faster training measurement; > 1: the loader is not
+the bottleneck).
+
+On a CPU shared with other work, pass --threads 1: with more torch threads than free cores every small
+op waits for the whole thread team, and the training-thread numbers become noise (measured on 2 busy
+cores: training 152 tokens/s with 2 threads, 409 with 1).
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+
+from draftsmith.atomic import write_json
+from draftsmith.config import section_defaults
+from draftsmith.manifest import load_manifest
+from draftsmith.shards import ShardWriter, iter_samples, read_shard_meta
+from draftsmith.train import (
+    Batch,
+    InMemoryData,
+    StreamingData,
+    TrainSettings,
+    build_drafter,
+    load_target_head,
+    make_optimizer,
+    ttt_loss,
+)
+from draftsmith.vocab import load_vocab_map
+
+
+def zstd_copy(manifest: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """The manifest's shards re-encoded with the zstd-planes codec into folder (same samples)."""
+    shards = []
+    for shard in manifest["shards"]:
+        meta = read_shard_meta(shard["path"])
+        keep = {k: meta[k] for k in ("aux_layer_ids", "layer_convention", "dtype") if k in meta}
+        path = folder / Path(shard["path"]).name
+        writer = ShardWriter(path, keep, codec="zstd-planes", level=1)
+        for sample in iter_samples(shard["path"]):
+            writer.add(sample)
+        writer.close()
+        shards.append({**shard, "path": path})
+    return {**manifest, "shards": shards, "codec": "zstd-planes"}
+
+
+def drain(batches: Iterable[Batch | None]) -> tuple[int, int, float]:
+    """Consume batches -> (samples, real tokens, seconds)."""
+    samples = tokens = 0
+    t0 = time.perf_counter()
+    for b in batches:
+        samples += int(b.lengths.numel())
+        tokens += b.num_tokens
+    return samples, tokens, time.perf_counter() - t0
+
+
+def median_rate(runs: list[tuple[int, int, float]]) -> dict[str, float]:
+    s = statistics.median(r[2] for r in runs)
+    return {"samples_per_s": runs[0][0] / s, "tokens_per_s": runs[0][1] / s, "seconds": s}
+
+
+def make_trainer(manifest: dict, vocab_path: str, settings: TrainSettings) -> Callable[[Batch], int]:
+    """One optimizer step of the real drafter on a batch -> real tokens trained."""
+    target = load_target_head(manifest["target"])
+    vocab = load_vocab_map(vocab_path)
+    num_aux = int(manifest["num_aux"])
+    drafter, embed, teacher = build_drafter(target, vocab["d2t"], vocab["t2d"], num_aux, 0, "cpu")
+    optimizer = make_optimizer(drafter, settings)
+
+    def step(batch: Batch) -> int:
+        loss, stats = ttt_loss(drafter, embed, teacher, batch, settings.ttt_steps, settings.ttt_decay)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), settings.grad_clip)
+        optimizer.step()
+        return stats.tokens
+
+    return step
+
+
+@click.command()
+@click.option("--data", "manifest_path", default="results/data_config.json", show_default=True)
+@click.option("--vocab", "vocab_path", default=None, help="[default: vocab_map.pt beside --data]")
+@click.option("--json", "json_path", default="results/bench/train.json", show_default=True)
+@click.option("--repeats", default=3, show_default=True, help="Rounds per measurement (median).")
+@click.option("--epochs", default=8, show_default=True, help="Epoch plans each loader round goes through.")
+@click.option("--train-steps", default=4, show_default=True, help="Optimizer steps per training round.")
+@click.option("--threads", default=None, type=int, help="torch threads for training [default: torch's].")
+@click.option("--batch-tokens", default=None, type=int, help="[default: the train section's default]")
+def main(
+    manifest_path: str,
+    vocab_path: str | None,
+    json_path: str,
+    repeats: int,
+    epochs: int,
+    train_steps: int,
+    threads: int | None,
+    batch_tokens: int | None,
+) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+    vocab_path = vocab_path or str(Path(manifest_path).with_name("vocab_map.pt"))
+    manifest = load_manifest(manifest_path)
+    defaults = {k: v for k, v in section_defaults("train").items() if k != "gpus"}
+    settings = TrainSettings.from_dict(
+        {**defaults, "val_fraction": 0.0, **({"batch_tokens": batch_tokens} if batch_tokens else {})}
+    )
+    print(
+        f"{manifest_path}: {manifest['num_samples']} samples, {manifest['num_tokens']:,} tokens, "
+        f"hidden {manifest['hidden_size']} x {manifest['num_aux']} aux + final, codec {manifest['codec']}; "
+        f"batch_tokens {settings.batch_tokens}, torch threads {torch.get_num_threads()}"
+    )
+    tmp = tempfile.TemporaryDirectory(prefix="draftsmith-bench-")
+    manifests = {manifest.get("codec", "none"): manifest}
+    if "zstd-planes" not in manifests:
+        manifests["zstd-planes"] = zstd_copy(manifest, Path(tmp.name))
+
+    # ---- loader alone
+    loaders: dict[str, Any] = {}
+    for codec, m in manifests.items():
+        for n in (0, 1, 2):
+            loaders[f"{codec}, streaming, {n} threads"] = StreamingData.from_manifest(
+                m, replace(settings, loader_threads=n)
+            )
+        t0 = time.perf_counter()
+        loaders[f"{codec}, in memory"] = InMemoryData.from_manifest(m, replace(settings, loader_threads=2))
+        loaders[f"{codec}, in memory"].load_s = time.perf_counter() - t0
+    first = next(iter(loaders.values()))
+    plan = [b for e in range(epochs) for b in first.epoch_batches(e)]  # the same for every loader
+    runs: dict[str, list] = {name: [] for name in loaders}
+    for _ in range(repeats):
+        for name, data in loaders.items():
+            runs[name].append(drain(data.batches(plan, "train")))
+    loader_rows = {name: median_rate(r) for name, r in runs.items()}
+    for name, data in loaders.items():
+        if isinstance(data, InMemoryData):
+            loader_rows[name]["load_s"] = data.load_s
+
+    # ---- training alone, then fed by the streaming loader (default codec and threads)
+    step = make_trainer(manifest, vocab_path, settings)
+    ready = [b for b in loaders[f"{manifest.get('codec', 'none')}, in memory"].batches(plan, "train")]
+    ready = (ready * (train_steps // len(ready) + 1))[:train_steps]
+    step(ready[0])  # warm-up (allocations, first-call overheads)
+    streaming = loaders[f"zstd-planes, streaming, {settings.loader_threads} threads"]
+    train_runs, fed_runs = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        tokens = sum(step(b) for b in ready)
+        train_runs.append((len(ready), tokens, time.perf_counter() - t0))
+        wait, tokens, n = 0.0, 0, 0
+        t0 = time.perf_counter()
+        batches = streaming.batches(
+            (plan * (train_steps // len(plan) + 1))[:train_steps], "train"
+        )  # a fresh iterator: nothing decoded before the clock starts
+        while True:
+            tw = time.perf_counter()
+            b = next(batches, None)
+            wait += time.perf_counter() - tw
+            if b is None:
+                break
+            tokens += step(b)
+            n += 1
+        fed_runs.append((n, tokens, time.perf_counter() - t0, wait))
+
+    def step_rate(runs: list[tuple[int, int, float]]) -> dict[str, float]:
+        r = median_rate(runs)  # counts optimizer steps, not samples
+        return {"steps_per_s": r.pop("samples_per_s"), **r}
+
+    train_row = step_rate(train_runs)
+    fed = sorted(fed_runs, key=lambda r: r[2])[len(fed_runs) // 2]
+    fed_row = {**step_rate([r[:3] for r in fed_runs]), "data_wait_fraction": fed[3] / fed[2]}
+
+    # ---- report: headroom against the faster of the two training measurements (the conservative ratio)
+    consumed = max(train_row["tokens_per_s"], fed_row["tokens_per_s"])
+    print(f"\n{'loader (no model)':40s} {'samples/s':>10s} {'tokens/s':>10s} {'headroom':>9s}")
+    for name, r in loader_rows.items():
+        r["headroom"] = r["tokens_per_s"] / consumed
+        extra = f"  (+ {r['load_s']:.2f} s up-front decode)" if "load_s" in r else ""
+        print(f"{name:40s} {r['samples_per_s']:10.0f} {r['tokens_per_s']:10.0f} {r['headroom']:8.0f}x{extra}")
+    print(f"\n{'training (forward+backward+step)':40s} {train_row['tokens_per_s']:10.0f} tokens/s")
+    print(
+        f"{'training fed by the streaming loader':40s} {fed_row['tokens_per_s']:10.0f} tokens/s, "
+        f"waiting for data {fed_row['data_wait_fraction']:.1%} of the time"
+    )
+    default = f"zstd-planes, streaming, {settings.loader_threads} threads"
+    print(f"\nheadroom of the default loader ({default}): {loader_rows[default]['headroom']:.0f}x")
+    write_json(
+        json_path,
+        {
+            "data": manifest_path,
+            "samples": manifest["num_samples"],
+            "tokens": manifest["num_tokens"],
+            "hidden_size": manifest["hidden_size"],
+            "batch_tokens": settings.batch_tokens,
+            "torch_threads": torch.get_num_threads(),
+            "loader_batches_per_round": len(plan),
+            "loader": loader_rows,
+            "train": train_row,
+            "train_fed_by_loader": fed_row,
+            "train_tokens_per_s_for_headroom": consumed,
+            "default_loader": default,
+            "headroom": loader_rows[default]["headroom"],
+        },
+    )
+    for data in loaders.values():
+        data.close()
+    tmp.cleanup()
+    print(f"wrote {json_path}")
+
+
+if __name__ == "__main__":
+    main()

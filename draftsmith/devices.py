@@ -1,0 +1,228 @@
+"""GPU slots per job: each running job gets its own devices, so two jobs never share a card.
+
+Snakemake counts `resources: gpu=N` but assigns no devices (snakemake#281): without help, two local GPU
+jobs both see every card and both start on GPU 0. `draftsmith run --gpus N -- CMD` hands CMD its own:
+
+- The pool is what this process may use: the ids in CUDA_VISIBLE_DEVICES when something set it (SLURM
+  does for `--gpus`; so does a user restricting a run), else devices 0..count-1 of the machine
+  (DRAFTSMITH_NUM_GPUS, else `nvidia-smi -L`, else torch).
+- N free devices of the pool are taken, one lock file per device, with flock. Choosing is done under
+  one more lock, so two jobs never pick the same free device at once; with too few free, it waits.
+- CMD is exec'd with CUDA_VISIBLE_DEVICES set to them and the lock files still open: the job process
+  itself holds its devices, the kernel releases them when it exits however it exits (SIGKILL
+  included), and there is nothing to clean up. Signals and the exit code are the job's own.
+- Locks live in DRAFTSMITH_GPU_LOCK_DIR, by default `.snakemake/draftsmith-gpus` beside the workflow;
+  inside a SLURM allocation in the node's temp folder instead (devices belong to a node, and cluster
+  file systems such as Lustre may refuse flock). They are named by host and, inside an allocation, by its
+  job id: the devices of one allocation are shared only by the jobs running inside it (a local Snakemake
+  inside `salloc`), never across allocations, even where a cgroup renumbers every job's devices from 0.
+- N=0 runs CMD with CUDA_VISIBLE_DEVICES="": a job that declared no GPU cannot quietly take one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NoReturn
+
+DEFAULT_LOCK_DIR = ".snakemake/draftsmith-gpus"
+POLL_SECONDS = 0.5
+WAIT_REPORT_SECONDS = 300.0  # repeat the "waiting" line this often, so a stuck job shows in its log
+
+
+class DeviceError(Exception):
+    """The job cannot get the devices it asked for (named in the message)."""
+
+
+# ---- pure helpers (tests pin these) ------------------------------------------------------------------
+
+
+def parse_visible(value: str | None) -> list[str] | None:
+    """Device ids in a CUDA_VISIBLE_DEVICES value; None when unset (then the machine's devices count)."""
+    if value is None:
+        return None
+    return [part.strip() for part in value.split(",") if part.strip()]
+
+
+def choose_slots(busy: Collection[int], total: int, n: int) -> list[int] | None:
+    """The n lowest free slots of 0..total-1, or None while fewer than n are free."""
+    if n > total:
+        raise DeviceError(f"{n} GPUs asked for, but only {total} exist here")
+    free = [i for i in range(total) if i not in busy]
+    return free[:n] if len(free) >= n else None
+
+
+def lock_namespace(env: Mapping[str, str], host: str) -> str:
+    """Lock-file prefix: per host, and per SLURM allocation inside one (a file-system-safe name)."""
+    name = host + (f"-slurm{env['SLURM_JOB_ID']}" if env.get("SLURM_JOB_ID") else "")
+    return _safe(name)
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+
+
+def default_lock_dir(env: Mapping[str, str]) -> Path:
+    """DRAFTSMITH_GPU_LOCK_DIR; else node-local temp inside a SLURM job; else beside the workflow."""
+    if env.get("DRAFTSMITH_GPU_LOCK_DIR"):
+        return Path(env["DRAFTSMITH_GPU_LOCK_DIR"])
+    if env.get("SLURM_JOB_ID"):
+        return Path(env.get("TMPDIR") or "/tmp") / f"draftsmith-gpus-{os.getuid()}"
+    return Path(DEFAULT_LOCK_DIR)
+
+
+def nvidia_smi_count(listing: str) -> int:
+    """GPUs in `nvidia-smi -L` output (its MIG lines are indented and belong to the GPU above them)."""
+    return sum(1 for line in listing.splitlines() if line.startswith("GPU "))
+
+
+# ---- the machine ---------------------------------------------------------------------------------------
+
+
+def device_count(env: Mapping[str, str] = os.environ) -> int:
+    """GPUs on this machine: DRAFTSMITH_NUM_GPUS, else `nvidia-smi -L`, else torch; 0 on a CPU box."""
+    if env.get("DRAFTSMITH_NUM_GPUS", "").strip():
+        try:
+            return int(env["DRAFTSMITH_NUM_GPUS"])
+        except ValueError:
+            raise DeviceError(
+                f"DRAFTSMITH_NUM_GPUS={env['DRAFTSMITH_NUM_GPUS']!r} is not an integer"
+            ) from None
+    if shutil.which("nvidia-smi"):
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+            if out.returncode == 0:
+                return nvidia_smi_count(out.stdout)
+    import torch  # only when asked for GPUs on a machine without nvidia-smi (ROCm, or none)
+
+    return torch.cuda.device_count()
+
+
+def device_pool(env: Mapping[str, str], count: Callable[[], int] = device_count) -> tuple[list[str], str]:
+    """The ids this process may use and where they come from (for the log line)."""
+    visible = parse_visible(env.get("CUDA_VISIBLE_DEVICES"))
+    if visible is not None:
+        who = f"SLURM job {env['SLURM_JOB_ID']}" if env.get("SLURM_JOB_ID") else "CUDA_VISIBLE_DEVICES"
+        return visible, f"given by {who}"
+    n = count()
+    return [str(i) for i in range(n)], f"on {socket.gethostname()}"
+
+
+# ---- taking devices --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Assignment:
+    """Devices held by this process; the open lock files are what holds them."""
+
+    devices: list[str]
+    pool: list[str]
+    source: str
+    lock_fds: list[int] = field(default_factory=list)
+
+    @property
+    def visible(self) -> str:
+        return ",".join(self.devices)
+
+    def describe(self) -> str:
+        if not self.devices:
+            return "CUDA_VISIBLE_DEVICES= (no GPU for this job)"
+        return f"CUDA_VISIBLE_DEVICES={self.visible} ({len(self.devices)} of {len(self.pool)} GPUs {self.source})"
+
+    def release(self) -> None:
+        for fd in self.lock_fds:
+            os.close(fd)
+        self.lock_fds = []
+
+
+@contextlib.contextmanager
+def _flock(path: Path) -> Iterator[None]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing drops the lock
+
+
+def _try_locks(paths: Sequence[Path]) -> tuple[dict[int, int], set[int]]:
+    """Try every slot once without blocking: ({slot: fd} taken now, busy slots)."""
+    held, busy = {}, set()
+    for i, path in enumerate(paths):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            busy.add(i)
+        else:
+            held[i] = fd
+    return held, busy
+
+
+def acquire(
+    n: int,
+    env: Mapping[str, str] = os.environ,
+    lock_dir: str | os.PathLike[str] | None = None,
+    count: Callable[[], int] = device_count,
+    poll: float = POLL_SECONDS,
+    say: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True),
+) -> Assignment:
+    """Take n devices of the pool, waiting while fewer are free. n=0 takes none and touches nothing."""
+    if n < 0:
+        raise DeviceError(f"--gpus must be 0 or more, not {n}")
+    if n == 0:
+        return Assignment([], [], "")
+    pool, source = device_pool(env, count)
+    if n > len(pool):
+        where = "CUDA_VISIBLE_DEVICES=" + ",".join(pool) if "CUDA_VISIBLE_DEVICES" in env else source
+        raise DeviceError(
+            f"this job asks for {n} GPUs but only {len(pool)} are available ({where}); "
+            "lower the rule's gpus in the config, or set DRAFTSMITH_NUM_GPUS if the count is wrong"
+        )
+    directory = Path(lock_dir) if lock_dir else default_lock_dir(env)
+    directory.mkdir(parents=True, exist_ok=True)
+    prefix = lock_namespace(env, socket.gethostname())
+    slots = [directory / f"{prefix}-gpu{_safe(dev)}.lock" for dev in pool]
+    waited_since = last_report = None
+    while True:
+        with _flock(directory / f"{prefix}.choose.lock"):
+            held, busy = _try_locks(slots)
+            chosen = choose_slots(busy, len(pool), n)
+            keep = set(chosen or [])
+            for slot, fd in held.items():
+                if slot not in keep:
+                    os.close(fd)
+        if chosen is not None:
+            if waited_since is not None:
+                say(f"draftsmith run: got {n} GPUs after waiting {time.monotonic() - waited_since:.0f} s")
+            return Assignment([pool[i] for i in chosen], pool, source, [held[i] for i in chosen])
+        now = time.monotonic()
+        if last_report is None or now - last_report >= WAIT_REPORT_SECONDS:
+            taken = ",".join(pool[i] for i in sorted(busy))
+            say(
+                f"draftsmith run: waiting for {n} free GPUs of {len(pool)} {source} (in use: {taken}); locks in {directory}"
+            )
+            last_report = now
+            waited_since = waited_since or now
+        time.sleep(poll)
+
+
+def exec_with_devices(assignment: Assignment, command: Sequence[str], env: Mapping[str, str]) -> NoReturn:
+    """Replace this process by `command` with CUDA_VISIBLE_DEVICES set; the lock files stay open in it."""
+    child_env = {**env, "CUDA_VISIBLE_DEVICES": assignment.visible}
+    for fd in assignment.lock_fds:
+        os.set_inheritable(fd, True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvpe(command[0], list(command), child_env)

@@ -1,0 +1,206 @@
+"""GPU slots per job (draftsmith/devices.py, `draftsmith run`): disjoint devices, waiting, release on death.
+
+A fake device count (DRAFTSMITH_NUM_GPUS) stands in for the cards: the locking is the same either way.
+"""
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from draftsmith.devices import (
+    DeviceError,
+    acquire,
+    choose_slots,
+    default_lock_dir,
+    device_pool,
+    lock_namespace,
+    nvidia_smi_count,
+    parse_visible,
+)
+
+HOLD = "import os, time; print(os.environ['CUDA_VISIBLE_DEVICES'], flush=True); time.sleep(120)"
+
+
+def test_choose_slots_takes_the_lowest_free_or_waits():
+    assert choose_slots(set(), 4, 2) == [0, 1]
+    assert choose_slots({0, 1}, 4, 2) == [2, 3]
+    assert choose_slots({0, 2}, 4, 2) == [1, 3]
+    assert choose_slots({0, 1, 2}, 4, 2) is None
+    assert choose_slots({0, 1, 2, 3}, 4, 0) == []
+    with pytest.raises(DeviceError, match="5 GPUs asked for, but only 4"):
+        choose_slots(set(), 4, 5)
+
+
+def test_parse_visible_and_nvidia_smi():
+    assert parse_visible(None) is None
+    assert parse_visible("") == []
+    assert parse_visible(" 2, 3 ") == ["2", "3"]
+    assert parse_visible("GPU-8f1c,GPU-77aa") == ["GPU-8f1c", "GPU-77aa"]
+    listing = (
+        "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-1)\n"
+        "  MIG 3g.40gb     Device  0: (UUID: MIG-a)\n"
+        "GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-2)\n"
+    )
+    assert nvidia_smi_count(listing) == 2
+
+
+def test_lock_namespace_is_per_host_and_per_slurm_allocation():
+    assert lock_namespace({}, "node1") == "node1"
+    assert lock_namespace({"SLURM_JOB_ID": "42"}, "node1") == "node1-slurm42"
+    assert lock_namespace({}, "a/b c") == "a_b_c"
+
+
+def test_lock_dir_is_node_local_inside_slurm_jobs():
+    assert default_lock_dir({}) == Path(".snakemake/draftsmith-gpus")
+    assert default_lock_dir({"DRAFTSMITH_GPU_LOCK_DIR": "/x", "SLURM_JOB_ID": "1"}) == Path("/x")
+    inside = default_lock_dir({"SLURM_JOB_ID": "1", "TMPDIR": "/local/tmp"})
+    assert inside == Path(f"/local/tmp/draftsmith-gpus-{os.getuid()}")
+
+
+def test_pool_is_what_a_scheduler_gave_else_the_machine():
+    assert device_pool({"CUDA_VISIBLE_DEVICES": "5,7", "SLURM_JOB_ID": "9"}, lambda: 8) == (
+        ["5", "7"],
+        "given by SLURM job 9",
+    )
+    pool, source = device_pool({}, lambda: 3)
+    assert pool == ["0", "1", "2"] and source.startswith("on ")
+
+
+def test_in_process_jobs_get_disjoint_devices_and_a_third_waits(tmp_path):
+    """flock locks belong to open files, so even one process shows the contention exactly."""
+    kw = {"env": {}, "lock_dir": tmp_path, "count": lambda: 4, "poll": 0.05, "say": lambda msg: None}
+    a, b = acquire(2, **kw), acquire(2, **kw)
+    assert sorted(a.devices + b.devices) == ["0", "1", "2", "3"]
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(acquire(2, **kw)))
+    waiter.start()
+    time.sleep(0.3)
+    assert not got, "a third gpu=2 job must wait while 4 of 4 devices are held"
+    a.release()
+    waiter.join(timeout=5)
+    assert got and got[0].devices == a.devices
+    b.release()
+    got[0].release()
+
+
+def test_jobs_inside_one_slurm_allocation_share_its_devices_disjointly(tmp_path):
+    env = {"CUDA_VISIBLE_DEVICES": "4,5,6,7", "SLURM_JOB_ID": "17"}
+    kw = {"env": env, "lock_dir": tmp_path, "count": lambda: 0, "say": lambda msg: None}
+    a, b = acquire(2, **kw), acquire(2, **kw)
+    assert (a.visible, b.visible) == ("4,5", "6,7")
+    # another allocation (its own devices, maybe renumbered from 0 by a cgroup) never waits for this one
+    other = acquire(2, **{**kw, "env": {"CUDA_VISIBLE_DEVICES": "4,5", "SLURM_JOB_ID": "18"}})
+    assert other.visible == "4,5"
+    for x in (a, b, other):
+        x.release()
+    with pytest.raises(DeviceError, match="asks for 5 GPUs but only 4 are available"):
+        acquire(5, **kw)
+
+
+# ---- the command, as the rules run it ------------------------------------------------------------------
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID")}
+    env.update(DRAFTSMITH_NUM_GPUS="4", DRAFTSMITH_GPU_LOCK_DIR=str(tmp_path / "locks"), **extra)
+    return env
+
+
+def _start(tmp_path: Path, gpus: int, code: str, **extra: str) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        "-m",
+        "draftsmith.cli",
+        "run",
+        "--gpus",
+        str(gpus),
+        "--",
+        sys.executable,
+        "-c",
+        code,
+    ]
+    return subprocess.Popen(
+        cmd, env=_env(tmp_path, **extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _line(stream, timeout: float) -> str | None:
+    """One line from a pipe, or None when none comes within `timeout` seconds."""
+    ready, _, _ = select.select([stream], [], [], timeout)
+    return stream.readline().strip() if ready else None
+
+
+def test_concurrent_jobs_disjoint_third_waits_killed_jobs_devices_come_back(tmp_path):
+    procs = []
+    try:
+        a, b = _start(tmp_path, 2, HOLD), _start(tmp_path, 2, HOLD)
+        procs += [a, b]
+        got_a, got_b = _line(a.stdout, 30), _line(b.stdout, 30)
+        assert got_a and got_b, (got_a, got_b)
+        assert sorted(got_a.split(",") + got_b.split(",")) == ["0", "1", "2", "3"]
+        assert f"CUDA_VISIBLE_DEVICES={got_a} (2 of 4 GPUs" in _line(a.stderr, 5)
+
+        c = _start(tmp_path, 2, HOLD)
+        procs.append(c)
+        assert "waiting for 2 free GPUs of 4" in (_line(c.stderr, 30) or "")
+        assert _line(c.stdout, 1.0) is None, "the third job started without free devices"
+
+        a.send_signal(signal.SIGKILL)  # no cleanup runs: the kernel drops a's locks
+        a.wait(timeout=10)
+        assert _line(c.stdout, 15) == got_a
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_signals_and_exit_code_are_the_jobs_own(tmp_path):
+    code = (
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: sys.exit(5))\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    p = _start(tmp_path, 1, code)
+    try:
+        assert _line(p.stdout, 30) == "ready"
+        p.send_signal(signal.SIGTERM)  # what Snakemake sends a job it cancels
+        assert p.wait(timeout=10) == 5
+    finally:
+        p.kill()
+
+
+def test_zero_gpus_hides_every_device(tmp_path):
+    code = "import os, sys; print(repr(os.environ['CUDA_VISIBLE_DEVICES'])); sys.exit(7)"
+    p = _start(tmp_path, 0, code, CUDA_VISIBLE_DEVICES="0,1")
+    out, err = p.communicate(timeout=30)
+    assert (p.returncode, out.strip()) == (7, "''")
+    assert "no GPU for this job" in err
+
+
+def test_scheduler_assignment_is_used_and_a_shortfall_named(tmp_path):
+    code = "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])"
+    p = _start(tmp_path, 2, code, CUDA_VISIBLE_DEVICES="3,5", SLURM_JOB_ID="77")
+    out, err = p.communicate(timeout=30)
+    assert (p.returncode, out.strip()) == (0, "3,5")
+    assert "given by SLURM job 77" in err
+    p = _start(tmp_path, 3, code, CUDA_VISIBLE_DEVICES="3,5", SLURM_JOB_ID="77")
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 2
+    assert "asks for 3 GPUs but only 2 are available (CUDA_VISIBLE_DEVICES=3,5)" in err
+
+
+def test_default_lock_dir_is_beside_the_workflow(tmp_path):
+    env = _env(tmp_path)
+    del env["DRAFTSMITH_GPU_LOCK_DIR"]
+    cmd = [sys.executable, "-m", "draftsmith.cli", "run", "--gpus", "1", "--", "true"]
+    subprocess.run(cmd, env=env, cwd=tmp_path, check=True, capture_output=True)
+    names = {p.name for p in (tmp_path / ".snakemake" / "draftsmith-gpus").iterdir()}
+    assert any(name.endswith("-gpu0.lock") for name in names), names

@@ -1,0 +1,362 @@
+"""The evaluation stages end to end on a tiny pipeline (random Llama target with a chat tokenizer,
+extracted shards, a briefly trained drafter): the untrained baseline, the offline measurement, the
+summary with plots, and the gate through the CLI. The vLLM measurement runs for real in the workflow
+test (tests/test_workflow.py, tiny config); here only its bookkeeping and its missing-extra message."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from draftsmith.cli import EXIT_GATE, main
+from draftsmith.evaluate import (
+    NotLossless,
+    VllmUnavailable,
+    evaluate_offline,
+    evaluate_vllm,
+    outputs_agree,
+    vllm_method_summary,
+)
+
+AUX = [1, 2, 3]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789 .,?!:\n")
+VOCAB = 3 + len(CHARS)
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def save_tiny_target(path: Path) -> None:
+    """A 4-layer random Llama with a character-level chat tokenizer, saved as an HF folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      initializer_range=0.3, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1)  # fmt: skip
+    LlamaForCausalLM(cfg).float().eval().save_pretrained(path)
+    vocab = {"[UNK]": 0, "<|im_start|>": 1, "<|im_end|>": 2, **{c: i + 3 for i, c in enumerate(CHARS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", unk_token="[UNK]")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+
+
+def extract_tiny_data(root: Path, target_dir: Path) -> tuple[Path, Path]:
+    """Greedy traces of the target on chat prompts -> one shard, data_config.json, vocab_map.pt."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from draftsmith.chat import render_prompt, template_fingerprint
+    from draftsmith.layers import capture_aux, stack_aux
+    from draftsmith.shards import Sample, write_shard
+    from draftsmith.speculate import greedy_decode
+    from draftsmith.target import file_sha256
+    from draftsmith.vocab import build_vocab_map, save_vocab_map
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    samples = []
+    for i in range(12):
+        prompt = render_prompt(tok, [{"role": "user", "content": f"tell me {i} things about {chr(97 + i)}"}])
+        answer = greedy_decode(model, torch.tensor([prompt]), 24, eos_ids=None)
+        ids = torch.tensor(prompt + answer)
+        with torch.no_grad(), capture_aux(model, AUX) as captured:
+            final = model.model(ids[None]).last_hidden_state[0]
+            aux = stack_aux(captured, AUX)[0]
+        mask = torch.arange(len(ids)) >= len(prompt)
+        samples.append(Sample(f"s{i}", ids, mask, aux.to(torch.bfloat16), final.to(torch.bfloat16)))
+    shard = root / "hidden" / "shard-0.safetensors"
+    write_shard(shard, samples, {"aux_layer_ids": AUX, "layer_convention": "input", "dtype": "bfloat16"})
+    manifest = {
+        "version": 1,
+        "target": str(target_dir),
+        "hidden_size": 32,
+        "num_layers": 4,
+        "vocab_size": VOCAB,
+        "aux_layer_ids": AUX,
+        "layer_convention": "input",
+        "num_aux": len(AUX),
+        "chat_template_fingerprint": template_fingerprint(tok),
+        "teacher_agreement": 1.0,
+        "min_teacher_agreement": 0.9,
+        "shards": [
+            {
+                "path": "hidden/shard-0.safetensors",
+                "num_samples": len(samples),
+                "num_tokens": sum(s.num_tokens for s in samples),
+                "bytes": shard.stat().st_size,
+                "sha256": file_sha256(shard),
+                "teacher_agreement": 1.0,
+            }
+        ],
+    }
+    manifest_path = root / "data_config.json"
+    manifest_path.write_text(json.dumps(manifest))
+    masked = torch.cat([s.input_ids[s.loss_mask] for s in samples])
+    vocab_path = root / "vocab_map.pt"
+    save_vocab_map(vocab_path, build_vocab_map(masked, VOCAB, 32))
+    return manifest_path, vocab_path
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """target/, data_config.json, vocab_map.pt, a drafter trained for a few steps, metrics.jsonl,
+    held-out prompts."""
+    from draftsmith.config import section_defaults
+    from draftsmith.train import TrainSettings, train
+
+    root = tmp_path_factory.mktemp("eval")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls
+    target = root / "target"
+    save_tiny_target(target)
+    manifest, vocab = extract_tiny_data(root, target)
+    values = {**section_defaults("train"), "epochs": 2, "max_steps": 6, "batch_tokens": 512, "warmup_steps": 1,
+              "ttt_steps": 2, "val_fraction": 0.2, "lr": 3e-3}  # fmt: skip
+    values.pop("gpus")
+    settings = TrainSettings.from_dict(values)
+    metrics = root / "train" / "metrics.jsonl"
+    train(
+        manifest,
+        vocab,
+        root / "drafter",
+        root / "train" / "ckpt",
+        metrics,
+        settings,
+        device="cpu",
+        progress=False,
+    )
+    prompts = root / "heldout.jsonl"
+    rows = [
+        {"id": f"p{i}", "messages": [{"role": "user", "content": f"question {i}: why?"}]} for i in range(3)
+    ]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    yield {"root": root, "target": target, "data": manifest, "vocab": vocab, "drafter": root / "drafter",
+           "metrics": metrics, "prompts": prompts}  # fmt: skip
+    torch.set_num_threads(before)
+
+
+def cli(*args: str, code: int = 0) -> str:
+    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    assert result.exit_code == code, result.output
+    return result.output
+
+
+@pytest.fixture(scope="module")
+def untrained(pipeline) -> Path:
+    out = pipeline["root"] / "untrained"
+    cli(
+        "untrained-drafter",
+        "--data",
+        pipeline["data"],
+        "--vocab",
+        pipeline["vocab"],
+        "--out",
+        out,
+        "--seed",
+        0,
+    )
+    return out
+
+
+def test_untrained_drafter_is_trainings_starting_point(pipeline, untrained):
+    from safetensors.torch import load_file
+
+    from draftsmith.drafter import DrafterConfig, Eagle3Drafter
+    from draftsmith.export import check_export
+
+    assert check_export(untrained, target_num_layers=4, target_vocab_size=VOCAB) == []
+    config = json.loads((untrained / "config.json").read_text())
+    assert config["draftsmith"]["training"]["summary"]["steps"] == 0
+    weights, trained = (
+        load_file(untrained / "model.safetensors"),
+        load_file(pipeline["drafter"] / "model.safetensors"),
+    )
+    torch.manual_seed(0)  # train.seed: the same draw as train()'s initialisation
+    fresh = Eagle3Drafter(DrafterConfig(**config["draftsmith"]["drafter_config"]))
+    torch.testing.assert_close(
+        weights["fc.weight"].float(), fresh.fc.weight.detach().to(torch.bfloat16).float()
+    )
+    assert not torch.equal(weights["fc.weight"], trained["fc.weight"])  # training moved it
+    torch.testing.assert_close(weights["d2t"], trained["d2t"])  # same vocabulary map
+    # lm_head starts as the target's rows of the draft vocabulary
+    from transformers import AutoModelForCausalLM
+
+    lm_head = AutoModelForCausalLM.from_pretrained(pipeline["target"]).lm_head.weight.detach()
+    ids = torch.arange(weights["d2t"].numel()) + weights["d2t"]
+    torch.testing.assert_close(weights["lm_head.weight"].float(), lm_head[ids].to(torch.bfloat16).float())
+
+
+@pytest.fixture(scope="module")
+def offline(pipeline, untrained) -> Path:
+    out = pipeline["root"] / "eval" / "offline.json"
+    cli("evaluate", "--target", pipeline["target"], "--drafter", pipeline["drafter"], "--untrained", untrained,
+        "--prompts", pipeline["prompts"], "--out", out, "--num-prompts", 2, "--max-new-tokens", 20,
+        "--num-draft-tokens", 3, "--threads", 1)  # fmt: skip
+    return out
+
+
+def test_offline_measures_every_method_losslessly(offline):
+    data = json.loads(offline.read_text())
+    assert list(data["methods"]) == ["eagle3", "untrained", "ngram"]
+    assert data["num_prompts"] == 2 and data["prompt_ids"] == ["p0", "p1"]
+    assert len(data["plain"]["outputs"]) == 2 and data["plain"]["tokens"] == sum(
+        map(len, data["plain"]["outputs"])
+    )
+    for name, m in data["methods"].items():
+        assert m["lossless"] is True and m["mismatches"] == [], name
+        assert m["tokens"] == data["plain"]["tokens"]
+        assert len(m["accepted_per_step"]) == len(m["drafted_per_step"]) == m["verify_steps"]
+        assert m["drafts"] == sum(1 for d in m["drafted_per_step"] if d > 0)
+        assert m["tau"] == pytest.approx(1 + m["accepted_tokens"] / m["drafts"] if m["drafts"] else 1.0)
+        assert len(m["acceptance_rate_per_position"]) == 3 and m["speedup"] > 0
+    assert (
+        data["methods"]["eagle3"]["aux_layer_ids"] == AUX and data["methods"]["ngram"]["ngram"]["max_n"] == 4
+    )
+    assert all(
+        data["methods"][n]["drafts"] == data["methods"][n]["verify_steps"] for n in ("eagle3", "untrained")
+    )
+
+
+def test_offline_fails_hard_when_not_lossless(pipeline, untrained, monkeypatch, tmp_path):
+    import draftsmith.evaluate as ev
+
+    real = ev.speculative_decode
+
+    def corrupt(*args, **kw):
+        res = real(*args, **kw)
+        if len(res.tokens) > 4:
+            res.tokens[4] = (res.tokens[4] + 1) % VOCAB
+        return res
+
+    monkeypatch.setattr(ev, "speculative_decode", corrupt)
+    out = tmp_path / "offline.json"
+    with pytest.raises(NotLossless, match=r"on prompt 'p0' differs at generated position 4"):
+        evaluate_offline(pipeline["target"], {"eagle3": pipeline["drafter"]}, pipeline["prompts"], out,
+                         num_prompts=1, max_new_tokens=10, num_draft_tokens=2, ngram=False, threads=1)  # fmt: skip
+    assert json.loads(out.read_text())["methods"]["eagle3"]["lossless"] is False  # written first
+
+
+def test_offline_sampling_is_seeded(pipeline, tmp_path):
+    runs = []
+    for n in range(2):
+        out = tmp_path / f"s{n}.json"
+        evaluate_offline(pipeline["target"], {"eagle3": pipeline["drafter"]}, pipeline["prompts"], out,
+                         num_prompts=1, max_new_tokens=12, num_draft_tokens=2, temperature=0.9, seed=3, threads=1)  # fmt: skip
+        runs.append(json.loads(out.read_text()))
+    assert runs[0]["plain"]["outputs"] == runs[1]["plain"]["outputs"]
+    assert (
+        runs[0]["methods"]["eagle3"]["accepted_per_step"] == runs[1]["methods"]["eagle3"]["accepted_per_step"]
+    )
+    assert runs[0]["methods"]["eagle3"]["lossless"] is None and "distribution" in runs[0]["lossless_check"]
+
+
+def vllm_result(offline_method: dict, plain_tokens: int, seconds: float, outputs: list) -> dict:
+    """A run_vllm_speculative result with the counters vLLM would report for these acceptance counts."""
+    k = len(offline_method["accepted_per_pos"])
+    return {
+        "spec_decode": {
+            "drafts": offline_method["drafts"],
+            "draft_tokens": offline_method["draft_tokens"],
+            "accepted_tokens": offline_method["accepted_tokens"],
+            "accepted_per_pos": offline_method["accepted_per_pos"][:k],
+        },
+        "generated_tokens": plain_tokens,
+        "seconds": seconds,
+        "load_seconds": 20.0,
+        "outputs": outputs,
+    }
+
+
+def test_vllm_bookkeeping():
+    r = {"spec_decode": {"drafts": 40, "draft_tokens": 120, "accepted_tokens": 30, "accepted_per_pos": [18, 8, 4]},
+         "generated_tokens": 100, "seconds": 2.0, "load_seconds": 25.0, "outputs": []}  # fmt: skip
+    m = vllm_method_summary(r, plain_tps=100.0, num_draft_tokens=3)
+    assert m["tau"] == pytest.approx(1.75) and m["acceptance_rate_per_position"] == pytest.approx(
+        [0.45, 0.2, 0.1]
+    )
+    assert m["draft_acceptance_rate"] == pytest.approx(0.25) and m["speedup"] == pytest.approx(0.5)
+    plain = vllm_method_summary({"spec_decode": None, "generated_tokens": 10, "seconds": 1.0}, 10.0, 3)
+    assert plain["tau"] == 1.0 and plain["drafts"] == 0
+    assert outputs_agree([[1, 2], [3]], [[1, 2], [4]]) == 1
+
+
+def test_vllm_missing_says_how_to_skip(pipeline, monkeypatch, tmp_path):
+    import draftsmith.evaluate as ev
+
+    monkeypatch.setattr(ev, "vllm_available", lambda: False)
+    with pytest.raises(VllmUnavailable, match=r"evaluate\.vllm: false"):
+        evaluate_vllm(pipeline["target"], {}, pipeline["prompts"], tmp_path / "v.json", 1, 4, 2)
+
+
+def test_summary_report_and_gate(pipeline, offline, tmp_path):
+    off = json.loads(offline.read_text())
+    outputs = off["plain"]["outputs"]
+    plain_tokens = off["plain"]["tokens"]
+    methods = {
+        name: {"kind": "ngram" if name == "ngram" else "eagle3", "drafter": None,
+               **vllm_method_summary(vllm_result(m, plain_tokens, 2.0, outputs), plain_tokens / 1.0, 3),
+               "outputs_equal_plain": 2}
+        for name, m in off["methods"].items()
+    }  # fmt: skip
+    vllm = {"num_prompts": 2, "plain": {"tokens": plain_tokens, "seconds": 1.0, "tokens_per_s": plain_tokens,
+            "outputs": outputs}, "methods": methods}  # fmt: skip
+    vllm_path = tmp_path / "vllm.json"
+    vllm_path.write_text(json.dumps(vllm))
+    out = tmp_path / "eval"
+    common = ["--offline", offline, "--vllm", vllm_path, "--data", pipeline["data"], "--drafter", pipeline["drafter"],
+              "--target", pipeline["target"], "--metrics", pipeline["metrics"], "--out", out]  # fmt: skip
+    cli("eval-summary", *common, "--min-tau", 1.0, "--min-speedup", 0.1, "--max-acc-gap", 1.0)
+    for name in ("training.png", "acceptance.png", "tau_speedup.png"):
+        assert (out / name).read_bytes()[:8] == PNG, name
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["gate_passed"], summary["checks"]
+    assert summary["headline"]["vllm_tau"] == pytest.approx(summary["headline"]["offline_tau"])
+    assert [r["method"] for r in summary["rows"]][:2] == ["plain decoding", "plain decoding"]
+    assert {(r["method"], r["engine"]) for r in summary["rows"]} >= {
+        ("trained drafter", "vLLM"),
+        ("n-gram lookup", "offline"),
+    }
+    assert (
+        "<table>" in (out / "summary.html").read_text()
+        and "Gate: PASSED" in (out / "summary.html").read_text()
+    )
+    assert (out / "summary.tsv").read_text().splitlines()[0].startswith("method\tengine\ttau")
+    printed = cli("gate", out / "summary.json", "--out", out / "gate.json")
+    assert "trained drafter" in printed and "tau_gap (eagle3)" in printed and "gate passed" in printed
+    assert json.loads((out / "gate.json").read_text())["passed"]
+
+    # a demanding threshold: the summary is still written, the gate fails with exit 3, naming it first
+    cli("eval-summary", *common, "--min-tau", 9.0, "--min-speedup", 0.1, "--max-acc-gap", 1.0)
+    summary = json.loads((out / "summary.json").read_text())
+    assert not summary["gate_passed"] and "Gate: FAILED" in (out / "summary.html").read_text()
+    printed = cli("gate", out / "summary.json", "--out", tmp_path / "never.json", code=EXIT_GATE)
+    diagnosis = printed[printed.index("check ") :].splitlines()
+    assert diagnosis[1].startswith("min_tau (offline)") and "FAIL" in diagnosis[1]
+    assert "the acceptance gate failed on 2 check(s): min_tau (offline)" in printed
+    assert not (tmp_path / "never.json").exists()
+
+    # vLLM sees a different drafter than the one measured offline: an integration failure
+    broken = json.loads(vllm_path.read_text())
+    broken["methods"]["eagle3"].update(
+        tau=1.0, drafts=500, accepted_tokens=0, acceptance_rate_per_position=[0.0] * 3
+    )
+    broken_off = json.loads(offline.read_text())
+    broken_off["methods"]["eagle3"]["tau"] = 1.6  # as if the offline drafter were accepted often
+    broken_off["methods"]["eagle3"]["accepted_per_step"] = [1, 0, 2, 0, 1] * 100
+    (tmp_path / "off2.json").write_text(json.dumps(broken_off))
+    (tmp_path / "vllm2.json").write_text(json.dumps(broken))
+    args = [a if a not in (offline, vllm_path) else {offline: tmp_path / "off2.json", vllm_path: tmp_path / "vllm2.json"}[a]
+            for a in common]  # fmt: skip
+    cli("eval-summary", *args, "--min-tau", 1.0, "--min-speedup", 0.0, "--max-acc-gap", 1.0)
+    printed = cli("gate", out / "summary.json", code=EXIT_GATE)
+    assert "tau_gap (eagle3)" in printed.split("failed on 1 check(s): ")[1]

@@ -1,0 +1,164 @@
+"""Extraction engines: the transformers engine's batching, the vLLM engine's layer bookkeeping and final
+norm, and both engines on the same samples of the real target (vLLM in a subprocess)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from test_extract_kill import target_model, write_tokens  # noqa: F401 (a fixture)
+
+from draftsmith.engines.hf import HfExtractor, capture_states, pad_right
+from draftsmith.engines.vllm_extract import read_target_tensor, rms_norm, vllm_layer_ids
+from draftsmith.extract import extract_shard, should_compile
+from draftsmith.shards import iter_samples, read_shard_meta, remove_stale_temp_files
+
+
+def test_vllm_layer_ids_keep_the_configured_order():
+    # vLLM returns ascending ids, the final (pre-norm) id L last
+    assert vllm_layer_ids([2, 15, 27], 30) == ([2, 15, 27, 30], [0, 1, 2])
+    assert vllm_layer_ids([27, 2, 15], 30) == ([2, 15, 27, 30], [2, 0, 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_is_transformers_llama_norm(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = LlamaRMSNorm(64, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64))
+    norm = norm.to(dtype)
+    x = (torch.randn(7, 64) * 30).to(dtype)
+    with torch.no_grad():
+        assert torch.equal(rms_norm(x, norm.weight, 1e-5), norm(x))
+
+
+def test_read_target_tensor_single_and_sharded(tmp_path):
+    single, sharded = tmp_path / "single", tmp_path / "sharded"
+    single.mkdir()
+    sharded.mkdir()
+    a, b = torch.randn(3), torch.randn(2, 2)
+    save_file({"model.norm.weight": a, "lm_head.weight": b}, str(single / "model.safetensors"))
+    save_file({"model.norm.weight": a}, str(sharded / "model-00001-of-00002.safetensors"))
+    save_file({"lm_head.weight": b}, str(sharded / "model-00002-of-00002.safetensors"))
+    index = '{"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors", "lm_head.weight": "model-00002-of-00002.safetensors"}}'
+    (sharded / "model.safetensors.index.json").write_text(index)
+    for folder in (single, sharded):
+        assert torch.equal(read_target_tensor(folder, "model.norm.weight"), a)
+        assert torch.equal(read_target_tensor(folder, "lm_head.weight"), b)
+        with pytest.raises(KeyError, match="no tensor 'nope'"):
+            read_target_tensor(folder, "nope")
+
+
+def test_hf_extractor_batch_rows_equal_single_sequences(tiny_llama):
+    seqs = [torch.randint(0, 256, (n,)) for n in (5, 11, 8)]
+    assert pad_right(seqs).shape == (3, 11) and pad_right(seqs)[0, 5:].eq(0).all()
+    extractor = HfExtractor(tiny_llama, [3, 1])
+    batched = extractor.capture(seqs)
+    for seq, (aux, final) in zip(seqs, batched, strict=True):
+        ref_aux, ref_final = capture_states(tiny_llama, seq[None], [3, 1])
+        assert aux.shape == (seq.numel(), 2, 64)
+        torch.testing.assert_close(aux, ref_aux[0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(final, ref_final[0], rtol=1e-6, atol=1e-6)
+    extractor.close()
+    extractor._captured.clear()
+    tiny_llama(torch.randint(0, 256, (1, 4)))
+    assert extractor._captured == {}  # close() removed the hooks
+
+
+def test_should_compile():
+    assert not should_compile("auto", "transformers", 10.0)  # a tiny shard: the compile would dominate
+    assert should_compile("auto", "transformers", 3600.0)
+    assert should_compile("on", "transformers", 1.0) and not should_compile("off", "transformers", 1e9)
+    assert not should_compile("on", "vllm", 1e9)  # vLLM compiles (or not) by itself
+    with pytest.raises(ValueError, match="auto, on or off"):
+        should_compile("yes", "transformers", 1.0)
+
+
+def test_remove_stale_temp_files_only_touches_that_shard(tmp_path):
+    keep = [tmp_path / "shard-1.safetensors", tmp_path / ".shard-10.safetensors.abc.data", tmp_path / "x"]
+    stale = [tmp_path / ".shard-1.safetensors.abc.data", tmp_path / ".shard-1.safetensors.x.tmp"]
+    for p in keep + stale:
+        p.write_bytes(b"1")
+    (tmp_path / ".shard-1.safetensors.job-q").mkdir()
+    (tmp_path / ".shard-1.safetensors.job-q" / "f").write_bytes(b"1")
+    removed = remove_stale_temp_files(tmp_path / "shard-1.safetensors")
+    assert len(removed) == 3
+    assert sorted(tmp_path.iterdir()) == sorted(keep)
+
+
+def _greedy_samples(target: Path, n: int = 4, new_tokens: int = 24) -> tuple[list[int], list[list[int]]]:
+    """Chat prompts answered greedily by the target (fp32): a real teacher-agreement check."""
+    from draftsmith.chat import render_prompt
+    from draftsmith.target import load_target
+
+    model, tokenizer = load_target(target, torch.float32)
+    questions = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "Explain what a prime number is in two sentences.",
+        "List three uses of a paperclip.",
+    ][:n]
+    ids, masks = [], []
+    for q in questions:
+        prompt = render_prompt(tokenizer, [{"role": "user", "content": q}])
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)[0]
+        ids.append(out.tolist())
+        masks.append([0] * len(prompt) + [1] * (out.numel() - len(prompt)))
+    return ids, masks
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_and_transformers_engines_agree_on_the_real_target(tmp_path, target_model):  # noqa: F811
+    pytest.importorskip("vllm")
+    ids, masks = _greedy_samples(target_model)
+    tokens = tmp_path / "tokens.safetensors"
+    write_tokens(tokens, ids, masks, [[0, len(ids)]])
+
+    hf_out, vllm_out = tmp_path / "hf" / "shard-0.safetensors", tmp_path / "vllm" / "shard-0.safetensors"
+    hf_stats = extract_shard(
+        str(target_model), str(tokens), 0, str(hf_out), None, "float32", 4096, codec="none", compile="off"
+    )
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env |= {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")}
+    env |= {"HF_HOME": str(tmp_path / "hf-home")}
+    cmd = [
+        "draftsmith",
+        "extract",
+        "--engine",
+        "vllm",
+        "--target",
+        str(target_model),
+        "--tokens",
+        str(tokens),
+    ]
+    cmd += ["--shard", "0", "--out", str(vllm_out), "--dtype", "float32", "--codec", "none"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "vllm engine" in proc.stdout
+
+    hf = {s.id: s for s in iter_samples(hf_out)}
+    vl = {s.id: s for s in iter_samples(vllm_out)}
+    assert hf.keys() == vl.keys() and len(hf) == len(ids)
+    worst = [1.0] * 4  # aux layers 2, 15, 27, then the final (normed) state
+    for key, a in hf.items():
+        b = vl[key]
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
+        assert a.aux.shape == b.aux.shape == (a.num_tokens, 3, 576)
+        for slot in range(3):
+            cos = F.cosine_similarity(a.aux[:, slot].float(), b.aux[:, slot].float(), dim=-1)
+            worst[slot] = min(worst[slot], cos.min().item())
+        worst[3] = min(worst[3], F.cosine_similarity(a.final.float(), b.final.float(), dim=-1).min().item())
+    assert min(worst) >= 0.99, worst
+    # Greedy answers: the stored final state must reproduce them (vLLM's own last state is pre-norm).
+    vllm_stats = read_shard_meta(vllm_out)["stats"]
+    assert vllm_stats["engine"] == "vllm" and hf_stats["engine"] == "transformers"
+    assert hf_stats["teacher_agreement"] > 0.95
+    assert abs(vllm_stats["teacher_agreement"] - hf_stats["teacher_agreement"]) < 0.02

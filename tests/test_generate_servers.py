@@ -1,0 +1,578 @@
+"""Generation through OpenAI-compatible servers.
+
+Two kinds of tests:
+- a tiny OpenAI-compatible HTTP server written here (a test double of the network, on 127.0.0.1) drives
+  retries, timeouts, a wrong or dead endpoint, reasoning fields, multi-turn requests and a kill/resume;
+- the real vLLM server on the default target (marked vllm + slow): the `openai` engine against a running
+  server, and the `vllm-server` mode that starts and stops its own.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+from draftsmith.engines.openai import (
+    EndpointError,
+    OpenAIClient,
+    RequestFailed,
+    backoff_seconds,
+    classify_status,
+    normalize_base_url,
+    parse_completion,
+    split_reasoning,
+)
+from draftsmith.engines.server import VllmServer, group_alive, server_command
+from draftsmith.prompts import PromptError
+from draftsmith.traces import GenerateError, GenerateSettings, generate_traces
+
+TARGET = REPO / "resources" / "SmolLM2-135M-Instruct"
+
+
+def _env(**extra):
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.update(extra)
+    return env
+
+
+# ----------------------------------------------------------------------------- a local OpenAI-compatible double
+
+
+class FakeOpenAI:
+    """/v1/models and /v1/chat/completions on 127.0.0.1; `reply(body, n)` decides each answer.
+
+    The default reply echoes the last user message, so answers are deterministic per prompt.
+    """
+
+    def __init__(self, reply=None, model="m", max_model_len=None, delay=0.0):
+        self.requests: list[dict] = []
+        self.lock = threading.Lock()
+        self.reply = reply or self.echo
+        self.model, self.max_model_len, self.delay = model, max_model_len, delay
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, status, body):
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                if self.path == "/v1/models":
+                    card = {"id": fake.model, "object": "model"}
+                    if fake.max_model_len:
+                        card["max_model_len"] = fake.max_model_len
+                    self._send(200, {"object": "list", "data": [card]})
+                else:
+                    self._send(404, {"error": {"message": "not found"}})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with fake.lock:
+                    fake.requests.append(body)
+                    n = len(fake.requests)
+                time.sleep(fake.delay)
+                if body.get("model") != fake.model:
+                    self._send(
+                        404, {"error": {"message": f"The model `{body.get('model')}` does not exist."}}
+                    )
+                    return
+                status, reply = fake.reply(body, n)
+                if status is None:  # hang up without an answer
+                    self.close_connection = True
+                    return
+                self._send(status, reply)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    @staticmethod
+    def completion(content, reasoning=None, finish="stop", key="reasoning", extra=None):
+        message = {"role": "assistant", "content": content, key: reasoning}
+        body = {
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": len(content.split()) + 1},
+        }
+        return {**body, **(extra or {})}
+
+    def echo(self, body, n):
+        return 200, self.completion("echo: " + body["messages"][-1]["content"][:30])
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def fake():
+    servers = []
+
+    def make(**kw):
+        servers.append(FakeOpenAI(**kw))
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.close()
+
+
+def write_prompts(path, n=6, extra=()):
+    lines = [json.dumps({"id": f"p{i}", "prompt": f"Question number {i}?"}) for i in range(n)]
+    path.write_text("\n".join([*lines, *map(json.dumps, extra)]) + "\n", encoding="utf-8")
+    return path
+
+
+def run_stage(tmp_path, url, prompts=None, **kw):
+    settings = GenerateSettings(engine="openai", base_url=url, max_new_tokens=16, backoff_s=0.01, **kw)
+    prompts = prompts or write_prompts(tmp_path / "p.jsonl")
+    summary = generate_traces(
+        str(TARGET), str(prompts), str(tmp_path / "traces.jsonl"), str(tmp_path / "s.json"), settings
+    )
+    rows = [json.loads(line) for line in (tmp_path / "traces.jsonl").read_text().splitlines()]
+    return summary, rows
+
+
+def errors(tmp_path):
+    path = tmp_path / "generate_errors.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# ----------------------------------------------------------------------------- pure policies
+
+
+def test_retry_policy():
+    assert [classify_status(s) for s in (200, 400, 401, 404, 408, 422, 429, 500, 503)] == [
+        "ok",
+        "fail",
+        "fatal",
+        "fatal",
+        "retry",
+        "fail",
+        "retry",
+        "retry",
+        "retry",
+    ]
+    assert [backoff_seconds(a, 1.0, cap=5.0) for a in (1, 2, 3, 4)] == [1.0, 2.0, 4.0, 5.0]
+    assert (
+        normalize_base_url("http://h:8000/") == normalize_base_url("http://h:8000/v1") == "http://h:8000/v1"
+    )
+
+
+def test_reasoning_fields_of_both_server_families():
+    assert split_reasoning({"content": "4", "reasoning": "2+2"}) == ("4", "2+2")  # vLLM
+    assert split_reasoning({"content": "4", "reasoning_content": "2+2"}) == ("4", "2+2")  # SGLang
+    assert split_reasoning({"content": None, "reasoning": "still thinking"}) == ("", "still thinking")
+    assert split_reasoning({"content": "4"}) == ("4", None)
+
+
+def test_parse_completion_keeps_served_token_ids():
+    body = FakeOpenAI.completion("hi", extra={"prompt_token_ids": [1, 2]})
+    body["choices"][0]["token_ids"] = [7, 2]
+    ans = parse_completion(body)
+    assert (ans.text, ans.prompt_ids, ans.response_ids, ans.finish_reason) == ("hi", [1, 2], [7, 2], "stop")
+    with pytest.raises(ValueError, match="finish_reason 'abort'"):
+        parse_completion(FakeOpenAI.completion("x", finish="abort"))
+    with pytest.raises(ValueError, match="not a chat completion"):
+        parse_completion({"object": "error"})
+
+
+def test_server_command_derives_tensor_parallel_and_respects_overrides():
+    cmd = server_command(
+        "/m", 1234, devices=["0", "1"], dtype="bfloat16", seed=3, extra_args=["--enforce-eager"]
+    )
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2" and cmd[cmd.index("--host") + 1] == "127.0.0.1"
+    assert cmd[-1] == "--enforce-eager"
+    cmd = server_command(
+        "/m", 1, devices=["0", "1"], dtype="bfloat16", extra_args=["--dtype=float32", "-tp", "1"]
+    )
+    assert "--dtype" not in cmd and "--dtype=float32" in cmd
+    assert "--tensor-parallel-size" not in server_command("/m", 1, devices=["0"])
+
+
+# ----------------------------------------------------------------------------- the client against the double
+
+
+def test_transient_errors_are_retried_then_succeed(fake):
+    srv = fake(
+        reply=lambda body, n: (
+            (503, {"error": {"message": "busy"}}) if n < 3 else (200, FakeOpenAI.completion("ok"))
+        )
+    )
+    client = OpenAIClient(srv.url, "m", max_retries=4, backoff_base_s=0.01)
+    assert client.chat([{"role": "user", "content": "hi"}]).text == "ok"
+    assert len(srv.requests) == 3
+
+
+def test_client_errors_are_not_retried(fake):
+    srv = fake(reply=lambda body, n: (400, {"error": {"message": "prompt too long"}}))
+    client = OpenAIClient(srv.url, "m", max_retries=4, backoff_base_s=0.01)
+    with pytest.raises(RequestFailed, match="HTTP 400: prompt too long") as err:
+        client.chat([{"role": "user", "content": "hi"}])
+    assert err.value.status == 400 and len(srv.requests) == 1
+
+
+def test_timeout_is_retried_and_reported(fake):
+    srv = fake(delay=1.0)
+    client = OpenAIClient(srv.url, "m", timeout_s=0.2, max_retries=1, backoff_base_s=0.01)
+    with pytest.raises(RequestFailed, match="timed out") as err:
+        client.chat([{"role": "user", "content": "hi"}])
+    assert err.value.attempts == 2
+
+
+def test_wrong_model_or_dead_endpoint_stop_at_once(fake, tmp_path):
+    srv = fake(model="served")
+    with pytest.raises(EndpointError, match=r"does not serve model 'other'; it serves \['served'\]"):
+        OpenAIClient(srv.url, "other").check()
+    client = OpenAIClient(srv.url)
+    assert client.check() == ["served"] and client.model == "served"  # the only model is picked
+    client.model = "other"  # a 404 mid-run (e.g. the model was swapped) is fatal, not per prompt
+    with pytest.raises(EndpointError, match="does not exist"):
+        client.chat([{"role": "user", "content": "hi"}])
+    srv.close()
+    with pytest.raises(EndpointError, match="cannot reach"):
+        OpenAIClient(srv.url, "served").check()
+    # the stage turns it into one clear stop before any prompt is sent
+    with pytest.raises(GenerateError, match="cannot reach"):
+        run_stage(tmp_path, srv.url)
+
+
+def test_api_key_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv("DRAFTSMITH_TEST_KEY", raising=False)
+    with pytest.raises(EndpointError, match="DRAFTSMITH_TEST_KEY"):
+        OpenAIClient.from_env("http://127.0.0.1:1", "DRAFTSMITH_TEST_KEY")
+    monkeypatch.setenv("DRAFTSMITH_TEST_KEY", "sk-test")
+    assert OpenAIClient.from_env("http://127.0.0.1:1", "DRAFTSMITH_TEST_KEY").api_key == "sk-test"
+
+
+# ----------------------------------------------------------------------------- the stage against the double
+
+
+def test_stage_writes_traces_summary_and_reasoning(fake, tmp_path):
+    def reply(body, n):
+        q = body["messages"][-1]["content"]
+        key = "reasoning" if n % 2 else "reasoning_content"
+        return 200, FakeOpenAI.completion("answer to " + q, reasoning="thinking about " + q, key=key)
+
+    srv = fake(reply=reply)
+    summary, rows = run_stage(tmp_path, srv.url, concurrency=3)
+    assert [r["id"] for r in rows] == [f"p{i}" for i in range(6)]  # prompt order, whatever finished first
+    assert all(r["reasoning"] == "thinking about " + r["messages"][-1]["content"] for r in rows)
+    assert rows[0]["response"] == "answer to Question number 0?" and rows[0]["engine"] == "openai"
+    assert summary["reasoning_capture_rate"] == 1.0 and summary["errors"] == 0
+    assert json.loads((tmp_path / "s.json").read_text())["done"] == 6
+    assert errors(tmp_path) == [] and not (tmp_path / "traces.jsonl.partial").exists()
+    body = srv.requests[0]
+    assert body["max_tokens"] == 16 and body["temperature"] == 0.0 and body["return_token_ids"] is True
+
+
+def test_truncated_answers_are_flagged(fake, tmp_path):
+    srv = fake(reply=lambda body, n: (200, FakeOpenAI.completion("cut", finish="length")))
+    summary, rows = run_stage(tmp_path, srv.url)
+    assert summary["truncated"] == 6 and rows[0]["finish_reason"] == "length"
+
+
+def test_multi_turn_regenerates_each_turn_against_own_history(fake, tmp_path):
+    srv = fake()
+    conv = {
+        "id": "mt",
+        "messages": [
+            {"role": "user", "content": "First?"},
+            {"role": "assistant", "content": "someone else's answer"},
+            {"role": "user", "content": "Second?"},
+        ],
+    }
+    prompts = write_prompts(tmp_path / "p.jsonl", n=0, extra=[conv])
+    summary, [row] = run_stage(tmp_path, srv.url, prompts=prompts)
+    first, second = srv.requests
+    assert first["messages"] == conv["messages"][:1]
+    assert second["messages"][1] == {"role": "assistant", "content": "echo: First?"}  # its own answer
+    assert row["messages"] == second["messages"] and row["response"] == "echo: Second?"
+    assert row["turns"][0]["response"] == "echo: First?" and summary["turns"] == 2
+
+
+def test_failed_prompts_go_to_the_errors_file_with_file_and_line(fake, tmp_path):
+    def reply(body, n):
+        if "number 2" in body["messages"][-1]["content"]:
+            return 400, {"error": {"message": "unprocessable prompt"}}
+        return 200, FakeOpenAI.completion("fine")
+
+    srv = fake(reply=reply)
+    prompts = write_prompts(tmp_path / "p.jsonl")
+    with pytest.raises(GenerateError, match="1 of 6 prompts failed"):
+        run_stage(tmp_path, srv.url, prompts=prompts)
+    [err] = errors(tmp_path)
+    assert err["id"] == "p2" and err["where"] == f"{prompts}:3" and "unprocessable prompt" in err["error"]
+    assert err["status"] == 400
+    partial = tmp_path / "traces.jsonl.partial"
+    assert len(partial.read_text().splitlines()) == 5  # kept for the rerun, which only retries p2
+    n_before = len(srv.requests)
+    summary, rows = run_stage(tmp_path, srv.url, prompts=prompts, max_failed_fraction=0.2)
+    assert len(srv.requests) == n_before + 1 and summary["errors"] == 1
+    assert [r["id"] for r in rows] == ["p0", "p1", "p3", "p4", "p5"]
+
+
+def test_a_dead_endpoint_mid_run_stops_after_consecutive_failures(fake, tmp_path):
+    srv = fake(reply=lambda body, n: (500, {"error": {"message": "engine dead"}}))
+    prompts = write_prompts(tmp_path / "p.jsonl", n=200)
+    with pytest.raises(GenerateError, match="3 requests in a row failed.*engine dead"):
+        run_stage(
+            tmp_path, srv.url, prompts=prompts, concurrency=2, max_retries=1, max_consecutive_failures=3
+        )
+    # far from 200 silent failures: at most the in-flight prompts past the limit, each tried twice
+    assert len(srv.requests) <= (3 + 2) * 2
+    assert not (tmp_path / "traces.jsonl").exists()
+
+
+def test_a_server_with_another_template_is_refused(fake, tmp_path):
+    srv = fake(reply=lambda body, n: (200, FakeOpenAI.completion("x", extra={"prompt_token_ids": [1, 2, 3]})))
+    with pytest.raises(GenerateError, match="rendered the prompt differently"):
+        run_stage(tmp_path, srv.url)
+
+
+def test_reasoning_required_catches_a_server_without_parser(fake, tmp_path):
+    srv = fake()
+    with pytest.raises(GenerateError, match="no reasoning in the reply"):
+        run_stage(tmp_path, srv.url, reasoning="required", max_consecutive_failures=2)
+
+
+def test_oversized_prompts_are_skipped_and_counted_or_refused(fake, tmp_path):
+    srv = fake(max_model_len=60)  # the server's context: a prompt + 16 new tokens must fit
+    long = {"id": "long", "prompt": "word " * 200}
+    prompts = write_prompts(tmp_path / "p.jsonl", n=3, extra=[long])
+    summary, rows = run_stage(tmp_path, srv.url, prompts=prompts)
+    assert [r["id"] for r in rows] == ["p0", "p1", "p2"] and summary["skipped"] == {"oversized": 1}
+    [err] = errors(tmp_path)
+    assert err["kind"] == "oversized" and err["where"] == f"{prompts}:4"
+    assert len(srv.requests) == 3  # never sent
+    with pytest.raises(
+        PromptError, match=rf"{prompts}:4: prompt 'long' has \d+ tokens > generate.max_prompt_tokens 100"
+    ):
+        run_stage(tmp_path / "x", srv.url, prompts=prompts, max_prompt_tokens=100, oversized_prompts="error")
+
+
+def test_bad_prompt_file_is_an_error_naming_file_and_line(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "fine"}\n{"prompt": "broken"\n', encoding="utf-8")
+    from click.testing import CliRunner
+
+    from draftsmith.cli import main
+
+    args = ["generate", "--target", str(TARGET), "--prompts", str(prompts)]
+    args += ["--out", str(tmp_path / "t.jsonl"), "--summary", str(tmp_path / "s.json")]
+    result = CliRunner().invoke(main, [*args, "--engine", "openai", "--base-url", "http://127.0.0.1:9"])
+    assert result.exit_code == 2 and f"{prompts}:2: invalid JSON" in result.output
+
+
+def test_kill_during_openai_generation_resumes_without_duplicates_or_losses(fake, tmp_path):
+    """SIGKILL mid-run (requests in flight, lines being appended); the rerun asks only for what is missing."""
+    srv = fake(delay=0.3)  # 40 prompts take ~6 s at concurrency 2: time to kill in the middle
+    prompts = write_prompts(tmp_path / "p.jsonl", n=40)
+    args = ["draftsmith", "generate", "--target", str(TARGET), "--prompts", str(prompts)]
+    args += ["--out", str(tmp_path / "traces.jsonl"), "--summary", str(tmp_path / "s.json")]
+    args += ["--engine", "openai", "--base-url", srv.url, "--concurrency", "2", "--max-new-tokens", "8"]
+    proc = subprocess.Popen(args, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    partial = tmp_path / "traces.jsonl.partial"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not partial.exists() or partial.read_text().count("\n") < 10):
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    assert not (tmp_path / "traces.jsonl").exists()
+    text = partial.read_text()
+    complete = text[: text.rfind("\n") + 1]  # a line torn by the kill is cut by the rerun
+    before = {json.loads(line)["id"]: line for line in complete.splitlines()}
+    assert 10 <= len(before) < 40, "the kill came too late to test a resume"
+    asked_before = len(srv.requests)
+    out = subprocess.run(args, env=_env(), capture_output=True, text=True, check=True).stdout
+    assert f"{len(before)} already done, {40 - len(before)} to go" in out
+    assert len(srv.requests) - asked_before == 40 - len(before)  # no finished id asked again
+    rows = (tmp_path / "traces.jsonl").read_text().splitlines()
+    ids = [json.loads(line)["id"] for line in rows]
+    assert ids == [f"p{i}" for i in range(40)]  # every prompt once, in prompt order
+    assert all(line in rows for line in before.values())  # lines from before the kill kept verbatim
+    assert not partial.exists()
+
+
+# ----------------------------------------------------------------------------- server lifecycle (stand-in)
+
+# Serves /health on --port and, like vLLM's api_server, runs a child (EngineCore) that it stops on SIGTERM.
+STAND_IN = """
+import argparse, http.server, signal, subprocess, sys
+p = argparse.ArgumentParser(); p.add_argument("--port", type=int); a, _ = p.parse_known_args()
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+def term(*_):
+    child.terminate(); child.wait(); sys.exit(0)
+signal.signal(signal.SIGTERM, term)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", a.port), H).serve_forever()
+"""
+
+OWNER = """
+import sys, time
+from draftsmith.engines.server import VllmServer
+srv = VllmServer("model", log_path=sys.argv[1], module="standin", startup_timeout_s=60, stop_grace_s=5).start()
+print(srv.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _wait_gone(pgid, seconds=20):
+    deadline = time.time() + seconds
+    while time.time() < deadline and group_alive(pgid):
+        time.sleep(0.1)
+    return not group_alive(pgid)
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_server_never_outlives_its_owner(tmp_path, how):
+    """A killed generate job takes its server and the server's children with it (no 81 GB left on GPU 0)."""
+    (tmp_path / "standin.py").write_text(STAND_IN)
+    env = _env(PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}")
+    log = tmp_path / "server.log"
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER, str(log)], env=env, stdout=subprocess.PIPE, text=True, cwd=tmp_path
+    )
+    lines = []
+    while not lines or not lines[-1].strip().isdigit():  # vllm-server: ... lines, then the pid
+        line = owner.stdout.readline()
+        assert line, "owner exited before the server was healthy: " + log.read_text()
+        lines.append(line)
+    pgid = int(lines[-1])
+    assert group_alive(pgid)
+    owner.send_signal(getattr(signal, how))
+    owner.wait(timeout=30)
+    assert _wait_gone(pgid), f"server group {pgid} still running after the owner got {how}"
+
+
+def test_server_that_dies_at_start_fails_fast_with_its_log(tmp_path):
+    (tmp_path / "standin.py").write_text("import sys; print('CUDA out of memory', flush=True); sys.exit(3)")
+    srv = VllmServer("m", log_path=tmp_path / "s.log", module="standin", startup_timeout_s=60)
+    srv.env = _env(PYTHONPATH=str(tmp_path))
+    t0 = time.time()
+    with pytest.raises(RuntimeError, match=r"(?s)exited with code 3.*CUDA out of memory"):
+        srv.start()
+    assert time.time() - t0 < 30 and srv.proc is None
+
+
+# ----------------------------------------------------------------------------- the real vLLM server
+
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+VLLM_ARGS = ["--enforce-eager", "--max-model-len", "1024"]
+
+
+def _vllm_env(tmp):
+    return _env(VLLM_CACHE_ROOT=str(tmp / "vllm-cache"), HF_HOME=str(tmp / "hf"), **VLLM_ENV)
+
+
+REAL_OWNER = """
+import json, sys, time
+from draftsmith.engines.server import VllmServer
+srv = VllmServer(sys.argv[1], extra_args=json.loads(sys.argv[2]), log_path=sys.argv[3], dtype="bfloat16", seed=0)
+srv.start()
+print("READY", srv.pid, srv.base_url, flush=True)
+time.sleep(3600)
+"""
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory):
+    """A real vLLM server owned by another process; the teardown SIGKILLs that owner (a crashed rule)
+    and checks that the server and its EngineCore still go away."""
+    tmp = tmp_path_factory.mktemp("vllm")
+    log = tmp / "server.log"
+    owner = subprocess.Popen(
+        [sys.executable, "-c", REAL_OWNER, str(TARGET), json.dumps(VLLM_ARGS), str(log)],
+        env=_vllm_env(tmp),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    line = owner.stdout.readline()
+    while line and not line.startswith("READY"):
+        line = owner.stdout.readline()
+    if not line:
+        owner.wait()
+        pytest.fail("vLLM server did not start:\n" + log.read_text()[-4000:])
+    _, pid, base_url = line.split()
+    yield base_url
+    owner.kill()
+    owner.wait()
+    assert _wait_gone(int(pid), 90), f"vLLM server {pid} outlived its SIGKILLed owner; log {log}"
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_openai_engine_against_real_vllm(vllm_server, tmp_path):
+    prompts = REPO / "draftsmith" / "data" / "prompts.jsonl"
+    subset = tmp_path / "p.jsonl"
+    subset.write_text("".join(prompts.read_text().splitlines(keepends=True)[:4]))
+    settings = GenerateSettings(engine="openai", base_url=vllm_server, max_new_tokens=24, concurrency=4)
+    summary = generate_traces(
+        str(TARGET), str(subset), str(tmp_path / "t.jsonl"), str(tmp_path / "s.json"), settings
+    )
+    rows = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and summary["errors"] == 0 and summary["model"] == "target"
+    from transformers import AutoTokenizer
+
+    from draftsmith.chat import render_prompt
+
+    tok = AutoTokenizer.from_pretrained(TARGET)
+    for row in rows:
+        # the served tokens are stored, and vLLM rendered the prompt exactly as the target's template
+        assert row["prompt_token_ids"] == render_prompt(tok, row["messages"])
+        assert 0 < len(row["response_token_ids"]) <= 24
+        assert (
+            tok.decode(row["response_token_ids"], skip_special_tokens=True).strip() == row["response"].strip()
+        )
+        assert row["finish_reason"] == "length" or row["response_token_ids"][-1] == tok.eos_token_id
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_server_mode_end_to_end_and_stopped(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    src = (REPO / "draftsmith" / "data" / "prompts.jsonl").read_text().splitlines(keepends=True)
+    prompts.write_text("".join(src[4:8]))
+    log = tmp_path / "server.log"
+    args = ["draftsmith", "generate", "--target", str(TARGET), "--prompts", str(prompts)]
+    args += [
+        "--out",
+        str(tmp_path / "t.jsonl"),
+        "--summary",
+        str(tmp_path / "s.json"),
+        "--server-log",
+        str(log),
+    ]
+    args += ["--engine", "vllm-server", "--max-new-tokens", "16", "--concurrency", "4"]
+    args += ["--server-args", json.dumps(VLLM_ARGS)]
+    proc = subprocess.run(args, env=_vllm_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + log.read_text()[-3000:]
+    pid = int(proc.stdout.split("vllm-server: pid ")[1].split()[0])
+    assert f"vllm-server: stopped (pid {pid})" in proc.stdout
+    assert not group_alive(pid)  # the server and its EngineCore are gone when the command returns
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert (
+        summary["done"] == 4 and summary["engine"] == "vllm-server" and summary["server_startup_seconds"] > 0
+    )
+    rows = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert all(r["response_token_ids"] and r["engine"] == "vllm-server" for r in rows)

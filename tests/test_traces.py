@@ -1,0 +1,284 @@
+"""The generate stage's bookkeeping and the training sequences it leads to (no model runs, seconds)."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from conftest import REPO
+
+from draftsmith.chat import assistant_message, merge_turns, render_prompt, render_with_response
+from draftsmith.config import section_defaults
+from draftsmith.engines.openai import Answer
+from draftsmith.tokens import trace_sequences, turn_contexts
+from draftsmith.traces import (
+    Conversation,
+    GenerateSettings,
+    check_served_prompt,
+    generation_points,
+    oversized,
+    prompt_line_numbers,
+    read_partial,
+    summarize,
+    trace_row,
+)
+
+TARGET = REPO / "resources" / "SmolLM2-135M-Instruct"
+
+# A Qwen3-like thinking template: reasoning rendered in <think> for the last assistant turn only (older
+# turns lose their reasoning, as Qwen3 does), ChatML otherwise.
+THINKING_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if message.reasoning_content is defined and message.reasoning_content and loop.last %}"
+    "{{- '<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{{- message.content + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(TARGET)
+
+
+@pytest.fixture
+def thinking_tokenizer(tokenizer):
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = THINKING_TEMPLATE
+    return tok
+
+
+def answer(text, reasoning=None, ids=None, prompt_ids=None, finish="stop"):
+    return Answer(text, reasoning, finish, len(prompt_ids or []), len(ids or text.split()), prompt_ids, ids)
+
+
+MULTI = {
+    "id": "mt",
+    "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Name a fruit."},
+        {"role": "assistant", "content": "An answer from another model."},
+        {"role": "user", "content": "And a vegetable?"},
+    ],
+}
+
+
+# ----------------------------------------------------------------------------- turns
+
+
+def test_generation_points_regenerate_every_assistant_turn():
+    assert generation_points(MULTI["messages"]) == [2, 4]
+    assert generation_points(MULTI["messages"], "last") == [4]
+    assert generation_points([{"role": "user", "content": "x"}]) == [1]
+
+
+def test_conversation_regenerates_history_with_own_answers():
+    conv = Conversation(MULTI, line=7)
+    assert conv.context() == MULTI["messages"][:2]
+    conv.answers.append(answer("Apple."))
+    ctx = conv.context()
+    assert ctx[2] == {"role": "assistant", "content": "Apple."}  # the model's own answer, not the prompt's
+    assert ctx[3] == MULTI["messages"][3] and len(ctx) == 4
+    assert not conv.done
+    conv.answers.append(answer("Carrot."))
+    assert conv.done and conv.context(1) == ctx
+    assert conv.where("p.jsonl") == "p.jsonl:7"
+    # "last": the prompt's assistant message stays as given and only the final turn is answered
+    last = Conversation(MULTI, multi_turn="last")
+    assert last.context() == MULTI["messages"]
+
+
+def test_trace_row_keeps_earlier_turns_and_reasoning():
+    conv = Conversation(MULTI)
+    conv.answers = [answer("Apple.", "fruit?", [10, 2], [1, 2]), answer("Carrot.", None, [11, 2], [1, 2, 3])]
+    conv.prompt_ids = [[1, 2], [1, 2, 3]]
+    row = trace_row(conv, "openai", "m", "fp")
+    assert row["response"] == "Carrot." and "reasoning" not in row
+    assert row["messages"][2]["content"] == "Apple."
+    assert row["turns"] == [
+        {
+            "response": "Apple.",
+            "reasoning": "fruit?",
+            "prompt_token_ids": [1, 2],
+            "response_token_ids": [10, 2],
+            "prompt_tokens": 2,
+            "completion_tokens": 2,
+            "finish_reason": "stop",
+        }
+    ]
+    assert (row["engine"], row["model"], row["template"]) == ("openai", "m", "fp")
+    # a text-only server: no token ids stored, tokenize re-renders the text
+    text = Conversation({"id": "t", "messages": [{"role": "user", "content": "hi"}]})
+    text.answers, text.prompt_ids = [answer("hello")], [[1, 2]]
+    assert "response_token_ids" not in trace_row(text, "openai", "m", "fp")
+
+
+def test_summary_counts_truncation_reasoning_and_tokens():
+    rows = [
+        {"id": "a", "finish_reason": "stop", "reasoning": "r", "prompt_tokens": 5, "completion_tokens": 7},
+        {"id": "b", "finish_reason": "length", "prompt_tokens": 3, "completion_tokens": 9},
+        {
+            "id": "c",
+            "finish_reason": "stop",
+            "prompt_tokens": 4,
+            "completion_tokens": 2,
+            "turns": [
+                {"finish_reason": "length", "reasoning": "x", "prompt_tokens": 1, "completion_tokens": 1}
+            ],
+        },
+    ]
+    s = summarize(rows, generated_now=2, new_tokens=11, seconds=2.0)
+    assert (s["done"], s["turns"], s["truncated"], s["reasoning_captured"]) == (3, 4, 2, 2)
+    assert s["reasoning_capture_rate"] == round(2 / 3, 4)
+    assert (s["prompt_tokens"], s["completion_tokens"], s["tokens"], s["tokens_per_second"]) == (
+        13,
+        19,
+        11,
+        5.5,
+    )
+
+
+def test_oversized_rule():
+    assert oversized(100, 10, max_prompt_tokens=50, context_len=None)
+    assert not oversized(50, 10, max_prompt_tokens=50, context_len=10)  # the explicit limit wins
+    assert oversized(95, 10, max_prompt_tokens=0, context_len=100)  # the answer would not fit
+    assert not oversized(90, 10, max_prompt_tokens=0, context_len=100)
+    assert not oversized(10**6, 10, max_prompt_tokens=0, context_len=None)
+
+
+def test_served_prompt_must_match_template():
+    check_served_prompt(None, [1, 2], "fp")  # a server that returns no ids cannot be checked
+    check_served_prompt([1, 2], [1, 2], "fp")
+    with pytest.raises(RuntimeError, match="first difference at token 1"):
+        check_served_prompt([1, 9, 3], [1, 2, 3], "fp")
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def test_read_partial_cuts_a_torn_line(tmp_path):
+    path = tmp_path / "t.jsonl.partial"
+    path.write_bytes(b'{"id": "a"}\n{"id": "b"}\n{"id": "c", "resp')
+    assert list(read_partial(path)) == ["a", "b"]
+    assert path.read_bytes() == b'{"id": "a"}\n{"id": "b"}\n'  # appends start on a clean line
+
+
+def test_prompt_line_numbers_skip_blank_lines(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('\ufeff{"prompt": "a"}\n\n  \n{"prompt": "b"}\n{"prompt": "c"}\n', encoding="utf-8")
+    assert prompt_line_numbers(path) == [1, 4, 5]
+
+
+def test_settings_validation_names_the_key():
+    assert GenerateSettings.from_dict(section_defaults("generate")).engine == "transformers"
+    with pytest.raises(ValueError, match="base_url is required"):
+        GenerateSettings.from_dict({"engine": "openai"})
+    with pytest.raises(ValueError, match="generate.reasoning"):
+        GenerateSettings.from_dict({"reasoning": "sometimes"})
+    with pytest.raises(ValueError, match="unknown generate settings: concurency"):
+        GenerateSettings.from_dict({"concurency": 4})
+
+
+def test_cli_defaults_match_the_schema():
+    """`draftsmith generate --help` must show the defaults the workflow uses."""
+    from draftsmith.cli import generate
+
+    defaults = section_defaults("generate")
+    ctx = generate.make_context(
+        "generate", ["--target", str(TARGET), "--prompts", __file__, "--out", "o", "--summary", "s"]
+    )
+    for name, value in ctx.params.items():  # what the command receives when the option is not given
+        if name in defaults and name != "server_args":
+            assert value == defaults[name], name
+    assert CliRunner().invoke(generate, ["--help"]).exit_code == 0
+
+
+# ----------------------------------------------------------------------------- training sequences
+
+
+def test_reasoning_rendered_in_the_templates_thinking_format(thinking_tokenizer):
+    msgs = [{"role": "user", "content": "2+2?"}]
+    ids, mask = render_with_response(thinking_tokenizer, msgs, "4", "two plus two is four")
+    masked = thinking_tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])
+    assert masked.startswith("<think>\ntwo plus two is four\n</think>\n\n4")
+    assert ids[: mask.index(1)] == render_prompt(thinking_tokenizer, msgs)
+
+
+def test_reasoning_with_a_template_that_drops_it_fails_loudly(tokenizer):
+    msgs = [{"role": "user", "content": "2+2?"}]
+    with pytest.raises(ValueError, match="no thinking format"):
+        render_with_response(tokenizer, msgs, "4", "two plus two")
+    assert render_with_response(tokenizer, msgs, "4") == render_with_response(tokenizer, msgs, "4", None)
+    assert assistant_message("4") == {"role": "assistant", "content": "4"}
+
+
+def test_merge_turns_masks_nested_turns_and_separates_the_rest():
+    final = ([1, 2, 3, 4, 5, 6], [0, 0, 0, 0, 0, 1])
+    nested = ([1, 2, 3], [0, 1, 1])
+    rewritten = ([1, 9, 3], [0, 1, 1])
+    (ids, mask), separate = merge_turns([nested, rewritten, final])
+    assert ids == final[0] and mask == [0, 1, 1, 0, 0, 1]
+    assert separate == [1]
+
+
+def _multi_turn_row(tokenizer, first_reasoning=None, with_ids=True):
+    """A regenerated two-turn trace as traces.py writes it, built with `tokenizer`'s template."""
+    conv = Conversation(MULTI)
+    for text, reasoning in (("Apple.", first_reasoning), ("Carrot.", None)):
+        prompt = render_prompt(tokenizer, conv.context())
+        full, mask = render_with_response(tokenizer, conv.context(), text, reasoning)
+        response = full[len(prompt) :][:-1]  # the generated ids end at <|im_end|>, before the newline
+        conv.answers.append(answer(text, reasoning, response if with_ids else None, prompt))
+        conv.prompt_ids.append(prompt)
+    return trace_row(conv, "openai", "m", "fp")
+
+
+@pytest.mark.parametrize("with_ids", [True, False])
+def test_multi_turn_trace_masks_every_regenerated_turn(tokenizer, with_ids):
+    row = json.loads(json.dumps(_multi_turn_row(tokenizer, with_ids=with_ids)))  # as read from the file
+    assert [m["role"] for m in turn_contexts(row["messages"], 2)[1]] == [
+        "system",
+        "user",
+        "assistant",
+        "user",
+    ]
+    [(sample_id, ids, mask)] = trace_sequences(tokenizer, row)
+    assert sample_id == "mt"
+    spans = tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])
+    assert "Apple." in spans and "Carrot." in spans and "Name a fruit" not in spans
+    assert "another model" not in tokenizer.decode(ids)  # the prompt's own answer was replaced
+
+
+def test_turn_whose_history_the_template_rewrites_becomes_its_own_sample(thinking_tokenizer):
+    # The thinking template drops turn 0's reasoning from the history of turn 1, so turn 0 as generated
+    # (with <think>) is not inside the final sequence: it is trained as a separate sample.
+    row = _multi_turn_row(thinking_tokenizer, first_reasoning="a fruit grows on trees", with_ids=False)
+    seqs = trace_sequences(thinking_tokenizer, row)
+    assert [s[0] for s in seqs] == ["mt", "mt#turn0"]
+    final_masked = thinking_tokenizer.decode([t for t, m in zip(seqs[0][1], seqs[0][2], strict=True) if m])
+    assert "Carrot." in final_masked and "Apple." not in final_masked
+    turn0_masked = thinking_tokenizer.decode([t for t, m in zip(seqs[1][1], seqs[1][2], strict=True) if m])
+    assert turn0_masked.startswith("<think>\na fruit grows on trees\n</think>") and "Apple." in turn0_masked
+    # Without reasoning the same conversation nests again: one sample, both answers masked.
+    [(_, ids, mask)] = trace_sequences(
+        thinking_tokenizer, _multi_turn_row(thinking_tokenizer, with_ids=False)
+    )
+    both = thinking_tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])
+    assert "Apple." in both and "Carrot." in both
+
+
+def test_tokenize_refuses_a_served_prompt_from_another_template(tokenizer):
+    row = _multi_turn_row(tokenizer)
+    row["turns"][0]["prompt_token_ids"] = row["turns"][0]["prompt_token_ids"][1:]
+    with pytest.raises(ValueError, match="turn 0: prompt renders to other tokens"):
+        trace_sequences(tokenizer, row)
