@@ -628,10 +628,16 @@ def untrained_drafter(manifest_path: str, vocab_path: str, out: str, seed: int, 
 @click.option("--target", "target_path", required=True, type=click.Path(file_okay=False, exists=True))
 @click.option("--metrics", type=click.Path(dir_okay=False), help="Training metrics.jsonl.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Folder for tables and plots.")
-@click.option("--min-tau", default=1.0, show_default=True)
-@click.option("--min-speedup", default=0.0, show_default=True)
-@click.option("--max-tau-gap", type=float, default=None, help="Default: a 3-sigma band + 0.05.")
-@click.option("--max-acc-gap", default=0.3, show_default=True)
+@click.option("--min-tau", default=1.1, show_default=True, help="Gate: minimum tau, offline and in vLLM.")
+@click.option(
+    "--min-speedup", default=0.1, show_default=True, help="Gate: minimum speculative/plain tokens/s."
+)
+@click.option(
+    "--max-tau-gap", type=float, default=None, help="Largest |vLLM - offline tau|; default 3 sigma + 0.05."
+)
+@click.option(
+    "--max-acc-gap", default=0.3, show_default=True, help="Warn when train acc - held-out exceeds it."
+)
 def eval_summary(**kw: Any) -> None:
     """Summary table, diagnosis and plots of an evaluation: summary.{json,tsv,html}, training.png,
     acceptance.png, tau_speedup.png. Never fails on the verdict; `draftsmith gate` does."""

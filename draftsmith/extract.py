@@ -45,18 +45,33 @@ def token_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     return batches
 
 
+def checked_positions(
+    final: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(final states [P, H], next tokens [P]) at the positions t whose next token t+1 is loss-masked:
+    from final[t] the target predicts token t+1, which the trace says it produced."""
+    positions = torch.nonzero(loss_mask[1:]).squeeze(-1)
+    return final[positions], input_ids[positions + 1]
+
+
+def count_agreeing(lm_head_weight: torch.Tensor, states: torch.Tensor, next_ids: torch.Tensor) -> int:
+    """How many rows have argmax(lm_head(state)) == next id, in chunks that bound the [rows, V] logits."""
+    agree = 0
+    for i in range(0, states.shape[0], 512):
+        logits = states[i : i + 512].to(lm_head_weight.dtype) @ lm_head_weight.T
+        # max().indices is argmax (the first maximum); in bf16 on CPU it runs ~5x faster than argmax()
+        agree += int((logits.max(-1).indices == next_ids[i : i + 512]).sum())
+    return agree
+
+
 def teacher_agreement(
     lm_head_weight: torch.Tensor, final: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor
 ) -> tuple[int, int]:
     """(agreeing, checked) over positions t whose next token t+1 is loss-masked.
 
     final [T, H] is the stored post-norm state; the target predicts token t+1 from it."""
-    positions = torch.nonzero(loss_mask[1:]).squeeze(-1)  # t such that token t+1 is an assistant token
-    if positions.numel() == 0:
-        return 0, 0
-    logits = final[positions].to(lm_head_weight.dtype) @ lm_head_weight.T  # [P, V]
-    agree = (logits.argmax(-1) == input_ids[positions + 1]).sum().item()
-    return int(agree), int(positions.numel())
+    states, next_ids = checked_positions(final, input_ids, loss_mask)
+    return count_agreeing(lm_head_weight, states, next_ids), int(next_ids.numel())
 
 
 COMPILE_MIN_SECONDS = 300.0  # "auto" compiles when eager compute would take longer than this
@@ -186,7 +201,7 @@ def extract_shard(
             writer = ShardWriter(
                 out_path, {"aux_layer_ids": layer_ids, "layer_convention": "input"}, codec, zstd_level
             )
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         stats = _extract_loop(
             extractor, writer, shard, lengths, sample_tokens, meta["sample_ids"][start:end], batch_tokens
         )
@@ -209,6 +224,7 @@ def extract_shard(
             extractor.close()
         shutil.rmtree(scratch, ignore_errors=True)
     stats["wall_seconds_with_write"] = round(time.perf_counter() - t0, 2)
+    stats["cpu_seconds_with_write"] = round(time.process_time() - cpu0, 2)
     size = f", {human_bytes(Path(out_path).stat().st_size)} written" if out_path else ""
     agreement = stats["teacher_agreement"]
     print(
@@ -226,13 +242,14 @@ def _extract_loop(
     """Capture every sample, check teacher agreement, hand samples to the writer; returns the stats."""
     total_tokens = sum(lengths)
     agree = checked = masked = 0
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     bar = tqdm(
         total=total_tokens, desc=f"extract shard {shard}", unit="tok", unit_scale=True, dynamic_ncols=True
     )
     try:
         for batch in token_batches(lengths, batch_tokens):
             captured = extractor.capture([sample_tokens(i)[0] for i in batch])
+            states, next_ids = [], []
             for i, (aux, final) in zip(batch, captured, strict=True):
                 input_ids, loss_mask = sample_tokens(i)
                 sample = Sample(
@@ -242,12 +259,16 @@ def _extract_loop(
                     aux.to(torch.bfloat16),
                     final.to(torch.bfloat16),
                 )
-                g, c = teacher_agreement(
-                    extractor.lm_head_weight, sample.final, sample.input_ids, sample.loss_mask
-                )
-                agree, checked, masked = agree + g, checked + c, masked + int(sample.loss_mask.sum())
+                rows, ids = checked_positions(sample.final, sample.input_ids, sample.loss_mask)
+                states.append(rows)
+                next_ids.append(ids)
+                masked += int(sample.loss_mask.sum())
                 if writer:
                     writer.add(sample)
+            # the teacher check of the whole batch at once: one large matmul instead of one per sample
+            next_batch = torch.cat(next_ids)
+            agree += count_agreeing(extractor.lm_head_weight, torch.cat(states), next_batch)
+            checked += int(next_batch.numel())
             bar.update(sum(lengths[i] for i in batch))
             if writer:
                 bar.set_postfix(
@@ -256,7 +277,7 @@ def _extract_loop(
                 )
     finally:
         bar.close()
-    seconds = time.perf_counter() - t0
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
     return {
         "shard": shard,
         "num_samples": len(lengths),
@@ -266,5 +287,6 @@ def _extract_loop(
         "teacher_checked": checked,
         "teacher_agreement": agree / checked if checked else None,
         "seconds": round(seconds, 2),
+        "cpu_seconds": round(cpu_seconds, 2),  # all threads: cpu / seconds = cores kept busy
         "tokens_per_second": round(total_tokens / seconds, 1) if seconds > 0 else None,
     }

@@ -153,11 +153,13 @@ def tau_tolerance(
 ) -> float:
     """How far vLLM's tau may sit from the offline tau before it counts as an integration failure.
 
-    Both measure the same mean (accepted drafts per draft) on the same prompts; they differ when a
-    near-tie flips a token (bf16/fp32 kernels, batch shapes) and the two continuations part ways, after
-    which they sample different text. The z-sigma band of the difference of two means, with the spread
-    of the offline per-step counts standing in for both: z * sd * sqrt(1/n_offline + 1/n_vllm). The floor
-    absorbs the systematic part (vLLM shortens drafts near max_tokens; a few steps at the end differ).
+    Both count the same thing (accepted drafts per draft) on the same prompt ids. In float32 they agree
+    exactly: 8 prompts x 64 tokens gave identical counters in both engines for an EAGLE-3 drafter (484
+    drafts, 20 accepted) and for n-gram lookup (57 drafts, accepted per position [38, 28, 20]). They
+    part ways only where a near-tie flips a token (bf16, other kernels or batch shapes) and the two
+    continuations diverge; from there they average over different text. So the band is z standard
+    errors of the difference of two means, with the spread of the offline per-step counts standing in
+    for both: z * sd * sqrt(1/n_offline + 1/n_vllm), plus a floor for a few flipped steps.
     """
     n = len(accepted_per_step)
     if n < 2 or vllm_drafts < 1:
@@ -252,7 +254,7 @@ def order_checks(checks: list[Check]) -> list[Check]:
     return sorted(checks, key=lambda c: rank.get(c.status, 2))
 
 
-def format_checks(checks: list[Check], width: int = 110) -> str:
+def format_checks(checks: list[Check]) -> str:
     """The diagnosis as a text table, failed checks first; 'where' lines only under failed/warned ones."""
     rows = order_checks(checks)
     name_w = max(len(c.name) for c in rows)
@@ -261,7 +263,7 @@ def format_checks(checks: list[Check], width: int = 110) -> str:
         lines.append(f"{c.name.ljust(name_w)}  {c.status.upper():6}  {c.value}  [{c.threshold}]")
         if c.status in ("fail", "warn") and c.where:
             lines.append(f"{'':{name_w}}  -> look at: {c.where}")
-    return "\n".join(line if len(line) <= width * 3 else line[: width * 3] for line in lines)
+    return "\n".join(lines)
 
 
 def gate_message(checks: list[Check]) -> str:

@@ -23,6 +23,7 @@ from draftsmith.atomic import atomic_path, write_json, write_text
 from draftsmith.gate import Check, Thresholds, diagnose, passed
 
 LABELS = {"eagle3": "trained drafter", "untrained": "untrained drafter", "ngram": "n-gram lookup"}
+SHORT = {"eagle3": "trained", "untrained": "untrained", "ngram": "n-gram"}
 METHOD_ORDER = ("eagle3", "untrained", "ngram")
 ENGINE_COLORS = {"offline": ("tab:blue", "tab:cyan"), "vLLM": ("tab:orange", "gold")}
 METHOD_COLORS = {"eagle3": "tab:green", "untrained": "tab:gray", "ngram": "tab:purple"}
@@ -317,7 +318,7 @@ def plot_tau_speedup(
     fig = _figure(11, 4)
     left, right = fig.subplots(1, 2)
     series = _series(offline, vllm)
-    labels = [f"{LABELS.get(n, n)}\n({e})" for n, e, _ in series]
+    labels = [f"{SHORT.get(n, n)}\n{e}" for n, e, _ in series]
     colors = [METHOD_COLORS.get(n, "tab:olive") for n, _, _ in series]
     hatches = ["" if e == "offline" else "//" for _, e, _ in series]
     xs = list(range(len(series)))
@@ -332,7 +333,7 @@ def plot_tau_speedup(
         ax.axhline(line, color="tab:red", ls="--", lw=1, label=f"gate minimum {line}")
         ax.axhline(1.0, color="black", lw=0.6)
         ax.set_xticks(xs)
-        ax.set_xticklabels(labels, fontsize=7)
+        ax.set_xticklabels(labels, fontsize=8)
         ax.set_title(title)
         ax.legend(fontsize=7)
     _save(fig, path)

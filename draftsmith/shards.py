@@ -21,7 +21,8 @@ plane is compressed as one zstd frame:
 To decode: value_u16 = (high << 8) | low, then reinterpret as bfloat16, shape [T, H].
 
 The metadata also holds sample ids, aux layer ids and their convention, dtype, and extraction stats.
-`iter_samples` streams samples in order, decoding one at a time.
+`iter_samples` streams samples in order, decoding one at a time; `ShardReader` reads any one sample
+alone (random access, for training's shuffled streaming loader).
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@ rule train:
     input:
         data="results/data_config.json",
         vocab="results/vocab_map.pt",
+        # read through the manifest; listed so executors without a shared filesystem stage them
+        shards=hidden_shards(),
     output:
         drafter=directory("results/drafter"),
         metrics="results/train/metrics.jsonl",
@@ -18,10 +20,9 @@ rule train:
         mem_mb=config["resources"]["train"]["mem_mb"],
     params:
         settings=section_json("train"),
-        # more than one GPU: one data-parallel process per GPU (torchrun); else one process
-        nproc=max(1, config["train"]["gpus"]),
     shell:
         "draftsmith run --gpus {resources.gpu} --"
         " draftsmith train --data {input.data} --vocab {input.vocab} --out {output.drafter}"
         " --checkpoints results/train/checkpoints --metrics {output.metrics}"
-        " --settings {params.settings:q} --nproc {params.nproc} 2>&1 | tee {log}"
+        # one data-parallel process per GPU the job was granted (torchrun); on CPU one process
+        " --settings {params.settings:q} --nproc $(( {resources.gpu} > 1 ? {resources.gpu} : 1 )) 2>&1 | tee {log}"
