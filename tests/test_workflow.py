@@ -101,10 +101,11 @@ def test_every_target_exists_and_is_sound(finished_run):
     assert manifest["aux_layer_ids"] == [2, 15, 27] and manifest["layer_convention"] == "input"
     assert manifest["teacher_agreement"] > 0.9
     summary = json.loads((results / "eval" / "summary.json").read_text())
-    assert summary["tau"] >= 1.0
-    for rule in ("generate", "train", "evaluate"):
-        assert (workdir / "benchmarks" / f"{rule}.tsv").is_file()
-        assert (workdir / "logs" / f"{rule}.log").is_file()
+    assert summary["headline"]["offline_tau"] >= 1.0 and summary["headline"]["vllm_tau"] >= 1.0
+    assert (results / "eval" / "gate.json").is_file()
+    for rule in ("generate", "extract/shard-0", "train", "evaluate_offline", "evaluate_vllm", "gate"):
+        assert (workdir / "benchmarks" / f"{rule}.tsv").is_file(), rule
+        assert (workdir / "logs" / f"{rule}.log").is_file(), rule
 
 
 def test_nothing_to_do_after_a_run(finished_run):
@@ -116,13 +117,13 @@ def test_nothing_to_do_after_a_run(finished_run):
 def test_train_settings_rerun_only_train_and_evaluate(finished_run):
     workdir, config = finished_run
     out = snakemake(workdir, "-n", "--config", config, "train={lr: 0.001}").stdout
-    assert set(planned_jobs(out)) == {"train", "evaluate", "all"}, out[-3000:]
+    assert set(planned_jobs(out)) == {"train", "evaluate_offline", "evaluate_vllm", "eval_summary", "gate", "all"}, out[-3000:]
 
 
 def test_vocab_size_reruns_vocab_train_evaluate_but_no_extraction(finished_run):
     workdir, config = finished_run
     out = snakemake(workdir, "-n", "--config", config, "vocab={size: 1024}").stdout
-    assert set(planned_jobs(out)) == {"vocab", "train", "evaluate", "all"}, out[-3000:]
+    assert set(planned_jobs(out)) == {"vocab", "train", "untrained_drafter", "evaluate_offline", "evaluate_vllm", "eval_summary", "gate", "all"}, out[-3000:]
 
 
 def test_single_target_regenerates_just_that_file(finished_run):
