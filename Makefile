@@ -3,6 +3,8 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.draftsmith-installed
+# Rules call the `draftsmith` command: the venv's bin comes first whether or not it is activated.
+export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 .PHONY: setup run test lint clean slurm-check
 

@@ -90,7 +90,15 @@ def make_trainer(manifest: dict, vocab_path: str, settings: TrainSettings) -> Ca
     optimizer = make_optimizer(drafter, settings)
 
     def step(batch: Batch) -> int:
-        loss, stats = ttt_loss(drafter, embed, teacher, batch, settings.ttt_steps, settings.ttt_decay)
+        loss, stats = ttt_loss(
+            drafter,
+            embed,
+            teacher,
+            batch,
+            settings.ttt_steps,
+            settings.ttt_decay,
+            precision=settings.precision,
+        )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), settings.grad_clip)
@@ -162,13 +170,17 @@ def main(
     step = make_trainer(manifest, vocab_path, settings)
     ready = [b for b in loaders[f"{manifest.get('codec', 'none')}, in memory"].batches(plan, "train")]
     ready = (ready * (train_steps // len(ready) + 1))[:train_steps]
-    step(ready[0])  # warm-up (allocations, first-call overheads)
+    step_fp32 = make_trainer(manifest, vocab_path, replace(settings, precision="fp32"))
+    step(ready[0]), step_fp32(ready[0])  # warm-up (allocations, first-call overheads)
     streaming = loaders[f"zstd-planes, streaming, {settings.loader_threads} threads"]
-    train_runs, fed_runs = [], []
+    train_runs, fp32_runs, fed_runs = [], [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
         tokens = sum(step(b) for b in ready)
         train_runs.append((len(ready), tokens, time.perf_counter() - t0))
+        t0 = time.perf_counter()
+        tokens = sum(step_fp32(b) for b in ready)
+        fp32_runs.append((len(ready), tokens, time.perf_counter() - t0))
         wait, tokens, n = 0.0, 0, 0
         t0 = time.perf_counter()
         batches = streaming.batches(
@@ -189,6 +201,7 @@ def main(
         return {"steps_per_s": r.pop("samples_per_s"), **r}
 
     train_row = step_rate(train_runs)
+    fp32_row = step_rate(fp32_runs)
     fed = sorted(fed_runs, key=lambda r: r[2])[len(fed_runs) // 2]
     fed_row = {**step_rate([r[:3] for r in fed_runs]), "data_wait_fraction": fed[3] / fed[2]}
 
@@ -199,7 +212,14 @@ def main(
         r["headroom"] = r["tokens_per_s"] / consumed
         extra = f"  (+ {r['load_s']:.2f} s up-front decode)" if "load_s" in r else ""
         print(f"{name:40s} {r['samples_per_s']:10.0f} {r['tokens_per_s']:10.0f} {r['headroom']:8.0f}x{extra}")
-    print(f"\n{'training (forward+backward+step)':40s} {train_row['tokens_per_s']:10.0f} tokens/s")
+    print(
+        f"\n{'training, ' + settings.precision + ' (forward+backward+step)':40s} "
+        f"{train_row['tokens_per_s']:10.0f} tokens/s"
+    )
+    print(
+        f"{'training, fp32 (no autocast)':40s} {fp32_row['tokens_per_s']:10.0f} tokens/s  "
+        f"({train_row['tokens_per_s'] / fp32_row['tokens_per_s']:.2f}x for {settings.precision})"
+    )
     print(
         f"{'training fed by the streaming loader':40s} {fed_row['tokens_per_s']:10.0f} tokens/s, "
         f"waiting for data {fed_row['data_wait_fraction']:.1%} of the time"
@@ -217,7 +237,10 @@ def main(
             "torch_threads": torch.get_num_threads(),
             "loader_batches_per_round": len(plan),
             "loader": loader_rows,
+            "precision": settings.precision,
             "train": train_row,
+            "train_fp32": fp32_row,
+            "precision_speedup": train_row["tokens_per_s"] / fp32_row["tokens_per_s"],
             "train_fed_by_loader": fed_row,
             "train_tokens_per_s_for_headroom": consumed,
             "default_loader": default,

@@ -55,6 +55,7 @@ class GenerateSettings:
     seed: int = 0
     dtype: str = "bfloat16"
     batch_size: int = 32
+    batch_tokens: int = 8192
     base_url: str | None = None
     model: str | None = None
     api_key_env: str | None = None
@@ -95,7 +96,13 @@ class GenerateSettings:
                 raise ValueError(f"generate.{key}: {getattr(self, key)!r} is not one of {list(allowed)}")
         if self.engine == "openai" and not self.base_url:
             raise ValueError("generate.base_url is required with engine 'openai' (e.g. http://host:8000/v1)")
-        for key in ("concurrency", "batch_size", "max_new_tokens", "max_consecutive_failures"):
+        for key in (
+            "concurrency",
+            "batch_size",
+            "batch_tokens",
+            "max_new_tokens",
+            "max_consecutive_failures",
+        ):
             if getattr(self, key) < 1:
                 raise ValueError(f"generate.{key} must be >= 1")
 
@@ -344,7 +351,8 @@ def run_transformers(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
     context_len = getattr(model.config, "max_position_embeddings", None)
     first = [render(c.context()) for c in convs]
-    for b, batch in enumerate(length_batches([len(ids) for ids in first], settings.batch_size)):
+    widths = [len(ids) + settings.max_new_tokens for ids in first]
+    for b, batch in enumerate(length_batches(widths, settings.batch_size, settings.batch_tokens)):
         torch.manual_seed(settings.seed + b)
         active = [convs[i] for i in batch]
         while active:
@@ -476,10 +484,22 @@ def run_openai(
 # ----------------------------------------------------------------------------- helpers kept from v1
 
 
-def length_batches(lengths: list[int], batch_size: int) -> list[list[int]]:
-    """Indices grouped into batches of similar prompt length (less padding, same results)."""
+def length_batches(lengths: list[int], batch_size: int, batch_tokens: int | None = None) -> list[list[int]]:
+    """Indices grouped into batches of similar length (less padding, same results): at most
+    `batch_size` rows, and at most `batch_tokens` padded tokens (rows x the longest) so a few very long
+    prompts do not pad a whole batch to their width. A row longer than the budget gets a batch alone."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    batches: list[list[int]] = []
+    for i in order:
+        last = batches[-1] if batches else None
+        fits = last is not None and len(last) < batch_size
+        if fits and batch_tokens is not None:
+            fits = (len(last) + 1) * lengths[i] <= batch_tokens  # sorted: lengths[i] is the widest
+        if fits:
+            last.append(i)
+        else:
+            batches.append([i])
+    return batches
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:

@@ -282,3 +282,15 @@ def test_tokenize_refuses_a_served_prompt_from_another_template(tokenizer):
     row["turns"][0]["prompt_token_ids"] = row["turns"][0]["prompt_token_ids"][1:]
     with pytest.raises(ValueError, match="turn 0: prompt renders to other tokens"):
         trace_sequences(tokenizer, row)
+
+
+def test_length_batches_cap_rows_and_padded_tokens():
+    from draftsmith.traces import length_batches
+
+    lengths = [10, 300, 12, 11, 1200, 290, 13]
+    # rows only: sorted by length, 3 per batch
+    assert length_batches(lengths, 3) == [[0, 3, 2], [6, 5, 1], [4]]
+    # a token budget splits the long tail: 2 x 300 > 500, so each long prompt stands alone
+    assert length_batches(lengths, 8, 500) == [[0, 3, 2, 6], [5], [1], [4]]
+    # every index exactly once, however tight the budget
+    assert sorted(i for b in length_batches(lengths, 4, 1) for i in b) == list(range(len(lengths)))

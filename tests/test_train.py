@@ -271,6 +271,16 @@ def test_ttt_loss_matches_reference_formulation(data: dict) -> None:
     assert stats.teacher_acc() > 0.9
 
 
+def test_bf16_autocast_loss_is_close_to_fp32(data: dict) -> None:
+    drafter, embed, teacher = build(data)
+    batch = collate(data["samples"][:4])
+    fp32, _ = ttt_loss(drafter, embed, teacher, batch, ttt_steps=3, ttt_decay=0.8, precision="fp32")
+    bf16, _ = ttt_loss(drafter, embed, teacher, batch, ttt_steps=3, ttt_decay=0.8, precision="bf16")
+    assert bf16.dtype == torch.float32  # the loss itself is computed in fp32
+    torch.testing.assert_close(bf16, fp32, rtol=2e-2, atol=0)
+    assert float(bf16.detach()) != float(fp32.detach())  # autocast did change the matmuls
+
+
 def test_ttt_steps_reduce_loss(data: dict) -> None:
     torch.set_num_threads(1)
     drafter, embed, teacher = build(data)

@@ -117,13 +117,29 @@ def test_nothing_to_do_after_a_run(finished_run):
 def test_train_settings_rerun_only_train_and_evaluate(finished_run):
     workdir, config = finished_run
     out = snakemake(workdir, "-n", "--config", config, "train={lr: 0.001}").stdout
-    assert set(planned_jobs(out)) == {"train", "evaluate_offline", "evaluate_vllm", "eval_summary", "gate", "all"}, out[-3000:]
+    assert set(planned_jobs(out)) == {
+        "train",
+        "evaluate_offline",
+        "evaluate_vllm",
+        "eval_summary",
+        "gate",
+        "all",
+    }, out[-3000:]
 
 
 def test_vocab_size_reruns_vocab_train_evaluate_but_no_extraction(finished_run):
     workdir, config = finished_run
     out = snakemake(workdir, "-n", "--config", config, "vocab={size: 1024}").stdout
-    assert set(planned_jobs(out)) == {"vocab", "train", "untrained_drafter", "evaluate_offline", "evaluate_vllm", "eval_summary", "gate", "all"}, out[-3000:]
+    assert set(planned_jobs(out)) == {
+        "vocab",
+        "train",
+        "untrained_drafter",
+        "evaluate_offline",
+        "evaluate_vllm",
+        "eval_summary",
+        "gate",
+        "all",
+    }, out[-3000:]
 
 
 def test_single_target_regenerates_just_that_file(finished_run):
