@@ -53,3 +53,8 @@ def prompt_source_inputs():
     if prompts["source"] == "sharegpt":
         return ["resources/data/sharegpt.whl"]
     return []
+
+
+def untrained_option(wildcards, input):
+    """`--untrained DIR` when the rule takes the untrained baseline as an input, else nothing."""
+    return f"--untrained {input.untrained}" if "untrained" in input.keys() else ""

@@ -11,6 +11,10 @@ EVAL_OPTIONS = (
 )
 # vllm.json joins the summary only when evaluate.vllm is on.
 VLLM_EVAL = {"vllm": "results/eval/vllm.json"} if EVAL["vllm"] else {}
+# The untrained baseline is served by vLLM too only when evaluate.vllm_untrained is on.
+VLLM_UNTRAINED = (
+    {"untrained": "results/eval/untrained_drafter"} if EVAL["vllm_untrained"] else {}
+)
 
 
 rule untrained_drafter:
@@ -67,9 +71,9 @@ rule evaluate_offline:
 
 rule evaluate_vllm:
     input:
+        **VLLM_UNTRAINED,
         target=TARGET,
         drafter="results/drafter",
-        untrained="results/eval/untrained_drafter",
         prompts="results/prompts/heldout.jsonl",
     output:
         "results/eval/vllm.json",
@@ -86,10 +90,11 @@ rule evaluate_vllm:
         mem_mb=config["resources"]["evaluate"]["mem_mb"],
     params:
         options=EVAL_OPTIONS,
+        untrained=untrained_option,
     shell:
         "draftsmith run --gpus {resources.gpu} --"
         " draftsmith evaluate-vllm --target {input.target} --drafter {input.drafter}"
-        " --untrained {input.untrained} --prompts {input.prompts} --out {output} {params.options}"
+        " {params.untrained} --prompts {input.prompts} --out {output} {params.options}"
         " --log-dir logs/vllm 2>&1 | tee {log}"
 
 
