@@ -3,7 +3,8 @@
     python bench/codec.py [--shard results/hidden/shard-0.safetensors] [--json results/bench/codec.json]
 
 All candidates are lossless and run in this one process on the same bytes (the bf16 aux + final states
-of one shard), single-threaded; decode includes rebuilding the bf16 tensor. Ratio = compressed / raw.
+of one shard), single-threaded, each sample encoded and decoded on its own as a shard stores it and the
+loader reads it; decode includes rebuilding the bf16 tensor. Ratio = compressed / raw.
 """
 
 from __future__ import annotations
@@ -67,24 +68,28 @@ def candidates() -> dict[str, tuple[Callable, Callable]]:
     return out
 
 
-def measure(states: torch.Tensor, encode: Callable, decode: Callable, repeats: int) -> dict[str, float]:
-    raw = states.numel() * 2
+def measure(
+    samples: list[torch.Tensor], encode: Callable, decode: Callable, repeats: int
+) -> dict[str, float]:
+    """Each sample [T, A+1, H] encoded and decoded on its own, as a shard stores and the loader reads it."""
+    raw = sum(x.numel() for x in samples) * 2
     enc_times, dec_times = [], []
     for _ in range(repeats):
         t = time.perf_counter()
-        frames = encode(states)
+        frames = [encode(x) for x in samples]
         enc_times.append(time.perf_counter() - t)
         t = time.perf_counter()
-        back = decode(frames, tuple(states.shape))
+        back = [decode(f, tuple(x.shape)) for f, x in zip(frames, samples, strict=True)]
         dec_times.append(time.perf_counter() - t)
-    if not torch.equal(back.view(torch.int16), states.view(torch.int16)):
-        raise AssertionError("codec is not lossless")
-    size = sum(len(f) for f in frames)
+    for b, x in zip(back, samples, strict=True):
+        if not torch.equal(b.view(torch.int16), x.view(torch.int16)):
+            raise AssertionError("codec is not lossless")
+    size = sum(len(f) for fs in frames for f in fs)
     return {
         "ratio": size / raw,
         "encode_mb_s": raw / min(enc_times) / 1e6,
         "decode_mb_s": raw / min(dec_times) / 1e6,
-        "bytes_per_token": size / states.shape[0],
+        "bytes_per_token": size / sum(x.shape[0] for x in samples),
     }
 
 
@@ -97,11 +102,11 @@ def measure(states: torch.Tensor, encode: Callable, decode: Callable, repeats: i
 def main(shard: str, json_path: str, repeats: int) -> None:
     torch.set_num_threads(1)
     samples = list(iter_samples(shard))
-    states = torch.cat(
-        [torch.cat([s.aux, s.final[:, None]], dim=1) for s in samples]
-    ).contiguous()  # [N, A+1, H]
+    states = [torch.cat([s.aux, s.final[:, None]], dim=1).contiguous() for s in samples]  # [T, A+1, H] each
+    tokens, layers, hidden = sum(x.shape[0] for x in states), states[0].shape[1], states[0].shape[2]
     print(
-        f"{shard}: {states.shape[0]:,} tokens x {states.shape[1]} layers x {states.shape[2]} = {states.numel() * 2 / 1e6:.1f} MB raw bf16"
+        f"{shard}: {len(states)} samples, {tokens:,} tokens x {layers} layers x {hidden} = "
+        f"{tokens * layers * hidden * 2 / 1e6:.1f} MB raw bf16; one frame set per sample, one thread"
     )
     rows = {}
     print(f"{'codec':36s} {'ratio':>6s} {'B/token':>8s} {'enc MB/s':>9s} {'dec MB/s':>9s}")
@@ -112,7 +117,8 @@ def main(shard: str, json_path: str, repeats: int) -> None:
             f"{name:36s} {r['ratio']:6.3f} {r['bytes_per_token']:8.0f} {r['encode_mb_s']:9.0f} {r['decode_mb_s']:9.0f}"
         )
     write_json(
-        json_path, {"shard": shard, "tokens": states.shape[0], "layers": states.shape[1], "codecs": rows}
+        json_path,
+        {"shard": shard, "samples": len(states), "tokens": tokens, "layers": layers, "codecs": rows},
     )
     print(f"wrote {json_path}")
 
