@@ -12,9 +12,7 @@ EVAL_OPTIONS = (
 # vllm.json joins the summary only when evaluate.vllm is on.
 VLLM_EVAL = {"vllm": "results/eval/vllm.json"} if EVAL["vllm"] else {}
 # The untrained baseline is served by vLLM too only when evaluate.vllm_untrained is on.
-VLLM_UNTRAINED = (
-    {"untrained": "results/eval/untrained_drafter"} if EVAL["vllm_untrained"] else {}
-)
+VLLM_UNTRAINED = {"untrained": "results/eval/untrained_drafter"} if EVAL["vllm_untrained"] else {}
 
 
 rule untrained_drafter:
