@@ -152,7 +152,7 @@ rule eval_summary:
         max_acc_gap=config["evaluate"]["max_acc_gap"],
     shell:
         "draftsmith eval-summary --offline {input.offline} {params.vllm} --data {input.data}"
-        " --drafter {input.drafter} --target {input.target} --metrics {input.metrics} --out results/eval"
+        " --drafter {input.drafter} --target {input.target} --metrics {input.metrics} --out $(dirname {output.summary})"
         " --min-tau {params.min_tau} --min-speedup {params.min_speedup} {params.max_tau_gap}"
         " --max-acc-gap {params.max_acc_gap} 2>&1 | tee {log}"
 
