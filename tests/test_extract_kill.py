@@ -6,38 +6,18 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import DEFAULT_TARGET, REPO, cli_env
 from safetensors.torch import save_file
 
 from draftsmith.manifest import verify_manifest
 from draftsmith.shards import iter_samples
 
 pytestmark = pytest.mark.slow
-TARGET = REPO / "resources" / "SmolLM2-135M-Instruct"
-
-
-def _env():
-    env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    return env
-
-
-@pytest.fixture(scope="module")
-def target_model():
-    """The real default target (materialised from its GGUF wheel if this checkout has not yet)."""
-    if not (TARGET / "config.json").is_file():
-        subprocess.run(
-            ["draftsmith", "target", "--out", str(TARGET), "--cache", str(REPO / "resources" / "wheels")],
-            check=True,
-            env=_env(),
-        )
-    return TARGET
 
 
 def random_sequences(lengths: list[int], seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
@@ -54,7 +34,7 @@ def write_tokens(path: Path, ids: list[list[int]], masks: list[list[int]], shard
     meta = {
         "sample_ids": [f"s{i}" for i in range(len(ids))],
         "template": "test",
-        "target": str(TARGET),
+        "target": str(DEFAULT_TARGET),
         "max_seq_len": max(lengths),
         "shards": shards,
     }
@@ -103,7 +83,7 @@ def test_killed_extraction_leaves_no_shard_and_the_rerun_redoes_only_it(tmp_path
     # shard 0: one short sample (done first, must survive untouched); shard 1: 14 forward passes
     ids, masks = random_sequences([40] + [200] * 14)
     write_tokens(tmp_path / "results" / "tokens.safetensors", ids, masks, [[0, 1], [1, 15]])
-    env = _env()
+    env = cli_env()
     subprocess.run(
         snakemake(tmp_path, target_model, "results/hidden/shard-0.safetensors"),
         check=True,

