@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from test_extract_kill import target_model, write_tokens  # noqa: F401 (a fixture)
+from test_extract_kill import write_tokens
 
 from draftsmith.engines.hf import HfExtractor, capture_states, pad_right
 from draftsmith.engines.vllm_extract import read_target_tensor, rms_norm, vllm_layer_ids
@@ -116,7 +116,7 @@ def _greedy_samples(target: Path, n: int = 4, new_tokens: int = 24) -> tuple[lis
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_vllm_and_transformers_engines_agree_on_the_real_target(tmp_path, target_model):  # noqa: F811
+def test_vllm_and_transformers_engines_agree_on_the_real_target(tmp_path, target_model):
     if importlib.util.find_spec("vllm") is None:  # looked up, not imported: vLLM runs in a subprocess
         pytest.skip("the vllm extra is not installed")
     ids, masks = _greedy_samples(target_model)
