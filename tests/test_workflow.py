@@ -10,6 +10,8 @@ import pytest
 from conftest import REPO, cli_env
 
 pytestmark = pytest.mark.slow
+# The jobs downstream of a new drafter: both evaluations, the summary, the gate.
+AFTER_TRAINING = {"evaluate_offline", "evaluate_vllm", "eval_summary", "gate", "all"}
 
 
 def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -96,29 +98,13 @@ def test_nothing_to_do_after_a_run(finished_run):
 def test_train_settings_rerun_only_train_and_evaluate(finished_run):
     workdir, config = finished_run
     out = snakemake(workdir, "-n", "--config", config, "train={lr: 0.001}").stdout
-    assert set(planned_jobs(out)) == {
-        "train",
-        "evaluate_offline",
-        "evaluate_vllm",
-        "eval_summary",
-        "gate",
-        "all",
-    }, out[-3000:]
+    assert set(planned_jobs(out)) == {"train", *AFTER_TRAINING}, out[-3000:]
 
 
 def test_vocab_size_reruns_vocab_train_evaluate_but_no_extraction(finished_run):
     workdir, config = finished_run
     out = snakemake(workdir, "-n", "--config", config, "vocab={size: 1024}").stdout
-    assert set(planned_jobs(out)) == {
-        "vocab",
-        "train",
-        "untrained_drafter",
-        "evaluate_offline",
-        "evaluate_vllm",
-        "eval_summary",
-        "gate",
-        "all",
-    }, out[-3000:]
+    assert set(planned_jobs(out)) == {"vocab", "train", "untrained_drafter", *AFTER_TRAINING}, out[-3000:]
 
 
 def test_single_target_regenerates_just_that_file(finished_run):
