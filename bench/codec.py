@@ -19,15 +19,27 @@ import torch
 import zstandard
 
 from draftsmith.atomic import write_json
-from draftsmith.shards import iter_samples, split_planes
+from draftsmith.shards import (
+    MANTISSA_LEVEL,
+    PlaneEncoder,
+    Sample,
+    bf16_bits,
+    byte_planes,
+    decode_sample,
+    iter_samples,
+)
 
 
-def _planes_encoder(level: int, per_layer: bool) -> tuple[Callable, Callable]:
-    comp, decomp = zstandard.ZstdCompressor(level=level), zstandard.ZstdDecompressor()
+def _planes_encoder(level: int, per_layer: bool, low_level: int | None = None) -> tuple[Callable, Callable]:
+    """Byte planes, each a zstd frame; the low (mantissa) plane at low_level when given."""
+    high = zstandard.ZstdCompressor(level=level)
+    low = zstandard.ZstdCompressor(level=level if low_level is None else low_level)
+    decomp = zstandard.ZstdDecompressor()
 
     def encode(states: torch.Tensor) -> list[bytes]:  # states [N, L, H]
         parts = [states[:, i] for i in range(states.shape[1])] if per_layer else [states]
-        return [comp.compress(p) for part in parts for p in split_planes(part)]
+        planes = [byte_planes(bf16_bits(part.contiguous())) for part in parts]
+        return [f for h, lo in planes for f in (high.compress(h), low.compress(lo))]
 
     def decode(frames: list[bytes], shape: tuple[int, ...]) -> torch.Tensor:
         n_parts = len(frames) // 2
@@ -65,7 +77,28 @@ def candidates() -> dict[str, tuple[Callable, Callable]]:
     out["byte planes, all layers, zstd-1"] = _planes_encoder(1, per_layer=False)
     for level in (1, 3):
         out[f"byte planes per layer, zstd-{level}"] = _planes_encoder(level, per_layer=True)
+    out[f"same, mantissa at zstd {MANTISSA_LEVEL}"] = _planes_encoder(1, True, MANTISSA_LEVEL)
+    out["shipped zstd-planes (ShardWriter's encoder)"] = _shipped_codec()
     return out
+
+
+def _shipped_codec(level: int = 1) -> tuple[Callable, Callable]:
+    """Exactly what ShardWriter writes and ShardReader decodes."""
+    encoder, decomp = PlaneEncoder(level), zstandard.ZstdDecompressor()
+
+    def encode(states: torch.Tensor) -> list[bytes]:  # states [N, L, H]
+        sample = Sample("bench", torch.zeros(0), torch.zeros(0), states[:, :-1], states[:, -1])
+        return encoder.encode(sample)
+
+    def decode(frames: list[bytes], shape: tuple[int, ...]) -> torch.Tensor:
+        blob = np.frombuffer(b"".join(frames), dtype=np.uint8)
+        ends = np.cumsum([len(f) for f in frames]).tolist()
+        spans = [[start, end - start] for start, end in zip([0, *ends[:-1]], ends, strict=True)]
+        index = [spans[i : i + 2] for i in range(0, len(spans), 2)]
+        aux, final = decode_sample(blob, index, shape[0], {"hidden_size": shape[2]}, decomp)
+        return torch.cat([aux, final[:, None]], dim=1)
+
+    return encode, decode
 
 
 def measure(

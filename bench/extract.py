@@ -3,7 +3,8 @@ samples in one process, against this machine's measured matmul ceilings.
 
     python bench/extract.py [--tokens results/tokens.safetensors] [--json results/bench/extract.json]
 
-Variants (interleaved over --repeats rounds, medians reported, so background load hits all alike):
+Variants (interleaved over --repeats rounds, so background load hits all alike; rates are medians,
+ratios are medians of each round's paired ratio):
 
     naive          fp32, full model with lm_head, `output_hidden_states=True`, one sequence per pass
     draftsmith     `extract_shard` (bf16 base model, hooks on the aux layers, no lm_head, length-bucketed
@@ -13,7 +14,8 @@ Variants (interleaved over --repeats rounds, medians reported, so background loa
 Useful FLOPs count only real tokens: 2 x non-embedding parameters per token plus causal attention
 (4 x heads x head_dim x layers per query-key pair, T(T+1)/2 pairs per sequence); lm_head, padding and
 the teacher check are overhead. The rate is given as a fraction of the bf16 matmul ceiling measured
-here (the best of a few large matmuls shaped like the model's MLP). Write overlap = tokens/s including
+here (the best of a few large matmuls shaped like the model's MLP); as an upper bound for this model,
+its decoder's linear layers alone are timed on batch-sized inputs. Write overlap = tokens/s including
 writing and closing the shard / tokens/s of the same variant without writing.
 
 Two clocks: wall, and CPU time per thread (process CPU seconds / threads, the writer thread included).
@@ -28,6 +30,7 @@ exist, else chat sequences made here from the built-in prompts; samples repeat u
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
@@ -113,9 +116,15 @@ def made_up_samples(target: str) -> tuple[list[list[int]], list[list[int]]]:
 
 
 def bench_tokens(
-    source: str | None, target: str, min_tokens: int, out: Path, made_up: bool = False
+    source: str | None,
+    target: str,
+    min_tokens: int,
+    out: Path,
+    made_up: bool = False,
+    max_tokens: int | None = None,
 ) -> dict[str, Any]:
-    """Write a one-shard tokens file with the chosen samples, repeated up to min_tokens."""
+    """Write a one-shard tokens file with the chosen samples (the first ones up to max_tokens),
+    repeated up to min_tokens."""
     if source is None and not made_up and Path(TINY_RUN_TOKENS).is_file():
         source = TINY_RUN_TOKENS
     if source:
@@ -127,6 +136,9 @@ def bench_tokens(
     else:
         ids, masks = made_up_samples(target)
         template = "bench"
+    if max_tokens:
+        keep = max(1, sum(1 for total in itertools.accumulate(len(s) for s in ids) if total <= max_tokens))
+        ids, masks = ids[:keep], masks[:keep]
     base = len(ids)
     while sum(len(s) for s in ids) < min_tokens:
         k = len(ids) % base
@@ -168,6 +180,29 @@ def naive_pass(model, sequences: list[torch.Tensor], layer_ids: list[int]) -> tu
     return time.perf_counter() - start, time.process_time() - cpu
 
 
+def paired_ratio(base: list, other: list, seconds) -> float:
+    """Median over rounds of base seconds / other seconds. Within a round the variants run back to
+    back, so each round's ratio cancels the slow swings of a shared machine that medians of rates
+    taken apart do not."""
+    return statistics.median(seconds(b) / seconds(o) for b, o in zip(base, other, strict=True))
+
+
+@torch.inference_mode()
+def linear_layers_rate(model, tokens: int, rounds: int = 3) -> float:
+    """GFLOP/s of the decoder's linear layers alone, in order, on [tokens, in] bf16 activations: what
+    the model's own matmul shapes reach here, an upper bound for any extraction of this model."""
+    linears = [m for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = {m.in_features: torch.randn(tokens, m.in_features, dtype=torch.bfloat16) for m in linears}
+    flops = sum(2.0 * tokens * m.in_features * m.out_features for m in linears)
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for m in linears:
+            m(inputs[m.in_features])
+        best = min(best, time.perf_counter() - start)
+    return flops / best / 1e9
+
+
 def summarise(
     times: dict[str, list[tuple[float, float]]],
     clock: str,
@@ -192,12 +227,14 @@ def summarise(
             "pct_of_fp32_ceiling": round(100 * rate / ceiling["fp32"], 1),
             "seconds": [round(seconds(t), 3) for t in runs],
         }
-    naive = rows["naive"]["tokens_per_second"]
     for name, row in rows.items():
-        row["vs_naive"] = round(row["tokens_per_second"] / naive, 3)
+        row["vs_naive"] = round(paired_ratio(times["naive"], times[name], seconds), 3)
         if " write=" in name and not name.endswith("write=no"):
-            base = rows[name.rsplit(" write=", 1)[0] + " write=no"]["tokens_per_second"]
-            row["write_overlap"] = round(row["tokens_per_second"] / base, 3)
+            base = times[name.rsplit(" write=", 1)[0] + " write=no"]
+            row["write_overlap"] = round(paired_ratio(base, times[name], seconds), 3)
+            row["write_overlap_rounds"] = [
+                round(seconds(b) / seconds(o), 3) for b, o in zip(base, times[name], strict=True)
+            ]
     return rows
 
 
@@ -227,8 +264,11 @@ def print_table(rows: dict[str, dict[str, Any]], title: str) -> None:
     "--made-up", is_flag=True, help="Use the built-in prompts' made-up conversations (70-470 tokens)."
 )
 @click.option("--min-tokens", default=8192, show_default=True, help="Repeat samples up to this many tokens.")
+@click.option("--max-tokens", type=int, help="Take only the first samples, up to this many tokens.")
 @click.option("--threads", default=2, show_default=True)
-@click.option("--repeats", default=2, show_default=True, help="Interleaved rounds; medians are reported.")
+@click.option(
+    "--repeats", default=5, show_default=True, help="Interleaved rounds; medians and paired ratios reported."
+)
 @click.option("--batch-tokens", default=4096, show_default=True)
 @click.option(
     "--compile/--no-compile", "with_compile", default=True, show_default=True, help="Also time compiled."
@@ -239,6 +279,7 @@ def main(
     target: str,
     made_up: bool,
     min_tokens: int,
+    max_tokens: int | None,
     threads: int,
     repeats: int,
     batch_tokens: int,
@@ -248,7 +289,7 @@ def main(
     torch.set_num_threads(threads)
     load_before = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="bench-extract-"))
-    data = bench_tokens(tokens, target, min_tokens, work / "tokens.safetensors", made_up)
+    data = bench_tokens(tokens, target, min_tokens, work / "tokens.safetensors", made_up, max_tokens)
     lengths = data["lengths"]
     tensors, _ = load_tokens(work / "tokens.safetensors")
     offsets = tensors["offsets"].tolist()
@@ -286,9 +327,11 @@ def main(
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
     extra: dict[str, list[dict]] = {name: [] for name in variants}
     ceilings: dict[str, list[float]] = {"bf16": [], "fp32": []}
+    linear_rates: list[float] = []
     for rnd in range(repeats):
         for dtype, key in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
             ceilings[key].append(matmul_ceiling(dtype))
+        linear_rates.append(linear_layers_rate(engines["off"].model, batch_tokens))
         for name, v in variants.items():
             if name == "naive":
                 times[name].append(naive_pass(model, sequences, layer_ids))
@@ -316,6 +359,14 @@ def main(
                     {
                         "teacher_agreement": stats["teacher_agreement"],
                         "bytes": os.path.getsize(out) if out else None,
+                        # writing's share of the cores: the writer thread's CPU time, plus closing
+                        # the shard (after compute, so every core waits for it)
+                        "writing_core_share": (stats["writer_cpu_seconds"] + threads * stats["close_seconds"])
+                        / (threads * stats["wall_seconds_with_write"])
+                        if out
+                        else None,
+                        "writer_cpu_seconds": stats.get("writer_cpu_seconds"),
+                        "close_seconds": stats.get("close_seconds"),
                     }
                 )
                 if out:
@@ -339,6 +390,20 @@ def main(
             + f"; ceilings bf16 {ceiling['bf16']:.0f}, fp32 {ceiling['fp32']:.0f} GFLOP/s"
             " (best 2048x576 @ 576x1536)",
         )
+    print("\nwriting's cost, measured without the machine's noise (CPU time, not throughput):")
+    for name, runs in extra.items():
+        if runs and runs[0]["writing_core_share"] is not None:
+            share = statistics.median(r["writing_core_share"] for r in runs)
+            ratios = sorted(tables["wall"][name]["write_overlap_rounds"])
+            print(
+                f"  {name}: writer thread + close = {share:.1%} of the cores' time, so at least "
+                f"{1 - share:.1%} overlap; paired throughput ratios per round {ratios[0]:.2f}-{ratios[-1]:.2f}"
+            )
+    linear_best = max(linear_rates)
+    print(
+        f"upper bound: this model's linear layers alone, {batch_tokens} tokens at a time, reach "
+        f"{linear_best:.0f} GFLOP/s = {100 * linear_best / ceiling['bf16']:.1f}% of the bf16 ceiling"
+    )
     if compile_seconds:
         print(f"compile: {compile_seconds:.0f}s once per job (not in the rates)")
     print(f"load average during the run: {load_before} -> {os.getloadavg()}")
@@ -357,6 +422,7 @@ def main(
             "useful_mflop_per_token": flops / n_tok / 1e6,
             "ceiling_gflops": ceiling,
             "ceiling_rounds": ceilings,
+            "linear_layers_gflops": {"best": linear_best, "rounds": linear_rates},
             "compile_seconds": compile_seconds,
             "load_average": {"before": load_before, "after": os.getloadavg()},
             "variants": tables,

@@ -31,12 +31,18 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     tmp.chmod(0o644)  # mkstemp makes 0600; results are meant to be shared
     try:
         yield tmp
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-        _fsync_dir(target.parent)
+        commit_file(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def commit_file(tmp: str | os.PathLike[str], target: str | os.PathLike[str]) -> None:
+    """Make a finished temporary file (beside target, same filesystem) the target: fsync, rename, and
+    fsync the folder, so after a crash the target is either the old file or the whole new one."""
+    with open(tmp, "rb+") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, target)
+    _fsync_dir(Path(target).parent)
 
 
 @contextlib.contextmanager

@@ -70,11 +70,9 @@ def probe(
         captured.append(Sample("probe", ids, mask.bool(), aux.bfloat16(), final.bfloat16()))
     seconds = time.perf_counter() - start
     path = workdir / ".estimate-probe.safetensors"
-    write_shard(path, captured, {"probe": True}, codec=codec, level=level)
-    raw = raw_state_bytes(tokens, len(aux_layer_ids) + 1, captured[0].final.shape[-1])
-    ids_bytes = tokens * (8 + 1)  # int64 ids + uint8 mask stored beside the states
-    ratio = max(path.stat().st_size - ids_bytes, 1) / raw
+    state_bytes = write_shard(path, captured, {"probe": True}, codec=codec, level=level)
     path.unlink()
+    ratio = state_bytes / raw_state_bytes(tokens, len(aux_layer_ids) + 1, captured[0].final.shape[-1])
     return {"tokens": tokens, "tokens_per_second": tokens / seconds, "codec_ratio": ratio}
 
 

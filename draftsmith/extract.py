@@ -199,7 +199,11 @@ def extract_shard(
             print(f"extract shard {shard}: compiled in {compile_seconds:.0f}s", flush=True)
         if out_path:
             writer = ShardWriter(
-                out_path, {"aux_layer_ids": layer_ids, "layer_convention": "input"}, codec, zstd_level
+                out_path,
+                {"aux_layer_ids": layer_ids, "layer_convention": "input"},
+                codec,
+                zstd_level,
+                sample_ids=meta["sample_ids"][start:end],
             )
         t0, cpu0 = time.perf_counter(), time.process_time()
         stats = _extract_loop(
@@ -207,6 +211,7 @@ def extract_shard(
         )
         stats |= {"engine": engine, "compile_seconds": compile_seconds, "estimate": estimate}
         if writer:
+            closing = time.perf_counter()
             writer.close(
                 {
                     "final": "post_final_norm",
@@ -225,6 +230,9 @@ def extract_shard(
         shutil.rmtree(scratch, ignore_errors=True)
     stats["wall_seconds_with_write"] = round(time.perf_counter() - t0, 2)
     stats["cpu_seconds_with_write"] = round(time.process_time() - cpu0, 2)
+    if writer:
+        stats["writer_cpu_seconds"] = round(writer.cpu_seconds, 3)
+        stats["close_seconds"] = round(time.perf_counter() - closing, 3)
     size = f", {human_bytes(Path(out_path).stat().st_size)} written" if out_path else ""
     agreement = stats["teacher_agreement"]
     print(

@@ -1,9 +1,11 @@
 """Capture, shards, token layout, vocab maps: the contracts between stages, on a tiny random Llama."""
 
 import json
+import struct
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from draftsmith.atomic import atomic_path, write_json
 from draftsmith.chat import training_sequence
@@ -11,7 +13,7 @@ from draftsmith.engines.hf import capture_states, stop_at_eos
 from draftsmith.extract import teacher_agreement, token_batches
 from draftsmith.layers import convert_layer_ids, default_aux_layers, validate_aux_layers
 from draftsmith.manifest import DataError, build_manifest, load_manifest, verify_manifest
-from draftsmith.shards import Sample, iter_samples, read_tokens, write_shard
+from draftsmith.shards import HEADER_ROOM, Sample, ShardWriter, iter_samples, read_tokens, write_shard
 from draftsmith.tokens import shard_bounds
 from draftsmith.vocab import build_vocab_map, select_draft_tokens, vocab_maps
 
@@ -149,6 +151,29 @@ def test_shard_round_trip_is_lossless(tmp_path, codec):
         assert a.aux.shape == b.aux.shape and a.final.dtype == b.final.dtype == torch.bfloat16
     ids, mask, offsets = read_tokens(path)
     assert offsets.tolist() == [0, 4, 9] and ids.numel() == 9 and mask.sum() == 5
+
+
+@pytest.mark.parametrize("codec", ["none", "zstd-planes"])
+def test_shard_header_outgrowing_its_room_still_writes_the_same_tensors(tmp_path, codec):
+    samples = [_sample(0, 4), _sample(1, 5)]
+    in_place = tmp_path / "in-place.safetensors"
+    write_shard(in_place, samples, _shard_meta(), codec=codec)
+    rewritten = tmp_path / "rewritten.safetensors"
+    writer = ShardWriter(rewritten, _shard_meta(), codec)
+    for sample in samples:
+        writer.add(sample)
+    writer.close({"notes": "x" * (2 * HEADER_ROOM)})  # more than the room kept for the header
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in-place.safetensors", "rewritten.safetensors"]
+    (in_place_header,) = struct.unpack("<Q", in_place.read_bytes()[:8])
+    assert in_place_header >= HEADER_ROOM  # the header filled the room kept for it: nothing was copied
+    contents = []
+    for path in (in_place, rewritten):
+        with safe_open(str(path), framework="pt") as f:  # plain safetensors reads both layouts
+            contents.append({name: f.get_tensor(name) for name in f.keys()})  # noqa: SIM118
+    assert contents[0].keys() == contents[1].keys()
+    for name, tensor in contents[0].items():
+        assert torch.equal(tensor.view(torch.uint8), contents[1][name].view(torch.uint8)), name
+    assert [s.id for s in iter_samples(rewritten)] == ["s0", "s1"]
 
 
 def test_manifest_verify_and_refusal(tmp_path):
