@@ -14,15 +14,16 @@ ratios are medians of each round's paired ratio):
 Useful FLOPs count only real tokens: 2 x non-embedding parameters per token plus causal attention
 (4 x heads x head_dim x layers per query-key pair, T(T+1)/2 pairs per sequence); lm_head, padding and
 the teacher check are overhead. The rate is given as a fraction of the bf16 matmul ceiling measured
-here (the best of a few large matmuls shaped like the model's MLP); as an upper bound for this model,
+just before each run (the best of a few large matmuls shaped like the model's MLP); as an upper bound for this model,
 its decoder's linear layers alone are timed on batch-sized inputs. Write overlap = tokens/s including
-writing and closing the shard / tokens/s of the same variant without writing.
+writing and closing the shard / tokens/s of the same variant without writing; besides the rounds'
+paired ratios it is measured on its own, for the default codec, over alternating back-to-back pairs.
 
 Two clocks: wall, and CPU time per thread (process CPU seconds / threads, the writer thread included).
 On a machine shared with other work the wall clock also measures the neighbours; the CPU clock measures
 what the process did with the time it got (run it with --threads 1 there: waiting OpenMP threads spin and
 inflate CPU time). On the CPU clock, write overlap is the extra CPU that writing costs: what compute
-would lose to it on a machine with no core to spare. The ceilings are the best wall-clock matmuls.
+would lose to it on a machine with no core to spare. The ceilings are wall-clock matmuls.
 
 Without --tokens, the tiny workflow run's tokens (/tmp/wf/results/tokens.safetensors) are used if they
 exist, else chat sequences made here from the built-in prompts; samples repeat until --min-tokens.
@@ -30,6 +31,8 @@ exist, else chat sequences made here from the built-in prompts; samples repeat u
 
 from __future__ import annotations
 
+import contextlib
+import io
 import itertools
 import json
 import os
@@ -203,15 +206,63 @@ def linear_layers_rate(model, tokens: int, rounds: int = 3) -> float:
     return flops / best / 1e9
 
 
+def draftsmith_run(
+    target: str,
+    work: Path,
+    out: str | None,
+    codec: str | None,
+    compile_mode: str,
+    engine,
+    batch_tokens: int,
+    threads: int,
+) -> tuple[float, float, dict]:
+    """One extraction of the bench's shard: (wall s, CPU s, stats). With a codec it writes the shard
+    and counts until the file is complete; without, only the capture loop."""
+    stats = extract_shard(
+        target,
+        str(work / "tokens.safetensors"),
+        0,
+        out,
+        None,
+        "bfloat16",
+        batch_tokens,
+        codec=codec or "zstd-planes",
+        threads=threads,
+        compile=compile_mode,
+        extractor=engine,
+    )
+    if not out:
+        return stats["seconds"], stats["cpu_seconds"], stats
+    stats["bytes"] = os.path.getsize(out)
+    os.unlink(out)
+    return stats["wall_seconds_with_write"], stats["cpu_seconds_with_write"], stats
+
+
+def alternating_overlap(run_plain, run_writing, pairs: int) -> list[float]:
+    """Write overlap from `pairs` back-to-back pairs in alternating order (plain first, then writing
+    first): each pair's ratio of seconds sees the same spell of the machine, and the order cannot
+    favour either side."""
+    ratios = []
+    for i in range(pairs):
+        if i % 2 == 0:
+            plain, writing = run_plain(), run_writing()
+        else:
+            writing, plain = run_writing(), run_plain()
+        ratios.append(plain / writing)
+    return ratios
+
+
 def summarise(
     times: dict[str, list[tuple[float, float]]],
     clock: str,
     threads: int,
     n_tok: int,
     flops: float,
-    ceiling: dict,
+    ceilings: dict[str, dict[str, list[float]]],
 ) -> dict[str, dict[str, Any]]:
-    """Median rates per variant on one clock ("wall", or "cpu": CPU seconds / threads)."""
+    """Median rates per variant on one clock ("wall", or "cpu": CPU seconds / threads). The % of a
+    ceiling is the median over rounds of the run's rate / the ceiling measured just before it: this
+    machine swings between fast and slow spells, and a ceiling from another moment would mislead."""
 
     def seconds(t: tuple[float, float]) -> float:
         return t[0] if clock == "wall" else t[1] / threads
@@ -223,8 +274,16 @@ def summarise(
         rows[name] = {
             "tokens_per_second": round(n_tok / median, 1),
             "useful_gflops": round(rate, 1),
-            "pct_of_bf16_ceiling": round(100 * rate / ceiling["bf16"], 1),
-            "pct_of_fp32_ceiling": round(100 * rate / ceiling["fp32"], 1),
+            **{
+                f"pct_of_{key}_ceiling": round(
+                    100
+                    * statistics.median(
+                        flops / seconds(t) / 1e9 / c for t, c in zip(runs, beside[name], strict=True)
+                    ),
+                    1,
+                )
+                for key, beside in ceilings.items()
+            },
             "seconds": [round(seconds(t), 3) for t in runs],
         }
     for name, row in rows.items():
@@ -273,6 +332,12 @@ def print_table(rows: dict[str, dict[str, Any]], title: str) -> None:
 @click.option(
     "--compile/--no-compile", "with_compile", default=True, show_default=True, help="Also time compiled."
 )
+@click.option(
+    "--overlap-pairs",
+    default=12,
+    show_default=True,
+    help="Alternating no-write/zstd-planes pairs per compile mode for the write overlap (0: skip).",
+)
 @click.option("--json", "json_path", default="results/bench/extract.json", show_default=True)
 def main(
     tokens: str | None,
@@ -284,6 +349,7 @@ def main(
     repeats: int,
     batch_tokens: int,
     with_compile: bool,
+    overlap_pairs: int,
     json_path: str,
 ) -> None:
     torch.set_num_threads(threads)
@@ -326,39 +392,33 @@ def main(
             variants[f"draftsmith compile={mode} write={codec or 'no'}"] = {"compile": mode, "codec": codec}
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
     extra: dict[str, list[dict]] = {name: [] for name in variants}
-    ceilings: dict[str, list[float]] = {"bf16": [], "fp32": []}
+    # ceilings measured just before each run: {"bf16": {variant: [GFLOP/s per round]}, "fp32": ...}
+    ceilings: dict[str, dict[str, list[float]]] = {
+        "bf16": {n: [] for n in variants},
+        "fp32": {n: [] for n in variants},
+    }
     linear_rates: list[float] = []
     for rnd in range(repeats):
-        for dtype, key in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
-            ceilings[key].append(matmul_ceiling(dtype))
         linear_rates.append(linear_layers_rate(engines["off"].model, batch_tokens))
-        for name, v in variants.items():
+        order = (
+            list(variants) if rnd % 2 == 0 else list(reversed(variants))
+        )  # no variant always follows another
+        for name in order:
+            v = variants[name]
+            for dtype, key in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+                ceilings[key][name].append(matmul_ceiling(dtype, rounds=6))
             if name == "naive":
                 times[name].append(naive_pass(model, sequences, layer_ids))
             else:
                 out = str(work / f"hidden-{rnd}" / "shard-0.safetensors") if v["codec"] else None
-                stats = extract_shard(
-                    target,
-                    str(work / "tokens.safetensors"),
-                    0,
-                    out,
-                    None,
-                    "bfloat16",
-                    batch_tokens,
-                    codec=v["codec"] or "zstd-planes",
-                    threads=threads,
-                    compile=v["compile"],
-                    extractor=engines[v["compile"]],
+                wall, cpu, stats = draftsmith_run(
+                    target, work, out, v["codec"], v["compile"], engines[v["compile"]], batch_tokens, threads
                 )
-                # with a writer: until the shard file is complete; without: the capture loop
-                if v["codec"]:
-                    times[name].append((stats["wall_seconds_with_write"], stats["cpu_seconds_with_write"]))
-                else:
-                    times[name].append((stats["seconds"], stats["cpu_seconds"]))
+                times[name].append((wall, cpu))
                 extra[name].append(
                     {
                         "teacher_agreement": stats["teacher_agreement"],
-                        "bytes": os.path.getsize(out) if out else None,
+                        "bytes": stats.get("bytes"),
                         # writing's share of the cores: the writer thread's CPU time, plus closing
                         # the shard (after compute, so every core waits for it)
                         "writing_core_share": (stats["writer_cpu_seconds"] + threads * stats["close_seconds"])
@@ -369,8 +429,6 @@ def main(
                         "close_seconds": stats.get("close_seconds"),
                     }
                 )
-                if out:
-                    os.unlink(out)
             wall, cpu = times[name][-1]
             print(
                 f"round {rnd + 1}/{repeats}: {name}: {n_tok / wall:,.0f} tok/s wall, "
@@ -378,8 +436,21 @@ def main(
                 flush=True,
             )
 
-    ceiling = {key: max(runs) for key, runs in ceilings.items()}
-    tables = {clock: summarise(times, clock, threads, n_tok, flops, ceiling) for clock in ("wall", "cpu")}
+    overlap: dict[str, dict[str, Any]] = {}
+    for mode in modes if overlap_pairs else []:
+
+        def run(codec: str | None, mode: str = mode) -> float:
+            out = str(work / "overlap" / "shard-0.safetensors") if codec else None
+            return draftsmith_run(target, work, out, codec, mode, engines[mode], batch_tokens, threads)[0]
+
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            ratios = alternating_overlap(lambda: run(None), lambda: run("zstd-planes"), overlap_pairs)
+        quartiles = statistics.quantiles(ratios, n=4)
+        overlap[mode] = {"ratios": ratios, "median": statistics.median(ratios), "quartiles": quartiles}
+
+    measured = {key: [c for runs in beside.values() for c in runs] for key, beside in ceilings.items()}
+    ceiling = {key: statistics.median(values) for key, values in measured.items()}
+    tables = {clock: summarise(times, clock, threads, n_tok, flops, ceilings) for clock in ("wall", "cpu")}
     for clock, rows in tables.items():
         for name, row in rows.items():
             row["runs"] = extra[name]
@@ -387,8 +458,9 @@ def main(
             rows,
             f"{clock} clock"
             + (" (CPU seconds / threads: robust to other load)" if clock == "cpu" else "")
-            + f"; ceilings bf16 {ceiling['bf16']:.0f}, fp32 {ceiling['fp32']:.0f} GFLOP/s"
-            " (best 2048x576 @ 576x1536)",
+            + f"; % of the ceiling measured beside each run (2048x576 @ 576x1536; bf16 "
+            f"{min(measured['bf16']):.0f}-{max(measured['bf16']):.0f}, fp32 "
+            f"{min(measured['fp32']):.0f}-{max(measured['fp32']):.0f} GFLOP/s)",
         )
     print("\nwriting's cost, measured without the machine's noise (CPU time, not throughput):")
     for name, runs in extra.items():
@@ -399,10 +471,15 @@ def main(
                 f"  {name}: writer thread + close = {share:.1%} of the cores' time, so at least "
                 f"{1 - share:.1%} overlap; paired throughput ratios per round {ratios[0]:.2f}-{ratios[-1]:.2f}"
             )
+    for mode, o in overlap.items():
+        print(
+            f"write overlap, zstd-planes, compile={mode}: {o['median']:.1%} median over {len(o['ratios'])} "
+            f"alternating back-to-back pairs (quartiles {o['quartiles'][0]:.1%}-{o['quartiles'][2]:.1%})"
+        )
     linear_best = max(linear_rates)
     print(
         f"upper bound: this model's linear layers alone, {batch_tokens} tokens at a time, reach "
-        f"{linear_best:.0f} GFLOP/s = {100 * linear_best / ceiling['bf16']:.1f}% of the bf16 ceiling"
+        f"{linear_best:.0f} GFLOP/s = {100 * linear_best / max(measured['bf16']):.1f}% of the best bf16 ceiling"
     )
     if compile_seconds:
         print(f"compile: {compile_seconds:.0f}s once per job (not in the rates)")
@@ -420,9 +497,10 @@ def main(
             "cpu": cpu_name(),
             "non_embedding_params": params,
             "useful_mflop_per_token": flops / n_tok / 1e6,
-            "ceiling_gflops": ceiling,
-            "ceiling_rounds": ceilings,
+            "ceiling_gflops_median": ceiling,
+            "ceiling_gflops_beside_each_run": ceilings,
             "linear_layers_gflops": {"best": linear_best, "rounds": linear_rates},
+            "write_overlap_alternating_pairs": overlap,
             "compile_seconds": compile_seconds,
             "load_average": {"before": load_before, "after": os.getloadavg()},
             "variants": tables,
