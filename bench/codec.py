@@ -78,7 +78,7 @@ def candidates() -> dict[str, tuple[Callable, Callable]]:
     for level in (1, 3):
         out[f"byte planes per layer, zstd-{level}"] = _planes_encoder(level, per_layer=True)
     out[f"same, mantissa at zstd {MANTISSA_LEVEL}"] = _planes_encoder(1, True, MANTISSA_LEVEL)
-    out["shipped zstd-planes (ShardWriter's encoder)"] = _shipped_codec()
+    out["shipped: min_match 7, mantissa framed"] = _shipped_codec()
     return out
 
 
