@@ -176,6 +176,7 @@ class ShardWriter:
         self._data = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed in close()/abort())
             prefix=f".{self.path.name}.", suffix=".data", dir=self.path.parent, delete=False
         )
+        os.chmod(self._data.name, 0o644)  # it becomes the shard: shared like every result (mkstemp: 0600)
         ids_room = len(json.dumps(sample_ids, ensure_ascii=False).encode()) if sample_ids else 0
         self._header_room = -(-(HEADER_ROOM + ids_room + 2 * len(json.dumps(meta))) // 8) * 8
         self._data.seek(8 + self._header_room)  # the states start here; the gap is filled at close()

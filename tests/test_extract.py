@@ -166,6 +166,7 @@ def test_shard_header_outgrowing_its_room_still_writes_the_same_tensors(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in-place.safetensors", "rewritten.safetensors"]
     (in_place_header,) = struct.unpack("<Q", in_place.read_bytes()[:8])
     assert in_place_header >= HEADER_ROOM  # the header filled the room kept for it: nothing was copied
+    assert {in_place.stat().st_mode & 0o777, rewritten.stat().st_mode & 0o777} == {0o644}
     contents = []
     for path in (in_place, rewritten):
         with safe_open(str(path), framework="pt") as f:  # plain safetensors reads both layouts
