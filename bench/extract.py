@@ -468,8 +468,9 @@ def main(
             share = statistics.median(r["writing_core_share"] for r in runs)
             ratios = sorted(tables["wall"][name]["write_overlap_rounds"])
             print(
-                f"  {name}: writer thread + close = {share:.1%} of the cores' time, so at least "
-                f"{1 - share:.1%} overlap; paired throughput ratios per round {ratios[0]:.2f}-{ratios[-1]:.2f}"
+                f"  {name}: writer thread + close = {share:.1%} of the cores' time (what writing takes "
+                f"from compute, before OpenMP threads wait on each other); paired throughput ratios per round "
+                f"{ratios[0]:.2f}-{ratios[-1]:.2f}"
             )
     for mode, o in overlap.items():
         print(

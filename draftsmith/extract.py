@@ -220,6 +220,8 @@ def extract_shard(
                     "stats": stats,
                 }
             )
+            stats["writer_cpu_seconds"] = round(writer.cpu_seconds, 3)
+            stats["close_seconds"] = round(time.perf_counter() - closing, 3)
     except BaseException:
         if writer:
             writer.abort()
@@ -230,9 +232,6 @@ def extract_shard(
         shutil.rmtree(scratch, ignore_errors=True)
     stats["wall_seconds_with_write"] = round(time.perf_counter() - t0, 2)
     stats["cpu_seconds_with_write"] = round(time.process_time() - cpu0, 2)
-    if writer:
-        stats["writer_cpu_seconds"] = round(writer.cpu_seconds, 3)
-        stats["close_seconds"] = round(time.perf_counter() - closing, 3)
     size = f", {human_bytes(Path(out_path).stat().st_size)} written" if out_path else ""
     agreement = stats["teacher_agreement"]
     print(
