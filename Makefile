@@ -6,7 +6,7 @@ STAMP := $(VENV)/.draftsmith-installed
 # Rules call the `draftsmith` command: the venv's bin comes first whether or not it is activated.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: setup run test lint clean slurm-check
+.PHONY: setup run test test-fast lint clean slurm-check
 
 setup: $(STAMP)
 
@@ -29,14 +29,19 @@ lint: setup
 	$(VENV)/bin/snakefmt --check .
 	$(VENV)/bin/snakemake --lint
 
+# No -x: one failure must not hide the rest.
 test: lint
-	$(VENV)/bin/pytest -x -q -ra
+	$(VENV)/bin/pytest -q -ra
+
+# Unit tests only (seconds to a few minutes): no workflow runs, no servers.
+test-fast: setup
+	$(VENV)/bin/pytest -q -ra tests/unit -m "not slow"
 
 # The workflow on a real single-node SLURM cluster with fake GPUs, started here (root, Debian or Ubuntu),
 # compared with a local run; prints the cluster's set-up time, both wall times and the GPUs each job got.
 slurm-check: setup
 	bash .ci/slurm-up.sh
-	DRAFTSMITH_SLURM=1 $(VENV)/bin/pytest -q -s -ra tests/test_slurm.py
+	DRAFTSMITH_SLURM=1 $(VENV)/bin/pytest -q -s -ra tests/e2e/test_slurm.py
 
 clean:
 	rm -rf results logs benchmarks .snakemake

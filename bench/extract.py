@@ -51,7 +51,7 @@ from draftsmith.atomic import atomic_path, write_json
 from draftsmith.engines.hf import HfExtractor
 from draftsmith.extract import extract_shard, resolve_aux_layers
 from draftsmith.target import load_target
-from draftsmith.tokens import load_tokens
+from draftsmith.tokenize import load_tokens
 
 TINY_RUN_TOKENS = "/tmp/wf/results/tokens.safetensors"
 DEFAULT_TARGET = "resources/SmolLM2-135M-Instruct"

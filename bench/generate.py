@@ -21,7 +21,7 @@ import click
 
 from draftsmith.atomic import write_json
 from draftsmith.prompts import BUILTIN_PROMPTS
-from draftsmith.traces import GenerateSettings, generate_traces
+from draftsmith.generate import GenerateSettings, generate_traces
 
 
 def _ints(text: str) -> list[int]:

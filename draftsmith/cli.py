@@ -217,7 +217,7 @@ def generate(ctx: click.Context, target_path: str, prompts_path: str, **kw: Any)
 
     from draftsmith.config import section_defaults
     from draftsmith.prompts import PromptError
-    from draftsmith.traces import GenerateError, GenerateSettings, generate_traces
+    from draftsmith.generate import GenerateError, GenerateSettings, generate_traces
 
     paths = {k: kw.pop(k) for k in ("out", "summary", "errors", "server_log")}
     values = {**section_defaults("generate"), **_settings(kw.pop("settings_json"))}
@@ -256,7 +256,7 @@ def generate(ctx: click.Context, target_path: str, prompts_path: str, **kw: Any)
 @click.option("--max-seq-len", default=1024, show_default=True)
 def tokenize(target_path: str, traces: str, out: str, num_shards: int, max_seq_len: int) -> None:
     """Render traces with the target's chat template into ids + assistant loss masks; plan the shards."""
-    from draftsmith.tokens import tokenize_traces
+    from draftsmith.tokenize import tokenize_traces
 
     try:
         tokenize_traces(target_path, traces, out, num_shards, max_seq_len)
@@ -369,7 +369,7 @@ def estimate(tokens: str | None, target_path: str | None, aux_layers: str | None
 
         from draftsmith.extract import resolve_aux_layers
         from draftsmith.target import load_target
-        from draftsmith.tokens import load_tokens
+        from draftsmith.tokenize import load_tokens
 
         tensors, _ = load_tokens(tokens)
         offsets = tensors["offsets"].tolist()
@@ -436,7 +436,7 @@ def vocab(tokens: str, target_path: str, size: int, out: str) -> None:
     """Build the draft vocabulary (d2t/t2d) from loss-masked token counts; prints its coverage."""
     import json as _json
 
-    from draftsmith.tokens import load_tokens
+    from draftsmith.tokenize import load_tokens
     from draftsmith.vocab import build_vocab_map, save_vocab_map
 
     tensors, _ = load_tokens(tokens)
@@ -641,7 +641,7 @@ def untrained_drafter(manifest_path: str, vocab_path: str, out: str, seed: int, 
 def eval_summary(**kw: Any) -> None:
     """Summary table, diagnosis and plots of an evaluation: summary.{json,tsv,html}, training.png,
     acceptance.png, tau_speedup.png. Never fails on the verdict; `draftsmith gate` does."""
-    from draftsmith.report import summarize_files
+    from draftsmith.eval_summary import summarize_files
 
     summary = summarize_files(**kw)
     click.echo(f"summary written to {kw['out']}; gate {'passes' if summary['gate_passed'] else 'FAILS'}")
@@ -659,7 +659,7 @@ def gate(summary_path: str, out: str | None) -> None:
     """
     from draftsmith.atomic import write_json
     from draftsmith.gate import GateFailed, enforce, format_checks
-    from draftsmith.report import checks_of, format_table
+    from draftsmith.eval_summary import checks_of, format_table
 
     summary = json.loads(Path(summary_path).read_text(encoding="utf-8"))
     checks = checks_of(summary)

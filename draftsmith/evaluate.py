@@ -11,7 +11,7 @@
 
 Both write JSON with the same per-method fields (vLLM's counter names: drafts, draft_tokens,
 accepted_tokens, accepted_per_pos, plus tau, acceptance_rate_per_position, tokens_per_s, speedup), so the
-summary (draftsmith.report) and the gate (draftsmith.gate) compare them directly.
+summary (draftsmith.eval_summary) and the gate (draftsmith.gate) compare them directly.
 
 The offline target runs in float32: in bf16, near-tied logits flip between the one-token path of plain
 decoding and the multi-token verify path, so outputs diverge although nothing is wrong

@@ -26,7 +26,7 @@ from draftsmith.estimate import check_free_disk, estimate_lines, human_bytes, pr
 from draftsmith.layers import default_aux_layers, validate_aux_layers
 from draftsmith.shards import Sample, ShardWriter, remove_stale_temp_files
 from draftsmith.target import check_target_dir
-from draftsmith.tokens import load_tokens
+from draftsmith.tokenize import load_tokens
 
 
 def resolve_aux_layers(aux_layers: list[int] | None, num_layers: int) -> list[int]:

@@ -55,7 +55,7 @@ def shard_bounds(token_counts: list[int], num_shards: int) -> list[tuple[int, in
 
 def turn_contexts(messages: list[dict], n_turns: int) -> list[list[dict]]:
     """The prompt messages of each answered turn of a multi-turn trace: every assistant message in
-    `messages` is a regenerated answer (see traces.py), so turn k was asked with messages[:index_k]."""
+    `messages` is a regenerated answer (see generate.py), so turn k was asked with messages[:index_k]."""
     points = [i for i, m in enumerate(messages) if m["role"] == "assistant"] + [len(messages)]
     if len(points) != n_turns:
         raise ValueError(f"{n_turns - 1} earlier turns recorded but {len(points) - 1} assistant messages")

@@ -9,8 +9,8 @@ from conftest import REPO
 from draftsmith.chat import assistant_message, merge_turns, render_prompt, render_with_response
 from draftsmith.config import section_defaults
 from draftsmith.engines.openai import Answer
-from draftsmith.tokens import trace_sequences, turn_contexts
-from draftsmith.traces import (
+from draftsmith.tokenize import trace_sequences, turn_contexts
+from draftsmith.generate import (
     Conversation,
     GenerateSettings,
     check_served_prompt,
@@ -232,7 +232,7 @@ def test_merge_turns_masks_nested_turns_and_separates_the_rest():
 
 
 def _multi_turn_row(tokenizer, first_reasoning=None, with_ids=True):
-    """A regenerated two-turn trace as traces.py writes it, built with `tokenizer`'s template."""
+    """A regenerated two-turn trace as generate.py writes it, built with `tokenizer`'s template."""
     conv = Conversation(MULTI)
     for text, reasoning in (("Apple.", first_reasoning), ("Carrot.", None)):
         prompt = render_prompt(tokenizer, conv.context())
@@ -285,7 +285,7 @@ def test_tokenize_refuses_a_served_prompt_from_another_template(tokenizer):
 
 
 def test_length_batches_cap_rows_and_padded_tokens():
-    from draftsmith.traces import length_batches
+    from draftsmith.generate import length_batches
 
     lengths = [10, 300, 12, 11, 1200, 290, 13]
     # rows only: sorted by length, 3 per batch

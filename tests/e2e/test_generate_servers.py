@@ -32,7 +32,7 @@ from draftsmith.engines.openai import (
 )
 from draftsmith.engines.server import VllmServer, group_alive, server_command
 from draftsmith.prompts import PromptError
-from draftsmith.traces import GenerateError, GenerateSettings, generate_traces
+from draftsmith.generate import GenerateError, GenerateSettings, generate_traces
 
 TARGET = REPO / "resources" / "SmolLM2-135M-Instruct"
 

@@ -14,7 +14,7 @@ from draftsmith.extract import teacher_agreement, token_batches
 from draftsmith.layers import convert_layer_ids, default_aux_layers, validate_aux_layers
 from draftsmith.manifest import DataError, build_manifest, load_manifest, verify_manifest
 from draftsmith.shards import HEADER_ROOM, Sample, ShardWriter, iter_samples, read_tokens, write_shard
-from draftsmith.tokens import shard_bounds
+from draftsmith.tokenize import shard_bounds
 from draftsmith.vocab import build_vocab_map, select_draft_tokens, vocab_maps
 
 

@@ -1,7 +1,7 @@
 """The evaluation stages end to end on a tiny pipeline (random Llama target with a chat tokenizer,
 extracted shards, a briefly trained drafter): the untrained baseline, the offline measurement, the
 summary with plots, and the gate through the CLI. The vLLM measurement runs for real in the workflow
-test (tests/test_workflow.py, tiny config); here only its bookkeeping and its missing-extra message."""
+test (tests/e2e/test_workflow.py, tiny config); here only its bookkeeping and its missing-extra message."""
 
 from __future__ import annotations
 
