@@ -469,12 +469,16 @@ def extract(
 @click.option(
     "--target", "target_path", type=click.Path(file_okay=False, exists=True), help="Target model folder."
 )
-@click.option(
-    "--aux-layers", default=None, help="Comma-separated ids (input convention); default 2,L//2,L-3."
+@setting(
+    "extract",
+    "aux_layers",
+    "--aux-layers",
+    type=str,
+    help="Comma-separated ids, input convention (null: 2,L//2,L-3).",
 )
-@click.option("--codec", type=click.Choice(["zstd-planes", "none"]), default="zstd-planes", show_default=True)
-@click.option("--zstd-level", default=1, show_default=True)
-@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
+@setting("extract", "codec", "--codec")
+@setting("extract", "zstd_level", "--zstd-level", type=click.IntRange(1, 22))
+@setting("target", "dtype", "--dtype")
 @click.option("--num-tokens", type=float, help="Without --tokens: the token count, e.g. 17.3e6.")
 @click.option("--hidden-size", type=int, help="Without --target: the hidden size, e.g. 7168.")
 @click.option(
@@ -488,6 +492,10 @@ def estimate(tokens: str | None, target_path: str | None, aux_layers: str | None
     For any model, by hand:   draftsmith estimate --num-tokens 17.3e6 --hidden-size 7168 --layers 4
     """
     from draftsmith.estimate import estimate_lines, probe
+
+    kw["codec"] = kw["codec"] or section_defaults("extract")["codec"]
+    kw["zstd_level"] = kw["zstd_level"] or section_defaults("extract")["zstd_level"]
+    kw["dtype"] = kw["dtype"] or section_defaults("target")["dtype"]
 
     if tokens and target_path:
         import torch
