@@ -1,6 +1,6 @@
 """The workflow on a real SLURM cluster, and the Kubernetes profile's dry run.
 
-The SLURM test needs the single-node cluster of .ci/slurm-up.sh (partition `gpu`, fake GPUs declared as
+The SLURM test needs the single-node cluster of scripts/slurm-up.sh (partition `gpu`, fake GPUs declared as
 character devices): CI (.ci/run) and `make slurm-check` start it, as root. Elsewhere the test skips,
 unless DRAFTSMITH_SLURM=1 says the cluster must be there (then a missing cluster fails it).
 """
@@ -45,7 +45,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _fake_gpu_cluster() -> str | None:
-    """None when the cluster of .ci/slurm-up.sh answers, else why not."""
+    """None when the cluster of scripts/slurm-up.sh answers, else why not."""
     try:
         out = subprocess.run(
             ["sinfo", "-h", "-p", "gpu", "-o", "%a %G"], capture_output=True, text=True, timeout=20
@@ -53,7 +53,7 @@ def _fake_gpu_cluster() -> str | None:
     except (OSError, subprocess.TimeoutExpired) as err:
         return f"no SLURM here ({err}); start one with `make slurm-check` (root)"
     if out.returncode != 0 or not out.stdout.startswith("up gpu:fake:"):
-        return f"no partition 'gpu' with fake GPUs (sinfo: {(out.stdout + out.stderr).strip()!r}); see .ci/slurm-up.sh"
+        return f"no partition 'gpu' with fake GPUs (sinfo: {(out.stdout + out.stderr).strip()!r}); see scripts/slurm-up.sh"
     return None
 
 
