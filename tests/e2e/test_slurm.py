@@ -198,7 +198,14 @@ def test_kubernetes_profile_lints_and_dry_runs_against_s3(tmp_path, s3_endpoint)
     lint = subprocess.run([*base, "--lint"], capture_output=True, text=True, env=env, timeout=300)
     assert lint.returncode == 0, lint.stdout[-3000:] + lint.stderr[-3000:]
 
-    cmd = [*base, "-n", "--storage-s3-endpoint-url", s3_endpoint, "--config", "resources={extract: {gpus: 2}}"]
+    cmd = [
+        *base,
+        "-n",
+        "--storage-s3-endpoint-url",
+        s3_endpoint,
+        "--config",
+        "resources={extract: {gpus: 2}}",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
