@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from draftsmith.config import section_defaults, section_schema
+from draftsmith.config import section_defaults, section_schema, settings_defaults
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_GATE = 1, 2, 3
 
@@ -72,21 +72,15 @@ def settings_option(section: str):
     )
 
 
-def resolve(
-    settings_json: str | None, options: dict[str, Any], *sections: str, extra: tuple[str, ...] = ()
-) -> dict[str, Any]:
-    """Schema defaults of `sections` < the --settings JSON < options given (not None).
-
-    Unknown keys in the JSON are bad input (exit 2), named with the sections they may come from.
-    """
-    values: dict[str, Any] = {}
-    for section in sections:
-        values.update(section_defaults(section))
+def resolve(settings_json: str | None, options: dict[str, Any], section: str) -> dict[str, Any]:
+    """The schema's defaults of `section` (with its operational knobs, see settings_defaults) < the
+    --settings JSON < options given (not None). Unknown keys in the JSON are bad input (exit 2)."""
+    values = settings_defaults(section)
     given = _settings(settings_json)
-    unknown = sorted(set(given) - set(values) - set(extra))
+    unknown = sorted(set(given) - set(values))
     if unknown:
         raise click.BadParameter(
-            f"unknown key(s) {', '.join(unknown)} (not in {' or '.join(sections)})", param_hint="--settings"
+            f"unknown key(s) {', '.join(unknown)} (not in {section})", param_hint="--settings"
         )
     values.update(given)
     values.update({k: v for k, v in options.items() if v is not None})
@@ -221,18 +215,6 @@ def fetch_wheel_cmd(requirement: str, out: str, cache: str) -> None:
     click.echo(f"{requirement}: {wheel.name} -> {out}")
 
 
-# generate's operational knobs (resources.generate): how requests are made, not what they return
-GENERATE_OPS = (
-    "concurrency",
-    "timeout_s",
-    "max_retries",
-    "backoff_s",
-    "max_consecutive_failures",
-    "max_failed_fraction",
-    "server_startup_timeout_s",
-)
-
-
 @main.command()
 @click.option("--target", "target_path", required=True, type=click.Path(file_okay=False, exists=True))
 @click.option("--prompts", "prompts_path", required=True, type=click.Path(dir_okay=False, exists=True))
@@ -330,9 +312,7 @@ def generate(target_path: str, prompts_path: str, settings_json: str | None, **k
             kw["devices"] = [d.strip() for d in kw["devices"].split(",") if d.strip()]
     except json.JSONDecodeError as err:
         _fail(f"--server-args: not a JSON list: {err}", EXIT_BAD_INPUT)
-    ops = {k: v for k, v in section_defaults("resources.generate").items() if k in GENERATE_OPS}
-    values = {**resolve(settings_json, {}, "generate", extra=GENERATE_OPS), "dtype": dtype}
-    values = {**ops, **values, **{k: v for k, v in kw.items() if v is not None}}
+    values = {**resolve(settings_json, kw, "generate"), "dtype": dtype}
     try:
         settings = GenerateSettings.from_dict(values)
     except (ValueError, TypeError) as err:
@@ -656,12 +636,9 @@ def train(
     from draftsmith.train import train as run_train
 
     # the operational knobs may also come in the JSON (a saved TrainSettings); options override them
-    values = resolve(settings_json, ops, "train", "resources.train")
-    if ops["threads"] is None and "threads" not in _settings(settings_json):
-        values["threads"] = None  # torch's choice, as for every stage's --threads
-    values = {k: v for k, v in values.items() if k not in ("runtime", "mem_mb", "gpus")}
-    if not values["checkpoint_every"]:
-        values["checkpoint_every"] = None  # 0: epoch ends only
+    values = resolve(settings_json, ops, "train")
+    if values["checkpoint_every"] == 0:
+        values["checkpoint_every"] = None  # epoch ends only
     try:
         settings = TrainSettings.from_dict(values)
     except ValueError as err:

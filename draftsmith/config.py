@@ -35,6 +35,37 @@ def section_defaults(section: str) -> dict[str, Any]:
     return {key: spec.get("default") for key, spec in section_schema(section).items()}
 
 
+# The operational knobs a stage's library settings (GenerateSettings, TrainSettings) carry; the rest of
+# resources.<stage> (runtime, mem_mb, gpus) is for the scheduler only.
+SETTINGS_OPS = {
+    "generate": (
+        "concurrency",
+        "timeout_s",
+        "max_retries",
+        "backoff_s",
+        "max_consecutive_failures",
+        "max_failed_fraction",
+        "server_startup_timeout_s",
+    ),
+    "train": ("threads", "checkpoint_every", "loader_threads"),
+}
+
+
+def settings_defaults(stage: str) -> dict[str, Any]:
+    """Defaults of a stage's library settings: its section plus its operational knobs. Threads are
+    torch's choice (None) outside Snakemake, which passes the job's; checkpoint_every 0 means None
+    (epoch ends only)."""
+    values = section_defaults(stage)
+    if stage not in SETTINGS_OPS:
+        return values
+    ops = section_defaults(f"resources.{stage}")
+    for key in SETTINGS_OPS[stage]:
+        values[key] = None if key == "threads" else ops[key]
+    if values.get("checkpoint_every") == 0:
+        values["checkpoint_every"] = None
+    return values
+
+
 def config_errors(config: dict[str, Any]) -> list[str]:
     """Every schema violation as one line naming the key path, e.g. "train.lr: 'big' is not of type 'number'"."""
     import jsonschema
