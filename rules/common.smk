@@ -41,8 +41,8 @@ def hidden_shards():
 
 
 def section_json(section, keys=None):
-    """A config section (or the keys of it a rule uses) as stable JSON for `--settings`: a param, so
-    changing any of them reruns the rule. Operational knobs live in `resources` and never come here."""
+    """A config section, or the keys of it that a stage uses, as stable JSON for `--settings`. It is a
+    param, so changing any of them reruns the stage; operational knobs live in `resources` instead."""
     values = config[section]
     if keys is not None:
         values = {key: values[key] for key in keys}
