@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from draftsmith.config import section_defaults, section_schema, settings_defaults
+from draftsmith.config import section_defaults, section_errors, section_schema, settings_defaults
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_GATE = 1, 2, 3
 
@@ -82,6 +82,9 @@ def resolve(settings_json: str | None, options: dict[str, Any], section: str) ->
         raise click.BadParameter(
             f"unknown key(s) {', '.join(unknown)} (not in {section})", param_hint="--settings"
         )
+    errors = section_errors(section, given)
+    if errors:
+        raise click.BadParameter("\n  ".join(errors), param_hint="--settings")
     values.update(given)
     values.update({k: v for k, v in options.items() if v is not None})
     return values

@@ -78,6 +78,18 @@ def config_errors(config: dict[str, Any]) -> list[str]:
     return lines
 
 
+def section_errors(section: str, values: dict[str, Any]) -> list[str]:
+    """Schema violations of the keys of `section` present in values, one line each naming section.key
+    (how a stage command checks its --settings JSON)."""
+    import jsonschema
+
+    props = section_schema(section)
+    spec = {"type": "object", "properties": {k: props[k] for k in values if k in props}}
+    validator = jsonschema.Draft202012Validator(spec)
+    errors = sorted(validator.iter_errors(values), key=lambda e: list(map(str, e.absolute_path)))
+    return [f"{section}.{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in errors]
+
+
 def coerce_strings(config: dict[str, Any], spec: dict[str, Any] | None = None) -> dict[str, Any]:
     """Parse strings where the schema wants another type, in place.
 

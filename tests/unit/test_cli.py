@@ -114,7 +114,13 @@ def test_library_log_lines_reach_the_commands_output(tmp_path):
 
 @pytest.mark.parametrize(
     "settings",
-    ['{"num_heldout": 2, "nope": 1}', "not json", "[1, 2]", "@/nonexistent/settings.json"],
+    [
+        '{"num_heldout": 2, "nope": 1}',
+        '{"num_heldout": "x"}',
+        "not json",
+        "[1, 2]",
+        "@/nonexistent/settings.json",
+    ],
 )
 def test_bad_settings_exit_2(tmp_path, settings):
     result = invoke(*prompts_args(tmp_path, "--settings", settings))

@@ -17,6 +17,7 @@ from draftsmith.config import (
     read_target_config,
     schema,
     section_defaults,
+    section_errors,
     target_checks,
 )
 
@@ -63,6 +64,14 @@ def test_config_errors_name_the_key():
     assert "train: Additional properties are not allowed ('lrr' was unexpected)" in errors
     assert "train.lr: 'big' is not of type 'number'" in errors
     assert "vocab.size: 0 is less than the minimum of 1" in errors
+
+
+def test_section_errors_check_only_the_keys_given():
+    assert section_errors("prompts", {"num_heldout": 2}) == []
+    assert section_errors("prompts", {"num_heldout": 0, "source": "web"}) == [
+        "prompts.num_heldout: 0 is less than the minimum of 1",
+        "prompts.source: 'web' is not one of ['sharegpt', 'jsonl', 'builtin']",
+    ]
 
 
 def test_coerce_strings_reads_yaml_scalars_where_the_schema_wants_numbers():
