@@ -196,8 +196,9 @@ def target_checks(config: dict[str, Any]) -> tuple[list[str], list[str]]:
         errors.append(f"vocab.size: {config['vocab']['size']} must be at least 1")
     k, ttt = config["evaluate"]["num_draft_tokens"], config["train"]["ttt_steps"]
     if k > ttt:
+        untrained = f"position {k} was" if k == ttt + 1 else f"positions {ttt + 1}..{k} were"
         warnings.append(
             f"evaluate.num_draft_tokens: {k} drafts per step but train.ttt_steps is {ttt}; "
-            f"draft positions {ttt + 1}..{k} were never trained"
+            f"draft {untrained} never trained"
         )
     return errors, warnings

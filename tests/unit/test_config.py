@@ -164,3 +164,5 @@ def test_more_drafts_than_trained_steps_is_a_warning(in_tmp):
     assert warnings == [
         "evaluate.num_draft_tokens: 5 drafts per step but train.ttt_steps is 3; draft positions 4..5 were never trained"
     ]
+    _, warnings = checks(evaluate={"num_draft_tokens": 4}, train={"ttt_steps": 3})
+    assert warnings[0].endswith("draft position 4 was never trained")
