@@ -40,7 +40,7 @@ test-fast: setup
 # The workflow on a real single-node SLURM cluster with fake GPUs, started here (root, Debian or Ubuntu),
 # compared with a local run; prints the cluster's set-up time, both wall times and the GPUs each job got.
 slurm-check: setup
-	bash .ci/slurm-up.sh
+	bash scripts/slurm-up.sh
 	DRAFTSMITH_SLURM=1 $(VENV)/bin/pytest -q -s -ra tests/e2e/test_slurm.py
 
 clean:

@@ -35,7 +35,7 @@ import click
 import torch
 
 from draftsmith.atomic import write_json
-from draftsmith.config import section_defaults
+from draftsmith.config import settings_defaults
 from draftsmith.manifest import load_manifest
 from draftsmith.shards import ShardWriter, iter_samples, read_shard_meta
 from draftsmith.train import (
@@ -131,7 +131,7 @@ def main(
         torch.set_num_threads(threads)
     vocab_path = vocab_path or str(Path(manifest_path).with_name("vocab_map.pt"))
     manifest = load_manifest(manifest_path)
-    defaults = {k: v for k, v in section_defaults("train").items() if k != "gpus"}
+    defaults = settings_defaults("train")
     settings = TrainSettings.from_dict(
         {**defaults, "val_fraction": 0.0, **({"batch_tokens": batch_tokens} if batch_tokens else {})}
     )

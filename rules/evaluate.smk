@@ -54,7 +54,7 @@ rule evaluate_offline:
         "../envs/draftsmith.yaml"
     threads: config["resources"]["evaluate"]["threads"]
     resources:
-        gpu=config["evaluate"]["gpus"],
+        gpu=config["resources"]["evaluate"]["gpus"],
         runtime=config["resources"]["evaluate"]["runtime"],
         mem_mb=config["resources"]["evaluate"]["mem_mb"],
     params:
@@ -83,7 +83,7 @@ rule evaluate_vllm:
         "../envs/draftsmith.yaml"
     threads: config["resources"]["evaluate"]["threads"]
     resources:
-        gpu=config["evaluate"]["gpus"],
+        gpu=config["resources"]["evaluate"]["gpus"],
         runtime=config["resources"]["evaluate"]["runtime"],
         mem_mb=config["resources"]["evaluate"]["mem_mb"],
     params:

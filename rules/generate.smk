@@ -13,11 +13,20 @@ rule generate:
         "../envs/draftsmith.yaml"
     threads: config["resources"]["generate"]["threads"]
     resources:
-        gpu=config["generate"]["gpus"],
+        gpu=config["resources"]["generate"]["gpus"],
         runtime=config["resources"]["generate"]["runtime"],
         mem_mb=config["resources"]["generate"]["mem_mb"],
+        # how requests are made, not what they return: resources, so changing them reruns nothing
+        # (Snakemake keeps integer resources only; the fractional ones travel as strings)
+        concurrency=config["resources"]["generate"]["concurrency"],
+        timeout_s=str(config["resources"]["generate"]["timeout_s"]),
+        max_retries=config["resources"]["generate"]["max_retries"],
+        backoff_s=str(config["resources"]["generate"]["backoff_s"]),
+        max_consecutive_failures=config["resources"]["generate"]["max_consecutive_failures"],
+        max_failed_fraction=str(config["resources"]["generate"]["max_failed_fraction"]),
+        server_startup_timeout_s=str(config["resources"]["generate"]["server_startup_timeout_s"]),
     params:
-        # The whole section: engine, sampling, endpoint, concurrency, server args (see the schema).
+        # The whole section: engine, sampling, endpoint, batching, server args (see the schema).
         settings=section_json("generate"),
         dtype=config["target"]["dtype"],
         # Not an output: Snakemake deletes the outputs of a failed job, and this file says why it failed.
@@ -27,4 +36,9 @@ rule generate:
         " draftsmith generate --target {input.target} --prompts {input.prompts}"
         " --out {output.traces} --summary {output.summary} --errors {params.errors}"
         " --settings {params.settings:q} --dtype {params.dtype} --server-log logs/vllm-server.log"
+        " --concurrency {resources.concurrency} --timeout-s {resources.timeout_s}"
+        " --max-retries {resources.max_retries} --backoff-s {resources.backoff_s}"
+        " --max-consecutive-failures {resources.max_consecutive_failures}"
+        " --max-failed-fraction {resources.max_failed_fraction}"
+        " --server-startup-timeout-s {resources.server_startup_timeout_s}"
         " 2>&1 | tee {log}"

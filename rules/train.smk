@@ -15,9 +15,12 @@ rule train:
         "../envs/draftsmith.yaml"
     threads: config["resources"]["train"]["threads"]
     resources:
-        gpu=config["train"]["gpus"],
+        gpu=config["resources"]["train"]["gpus"],
         runtime=config["resources"]["train"]["runtime"],
         mem_mb=config["resources"]["train"]["mem_mb"],
+        # operational: checkpoints and loading change neither the batches nor their order
+        checkpoint_every=config["resources"]["train"]["checkpoint_every"],
+        loader_threads=config["resources"]["train"]["loader_threads"],
     params:
         settings=section_json("train"),
     shell:
@@ -25,4 +28,5 @@ rule train:
         " draftsmith train --data {input.data} --vocab {input.vocab} --out {output.drafter}"
         " --checkpoints results/train/checkpoints --metrics {output.metrics}"
         # one data-parallel process per GPU the job was granted (torchrun); on CPU one process
-        " --settings {params.settings:q} --nproc $(( {resources.gpu} > 1 ? {resources.gpu} : 1 )) 2>&1 | tee {log}"
+        " --settings {params.settings:q} --threads {threads} --checkpoint-every {resources.checkpoint_every}"
+        " --loader-threads {resources.loader_threads} --nproc $(( {resources.gpu} > 1 ? {resources.gpu} : 1 )) 2>&1 | tee {log}"

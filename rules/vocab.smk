@@ -14,7 +14,7 @@ rule vocab:
         runtime=config["resources"]["default"]["runtime"],
         mem_mb=config["resources"]["default"]["mem_mb"],
     params:
-        size=config["vocab"]["size"],
+        settings=section_json("vocab"),
     shell:
-        "draftsmith vocab --tokens {input.tokens} --target {input.target} --size {params.size}"
+        "draftsmith vocab --tokens {input.tokens} --target {input.target} --settings {params.settings:q}"
         " --out {output} 2>&1 | tee {log}"

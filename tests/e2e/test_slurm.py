@@ -1,6 +1,6 @@
 """The workflow on a real SLURM cluster, and the Kubernetes profile's dry run.
 
-The SLURM test needs the single-node cluster of .ci/slurm-up.sh (partition `gpu`, fake GPUs declared as
+The SLURM test needs the single-node cluster of scripts/slurm-up.sh (partition `gpu`, fake GPUs declared as
 character devices): CI (.ci/run) and `make slurm-check` start it, as root. Elsewhere the test skips,
 unless DRAFTSMITH_SLURM=1 says the cluster must be there (then a missing cluster fails it).
 """
@@ -30,8 +30,7 @@ CONFIG = [
     f"target={{model: {TARGET}, gguf_wheel: null, dtype: float32}}",
     "prompts={max_prompts: 6, num_heldout: 2}",
     "generate={max_new_tokens: 16}",
-    "extract={gpus: 2}",
-    "resources={extract: {threads: 1}}",
+    "resources={extract: {threads: 1, gpus: 2}}",
 ]
 DATA = ["results/data_config.json", "results/vocab_map.pt"]
 RUN_TIMEOUT_S = 900
@@ -46,7 +45,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _fake_gpu_cluster() -> str | None:
-    """None when the cluster of .ci/slurm-up.sh answers, else why not."""
+    """None when the cluster of scripts/slurm-up.sh answers, else why not."""
     try:
         out = subprocess.run(
             ["sinfo", "-h", "-p", "gpu", "-o", "%a %G"], capture_output=True, text=True, timeout=20
@@ -54,7 +53,7 @@ def _fake_gpu_cluster() -> str | None:
     except (OSError, subprocess.TimeoutExpired) as err:
         return f"no SLURM here ({err}); start one with `make slurm-check` (root)"
     if out.returncode != 0 or not out.stdout.startswith("up gpu:fake:"):
-        return f"no partition 'gpu' with fake GPUs (sinfo: {(out.stdout + out.stderr).strip()!r}); see .ci/slurm-up.sh"
+        return f"no partition 'gpu' with fake GPUs (sinfo: {(out.stdout + out.stderr).strip()!r}); see scripts/slurm-up.sh"
     return None
 
 
@@ -199,7 +198,14 @@ def test_kubernetes_profile_lints_and_dry_runs_against_s3(tmp_path, s3_endpoint)
     lint = subprocess.run([*base, "--lint"], capture_output=True, text=True, env=env, timeout=300)
     assert lint.returncode == 0, lint.stdout[-3000:] + lint.stderr[-3000:]
 
-    cmd = [*base, "-n", "--storage-s3-endpoint-url", s3_endpoint, "--config", "extract={gpus: 2}"]
+    cmd = [
+        *base,
+        "-n",
+        "--storage-s3-endpoint-url",
+        s3_endpoint,
+        "--config",
+        "resources={extract: {gpus: 2}}",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]

@@ -111,7 +111,7 @@ def extract_tiny_data(root: Path, target_dir: Path) -> tuple[Path, Path]:
 def pipeline(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """target/, data_config.json, vocab_map.pt, a drafter trained for a few steps, metrics.jsonl,
     held-out prompts."""
-    from draftsmith.config import section_defaults
+    from draftsmith.config import settings_defaults
     from draftsmith.train import TrainSettings, train
 
     root = tmp_path_factory.mktemp("eval")
@@ -120,9 +120,8 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     target = root / "target"
     save_tiny_target(target)
     manifest, vocab = extract_tiny_data(root, target)
-    values = {**section_defaults("train"), "epochs": 2, "max_steps": 6, "batch_tokens": 512, "warmup_steps": 1,
+    values = {**settings_defaults("train"), "epochs": 2, "max_steps": 6, "batch_tokens": 512, "warmup_steps": 1,
               "ttt_steps": 2, "val_fraction": 0.2, "lr": 3e-3}  # fmt: skip
-    values.pop("gpus")
     settings = TrainSettings.from_dict(values)
     metrics = root / "train" / "metrics.jsonl"
     train(

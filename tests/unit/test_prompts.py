@@ -326,3 +326,21 @@ def test_sharegpt_wheel_full_parse(tmp_path):
     assert counts["kept"] + sum(counts["skipped"].values()) == counts["complete"]
     assert len({p["id"] for p in prompts}) == len(prompts)
     assert all(p["messages"][-1]["role"] == "user" and len(p["messages"]) <= 2 for p in prompts)
+
+
+# ----------------------------------------------------------------------------- a held-out set too small
+
+
+def test_a_heldout_set_that_shrinks_to_zero_is_an_error(tmp_path):
+    f = write_lines(tmp_path / "one.jsonl", [{"id": "only", "prompt": "hello"}])
+    with pytest.raises(PromptError, match=r"none for the held-out set \(prompts.num_heldout=3"):
+        prepare(tmp_path, source="jsonl", path=str(f), num_heldout=3)
+    assert not (tmp_path / "out" / "heldout.jsonl").exists()
+
+
+def test_a_heldout_set_smaller_than_asked_is_a_warning(tmp_path, caplog):
+    f = write_lines(tmp_path / "three.jsonl", [{"id": str(i), "prompt": f"p{i}"} for i in range(3)])
+    with caplog.at_level("WARNING", logger="draftsmith.prompts"):
+        summary = prepare(tmp_path, source="jsonl", path=str(f), num_heldout=5)
+    assert summary["heldout"] == 2 and summary["train"] == 1
+    assert "held-out set has 2 prompt(s), not the 5 asked (prompts.num_heldout)" in caplog.text

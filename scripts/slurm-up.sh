@@ -3,7 +3,7 @@
 #
 # For CI (.ci/run) and `make slurm-check`: run as root on Debian/Ubuntu; about 30 s on a fresh machine
 # (mostly apt), a few seconds when the packages are installed. Idempotent: a healthy cluster is left as is.
-# No systemd needed: munged, slurmctld and slurmd are started directly and stopped by .ci/slurm-down.sh.
+# No systemd needed: munged, slurmctld and slurmd are started directly and stopped by scripts/slurm-down.sh.
 #
 # The fake GPUs are character devices (clones of /dev/null): slurmd refuses regular files and drops
 # file-less GPUs, but schedules char devices as GRES, so `sbatch --gpus=2` jobs are placed, counted
@@ -74,7 +74,7 @@ fi
 # --- configuration ----------------------------------------------------------------------------------------
 install -d -o slurm -g slurm /var/lib/slurm/slurmctld /var/lib/slurm/slurmd /var/log/slurm /run/slurm
 cat >/etc/slurm/slurm.conf <<EOF
-# Written by draftsmith's .ci/slurm-up.sh: one node, fake GPUs, no accounting database.
+# Written by draftsmith's scripts/slurm-up.sh: one node, fake GPUs, no accounting database.
 ClusterName=draftsmith
 SlurmctldHost=$HOST(127.0.0.1)
 SlurmUser=slurm

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Stop the single-node SLURM cluster of .ci/slurm-up.sh: each daemon by the pid in its pid file.
+# Stop the single-node SLURM cluster of scripts/slurm-up.sh: each daemon by the pid in its pid file.
 # PURGE=1 also removes the packages, the configuration and the saved state.
 set -uo pipefail
 

@@ -1,0 +1,204 @@
+"""The command line: one settings path (schema defaults < --settings < options), help texts that show
+the schema's defaults, logging into the command's output, and the exit code of each command family:
+0 ok, 1 a stage failed, 2 bad usage or input, 3 the gate failed."""
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+from conftest import cli_env
+
+from draftsmith.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_GATE, main
+from draftsmith.config import section_schema
+
+SETTING_HELP = re.compile(r"\[([a-z_.]+)\.([a-z_]+); default: (.*)\]$")
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(main, list(args))
+
+
+def prompts_args(tmp_path: Path, *extra: str) -> list[str]:
+    out = tmp_path / "out"
+    return [
+        "prompts",
+        "--source",
+        "builtin",
+        "--out-train",
+        str(out / "train.jsonl"),
+        "--out-heldout",
+        str(out / "heldout.jsonl"),
+        "--summary",
+        str(out / "summary.json"),
+        *extra,
+    ]
+
+
+def summary(tmp_path: Path) -> dict:
+    return json.loads((tmp_path / "out" / "summary.json").read_text())
+
+
+# ----------------------------------------------------------------------------- one settings path
+
+
+def _setting_options():
+    """(command, option, section, key) for every option that stands for a config key."""
+    for name, command in main.commands.items():
+        for param in command.params:
+            found = SETTING_HELP.search(" ".join((getattr(param, "help", None) or "").split()))
+            if found:
+                yield name, param, found.group(1), found.group(2), found.group(3)
+
+
+def test_setting_options_default_to_none_and_show_the_schema_default():
+    seen = 0
+    for name, param, section, key, shown in _setting_options():
+        default = section_schema(section)[key].get("default")
+        default = {True: "on", False: "off"}.get(default, default) if isinstance(default, bool) else default
+        assert param.default is None, (name, param.name)
+        assert json.loads(shown) == default, (name, param.name, shown)
+        seen += 1
+    assert seen > 40  # every stage's settings
+
+
+def test_no_option_shows_a_default_of_its_own_for_a_config_key():
+    """An option named like a config key either carries the schema's default in its help or none."""
+    keys = {
+        k for s in ("prompts", "generate", "extract", "vocab", "train", "evaluate") for k in section_schema(s)
+    }
+    for name, command in main.commands.items():
+        for param in command.params:
+            if isinstance(param, click.Option) and param.name in keys and not param.required:
+                assert param.default is None, (name, param.name, param.default)
+                assert not param.show_default, (name, param.name)
+
+
+def test_help_names_the_key_and_the_schema_default():
+    out = invoke("generate", "--help").output
+    assert "[generate.max_new_tokens; default: 160]" in " ".join(out.split())
+    assert "[resources.generate.concurrency; default: 8]" in " ".join(out.split())
+
+
+def test_schema_defaults_then_settings_then_options(tmp_path):
+    assert invoke(*prompts_args(tmp_path)).exit_code == 0
+    assert summary(tmp_path)["heldout"] == section_schema("prompts")["num_heldout"]["default"]
+    settings = json.dumps({"num_heldout": 4, "max_prompts": 10})
+    assert invoke(*prompts_args(tmp_path, "--settings", settings)).exit_code == 0
+    assert (summary(tmp_path)["heldout"], summary(tmp_path)["selected"]) == (4, 10)
+    assert invoke(*prompts_args(tmp_path, "--settings", settings, "--num-heldout", "2")).exit_code == 0
+    assert (summary(tmp_path)["heldout"], summary(tmp_path)["selected"]) == (2, 10)
+    settings_file = tmp_path / "prompts.json"
+    settings_file.write_text(json.dumps({"num_heldout": 3}))
+    assert invoke(*prompts_args(tmp_path, "--settings", f"@{settings_file}")).exit_code == 0
+    assert summary(tmp_path)["heldout"] == 3
+
+
+# ----------------------------------------------------------------------------- logging
+
+
+def test_library_log_lines_reach_the_commands_output(tmp_path):
+    """As a rule runs it (`2>&1 | tee log`): draftsmith.prompts' logger.info lands in the output."""
+    proc = subprocess.run(
+        ["draftsmith", *prompts_args(tmp_path)], env=cli_env(), capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"\d\d:\d\d:\d\d INFO draftsmith.prompts: 45 train / 16 held-out prompts", proc.stderr)
+
+
+# ----------------------------------------------------------------------------- exit codes
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        '{"num_heldout": 2, "nope": 1}',
+        '{"num_heldout": "x"}',
+        "not json",
+        "[1, 2]",
+        "@/nonexistent/settings.json",
+    ],
+)
+def test_bad_settings_exit_2(tmp_path, settings):
+    result = invoke(*prompts_args(tmp_path, "--settings", settings))
+    assert result.exit_code == EXIT_BAD_INPUT, result.output
+    assert "--settings" in result.output
+
+
+def test_prompts_bad_input_exits_2(tmp_path):
+    result = invoke(*prompts_args(tmp_path, "--source", "jsonl", "--path", str(tmp_path / "missing.jsonl")))
+    assert result.exit_code == EXIT_BAD_INPUT
+    assert "missing.jsonl" in result.output
+
+
+@pytest.fixture
+def vocab_args(tmp_path) -> list[str]:
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "vocab_size": 300}))
+    tokens = tmp_path / "tokens.safetensors"
+    tokens.write_bytes(b"")  # never read: the size is refused first
+    return ["vocab", "--tokens", str(tokens), "--target", str(target), "--out", str(tmp_path / "v.pt")]
+
+
+@pytest.mark.parametrize("size", ["0", "-3"])
+def test_vocab_size_below_one_exits_2(vocab_args, size):
+    result = invoke(*vocab_args, "--size", size)
+    assert result.exit_code == EXIT_BAD_INPUT and "--size" in result.output
+
+
+@pytest.mark.parametrize("size", ["300", "301"])
+def test_vocab_as_large_as_the_targets_exits_2(vocab_args, size):
+    result = invoke(*vocab_args, "--size", size)
+    assert result.exit_code == EXIT_BAD_INPUT
+    assert (
+        f"vocab.size: draft vocabulary size {size} must be smaller than the target vocabulary (300)"
+        in result.output
+    )
+
+
+def test_target_without_a_wheel_exits_2(tmp_path):
+    result = invoke("target", "--out", str(tmp_path / "t"), "--settings", '{"gguf_wheel": null}')
+    assert result.exit_code == EXIT_BAD_INPUT and "target.gguf_wheel is null" in result.output
+
+
+def test_extract_bad_aux_layers_exit_2(tmp_path):
+    (tmp_path / "t").mkdir()
+    (tmp_path / "tokens").write_bytes(b"")
+    args = ["extract", "--target", str(tmp_path / "t"), "--tokens", str(tmp_path / "tokens"), "--shard", "0"]
+    result = invoke(*args, "--out", str(tmp_path / "s"), "--aux-layers", "2,x")
+    assert result.exit_code == EXIT_BAD_INPUT and "--aux-layers" in result.output
+
+
+def test_a_failed_check_exits_1(tmp_path):
+    result = invoke("check-export", str(tmp_path))
+    assert result.exit_code == EXIT_FAILED and "config.json is missing" in result.output
+
+
+def test_a_failed_gate_exits_3_and_a_passed_one_0(tmp_path):
+    check = {"name": "min_tau", "status": "fail", "value": "1.0", "threshold": ">= 1.1", "where": "x"}
+    failing = tmp_path / "failing.json"
+    failing.write_text(json.dumps({"rows": [], "checks": [check]}))
+    result = invoke("gate", str(failing), "--out", str(tmp_path / "gate.json"))
+    assert result.exit_code == EXIT_GATE, result.output
+    assert not (tmp_path / "gate.json").exists()
+    passing = tmp_path / "passing.json"
+    passing.write_text(json.dumps({"rows": [], "checks": [{**check, "status": "pass"}]}))
+    assert invoke("gate", str(passing), "--out", str(tmp_path / "gate.json")).exit_code == 0
+    assert json.loads((tmp_path / "gate.json").read_text())["passed"] is True
+
+
+def test_run_passes_the_commands_exit_code_through():
+    """`draftsmith run` execs its command (no CliRunner: it replaces the process)."""
+    run = ["draftsmith", "run", "--gpus", "0", "--"]
+    env = cli_env()
+    assert subprocess.run([*run, "sh", "-c", "exit 3"], env=env, capture_output=True).returncode == 3
+    assert subprocess.run([*run, "sh", "-c", "exit 0"], env=env, capture_output=True).returncode == 0
+    assert subprocess.run([*run, "no-such-command-xyz"], env=env, capture_output=True).returncode == 127
+
+
+def test_unknown_option_exits_2():
+    assert invoke("vocab", "--no-such-option").exit_code == EXIT_BAD_INPUT

@@ -1,0 +1,168 @@
+"""draftsmith/config.py: the schema's defaults, its error lines, string coercion and the start-up checks
+against the target's config.json."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO
+
+from draftsmith.config import (
+    EMBEDDED_TARGET,
+    EMBEDDED_TARGET_CONFIG,
+    aux_layer_errors,
+    coerce_strings,
+    config_errors,
+    read_target_config,
+    schema,
+    section_defaults,
+    section_errors,
+    target_checks,
+)
+
+
+def filled(config: dict) -> dict:
+    """A config with every default filled in, as Snakemake's validate() leaves it."""
+    from snakemake.utils import validate
+
+    validate(config, schema=str(REPO / "draftsmith" / "config.schema.yaml"))
+    return config
+
+
+def write_target(folder: Path, **cfg) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+# ----------------------------------------------------------------------------- schema and defaults
+
+
+def test_section_defaults_come_from_the_schema():
+    train = section_defaults("train")
+    assert train["lr"] == schema()["properties"]["train"]["properties"]["lr"]["default"]
+    assert section_defaults("resources.train")["checkpoint_every"] == 100
+    assert section_defaults("target")["model"] == EMBEDDED_TARGET
+
+
+def test_operational_knobs_are_only_in_resources():
+    for stage in ("generate", "extract", "train", "evaluate"):
+        assert "gpus" not in section_defaults(stage) and "gpus" in section_defaults(f"resources.{stage}")
+    ops = {"concurrency", "timeout_s", "max_retries", "backoff_s", "max_consecutive_failures"}
+    assert not ops & set(section_defaults("generate"))
+    assert not {"threads", "checkpoint_every", "loader_threads"} & set(section_defaults("train"))
+
+
+def test_the_shipped_configs_are_valid():
+    for path in (REPO / "config.yaml", REPO / "tests" / "config.tiny.yaml"):
+        assert config_errors(yaml.safe_load(path.read_text())) == [], path
+
+
+def test_config_errors_name_the_key():
+    errors = config_errors({"train": {"lr": "big", "lrr": 1}, "vocab": {"size": 0}})
+    assert "train: Additional properties are not allowed ('lrr' was unexpected)" in errors
+    assert "train.lr: 'big' is not of type 'number'" in errors
+    assert "vocab.size: 0 is less than the minimum of 1" in errors
+
+
+def test_section_errors_check_only_the_keys_given():
+    assert section_errors("prompts", {"num_heldout": 2}) == []
+    assert section_errors("prompts", {"num_heldout": 0, "source": "web"}) == [
+        "prompts.num_heldout: 0 is less than the minimum of 1",
+        "prompts.source: 'web' is not one of ['sharegpt', 'jsonl', 'builtin']",
+    ]
+
+
+def test_coerce_strings_reads_yaml_scalars_where_the_schema_wants_numbers():
+    config = {"train": {"lr": "0.001", "max_steps": "null"}, "target": {"model": "123"}}
+    coerce_strings(config)
+    assert config == {"train": {"lr": 0.001, "max_steps": None}, "target": {"model": "123"}}
+    bad = coerce_strings({"train": {"lr": "[oops"}})
+    assert bad == {"train": {"lr": "[oops"}}  # left for validation to name
+
+
+# ----------------------------------------------------------------------------- the target's config.json
+
+
+def test_read_target_config_also_reads_text_config(tmp_path):
+    plain = write_target(tmp_path / "a", num_hidden_layers=4, vocab_size=100)
+    nested = write_target(tmp_path / "b", text_config={"num_hidden_layers": 61, "vocab_size": 163840})
+    assert read_target_config(plain) == {"num_hidden_layers": 4, "vocab_size": 100}
+    assert read_target_config(nested) == {"num_hidden_layers": 61, "vocab_size": 163840}
+    with pytest.raises(ValueError, match="vocab_size"):
+        read_target_config(write_target(tmp_path / "c", num_hidden_layers=4))
+
+
+@pytest.mark.parametrize(
+    ("ids", "problem"),
+    [
+        ([2, 4, 6], None),
+        ([0, 4], "out of range"),
+        ([2, 8], "out of range"),
+        ([2, 2, 5], "repeats a layer"),
+        ([5, 2, 3], "not sorted (write [2, 3, 5])"),
+    ],
+)
+def test_aux_layer_errors(ids, problem):
+    errors = aux_layer_errors(ids, 8)
+    assert errors == [] if problem is None else problem in " ".join(errors)
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch) -> Path:
+    monkeypatch.chdir(tmp_path)  # paths in the config are relative to the working directory
+    return tmp_path
+
+
+def checks(**sections) -> tuple[list[str], list[str]]:
+    return target_checks(filled(sections))
+
+
+def test_own_target_checked_against_its_config(in_tmp):
+    write_target(in_tmp / "llama", num_hidden_layers=32, vocab_size=128256)
+    target = {"model": "llama"}
+    assert checks(target=target, extract={"aux_layers": [2, 16, 29]}) == ([], [])
+    errors, _ = checks(target=target, extract={"aux_layers": [20, 2, 10]})
+    assert errors == ["extract.aux_layers: [20, 2, 10] is not sorted (write [2, 10, 20])"]
+    errors, _ = checks(target=target, extract={"aux_layers": [2, 32]})
+    assert errors and errors[0].startswith("extract.aux_layers: [32] out of range: the target has 32 layers")
+    errors, _ = checks(target=target, vocab={"size": 128256})
+    assert errors and errors[0].startswith("vocab.size: 128256 must be smaller than the target's vocabulary")
+    assert checks(target=target, vocab={"size": 128255}) == ([], [])
+
+
+def test_a_missing_target_is_refused_naming_the_key_and_path(in_tmp):
+    # the default gguf_wheel stays set: it must not materialise SmolLM2 into the typo's path
+    errors, _ = checks(target={"model": "/path/to/my-llama-8b"})
+    assert errors == [
+        "target.model: /path/to/my-llama-8b is not a folder (target.gguf_wheel only materialises the "
+        f"embedded default, {EMBEDDED_TARGET})"
+    ]
+    (in_tmp / "empty").mkdir()
+    errors, _ = checks(target={"model": "empty"})
+    assert errors == ["target.model: empty has no config.json (not a Hugging Face model folder)"]
+
+
+def test_the_embedded_default_before_and_after_materialisation(in_tmp):
+    layers, vocab = EMBEDDED_TARGET_CONFIG["num_hidden_layers"], EMBEDDED_TARGET_CONFIG["vocab_size"]
+    assert checks() == ([], [])  # to be materialised: its known config
+    errors, _ = checks(vocab={"size": vocab})
+    assert errors and errors[0].startswith("vocab.size")
+    errors, _ = checks(extract={"aux_layers": [2, layers]})
+    assert errors and errors[0].startswith("extract.aux_layers")
+    errors, _ = checks(target={"gguf_wheel": None})
+    assert errors and errors[0].startswith(f"target.model: {EMBEDDED_TARGET} does not exist")
+    write_target(in_tmp / EMBEDDED_TARGET, num_hidden_layers=4, vocab_size=500)  # materialised: its own
+    errors, _ = checks(vocab={"size": 600})
+    assert errors and "(500 tokens" in errors[0]
+
+
+def test_more_drafts_than_trained_steps_is_a_warning(in_tmp):
+    errors, warnings = checks(evaluate={"num_draft_tokens": 5}, train={"ttt_steps": 3})
+    assert errors == []
+    assert warnings == [
+        "evaluate.num_draft_tokens: 5 drafts per step but train.ttt_steps is 3; draft positions 4..5 were never trained"
+    ]
+    _, warnings = checks(evaluate={"num_draft_tokens": 4}, train={"ttt_steps": 3})
+    assert warnings[0].endswith("draft position 4 was never trained")
