@@ -20,8 +20,8 @@ from pathlib import Path
 import click
 
 from draftsmith.atomic import write_json
-from draftsmith.prompts import BUILTIN_PROMPTS
 from draftsmith.generate import GenerateSettings, generate_traces
+from draftsmith.prompts import BUILTIN_PROMPTS
 
 
 def _ints(text: str) -> list[int]:

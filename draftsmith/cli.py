@@ -216,8 +216,8 @@ def generate(ctx: click.Context, target_path: str, prompts_path: str, **kw: Any)
     from click.core import ParameterSource
 
     from draftsmith.config import section_defaults
-    from draftsmith.prompts import PromptError
     from draftsmith.generate import GenerateError, GenerateSettings, generate_traces
+    from draftsmith.prompts import PromptError
 
     paths = {k: kw.pop(k) for k in ("out", "summary", "errors", "server_log")}
     values = {**section_defaults("generate"), **_settings(kw.pop("settings_json"))}
@@ -468,6 +468,12 @@ def vocab(tokens: str, target_path: str, size: int, out: str) -> None:
     help="Data-parallel processes on this machine, one per visible GPU (nccl) or CPU share (gloo); "
     "> 1 re-runs this command under torchrun.",
 )
+@click.option(
+    "--fresh",
+    is_flag=True,
+    help="Discard every checkpoint in --checkpoints and train from scratch (a finished run already "
+    "trains afresh when run again; this also drops an unfinished one).",
+)
 def train(
     manifest_path: str,
     vocab_path: str,
@@ -476,6 +482,7 @@ def train(
     metrics: str,
     settings_json: str,
     nproc: int,
+    fresh: bool,
 ) -> None:
     """Train the EAGLE-3 drafter with training-time test; resumes from the latest complete checkpoint.
 
@@ -484,8 +491,9 @@ def train(
     val_fraction, seed, threads, checkpoint_every, pack_window, loader_threads.
 
     \b
-    Resume: rerun the same command; it continues from the newest complete checkpoint (same weights as
-    an uninterrupted run). Changed settings that alter training start afresh.
+    Resume: rerun the same command; it continues from the newest complete checkpoint of the same data
+    (content digests) and settings (same weights as an uninterrupted run). Other data or settings, a
+    run that had finished, or --fresh train from scratch.
     Data parallel: --nproc 2 on one machine, or across machines:
       torchrun --nnodes 2 --nproc_per_node 8 ... -m draftsmith.cli train --data ... (same options)
     """
@@ -507,6 +515,7 @@ def train(
         cmd += ["-m", "draftsmith.cli", "train", "--data", manifest_path, "--vocab", vocab_path]
         cmd += ["--out", out, "--checkpoints", checkpoints, "--metrics", metrics]
         cmd += ["--settings", settings_json] if settings_json else []
+        cmd += ["--fresh"] if fresh else []
         sys.stdout.flush()
         os.execv(sys.executable, cmd)
     # one checksum pass (rank 0); the other ranks wait for it in their first collective
@@ -517,7 +526,7 @@ def train(
             _fail(str(err))
         if problems:
             _fail("refusing to train on data that fails verification:\n  " + "\n  ".join(problems))
-    summary = run_train(manifest_path, vocab_path, out, checkpoints, metrics, settings)
+    summary = run_train(manifest_path, vocab_path, out, checkpoints, metrics, settings, fresh=fresh)
     if os.environ.get("RANK", "0") == "0":
         acc = " ".join(f"{a:.3f}" for a in summary["train_acc"] if a is not None)
         tps = summary["tokens_per_s"]
@@ -658,8 +667,8 @@ def gate(summary_path: str, out: str | None) -> None:
     (warning). Failed checks come first, each with where to look.
     """
     from draftsmith.atomic import write_json
-    from draftsmith.gate import GateFailed, enforce, format_checks
     from draftsmith.eval_summary import checks_of, format_table
+    from draftsmith.gate import GateFailed, enforce, format_checks
 
     summary = json.loads(Path(summary_path).read_text(encoding="utf-8"))
     checks = checks_of(summary)

@@ -31,8 +31,8 @@ from draftsmith.engines.openai import (
     split_reasoning,
 )
 from draftsmith.engines.server import VllmServer, group_alive, server_command
-from draftsmith.prompts import PromptError
 from draftsmith.generate import GenerateError, GenerateSettings, generate_traces
+from draftsmith.prompts import PromptError
 
 TARGET = REPO / "resources" / "SmolLM2-135M-Instruct"
 

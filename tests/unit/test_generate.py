@@ -9,7 +9,6 @@ from conftest import REPO
 from draftsmith.chat import assistant_message, merge_turns, render_prompt, render_with_response
 from draftsmith.config import section_defaults
 from draftsmith.engines.openai import Answer
-from draftsmith.tokenize import trace_sequences, turn_contexts
 from draftsmith.generate import (
     Conversation,
     GenerateSettings,
@@ -21,6 +20,7 @@ from draftsmith.generate import (
     summarize,
     trace_row,
 )
+from draftsmith.tokenize import trace_sequences, turn_contexts
 
 TARGET = REPO / "resources" / "SmolLM2-135M-Instruct"
 
