@@ -184,12 +184,17 @@ def _is_legacy_step(p: Path) -> bool:  # step-N folders from before runs had the
 
 
 def find_resume(
-    checkpoint_dir: str | Path, key: dict, stop_at: int, *, fresh: bool = False
+    checkpoint_dir: str | Path, key: dict, stop_at: int, *, fresh: bool = False, verbose: bool = True
 ) -> tuple[Path | None, list[Path]]:
     """-> (the checkpoint to resume or None, the folders to remove once every rank has read it).
 
     Reads only: every data-parallel rank calls it and gets the same answer; rank 0 then removes. Logs
-    why each other checkpoint folder is not resumed."""
+    (when verbose: rank 0) why each other checkpoint folder is not resumed."""
+
+    def say(level: int, msg: str, *args: Any) -> None:  # other ranks decide the same, silently
+        if verbose:
+            log.log(level, msg, *args)
+
     root, mine = Path(checkpoint_dir), run_dir(checkpoint_dir, key)
     if not root.is_dir():
         return None, []
@@ -200,18 +205,19 @@ def find_resume(
             why = "; ".join(differences(old, key)) or "other key"
         else:
             why = "written by an older draftsmith"
-        log.warning("not resuming %s: written for other data/settings (%s); removing it", other, why)
+        say(logging.WARNING, "not resuming %s: written for other data/settings (%s); removing it", other, why)
     if fresh:
         found = [p for p in (*others, mine) if p.exists()]
         if found:
-            log.info("--fresh: discarding %d checkpoint folder(s) in %s", len(found), root)
+            say(logging.INFO, "--fresh: discarding %d checkpoint folder(s) in %s", len(found), root)
         return None, found
     done = list_checkpoints(mine)
     if not done:
         return None, others
     latest = done[-1]
     if step_of(latest) >= stop_at:
-        log.info(
+        say(
+            logging.INFO,
             "%s is where this run stops: the run had finished, so it trains afresh (a rerun on purpose, "
             "e.g. snakemake --forcerun train)",
             latest,

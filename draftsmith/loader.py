@@ -195,7 +195,9 @@ class StreamingData:
             readers, settings.max_seq_len, int(manifest["num_aux"]), int(manifest["hidden_size"])
         )
         if skipped:
-            log.info("skipping %d samples without a predictable assistant token", skipped)
+            log.warning(
+                "skipping %d samples without an assistant token to predict (within max_seq_len)", skipped
+            )
         train = [r for r in refs if not is_validation(r.id, settings.val_fraction)]
         val = [r for r in refs if is_validation(r.id, settings.val_fraction)]
         return cls(readers, train, val, settings)

@@ -591,7 +591,7 @@ def train(
 
     # ---- resume: every rank reads the same checkpoint; rank 0 removes the rest after the others read
     key = resume_key(settings, manifest, vocab, drafter.cfg)
-    latest, remove = find_resume(checkpoint_dir, key, stop_at, fresh=fresh)
+    latest, remove = find_resume(checkpoint_dir, key, stop_at, fresh=fresh, verbose=dist.main)
     pos, rows = Position(epoch_stats=StepStats.zeros(settings.ttt_steps)), []
     if latest is not None:
         state, rows = load_checkpoint(latest, drafter, optimizer, scheduler)

@@ -97,7 +97,7 @@ def log_tail(path: Path, lines: int = 40) -> str:
 
 # what a failing vLLM prints last that says why: "ValueError: ...", "torch.OutOfMemoryError: ...",
 # "RuntimeError: Engine core initialization failed", "CUDA out of memory"
-_CAUSE = re.compile(r"\b(\w*(Error|Exception)\b:?|out of memory|No available memory)", re.IGNORECASE)
+_CAUSE = re.compile(r"\b[\w.]*(?:Error|Exception):|(?i:out of memory|no available memory)")
 
 
 def log_cause(tail: str) -> str | None:

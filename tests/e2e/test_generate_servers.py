@@ -315,6 +315,7 @@ def test_empty_prompt_file_is_bad_input(tmp_path):
 def test_a_garbled_partial_line_costs_only_its_prompt(fake, tmp_path, caplog):
     """Finished traces after a garbled line are kept; only that line's prompt is asked again."""
     srv = fake()
+    (tmp_path / "first").mkdir()
     run_stage(tmp_path / "first", srv.url)
     lines = (tmp_path / "first" / "traces.jsonl").read_text().splitlines(keepends=True)
     partial = tmp_path / "traces.jsonl.partial"
