@@ -36,12 +36,10 @@ import torch
 
 from draftsmith.atomic import write_json
 from draftsmith.config import settings_defaults
+from draftsmith.loader import Batch, InMemoryData, StreamingData
 from draftsmith.manifest import load_manifest
 from draftsmith.shards import ShardWriter, iter_samples, read_shard_meta
 from draftsmith.train import (
-    Batch,
-    InMemoryData,
-    StreamingData,
     TrainSettings,
     build_drafter,
     load_target_head,

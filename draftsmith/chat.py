@@ -8,6 +8,7 @@ Using the generated token ids (not re-tokenised text) keeps teacher and trace id
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -17,6 +18,24 @@ def template_fingerprint(tokenizer: Any) -> str:
     if isinstance(template, dict):  # named templates
         template = "\n".join(f"{k}:{v}" for k, v in sorted(template.items()))
     return hashlib.sha256(template.encode("utf-8")).hexdigest()[:16]
+
+
+def eos_token_ids(*sources: Any, required: bool = True) -> list[int]:
+    """The end-of-sequence ids named by any mix of sources, sorted: a tokenizer or generation config
+    (their `eos_token_id`, an int or a list), an int, a list of ints, or None (nothing). Models stop at
+    any of them, so the union is the stop set. With `required`, naming none is an error."""
+    ids: set[int] = set()
+    for source in sources:
+        value = getattr(source, "eos_token_id", source)
+        if value is None:
+            continue
+        if isinstance(value, Iterable) and not isinstance(value, str):
+            ids.update(int(i) for i in value)
+        else:
+            ids.add(int(value))
+    if required and not ids:
+        raise ValueError("neither the tokenizer nor the generation config names an eos token")
+    return sorted(ids)
 
 
 def render_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:

@@ -611,6 +611,12 @@ def vocab(tokens: str, target_path: str, settings_json: str | None, size: int | 
     help="Data-parallel processes on this machine, one per visible GPU (nccl) or CPU share (gloo); "
     "> 1 re-runs this command under torchrun.",
 )
+@click.option(
+    "--fresh",
+    is_flag=True,
+    help="Discard every checkpoint in --checkpoints and train from scratch (a finished run already "
+    "trains afresh when run again; this also drops an unfinished one).",
+)
 def train(
     manifest_path: str,
     vocab_path: str,
@@ -619,6 +625,7 @@ def train(
     metrics: str,
     settings_json: str | None,
     nproc: int,
+    fresh: bool,
     **ops: Any,
 ) -> None:
     """Train the EAGLE-3 drafter with training-time test; resumes from the latest complete checkpoint.
@@ -627,8 +634,9 @@ def train(
     draftsmith/config.schema.yaml); the operational knobs (resources.train) are options.
 
     \b
-    Resume: rerun the same command; it continues from the newest complete checkpoint (same weights as
-    an uninterrupted run). Changed settings that alter training start afresh.
+    Resume: rerun the same command; it continues from the newest complete checkpoint of the same data
+    (content digests) and settings (same weights as an uninterrupted run). Other data or settings, a
+    run that had finished, or --fresh train from scratch.
     Data parallel: --nproc 2 on one machine, or across machines:
       torchrun --nnodes 2 --nproc_per_node 8 ... -m draftsmith.cli train --data ... (same options)
     """
@@ -651,6 +659,7 @@ def train(
         cmd += ["-m", "draftsmith.cli", "train", "--data", manifest_path, "--vocab", vocab_path]
         cmd += ["--out", out, "--checkpoints", checkpoints, "--metrics", metrics]
         cmd += ["--settings", json.dumps(values)]
+        cmd += ["--fresh"] if fresh else []
         sys.stdout.flush()
         os.execv(sys.executable, cmd)
     # one checksum pass (rank 0); the other ranks wait for it in their first collective
@@ -661,7 +670,7 @@ def train(
             _fail(str(err))
         if problems:
             _fail("refusing to train on data that fails verification:\n  " + "\n  ".join(problems))
-    summary = run_train(manifest_path, vocab_path, out, checkpoints, metrics, settings)
+    summary = run_train(manifest_path, vocab_path, out, checkpoints, metrics, settings, fresh=fresh)
     if os.environ.get("RANK", "0") == "0":
         acc = " ".join(f"{a:.3f}" for a in summary["train_acc"] if a is not None)
         tps = summary["tokens_per_s"]

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from draftsmith.atomic import write_json
+from draftsmith.chat import eos_token_ids
 from draftsmith.speculate import (
     NgramProposer,
     SpecResult,
@@ -73,20 +74,6 @@ def encode_prompts(tokenizer: Any, prompts: list[dict]) -> list[list[int]]:
     from draftsmith.chat import render_prompt
 
     return [render_prompt(tokenizer, p["messages"]) for p in prompts]
-
-
-def eos_token_ids(tokenizer: Any, generation_config: Any = None) -> list[int]:
-    """Stop ids: the generation config's eos_token_id (int or list) plus the tokenizer's eos token."""
-    ids: list[int] = []
-    gen = getattr(generation_config, "eos_token_id", None)
-    if gen is not None:
-        ids.extend([gen] if isinstance(gen, int) else list(gen))
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.append(tokenizer.eos_token_id)
-    out = sorted({int(i) for i in ids})
-    if not out:
-        raise ValueError("neither the tokenizer nor the generation config names an eos token")
-    return out
 
 
 def aux_ids_from_export(config: dict) -> list[int]:

@@ -1,16 +1,14 @@
 """Generation stage: every prompt answered by the target, appended line by line, resumable.
 
-One stage, three engines:
-  transformers  in-process, batched (the default; CPU or GPU)
-  openai        any OpenAI-compatible server (vLLM, SGLang): bounded concurrency, retries, reasoning fields
-  vllm-server   the same client against a vLLM server this stage starts and always stops (engines/server.py)
+The engine (transformers in-process, an OpenAI-compatible server, or a vLLM server this stage starts)
+comes from `engines.open_engine`; this module does not depend on which.
 
 Work goes to `<out>.partial`: one JSON line per finished conversation, written whole by one thread,
 flushed and fsynced. A rerun after a crash or kill keeps every complete line (a torn last line is cut)
 and skips those ids, so nothing is duplicated or lost. When every prompt is answered, the traces are
 written to `<out>` atomically in prompt order and the partial file is removed. Failed prompts go to the
 errors file with their reason; the summary (also JSON) counts done, truncated, errors, skipped,
-reasoning captured, tokens and tokens/s.
+reasoning captured, tokens and tokens/s. A garbled line in the partial file costs only that prompt.
 
 Multi-turn prompts (several user turns): each assistant turn is regenerated in order against the model's
 own earlier answers (`multi_turn: regenerate`), so every answer a drafter learns from is the target's.
@@ -21,8 +19,8 @@ the last answer and `turns` the earlier answers with their token ids (tokenize m
 from __future__ import annotations
 
 import json
+import logging
 import os
-import queue
 import threading
 import time
 from collections import Counter
@@ -32,12 +30,16 @@ from typing import Any
 
 from tqdm import tqdm
 
-from draftsmith.atomic import write_json, write_jsonl
+from draftsmith.atomic import atomic_path, write_json, write_jsonl
 from draftsmith.chat import render_prompt, template_fingerprint
-from draftsmith.engines.openai import Answer, EndpointError, OpenAIClient, RequestFailed
+from draftsmith.engines import ENGINES, Answer, Failure, open_engine
+from draftsmith.engines.openai import EndpointError
+from draftsmith.engines.server import ServerError
 from draftsmith.prompts import PromptError, read_prompt_file
 
-ENGINES = ("transformers", "openai", "vllm-server")
+log = logging.getLogger(__name__)
+
+TRUNCATED_WARN_SHARE = 0.2  # warn when more answers than this stop at max_new_tokens
 
 
 class GenerateError(RuntimeError):
@@ -120,25 +122,33 @@ class GenerateSettings:
 
 
 def read_partial(path: Path) -> dict[str, dict]:
-    """Complete lines of a partial traces file by id; a torn last line (a kill mid-write) is dropped."""
+    """Complete lines of a partial traces file by id.
+
+    A torn last line (a kill mid-write) is cut. A garbled line elsewhere (a disk or copy error) loses
+    only itself: it is reported by line number and dropped, its prompt is answered again, and the
+    file is rewritten with the good lines so that appends start clean."""
     done: dict[str, dict] = {}
     if not path.exists():
         return done
     with open(path, "rb") as fh:
         data = fh.read()
-    good_end = 0
-    for line in data.splitlines(keepends=True):
-        if not line.endswith(b"\n"):
+    lines = data.splitlines(keepends=True)
+    good: list[bytes] = []
+    bad: list[int] = []
+    for line_no, line in enumerate(lines, start=1):
+        if not line.endswith(b"\n"):  # torn tail: only ever the last line
             break
         try:
             row = json.loads(line)
-        except json.JSONDecodeError:
-            break
-        done[row["id"]] = row
-        good_end += len(line)
-    if good_end != len(data):  # cut the torn tail so appends start on a clean line
-        with open(path, "rb+") as fh:
-            fh.truncate(good_end)
+            done[str(row["id"])] = row
+            good.append(line)
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+            bad.append(line_no)
+    for line_no in bad:
+        log.warning("%s:%d: not a complete trace line; dropped, its prompt is generated again", path, line_no)
+    if len(good) != len(lines):  # rewrite without the torn or garbled lines
+        with atomic_path(path) as tmp:
+            tmp.write_bytes(b"".join(good))
     return done
 
 
@@ -276,31 +286,7 @@ def summarize(rows: list[dict], generated_now: int, new_tokens: int, seconds: fl
     }
 
 
-# ----------------------------------------------------------------------------- failures
-
-
-@dataclass
-class Failure:
-    kind: str  # "oversized" (skipped by config) or "error"
-    message: str
-    status: int | None = None
-    attempts: int = 0
-    turn: int = 0
-
-
-def oversized(n_prompt: int, max_new_tokens: int, max_prompt_tokens: int, context_len: int | None) -> bool:
-    """Too long to answer in full: over `max_prompt_tokens` when that is set (> 0), else the prompt plus
-    `max_new_tokens` do not fit the engine's context (a server silently shortens such answers)."""
-    if max_prompt_tokens > 0:
-        return n_prompt > max_prompt_tokens
-    return context_len is not None and n_prompt + max_new_tokens > context_len
-
-
-def oversized_failure(
-    turn: int, n_prompt: int, settings: GenerateSettings, context_len: int | None
-) -> Failure:
-    limit = settings.max_prompt_tokens or f"context {context_len} - {settings.max_new_tokens} new tokens"
-    return Failure("oversized", f"prompt of turn {turn} has {n_prompt} tokens > {limit}", turn=turn)
+# ----------------------------------------------------------------------------- the stage
 
 
 class Renderer:
@@ -315,207 +301,52 @@ class Renderer:
             return render_prompt(self.tokenizer, messages)
 
 
-def check_served_prompt(served: list[int] | None, local: list[int], fingerprint: str) -> None:
-    """The server must have rendered the prompt exactly as the target's template does (else: stop)."""
-    if served is None or served == local:
-        return
-    at = next(
-        (i for i, (a, b) in enumerate(zip(served, local, strict=False)) if a != b),
-        min(len(served), len(local)),
-    )
-    raise EndpointError(
-        f"the server rendered the prompt differently from the target's chat template ({fingerprint}): "
-        f"{len(served)} vs {len(local)} tokens, first difference at token {at} "
-        f"(server {served[at : at + 5]}, template {local[at : at + 5]}). Serve the same model folder with "
-        "its own template (no --chat-template override), or the drafter learns another format."
-    )
-
-
-# ----------------------------------------------------------------------------- engines
-
-
-def run_transformers(
-    convs: list[Conversation],
-    settings: GenerateSettings,
-    model: Any,
-    tokenizer: Any,
-    render: Renderer,
-    on_result: Any,
-) -> None:
-    """Batched in-process generation; each batch advances all its conversations one turn at a time."""
-    import torch
-
-    from draftsmith.engines.hf import generate_batch
-
-    eos = eos_token_ids(model, tokenizer)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
-    context_len = getattr(model.config, "max_position_embeddings", None)
-    first = [render(c.context()) for c in convs]
-    widths = [len(ids) + settings.max_new_tokens for ids in first]
-    for b, batch in enumerate(length_batches(widths, settings.batch_size, settings.batch_tokens)):
-        torch.manual_seed(settings.seed + b)
-        active = [convs[i] for i in batch]
-        while active:
-            ids = [render(c.context()) for c in active]
-            keep = []
-            for c, p in zip(active, ids, strict=True):
-                if oversized(len(p), settings.max_new_tokens, settings.max_prompt_tokens, context_len):
-                    on_result(c, oversized_failure(len(c.answers), len(p), settings, context_len))
-                else:
-                    keep.append((c, p))
-            if not keep:
-                break
-            gens = generate_batch(
-                model,
-                [p for _, p in keep],
-                settings.max_new_tokens,
-                eos,
-                pad,
-                settings.temperature,
-                settings.top_p,
-            )
-            active = []
-            for (c, p), gen in zip(keep, gens, strict=True):
-                text_ids = [t for t in gen.response_ids if t not in eos]
-                c.prompt_ids.append(p)
-                c.answers.append(
-                    Answer(
-                        text=tokenizer.decode(text_ids, skip_special_tokens=True),
-                        reasoning=None,
-                        finish_reason=gen.finish_reason,
-                        prompt_tokens=len(p),
-                        completion_tokens=len(gen.response_ids),
-                        prompt_ids=p,
-                        response_ids=gen.response_ids,
-                    )
-                )
-                if c.done:
-                    on_result(c, None)
-                else:
-                    active.append(c)
-
-
-def run_openai(
-    convs: list[Conversation],
-    settings: GenerateSettings,
-    client: OpenAIClient,
-    render: Renderer,
-    fingerprint: str,
-    on_result: Any,
-) -> str | None:
-    """Answer conversations with `settings.concurrency` requests in flight; returns why it stopped early.
-
-    Each worker thread takes one conversation at a time and runs its turns in order. Only the calling
-    thread handles results (writes lines), so a kill can tear at most the line being written.
-    """
-    work: queue.Queue[Conversation] = queue.Queue()
-    for c in convs:
-        work.put(c)
-    results: queue.Queue[tuple[Conversation, Failure | None]] = queue.Queue()
-    stop = threading.Event()
-    fatal: list[str] = []
-
-    def answer(conv: Conversation) -> Failure | None:
-        while not conv.done:
-            turn = len(conv.answers)
-            local = render(conv.context())
-            if oversized(
-                len(local), settings.max_new_tokens, settings.max_prompt_tokens, client.max_model_len
-            ):
-                return oversized_failure(turn, len(local), settings, client.max_model_len)
-            try:
-                ans = client.chat(conv.context(), stop)
-            except RequestFailed as err:
-                return Failure("error", str(err), err.status, err.attempts, turn)
-            check_served_prompt(ans.prompt_ids, local, fingerprint)
-            if settings.reasoning == "required" and not ans.reasoning:
-                return Failure(
-                    "error",
-                    "no reasoning in the reply (generate.reasoning: required); start vLLM with "
-                    "--reasoning-parser NAME, or set reasoning: auto for a model that does not think",
-                    turn=turn,
-                )
-            conv.prompt_ids.append(local)
-            conv.answers.append(ans)
-        return None
-
-    def worker() -> None:
-        while not stop.is_set():
-            try:
-                conv = work.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                results.put((conv, answer(conv)))
-            except EndpointError as err:  # the endpoint is wrong for every prompt: stop everything
-                fatal.append(str(err))
-                stop.set()
-            except Exception as err:  # a bug or an unexpected reply: do not silently fail 10,000 prompts
-                fatal.append(f"{type(err).__name__}: {err} (prompt {conv.id})")
-                stop.set()
-
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(settings.concurrency)]
-    for t in threads:
-        t.start()
-    consecutive = 0
-    while True:
-        try:
-            conv, failure = results.get(timeout=0.2)
-        except queue.Empty:
-            # Stopping, or every worker has finished and handed in its last result: done.
-            if (stop.is_set() or not any(t.is_alive() for t in threads)) and results.empty():
-                break
-            continue
-        on_result(conv, failure)
-        if failure is None:
-            consecutive = 0
-        elif failure.kind == "error":  # a skipped oversized prompt says nothing about the endpoint
-            consecutive += 1
-            if consecutive >= settings.max_consecutive_failures and not stop.is_set():
-                fatal.append(
-                    f"{consecutive} requests in a row failed (generate.max_consecutive_failures); "
-                    f"the last: {failure.message}"
-                )
-                stop.set()
-    # Workers still in a request are daemons: their answers are redone on the next run.
-    return fatal[0] if fatal else None
-
-
-# ----------------------------------------------------------------------------- helpers kept from v1
-
-
-def length_batches(lengths: list[int], batch_size: int, batch_tokens: int | None = None) -> list[list[int]]:
-    """Indices grouped into batches of similar length (less padding, same results): at most
-    `batch_size` rows, and at most `batch_tokens` padded tokens (rows x the longest) so a few very long
-    prompts do not pad a whole batch to their width. A row longer than the budget gets a batch alone."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    batches: list[list[int]] = []
-    for i in order:
-        last = batches[-1] if batches else None
-        fits = last is not None and len(last) < batch_size
-        if fits and batch_tokens is not None:
-            fits = (len(last) + 1) * lengths[i] <= batch_tokens  # sorted: lengths[i] is the widest
-        if fits:
-            last.append(i)
-        else:
-            batches.append([i])
-    return batches
-
-
-def eos_token_ids(model, tokenizer) -> set[int]:
-    ids = model.generation_config.eos_token_id
-    ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
-
-
-# ----------------------------------------------------------------------------- the stage
-
-
 def default_errors_path(out_path: str | Path) -> Path:
     out = Path(out_path)
     return out.with_name(out.stem.replace("traces", "generate") + "_errors.jsonl")
+
+
+class Progress:
+    """Generated tokens against an estimate of the stage's total, for an honest ETA: max_new_tokens per
+    answer to start with, then the mean length of the answers finished so far."""
+
+    def __init__(self, answers: int, max_new_tokens: int, enabled: bool = True):
+        self.answers_left, self.max_new_tokens = answers, max_new_tokens
+        self.finished_answers, self.finished_tokens = 0, 0
+        self.n, self.total = 0, answers * max_new_tokens  # tokens so far, estimated tokens in all
+        self.bar = tqdm(
+            total=self.total, desc="generate", unit="tok", unit_scale=True, dynamic_ncols=True,
+            mininterval=1.0, disable=not enabled,
+        )  # fmt: skip
+
+    def tokens(self, n: int) -> None:
+        """n more tokens generated (an engine reports them as they come)."""
+        self.n += n
+        self.bar.update(n)
+
+    def finished(self, answers: int, tokens: int, dropped: int = 0) -> None:
+        """A conversation is done: `answers` answered with `tokens` tokens, `dropped` answers never will be."""
+        self.finished_answers += answers
+        self.finished_tokens += tokens
+        self.answers_left -= answers + dropped
+        mean = self.finished_tokens / self.finished_answers if self.finished_answers else self.max_new_tokens
+        self.total = max(self.n, round(self.finished_tokens + self.answers_left * mean))
+        self.bar.total = self.total
+        self.bar.refresh()
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def describe(summary: dict[str, Any], max_new_tokens: int) -> str:
+    """The stage's one-line summary, for people."""
+    skipped = sum(summary["skipped"].values())
+    return (
+        f"generate: {summary['done']} traces ({summary['generated_now']} now), "
+        f"{summary['truncated']} truncated at {max_new_tokens} tokens, {summary['errors']} errors, "
+        f"{skipped} skipped; reasoning captured {summary['reasoning_capture_rate']:.0%}; "
+        f"{summary['tokens']} new tokens in {summary['seconds']:.0f} s ({summary['tokens_per_second'] or 0:.0f} tok/s)"
+    )
 
 
 def generate_traces(
@@ -526,12 +357,13 @@ def generate_traces(
     settings: GenerateSettings | None = None,
     errors_path: str | None = None,
     server_log: str | None = None,
+    progress: bool = True,
     **overrides: Any,
 ) -> dict[str, Any]:
     """Answer every prompt of `prompts_path` with the target; see the module docstring.
 
-    Raises PromptError (bad prompt file, or an oversized prompt with oversized_prompts: error) and
-    GenerateError (the stage stopped; finished traces stay in the partial file for the rerun).
+    Raises PromptError (bad or empty prompt file, or an oversized prompt with oversized_prompts: error)
+    and GenerateError (the stage stopped; finished traces stay in the partial file for the rerun).
     """
     from transformers import AutoTokenizer
 
@@ -542,8 +374,11 @@ def generate_traces(
         settings = GenerateSettings.from_dict({**settings.__dict__, **overrides})
     settings.check()
     prompts = read_prompt_file(prompts_path)
+    if not prompts:
+        raise PromptError(f"{prompts_path}: no prompts (the file holds no prompt line)")
     lines = prompt_line_numbers(prompts_path)
     out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
     errors_file = Path(errors_path) if errors_path else default_errors_path(out)
     partial_path = out.with_name(out.name + ".partial")
     done = read_partial(partial_path)
@@ -568,90 +403,49 @@ def generate_traces(
                     f"{c.where(prompts_path)}: prompt {c.id!r} has {n} tokens > generate.max_prompt_tokens "
                     f"{settings.max_prompt_tokens} (set generate.oversized_prompts: skip to skip such prompts)"
                 )
-    print(
-        f"generate ({settings.engine}): {len(prompts)} prompts, {len(done)} already done, {len(todo)} to go",
-        flush=True,
+    log.info(
+        "generate (%s): %d prompts, %d already done, %d to go",
+        settings.engine,
+        len(prompts),
+        len(done),
+        len(todo),
     )
 
     failures: dict[str, Failure] = {}
     by_id = {c.id: c for c in todo}
-    state = {"new_tokens": 0, "generated": 0}
-    bar = tqdm(total=len(todo), desc="generate", unit="prompt", dynamic_ncols=True)
-    sink = TraceSink(partial_path)
-    engine_model = {"name": str(target)}
+    generated, new_tokens = 0, 0
+    fatal, engine = None, None
     start = time.perf_counter()
-
-    def on_result(conv: Conversation, failure: Failure | None) -> None:
-        if failure is not None:
-            if failure.kind == "oversized" and settings.oversized_prompts == "error":
-                failure.kind = "error"
-            failures[conv.id] = failure
-        else:
-            row = trace_row(conv, settings.engine, engine_model["name"], fingerprint)
-            sink.write(row)
-            done[conv.id] = row
-            state["new_tokens"] += sum(a.completion_tokens for a in conv.answers)
-            state["generated"] += 1
-        bar.update(1)
-        elapsed = time.perf_counter() - start
-        bar.set_postfix(tok_s=f"{state['new_tokens'] / max(elapsed, 1e-9):.0f}", failed=len(failures))
-
-    fatal, startup = None, None
     try:
-        if settings.engine == "transformers":
-            import torch
-
-            from draftsmith.target import load_target
-
-            model, hf_tokenizer = load_target(target, getattr(torch, settings.dtype))
-            start = time.perf_counter()
-            run_transformers(todo, settings, model, hf_tokenizer, render, on_result)
-            del model
-        elif settings.engine == "openai":
-            client = OpenAIClient.from_env(
-                settings.base_url,
-                settings.api_key_env,
-                model=settings.model,
-                timeout_s=settings.timeout_s,
-                max_retries=settings.max_retries,
-                backoff_base_s=settings.backoff_s,
-                sampling=settings.sampling(),
-                request_token_ids=settings.request_token_ids,
-            )
-            client.check()
-            engine_model["name"] = client.model
-            start = time.perf_counter()
-            fatal = run_openai(todo, settings, client, render, fingerprint, on_result)
-        else:
-            from draftsmith.engines.server import VllmServer
-
-            log = server_log or str(out.with_name("vllm-server.log"))
-            with VllmServer(
-                target,
-                devices=settings.devices,
-                extra_args=settings.server_args,
-                log_path=log,
-                dtype=settings.dtype,
-                seed=settings.seed,
-                startup_timeout_s=settings.server_startup_timeout_s,
-            ) as server:
-                startup = server.startup_seconds
-                client = OpenAIClient(
-                    server.base_url,
-                    model=server.served_name,
-                    timeout_s=settings.timeout_s,
-                    max_retries=settings.max_retries,
-                    backoff_base_s=settings.backoff_s,
-                    sampling=settings.sampling(),
-                )
-                client.check()
-                start = time.perf_counter()
-                fatal = run_openai(todo, settings, client, render, fingerprint, on_result)
+        engine = open_engine(
+            settings, target, render, fingerprint, server_log or str(out.with_name("vllm-server.log"))
+        )
+    except (EndpointError, ServerError) as err:
+        raise GenerateError(str(err)) from None
+    bar = Progress(sum(len(c.points) for c in todo), settings.max_new_tokens, enabled=progress)
+    sink = TraceSink(partial_path)
+    start = time.perf_counter()  # after loading the model or starting the server
+    try:
+        for conv, failure in engine.results(todo, bar.tokens):
+            if failure is not None:
+                if failure.kind == "oversized" and settings.oversized_prompts == "error":
+                    failure.kind = "error"
+                failures[conv.id] = failure
+                bar.finished(0, 0, dropped=len(conv.points))
+            else:
+                row = trace_row(conv, settings.engine, engine.model, fingerprint)
+                sink.write(row)
+                done[conv.id] = row
+                tokens = sum(a.completion_tokens for a in conv.answers)
+                new_tokens, generated = new_tokens + tokens, generated + 1
+                bar.finished(len(conv.answers), tokens)
+        fatal = engine.stopped
     except EndpointError as err:
         fatal = str(err)
     finally:
         sink.close()
         bar.close()
+        engine.close()
     elapsed = time.perf_counter() - start
 
     error_rows = [
@@ -669,7 +463,7 @@ def generate_traces(
     write_jsonl(errors_file, error_rows)
     n_errors = sum(f.kind == "error" for f in failures.values())
     for row in error_rows[:5]:
-        print(f"generate: {row['where']} ({row['id']}): {row['kind']}: {row['error']}", flush=True)
+        log.warning("%s (%s): %s: %s", row["where"], row["id"], row["kind"], row["error"])
     if fatal:
         raise GenerateError(
             f"stopped: {fatal}\n{len(done)} traces are kept in {partial_path}; fix the cause and rerun to "
@@ -686,20 +480,29 @@ def generate_traces(
     skipped = Counter(f.kind for f in failures.values() if f.kind != "error")
     summary = {
         "engine": settings.engine,
-        "model": engine_model["name"],
-        **summarize(rows, state["generated"], state["new_tokens"], elapsed),
+        "model": engine.model,
+        **summarize(rows, generated, new_tokens, elapsed),
         "errors": n_errors,
         "skipped": dict(skipped),
-        "server_startup_seconds": round(startup, 1) if startup is not None else None,
+        "server_startup_seconds": round(engine.startup_seconds, 1) if engine.startup_seconds else None,
         "template": fingerprint,
         "errors_file": str(errors_file),
     }
     write_json(summary_path, summary)
-    print(
-        f"generate: {summary['done']} traces ({summary['truncated']} truncated at {settings.max_new_tokens} "
-        f"tokens, {n_errors} errors, {sum(skipped.values())} skipped), reasoning captured "
-        f"{summary['reasoning_capture_rate']:.0%}, {summary['tokens']} new tokens, "
-        f"{summary['tokens_per_second']} tok/s",
-        flush=True,
-    )
+    log.info("%s", describe(summary, settings.max_new_tokens))
+    warn_truncated(summary, settings.max_new_tokens)
     return summary
+
+
+def warn_truncated(summary: dict[str, Any], max_new_tokens: int) -> bool:
+    """Warn (-> True) when more than TRUNCATED_WARN_SHARE of the traces stop at max_new_tokens: the drafter
+    would learn from answers cut short, and never see how the target ends one."""
+    share = summary["truncated"] / summary["samples"] if summary["samples"] else 0.0
+    if share <= TRUNCATED_WARN_SHARE:
+        return False
+    log.warning(
+        "%.0f%% of the traces (%d of %d) were cut at generate.max_new_tokens = %d; raise it unless short "
+        "answers are what the drafter should learn",
+        100 * share, summary["truncated"], summary["samples"], max_new_tokens,
+    )  # fmt: skip
+    return True

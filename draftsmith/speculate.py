@@ -41,6 +41,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from draftsmith.chat import eos_token_ids
 from draftsmith.drafter import CacheKV, Eagle3Drafter
 from draftsmith.layers import capture_aux, stack_aux
 
@@ -377,14 +378,6 @@ class NgramProposer:
 # ----------------------------------------------------------------------------- decoding
 
 
-def _eos_set(eos_ids: Iterable[int] | int | None) -> set[int]:
-    if eos_ids is None:
-        return set()
-    if isinstance(eos_ids, int):
-        return {eos_ids}
-    return {int(i) for i in eos_ids}
-
-
 def _new_cache(target: nn.Module):
     from transformers import DynamicCache
 
@@ -428,7 +421,7 @@ def sample_decode(
     """Plain decoding, one token per target forward: greedy at temperature 0, else sampling from
     softmax(logits / temperature). The output includes the eos token that stops it."""
     _check_input(input_ids, max_new_tokens)
-    eos = _eos_set(eos_ids)
+    eos = set(eos_token_ids(eos_ids, required=False))
     cache = _new_cache(target)
     out = target(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
     tokens: list[int] = []
@@ -501,7 +494,7 @@ def speculative_decode(
         proposer = drafter
     seq = [int(t) for t in input_ids[0].tolist()]
     proposer.reset(seq)
-    eos = _eos_set(eos_ids)
+    eos = set(eos_token_ids(eos_ids, required=False))
     device = input_ids.device
     ids = list(aux_layer_ids)
 

@@ -8,6 +8,7 @@ and estimates read it; each extract job takes its contiguous block of samples.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,8 @@ from draftsmith.chat import (
     training_sequence,
 )
 from draftsmith.target import check_target_dir
+
+log = logging.getLogger(__name__)
 
 
 def shard_bounds(token_counts: list[int], num_shards: int) -> list[tuple[int, int]]:
@@ -90,10 +93,10 @@ def tokenize_traces(
     tokenizer = AutoTokenizer.from_pretrained(check_target_dir(target))
     fingerprint = template_fingerprint(tokenizer)
     ids_all, mask_all, offsets, sample_ids = [], [], [0], []
-    truncated = 0
+    truncated, dropped = 0, []
     with open(traces_path, encoding="utf-8") as fh:
         for line_no, line in enumerate(fh, 1):
-            row = json.loads(line)
+            row = parse_trace_line(line, traces_path, line_no)
             where = f"{traces_path}:{line_no} (id {row.get('id')!r})"
             if row.get("template") not in (None, fingerprint):
                 raise ValueError(
@@ -107,8 +110,10 @@ def tokenize_traces(
             for sample_id, ids, mask in sequences:
                 if len(ids) > max_seq_len:
                     ids, mask, truncated = ids[:max_seq_len], mask[:max_seq_len], truncated + 1
-                if sum(mask) == 0:
-                    continue  # nothing to learn (empty answer or prompt fills max_seq_len)
+                if sum(mask) == 0:  # nothing to learn (empty answer or prompt fills max_seq_len)
+                    dropped.append(sample_id)
+                    log.warning("%s: sample %r dropped: no answer token within max_seq_len", where, sample_id)
+                    continue
                 ids_all.extend(ids)
                 mask_all.extend(mask)
                 offsets.append(len(ids_all))
@@ -137,10 +142,31 @@ def tokenize_traces(
         "tokens": len(ids_all),
         "masked_tokens": int(sum(mask_all)),
         "truncated": truncated,
+        "dropped": len(dropped),
         "shard_tokens": [sum(counts[a:b]) for a, b in bounds],
     }
-    print(f"tokenize: {summary}", flush=True)
+    if truncated:
+        log.warning("%d samples were cut at max_seq_len = %d tokens", truncated, max_seq_len)
+    log.info(
+        "tokenize: %d samples, %d tokens (%d answer tokens), %d truncated, %d dropped; shards of %s tokens",
+        summary["samples"], summary["tokens"], summary["masked_tokens"], truncated, len(dropped),
+        ", ".join(str(n) for n in summary["shard_tokens"]),
+    )  # fmt: skip
     return summary
+
+
+def parse_trace_line(line: str, path: str | Path, line_no: int) -> dict[str, Any]:
+    """One traces.jsonl line; a broken one is an error naming file:line."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"{path}:{line_no}: not a complete JSON trace ({err.msg} at character {err.pos}); the file is "
+            "truncated or garbled: regenerate it (delete it and rerun generate)"
+        ) from None
+    if not isinstance(row, dict) or "id" not in row:
+        raise ValueError(f"{path}:{line_no}: a trace must be a JSON object with an 'id'")
+    return row
 
 
 def load_tokens(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""EAGLE-3 drafter training with training-time test (TTT), in one readable file.
+"""EAGLE-3 drafter training with training-time test (TTT): settings, the objective and the loop.
 
 A sample is tokens x_0..x_{T-1} with, per position t, the target's aux states a_t [A, Ht] (inputs of the
 aux layers) and its final state f_t [Ht] (after the final norm, so the target's distribution of x_{t+1}
@@ -17,34 +17,20 @@ ids + j, AdamW betas (0.9, 0.95)); SpecForge `training/strategies/base.py` (ttt_
 schedule, grad clip 0.5); speculators `models/eagle3/core.py` + `train/noise_transforms.py` (teacher
 restricted to the draft vocabulary, uniform noise 0.05 on the aux states).
 
-Data: the shards are never loaded whole (the seed's data was 828 GB). `StreamingData` indexes samples
-from token arrays only, plans each epoch's batches as a pure function of (seed, epoch) — shuffled across
-shards, packed by length within windows, under a padded token budget — and decodes the samples of the
-next batches in background threads while the current one trains. A run resumes at (epoch, batch).
-
-Data parallel: under `torchrun` (or `draftsmith train --nproc N`) every rank takes a disjoint slice of
-every batch; each rank's loss is normalised by the *global* count of trained positions, and gradients
-are summed across ranks, so N processes compute the gradient one process computes on the whole batch.
-gloo on CPU, nccl on CUDA; rank 0 writes checkpoints, metrics and the export.
-
-Layout: settings -> target head -> distributed -> data -> the TTT objective -> checkpoints -> `train()`.
+Around this file: loader.py streams the batches, distributed.py holds the data-parallel process group,
+checkpoints.py decides what to resume. Layout here: settings -> target head -> objective -> `train_step`
+-> `train()`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 import json
 import logging
 import math
-import os
 import random
-import shutil
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -52,25 +38,22 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 from torch import Tensor
 from tqdm import tqdm
 
 from draftsmith.atomic import atomic_dir, write_json, write_jsonl
+from draftsmith.checkpoints import find_resume, load_checkpoint, resume_key, save_checkpoint, start_run
+from draftsmith.distributed import Dist, init_distributed, sync_gradients
 from draftsmith.drafter import TTTKV, DrafterConfig, Eagle3Drafter
 from draftsmith.export import check_export, save_drafter
 from draftsmith.layers import convert_layer_ids
+from draftsmith.loader import Batch, StreamingData
 from draftsmith.manifest import load_manifest
-from draftsmith.shards import Sample, ShardReader
 from draftsmith.vocab import load_vocab_map
 
 log = logging.getLogger(__name__)
 
 METRICS_FLUSH_S = 10.0  # rewrite metrics.jsonl at most this often (and at every epoch end / checkpoint)
-KEEP_CHECKPOINTS = 2
-COMPLETE_MARKER = "COMPLETE"
-# settings that do not change the trajectory: a run may resume under different values
-RESUME_FREE_SETTINGS = ("max_steps", "threads", "checkpoint_every", "loader_threads")
 
 
 # ----------------------------------------------------------------------------------------------- settings
@@ -218,296 +201,6 @@ def load_target_head(path: str | Path) -> TargetHead:
     config = model.config
     del model
     return TargetHead(config, embed, lm_head, norm)
-
-
-# ------------------------------------------------------------------------------------------- distributed
-
-
-@dataclass
-class Dist:
-    """This process's place in a data-parallel run (rank 0 of 1 when not under torchrun)."""
-
-    rank: int = 0
-    world: int = 1
-    device: torch.device = torch.device("cpu")
-    owns_group: bool = False  # this train() call created the process group (and destroys it)
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def all_sum(self, t: Tensor) -> Tensor:
-        if self.world > 1:
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
-        return t
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            torch.distributed.barrier()
-
-
-def init_distributed(device: str | torch.device | None) -> Dist:
-    """Join the torchrun process group when WORLD_SIZE > 1: nccl on CUDA (rank r on cuda:LOCAL_RANK),
-    gloo on CPU. Otherwise a single process on `device` (default: CUDA when available)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    use_cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
-    if world == 1:
-        return Dist(device=torch.device(device or ("cuda" if use_cuda else "cpu")))
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    if use_cuda:
-        dev = torch.device("cuda", local_rank)
-        torch.cuda.set_device(dev)
-    else:
-        dev = torch.device("cpu")
-    owns = not torch.distributed.is_initialized()
-    if owns:
-        torch.distributed.init_process_group("nccl" if use_cuda else "gloo")
-    return Dist(rank, world, dev, owns)
-
-
-def sync_gradients(params: list[torch.nn.Parameter], dist: Dist) -> None:
-    """Sum gradients over ranks in one flat all-reduce (each rank's loss already carries the global
-    normalisation). A parameter no rank produced a gradient for keeps grad None, as in one process, so
-    the optimizer skips it the same way."""
-    if dist.world == 1:
-        return
-    parts = [
-        p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device) for p in params
-    ]
-    has = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=dist.device)
-    flat = dist.all_sum(torch.cat([*parts, has]))
-    present = flat[-len(params) :] > 0
-    offset = 0
-    for p, keep in zip(params, present.tolist(), strict=True):
-        n = p.numel()
-        p.grad = flat[offset : offset + n].view_as(p).clone() if keep else None
-        offset += n
-
-
-# -------------------------------------------------------------------------------------------------- data
-
-
-def is_validation(sample_id: str, val_fraction: float) -> bool:
-    """Deterministic split: a sample is held out when the hash of its id falls below val_fraction."""
-    h = int.from_bytes(hashlib.sha256(sample_id.encode("utf-8")).digest()[:8], "big")
-    return h / 2**64 < val_fraction
-
-
-@dataclass(frozen=True)
-class SampleRef:
-    """Where a sample lives and how many of its tokens are trained (after truncation to max_seq_len)."""
-
-    shard: int  # index into the manifest's shard list
-    index: int  # sample index within the shard
-    id: str
-    num_tokens: int
-
-
-def index_samples(
-    readers: list[ShardReader], max_seq_len: int, num_aux: int, hidden_size: int
-) -> tuple[list[SampleRef], int]:
-    """The usable samples of the shards in storage order, from token masks only (no state is decoded)
-    -> (refs, skipped). Usable: some x_{t+2} (t >= 0) within the first max_seq_len tokens is an
-    assistant token, so the sample has a position to train."""
-    refs, skipped = [], 0
-    for k, reader in enumerate(readers):
-        if (reader.num_aux, reader.hidden_size) != (num_aux, hidden_size):
-            raise ValueError(
-                f"{reader.path}: stores {reader.num_aux} aux states of size {reader.hidden_size}, expected "
-                f"{num_aux} x {hidden_size} from the manifest"
-            )
-        mask = reader.read_tensor("loss_mask").numpy()
-        for i, sample_id in enumerate(reader.ids):
-            a = reader.offsets[i]
-            n = min(reader.num_tokens(i), max_seq_len)
-            if n > 2 and mask[a + 2 : a + n].any():
-                refs.append(SampleRef(k, i, sample_id, n))
-            else:
-                skipped += 1
-    return refs, skipped
-
-
-def pack_batches(order: Iterable[int], lengths: list[int], batch_tokens: int) -> list[list[int]]:
-    """Greedily fill batches in `order` while B * longest <= batch_tokens (the padded size). A sample
-    longer than the budget gets a batch of its own."""
-    batches: list[list[int]] = []
-    current: list[int] = []
-    longest = 0
-    for i in order:
-        new_longest = max(longest, lengths[i])
-        if current and new_longest * (len(current) + 1) > batch_tokens:
-            batches.append(current)
-            current, new_longest = [], lengths[i]
-        current.append(i)
-        longest = new_longest
-    if current:
-        batches.append(current)
-    return batches
-
-
-def plan_batches(
-    lengths: list[int], batch_tokens: int, generator: torch.Generator | None, pack_window: int = 1
-) -> list[list[int]]:
-    """The batches of one pass: a pure function of its arguments (so a resumed run sees the same ones).
-
-    With a generator the samples are shuffled first (across all shards). pack_window > 1 then sorts each
-    run of pack_window samples by length, longest first, before packing, so a batch holds samples of
-    similar length (less padding); the batches are shuffled again so that the order of lengths within a
-    window does not become the order of training."""
-    n = len(lengths)
-    order = torch.randperm(n, generator=generator).tolist() if generator is not None else list(range(n))
-    if pack_window > 1:
-        windows = (order[i : i + pack_window] for i in range(0, n, pack_window))
-        order = [i for w in windows for i in sorted(w, key=lambda i: -lengths[i])]  # stable for ties
-    batches = pack_batches(order, lengths, batch_tokens)
-    if generator is not None and pack_window > 1:
-        batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
-    return batches
-
-
-@dataclass
-class Batch:
-    input_ids: Tensor  # [B, T] int64, right-padded with 0
-    loss_mask: Tensor  # [B, T] bool, False on padding
-    lengths: Tensor  # [B] int64 real lengths
-    aux: Tensor  # [B, T, A*Ht] stored dtype, zeros on padding
-    final: Tensor  # [B, T, Ht]
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.lengths.sum())
-
-    def to(self, device: torch.device | str) -> Batch:
-        return Batch(*(getattr(self, f.name).to(device) for f in fields(self)))
-
-
-def collate(samples: list[Sample], device: torch.device | str = "cpu") -> Batch:
-    """Right-pad to the longest sample: causal attention keeps real tokens unaffected by padding."""
-    B, T = len(samples), max(s.num_tokens for s in samples)
-    A, Ht = samples[0].aux.shape[1:]
-    input_ids = torch.zeros(B, T, dtype=torch.int64)
-    loss_mask = torch.zeros(B, T, dtype=torch.bool)
-    aux = torch.zeros(B, T, A * Ht, dtype=samples[0].aux.dtype)
-    final = torch.zeros(B, T, Ht, dtype=samples[0].final.dtype)
-    for b, s in enumerate(samples):
-        n = s.num_tokens
-        input_ids[b, :n] = s.input_ids
-        loss_mask[b, :n] = s.loss_mask
-        aux[b, :n] = s.aux.reshape(n, A * Ht)  # aux layers concatenated in id order, as fc expects
-        final[b, :n] = s.final
-    lengths = torch.tensor([s.num_tokens for s in samples], dtype=torch.int64)
-    return Batch(input_ids, loss_mask, lengths, aux, final).to(device)
-
-
-_END = object()
-
-
-def prefetch(fn: Callable[[Any], Any], items: Iterable[Any], threads: int, depth: int) -> Iterator[Any]:
-    """fn(item) for each item, in order; with threads > 0 computed up to `depth` items ahead by a pool of
-    background threads. Closing the iterator early cancels what is queued."""
-    if threads == 0:
-        yield from map(fn, items)
-        return
-    items = iter(items)
-    with ThreadPoolExecutor(threads, thread_name_prefix="draftsmith-loader") as pool:
-        pending = deque(pool.submit(fn, item) for item in itertools.islice(items, max(1, depth)))
-        try:
-            while pending:
-                result = pending.popleft().result()
-                nxt = next(items, _END)
-                if nxt is not _END:
-                    pending.append(pool.submit(fn, nxt))
-                yield result
-        finally:
-            for future in pending:
-                future.cancel()
-
-
-class StreamingData:
-    """Train/validation samples of a manifest, read from the shards on demand.
-
-    Memory holds only the sample index (shard, position, length); the loop asks for an epoch's plan
-    (`epoch_batches`, lists of sample indices) and iterates `batches(plan)`, which decodes and collates
-    the next batches in `loader_threads` background threads while the current one trains. (Collating in
-    the training thread is also slow on a busy CPU: its many small copies each wait for torch's
-    intra-op thread team; measured 70x slower than in a background thread with 2 threads on 2 busy cores.)
-    """
-
-    def __init__(
-        self,
-        readers: list[ShardReader],
-        train: list[SampleRef],
-        val: list[SampleRef],
-        settings: TrainSettings,
-    ):
-        if not train:
-            raise ValueError("no training samples (all held out for validation, or none with a target token)")
-        self.readers, self.train, self.val = readers, train, val
-        self.batch_tokens, self.seed = settings.batch_tokens, settings.seed
-        self.pack_window, self.threads = settings.pack_window, settings.loader_threads
-
-    @classmethod
-    def from_manifest(cls, manifest: dict[str, Any], settings: TrainSettings) -> StreamingData:
-        readers = [ShardReader(s["path"]) for s in manifest["shards"]]
-        refs, skipped = index_samples(
-            readers, settings.max_seq_len, int(manifest["num_aux"]), int(manifest["hidden_size"])
-        )
-        if skipped:
-            log.info("skipping %d samples without a predictable assistant token", skipped)
-        train = [r for r in refs if not is_validation(r.id, settings.val_fraction)]
-        val = [r for r in refs if is_validation(r.id, settings.val_fraction)]
-        return cls(readers, train, val, settings)
-
-    def close(self) -> None:
-        for reader in self.readers:
-            reader.close()
-
-    def epoch_batches(self, epoch: int) -> list[list[int]]:
-        """The batches of an epoch: a pure function of (seed, epoch), so a resumed run sees the same ones."""
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return plan_batches([r.num_tokens for r in self.train], self.batch_tokens, g, self.pack_window)
-
-    def val_batches(self) -> list[list[int]]:
-        """Validation batches, sorted by length for the least padding."""
-        lengths = [r.num_tokens for r in self.val]
-        return plan_batches(lengths, self.batch_tokens, None, max(1, len(lengths)))
-
-    def sample(self, split: str, i: int) -> Sample:
-        ref = (self.train if split == "train" else self.val)[i]
-        return self.readers[ref.shard].read(ref.index, ref.num_tokens)
-
-    def batch(self, indices: list[int], split: str) -> Batch:
-        return collate([self.sample(split, i) for i in indices])
-
-    def batches(self, plan: Iterable[list[int]], split: str) -> Iterator[Batch | None]:
-        """One CPU batch per list of the plan (None for an empty list: a rank with no share), in order."""
-
-        def make(indices: list[int]) -> Batch | None:
-            return self.batch(indices, split) if indices else None
-
-        return prefetch(make, plan, self.threads, 2 * self.threads + 1)
-
-
-class InMemoryData(StreamingData):
-    """The same samples, plans and batches, with every sample decoded once up front and held in memory
-    (batches are still collated in the background threads): the streaming loader's reference in
-    bench/train.py and the tests."""
-
-    def __init__(
-        self,
-        readers: list[ShardReader],
-        train: list[SampleRef],
-        val: list[SampleRef],
-        settings: TrainSettings,
-    ):
-        super().__init__(readers, train, val, settings)
-        self.loaded = {
-            split: [self.readers[r.shard].read(r.index, r.num_tokens) for r in refs]
-            for split, refs in (("train", train), ("val", val))
-        }
-
-    def sample(self, split: str, i: int) -> Sample:
-        return self.loaded[split][i]
 
 
 # --------------------------------------------------------------------------------------------- objective
@@ -695,119 +388,6 @@ def evaluate(
     return stats.all_sum(dist)
 
 
-# ------------------------------------------------------------------------------------------- checkpoints
-
-
-def _step_of(path: Path) -> int | None:
-    name = path.name
-    if not name.startswith("step-") or not name[5:].isdigit():
-        return None
-    return int(name[5:])
-
-
-def list_checkpoints(checkpoint_dir: str | Path) -> list[Path]:
-    """Complete checkpoints (marker present), oldest first; partial ones are ignored."""
-    root = Path(checkpoint_dir)
-    if not root.is_dir():
-        return []
-    found = [
-        p
-        for p in root.iterdir()
-        if p.is_dir() and _step_of(p) is not None and (p / COMPLETE_MARKER).is_file()
-    ]
-    return sorted(found, key=_step_of)
-
-
-def save_checkpoint(
-    checkpoint_dir: str | Path,
-    step: int,
-    drafter: Eagle3Drafter,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    state: dict[str, Any],
-) -> Path:
-    """checkpoint_dir/step-{n}/: model.safetensors (fp32), optimizer.pt, trainer.pt (scheduler + RNG),
-    state.json (position, settings), COMPLETE (written last). Keeps the newest KEEP_CHECKPOINTS."""
-    path = Path(checkpoint_dir) / f"step-{step}"
-    with atomic_dir(path) as tmp:
-        weights = {k: v.detach().to("cpu").contiguous().clone() for k, v in drafter.state_dict().items()}
-        save_file(weights, str(tmp / "model.safetensors"))
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        rng = {
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            "python": random.getstate(),
-        }
-        torch.save({"scheduler": scheduler.state_dict(), "rng": rng}, tmp / "trainer.pt")
-        (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
-        (tmp / COMPLETE_MARKER).write_text(f"step {step}\n", encoding="utf-8")
-    for old in list_checkpoints(checkpoint_dir)[:-KEEP_CHECKPOINTS]:
-        shutil.rmtree(old, ignore_errors=True)
-    return path
-
-
-def load_checkpoint(
-    path: Path,
-    drafter: Eagle3Drafter,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-) -> dict[str, Any]:
-    device = next(drafter.parameters()).device
-    drafter.load_state_dict(load_file(str(path / "model.safetensors"), device=str(device)), strict=True)
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=True))
-    trainer = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
-    scheduler.load_state_dict(trainer["scheduler"])
-    rng = trainer["rng"]
-    torch.set_rng_state(rng["torch"])
-    if rng["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    random.setstate(rng["python"])
-    return json.loads((path / "state.json").read_text(encoding="utf-8"))
-
-
-def remove_partial_checkpoints(checkpoint_dir: str | Path) -> None:
-    """What a run killed while writing a checkpoint left: atomic_dir's hidden temp folders, step-N
-    folders without the COMPLETE marker."""
-    root = Path(checkpoint_dir)
-    if not root.is_dir():
-        return
-    for p in root.iterdir():
-        partial = _step_of(p) is not None and not (p / COMPLETE_MARKER).is_file()
-        if p.is_dir() and (partial or (p.name.startswith(".step-") and p.name.endswith(".tmp"))):
-            shutil.rmtree(p, ignore_errors=True)
-
-
-def resume_key(
-    settings: TrainSettings, manifest: dict[str, Any], vocab: dict[str, Any], cfg: DrafterConfig
-) -> dict:
-    """What must match to resume a checkpoint: settings (bar RESUME_FREE_SETTINGS), data, vocab, model."""
-    data = {
-        "shards": [
-            [Path(s["path"]).name, s.get("num_samples"), s.get("num_tokens")] for s in manifest["shards"]
-        ],
-        "aux_layer_ids": [int(i) for i in manifest["aux_layer_ids"]],
-        "d2t_sha256": hashlib.sha256(vocab["d2t"].to(torch.int64).numpy().tobytes()).hexdigest(),
-    }
-    kept = {k: v for k, v in settings.to_dict().items() if k not in RESUME_FREE_SETTINGS}
-    return {"settings": kept, "data": data, "drafter": cfg.to_dict()}
-
-
-def _differences(a: dict, b: dict, prefix: str = "") -> list[str]:
-    out = []
-    for k in sorted(set(a) | set(b)):
-        if isinstance(a.get(k), dict) and isinstance(b.get(k), dict):
-            out += _differences(a[k], b[k], f"{prefix}{k}.")
-        elif a.get(k) != b.get(k):
-            out.append(f"{prefix}{k}: {a.get(k)!r} -> {b.get(k)!r}")
-    return out
-
-
-def _read_rows(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
 def noise_seed(seed: int, step: int, rank: int) -> int:
     """Seed of the aux-state noise of one step on one rank: reproducible without saving any generator
     state, so a resumed run draws the same noise."""
@@ -822,7 +402,7 @@ def build_drafter(
 ) -> tuple[Eagle3Drafter, Tensor, Tensor]:
     """-> (the drafter at its initial weights, in train mode; the frozen target embedding [V, Ht]; the
     teacher weight [Vd, Ht] = the target's lm_head rows of the draft ids), on device. The initial
-    weights are a function of the seed: every data-parallel rank builds the same drafter."""
+    weights are a function of `seed`: every data-parallel rank builds the same drafter."""
     cfg = DrafterConfig.from_target(target.config, d2t.numel(), num_aux)
     random.seed(seed)
     torch.manual_seed(seed)
@@ -835,6 +415,137 @@ def build_drafter(
     return drafter, embed, target.lm_head[draft_ids].to(device)
 
 
+# ------------------------------------------------------------------------------------------------- train
+
+
+class MetricsLog:
+    """Every metrics row of the run so far; rank 0 rewrites the whole file at most every
+    METRICS_FLUSH_S (a resumed run starts from the rows its checkpoint kept)."""
+
+    def __init__(self, path: Path, rows: list[dict[str, Any]], enabled: bool):
+        self.path, self.rows, self.enabled, self.last_flush = path, rows, enabled, 0.0
+
+    def append(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+
+    def flush(self, force: bool = False) -> None:
+        if self.enabled and (force or time.perf_counter() - self.last_flush > METRICS_FLUSH_S):
+            write_jsonl(self.path, self.rows)
+            self.last_flush = time.perf_counter()
+
+
+def train_step(
+    drafter: Eagle3Drafter,
+    embed: Tensor,
+    teacher_weight: Tensor,
+    batch: Batch | None,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    settings: TrainSettings,
+    dist: Dist,
+    noise_gen: torch.Generator,
+    step: int,
+) -> tuple[StepStats, float, float]:
+    """One optimizer step on this rank's share of a batch (None: no share) -> (stats summed over
+    ranks, grad norm, the lr it used)."""
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    stats = StepStats.zeros(settings.ttt_steps)
+    counts = torch.zeros(settings.ttt_steps, dtype=torch.int64)
+    if batch is not None:
+        batch = batch.to(dist.device)
+        counts = torch.tensor(ttt_step_counts(batch.loss_mask, batch.lengths, settings.ttt_steps))
+    counts = dist.all_sum(counts.to(dist.device)).tolist()  # the whole batch's, over all ranks
+    optimizer.zero_grad(set_to_none=True)
+    if batch is not None:
+        if settings.noise_std > 0:
+            noise_gen.manual_seed(noise_seed(settings.seed, step, dist.rank))
+        loss, stats = ttt_loss(
+            drafter, embed, teacher_weight, batch, settings.ttt_steps, settings.ttt_decay,
+            settings.noise_std, noise_gen, step_counts=counts, precision=settings.precision,
+        )  # fmt: skip
+        if loss.requires_grad:  # False only if no position of the batch is trainable
+            loss.backward()
+    sync_gradients(params, dist)
+    grad_norm = torch.nn.utils.clip_grad_norm_(
+        params, settings.grad_clip if settings.grad_clip > 0 else float("inf")
+    )
+    lr = optimizer.param_groups[0]["lr"]
+    optimizer.step()
+    scheduler.step()
+    return stats.all_sum(dist), float(grad_norm), lr
+
+
+def stats_row(kind: str, stats: StepStats, settings: TrainSettings, **extra: Any) -> dict[str, Any]:
+    """A metrics.jsonl row of train or val stats."""
+    return {
+        "kind": kind,
+        **extra,
+        "loss": stats.loss(settings.ttt_decay),
+        "step_loss": stats.step_loss(),
+        "acc": stats.acc(),
+        "positions": stats.count,
+        "teacher_acc": stats.teacher_acc(),
+        "tokens": stats.tokens,
+    }
+
+
+@dataclass
+class Position:
+    """Where the loop is: what a checkpoint records besides weights, optimizer and metrics."""
+
+    step: int = 0
+    epoch: int = 0  # the epoch to continue (0-based) ...
+    batch_in_epoch: int = 0  # ... from this batch of its plan
+    epoch_stats: StepStats | None = None  # the current epoch's train stats so far
+    last_epoch_stats: StepStats | None = None
+
+    def to_state(self, **extra: Any) -> dict[str, Any]:
+        last = self.last_epoch_stats
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "epoch_stats": self.epoch_stats.to_dict(),
+            "last_epoch_stats": last.to_dict() if last else None,
+            **extra,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Position:
+        last = state["last_epoch_stats"]
+        return cls(
+            state["step"],
+            state["epoch"],
+            state["batch_in_epoch"],
+            StepStats(**state["epoch_stats"]),
+            StepStats(**last) if last else None,
+        )
+
+
+def load_inputs(
+    manifest_path: str | Path, vocab_path: str | Path
+) -> tuple[dict[str, Any], dict[str, Any], TargetHead]:
+    """The manifest, vocab map and target head, checked against each other."""
+    manifest = load_manifest(manifest_path)
+    aux_ids = [int(i) for i in manifest["aux_layer_ids"]]
+    if len(aux_ids) != int(manifest["num_aux"]):
+        raise ValueError(
+            f"manifest: {len(aux_ids)} aux_layer_ids {aux_ids} but num_aux = {manifest['num_aux']}"
+        )
+    vocab = load_vocab_map(vocab_path)
+    target = load_target_head(manifest["target"])
+    tcfg = target.config
+    if int(manifest["hidden_size"]) != tcfg.hidden_size:
+        raise ValueError(
+            f"manifest hidden_size {manifest['hidden_size']} != target hidden_size {tcfg.hidden_size}"
+        )
+    if vocab["t2d"].numel() != tcfg.vocab_size:
+        raise ValueError(
+            f"vocab map covers {vocab['t2d'].numel()} target ids but the target vocabulary is {tcfg.vocab_size}"
+        )
+    return manifest, vocab, target
+
+
 def train(
     manifest_path: str | Path,
     vocab_path: str | Path,
@@ -845,256 +556,153 @@ def train(
     *,
     device: str | torch.device | None = None,
     progress: bool = True,
+    fresh: bool = False,
 ) -> dict[str, Any]:
     """Train a drafter on the shards of data_config.json and export it to out_dir -> summary dict.
 
-    Resumes from the newest complete checkpoint in checkpoint_dir when it was written with the same
-    settings (RESUME_FREE_SETTINGS aside), data and vocabulary; otherwise those checkpoints are removed
-    and training starts fresh. Checkpoints are written at each epoch end, every `checkpoint_every` steps
-    and when max_steps stops the run. Under torchrun (WORLD_SIZE > 1) this runs on every rank; rank 0
-    writes checkpoints, metrics and the export.
+    Resumes from the newest complete checkpoint of this data and these settings (checkpoints.py says
+    when); `fresh` discards every checkpoint first. Checkpoints are written at each epoch end, every
+    `checkpoint_every` steps and when max_steps stops the run. Under torchrun (WORLD_SIZE > 1) this runs
+    on every rank; rank 0 writes checkpoints, metrics and the export.
     """
     wall_start = time.perf_counter()
-    out_dir, checkpoint_dir, metrics_path = Path(out_dir), Path(checkpoint_dir), Path(metrics_path)
+    out_dir, metrics_path = Path(out_dir), Path(metrics_path)
     dist = init_distributed(device)
-    device = dist.device
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
-    manifest = load_manifest(manifest_path)
-    aux_ids = [int(i) for i in manifest["aux_layer_ids"]]
-    convention = manifest.get("layer_convention", "input")  # of aux_layer_ids
-    aux_ids_input = convert_layer_ids(aux_ids, convention, "input")
-    num_aux = int(manifest["num_aux"])
-    if len(aux_ids) != num_aux:
-        raise ValueError(f"manifest: {len(aux_ids)} aux_layer_ids {aux_ids} but num_aux = {num_aux}")
-    vocab = load_vocab_map(vocab_path)
-    d2t, t2d = vocab["d2t"], vocab["t2d"]
-    target = load_target_head(manifest["target"])
+    manifest, vocab, target = load_inputs(manifest_path, vocab_path)
     tcfg = target.config
-    if int(manifest["hidden_size"]) != tcfg.hidden_size:
-        raise ValueError(
-            f"manifest hidden_size {manifest['hidden_size']} != target hidden_size {tcfg.hidden_size}"
-        )
-    if t2d.numel() != tcfg.vocab_size:
-        raise ValueError(
-            f"vocab map covers {t2d.numel()} target ids but the target vocabulary is {tcfg.vocab_size}"
-        )
+    num_aux = int(manifest["num_aux"])
 
     data = StreamingData.from_manifest(manifest, settings)
     steps_per_epoch = [len(data.epoch_batches(e)) for e in range(settings.epochs)]
     total_steps = sum(steps_per_epoch)  # the schedule's horizon; max_steps only stops early
     stop_at = total_steps if settings.max_steps is None else min(total_steps, settings.max_steps)
 
-    drafter, embed, teacher_weight = build_drafter(target, d2t, t2d, num_aux, settings.seed, device)
-    cfg = drafter.cfg
+    drafter, embed, teacher_weight = build_drafter(
+        target, vocab["d2t"], vocab["t2d"], num_aux, settings.seed, dist.device
+    )
     del target
-    params = [p for p in drafter.parameters() if p.requires_grad]
-
     optimizer = make_optimizer(drafter, settings)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, settings.warmup_steps, total_steps)
     )
-    noise_gen = torch.Generator(device=device)
+    noise_gen = torch.Generator(device=dist.device)
 
-    # ---- resume: every rank reads the same checkpoint; rank 0 clears what cannot be resumed, after
-    # the others have read
-    key = resume_key(settings, manifest, vocab, cfg)
-    step, epoch, batch_in_epoch = 0, 0, 0
-    epoch_stats, last_epoch_stats = StepStats.zeros(settings.ttt_steps), None
-    rows: list[dict[str, Any]] = []
-    resumed_from = None
-    checkpoints = list_checkpoints(checkpoint_dir)
-    foreign = False
-    if checkpoints:
-        latest = checkpoints[-1]
-        saved = json.loads((latest / "state.json").read_text(encoding="utf-8"))
-        if saved.get("resume_key") == key:
-            saved = load_checkpoint(latest, drafter, optimizer, scheduler)
-            step, epoch, batch_in_epoch = saved["step"], saved["epoch"], saved["batch_in_epoch"]
-            epoch_stats = StepStats(**saved["epoch_stats"])
-            last_epoch_stats = StepStats(**saved["last_epoch_stats"]) if saved["last_epoch_stats"] else None
-            rows = [r for r in _read_rows(metrics_path) if r.get("step", 0) <= step]
-            rows.append({"kind": "resume", "step": step, "checkpoint": str(latest), "world_size": dist.world})
-            resumed_from = step
-            if dist.main:
-                log.info(
-                    "resumed from %s (step %d, epoch %d, batch %d)", latest, step, epoch + 1, batch_in_epoch
-                )
-        else:
-            foreign = True
-            if dist.main:
-                diff = _differences(saved.get("resume_key") or {}, key)
-                log.warning(
-                    "not resuming %s: written for other settings/data (%s); starting fresh",
-                    latest,
-                    "; ".join(diff),
-                )
-    dist.barrier()
-    if dist.main:
-        remove_partial_checkpoints(checkpoint_dir)
-        if foreign:
-            for p in checkpoint_dir.iterdir():
-                if p.is_dir() and _step_of(p) is not None:
-                    shutil.rmtree(p, ignore_errors=True)
-
-    last_flush = 0.0
-
-    def flush_metrics(force: bool = False) -> None:
-        nonlocal last_flush
-        if dist.main and (force or time.perf_counter() - last_flush > METRICS_FLUSH_S):
-            write_jsonl(metrics_path, rows)
-            last_flush = time.perf_counter()
-
-    last_saved = resumed_from
-
-    def checkpoint(at_epoch: int, at_batch: int) -> None:
-        nonlocal last_saved
-        if last_saved == step:
-            return
-        state = {
-            "step": step,
-            "epoch": at_epoch,  # the epoch to continue (0-based) ...
-            "batch_in_epoch": at_batch,  # ... from this batch of its plan
-            "total_steps": total_steps,
-            "world_size": dist.world,
-            "epoch_stats": epoch_stats.to_dict(),
-            "last_epoch_stats": last_epoch_stats.to_dict() if last_epoch_stats else None,
-            "resume_key": key,
-        }
-        # metrics first: a run killed between the two resumes from an older checkpoint and keeps the
-        # rows up to it; the other order would lose the rows since the last flush
-        flush_metrics(force=True)
+    # ---- resume: every rank reads the same checkpoint; rank 0 removes the rest after the others read
+    key = resume_key(settings, manifest, vocab, drafter.cfg)
+    latest, remove = find_resume(checkpoint_dir, key, stop_at, fresh=fresh, verbose=dist.main)
+    pos, rows = Position(epoch_stats=StepStats.zeros(settings.ttt_steps)), []
+    if latest is not None:
+        state, rows = load_checkpoint(latest, drafter, optimizer, scheduler)
+        pos = Position.from_state(state)
+        rows.append({"kind": "resume", "step": pos.step, "checkpoint": str(latest), "world_size": dist.world})
         if dist.main:
-            save_checkpoint(checkpoint_dir, step, drafter, optimizer, scheduler, state)
-        last_saved = step
+            log.info(
+                "resumed from step %d (%s; epoch %d, batch %d)",
+                pos.step,
+                latest,
+                pos.epoch + 1,
+                pos.batch_in_epoch,
+            )
+    resumed_from = pos.step if latest is not None else None
+    dist.barrier()
+    run_folder = start_run(checkpoint_dir, key, remove) if dist.main else None
+    metrics = MetricsLog(metrics_path, rows, dist.main)
+    metrics.flush(force=True)  # a resumed run's full history, at once
+
+    def checkpoint_now() -> None:  # reads only: no state of the loop changes here
+        metrics.flush(force=True)  # metrics first: they also go into the checkpoint
+        if dist.main:
+            state = pos.to_state(total_steps=total_steps, world_size=dist.world, resume_key=key)
+            save_checkpoint(run_folder, pos.step, drafter, optimizer, scheduler, state, metrics.rows)
 
     # ---- loop
+    last_saved = resumed_from
     trained_tokens, train_time, wait_time = 0, 0.0, 0.0
     bar = tqdm(
         total=stop_at,
-        initial=min(step, stop_at),
+        initial=min(pos.step, stop_at),
         disable=not (progress and dist.main),
         desc="train",
         mininterval=1.0,
     )
-    while epoch < settings.epochs and step < stop_at:
-        plan = data.epoch_batches(epoch)
-        todo = plan[batch_in_epoch : batch_in_epoch + stop_at - step]  # no decoding past max_steps
+    while pos.epoch < settings.epochs and pos.step < stop_at:
+        plan = data.epoch_batches(pos.epoch)
+        todo = plan[pos.batch_in_epoch : pos.batch_in_epoch + stop_at - pos.step]  # none past max_steps
         batches = data.batches([b[dist.rank :: dist.world] for b in todo], "train")
         for _ in todo:
             t_wait = time.perf_counter()
             batch = next(batches)  # decoded in the background while the previous step trained
             t0 = time.perf_counter()
-            wait_time += t0 - t_wait
-            stats = StepStats.zeros(settings.ttt_steps)
-            counts = torch.zeros(settings.ttt_steps, dtype=torch.int64)
-            if batch is not None:
-                batch = batch.to(device)
-                counts = torch.tensor(ttt_step_counts(batch.loss_mask, batch.lengths, settings.ttt_steps))
-            counts = dist.all_sum(counts.to(device)).tolist()  # the whole batch's, over all ranks
-            optimizer.zero_grad(set_to_none=True)
-            if batch is not None:
-                if settings.noise_std > 0:
-                    noise_gen.manual_seed(noise_seed(settings.seed, step, dist.rank))
-                loss, stats = ttt_loss(
-                    drafter, embed, teacher_weight, batch, settings.ttt_steps, settings.ttt_decay,
-                    settings.noise_std, noise_gen, step_counts=counts, precision=settings.precision,
-                )  # fmt: skip
-                if loss.requires_grad:  # False only if no position of the batch is trainable
-                    loss.backward()
-            sync_gradients(params, dist)
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                params, settings.grad_clip if settings.grad_clip > 0 else float("inf")
-            )
-            lr = optimizer.param_groups[0]["lr"]
-            optimizer.step()
-            scheduler.step()
-            stats = stats.all_sum(dist)
-            step += 1
-            batch_in_epoch += 1
+            stats, grad_norm, lr = train_step(
+                drafter, embed, teacher_weight, batch, optimizer, scheduler, settings, dist, noise_gen, pos.step
+            )  # fmt: skip
             dt = time.perf_counter() - t0
-            trained_tokens += stats.tokens
-            train_time += dt
-            epoch_stats.add(stats)
-            acc = stats.acc()
-            loss_value = stats.loss(settings.ttt_decay)
-            rows.append(
-                {
-                    "kind": "train",
-                    "step": step,
-                    "epoch": epoch + 1,
-                    "batch": batch_in_epoch,
-                    "batches_in_epoch": len(plan),
-                    "lr": lr,
-                    "loss": loss_value,
-                    "step_loss": stats.step_loss(),
-                    "acc": acc,
-                    "positions": stats.count,
-                    "teacher_acc": stats.teacher_acc(),
-                    "grad_norm": float(grad_norm),
-                    "tokens": stats.tokens,
-                    "tokens_per_s": stats.tokens / dt if dt > 0 else None,
-                    "data_wait_s": t0 - t_wait,
-                }
+            pos.step += 1
+            pos.batch_in_epoch += 1
+            pos.epoch_stats.add(stats)
+            trained_tokens, train_time, wait_time = (
+                trained_tokens + stats.tokens,
+                train_time + dt,
+                wait_time + t0 - t_wait,
             )
+            metrics.append(
+                stats_row(
+                    "train", stats, settings, step=pos.step, epoch=pos.epoch + 1, batch=pos.batch_in_epoch,
+                    batches_in_epoch=len(plan), lr=lr, grad_norm=grad_norm,
+                    tokens_per_s=stats.tokens / dt if dt > 0 else None, data_wait_s=t0 - t_wait,
+                )
+            )  # fmt: skip
             bar.update(1)
+            acc = " ".join(f"acc{j} {a:.2f}" for j, a in enumerate(stats.acc()) if a is not None)
             bar.set_postfix_str(
-                f"loss {loss_value:.3f} "
-                + " ".join(f"acc{j} {a:.2f}" for j, a in enumerate(acc) if a is not None)
-                + f" tok/s {stats.tokens / dt:.0f}"
+                f"loss {stats.loss(settings.ttt_decay):.3f} {acc} tok/s {stats.tokens / dt:.0f}"
             )
-            flush_metrics()
+            metrics.flush()
             every = settings.checkpoint_every
-            if every and step % every == 0 and batch_in_epoch < len(plan):
-                checkpoint(epoch, batch_in_epoch)
+            if every and pos.step % every == 0 and pos.batch_in_epoch < len(plan):
+                checkpoint_now()
+                last_saved = pos.step
         batches.close()
-        if batch_in_epoch < len(plan):
+        if pos.batch_in_epoch < len(plan):
             break  # stopped by max_steps
         # ---- epoch end: validation, then a checkpoint positioned at the next epoch
         if data.val:
             v = evaluate(drafter, embed, teacher_weight, data, settings, dist)
-            rows.append(
-                {
-                    "kind": "val",
-                    "step": step,
-                    "epoch": epoch + 1,
-                    "loss": v.loss(settings.ttt_decay),
-                    "step_loss": v.step_loss(),
-                    "acc": v.acc(),
-                    "positions": v.count,
-                    "teacher_acc": v.teacher_acc(),
-                    "samples": len(data.val),
-                    "tokens": v.tokens,
-                }
+            metrics.append(
+                stats_row("val", v, settings, step=pos.step, epoch=pos.epoch + 1, samples=len(data.val))
             )
             if dist.main:
-                log.info("epoch %d val loss %.4f acc %s", epoch + 1, rows[-1]["loss"], rows[-1]["acc"])
-        last_epoch_stats, epoch_stats = epoch_stats, StepStats.zeros(settings.ttt_steps)
-        epoch, batch_in_epoch = epoch + 1, 0
-        checkpoint(epoch, 0)
+                log.info("epoch %d val loss %.4f acc %s", pos.epoch + 1, metrics.rows[-1]["loss"], v.acc())
+        pos.last_epoch_stats, pos.epoch_stats = pos.epoch_stats, StepStats.zeros(settings.ttt_steps)
+        pos.epoch, pos.batch_in_epoch = pos.epoch + 1, 0
+        checkpoint_now()
+        last_saved = pos.step
     bar.close()
     data.close()
-    checkpoint(epoch, batch_in_epoch)  # no-op unless stopped since the last one
-    flush_metrics(force=True)
+    if last_saved != pos.step:  # stopped since the last checkpoint
+        checkpoint_now()
+    metrics.flush(force=True)
 
     # ---- summary + export
-    train_stats = epoch_stats if sum(epoch_stats.count) else (last_epoch_stats or epoch_stats)
-    val_rows = [r for r in rows if r["kind"] == "val"]
+    stats = pos.epoch_stats if sum(pos.epoch_stats.count) else (pos.last_epoch_stats or pos.epoch_stats)
+    val_rows = [r for r in metrics.rows if r["kind"] == "val"]
     summary = {
-        "steps": step,
+        "steps": pos.step,
         "total_steps": total_steps,
         "epochs": settings.epochs,
-        "epochs_completed": epoch,
+        "epochs_completed": pos.epoch,
         "steps_per_epoch": steps_per_epoch,
-        "stopped_early": step < total_steps,
+        "stopped_early": pos.step < total_steps,
         "resumed_from_step": resumed_from,
         "world_size": dist.world,
-        "device": str(device),
+        "device": str(dist.device),
         "train_samples": len(data.train),
         "val_samples": len(data.val),
-        "train_loss": train_stats.loss(settings.ttt_decay) if sum(train_stats.count) else None,
-        "train_acc": train_stats.acc(),
-        "teacher_acc": train_stats.teacher_acc(),
+        "train_loss": stats.loss(settings.ttt_decay) if sum(stats.count) else None,
+        "train_acc": stats.acc(),
+        "teacher_acc": stats.teacher_acc(),
         "val_loss": val_rows[-1]["loss"] if val_rows else None,
         "val_acc": val_rows[-1]["acc"] if val_rows else None,
         "trained_tokens": trained_tokens,
@@ -1105,22 +713,33 @@ def train(
         "wall_s": time.perf_counter() - wall_start,
     }
     if dist.main:
-        with atomic_dir(out_dir) as tmp:
-            save_drafter(
-                drafter,
-                tmp,
-                aux_ids_input,
-                str(manifest["target"]),
-                extra={"training": {"settings": settings.to_dict(), "summary": summary}},
-            )
-            problems = check_export(
-                tmp, target_num_layers=tcfg.num_hidden_layers, target_vocab_size=tcfg.vocab_size
-            )
-            if problems:
-                raise RuntimeError(f"the export failed its own checks: {problems}")
-            write_json(tmp / "train_summary.json", summary)
-        log.info("exported the drafter to %s", out_dir)
+        aux_ids = convert_layer_ids(
+            [int(i) for i in manifest["aux_layer_ids"]], manifest.get("layer_convention", "input"), "input"
+        )
+        export(drafter, out_dir, aux_ids, str(manifest["target"]), tcfg, settings, summary)
     dist.barrier()  # the export exists before any rank returns
     if dist.owns_group:
         torch.distributed.destroy_process_group()
     return summary
+
+
+def export(
+    drafter: Eagle3Drafter,
+    out_dir: Path,
+    aux_ids_input: list[int],
+    target: str,
+    target_config: Any,
+    settings: TrainSettings,
+    summary: dict[str, Any],
+) -> None:
+    """The drafter in the serving format, checked, with the training summary; all or nothing."""
+    with atomic_dir(out_dir) as tmp:
+        extra = {"training": {"settings": settings.to_dict(), "summary": summary}}
+        save_drafter(drafter, tmp, aux_ids_input, target, extra=extra)
+        problems = check_export(
+            tmp, target_num_layers=target_config.num_hidden_layers, target_vocab_size=target_config.vocab_size
+        )
+        if problems:
+            raise RuntimeError(f"the export failed its own checks: {problems}")
+        write_json(tmp / "train_summary.json", summary)
+    log.info("exported the drafter to %s", out_dir)

@@ -7,6 +7,7 @@ rule train:
     output:
         drafter=directory("results/drafter"),
         metrics="results/train/metrics.jsonl",
+    # the checkpoints folder is no output: Snakemake deletes a failed job's outputs, wiping what resume needs
     log:
         "logs/train.log",
     benchmark:

@@ -1,1 +1,105 @@
-"""Inference engines behind one interface: generate answers, capture hidden states."""
+"""Inference engines behind one interface: generate answers, capture hidden states.
+
+The generate stage asks `open_engine(settings, target, ...)` for a `ChatEngine` and never branches on
+which one it got:
+
+  transformers  in-process, batched (engines/hf.py; CPU or GPU)
+  openai        any OpenAI-compatible server (engines/openai.py: bounded concurrency, retries, reasoning)
+  vllm-server   the openai engine against a vLLM server it starts and always stops (engines/server.py)
+
+This module holds only what they share (the answer and failure records, the oversized-prompt rule) so
+that it imports no engine: each engine's dependencies load only when it is opened.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+ENGINES = ("transformers", "openai", "vllm-server")
+
+
+@dataclass
+class Answer:
+    """One assistant turn produced by an engine."""
+
+    text: str  # the answer without the reasoning
+    reasoning: str | None  # the thinking text when the server returned it apart, else None
+    finish_reason: str  # "stop" or "length" (truncated at max_new_tokens)
+    prompt_tokens: int
+    completion_tokens: int
+    prompt_ids: list[int] | None = None  # what the engine actually fed the model, when it says
+    response_ids: list[int] | None = None  # generated ids incl. the stop token, when it says
+
+
+@dataclass
+class Failure:
+    """Why a conversation got no trace."""
+
+    kind: str  # "oversized" (skipped by config) or "error"
+    message: str
+    status: int | None = None
+    attempts: int = 0
+    turn: int = 0
+
+
+def oversized(n_prompt: int, max_new_tokens: int, max_prompt_tokens: int, context_len: int | None) -> bool:
+    """Too long to answer in full: over `max_prompt_tokens` when that is set (> 0), else the prompt plus
+    `max_new_tokens` do not fit the engine's context (a server silently shortens such answers)."""
+    if max_prompt_tokens > 0:
+        return n_prompt > max_prompt_tokens
+    return context_len is not None and n_prompt + max_new_tokens > context_len
+
+
+def oversized_failure(turn: int, n_prompt: int, settings: Any, context_len: int | None) -> Failure:
+    limit = settings.max_prompt_tokens or f"context {context_len} - {settings.max_new_tokens} new tokens"
+    return Failure("oversized", f"prompt of turn {turn} has {n_prompt} tokens > {limit}", turn=turn)
+
+
+class ChatEngine(Protocol):
+    """What the generate stage needs from an engine. Conversations (generate.Conversation) give
+    `context()` (the messages of the next turn), `done`, `points` and `answers`; the engine appends each
+    turn's Answer and its locally rendered prompt ids (`prompt_ids`) to them."""
+
+    model: str  # the model name recorded in every trace
+    startup_seconds: float | None  # time to bring a server up (None: none started)
+    stopped: str | None  # after results(): why it stopped before answering everything, else None
+
+    def results(
+        self, convs: list[Any], on_tokens: Callable[[int], None]
+    ) -> Iterator[tuple[Any, Failure | None]]:
+        """(conversation, None when answered in full, else why not) as each finishes, in the caller's
+        thread; on_tokens(n) hears of generated tokens as they come (for progress)."""
+        ...
+
+    def close(self) -> None:
+        """Free the model or stop the server (idempotent)."""
+        ...
+
+
+def open_engine(
+    settings: Any,
+    target: str,
+    render: Callable[[list[dict]], list[int]],
+    fingerprint: str,
+    server_log: str,
+) -> ChatEngine:
+    """The engine `settings.engine` names, ready to run (model loaded, endpoint checked, server healthy).
+
+    render: the target's chat template (messages -> prompt ids); fingerprint: its short hash, named when
+    a server renders prompts differently; server_log: where a started server writes its log.
+    Raises EndpointError / ServerError when the endpoint or server cannot be used."""
+    if settings.engine == "transformers":
+        from draftsmith.engines.hf import HfChatEngine
+
+        return HfChatEngine.open(settings, target, render)
+    if settings.engine == "openai":
+        from draftsmith.engines.openai import OpenAIChatEngine
+
+        return OpenAIChatEngine.open(settings, render, fingerprint)
+    if settings.engine == "vllm-server":
+        from draftsmith.engines.server import VllmServerEngine
+
+        return VllmServerEngine.open(settings, target, render, fingerprint, server_log)
+    raise ValueError(f"generate.engine: {settings.engine!r} is not one of {list(ENGINES)}")

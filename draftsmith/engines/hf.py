@@ -1,14 +1,19 @@
-"""The `transformers` engine: batched in-process generation and hidden-state capture."""
+"""The `transformers` engine: batched in-process generation (`HfChatEngine`) and hidden-state capture
+(`HfExtractor`)."""
 
 from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from draftsmith.chat import eos_token_ids
+from draftsmith.engines import Answer, oversized, oversized_failure
 from draftsmith.layers import capture_aux, decoder_layers, stack_aux
 
 
@@ -29,6 +34,21 @@ def stop_at_eos(tokens: list[int], eos_ids: set[int], pad_id: int | None) -> Gen
     return Generation(tokens, "length")
 
 
+class TokenTicker:
+    """A transformers stopping criterion that never stops: it reports the tokens of each decoding step
+    that stop_at_eos will keep (rows whose earlier tokens hold no eos), for a progress bar."""
+
+    def __init__(self, on_tokens: Callable[[int], None], eos_ids: set[int], prompt_width: int):
+        self.on_tokens, self.width = on_tokens, prompt_width
+        self.eos = torch.tensor(sorted(eos_ids), dtype=torch.long)
+
+    def __call__(self, input_ids: Tensor, scores: Tensor, **kwargs: Any) -> Tensor:
+        earlier = input_ids[:, self.width : -1]  # [B, n-1] generated before this step
+        live = ~torch.isin(earlier, self.eos.to(input_ids.device)).any(dim=1)
+        self.on_tokens(int(live.sum()))
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
 @torch.inference_mode()
 def generate_batch(
     model,
@@ -38,8 +58,10 @@ def generate_batch(
     pad_id: int,
     temperature: float = 0.0,
     top_p: float = 1.0,
+    on_tokens: Callable[[int], None] | None = None,
 ) -> list[Generation]:
-    """Left-pad a batch of prompt ids and generate (greedy when temperature == 0)."""
+    """Left-pad a batch of prompt ids and generate (greedy when temperature == 0); on_tokens(n) hears
+    after each decoding step how many rows produced a token that counts (not after their eos)."""
     width = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     attention = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -54,6 +76,7 @@ def generate_batch(
         eos_token_id=sorted(eos_ids),
         pad_token_id=pad_id,
         do_sample=temperature > 0,
+        stopping_criteria=[TokenTicker(on_tokens, eos_ids, width)] if on_tokens else None,
         **{k: v for k, v in sampling.items() if k != "do_sample"},
     )
     return [stop_at_eos(row[width:].tolist(), eos_ids, pad_id) for row in out]
@@ -135,3 +158,99 @@ class HfExtractor:
 
     def close(self) -> None:
         self._hooks.close()
+
+
+# ----------------------------------------------------------------------------- the generate engine
+
+
+def length_batches(lengths: list[int], batch_size: int, batch_tokens: int | None = None) -> list[list[int]]:
+    """Indices grouped into batches of similar length (less padding, same results): at most
+    `batch_size` rows, and at most `batch_tokens` padded tokens (rows x the longest) so a few very long
+    prompts do not pad a whole batch to their width. A row longer than the budget gets a batch alone."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches: list[list[int]] = []
+    for i in order:
+        last = batches[-1] if batches else None
+        fits = last is not None and len(last) < batch_size
+        if fits and batch_tokens is not None:
+            fits = (len(last) + 1) * lengths[i] <= batch_tokens  # sorted: lengths[i] is the widest
+        if fits:
+            last.append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+class HfChatEngine:
+    """The target in this process; batches of similar length, each advancing all its conversations one
+    turn at a time (greedy, or sampled with seed + batch number)."""
+
+    startup_seconds: float | None = None
+
+    def __init__(
+        self, model: Any, tokenizer: Any, settings: Any, render: Callable[[list[dict]], list[int]], name: str
+    ):
+        self._model, self.tokenizer, self.settings, self.render = model, tokenizer, settings, render
+        self.model = name  # recorded in every trace
+
+    @classmethod
+    def open(cls, settings: Any, target: str, render: Callable[[list[dict]], list[int]]) -> HfChatEngine:
+        from draftsmith.target import load_target
+
+        model, tokenizer = load_target(target, getattr(torch, settings.dtype))
+        return cls(model, tokenizer, settings, render, str(target))
+
+    def close(self) -> None:
+        self._model = None  # free the weights before the stage writes its outputs
+
+    stopped: str | None = None  # in-process generation has no endpoint to lose
+
+    def results(self, convs: list[Any], on_tokens: Callable[[int], None]) -> Iterator[tuple[Any, Any]]:
+        settings, model, tokenizer, render = self.settings, self._model, self.tokenizer, self.render
+        eos = set(eos_token_ids(tokenizer, model.generation_config))
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+        context_len = getattr(model.config, "max_position_embeddings", None)
+        first = [render(c.context()) for c in convs]
+        widths = [len(ids) + settings.max_new_tokens for ids in first]
+        for b, batch in enumerate(length_batches(widths, settings.batch_size, settings.batch_tokens)):
+            torch.manual_seed(settings.seed + b)
+            active = [convs[i] for i in batch]
+            while active:
+                ids = [render(c.context()) for c in active]
+                keep = []
+                for c, p in zip(active, ids, strict=True):
+                    if oversized(len(p), settings.max_new_tokens, settings.max_prompt_tokens, context_len):
+                        yield c, oversized_failure(len(c.answers), len(p), settings, context_len)
+                    else:
+                        keep.append((c, p))
+                if not keep:
+                    break
+                gens = generate_batch(
+                    model,
+                    [p for _, p in keep],
+                    settings.max_new_tokens,
+                    eos,
+                    pad,
+                    settings.temperature,
+                    settings.top_p,
+                    on_tokens,
+                )
+                active = []
+                for (c, p), gen in zip(keep, gens, strict=True):
+                    text_ids = [t for t in gen.response_ids if t not in eos]
+                    c.prompt_ids.append(p)
+                    c.answers.append(
+                        Answer(
+                            text=tokenizer.decode(text_ids, skip_special_tokens=True),
+                            reasoning=None,
+                            finish_reason=gen.finish_reason,
+                            prompt_tokens=len(p),
+                            completion_tokens=len(gen.response_ids),
+                            prompt_ids=p,
+                            response_ids=gen.response_ids,
+                        )
+                    )
+                    if c.done:
+                        yield c, None
+                    else:
+                        active.append(c)

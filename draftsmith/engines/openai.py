@@ -17,30 +17,21 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from typing import Any
+
+from draftsmith.engines import Answer, Failure, oversized, oversized_failure
 
 # Statuses worth another try: the server is busy, restarting or briefly overloaded.
 TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
 # Statuses that no retry and no other prompt will fix: the endpoint itself is wrong.
 FATAL_STATUS = {401, 403, 404}
-
-
-@dataclass
-class Answer:
-    """One assistant turn produced by an engine."""
-
-    text: str  # the answer without the reasoning
-    reasoning: str | None  # the thinking text when the server returned it apart, else None
-    finish_reason: str  # "stop" or "length" (truncated at max_new_tokens)
-    prompt_tokens: int
-    completion_tokens: int
-    prompt_ids: list[int] | None = None  # what the engine actually fed the model, when it says
-    response_ids: list[int] | None = None  # generated ids incl. the stop token, when it says
 
 
 class EndpointError(RuntimeError):
@@ -257,3 +248,144 @@ def _error_message(reply: Any) -> str:
     if isinstance(reply, dict) and "detail" in reply:  # FastAPI validation errors
         return str(reply["detail"])[:500]
     return str(reply)[:500]
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
+def check_served_prompt(served: list[int] | None, local: list[int], fingerprint: str) -> None:
+    """The server must have rendered the prompt exactly as the target's template does (else: stop)."""
+    if served is None or served == local:
+        return
+    at = next(
+        (i for i, (a, b) in enumerate(zip(served, local, strict=False)) if a != b),
+        min(len(served), len(local)),
+    )
+    raise EndpointError(
+        f"the server rendered the prompt differently from the target's chat template ({fingerprint}): "
+        f"{len(served)} vs {len(local)} tokens, first difference at token {at} "
+        f"(server {served[at : at + 5]}, template {local[at : at + 5]}). Serve the same model folder with "
+        "its own template (no --chat-template override), or the drafter learns another format."
+    )
+
+
+class OpenAIChatEngine:
+    """Answers conversations through an OpenAIClient with `settings.concurrency` requests in flight."""
+
+    startup_seconds: float | None = None
+
+    def __init__(
+        self, client: OpenAIClient, settings: Any, render: Callable[[list[dict]], list[int]], fingerprint: str
+    ):
+        self.client, self.settings, self.render, self.fingerprint = client, settings, render, fingerprint
+        self.model = str(client.model)
+
+    @classmethod
+    def open(
+        cls, settings: Any, render: Callable[[list[dict]], list[int]], fingerprint: str
+    ) -> OpenAIChatEngine:
+        """The configured endpoint, checked (it lists the model) before any prompt is sent."""
+        client = OpenAIClient.from_env(
+            settings.base_url,
+            settings.api_key_env,
+            model=settings.model,
+            timeout_s=settings.timeout_s,
+            max_retries=settings.max_retries,
+            backoff_base_s=settings.backoff_s,
+            sampling=settings.sampling(),
+            request_token_ids=settings.request_token_ids,
+        )
+        client.check()
+        return cls(client, settings, render, fingerprint)
+
+    def close(self) -> None:
+        pass
+
+    stopped: str | None = None  # why results() stopped early, once it has
+
+    def results(
+        self, convs: list[Any], on_tokens: Callable[[int], None]
+    ) -> Iterator[tuple[Any, Failure | None]]:
+        """(conversation, None when answered in full, else the failure), as they finish; sets `stopped`
+        when the endpoint fails for good.
+
+        Each worker thread takes one conversation at a time and runs its turns in order. Only the
+        calling thread handles results (writes lines), so a kill can tear at most the line being written.
+        """
+        settings, client, render, fingerprint = self.settings, self.client, self.render, self.fingerprint
+        work: queue.Queue[Any] = queue.Queue()
+        for c in convs:
+            work.put(c)
+        results: queue.Queue[tuple[Any, Failure | None]] = queue.Queue()
+        stop = threading.Event()
+        fatal: list[str] = []
+
+        def answer(conv: Any) -> Failure | None:
+            while not conv.done:
+                turn = len(conv.answers)
+                local = render(conv.context())
+                if oversized(
+                    len(local), settings.max_new_tokens, settings.max_prompt_tokens, client.max_model_len
+                ):
+                    return oversized_failure(turn, len(local), settings, client.max_model_len)
+                try:
+                    ans = client.chat(conv.context(), stop)
+                except RequestFailed as err:
+                    return Failure("error", str(err), err.status, err.attempts, turn)
+                check_served_prompt(ans.prompt_ids, local, fingerprint)
+                if settings.reasoning == "required" and not ans.reasoning:
+                    return Failure(
+                        "error",
+                        "no reasoning in the reply (generate.reasoning: required); start vLLM with "
+                        "--reasoning-parser NAME, or set reasoning: auto for a model that does not think",
+                        turn=turn,
+                    )
+                conv.prompt_ids.append(local)
+                conv.answers.append(ans)
+            return None
+
+        def worker() -> None:
+            while not stop.is_set():
+                try:
+                    conv = work.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    results.put((conv, answer(conv)))
+                except EndpointError as err:  # the endpoint is wrong for every prompt: stop everything
+                    fatal.append(str(err))
+                    stop.set()
+                except Exception as err:  # a bug or an unexpected reply: do not silently fail 10,000 prompts
+                    fatal.append(f"{type(err).__name__}: {err} (prompt {conv.id})")
+                    stop.set()
+
+        threads = [threading.Thread(target=worker, daemon=True) for _ in range(settings.concurrency)]
+        for t in threads:
+            t.start()
+        consecutive = 0
+        try:
+            while True:
+                try:
+                    conv, failure = results.get(timeout=0.2)
+                except queue.Empty:
+                    # Stopping, or every worker has finished and handed in its last result: done.
+                    if (stop.is_set() or not any(t.is_alive() for t in threads)) and results.empty():
+                        break
+                    continue
+                if failure is None:
+                    on_tokens(sum(a.completion_tokens for a in conv.answers))
+                yield conv, failure
+                if failure is None:
+                    consecutive = 0
+                elif failure.kind == "error":  # a skipped oversized prompt says nothing about the endpoint
+                    consecutive += 1
+                    if consecutive >= settings.max_consecutive_failures and not stop.is_set():
+                        fatal.append(
+                            f"{consecutive} requests in a row failed (generate.max_consecutive_failures); "
+                            f"the last: {failure.message}"
+                        )
+                        stop.set()
+        finally:
+            stop.set()  # also when the caller stops reading: no new requests
+        # Workers still in a request are daemons: their answers are redone on the next run.
+        self.stopped = fatal[0] if fatal else None

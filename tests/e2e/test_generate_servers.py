@@ -8,6 +8,7 @@ Two kinds of tests:
 """
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -282,10 +283,73 @@ def test_stage_writes_traces_summary_and_reasoning(fake, tmp_path):
     assert body["max_tokens"] == 16 and body["temperature"] == 0.0 and body["return_token_ids"] is True
 
 
-def test_truncated_answers_are_flagged(fake, tmp_path):
+def test_truncated_answers_are_flagged(fake, tmp_path, caplog):
     srv = fake(reply=lambda body, n: (200, FakeOpenAI.completion("cut", finish="length")))
-    summary, rows = run_stage(tmp_path, srv.url)
+    with caplog.at_level(logging.WARNING, logger="draftsmith.generate"):
+        summary, rows = run_stage(tmp_path, srv.url)
     assert summary["truncated"] == 6 and rows[0]["finish_reason"] == "length"
+    assert any(
+        "100% of the traces (6 of 6) were cut at generate.max_new_tokens = 16" in m for m in caplog.messages
+    )
+
+
+def test_out_into_a_missing_folder_is_created(fake, tmp_path):
+    srv = fake()
+    summary, rows = run_stage(
+        tmp_path / "new" / "deeper", srv.url, prompts=write_prompts(tmp_path / "p.jsonl")
+    )
+    assert summary["done"] == 6 and len(rows) == 6
+
+
+def test_empty_prompt_file_is_bad_input(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(PromptError, match="empty.jsonl: no prompts"):
+        run_stage(tmp_path, "http://127.0.0.1:1/v1", prompts=empty)
+    args = ["draftsmith", "generate", "--target", str(TARGET), "--prompts", str(empty)]
+    args += ["--out", str(tmp_path / "t.jsonl"), "--summary", str(tmp_path / "s.json")]
+    proc = subprocess.run(args, env=_env(), capture_output=True, text=True)
+    assert proc.returncode == 2 and "empty.jsonl: no prompts" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_garbled_partial_line_costs_only_its_prompt(fake, tmp_path, caplog):
+    """Finished traces after a garbled line are kept; only that line's prompt is asked again."""
+    srv = fake()
+    (tmp_path / "first").mkdir()
+    run_stage(tmp_path / "first", srv.url)
+    lines = (tmp_path / "first" / "traces.jsonl").read_text().splitlines(keepends=True)
+    partial = tmp_path / "traces.jsonl.partial"
+    partial.write_text("".join(lines[:2]) + lines[2][:40] + "\x00garbage\n" + "".join(lines[3:]))
+    srv.requests.clear()
+    with caplog.at_level(logging.WARNING, logger="draftsmith.generate"):
+        summary, rows = run_stage(tmp_path, srv.url)
+    assert [r["messages"][-1]["content"] for r in srv.requests] == ["Question number 2?"]
+    assert summary["done"] == 6 and summary["generated_now"] == 1 and [r["id"] for r in rows][2] == "p2"
+    assert any(f"{partial}:3: not a complete trace line" in m for m in caplog.messages)
+
+
+def test_a_server_that_fails_to_start_reports_the_cause(tmp_path, monkeypatch):
+    """The stage's error names the cause from the server's log, not a traceback."""
+    (tmp_path / "standin.py").write_text(
+        "import sys; print('INFO loading'); print('ERROR [core.py:1] ValueError: No available memory for the "
+        "cache blocks', flush=True); print('INFO shutting down'); sys.exit(1)"
+    )
+    import draftsmith.engines.server as server
+
+    monkeypatch.setattr(server, "API_SERVER_MODULE", "standin")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    settings = GenerateSettings(engine="vllm-server", max_new_tokens=4, server_startup_timeout_s=60)
+    with pytest.raises(GenerateError) as err:
+        generate_traces(
+            str(TARGET), str(write_prompts(tmp_path / "p.jsonl")), str(tmp_path / "t.jsonl"),
+            str(tmp_path / "s.json"), settings, server_log=str(tmp_path / "server.log"),
+        )  # fmt: skip
+    first = str(err.value).splitlines()[0]
+    assert (
+        first
+        == "vLLM server exited with code 1 before it was healthy: ValueError: No available memory for the cache blocks"
+    )
+    assert "INFO shutting down" in str(err.value)
 
 
 def test_multi_turn_regenerates_each_turn_against_own_history(fake, tmp_path):
@@ -380,6 +444,12 @@ def test_bad_prompt_file_is_an_error_naming_file_and_line(tmp_path):
     assert result.exit_code == 2 and f"{prompts}:2: invalid JSON" in result.output
 
 
+LOGGED_CLI = (
+    "import logging, sys; logging.basicConfig(level=logging.INFO); from draftsmith.cli import main; "
+    "sys.argv[0] = 'draftsmith'; main()"
+)
+
+
 def test_kill_during_openai_generation_resumes_without_duplicates_or_losses(fake, tmp_path):
     """SIGKILL mid-run (requests in flight, lines being appended); the rerun asks only for what is missing."""
     srv = fake(delay=0.3)  # 40 prompts take ~6 s at concurrency 2: time to kill in the middle
@@ -400,7 +470,9 @@ def test_kill_during_openai_generation_resumes_without_duplicates_or_losses(fake
     before = {json.loads(line)["id"]: line for line in complete.splitlines()}
     assert 10 <= len(before) < 40, "the kill came too late to test a resume"
     asked_before = len(srv.requests)
-    out = subprocess.run(args, env=_env(), capture_output=True, text=True, check=True).stdout
+    # the CLI with logging configured the way a rule's log receives it (stderr)
+    logged = [sys.executable, "-c", LOGGED_CLI, *args[1:]]
+    out = subprocess.run(logged, env=_env(), capture_output=True, text=True, check=True).stderr
     assert f"{len(before)} already done, {40 - len(before)} to go" in out
     assert len(srv.requests) - asked_before == 40 - len(before)  # no finished id asked again
     rows = (tmp_path / "traces.jsonl").read_text().splitlines()

@@ -1,6 +1,7 @@
 """The generate stage's bookkeeping and the training sequences it leads to (no model runs, seconds)."""
 
 import json
+import logging
 
 import pytest
 from click.testing import CliRunner
@@ -8,17 +9,20 @@ from conftest import REPO
 
 from draftsmith.chat import assistant_message, merge_turns, render_prompt, render_with_response
 from draftsmith.config import section_defaults
-from draftsmith.engines.openai import Answer
+from draftsmith.engines import Answer, oversized
+from draftsmith.engines.hf import length_batches
+from draftsmith.engines.openai import check_served_prompt
 from draftsmith.generate import (
     Conversation,
     GenerateSettings,
-    check_served_prompt,
+    Progress,
+    describe,
     generation_points,
-    oversized,
     prompt_line_numbers,
     read_partial,
     summarize,
     trace_row,
+    warn_truncated,
 )
 from draftsmith.tokenize import trace_sequences, turn_contexts
 
@@ -173,6 +177,57 @@ def test_read_partial_cuts_a_torn_line(tmp_path):
     assert path.read_bytes() == b'{"id": "a"}\n{"id": "b"}\n'  # appends start on a clean line
 
 
+def test_read_partial_keeps_the_lines_after_a_garbled_one(tmp_path, caplog):
+    """A garbled line in the middle loses only itself (was: every finished trace after it)."""
+    path = tmp_path / "t.jsonl.partial"
+    path.write_bytes(b'{"id": "a"}\n{"id": "b", "resp\x00\x00onse"\n{"id": "c"}\n{"no id": 1}\n{"id": "d"}\n')
+    with caplog.at_level(logging.WARNING, logger="draftsmith.generate"):
+        assert list(read_partial(path)) == ["a", "c", "d"]
+    assert [m for m in caplog.messages if "not a complete trace line" in m] == [
+        f"{path}:2: not a complete trace line; dropped, its prompt is generated again",
+        f"{path}:4: not a complete trace line; dropped, its prompt is generated again",
+    ]
+    assert path.read_bytes() == b'{"id": "a"}\n{"id": "c"}\n{"id": "d"}\n'
+
+
+def test_progress_estimate_follows_finished_answers():
+    """The bar's total starts at max_new_tokens per answer and becomes the mean of finished answers, so
+    the ETA is not the worst case all stage long; dropped answers leave the total."""
+    p = Progress(answers=10, max_new_tokens=100, enabled=False)
+    assert p.total == 1000
+    p.tokens(20)
+    p.finished(2, 20)  # two short answers: 10 tokens each
+    assert p.n == 20 and p.total == 20 + 8 * 10
+    p.finished(0, 0, dropped=3)  # an oversized prompt's three turns will never come
+    assert p.total == 20 + 5 * 10
+    p.close()
+
+
+def test_truncation_warning_and_summary_line(caplog):
+    summary = {
+        "done": 10, "samples": 10, "generated_now": 4, "truncated": 3, "errors": 1, "skipped": {"oversized": 2},
+        "reasoning_capture_rate": 0.5, "tokens": 1234, "seconds": 12.3, "tokens_per_second": 100.3,
+    }  # fmt: skip
+    line = describe(summary, 160)
+    assert line == (
+        "generate: 10 traces (4 now), 3 truncated at 160 tokens, 1 errors, 2 skipped; reasoning captured "
+        "50%; 1234 new tokens in 12 s (100 tok/s)"
+    )
+    with caplog.at_level(logging.WARNING, logger="draftsmith.generate"):
+        assert warn_truncated(summary, 160)  # 30% > 20%
+        assert not warn_truncated({**summary, "truncated": 2}, 160)  # 20%: not more than the share
+    assert len(caplog.records) == 1 and "30% of the traces (3 of 10)" in caplog.messages[0]
+
+
+def test_token_ticker_counts_tokens_before_eos(tiny_llama):
+    """generate_batch reports each decoding step's kept tokens: their sum is the responses' length."""
+    from draftsmith.engines.hf import generate_batch
+
+    ticks = []
+    gens = generate_batch(tiny_llama, [[5, 6, 7], [8, 9]], 12, {3, 4}, 0, on_tokens=ticks.append)
+    assert len(ticks) >= 1 and sum(ticks) == sum(len(g.response_ids) for g in gens)
+
+
 def test_prompt_line_numbers_skip_blank_lines(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('\ufeff{"prompt": "a"}\n\n  \n{"prompt": "b"}\n{"prompt": "c"}\n', encoding="utf-8")
@@ -285,8 +340,6 @@ def test_tokenize_refuses_a_served_prompt_from_another_template(tokenizer):
 
 
 def test_length_batches_cap_rows_and_padded_tokens():
-    from draftsmith.generate import length_batches
-
     lengths = [10, 300, 12, 11, 1200, 290, 13]
     # rows only: sorted by length, 3 per batch
     assert length_batches(lengths, 3) == [[0, 3, 2], [6, 5, 1], [4]]

@@ -14,25 +14,18 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from draftsmith.checkpoints import list_checkpoints, step_of
 from draftsmith.drafter import TTTKV, DrafterConfig, Eagle3Drafter
 from draftsmith.export import check_export, load_drafter
 from draftsmith.layers import capture_aux, stack_aux
-from draftsmith.manifest import load_manifest
-from draftsmith.shards import Sample, ShardReader, iter_samples, read_sample, write_shard
+from draftsmith.loader import collate
+from draftsmith.shards import Sample, iter_samples, write_shard
 from draftsmith.target import file_sha256
 from draftsmith.train import (
-    InMemoryData,
-    StreamingData,
     TrainSettings,
-    _step_of,
-    collate,
-    is_validation,
-    list_checkpoints,
     load_target_head,
     lr_factor,
     make_optimizer,
-    plan_batches,
-    prefetch,
     train,
     ttt_loss,
     ttt_step_targets,
@@ -172,6 +165,18 @@ def rows(root: Path) -> list[dict]:
     return [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
 
 
+def run_folder(root: Path) -> Path:
+    """The one run-<key> folder under root/checkpoints."""
+    found = sorted((root / "checkpoints").glob("run-*"))
+    assert len(found) == 1, found
+    return found[0]
+
+
+def checkpoints_of(root: Path) -> list[Path]:
+    """Complete checkpoints in any run folder under root/checkpoints, oldest first."""
+    return [p for folder in sorted((root / "checkpoints").glob("run-*")) for p in list_checkpoints(folder)]
+
+
 # ---------------------------------------------------------------------------------------------- offsets
 
 
@@ -193,17 +198,6 @@ def test_step_targets_hand_example() -> None:
         # input token / teacher state t+1+j, predicted token t+2+j, clamped to T-1 (never valid there)
         assert src.tolist() == [min(t + 1 + step, 5) for t in range(6)]
         assert tgt.tolist() == [min(t + 2 + step, 5) for t in range(6)]
-
-
-def test_plan_batches_budget_and_determinism() -> None:
-    lengths = [10, 30, 20, 5, 40, 25, 60]
-    g = torch.Generator().manual_seed(3)
-    batches = plan_batches(lengths, 64, g)
-    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
-    for b in batches:
-        assert len(b) == 1 or max(lengths[i] for i in b) * len(b) <= 64
-    assert batches == plan_batches(lengths, 64, torch.Generator().manual_seed(3))
-    assert plan_batches(lengths, 64, None)[0] == [0, 1]  # unshuffled: in order
 
 
 def test_lr_schedule() -> None:
@@ -324,10 +318,17 @@ def test_train_writes_export_metrics_checkpoint(data: dict, tmp_path: Path) -> N
     assert len(first["acc"]) == 3 and first["epoch"] == 1
     assert first["lr"] == pytest.approx(3e-3 * 0.5)  # warm-up step 1 of 2
 
-    ckpts = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    assert ckpts == ["step-3"]
-    step3 = tmp_path / "checkpoints" / "step-3"
-    for name in ("model.safetensors", "optimizer.pt", "trainer.pt", "state.json", "COMPLETE"):
+    ckpts = sorted(p.name for p in run_folder(tmp_path).iterdir())
+    assert ckpts == ["resume_key.json", "step-3"]
+    step3 = run_folder(tmp_path) / "step-3"
+    for name in (
+        "model.safetensors",
+        "optimizer.pt",
+        "trainer.pt",
+        "state.json",
+        "metrics.jsonl",
+        "COMPLETE",
+    ):
         assert (step3 / name).is_file(), name
     state = json.loads((step3 / "state.json").read_text())
     assert state["step"] == 3 and state["epoch"] == 0 and state["batch_in_epoch"] == 3
@@ -340,7 +341,7 @@ def test_training_learns(data: dict, tmp_path: Path) -> None:
     assert val[-1]["loss"] < val[0]["loss"]
     assert summary["train_acc"][0] > 0.3, summary
     # keeps the newest two complete checkpoints
-    names = sorted((tmp_path / "checkpoints").iterdir(), key=lambda p: int(p.name.split("-")[1]))
+    names = list_checkpoints(run_folder(tmp_path))
     assert [p.name for p in names] == [f"step-{sum(summary['steps_per_epoch'][:k])}" for k in (3, 4)]
 
 
@@ -356,10 +357,10 @@ def test_resume_gives_identical_weights(data: dict, tmp_path: Path, stop: str, c
     with caplog.at_level(logging.INFO, logger="draftsmith.train"):
         second = run(data, tmp_path / "resumed", s)
     assert second["resumed_from_step"] == k and second["steps"] == full["steps"]
-    assert any("resumed from" in r.getMessage() for r in caplog.records)
+    assert any(f"resumed from step {k}" in r.getMessage() for r in caplog.records)
 
-    a = load_file(str(tmp_path / "full" / "checkpoints" / f"step-{full['steps']}" / "model.safetensors"))
-    b = load_file(str(tmp_path / "resumed" / "checkpoints" / f"step-{full['steps']}" / "model.safetensors"))
+    a = load_file(str(run_folder(tmp_path / "full") / f"step-{full['steps']}" / "model.safetensors"))
+    b = load_file(str(run_folder(tmp_path / "resumed") / f"step-{full['steps']}" / "model.safetensors"))
     assert set(a) == set(b)
     for name in a:
         assert torch.equal(a[name], b[name]), name
@@ -375,113 +376,74 @@ def test_resume_gives_identical_weights(data: dict, tmp_path: Path, stop: str, c
 
 
 def test_partial_or_foreign_checkpoints_are_not_resumed(data: dict, tmp_path: Path, caplog) -> None:
-    partial = tmp_path / "checkpoints" / "step-99"
-    partial.mkdir(parents=True)
-    (partial / "state.json").write_text("{}")  # no COMPLETE marker: a crash mid-write
+    legacy = tmp_path / "checkpoints" / "step-99"
+    legacy.mkdir(parents=True)
+    (legacy / "state.json").write_text("{}")  # an older layout's step folder, and partial
     summary = run(data, tmp_path, settings(max_steps=2))
     assert summary["resumed_from_step"] is None and summary["steps"] == 2
+    assert not legacy.exists()
 
-    with caplog.at_level(logging.WARNING, logger="draftsmith.train"):
+    with caplog.at_level(logging.WARNING, logger="draftsmith.checkpoints"):
         summary = run(data, tmp_path, settings(max_steps=1, lr=1e-3))  # other settings: start fresh
     assert summary["resumed_from_step"] is None and summary["steps"] == 1
     assert any("not resuming" in r.getMessage() and "lr" in r.getMessage() for r in caplog.records)
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-1"]
+    assert [p.name for p in list_checkpoints(run_folder(tmp_path))] == ["step-1"]
 
-    # max_steps and threads may change between runs: resume, then stop immediately
-    summary = run(data, tmp_path, settings(max_steps=1, lr=1e-3, threads=2))
-    assert summary["resumed_from_step"] == 1 and summary["steps"] == 1
+    # max_steps and threads may change between runs: resume and go on
+    summary = run(data, tmp_path, settings(max_steps=2, lr=1e-3, threads=2))
+    assert summary["resumed_from_step"] == 1 and summary["steps"] == 2
+
+
+def test_finished_run_trains_afresh(data: dict, tmp_path: Path, caplog) -> None:
+    """A rerun of a finished run (snakemake --forcerun train) trains again instead of resuming its last
+    checkpoint and re-exporting it; --fresh discards the checkpoints of an unfinished one."""
+    s = settings(max_steps=2)
+    first = run(data, tmp_path, s)
+    with caplog.at_level(logging.INFO, logger="draftsmith.checkpoints"):
+        again = run(data, tmp_path, s)
+    assert again["resumed_from_step"] is None and again["trained_tokens"] == first["trained_tokens"] > 0
+    assert any("trains afresh" in r.getMessage() for r in caplog.records)
+    assert [r["step"] for r in rows(tmp_path) if r["kind"] == "train"] == [1, 2]
+
+    run(data, tmp_path, settings(max_steps=1, epochs=3))  # another run, stopped early
+    fresh = train(
+        data["manifest"], data["vocab"], tmp_path / "drafter", tmp_path / "checkpoints",
+        tmp_path / "metrics.jsonl", settings(max_steps=2, epochs=3), progress=False, fresh=True,
+    )  # fmt: skip
+    assert fresh["resumed_from_step"] is None and fresh["steps"] == 2
+
+
+def changed_copy(data: dict, root: Path) -> Path:
+    """The same shards (names, sample counts, token counts) with every aux state changed -> manifest."""
+    manifest = json.loads(data["manifest"].read_text())
+    for shard in manifest["shards"]:
+        src = data["root"] / shard["path"]
+        samples = [replace(s, aux=(s.aux.float() + 0.5).to(s.aux.dtype)) for s in iter_samples(str(src))]
+        meta = {"aux_layer_ids": AUX_IDS, "layer_convention": "input", "dtype": "bfloat16"}
+        path = root / shard["path"]
+        write_shard(path, samples, meta)
+        shard.update(bytes=path.stat().st_size, sha256=file_sha256(path))
+    out = root / "data_config.json"
+    out.write_text(json.dumps(manifest))
+    return out
+
+
+def test_changed_data_content_trains_afresh(data: dict, tmp_path: Path, caplog) -> None:
+    """Re-extracted shards with the same names and counts but other tensors: no resume."""
+    first = run(data, tmp_path, settings(max_steps=1, epochs=3))
+    assert first["steps"] == 1
+    other = changed_copy(data, tmp_path / "other")
+    with caplog.at_level(logging.WARNING, logger="draftsmith.checkpoints"):
+        second = train(
+            other, data["vocab"], tmp_path / "drafter", tmp_path / "checkpoints", tmp_path / "metrics.jsonl",
+            settings(max_steps=2, epochs=3), progress=False,
+        )  # fmt: skip
+    assert second["resumed_from_step"] is None and second["steps"] == 2
+    assert any("data.shards" in r.getMessage() for r in caplog.records)
+    assert [r["kind"] for r in rows(tmp_path)].count("resume") == 0
 
 
 # ------------------------------------------------------------------------------------------ the loader
-
-
-def test_shard_reader_random_access(data: dict) -> None:
-    """Sample i read alone, in any order, equals the streamed sample (both codecs), and truncates."""
-    paths = sorted((data["root"] / "hidden").glob("shard-*.safetensors"))
-    for path in paths:  # shard-0 codec "none", shard-1 "zstd-planes"
-        streamed = list(iter_samples(path))
-        with ShardReader(path) as reader:
-            assert len(reader) == len(streamed) and reader.codec in ("none", "zstd-planes")
-            for i in reversed(range(len(reader))):
-                got, want = reader.read(i), streamed[i]
-                assert got.id == want.id
-                for name in ("input_ids", "loss_mask", "aux", "final"):
-                    assert torch.equal(getattr(got, name), getattr(want, name)[:]), (path.name, i, name)
-                cut = reader.read(i, 12)
-                assert cut.num_tokens == 12 and torch.equal(cut.aux, want.aux[:12])
-                assert torch.equal(cut.final, want.final[:12])
-        original = data["samples"][int(streamed[3].id.split("-")[1])]
-        assert torch.equal(read_sample(path, 3).aux, original.aux)  # the codec round trip is lossless
-
-
-def test_plan_batches_packs_by_length() -> None:
-    gen = torch.Generator().manual_seed(0)
-    lengths = torch.randint(5, 100, (200,), generator=gen).tolist()
-
-    def padded(batches: list[list[int]]) -> int:
-        return sum(len(b) * max(lengths[i] for i in b) for b in batches)
-
-    def plan(window: int, seed: int = 1) -> list[list[int]]:
-        return plan_batches(lengths, 400, torch.Generator().manual_seed(seed), window)
-
-    for window in (1, 16, 200):
-        batches = plan(window)
-        assert sorted(i for b in batches for i in b) == list(range(200)), window
-        assert all(len(b) * max(lengths[i] for i in b) <= 400 for b in batches)
-        assert batches == plan(window)  # a pure function of the generator's seed
-        assert batches != plan(window, seed=2)
-    # sorting by length within windows packs with less padding than plain shuffling
-    assert padded(plan(200)) < padded(plan(16)) < padded(plan(1))
-
-
-def test_streaming_loader_matches_in_memory(data: dict, monkeypatch) -> None:
-    """The same plans and bit-identical batches, whether decoded in background threads on demand or
-    up front; the streaming loader decodes nothing until a batch is asked for."""
-    manifest = load_manifest(data["manifest"])
-    reads = []
-    real_read = ShardReader.read
-    monkeypatch.setattr(ShardReader, "read", lambda self, i, n=None: reads.append(i) or real_read(self, i, n))
-    stream = StreamingData.from_manifest(manifest, settings(loader_threads=2))
-    assert reads == []  # the index comes from token masks only: no state decoded to build it
-    memory = InMemoryData.from_manifest(manifest, settings())
-    assert len(reads) == len(memory.train) + len(memory.val) == 24
-    assert [r.id for r in stream.val] == [r.id for r in memory.val] and len(stream.val) > 0
-    assert all(is_validation(r.id, 0.2) for r in stream.val)
-    reads.clear()
-    first = stream.epoch_batches(0)[:2]
-    batches = stream.batches(first, "train")
-    next(batches)
-    batches.close()
-    assert len(reads) <= sum(len(b) for b in first)  # at most what was asked for was decoded
-    for epoch in (0, 1):
-        plan = stream.epoch_batches(epoch)
-        assert plan == memory.epoch_batches(epoch)
-        for a, b in zip(stream.batches(plan, "train"), memory.batches(plan, "train"), strict=True):
-            for name in ("input_ids", "loss_mask", "lengths", "aux", "final"):
-                assert torch.equal(getattr(a, name), getattr(b, name)), name
-    assert stream.epoch_batches(0) != stream.epoch_batches(1)  # reshuffled every epoch
-    shards = {stream.train[i].shard for b in stream.epoch_batches(0)[:3] for i in b}
-    assert shards == {0, 1}  # batches mix the shards
-    stream.close()
-
-
-def test_prefetch_keeps_order_and_stops_early() -> None:
-    import threading
-
-    started = []
-    lock = threading.Lock()
-
-    def slow_square(x: int) -> int:
-        with lock:
-            started.append(x)
-        return x * x
-
-    assert list(prefetch(slow_square, range(20), threads=3, depth=4)) == [x * x for x in range(20)]
-    started.clear()
-    it = prefetch(slow_square, range(1000), threads=2, depth=4)
-    assert [next(it) for _ in range(3)] == [0, 1, 4]
-    it.close()
-    assert len(started) <= 3 + 4  # nothing is decoded far beyond what was consumed
 
 
 def test_target_head_read_directly_equals_model(data: dict, tmp_path: Path) -> None:
@@ -532,14 +494,15 @@ def test_killed_run_resumes_to_identical_weights(data: dict, tmp_path: Path) -> 
         _cli_train(data, killed, s), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
     deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None and not list_checkpoints(killed / "checkpoints"):
+    while time.time() < deadline and proc.poll() is None and not checkpoints_of(killed):
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     out = proc.communicate()[0].decode(errors="replace")
     assert proc.returncode == -signal.SIGKILL, f"finished before the kill:\n{out[-3000:]}"
     assert not (killed / "drafter").exists()
-    done = list_checkpoints(killed / "checkpoints")
-    assert done and _step_of(done[-1]) < full["steps"], [p.name for p in done]
+    done = checkpoints_of(killed)
+    assert done and step_of(done[-1]) < full["steps"], [p.name for p in done]
+    (killed / "metrics.jsonl").unlink()  # Snakemake deletes a failed job's declared outputs
 
     rerun = subprocess.run(_cli_train(data, killed, s), env=env, capture_output=True, text=True)
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
@@ -548,8 +511,8 @@ def test_killed_run_resumes_to_identical_weights(data: dict, tmp_path: Path) -> 
     a = load_file(str(tmp_path / "full" / "drafter" / "model.safetensors"))
     b = load_file(str(killed / "drafter" / "model.safetensors"))
     assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
-    a = load_file(str(tmp_path / "full" / "checkpoints" / f"step-{full['steps']}" / "model.safetensors"))
-    b = load_file(str(killed / "checkpoints" / f"step-{full['steps']}" / "model.safetensors"))
+    a = load_file(str(run_folder(tmp_path / "full") / f"step-{full['steps']}" / "model.safetensors"))
+    b = load_file(str(run_folder(killed) / f"step-{full['steps']}" / "model.safetensors"))
     assert all(torch.equal(a[n], b[n]) for n in a)  # fp32 master weights, not only the bf16 export
 
     def losses(root: Path) -> list:
