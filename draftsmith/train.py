@@ -57,7 +57,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from draftsmith.atomic import atomic_dir, write_json, write_jsonl
-from draftsmith.drafter import TTTKV, DrafterConfig, Eagle3Drafter
+from draftsmith.drafter import TTTKV, DrafterConfig, Eagle3Drafter, describe, param_count
 from draftsmith.export import check_export, save_drafter
 from draftsmith.layers import convert_layer_ids
 from draftsmith.manifest import load_manifest
@@ -109,6 +109,7 @@ class TrainSettings:
     pack_window: int  # samples sorted by length together before packing into batches (1 = no sorting)
     loader_threads: int  # background threads decoding the next batches; 0 = decode in the loop
     precision: str = "bf16"  # bf16: matmuls under bf16 autocast (weights, optimizer, loss in fp32); fp32
+    drafter: dict[str, Any] | None = None  # train.drafter: explicit shape; None / null values = derived
 
     def __post_init__(self) -> None:
         problems = []
@@ -147,7 +148,7 @@ class TrainSettings:
     def from_dict(cls, d: dict[str, Any]) -> TrainSettings:
         names = [f.name for f in fields(cls)]
         unknown = sorted(set(d) - set(names))
-        missing = [n for n in names if n not in d and n != "precision"]
+        missing = [n for n in names if n not in d and n not in ("precision", "drafter")]
         if unknown or missing:
             raise ValueError(f"train settings: unknown keys {unknown}, missing keys {missing}")
         return cls(**d)
@@ -818,12 +819,19 @@ def noise_seed(seed: int, step: int, rank: int) -> int:
 
 
 def build_drafter(
-    target: TargetHead, d2t: Tensor, t2d: Tensor, num_aux: int, seed: int, device: torch.device | str
+    target: TargetHead,
+    d2t: Tensor,
+    t2d: Tensor,
+    num_aux: int,
+    seed: int,
+    device: torch.device | str,
+    shape: dict[str, Any] | None = None,
 ) -> tuple[Eagle3Drafter, Tensor, Tensor]:
     """-> (the drafter at its initial weights, in train mode; the frozen target embedding [V, Ht]; the
     teacher weight [Vd, Ht] = the target's lm_head rows of the draft ids), on device. The initial
     weights are a function of the seed: every data-parallel rank builds the same drafter."""
-    cfg = DrafterConfig.from_target(target.config, d2t.numel(), num_aux)
+    cfg = DrafterConfig.from_target(target.config, d2t.numel(), num_aux, shape)
+    log.info("drafter: %s, %.1f M parameters", describe(cfg), param_count(cfg) / 1e6)
     random.seed(seed)
     torch.manual_seed(seed)
     drafter = Eagle3Drafter(cfg)
@@ -885,7 +893,9 @@ def train(
     total_steps = sum(steps_per_epoch)  # the schedule's horizon; max_steps only stops early
     stop_at = total_steps if settings.max_steps is None else min(total_steps, settings.max_steps)
 
-    drafter, embed, teacher_weight = build_drafter(target, d2t, t2d, num_aux, settings.seed, device)
+    drafter, embed, teacher_weight = build_drafter(
+        target, d2t, t2d, num_aux, settings.seed, device, settings.drafter
+    )
     cfg = drafter.cfg
     del target
     params = [p for p in drafter.parameters() if p.requires_grad]
