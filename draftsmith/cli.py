@@ -37,13 +37,24 @@ def _settings(raw: str | None) -> dict[str, Any]:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="draftsmith")
-def main() -> None:
+@click.option(
+    "--trust-remote-code",
+    is_flag=True,
+    envvar="DRAFTSMITH_TRUST_REMOTE_CODE",
+    help="Let transformers/vLLM run the target folder's own Python (e.g. Kimi-K2.5's tokenizer).",
+)
+def main(trust_remote_code: bool) -> None:
     """Train EAGLE-3 drafters for a target LLM and prove they will be accepted.
 
     The usual way is the Snakemake workflow (`snakemake --cores all`), which runs these stages in
     order: target, prompts, generate, tokenize, extract (one job per shard), manifest, vocab, train,
     evaluate. Each stage is also a command here; run `draftsmith COMMAND --help` for its options.
     """
+    import os
+
+    from draftsmith.target import TRUST_REMOTE_CODE_ENV
+
+    os.environ[TRUST_REMOTE_CODE_ENV] = "1" if trust_remote_code else "0"
 
 
 @main.command()

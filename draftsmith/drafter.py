@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from draftsmith.target import text_config
+
 # Keys of the `train.drafter` config section: each None = derived from the target.
 SHAPE_KEYS = (
     "hidden_size",
@@ -113,17 +115,6 @@ class DrafterConfig:
     def rope_parameters(self) -> dict[str, Any]:
         """transformers / vLLM `rope_parameters` of this drafter."""
         return {"rope_theta": self.rope_theta, "rope_type": "default", **(self.rope_scaling or {})}
-
-
-def text_config(config: Any) -> Any:
-    """The language model's config of a multimodal wrapper (Kimi-K2.5, Llama-4, Qwen3-VL keep it under
-    `text_config`); the config itself otherwise."""
-    inner = getattr(config, "text_config", None)
-    if isinstance(inner, dict):  # a wrapper whose class transformers does not know
-        from transformers import AutoConfig
-
-        inner = AutoConfig.for_model(**inner)
-    return inner if inner is not None else config
 
 
 def is_mla(config: Any) -> bool:

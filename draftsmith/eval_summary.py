@@ -356,10 +356,9 @@ def summarize_files(
     max_acc_gap: float,
 ) -> dict[str, Any]:
     """Load the evaluation's inputs, summarise, and write summary.{json,tsv,html} and the plots to out."""
-    from transformers import AutoTokenizer
-
     from draftsmith.chat import template_fingerprint
     from draftsmith.export import check_export
+    from draftsmith.target import load_tokenizer
 
     offline_data = json.loads(Path(offline).read_text(encoding="utf-8"))
     vllm_data = json.loads(Path(vllm_path).read_text(encoding="utf-8")) if vllm_path else None
@@ -371,7 +370,7 @@ def summarize_files(
         target_num_layers=target_config.get("num_hidden_layers"),
         target_vocab_size=target_config.get("vocab_size"),
     )
-    fingerprint = template_fingerprint(AutoTokenizer.from_pretrained(target_path))
+    fingerprint = template_fingerprint(load_tokenizer(target_path))
     rows = read_metrics(metrics)
     thresholds = Thresholds(min_tau, min_speedup, max_tau_gap, max_acc_gap)
     summary = summarize(

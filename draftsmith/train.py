@@ -27,7 +27,7 @@ every batch; each rank's loss is normalised by the *global* count of trained pos
 are summed across ranks, so N processes compute the gradient one process computes on the whole batch.
 gloo on CPU, nccl on CUDA; rank 0 writes checkpoints, metrics and the export.
 
-Layout: settings -> target head -> distributed -> data -> the TTT objective -> checkpoints -> `train()`.
+Layout: settings -> distributed -> data -> the TTT objective -> checkpoints -> `train()`.
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 from tqdm import tqdm
@@ -62,6 +61,7 @@ from draftsmith.export import check_export, save_drafter
 from draftsmith.layers import convert_layer_ids
 from draftsmith.manifest import load_manifest
 from draftsmith.shards import Sample, ShardReader
+from draftsmith.target import TargetHead, load_target_head
 from draftsmith.vocab import load_vocab_map
 
 log = logging.getLogger(__name__)
@@ -155,70 +155,6 @@ class TrainSettings:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-# ------------------------------------------------------------------------------------------------ target
-
-
-@dataclass
-class TargetHead:
-    """The three target tensors the drafter needs; the rest of the target is dropped."""
-
-    config: Any  # the target's transformers config
-    embed: Tensor  # [V, Ht] input embeddings (frozen, shared with the target as vLLM does)
-    lm_head: Tensor  # [V, Ht]
-    norm: Tensor  # [Ht] final norm weight
-
-
-HEAD_TENSORS = {
-    "embed": "model.embed_tokens.weight",
-    "norm": "model.norm.weight",
-    "lm_head": "lm_head.weight",
-}
-
-
-def _read_head_tensors(folder: Path, tied: bool) -> dict[str, Tensor] | None:
-    """embed/norm/lm_head straight from the safetensors files (Llama-style names), without building the
-    model: a 1T-parameter target must not be loaded to train its drafter. None when a name is absent."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-    elif (folder / "model.safetensors").is_file():
-        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
-            weight_map = dict.fromkeys(f.keys(), "model.safetensors")
-    else:
-        return None
-    wanted = {k: v for k, v in HEAD_TENSORS.items() if not (tied and k == "lm_head")}
-    if any(name not in weight_map for name in wanted.values()):
-        return None
-    out = {}
-    for key, name in wanted.items():
-        with safe_open(str(folder / weight_map[name]), framework="pt") as f:
-            out[key] = f.get_tensor(name).to(torch.float32)
-    out.setdefault("lm_head", out["embed"])
-    return out
-
-
-def load_target_head(path: str | Path) -> TargetHead:
-    from transformers import AutoConfig
-
-    from draftsmith.target import check_target_dir
-
-    folder = check_target_dir(path)
-    config = AutoConfig.from_pretrained(folder)
-    tensors = _read_head_tensors(folder, bool(getattr(config, "tie_word_embeddings", False)))
-    if tensors is not None:
-        return TargetHead(config, tensors["embed"], tensors["lm_head"], tensors["norm"])
-    from transformers import AutoModelForCausalLM  # other layouts: build the model, keep three tensors
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    embed = model.get_input_embeddings().weight.detach().clone()
-    out = model.get_output_embeddings().weight.detach()
-    lm_head = embed if out.data_ptr() == model.get_input_embeddings().weight.data_ptr() else out.clone()
-    norm = getattr(model, "model", model).norm.weight.detach().clone()
-    config = model.config
-    del model
-    return TargetHead(config, embed, lm_head, norm)
 
 
 # ------------------------------------------------------------------------------------------- distributed

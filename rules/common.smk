@@ -1,4 +1,5 @@
 import json
+import os
 
 from snakemake.utils import validate
 
@@ -9,6 +10,9 @@ coerce_strings(config)
 if config_errors(config):
     raise ValueError("invalid configuration:\n  " + "\n  ".join(config_errors(config)))
 validate(config, schema="../draftsmith/config.schema.yaml")
+# Jobs inherit this process's environment: every transformers / vLLM load of the target honours it
+# (draftsmith.target.TRUST_REMOTE_CODE_ENV; not imported here, torch would slow every parse).
+os.environ["DRAFTSMITH_TRUST_REMOTE_CODE"] = "1" if config["target"]["trust_remote_code"] else "0"
 
 
 wildcard_constraints:
