@@ -3,6 +3,7 @@ layout, the drafter derived per family, extraction with the transformers engine 
 
 import json
 import logging
+import os
 
 import pytest
 import torch
@@ -189,3 +190,40 @@ def test_family_extraction_with_transformers(twin):
     for slot, k in enumerate(ids):
         torch.testing.assert_close(aux[:, slot], out.hidden_states[k][0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(logits, out.logits[0], rtol=1e-5, atol=1e-5)
+
+
+REMOTE_CONFIG = """
+from transformers import DeepseekV3Config, PretrainedConfig
+
+
+class TinyWrapperConfig(PretrainedConfig):
+    model_type = "tiny_wrapper"
+
+    def __init__(self, text_config=None, **kwargs):
+        text_config = dict(text_config or {})
+        text_config.pop("model_type", None)
+        self.text_config = DeepseekV3Config(**text_config)
+        self.text_config.built_by_remote_code = True
+        super().__init__(**kwargs)
+"""
+
+
+def test_trust_remote_code_reaches_transformers(tmp_path, monkeypatch):
+    """A wrapper config whose class lives in the folder (as Kimi-K2.5's does): with
+    --trust-remote-code the folder's own class builds it; without, its text_config is read plainly."""
+    from click.testing import CliRunner
+
+    from draftsmith.cli import main
+
+    twins.save_kimi(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(model_type="tiny_wrapper", auto_map={"AutoConfig": "configuration_tiny.TinyWrapperConfig"})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "configuration_tiny.py").write_text(REMOTE_CONFIG)
+    monkeypatch.setenv(target_mod.TRUST_REMOTE_CODE_ENV, "0")
+    assert not getattr(load_target_config(tmp_path), "built_by_remote_code", False)
+    # the CLI flag sets the variable every later load reads (the workflow exports it to every job)
+    result = CliRunner().invoke(main, ["--trust-remote-code", "train", "--help"])
+    assert result.exit_code == 0 and os.environ[target_mod.TRUST_REMOTE_CODE_ENV] == "1"
+    assert load_target_config(tmp_path).built_by_remote_code is True
+    assert load_target_head(tmp_path).config.kv_lora_rank == 512
