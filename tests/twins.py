@@ -10,6 +10,7 @@ without which vLLM builds a router without its bias), and Kimi-K2.5's multimodal
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -24,7 +25,7 @@ LLAMA3_ROPE = {
     "factor": 8.0,
     "low_freq_factor": 1.0,
     "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 64,  # crossed by the tests' sequences
+    "original_max_position_embeddings": 16,  # most frequencies scaled; crossed by every test sequence
 }
 DEEPSEEK_YARN = {
     "rope_type": "yarn",
@@ -46,7 +47,7 @@ THINKING_TEMPLATE = (
 )
 
 
-def config(family: str, vocab_size: int = 512):
+def config(family: str, vocab_size: int = 512, **over):
     """transformers config of a tiny target of `family` (llama3, qwen3, qwen3_moe, deepseek_v3)."""
     from transformers import AutoConfig
 
@@ -58,6 +59,7 @@ def config(family: str, vocab_size: int = 512):
         max_position_embeddings=2048,
         tie_word_embeddings=False,
         rms_norm_eps=1e-5,
+        **over,
     )
     if family == "llama3":
         return AutoConfig.for_model(
@@ -85,20 +87,28 @@ def config(family: str, vocab_size: int = 512):
     raise ValueError(family)
 
 
-def model(family: str, vocab_size: int = 512, seed: int = 0):
+def model(family: str, vocab_size: int = 512, seed: int = 0, **over):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    m = AutoModelForCausalLM.from_config(config(family, vocab_size), dtype=torch.float32)
+    m = AutoModelForCausalLM.from_config(config(family, vocab_size, **over), dtype=torch.float32)
     return m.eval()
 
 
-def save(family: str, folder: Path, vocab_size: int = 512, tokenizer=None):
-    """A tiny target of `family` saved as an HF folder (single safetensors file) -> the model."""
-    m = model(family, vocab_size)
+def save(family: str, folder: Path, vocab_size: int = 512, tokenizer_from: Path | None = None, **over):
+    """A tiny target of `family` saved as an HF folder (single safetensors file) -> the model. With
+    `tokenizer_from` (a model folder), its tokenizer files are copied in."""
+    m = model(family, vocab_size, **over)
     m.save_pretrained(folder)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(folder)
+    if tokenizer_from is not None:
+        for name in (
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "chat_template.jinja",
+            "special_tokens_map.json",
+        ):
+            if (tokenizer_from / name).is_file():
+                shutil.copyfile(tokenizer_from / name, folder / name)
     return m
 
 
@@ -137,3 +147,23 @@ def save_kimi(folder: Path, vocab_size: int = 512) -> tuple[torch.nn.Module, lis
     middle["vision_tower.patch_embed.weight"] = torch.randn(32, 3, 2, 2)
     write_sharded(folder, [first, middle, last], wrapper)
     return m, [f"model-0000{k}-of-00003.safetensors" for k in (1, 2, 3)]
+
+
+THINK_TOKENS = {3: "<think>", 4: "</think>", 5: "<tool_call>", 6: "</tool_call>"}
+
+
+def thinking_tokenizer(src: Path, folder: Path) -> None:
+    """SmolLM2's tokenizer (from the model folder `src`) with four unused special ids renamed to
+    Qwen3's single-token markers and THINKING_TEMPLATE as its chat template, written into `folder`."""
+    tok = json.loads((src / "tokenizer.json").read_text(encoding="utf-8"))
+    renamed = {}
+    for added in tok["added_tokens"]:
+        if added["id"] in THINK_TOKENS:
+            renamed[added["content"]] = THINK_TOKENS[added["id"]]
+            added["content"] = THINK_TOKENS[added["id"]]
+    vocab = tok["model"]["vocab"]
+    tok["model"]["vocab"] = {renamed.get(k, k): v for k, v in vocab.items()}
+    (folder / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False), encoding="utf-8")
+    config = json.loads((src / "tokenizer_config.json").read_text(encoding="utf-8"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    (folder / "chat_template.jinja").write_text(THINKING_TEMPLATE, encoding="utf-8")
