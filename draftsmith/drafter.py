@@ -46,6 +46,8 @@ SHAPE_KEYS = (
     "intermediate_size",
     "rope",
 )
+# The drafter rotates its whole head by 1-D token positions, whatever the target's layers do.
+TARGET_ONLY_ROPE_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
 MLA_HEAD_DIM = 128  # published MLA-target drafters (Kimi-K2.5): Llama-style heads of 128
 
 
@@ -135,6 +137,8 @@ def derived_shape(text: Any) -> dict[str, Any]:
     hidden = text.hidden_size
     rope = dict(getattr(text, "rope_parameters", None) or {})
     rope.setdefault("rope_theta", float(getattr(text, "rope_theta", 10000.0)))
+    for key in TARGET_ONLY_ROPE_KEYS:
+        rope.pop(key, None)
     if is_mla(text):
         heads = text.num_attention_heads
         return {

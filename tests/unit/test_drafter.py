@@ -299,3 +299,18 @@ def test_param_count_matches_the_module(family):
     assert derived_shape(text)["head_dim"] == {"qwen3": 96, "deepseek_v3": 128}.get(family, 64)
     model = Eagle3Drafter(cfg)
     assert param_count(cfg) == sum(p.numel() for p in model.parameters())
+
+
+def test_target_only_rope_keys_are_dropped():
+    """Qwen3-VL's multimodal RoPE sections and a partial rotary factor belong to the target's layers;
+    the drafter rotates its whole head by token position (vLLM would build an M-RoPE drafter else)."""
+    from transformers import Qwen3Config
+
+    text = Qwen3Config(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [4, 2, 2],
+                         "mrope_interleaved": True, "partial_rotary_factor": 0.5},
+    )  # fmt: skip
+    cfg = DrafterConfig.from_target(text, 10)
+    assert (cfg.rope_theta, cfg.rope_scaling) == (5e6, None)
+    assert Rotary(cfg).inv_freq.numel() == cfg.head_dim // 2
