@@ -12,7 +12,13 @@ if config_errors(config):
 validate(config, schema="../draftsmith/config.schema.yaml")
 # Jobs inherit this process's environment: every transformers / vLLM load of the target honours it
 # (draftsmith.target.TRUST_REMOTE_CODE_ENV; not imported here, torch would slow every parse).
-os.environ["DRAFTSMITH_TRUST_REMOTE_CODE"] = "1" if config["target"]["trust_remote_code"] else "0"
+TRUST_REMOTE_CODE = "1" if config["target"]["trust_remote_code"] else "0"
+os.environ["DRAFTSMITH_TRUST_REMOTE_CODE"] = TRUST_REMOTE_CODE
+
+
+# declared: Snakemake passes it on to jobs of remote executors (SLURM, Kubernetes) too
+envvars:
+    "DRAFTSMITH_TRUST_REMOTE_CODE",
 
 
 wildcard_constraints:

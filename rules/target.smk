@@ -31,8 +31,8 @@ elif not os.path.exists(TARGET):
         benchmark:
             "benchmarks/target_missing.tsv"
         localrule: True
-        params:
-            target=TARGET,
+        conda:
+            "../envs/draftsmith.yaml"
         shell:
-            "echo 'target.model: {params.target} does not exist; put the Hugging Face model folder there"
+            "echo 'target.model: {output} does not exist; put the Hugging Face model folder there"
             " (config.json, tokenizer, safetensors)' | tee {log}; exit 2"
