@@ -445,13 +445,14 @@ def verify(manifest_path: str, fast: bool) -> None:
 @click.option("--out", required=True, type=click.Path(dir_okay=False))
 def vocab(tokens: str, target_path: str, size: int, out: str) -> None:
     """Build the draft vocabulary (d2t/t2d) from loss-masked token counts; prints its coverage."""
-    import json as _json
 
     from draftsmith.tokenize import load_tokens
     from draftsmith.vocab import build_vocab_map, save_vocab_map
 
     tensors, _ = load_tokens(tokens)
-    target_vocab = _json.loads((Path(target_path) / "config.json").read_text())["vocab_size"]
+    from draftsmith.target import text_config_dict
+
+    target_vocab = text_config_dict(target_path)["vocab_size"]
     masked = tensors["input_ids"][tensors["loss_mask"].bool()]
     try:
         result = build_vocab_map(masked, target_vocab, size)
@@ -697,7 +698,9 @@ def check_export_cmd(drafter_dir: str, target_path: str | None) -> None:
 
     layers = vocab_size = None
     if target_path:
-        cfg = json.loads((Path(target_path) / "config.json").read_text())
+        from draftsmith.target import text_config_dict
+
+        cfg = text_config_dict(target_path)
         layers, vocab_size = cfg["num_hidden_layers"], cfg["vocab_size"]
     problems = check_export(drafter_dir, target_num_layers=layers, target_vocab_size=vocab_size)
     for p in problems:
