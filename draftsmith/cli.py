@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -105,7 +106,13 @@ def _configure_logging() -> None:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="draftsmith")
-def main() -> None:
+@click.option(
+    "--trust-remote-code",
+    is_flag=True,
+    envvar="DRAFTSMITH_TRUST_REMOTE_CODE",
+    help="Let transformers/vLLM run the target folder's own Python (e.g. Kimi-K2.5's tokenizer).",
+)
+def main(trust_remote_code: bool) -> None:
     """Train EAGLE-3 drafters for a target LLM and prove they will be accepted.
 
     The usual way is the Snakemake workflow (`snakemake --cores all`), which runs these stages in
@@ -117,6 +124,9 @@ def main() -> None:
     Exit codes: 0 ok, 1 stage failed, 2 bad usage or input, 3 the acceptance gate failed.
     """
     _configure_logging()
+    from draftsmith.target import TRUST_REMOTE_CODE_ENV
+
+    os.environ[TRUST_REMOTE_CODE_ENV] = "1" if trust_remote_code else "0"
 
 
 @main.command()
@@ -862,7 +872,9 @@ def check_export_cmd(drafter_dir: str, target_path: str | None) -> None:
 
     layers = vocab_size = None
     if target_path:
-        cfg = json.loads((Path(target_path) / "config.json").read_text())
+        from draftsmith.target import text_config_dict
+
+        cfg = text_config_dict(target_path)
         layers, vocab_size = cfg["num_hidden_layers"], cfg["vocab_size"]
     problems = check_export(drafter_dir, target_num_layers=layers, target_vocab_size=vocab_size)
     for p in problems:

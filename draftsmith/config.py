@@ -118,17 +118,22 @@ def is_embedded_target(model: str | Path) -> bool:
     return Path(model).resolve() == Path(EMBEDDED_TARGET).resolve()
 
 
+def text_config_json(model: str | Path) -> dict[str, Any]:
+    """A HF config.json as plain JSON, with a multimodal wrapper's `text_config` (Kimi-K2.5, Llama-4,
+    Qwen3-VL) merged over the top level: the language model's settings. No transformers, no remote code."""
+    raw = json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
+    inner = raw.get("text_config")
+    return {**raw, **inner} if isinstance(inner, dict) else raw
+
+
 def read_target_config(model: str | Path) -> dict[str, Any]:
-    """num_hidden_layers and vocab_size from a HF config.json, also when nested under text_config
-    (multimodal checkpoints)."""
-    path = Path(model) / "config.json"
-    raw = json.loads(path.read_text(encoding="utf-8"))
-    text = raw.get("text_config") or {}
+    """num_hidden_layers and vocab_size of the target's language model."""
+    config = text_config_json(model)
     out = {}
     for key in ("num_hidden_layers", "vocab_size"):
-        value = raw.get(key, text.get(key))
+        value = config.get(key)
         if not isinstance(value, int):
-            raise ValueError(f"{path}: no integer {key!r} (nor text_config.{key})")
+            raise ValueError(f"{Path(model) / 'config.json'}: no integer {key!r} (nor text_config.{key})")
         out[key] = value
     return out
 

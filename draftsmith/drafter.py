@@ -35,6 +35,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from draftsmith.target import text_config
+
+# Keys of the `train.drafter` config section: each None = derived from the target.
+SHAPE_KEYS = (
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "rope",
+)
+# The drafter rotates its whole head by 1-D token positions, whatever the target's layers do.
+TARGET_ONLY_ROPE_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
+MLA_HEAD_DIM = 128  # published MLA-target drafters (Kimi-K2.5): Llama-style heads of 128
+
 
 @dataclass
 class DrafterConfig:
@@ -50,33 +65,134 @@ class DrafterConfig:
     target_vocab_size: int
     draft_vocab_size: int
     num_aux: int = 3
+    # transformers' rope_parameters without rope_theta: {"rope_type": "llama3", "factor": 8.0, ...};
+    # None = plain RoPE
+    rope_scaling: dict[str, Any] | None = None
 
     @classmethod
-    def from_target(cls, target_config: Any, draft_vocab_size: int, num_aux: int = 3) -> DrafterConfig:
-        """Size the drafter like one layer of the target (what EAGLE-3 and SpecForge do)."""
-        rope = getattr(target_config, "rope_parameters", None) or {}
-        rope_type = rope.get("rope_type", "default")
-        if rope_type != "default":
-            raise ValueError(f"target uses rope_type={rope_type!r}; only the default RoPE is supported")
-        theta = rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0))
-        heads = target_config.num_attention_heads
-        return cls(
-            hidden_size=target_config.hidden_size,
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(target_config, "num_key_value_heads", heads),
-            head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,
-            intermediate_size=target_config.intermediate_size,
-            rms_norm_eps=float(target_config.rms_norm_eps),
-            rope_theta=float(theta),
-            max_position_embeddings=int(target_config.max_position_embeddings),
-            target_hidden_size=target_config.hidden_size,
-            target_vocab_size=target_config.vocab_size,
+    def from_target(
+        cls,
+        target_config: Any,
+        draft_vocab_size: int,
+        num_aux: int = 3,
+        shape: dict[str, Any] | None = None,
+    ) -> DrafterConfig:
+        """Shape the drafter for a target: `derived_shape` per family, then any non-None value of
+        `shape` (the `train.drafter` config section) wins."""
+        text = text_config(target_config)
+        shape = dict(shape or {})
+        unknown = sorted(set(shape) - set(SHAPE_KEYS))
+        if unknown:
+            raise ValueError(f"train.drafter: unknown keys {unknown}; known: {list(SHAPE_KEYS)}")
+        dims = derived_shape(text)
+        dims.update({k: v for k, v in shape.items() if v is not None})
+        if dims["hidden_size"] != text.hidden_size:
+            raise ValueError(
+                f"train.drafter.hidden_size={dims['hidden_size']} must equal the target's hidden_size "
+                f"{text.hidden_size}: the drafter reads the target's token embeddings"
+            )
+        if dims["num_attention_heads"] % dims["num_key_value_heads"]:
+            raise ValueError(
+                f"train.drafter: num_attention_heads={dims['num_attention_heads']} is not a multiple of "
+                f"num_key_value_heads={dims['num_key_value_heads']}"
+            )
+        theta, scaling = split_rope(dims.pop("rope"))
+        cfg = cls(
+            **dims,
+            rms_norm_eps=float(text.rms_norm_eps),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(text.max_position_embeddings),
+            target_hidden_size=text.hidden_size,
+            target_vocab_size=text.vocab_size,
             draft_vocab_size=draft_vocab_size,
             num_aux=num_aux,
         )
+        rope_init(cfg)  # an unknown rope_type or a missing key fails here, before any training
+        return cfg
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def rope_parameters(self) -> dict[str, Any]:
+        """transformers / vLLM `rope_parameters` of this drafter."""
+        return {"rope_theta": self.rope_theta, "rope_type": "default", **(self.rope_scaling or {})}
+
+
+def is_mla(config: Any) -> bool:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): low-rank compressed keys/values."""
+    return (
+        getattr(config, "kv_lora_rank", None) is not None or getattr(config, "q_lora_rank", None) is not None
+    )
+
+
+def derived_shape(text: Any) -> dict[str, Any]:
+    """Default drafter shape for a target's text config -> {SHAPE_KEYS: value}.
+
+    Llama/Qwen-like: one layer of the target (what EAGLE-3 and SpecForge do). MLA: a Llama-style layer
+    (vLLM's Llama-style drafter cannot reproduce latent attention) with the target's head count, heads of
+    128, as many kv heads as heads, and 2/3 of the target's dense MLP width — Kimi-K2.5: 64 x 128 heads,
+    MLP 18432 -> 12288, the shape of its published drafter.
+    """
+    hidden = text.hidden_size
+    rope = dict(getattr(text, "rope_parameters", None) or {})
+    rope.setdefault("rope_theta", float(getattr(text, "rope_theta", 10000.0)))
+    for key in TARGET_ONLY_ROPE_KEYS:
+        rope.pop(key, None)
+    if is_mla(text):
+        heads = text.num_attention_heads
+        return {
+            "hidden_size": hidden,
+            "num_attention_heads": heads,
+            "num_key_value_heads": heads,
+            "head_dim": MLA_HEAD_DIM,
+            "intermediate_size": _round_up(2 * text.intermediate_size // 3, 64),
+            "rope": rope,
+        }
+    heads = text.num_attention_heads
+    return {
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_key_value_heads": getattr(text, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(text, "head_dim", None) or hidden // heads,
+        "intermediate_size": text.intermediate_size,
+        "rope": rope,
+    }
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return max(multiple, -(-x // multiple) * multiple)
+
+
+def split_rope(rope: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """transformers' rope_parameters (or a legacy rope_scaling + rope_theta) -> (rope_theta, the
+    scaling part {"rope_type": ..., ...} or None for plain RoPE)."""
+    rope = dict(rope)
+    theta = float(rope.pop("rope_theta", None) or 10000.0)
+    kind = rope.pop("rope_type", None) or rope.get("type") or "default"
+    rope.pop("type", None)  # the pre-v4.45 spelling of rope_type
+    return theta, ({"rope_type": kind, **rope} if kind != "default" or rope else None)
+
+
+def describe(cfg: DrafterConfig) -> str:
+    """One line: the drafter's shape as the `train.drafter` keys name it."""
+    rope = cfg.rope_scaling["rope_type"] if cfg.rope_scaling else "default"
+    return (
+        f"hidden_size {cfg.hidden_size}, {cfg.num_attention_heads} heads x head_dim {cfg.head_dim}, "
+        f"{cfg.num_key_value_heads} kv heads, intermediate_size {cfg.intermediate_size}, "
+        f"rope {rope} (theta {cfg.rope_theta:g}), draft vocab {cfg.draft_vocab_size}"
+    )
+
+
+def param_count(cfg: DrafterConfig) -> int:
+    """Trainable + frozen parameters of Eagle3Drafter(cfg) (buffers d2t/t2d excluded)."""
+    H, d = cfg.hidden_size, cfg.head_dim
+    fc = cfg.num_aux * cfg.target_hidden_size * H
+    attn = (
+        2 * H * d * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) + cfg.num_attention_heads * d * H
+    )
+    mlp = 3 * H * cfg.intermediate_size
+    return fc + attn + mlp + 4 * H + cfg.draft_vocab_size * H
 
 
 class RMSNorm(nn.Module):
@@ -92,14 +208,53 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """positions [B, T] -> cos, sin [B, 1, T, d] (HF's rotate-half layout)."""
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+def rope_init(cfg: DrafterConfig) -> tuple[Tensor, float]:
+    """-> (inv_freq [d/2] fp32, attention scaling of cos/sin), from transformers' own RoPE functions.
+
+    Static, like vLLM's rotary caches: `dynamic` is evaluated at max_position_embeddings * factor
+    (vLLM's DynamicNTKScalingRotaryEmbedding), `longrope` uses its long factors when
+    max_position_embeddings exceeds the original context (vLLM's choice at engine start).
+    """
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    params = cfg.rope_parameters()
+    config = LlamaConfig(
+        hidden_size=cfg.num_attention_heads * cfg.head_dim,
+        num_attention_heads=cfg.num_attention_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_parameters=dict(params),
     )
-    freqs = positions.float()[..., None] * inv_freq  # [B, T, d/2]
-    emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, T, d]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        return LlamaRotaryEmbedding.compute_default_rope_parameters(config)
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"rope_type {rope_type!r} is not one of {['default', *ROPE_INIT_FUNCTIONS]}")
+    seq_len = None
+    if rope_type == "dynamic":
+        seq_len = int(cfg.max_position_embeddings * params["factor"])
+    elif rope_type == "longrope":
+        seq_len = cfg.max_position_embeddings
+    try:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, seq_len=seq_len)
+    except KeyError as err:
+        raise ValueError(f"rope_type {rope_type!r} needs the rope parameter {err}") from None
+    return inv_freq.float(), float(scaling)
+
+
+class Rotary:
+    """cos/sin of the drafter's RoPE; inv_freq stays fp32 whatever dtype the model is cast to."""
+
+    def __init__(self, cfg: DrafterConfig):
+        self.inv_freq, self.scaling = rope_init(cfg)  # [d/2], float
+
+    def __call__(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """positions [B, T] -> cos, sin [B, 1, T, d] (HF's rotate-half layout)."""
+        freqs = positions.float()[..., None] * self.inv_freq.to(positions.device)  # [B, T, d/2]
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, T, d]
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -190,7 +345,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.nh, self.nkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.theta = cfg.rope_theta
+        self.rotary = Rotary(cfg)
         self.q_proj = nn.Linear(2 * cfg.hidden_size, self.nh * self.d, bias=False)
         self.k_proj = nn.Linear(2 * cfg.hidden_size, self.nkv * self.d, bias=False)
         self.v_proj = nn.Linear(2 * cfg.hidden_size, self.nkv * self.d, bias=False)
@@ -201,7 +356,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, self.nh, self.d).transpose(1, 2)  # [B, nh, T, d]
         k = self.k_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)  # [B, nkv, T, d]
         v = self.v_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
-        cos, sin = rope_cos_sin(positions, self.d, self.theta, q.dtype)
+        cos, sin = self.rotary(positions, q.dtype)
         out = kv.attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.d))
 

@@ -356,22 +356,21 @@ def summarize_files(
     max_acc_gap: float,
 ) -> dict[str, Any]:
     """Load the evaluation's inputs, summarise, and write summary.{json,tsv,html} and the plots to out."""
-    from transformers import AutoTokenizer
-
     from draftsmith.chat import template_fingerprint
     from draftsmith.export import check_export
+    from draftsmith.target import load_tokenizer, text_config_dict
 
     offline_data = json.loads(Path(offline).read_text(encoding="utf-8"))
     vllm_data = json.loads(Path(vllm_path).read_text(encoding="utf-8")) if vllm_path else None
     manifest = json.loads(Path(manifest_path).read_text(encoding="utf-8"))
     export_config = json.loads((Path(drafter) / "config.json").read_text(encoding="utf-8"))
-    target_config = json.loads((Path(target_path) / "config.json").read_text(encoding="utf-8"))
+    target_config = text_config_dict(target_path)
     problems = check_export(
         drafter,
         target_num_layers=target_config.get("num_hidden_layers"),
         target_vocab_size=target_config.get("vocab_size"),
     )
-    fingerprint = template_fingerprint(AutoTokenizer.from_pretrained(target_path))
+    fingerprint = template_fingerprint(load_tokenizer(target_path))
     rows = read_metrics(metrics)
     thresholds = Thresholds(min_tau, min_speedup, max_tau_gap, max_acc_gap)
     summary = summarize(

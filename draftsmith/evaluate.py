@@ -178,9 +178,9 @@ def evaluate_offline(
     token); each prompt and method gets its own seeded generator, so reruns repeat exactly.
     """
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from draftsmith.export import load_drafter
+    from draftsmith.target import load_target
 
     if threads and threads > 0:
         torch.set_num_threads(threads)
@@ -190,8 +190,8 @@ def evaluate_offline(
     unknown = sorted(set(drafters) - set(EAGLE_METHODS))
     if unknown:
         raise ValueError(f"unknown drafter method(s) {unknown}; expected {list(EAGLE_METHODS)}")
-    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    target, tokenizer = load_target(target_path, torch.float32)
+    target = target.to(device)
     embed = target.get_input_embeddings()
     proposers: dict[str, Any] = {}
     aux_ids: dict[str, list[int]] = {}
@@ -362,9 +362,8 @@ def evaluate_vllm(
     """The held-out prompts through vLLM: plain, then eagle3 with each export in `drafters` and, with
     `ngram`, vLLM's ngram method; one child process per run (vLLM never enters this process).
     Writes out_path (JSON) and returns it. temperature > 0 samples (vLLM's rejection sampler)."""
-    from transformers import AutoTokenizer
-
     from draftsmith.engines.vllm_spec import run_vllm_speculative, run_vllm_subprocess
+    from draftsmith.target import load_tokenizer
 
     if not vllm_available():
         raise VllmUnavailable(
@@ -379,7 +378,7 @@ def evaluate_vllm(
             "offline only"
         )
     target_path, out_path = Path(target_path), Path(out_path)
-    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    tokenizer = load_tokenizer(target_path)
     prompts = read_eval_prompts(prompts_path, num_prompts)
     encoded = encode_prompts(tokenizer, prompts)
     runs: list[tuple[str, str | None, str | None]] = [("plain", None, None)]

@@ -32,7 +32,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from draftsmith.drafter import DrafterConfig, Eagle3Drafter
+from draftsmith.drafter import DrafterConfig, Eagle3Drafter, split_rope
 from draftsmith.layers import convert_layer_ids
 
 EXPORT_FORMAT_VERSION = 1
@@ -87,7 +87,11 @@ def export_config(
         "rms_norm_eps": cfg.rms_norm_eps,
         "max_position_embeddings": cfg.max_position_embeddings,
         "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
+        "rope_parameters": cfg.rope_parameters(),  # transformers >= 5 and vLLM read this
+        # transformers 4.x (SGLang's) reads the scaling here; null = plain RoPE
+        "rope_scaling": (
+            {**cfg.rope_scaling, "type": cfg.rope_scaling["rope_type"]} if cfg.rope_scaling else None
+        ),
         "attention_bias": False,
         "mlp_bias": False,
         "num_hidden_layers": 1,  # number of draft decoder layers
@@ -149,7 +153,12 @@ def drafter_config_from_export(config: dict[str, Any], engine_fields: bool = Fal
     block = config.get("draftsmith") or {}
     if "drafter_config" in block and not engine_fields:
         return DrafterConfig(**block["drafter_config"])
-    rope = config.get("rope_parameters") or {}
+    # transformers >= 5 writes rope_parameters; older exports rope_theta + rope_scaling
+    rope = config.get("rope_parameters") or {
+        **(config.get("rope_scaling") or {}),
+        "rope_theta": config.get("rope_theta", 10000.0),
+    }
+    rope_theta, rope_scaling = split_rope(rope)
     eagle = config.get("eagle_config") or {}
     ids = eagle.get("eagle_aux_hidden_state_layer_ids") or config.get("eagle_aux_hidden_state_layer_ids")
     heads = config["num_attention_heads"]
@@ -160,7 +169,8 @@ def drafter_config_from_export(config: dict[str, Any], engine_fields: bool = Fal
         head_dim=config.get("head_dim") or config["hidden_size"] // heads,
         intermediate_size=config["intermediate_size"],
         rms_norm_eps=float(config["rms_norm_eps"]),
-        rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
         max_position_embeddings=int(config["max_position_embeddings"]),
         target_hidden_size=config.get("target_hidden_size", config["hidden_size"]),
         target_vocab_size=config["vocab_size"],

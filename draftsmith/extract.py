@@ -12,7 +12,6 @@ complete only hidden `.shard-k.safetensors.*` files exist, and the next run of t
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 import time
@@ -25,7 +24,7 @@ from tqdm import tqdm
 from draftsmith.estimate import check_free_disk, estimate_lines, human_bytes, probe
 from draftsmith.layers import default_aux_layers, validate_aux_layers
 from draftsmith.shards import Sample, ShardWriter, remove_stale_temp_files
-from draftsmith.target import check_target_dir
+from draftsmith.target import text_config_dict
 from draftsmith.tokenize import load_tokens
 
 
@@ -149,7 +148,7 @@ def extract_shard(
         raise ValueError(f"shard {shard} does not exist: {tokens_path} plans {len(meta['shards'])} shards")
     start, end = meta["shards"][shard]
     offsets = tensors["offsets"].tolist()
-    config = json.loads((check_target_dir(target) / "config.json").read_text(encoding="utf-8"))
+    config = text_config_dict(target)  # a wrapper's (Kimi-K2.5) language-model settings
     layer_ids = resolve_aux_layers(aux_layers, config["num_hidden_layers"])
     hidden = config["hidden_size"]
     lengths = [offsets[i + 1] - offsets[i] for i in range(start, end)]

@@ -365,9 +365,7 @@ def generate_traces(
     Raises PromptError (bad or empty prompt file, or an oversized prompt with oversized_prompts: error)
     and GenerateError (the stage stopped; finished traces stay in the partial file for the rerun).
     """
-    from transformers import AutoTokenizer
-
-    from draftsmith.target import check_target_dir
+    from draftsmith.target import check_target_dir, load_tokenizer
 
     settings = settings or GenerateSettings()
     if overrides:  # keyword form, e.g. generate_traces(..., max_new_tokens=8, batch_size=4)
@@ -382,7 +380,7 @@ def generate_traces(
     errors_file = Path(errors_path) if errors_path else default_errors_path(out)
     partial_path = out.with_name(out.name + ".partial")
     done = read_partial(partial_path)
-    tokenizer = AutoTokenizer.from_pretrained(check_target_dir(target))
+    tokenizer = load_tokenizer(check_target_dir(target))
     fingerprint = template_fingerprint(tokenizer)
     stale = [i for i, row in done.items() if row.get("template") != fingerprint]
     if stale:  # traces from another template must not be mixed in

@@ -17,7 +17,7 @@ from typing import Any
 from draftsmith import __version__
 from draftsmith.atomic import write_json
 from draftsmith.shards import read_shard_meta
-from draftsmith.target import file_sha256
+from draftsmith.target import file_sha256, text_config_dict
 
 MANIFEST_VERSION = 1
 
@@ -30,8 +30,7 @@ def build_manifest(
     shard_paths: list[str], out_path: str, target: str, min_teacher_agreement: float
 ) -> dict[str, Any]:
     out_dir = Path(out_path).parent
-    with open(Path(target) / "config.json", encoding="utf-8") as fh:
-        target_config = json.load(fh)
+    target_config = text_config_dict(target)  # a wrapper's (Kimi-K2.5) language-model settings
     shards, metas = [], []
     for path in shard_paths:
         meta = read_shard_meta(path)

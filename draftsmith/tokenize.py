@@ -15,7 +15,6 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import AutoTokenizer
 
 from draftsmith.atomic import atomic_path
 from draftsmith.chat import (
@@ -25,7 +24,7 @@ from draftsmith.chat import (
     template_fingerprint,
     training_sequence,
 )
-from draftsmith.target import check_target_dir
+from draftsmith.target import check_target_dir, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +89,7 @@ def trace_sequences(tokenizer: Any, row: dict[str, Any]) -> list[tuple[str, list
 def tokenize_traces(
     target: str, traces_path: str, out_path: str, num_shards: int, max_seq_len: int
 ) -> dict[str, Any]:
-    tokenizer = AutoTokenizer.from_pretrained(check_target_dir(target))
+    tokenizer = load_tokenizer(check_target_dir(target))
     fingerprint = template_fingerprint(tokenizer)
     ids_all, mask_all, offsets, sample_ids = [], [], [0], []
     truncated, dropped = 0, []

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
 import math
 import random
@@ -37,18 +36,18 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import Tensor
 from tqdm import tqdm
 
 from draftsmith.atomic import atomic_dir, write_json, write_jsonl
 from draftsmith.checkpoints import find_resume, load_checkpoint, resume_key, save_checkpoint, start_run
 from draftsmith.distributed import Dist, init_distributed, sync_gradients
-from draftsmith.drafter import TTTKV, DrafterConfig, Eagle3Drafter
+from draftsmith.drafter import TTTKV, DrafterConfig, Eagle3Drafter, describe, param_count
 from draftsmith.export import check_export, save_drafter
 from draftsmith.layers import convert_layer_ids
 from draftsmith.loader import Batch, StreamingData
 from draftsmith.manifest import load_manifest
+from draftsmith.target import TargetHead, load_target_head
 from draftsmith.vocab import load_vocab_map
 
 log = logging.getLogger(__name__)
@@ -92,6 +91,7 @@ class TrainSettings:
     pack_window: int  # samples sorted by length together before packing into batches (1 = no sorting)
     loader_threads: int  # background threads decoding the next batches; 0 = decode in the loop
     precision: str = "bf16"  # bf16: matmuls under bf16 autocast (weights, optimizer, loss in fp32); fp32
+    drafter: dict[str, Any] | None = None  # train.drafter: explicit shape; None / null values = derived
 
     def __post_init__(self) -> None:
         problems = []
@@ -130,77 +130,13 @@ class TrainSettings:
     def from_dict(cls, d: dict[str, Any]) -> TrainSettings:
         names = [f.name for f in fields(cls)]
         unknown = sorted(set(d) - set(names))
-        missing = [n for n in names if n not in d and n != "precision"]
+        missing = [n for n in names if n not in d and n not in ("precision", "drafter")]
         if unknown or missing:
             raise ValueError(f"train settings: unknown keys {unknown}, missing keys {missing}")
         return cls(**d)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-# ------------------------------------------------------------------------------------------------ target
-
-
-@dataclass
-class TargetHead:
-    """The three target tensors the drafter needs; the rest of the target is dropped."""
-
-    config: Any  # the target's transformers config
-    embed: Tensor  # [V, Ht] input embeddings (frozen, shared with the target as vLLM does)
-    lm_head: Tensor  # [V, Ht]
-    norm: Tensor  # [Ht] final norm weight
-
-
-HEAD_TENSORS = {
-    "embed": "model.embed_tokens.weight",
-    "norm": "model.norm.weight",
-    "lm_head": "lm_head.weight",
-}
-
-
-def _read_head_tensors(folder: Path, tied: bool) -> dict[str, Tensor] | None:
-    """embed/norm/lm_head straight from the safetensors files (Llama-style names), without building the
-    model: a 1T-parameter target must not be loaded to train its drafter. None when a name is absent."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-    elif (folder / "model.safetensors").is_file():
-        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
-            weight_map = dict.fromkeys(f.keys(), "model.safetensors")
-    else:
-        return None
-    wanted = {k: v for k, v in HEAD_TENSORS.items() if not (tied and k == "lm_head")}
-    if any(name not in weight_map for name in wanted.values()):
-        return None
-    out = {}
-    for key, name in wanted.items():
-        with safe_open(str(folder / weight_map[name]), framework="pt") as f:
-            out[key] = f.get_tensor(name).to(torch.float32)
-    out.setdefault("lm_head", out["embed"])
-    return out
-
-
-def load_target_head(path: str | Path) -> TargetHead:
-    from transformers import AutoConfig
-
-    from draftsmith.target import check_target_dir
-
-    folder = check_target_dir(path)
-    config = AutoConfig.from_pretrained(folder)
-    tensors = _read_head_tensors(folder, bool(getattr(config, "tie_word_embeddings", False)))
-    if tensors is not None:
-        return TargetHead(config, tensors["embed"], tensors["lm_head"], tensors["norm"])
-    from transformers import AutoModelForCausalLM  # other layouts: build the model, keep three tensors
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    embed = model.get_input_embeddings().weight.detach().clone()
-    out = model.get_output_embeddings().weight.detach()
-    lm_head = embed if out.data_ptr() == model.get_input_embeddings().weight.data_ptr() else out.clone()
-    norm = getattr(model, "model", model).norm.weight.detach().clone()
-    config = model.config
-    del model
-    return TargetHead(config, embed, lm_head, norm)
 
 
 # --------------------------------------------------------------------------------------------- objective
@@ -398,12 +334,19 @@ def noise_seed(seed: int, step: int, rank: int) -> int:
 
 
 def build_drafter(
-    target: TargetHead, d2t: Tensor, t2d: Tensor, num_aux: int, seed: int, device: torch.device | str
+    target: TargetHead,
+    d2t: Tensor,
+    t2d: Tensor,
+    num_aux: int,
+    seed: int,
+    device: torch.device | str,
+    shape: dict[str, Any] | None = None,
 ) -> tuple[Eagle3Drafter, Tensor, Tensor]:
     """-> (the drafter at its initial weights, in train mode; the frozen target embedding [V, Ht]; the
     teacher weight [Vd, Ht] = the target's lm_head rows of the draft ids), on device. The initial
     weights are a function of `seed`: every data-parallel rank builds the same drafter."""
-    cfg = DrafterConfig.from_target(target.config, d2t.numel(), num_aux)
+    cfg = DrafterConfig.from_target(target.config, d2t.numel(), num_aux, shape)
+    log.info("drafter: %s, %.1f M parameters", describe(cfg), param_count(cfg) / 1e6)
     random.seed(seed)
     torch.manual_seed(seed)
     drafter = Eagle3Drafter(cfg)
@@ -580,7 +523,7 @@ def train(
     stop_at = total_steps if settings.max_steps is None else min(total_steps, settings.max_steps)
 
     drafter, embed, teacher_weight = build_drafter(
-        target, vocab["d2t"], vocab["t2d"], num_aux, settings.seed, dist.device
+        target, vocab["d2t"], vocab["t2d"], num_aux, settings.seed, dist.device, settings.drafter
     )
     del target
     optimizer = make_optimizer(drafter, settings)

@@ -1,4 +1,5 @@
 import json
+import os
 import sys
 
 from snakemake.utils import validate
@@ -21,6 +22,15 @@ if TARGET_ERRORS:
     raise ValueError("invalid configuration:\n  " + "\n  ".join(TARGET_ERRORS))
 for warning in TARGET_WARNINGS:
     print(f"warning: {warning}", file=sys.stderr)
+# Jobs inherit this process's environment: every transformers / vLLM load of the target honours it
+# (draftsmith.target.TRUST_REMOTE_CODE_ENV; not imported here, torch would slow every parse).
+TRUST_REMOTE_CODE = "1" if config["target"]["trust_remote_code"] else "0"
+os.environ["DRAFTSMITH_TRUST_REMOTE_CODE"] = TRUST_REMOTE_CODE
+
+
+# declared: Snakemake passes it on to jobs of remote executors (SLURM, Kubernetes) too
+envvars:
+    "DRAFTSMITH_TRUST_REMOTE_CODE",
 
 
 wildcard_constraints:

@@ -11,6 +11,11 @@ EVAL_OPTIONS = (
 )
 # vllm.json joins the summary only when evaluate.vllm is on.
 VLLM_EVAL = {"vllm": "results/eval/vllm.json"} if EVAL["vllm"] else {}
+# evaluate.offline: false keeps a huge target out of the workflow's processes: vLLM's measurement
+# stands in for the offline one.
+if not (EVAL["offline"] or EVAL["vllm"]):
+    raise ValueError("evaluate.offline: false needs evaluate.vllm: true (the drafter must be measured)")
+OFFLINE_EVAL = "results/eval/offline.json" if EVAL["offline"] else "results/eval/vllm.json"
 # The untrained baseline is served by vLLM too only when evaluate.vllm_untrained is on.
 VLLM_UNTRAINED = {"untrained": "results/eval/untrained_drafter"} if EVAL["vllm_untrained"] else {}
 
@@ -99,7 +104,7 @@ rule evaluate_vllm:
 rule eval_summary:
     input:
         **VLLM_EVAL,
-        offline="results/eval/offline.json",
+        offline=OFFLINE_EVAL,
         data="results/data_config.json",
         drafter="results/drafter",
         target=TARGET,

@@ -83,14 +83,16 @@ class VllmExtractor:
     ):
         from vllm import LLM
 
-        config = json.loads((Path(target) / "config.json").read_text(encoding="utf-8"))
+        from draftsmith.target import read_head_tensors, text_config_dict, trust_remote_code
+
+        config = text_config_dict(target)  # a wrapper's (Kimi-K2.5) text model settings
         self.num_layers = config["num_hidden_layers"]
         self.aux_layer_ids = list(aux_layer_ids)
         self._ids, self._aux_slots = vllm_layer_ids(self.aux_layer_ids, self.num_layers)
-        self.norm_weight = read_target_tensor(target, "model.norm.weight")
+        head = read_head_tensors(target, ("norm", "lm_head"), bool(config.get("tie_word_embeddings")))
+        self.norm_weight = head["norm"]
         self.norm_eps = float(config.get("rms_norm_eps", 1e-6))
-        head = "model.embed_tokens.weight" if config.get("tie_word_embeddings") else "lm_head.weight"
-        self.lm_head_weight = read_target_tensor(target, head).to(getattr(torch, dtype))
+        self.lm_head_weight = head["lm_head"].to(getattr(torch, dtype))
         # Per-request files land here and are deleted as soon as they are read.
         self._storage = Path(tempfile.mkdtemp(prefix=".vllm-states-", dir=storage_dir))
         start = time.perf_counter()
@@ -100,6 +102,7 @@ class VllmExtractor:
             tensor_parallel_size=tensor_parallel_size,
             max_model_len=max_model_len,
             enforce_eager=enforce_eager,
+            trust_remote_code=trust_remote_code(),
             # A cached prefix would skip the very forward pass whose states we want.
             enable_prefix_caching=False,
             speculative_config={

@@ -124,6 +124,8 @@ def run_vllm_speculative(
     """
     from vllm import LLM, SamplingParams
 
+    from draftsmith.target import trust_remote_code
+
     t0 = time.perf_counter()
     llm = LLM(
         model=str(target),
@@ -133,6 +135,7 @@ def run_vllm_speculative(
         enforce_eager=True,  # compiled mode costs ~100 s of start-up on CPU for no gain here
         disable_log_stats=False,  # else get_metrics() asserts "Stat logging disabled"
         speculative_config=speculative_config(method, drafter_or_None, num_speculative_tokens),
+        trust_remote_code=trust_remote_code(),
     )
     load_seconds = time.perf_counter() - t0
     params = SamplingParams(
