@@ -86,7 +86,7 @@ def test_gpu_reservations(plan):
         assert {j["gpu"] for j in jobs[stage]} == {want}, (name, stage, jobs[stage])
         assert all(f"draftsmith run --gpus {want} --" in j["shell"] for j in jobs[stage])
     assert len(jobs["extract"]) == (16 if node else 8)
-    assert all("--engine vllm" in j["shell"] for j in jobs["extract"])
+    assert all('"engine": "vllm"' in j["shell"] for j in jobs["extract"])
     # a job reserving 8 of 8 GPUs runs alone: the shards of a huge target extract one at a time
     assert all(j["gpu"] == 0 for j in jobs["tokenize"] + jobs["vocab"] + jobs["manifest"])
 
@@ -111,9 +111,9 @@ def test_target_specific_settings(plan):
     )
     if name == "kimi-k2.5-8gpu":
         assert '"--reasoning-parser", "kimi_k2"' in generate and '"--trust-remote-code"' in generate
-        assert "--aux-layers 2,30,58 " in extract
+        assert '"aux_layers": [2, 30, 58]' in extract
         assert '"rope": {"rope_theta": 1000000.0, "rope_type": "default"}' in train
     if name == "qwen3-235b-a22b":
         assert '"--reasoning-parser", "qwen3"' in generate
-        assert "--aux-layers 2,47,91 " in extract
+        assert '"aux_layers": [2, 47, 91]' in extract
     assert '"engine": "vllm-server"' in generate
