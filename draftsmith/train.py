@@ -30,7 +30,7 @@ import logging
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -91,9 +91,10 @@ class TrainSettings:
     pack_window: int  # samples sorted by length together before packing into batches (1 = no sorting)
     loader_threads: int  # background threads decoding the next batches; 0 = decode in the loop
     precision: str = "bf16"  # bf16: matmuls under bf16 autocast (weights, optimizer, loss in fp32); fp32
-    drafter: dict[str, Any] | None = None  # train.drafter: explicit shape; None / null values = derived
+    drafter: dict[str, Any] = field(default_factory=dict)  # train.drafter: explicit shape; nulls = derived
 
     def __post_init__(self) -> None:
+        self.drafter = dict(self.drafter or {})  # a saved null means "all derived"
         problems = []
         if self.epochs < 1:
             problems.append(f"epochs={self.epochs} must be >= 1")
