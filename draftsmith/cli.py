@@ -731,32 +731,29 @@ def check_export_cmd(drafter_dir: str, target_path: str | None, engine: str | No
     help="speculators-format export to write (`vllm serve` reads it too).",
 )
 @click.option(
+    "--target",
+    "target_path",
+    required=True,
+    type=click.Path(file_okay=False, exists=True),
+    help="The target: its embedding goes into the speculators form, its architectures into speculators' "
+    "verifier field; ranges are checked against it.",
+)
+@click.option(
     "--speculative-tokens",
     type=int,
     default=None,
     help="speculators' default draft length [default: the trained TTT steps].",
 )
-@click.option(
-    "--target",
-    "target_path",
-    type=click.Path(file_okay=False, exists=True),
-    help="The target: its architectures go into speculators' verifier field; ranges are checked.",
-)
 def export_cmd(
-    drafter: str,
-    out_sglang: str,
-    out_speculators: str,
-    speculative_tokens: int | None,
-    target_path: str | None,
+    drafter: str, out_sglang: str, out_speculators: str, target_path: str, speculative_tokens: int | None
 ) -> None:
     """Write the SGLang and speculators exports of a trained drafter (same tensors, each engine's
     names and conventions), each checked against what its engine reads."""
     from draftsmith.export import check_export, export_engines, trained_ttt_steps, untrained_positions_warning
+    from draftsmith.train import load_target_head
 
-    layers = vocab_size = archs = None
-    if target_path:
-        cfg = json.loads((Path(target_path) / "config.json").read_text())
-        layers, vocab_size, archs = cfg["num_hidden_layers"], cfg["vocab_size"], cfg.get("architectures")
+    cfg = json.loads((Path(target_path) / "config.json").read_text())
+    layers, vocab_size, archs = cfg["num_hidden_layers"], cfg["vocab_size"], cfg.get("architectures")
     problems = check_export(drafter, target_num_layers=layers, target_vocab_size=vocab_size, engine="vllm")
     if problems:
         _fail(f"{drafter} is not a valid vLLM export: " + "; ".join(problems), EXIT_BAD_INPUT)
@@ -766,7 +763,8 @@ def export_cmd(
         if warning:
             click.secho(f"warning: {warning}", fg="yellow", err=True)
     try:
-        outs = export_engines(drafter, out_sglang, out_speculators, speculative_tokens, archs)
+        embedding = load_target_head(target_path).embed
+        outs = export_engines(drafter, out_sglang, out_speculators, embedding, speculative_tokens, archs)
     except ValueError as err:
         _fail(str(err), EXIT_BAD_INPUT)
     for engine, path in outs.items():

@@ -280,7 +280,7 @@ def speculators_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 def native_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """speculators' names -> native ones; drops what a speculators model keeps of its verifier."""
-    skip = ("embed_tokens.", "verifier_lm_head.", "verifier_norm.")
+    skip = ("verifier_lm_head.", "verifier_norm.")
     return {
         ("midlayer." + k[len("layers.0.") :] if k.startswith("layers.0.") else k): v
         for k, v in tensors.items()
@@ -310,11 +310,15 @@ def export_engines(
     drafter_dir: str | Path,
     sglang_dir: str | Path,
     speculators_dir: str | Path,
+    target_embedding: torch.Tensor,
     speculative_tokens: int | None = None,
     verifier_architectures: list[str] | None = None,
 ) -> dict[str, Path]:
     """From the trained vLLM export, write the SGLang and speculators forms (the same tensors, bit for
-    bit; only names and config differ), each atomically and each passing its engine's checks."""
+    bit; only names and config differ), each atomically and each passing its engine's checks.
+
+    The speculators form also carries the target's input embedding [V, Ht] as `embed_tokens.weight`,
+    as speculators' own checkpoints do: its loader fills a missing one with zeros, not the verifier's."""
     drafter_dir = Path(drafter_dir)
     problems = check_export(drafter_dir, engine="vllm")
     if problems:
@@ -331,6 +335,11 @@ def export_engines(
     tensors = load_file(str(drafter_dir / WEIGHTS_NAME))
     if speculative_tokens is None:
         speculative_tokens = trained_ttt_steps(config) or 3
+    if tuple(target_embedding.shape) != (cfg.target_vocab_size, cfg.hidden_size):
+        raise ValueError(
+            f"the target's embedding has shape {list(target_embedding.shape)}, the drafter needs "
+            f"[{cfg.target_vocab_size}, {cfg.hidden_size}]"
+        )
     outs = {"sglang": Path(sglang_dir), "speculators": Path(speculators_dir)}
     forms = {
         "sglang": (export_config(cfg, input_ids, target, "sglang", dtype, extra), tensors),
@@ -338,7 +347,7 @@ def export_engines(
             speculators_export_config(
                 cfg, input_ids, target, speculative_tokens, verifier_architectures, dtype, extra
             ),
-            speculators_names(tensors),
+            {**speculators_names(tensors), "embed_tokens.weight": target_embedding.to(dtype).contiguous()},
         ),
     }
     for engine, (engine_config, engine_tensors) in forms.items():
@@ -423,6 +432,7 @@ def load_drafter(
     cfg = drafter_config_from_export(config)
     model = Eagle3Drafter(cfg)
     state = native_names(load_file(str(export_dir / WEIGHTS_NAME)))
+    state.pop("embed_tokens.weight", None)  # the target's embedding (speculators' format carries it)
     if not needs_vocab_map(cfg):  # a full-size draft vocabulary: the identity map
         state.setdefault("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         state.setdefault("t2d", torch.ones(cfg.target_vocab_size, dtype=torch.bool))
@@ -693,6 +703,17 @@ def check_export(
             problems.append(f"tensor {name} has dtype {t.dtype}, expected {dtype}")
         if dtype is None and (not t.is_floating_point() or not bool(torch.isfinite(t.float()).all())):
             problems.append(f"tensor {name} is not finite floating point ({t.dtype})")
+    embed = tensors.get("embed_tokens.weight")
+    if engine == "speculators" and embed is None:
+        problems.append(
+            "tensor embed_tokens.weight is missing: speculators' loader would leave it at zeros (it fills "
+            "only NaN from the verifier)"
+        )
+    elif embed is not None and tuple(embed.shape) != (cfg.target_vocab_size, cfg.hidden_size):
+        problems.append(
+            f"tensor embed_tokens.weight has shape {list(embed.shape)}, expected "
+            f"{[cfg.target_vocab_size, cfg.hidden_size]}"
+        )
     if not needs_vocab_map(cfg):
         present = [n for n in VOCAB_TENSORS if n in tensors]
         if present:

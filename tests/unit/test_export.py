@@ -249,7 +249,8 @@ def test_speculators_refuses_a_narrower_target(tmp_path: Path, export_dir: Path)
 def _export_all(tmp_path: Path, engine_export: Path, **kw) -> tuple[Path, Path]:
     from draftsmith.export import export_engines
 
-    outs = export_engines(engine_export, tmp_path / "sglang", tmp_path / "speculators", **kw)
+    embedding = torch.randn(TARGET_VOCAB, 48, generator=torch.Generator().manual_seed(1))
+    outs = export_engines(engine_export, tmp_path / "sglang", tmp_path / "speculators", embedding, **kw)
     return outs["sglang"], outs["speculators"]
 
 
@@ -261,6 +262,9 @@ def test_engine_exports_hold_the_same_tensors(tmp_path: Path, engine_export: Pat
         assert torch.equal(t, native[name]) and t.dtype == native[name].dtype, name
     spec_tensors = load_file(str(spec / "model.safetensors"))
     assert not any(k.startswith("midlayer.") for k in spec_tensors)
+    # speculators' loader fills a missing embed_tokens with zeros, so its form carries the target's
+    assert spec_tensors["embed_tokens.weight"].shape == (TARGET_VOCAB, 48)
+    assert spec_tensors["embed_tokens.weight"].dtype == torch.bfloat16
     for name, t in native.items():
         spec_name = name.replace("midlayer.", "layers.0.", 1)
         assert torch.equal(spec_tensors[spec_name], t), name
@@ -269,6 +273,9 @@ def test_engine_exports_hold_the_same_tensors(tmp_path: Path, engine_export: Pat
         assert check_export(path, TARGET_LAYERS, TARGET_VOCAB) == [], engine  # the engine it declares
         for name in ("config.json", "model.safetensors"):
             assert (path / name).stat().st_mode & 0o777 == 0o644
+    _edit_weights(spec, lambda t: t.pop("embed_tokens.weight"))
+    problems = check_export(spec, TARGET_LAYERS, TARGET_VOCAB)
+    assert any("speculators' loader would leave it at zeros" in p for p in problems), problems
 
 
 def test_sglang_export_ids_are_one_lower(tmp_path: Path, engine_export: Path) -> None:
@@ -443,8 +450,15 @@ def test_untrained_positions_warning() -> None:
 
 def test_cli_export_and_check(tmp_path: Path, engine_export: Path) -> None:
     from click.testing import CliRunner
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     from draftsmith.cli import main
+
+    shape = {"hidden_size": 48, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 12}
+    target_cfg = LlamaConfig(
+        vocab_size=TARGET_VOCAB, num_hidden_layers=TARGET_LAYERS, intermediate_size=80, **shape
+    )
+    LlamaForCausalLM(target_cfg).save_pretrained(tmp_path / "target")
 
     _edit_config(
         engine_export, lambda c: c["draftsmith"].__setitem__("training", {"settings": {"ttt_steps": 2}})
@@ -458,12 +472,17 @@ def test_cli_export_and_check(tmp_path: Path, engine_export: Path) -> None:
         tmp_path / "s",
         "--out-speculators",
         tmp_path / "p",
+        "--target",
+        tmp_path / "target",
     ]
     result = run(main, [str(a) for a in [*args, "--speculative-tokens", 3]])
     assert result.exit_code == 0, result.output
     assert "num_draft_tokens 3 exceeds the 2 TTT steps" in result.output
     spec = json.loads((tmp_path / "p" / "config.json").read_text())
     assert spec["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    target_embed = load_file(str(tmp_path / "target" / "model.safetensors"))["model.embed_tokens.weight"]
+    spec_embed = load_file(str(tmp_path / "p" / "model.safetensors"))["embed_tokens.weight"]
+    assert torch.equal(spec_embed, target_embed.to(torch.bfloat16))
     for folder, engine in (("s", "sglang"), ("p", "speculators")):
         result = run(main, ["check-export", str(tmp_path / folder), "--engine", engine])
         assert result.exit_code == 0 and f"export OK for {engine}" in result.output, result.output
