@@ -216,8 +216,8 @@ def generate(ctx: click.Context, target_path: str, prompts_path: str, **kw: Any)
     from click.core import ParameterSource
 
     from draftsmith.config import section_defaults
-    from draftsmith.prompts import PromptError
     from draftsmith.generate import GenerateError, GenerateSettings, generate_traces
+    from draftsmith.prompts import PromptError
 
     paths = {k: kw.pop(k) for k in ("out", "summary", "errors", "server_log")}
     values = {**section_defaults("generate"), **_settings(kw.pop("settings_json"))}
@@ -670,8 +670,8 @@ def gate(summary_path: str, out: str | None) -> None:
     (warning). Failed checks come first, each with where to look.
     """
     from draftsmith.atomic import write_json
-    from draftsmith.gate import GateFailed, enforce, format_checks
     from draftsmith.eval_summary import checks_of, format_table
+    from draftsmith.gate import GateFailed, enforce, format_checks
 
     summary = json.loads(Path(summary_path).read_text(encoding="utf-8"))
     checks = checks_of(summary)
