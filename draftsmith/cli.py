@@ -715,6 +715,15 @@ def _eval_options(f):
     return f
 
 
+def _warn_untrained_positions(drafter: str, num_draft_tokens: int) -> None:
+    from draftsmith.export import trained_ttt_steps, untrained_positions_warning
+
+    config = json.loads((Path(drafter) / "config.json").read_text(encoding="utf-8"))
+    warning = untrained_positions_warning(num_draft_tokens, trained_ttt_steps(config))
+    if warning:
+        click.secho(f"warning: {warning}", fg="yellow", err=True)
+
+
 def _drafters(drafter: str, untrained: str | None) -> dict[str, str]:
     return {"eagle3": drafter, **({"untrained": untrained} if untrained else {})}
 
@@ -745,6 +754,7 @@ def evaluate(target_path: str, drafter: str, untrained: str | None, prompts_path
     from draftsmith.evaluate import NotLossless, evaluate_offline
 
     _eval_settings(kw, "seed")
+    _warn_untrained_positions(drafter, kw["num_draft_tokens"])
     try:
         evaluate_offline(target_path, _drafters(drafter, untrained), prompts_path, kw.pop("out"), **kw)
     except NotLossless as err:
@@ -768,6 +778,8 @@ def evaluate_vllm_cmd(
     from draftsmith.evaluate import VllmUnavailable, evaluate_vllm
 
     _eval_settings(kw)
+    _warn_untrained_positions(drafter, kw["num_draft_tokens"])
+
     if kw["log_dir"]:
         Path(kw["log_dir"]).mkdir(parents=True, exist_ok=True)
     try:
@@ -866,8 +878,14 @@ def gate(summary_path: str, out: str | None) -> None:
 @click.option(
     "--target", "target_path", type=click.Path(file_okay=False, exists=True), help="Check ranges against it."
 )
-def check_export_cmd(drafter_dir: str, target_path: str | None) -> None:
-    """Check a drafter export: tensors present and shaped, vocab mapping consistent, aux ids in range."""
+@click.option(
+    "--engine",
+    type=click.Choice(["vllm", "sglang", "speculators"]),
+    help="Check against what this engine reads [default: the engine the export is written for].",
+)
+def check_export_cmd(drafter_dir: str, target_path: str | None, engine: str | None) -> None:
+    """Check a drafter export against what its engine reads: tensors present and shaped, vocab mapping
+    consistent, aux ids in the engine's convention, sorted and in range, norm flags, rope fields."""
     from draftsmith.export import check_export
 
     layers = vocab_size = None
@@ -876,12 +894,72 @@ def check_export_cmd(drafter_dir: str, target_path: str | None) -> None:
 
         cfg = text_config_dict(target_path)
         layers, vocab_size = cfg["num_hidden_layers"], cfg["vocab_size"]
-    problems = check_export(drafter_dir, target_num_layers=layers, target_vocab_size=vocab_size)
+    problems = check_export(
+        drafter_dir, target_num_layers=layers, target_vocab_size=vocab_size, engine=engine
+    )
     for p in problems:
         click.secho(p, fg="red", err=True)
     if problems:
         sys.exit(EXIT_FAILED)
-    click.echo(f"{drafter_dir}: export OK")
+    click.echo(f"{drafter_dir}: export OK{f' for {engine}' if engine else ''}")
+
+
+@main.command("export")
+@click.option(
+    "--drafter",
+    required=True,
+    type=click.Path(file_okay=False, exists=True),
+    help="The trained vLLM export (results/drafter).",
+)
+@click.option("--out-sglang", required=True, type=click.Path(file_okay=False), help="SGLang export to write.")
+@click.option(
+    "--out-speculators",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="speculators-format export to write (`vllm serve` reads it too).",
+)
+@click.option(
+    "--target",
+    "target_path",
+    required=True,
+    type=click.Path(file_okay=False, exists=True),
+    help="The target: its embedding goes into the speculators form, its architectures into speculators' "
+    "verifier field; ranges are checked against it.",
+)
+@click.option(
+    "--speculative-tokens",
+    type=int,
+    default=None,
+    help="speculators' default draft length [default: the trained TTT steps].",
+)
+def export_cmd(
+    drafter: str, out_sglang: str, out_speculators: str, target_path: str, speculative_tokens: int | None
+) -> None:
+    """Write the SGLang and speculators exports of a trained drafter (same tensors, each engine's
+    names and conventions), each checked against what its engine reads."""
+    from draftsmith.export import check_export, export_engines, trained_ttt_steps, untrained_positions_warning
+    from draftsmith.train import load_target_head
+
+    cfg = json.loads((Path(target_path) / "config.json").read_text())
+    layers, vocab_size, archs = cfg["num_hidden_layers"], cfg["vocab_size"], cfg.get("architectures")
+    problems = check_export(drafter, target_num_layers=layers, target_vocab_size=vocab_size, engine="vllm")
+    if problems:
+        _fail(f"{drafter} is not a valid vLLM export: " + "; ".join(problems), EXIT_BAD_INPUT)
+    if speculative_tokens is not None:
+        config = json.loads((Path(drafter) / "config.json").read_text(encoding="utf-8"))
+        warning = untrained_positions_warning(speculative_tokens, trained_ttt_steps(config))
+        if warning:
+            click.secho(f"warning: {warning}", fg="yellow", err=True)
+    try:
+        embedding = load_target_head(target_path).embed
+        outs = export_engines(drafter, out_sglang, out_speculators, embedding, speculative_tokens, archs)
+    except ValueError as err:
+        _fail(str(err), EXIT_BAD_INPUT)
+    for engine, path in outs.items():
+        problems = check_export(path, target_num_layers=layers, target_vocab_size=vocab_size, engine=engine)
+        if problems:
+            _fail(f"the {engine} export {path} fails its checks: " + "; ".join(problems))
+        click.echo(f"{engine}: {path}")
 
 
 @main.command("run", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})

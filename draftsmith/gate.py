@@ -145,6 +145,26 @@ def check_export_convention(
     )
 
 
+def check_draft_positions(num_draft_tokens: int | None, ttt_steps: int | None) -> Check:
+    """Drafting more tokens per step than the TTT steps trained drafts positions the drafter never
+    learnt: they are mostly rejected and cost a drafter forward each. Warning only."""
+    from draftsmith.export import untrained_positions_warning
+
+    if num_draft_tokens is None or ttt_steps is None:
+        return Check(
+            "draft_positions", "skip", "n/a", "num_draft_tokens <= train.ttt_steps", "", blocking=False
+        )
+    warning = untrained_positions_warning(num_draft_tokens, ttt_steps)
+    return Check(
+        "draft_positions",
+        _status(warning is None, blocking=False),
+        f"{num_draft_tokens} draft tokens, {ttt_steps} TTT steps trained",
+        "num_draft_tokens <= train.ttt_steps",
+        warning or "",
+        blocking=False,
+    )
+
+
 # ----------------------------------------------------------------------------------------- tau gap
 
 
@@ -321,6 +341,11 @@ def diagnose(
 
     convention = ENGINE_CONVENTIONS[engine]
     checks.append(check_export_convention(export_problems, export_config, manifest, convention))
+    from draftsmith.export import trained_ttt_steps
+
+    positions = check_draft_positions(offline.get("num_draft_tokens"), trained_ttt_steps(export_config))
+    if positions.status != "skip":  # shown only where both numbers are known
+        checks.append(positions)
     checks.append(check_tau_gap(method, off, served, thresholds.max_tau_gap))
     # the baselines' gaps check the measurement itself (no training involved): warnings only
     for name in sorted(set(offline["methods"]) - {method}):

@@ -31,16 +31,32 @@ def convert_layer_ids(ids: Sequence[int], src: str, dst: str) -> list[int]:
 
 
 def validate_aux_layers(ids: Sequence[int], num_layers: int) -> list[int]:
-    """Input-convention ids must name a decoder layer's input: 1 <= k < L (0 is the raw embedding)."""
+    """Input-convention ids must name a decoder layer's input: 1 <= k < L (0 is the raw embedding), in
+    increasing order without repeats. Engines capture in layer order (vLLM `sorted(set(ids))`, SGLang in
+    its layer loop), so any other order would feed `fc` its inputs permuted."""
     ids = [int(i) for i in ids]
     bad = [i for i in ids if not 1 <= i < num_layers]
     if bad:
         raise ValueError(
             f"aux layer ids {bad} out of range: the target has {num_layers} layers (1..{num_layers - 1})"
         )
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"aux layer ids {ids} repeat a layer")
+    problem = aux_order_problem(ids)
+    if problem:
+        raise ValueError(problem)
     return ids
+
+
+def aux_order_problem(ids: Sequence[int]) -> str | None:
+    """Why `ids` are not strictly increasing (the order engines capture in), or None."""
+    ids = list(ids)
+    if len(set(ids)) != len(ids):
+        return f"aux layer ids {ids} repeat a layer"
+    if ids != sorted(ids):
+        return (
+            f"aux layer ids {ids} are not in increasing order; engines capture in layer order "
+            f"({sorted(ids)}), which would permute fc's inputs"
+        )
+    return None
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

@@ -1,5 +1,6 @@
 """The exported drafter in real vLLM (CPU): it loads through speculative_config={"method": "eagle3"},
-vLLM drafts with it, and the target accepts some of its drafts.
+vLLM drafts with it, and the target accepts some of its drafts. The speculators-format export of the
+same weights (`draftsmith export`) loads through vLLM's speculators reader and drafts exactly the same.
 
 The data is made here, by the workflow's own commands on a few built-in prompts with the real default
 target: generate (fp32, greedy) -> tokenize -> extract -> manifest -> vocab -> train. The drafter is
@@ -93,3 +94,22 @@ def test_vllm_loads_and_accepts_the_exported_drafter(trained: dict) -> None:
     assert len(result["outputs"]) == NUM_PROMPTS
     assert all(0 < len(o) <= MAX_NEW_TOKENS for o in result["outputs"])
     print(f"vLLM acceptance: {json.dumps(spec)}")
+
+
+def test_vllm_loads_the_speculators_export_and_drafts_the_same(trained: dict) -> None:
+    root = trained["root"]
+    cli("export", "--drafter", trained["drafter"], "--target", TARGET, "--out-sglang", root / "drafter-sglang",
+        "--out-speculators", root / "drafter-speculators", "--speculative-tokens", SPEC_TOKENS)  # fmt: skip
+    cli("check-export", root / "drafter-speculators", "--engine", "speculators", "--target", TARGET)
+    cli("check-export", root / "drafter-sglang", "--engine", "sglang", "--target", TARGET)
+    result = run_vllm_subprocess(
+        str(TARGET), str(root / "drafter-speculators"), "eagle3", trained["prompts"], MAX_NEW_TOKENS,
+        SPEC_TOKENS, "float32", cache_dir=root / "vllm-cache", log_path=root / "vllm-speculators.log",
+    )  # fmt: skip
+    spec = result["spec_decode"]
+    print(f"vLLM acceptance, speculators export: {json.dumps(spec)}")
+    assert spec["drafts"] > 0 and spec["accepted_tokens"] > 0, spec
+    native = root / "vllm-result.json"  # the native export's run (the test above), when it ran first
+    if native.is_file():
+        # same weights, fp32 greedy: the same drafts accepted at every position
+        assert spec["accepted_per_pos"] == json.loads(native.read_text())["accepted_per_pos"], spec

@@ -10,8 +10,8 @@ import pytest
 from conftest import REPO, cli_env
 
 pytestmark = pytest.mark.slow
-# The jobs downstream of a new drafter: both evaluations, the summary, the gate.
-AFTER_TRAINING = {"evaluate_offline", "evaluate_vllm", "eval_summary", "gate", "all"}
+# The jobs downstream of a new drafter: both evaluations, the summary, the gate, the engine exports.
+AFTER_TRAINING = {"evaluate_offline", "evaluate_vllm", "eval_summary", "gate", "export", "all"}
 
 
 def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -87,7 +87,10 @@ def test_every_target_exists_and_is_sound(finished_run):
         if row["tau"] is not None and row["acceptance_per_position"]:
             assert row["tau"] == pytest.approx(1 + sum(row["acceptance_per_position"]), abs=1e-6), row
     assert (results / "eval" / "gate.json").is_file()
-    for rule in ("generate", "extract/shard-0", "train", "evaluate_offline", "evaluate_vllm", "gate"):
+    for engine in ("sglang", "speculators"):  # one export per engine, each checked by `draftsmith export`
+        assert (results / f"drafter-{engine}" / "model.safetensors").is_file(), engine
+    rules = ("generate", "extract/shard-0", "train", "evaluate_offline", "evaluate_vllm", "gate", "export")
+    for rule in rules:
         assert (workdir / "benchmarks" / f"{rule}.tsv").is_file(), rule
         assert (workdir / "logs" / f"{rule}.log").is_file(), rule
 

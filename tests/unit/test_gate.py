@@ -191,3 +191,29 @@ def test_diagnose_orders_and_names_every_check():
     assert failed == ["min_speedup (vLLM)", "chat_template"]
     with pytest.raises(GateFailed, match="min_speedup"):
         enforce(checks)
+
+
+def test_draft_positions_beyond_the_trained_ttt_steps_warn():
+    from draftsmith.gate import check_draft_positions
+
+    assert check_draft_positions(3, 3).status == "pass"
+    warn = check_draft_positions(5, 3)
+    assert warn.status == "warn" and not warn.blocking and "positions 4..5 were never trained" in warn.where
+    assert check_draft_positions(3, None).status == "skip"
+    # diagnose lists it after the export check when the export records its training settings
+    accepted = [0, 1, 2, 0, 1] * 40
+    offline = {
+        "methods": {"eagle3": method(1 + sum(accepted) / len(accepted), accepted)},
+        "num_draft_tokens": 5,
+    }
+    export = {
+        **EXPORT,
+        "draftsmith": {**EXPORT.get("draftsmith", {}), "training": {"settings": {"ttt_steps": 3}}},
+    }
+    rows = [{"kind": "train", "step": 1, "acc": [0.5, 0.3], "positions": [10, 9]}]
+    th = Thresholds(min_tau=1.1, min_speedup=0.2, max_tau_gap=None, max_acc_gap=0.3)
+    checks = diagnose(offline, None, MANIFEST, export, [], "872be49dbb638044", rows, th)
+    names = [c.name for c in checks]
+    assert names[names.index("export") + 1] == "draft_positions"
+    assert next(c for c in checks if c.name == "draft_positions").status == "warn"
+    enforce([c for c in checks if c.name == "draft_positions"])  # a warning never blocks

@@ -1,0 +1,27 @@
+# Exports, one per engine: the trained vLLM export (rule train, results/drafter) rewritten for SGLang's
+# aux-id convention and in speculators' format, each checked against what its engine reads.
+
+
+rule export:
+    input:
+        target=TARGET,
+        drafter="results/drafter",
+    output:
+        sglang=directory("results/drafter-sglang"),
+        speculators=directory("results/drafter-speculators"),
+    log:
+        "logs/export.log",
+    benchmark:
+        "benchmarks/export.tsv"
+    conda:
+        "../envs/draftsmith.yaml"
+    resources:
+        runtime=config["resources"]["default"]["runtime"],
+        mem_mb=config["resources"]["default"]["mem_mb"],
+    params:
+        # speculators' default draft length: what the evaluation measured
+        speculative_tokens=config["evaluate"]["num_draft_tokens"],
+    shell:
+        "draftsmith export --drafter {input.drafter} --target {input.target}"
+        " --out-sglang {output.sglang} --out-speculators {output.speculators}"
+        " --speculative-tokens {params.speculative_tokens} 2>&1 | tee {log}"
