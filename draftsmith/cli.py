@@ -411,13 +411,14 @@ def manifest(target_path: str, out: str, min_teacher_agreement: float, shards: t
 
 @main.command()
 @click.argument("manifest_path", type=click.Path(dir_okay=False))
-@click.option("--fast", is_flag=True, help="Check presence and sizes only, not checksums.")
+@click.option("--fast", is_flag=True, help="Check presence and sizes only, without decoding.")
 def verify(manifest_path: str, fast: bool) -> None:
-    """Re-check extracted data against data_config.json: files, sizes, sha256, teacher agreement."""
+    """Re-check extracted data against data_config.json: files, sizes, teacher agreement, and every
+    sample decoded and compared with the content digest recorded when it was extracted."""
     from draftsmith.manifest import DataError, verify_manifest
 
     try:
-        problems = verify_manifest(manifest_path, check_hashes=not fast)
+        problems = verify_manifest(manifest_path, decode=not fast)
     except DataError as err:
         _fail(str(err))
     for p in problems:

@@ -1,19 +1,12 @@
 """Capture, shards, token layout, vocab maps: the contracts between stages, on a tiny random Llama."""
 
-import json
-import struct
-
 import pytest
 import torch
-from safetensors import safe_open
 
-from draftsmith.atomic import atomic_path, write_json
 from draftsmith.chat import training_sequence
 from draftsmith.engines.hf import capture_states, stop_at_eos
 from draftsmith.extract import teacher_agreement, token_batches
 from draftsmith.layers import convert_layer_ids, default_aux_layers, validate_aux_layers
-from draftsmith.manifest import DataError, build_manifest, load_manifest, verify_manifest
-from draftsmith.shards import HEADER_ROOM, Sample, ShardWriter, iter_samples, read_tokens, write_shard
 from draftsmith.tokenize import shard_bounds
 from draftsmith.vocab import build_vocab_map, select_draft_tokens, vocab_maps
 
@@ -112,99 +105,3 @@ def test_stop_at_eos():
     assert stop_at_eos([5, 6, 2, 0, 0], {2}, 0).response_ids == [5, 6, 2]
     gen = stop_at_eos([5, 6, 7], {2}, 0)
     assert gen.finish_reason == "length" and gen.response_ids == [5, 6, 7]
-
-
-def _sample(i, n, hidden=8):
-    return Sample(
-        f"s{i}",
-        torch.arange(n) + i,
-        torch.tensor([0] * (n // 2) + [1] * (n - n // 2), dtype=torch.bool),
-        torch.randn(n, 3, hidden).bfloat16(),
-        torch.randn(n, hidden).bfloat16(),
-    )
-
-
-def _shard_meta(agree=9, checked=10):
-    stats = {"num_samples": 2, "num_tokens": 9, "num_masked_tokens": 5, "teacher_agree": agree}
-    stats |= {"teacher_checked": checked, "teacher_agreement": agree / checked}
-    return {
-        "aux_layer_ids": [1, 2, 3],
-        "layer_convention": "input",
-        "dtype": "bfloat16",
-        "template": "t",
-        "stats": stats,
-    }
-
-
-@pytest.mark.parametrize("codec", ["none", "zstd-planes"])
-def test_shard_round_trip_is_lossless(tmp_path, codec):
-    samples = [_sample(0, 4), _sample(1, 5)]
-    samples[0].aux[0, 0, 0] = float("inf")  # extreme values survive the byte-plane split
-    samples[1].final[2, 3] = -3.0e38
-    path = tmp_path / "shard-0.safetensors"
-    write_shard(path, samples, _shard_meta(), codec=codec)
-    back = list(iter_samples(path))
-    assert [s.id for s in back] == ["s0", "s1"]
-    for a, b in zip(samples, back, strict=True):
-        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
-        assert torch.equal(a.aux, b.aux) and torch.equal(a.final, b.final)
-        assert a.aux.shape == b.aux.shape and a.final.dtype == b.final.dtype == torch.bfloat16
-    ids, mask, offsets = read_tokens(path)
-    assert offsets.tolist() == [0, 4, 9] and ids.numel() == 9 and mask.sum() == 5
-
-
-@pytest.mark.parametrize("codec", ["none", "zstd-planes"])
-def test_shard_header_outgrowing_its_room_still_writes_the_same_tensors(tmp_path, codec):
-    samples = [_sample(0, 4), _sample(1, 5)]
-    in_place = tmp_path / "in-place.safetensors"
-    write_shard(in_place, samples, _shard_meta(), codec=codec)
-    rewritten = tmp_path / "rewritten.safetensors"
-    writer = ShardWriter(rewritten, _shard_meta(), codec)
-    for sample in samples:
-        writer.add(sample)
-    writer.close({"notes": "x" * (2 * HEADER_ROOM)})  # more than the room kept for the header
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["in-place.safetensors", "rewritten.safetensors"]
-    (in_place_header,) = struct.unpack("<Q", in_place.read_bytes()[:8])
-    assert in_place_header >= HEADER_ROOM  # the header filled the room kept for it: nothing was copied
-    assert {in_place.stat().st_mode & 0o777, rewritten.stat().st_mode & 0o777} == {0o644}
-    contents = []
-    for path in (in_place, rewritten):
-        with safe_open(str(path), framework="pt") as f:  # plain safetensors reads both layouts
-            contents.append({name: f.get_tensor(name) for name in f.keys()})  # noqa: SIM118
-    assert contents[0].keys() == contents[1].keys()
-    for name, tensor in contents[0].items():
-        assert torch.equal(tensor.view(torch.uint8), contents[1][name].view(torch.uint8)), name
-    assert [s.id for s in iter_samples(rewritten)] == ["s0", "s1"]
-
-
-def test_manifest_verify_and_refusal(tmp_path):
-    target = tmp_path / "target"
-    target.mkdir()
-    write_json(target / "config.json", {"num_hidden_layers": 6, "hidden_size": 8, "vocab_size": 300})
-    shard = tmp_path / "hidden" / "shard-0.safetensors"
-    write_shard(shard, [_sample(0, 4), _sample(1, 5)], _shard_meta())
-    out = tmp_path / "data_config.json"
-    manifest = build_manifest([str(shard)], str(out), str(target), 0.8)
-    assert manifest["num_tokens"] == 9 and manifest["layer_convention"] == "input"
-    assert json.loads(out.read_text())["shards"][0]["path"] == "hidden/shard-0.safetensors"
-    assert load_manifest(out)["shards"][0]["path"] == shard.resolve()
-    assert verify_manifest(out) == []
-    data = bytearray(shard.read_bytes())
-    data[-1] ^= 0xFF
-    shard.write_bytes(bytes(data))
-    assert any("sha256" in p for p in verify_manifest(out))
-    write_shard(shard, [_sample(0, 4), _sample(1, 5)], _shard_meta(agree=5))
-    with pytest.raises(DataError, match="teacher agreement below 0.8"):
-        build_manifest([str(shard)], str(tmp_path / "other.json"), str(target), 0.8)
-    with pytest.raises(DataError, match="missing"):
-        load_manifest(tmp_path / "nope.json")
-
-
-def test_atomic_write_leaves_nothing_on_failure(tmp_path):
-    path = tmp_path / "out.txt"
-    path.write_text("old")
-    with pytest.raises(RuntimeError), atomic_path(path) as tmp:
-        tmp.write_text("half")
-        raise RuntimeError("crash mid-write")
-    assert path.read_text() == "old"
-    assert list(tmp_path.iterdir()) == [path]

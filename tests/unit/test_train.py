@@ -18,7 +18,7 @@ from draftsmith.drafter import TTTKV, DrafterConfig, Eagle3Drafter
 from draftsmith.export import check_export, load_drafter
 from draftsmith.layers import capture_aux, stack_aux
 from draftsmith.manifest import load_manifest
-from draftsmith.shards import Sample, ShardReader, iter_samples, read_sample, write_shard
+from draftsmith.shards import Sample, ShardReader, write_shard
 from draftsmith.target import file_sha256
 from draftsmith.train import (
     InMemoryData,
@@ -393,25 +393,6 @@ def test_partial_or_foreign_checkpoints_are_not_resumed(data: dict, tmp_path: Pa
 
 
 # ------------------------------------------------------------------------------------------ the loader
-
-
-def test_shard_reader_random_access(data: dict) -> None:
-    """Sample i read alone, in any order, equals the streamed sample (both codecs), and truncates."""
-    paths = sorted((data["root"] / "hidden").glob("shard-*.safetensors"))
-    for path in paths:  # shard-0 codec "none", shard-1 "zstd-planes"
-        streamed = list(iter_samples(path))
-        with ShardReader(path) as reader:
-            assert len(reader) == len(streamed) and reader.codec in ("none", "zstd-planes")
-            for i in reversed(range(len(reader))):
-                got, want = reader.read(i), streamed[i]
-                assert got.id == want.id
-                for name in ("input_ids", "loss_mask", "aux", "final"):
-                    assert torch.equal(getattr(got, name), getattr(want, name)[:]), (path.name, i, name)
-                cut = reader.read(i, 12)
-                assert cut.num_tokens == 12 and torch.equal(cut.aux, want.aux[:12])
-                assert torch.equal(cut.final, want.final[:12])
-        original = data["samples"][int(streamed[3].id.split("-")[1])]
-        assert torch.equal(read_sample(path, 3).aux, original.aux)  # the codec round trip is lossless
 
 
 def test_plan_batches_packs_by_length() -> None:
