@@ -19,9 +19,11 @@ from typing import Any
 
 def process_umask() -> int:
     """The process's umask, read without changing it (Linux: /proc; elsewhere set and restored)."""
-    with contextlib.suppress(OSError, ValueError, StopIteration):
-        with open("/proc/self/status", encoding="ascii") as fh:
-            return int(next(line for line in fh if line.startswith("Umask:")).split()[1], 8)
+    with (
+        contextlib.suppress(OSError, ValueError, StopIteration),
+        open("/proc/self/status", encoding="ascii") as fh,
+    ):
+        return int(next(line for line in fh if line.startswith("Umask:")).split()[1], 8)
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
