@@ -328,6 +328,7 @@ def extract(target_path: str, tokens: str, shard: int, out: str, aux_layers: str
     Writes OUT atomically: until the shard is complete only hidden temporary files (.NAME.*) exist,
     and a rerun after a crash removes them and starts the shard again.
     """
+    from draftsmith.estimate import NotEnoughDisk
     from draftsmith.extract import extract_shard
 
     ids = [int(x) for x in aux_layers.split(",")] if aux_layers else None
@@ -335,6 +336,8 @@ def extract(target_path: str, tokens: str, shard: int, out: str, aux_layers: str
         extract_shard(target_path, tokens, shard, out, ids, **kw)
     except ValueError as err:
         _fail(str(err), EXIT_BAD_INPUT)
+    except NotEnoughDisk as err:
+        _fail(str(err))
 
 
 @main.command()
@@ -350,6 +353,9 @@ def extract(target_path: str, tokens: str, shard: int, out: str, aux_layers: str
 @click.option("--codec", type=click.Choice(["zstd-planes", "none"]), default="zstd-planes", show_default=True)
 @click.option("--zstd-level", default=1, show_default=True)
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
+@click.option(
+    "--batch-tokens", default=4096, show_default=True, help="extract.batch_tokens: padded tokens per batch."
+)
 @click.option("--num-tokens", type=float, help="Without --tokens: the token count, e.g. 17.3e6.")
 @click.option("--hidden-size", type=int, help="Without --target: the hidden size, e.g. 7168.")
 @click.option(
@@ -376,15 +382,31 @@ def estimate(tokens: str | None, target_path: str | None, aux_layers: str | None
         model, _ = load_target(target_path, getattr(torch, kw["dtype"]))
         ids = [int(x) for x in aux_layers.split(",")] if aux_layers else None
         layer_ids = resolve_aux_layers(ids, model.config.num_hidden_layers)
-        picks = range(min(4, len(offsets) - 1))
-        samples = [
-            (
-                tensors["input_ids"][offsets[i] : offsets[i + 1]],
-                tensors["loss_mask"][offsets[i] : offsets[i + 1]],
-            )
-            for i in picks
+        from draftsmith.engines.hf import HfExtractor
+        from draftsmith.estimate import probe_batches
+        from draftsmith.extract import token_batches
+
+        lengths = [offsets[i + 1] - offsets[i] for i in range(len(offsets) - 1)]
+        plan = token_batches(lengths, kw["batch_tokens"])
+        plan_lengths = [[lengths[i] for i in b] for b in plan]
+        picks = probe_batches(plan_lengths, 0.1 * sum(lengths))
+        batches = [
+            [
+                (
+                    tensors["input_ids"][offsets[i] : offsets[i + 1]],
+                    tensors["loss_mask"][offsets[i] : offsets[i + 1]],
+                )
+                for i in plan[k]
+            ]
+            for k in picks
         ]
-        measured = probe(model, samples, layer_ids, kw["codec"], kw["zstd_level"], Path(tokens).parent)
+        extractor = HfExtractor(model, layer_ids)
+        try:
+            measured = probe(
+                batches, extractor.capture, plan_lengths, kw["codec"], kw["zstd_level"], Path(tokens).parent
+            )
+        finally:
+            extractor.close()
         lines, _ = estimate_lines(int(offsets[-1]), len(layer_ids) + 1, model.config.hidden_size, measured)
     elif kw["num_tokens"] and kw["hidden_size"]:
         lines, _ = estimate_lines(int(kw["num_tokens"]), kw["stored_layers"], kw["hidden_size"], None)
@@ -552,8 +574,24 @@ def _eval_options(f):
     return f
 
 
-def _drafters(drafter: str, untrained: str | None) -> dict[str, str]:
-    return {"eagle3": drafter, **({"untrained": untrained} if untrained else {})}
+def _drafters(drafter: str, untrained: str | None, target_path: str | None = None) -> dict[str, str]:
+    """The drafters to measure, each export checked first: a missing or broken export is one line and
+    exit 2 here, not a crash after the target has loaded (or vLLM after a minute)."""
+    from draftsmith.export import check_export
+
+    drafters = {"eagle3": drafter, **({"untrained": untrained} if untrained else {})}
+    layers = vocab_size = None
+    if target_path and (Path(target_path) / "config.json").is_file():
+        cfg = json.loads((Path(target_path) / "config.json").read_text(encoding="utf-8"))
+        layers, vocab_size = cfg.get("num_hidden_layers"), cfg.get("vocab_size")
+    for name, path in drafters.items():
+        problems = check_export(path, target_num_layers=layers, target_vocab_size=vocab_size)
+        if problems:
+            _fail(
+                f"{name} drafter {path}: {'; '.join(problems)} (not a complete export: rerun its rule)",
+                EXIT_BAD_INPUT,
+            )
+    return drafters
 
 
 @main.command()
@@ -571,7 +609,9 @@ def evaluate(target_path: str, drafter: str, untrained: str | None, prompts_path
     from draftsmith.evaluate import NotLossless, evaluate_offline
 
     try:
-        evaluate_offline(target_path, _drafters(drafter, untrained), prompts_path, kw.pop("out"), **kw)
+        evaluate_offline(
+            target_path, _drafters(drafter, untrained, target_path), prompts_path, kw.pop("out"), **kw
+        )
     except NotLossless as err:
         _fail(f"speculative decoding changed the output: {err}")
 
@@ -595,7 +635,9 @@ def evaluate_vllm_cmd(
     if kw["log_dir"]:
         Path(kw["log_dir"]).mkdir(parents=True, exist_ok=True)
     try:
-        evaluate_vllm(target_path, _drafters(drafter, untrained), prompts_path, kw.pop("out"), **kw)
+        evaluate_vllm(
+            target_path, _drafters(drafter, untrained, target_path), prompts_path, kw.pop("out"), **kw
+        )
     except VllmUnavailable as err:
         _fail(str(err))
     except RuntimeError as err:

@@ -12,6 +12,7 @@ complete only hidden `.shard-k.safetensors.*` files exist, and the next run of t
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 import tempfile
@@ -22,11 +23,29 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from draftsmith.estimate import check_free_disk, estimate_lines, human_bytes, probe
+from draftsmith.estimate import (
+    NotEnoughDisk,
+    check_free_disk,
+    disk_advice,
+    estimate_lines,
+    human_bytes,
+    human_seconds,
+    probe,
+    probe_batches,
+)
 from draftsmith.layers import default_aux_layers, validate_aux_layers
 from draftsmith.shards import Sample, ShardWriter, remove_stale_temp_files
 from draftsmith.target import check_target_dir
 from draftsmith.tokenize import load_tokens
+
+
+def disk_full(err: BaseException | None) -> bool:
+    """Whether an error (or what caused it, e.g. the shard writer's) is a full disk."""
+    while err is not None:
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def resolve_aux_layers(aux_layers: list[int] | None, num_layers: int) -> list[int]:
@@ -74,6 +93,7 @@ def teacher_agreement(
     return count_agreeing(lm_head_weight, states, next_ids), int(next_ids.numel())
 
 
+PROBE_SHARE = 0.1  # the estimate's probe computes at most this share of a shard's tokens (and one batch)
 COMPILE_MIN_SECONDS = 300.0  # "auto" compiles when eager compute would take longer than this
 
 
@@ -175,23 +195,23 @@ def extract_shard(
         extractor = make_engine(
             engine, target, layer_ids, dtype, gpus, max(lengths) + 1, scratch, vllm_eager=vllm_eager
         )
-    writer = None
+    writer, estimate = None, {}
     try:
-        shortest = sorted(range(len(lengths)), key=lambda i: lengths[i])[len(lengths) // 2 :][:2]
+        plan = token_batches(lengths, batch_tokens)
+        picks = probe_batches([[lengths[i] for i in b] for b in plan], PROBE_SHARE * total_tokens)
         measured = probe(
-            None,
-            [sample_tokens(i) for i in shortest],
-            layer_ids,
+            [[sample_tokens(i) for i in plan[k]] for k in picks],
+            extractor.capture,
+            [[lengths[i] for i in b] for b in plan],
             codec,
             zstd_level,
             scratch,
-            capture=lambda ids: extractor.capture([ids])[0],
         )
         lines, estimate = estimate_lines(total_tokens, len(layer_ids) + 1, hidden, measured)
         for line in lines:
             print(f"extract shard {shard}: estimate: {line}", flush=True)
         if out_path:
-            check_free_disk(Path(out_path).parent, estimate["compressed_bytes"])
+            check_free_disk(Path(out_path).parent, estimate["compressed_bytes"], codec)
         compile_seconds = None
         if should_compile(compile, engine, estimate["seconds"]) and not extractor.compiled:
             print(f"extract shard {shard}: compiling the forward (torch.compile, one-off)...", flush=True)
@@ -222,9 +242,16 @@ def extract_shard(
             )
             stats["writer_cpu_seconds"] = round(writer.cpu_seconds, 3)
             stats["close_seconds"] = round(time.perf_counter() - closing, 3)
-    except BaseException:
+    except BaseException as err:
         if writer:
             writer.abort()
+        if out_path and disk_full(err):  # the disk filled up after the check (other jobs write too)
+            free = human_bytes(shutil.disk_usage(Path(out_path).parent).free)
+            needed = human_bytes(estimate.get("compressed_bytes", 0))
+            raise NotEnoughDisk(
+                f"{Path(out_path).parent}: disk full while writing shard {shard} ({free} free after removing its "
+                f"partial file; the shard needs about {needed}); {disk_advice(codec)}"
+            ) from None
         raise
     finally:
         if own_engine:
@@ -232,11 +259,21 @@ def extract_shard(
         shutil.rmtree(scratch, ignore_errors=True)
     stats["wall_seconds_with_write"] = round(time.perf_counter() - t0, 2)
     stats["cpu_seconds_with_write"] = round(time.process_time() - cpu0, 2)
-    size = f", {human_bytes(Path(out_path).stat().st_size)} written" if out_path else ""
+    size = ""
+    if out_path:
+        file_bytes = Path(out_path).stat().st_size
+        stats["file_bytes"] = file_bytes
+        size = (
+            f", {human_bytes(file_bytes)} written ({human_bytes(writer.bytes_written)} states + "
+            f"{human_bytes(file_bytes - writer.bytes_written)} tokens, index and header; estimate "
+            f"{human_bytes(estimate['compressed_bytes'])})"
+        )
     agreement = stats["teacher_agreement"]
     print(
-        f"extract shard {shard}: {total_tokens:,} tokens in {stats['seconds']:.1f}s "
-        f"({stats['tokens_per_second']} tok/s), teacher agreement "
+        f"extract shard {shard}: {total_tokens:,} tokens in {human_seconds(stats['seconds'])} "
+        f"(estimate {human_seconds(estimate['seconds'])}, range {human_seconds(estimate['seconds_low'])} to "
+        f"{human_seconds(estimate['seconds_high'])}{', eager' if compile_seconds else ''}; "
+        f"{stats['tokens_per_second']} tok/s), teacher agreement "
         f"{'n/a' if agreement is None else f'{agreement:.4f}'} over {stats['teacher_checked']:,} positions{size}",
         flush=True,
     )
@@ -277,10 +314,10 @@ def _extract_loop(
             agree += count_agreeing(extractor.lm_head_weight, torch.cat(states), next_batch)
             checked += int(next_batch.numel())
             bar.update(sum(lengths[i] for i in batch))
-            if writer:
+            if writer and writer.tokens_written:  # states encoded so far (the queue holds the rest)
                 bar.set_postfix(
-                    written=human_bytes(writer.bytes_written),
-                    projected=human_bytes(writer.bytes_written * total_tokens / bar.n),
+                    states=human_bytes(writer.bytes_written),
+                    projected=human_bytes(writer.bytes_written * total_tokens / writer.tokens_written),
                 )
     finally:
         bar.close()

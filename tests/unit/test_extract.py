@@ -6,7 +6,8 @@ from conftest import fp_tolerance
 
 from draftsmith.chat import training_sequence
 from draftsmith.engines.hf import capture_states, stop_at_eos
-from draftsmith.extract import teacher_agreement, token_batches
+from draftsmith.estimate import NotEnoughDisk, check_free_disk, predict_seconds, probe_batches
+from draftsmith.extract import disk_full, teacher_agreement, token_batches
 from draftsmith.layers import convert_layer_ids, default_aux_layers, validate_aux_layers
 from draftsmith.tokenize import shard_bounds
 from draftsmith.vocab import build_vocab_map, select_draft_tokens, vocab_maps
@@ -111,3 +112,54 @@ def test_stop_at_eos():
     assert stop_at_eos([5, 6, 2, 0, 0], {2}, 0).response_ids == [5, 6, 2]
     gen = stop_at_eos([5, 6, 7], {2}, 0)
     assert gen.finish_reason == "length" and gen.response_ids == [5, 6, 7]
+
+
+def test_probe_batches_spread_over_the_plan_within_budget():
+    plan = [[10] * 8, [20] * 6, [40] * 4, [80] * 2, [160] * 1, [300] * 1]  # length-sorted, as token_batches
+    assert probe_batches(plan, budget_tokens=10_000) == [1, 2, 4]  # short, middle and long rows
+    assert probe_batches(plan, budget_tokens=200) == [2]  # the middle batch, then what the budget allows
+    assert probe_batches(plan[:1], budget_tokens=0) == [0]  # always at least one batch
+
+
+def test_predicted_time_follows_the_plans_shapes():
+    """Per padded token, long rows cost more (attention): a shard of long rows must not be priced at
+    the short rows' rate (the old probe timed two median samples one by one, off by 5x either way)."""
+    timed = [
+        {"length": 100, "padded": 800, "seconds": 0.8},  # 1 ms per padded token
+        {"length": 1000, "padded": 2000, "seconds": 4.0},  # 2 ms
+    ]
+    plan = [[100] * 8, [550] * 2, [1000] * 2]
+    got = predict_seconds(plan, timed)
+    assert got["padded_tokens"] == 800 + 1100 + 2000
+    assert got["seconds"] == pytest.approx(0.8 + 1100 * 1.5e-3 + 4.0)  # 1.5 ms: halfway in row length
+    assert got["seconds_low"] == pytest.approx(3900 * 1e-3) and got["seconds_high"] == pytest.approx(
+        3900 * 2e-3
+    )
+    assert got["seconds_low"] <= got["seconds"] <= got["seconds_high"]
+
+
+def test_disk_check_gives_numbers_and_the_right_advice(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**9, 10**9 - 5 * 10**6, 5 * 10**6))
+    with pytest.raises(NotEnoughDisk) as err:
+        check_free_disk(tmp_path, 8e6, "zstd-planes")
+    message = str(err.value)
+    assert "5.0 MB free" in message and "about 8.0 MB with codec zstd-planes" in message
+    assert "extract.codec" not in message  # the codec already in use is not advice
+    with pytest.raises(NotEnoughDisk, match="extract.codec: zstd-planes"):
+        check_free_disk(tmp_path, 8e6, "none")
+    check_free_disk(tmp_path, 4e6, "none")  # fits, with its 10% margin
+
+
+def test_disk_full_is_recognised_through_the_writers_error():
+    try:
+        with open("/dev/full", "wb", buffering=0) as fh:
+            fh.write(b"x")
+    except OSError as full:
+        wrapped = RuntimeError("writing shard-0.safetensors failed")
+        wrapped.__cause__ = full
+        assert disk_full(wrapped) and disk_full(full)
+    assert not disk_full(RuntimeError("other")) and not disk_full(OSError(2, "missing"))
