@@ -384,12 +384,12 @@ def estimate(tokens: str | None, target_path: str | None, aux_layers: str | None
         layer_ids = resolve_aux_layers(ids, model.config.num_hidden_layers)
         from draftsmith.engines.hf import HfExtractor
         from draftsmith.estimate import probe_batches
-        from draftsmith.extract import token_batches
+        from draftsmith.extract import PROBE_SHARE, token_batches
 
         lengths = [offsets[i + 1] - offsets[i] for i in range(len(offsets) - 1)]
         plan = token_batches(lengths, kw["batch_tokens"])
         plan_lengths = [[lengths[i] for i in b] for b in plan]
-        picks = probe_batches(plan_lengths, 0.1 * sum(lengths))
+        picks = probe_batches(plan_lengths, PROBE_SHARE * sum(lengths))
         batches = [
             [
                 (
@@ -402,7 +402,7 @@ def estimate(tokens: str | None, target_path: str | None, aux_layers: str | None
         ]
         extractor = HfExtractor(model, layer_ids)
         try:
-            measured = probe(
+            measured, _ = probe(
                 batches, extractor.capture, plan_lengths, kw["codec"], kw["zstd_level"], Path(tokens).parent
             )
         finally:
