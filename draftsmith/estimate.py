@@ -21,6 +21,7 @@ import torch
 from draftsmith.shards import Sample, write_shard
 
 BF16_BYTES = 2
+WARMUP_TOKENS = 32  # per row of the warm-up batch
 
 
 def raw_state_bytes(
@@ -72,10 +73,12 @@ def predict_seconds(plan_lengths: list[list[int]], timed: list[dict[str, float]]
     rates = [t["seconds"] / t["padded"] for t in order]  # seconds per padded token
     padded = np.array([padded_tokens(b) for b in plan_lengths], dtype=np.float64)
     longest = np.array([max(b) for b in plan_lengths], dtype=np.float64)
+    low, high = float(padded.sum() * min(rates)), float(padded.sum() * max(rates))
+    point = float((padded * np.interp(longest, xs, rates)).sum())
     return {
-        "seconds": float((padded * np.interp(longest, xs, rates)).sum()),
-        "seconds_low": float(padded.sum() * min(rates)),
-        "seconds_high": float(padded.sum() * max(rates)),
+        "seconds": min(max(point, low), high),  # within by construction, up to rounding
+        "seconds_low": low,
+        "seconds_high": high,
         "padded_tokens": int(padded.sum()),
     }
 
@@ -87,20 +90,25 @@ def probe(
     codec: str,
     level: int,
     workdir: Path,
-) -> dict[str, Any]:
-    """Time the capture on a few real batches of the plan, after a warm-up on the first of them, and
-    encode what they captured: measured time for the whole plan (with an interval) and codec ratio.
+) -> tuple[dict[str, Any], list[list[tuple[torch.Tensor, torch.Tensor]]]]:
+    """Time the capture on a few real batches of the plan, after a short warm-up, and encode what they
+    captured: measured time for the whole plan (with an interval) and codec ratio, and the captured
+    states of each probed batch (the job reuses them: the probe costs only its warm-up).
 
     batches: the probed batches, each a list of (ids [T], loss_mask [T]); capture(list of ids [T]) ->
     [(aux [T, A, H], final [T, H])]; plan_lengths: the sample lengths of every batch the job will run."""
-    capture([ids for ids, _ in batches[0]])  # warm-up on a real shape: first calls allocate, pick kernels
-    captured, timed = [], []
+    # warm-up: the first calls allocate and pick kernels; as many rows as the first probe, short ones
+    capture([ids[:WARMUP_TOKENS] for ids, _ in batches[0]])
+    captured, timed, outputs = [], [], []
     for batch in batches:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         states = capture([ids for ids, _ in batch])
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+        outputs.append(states)
         lengths = [int(ids.numel()) for ids, _ in batch]
-        timed.append({"length": max(lengths), "padded": padded_tokens(lengths), "seconds": seconds})
+        timed.append(
+            {"length": max(lengths), "padded": padded_tokens(lengths), "seconds": seconds, "cpu_seconds": cpu}
+        )
         for (ids, mask), (aux, final) in zip(batch, states, strict=True):
             captured.append(Sample("probe", ids, mask.bool(), aux.bfloat16(), final.bfloat16()))
     tokens = sum(s.num_tokens for s in captured)
@@ -109,13 +117,14 @@ def probe(
     path.unlink()
     stored_layers, hidden = captured[0].aux.shape[1] + 1, captured[0].final.shape[-1]
     ratio = state_bytes / raw_state_bytes(tokens, stored_layers, hidden)
-    return {
+    measured = {
         "tokens": tokens,
         "tokens_per_second": tokens / sum(t["seconds"] for t in timed),
         "codec_ratio": ratio,
         "batches": timed,
         **predict_seconds(plan_lengths, timed),
     }
+    return measured, outputs
 
 
 def estimate_lines(

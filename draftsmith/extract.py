@@ -237,8 +237,11 @@ def extract_shard(
             dict(zip(picks, probed, strict=True)),
         )
         # the probed batches were computed before the loop: their time belongs to the shard's compute
-        stats["probe_seconds"] = round(sum(b["seconds"] for b in measured["batches"]), 2)
-        stats["seconds"] = round(stats["seconds"] + stats["probe_seconds"], 2)
+        probe_seconds = sum(b["seconds"] for b in measured["batches"])
+        probe_cpu = sum(b["cpu_seconds"] for b in measured["batches"])
+        stats["probe_seconds"] = round(probe_seconds, 2)
+        stats["seconds"] = round(stats["seconds"] + probe_seconds, 2)
+        stats["cpu_seconds"] = round(stats["cpu_seconds"] + probe_cpu, 2)
         stats["tokens_per_second"] = (
             round(total_tokens / stats["seconds"], 1) if stats["seconds"] > 0 else None
         )
@@ -270,8 +273,8 @@ def extract_shard(
         if own_engine:
             extractor.close()
         shutil.rmtree(scratch, ignore_errors=True)
-    stats["wall_seconds_with_write"] = round(time.perf_counter() - t0, 2)
-    stats["cpu_seconds_with_write"] = round(time.process_time() - cpu0, 2)
+    stats["wall_seconds_with_write"] = round(time.perf_counter() - t0 + probe_seconds, 2)
+    stats["cpu_seconds_with_write"] = round(time.process_time() - cpu0 + probe_cpu, 2)
     size = ""
     if out_path:
         file_bytes = Path(out_path).stat().st_size

@@ -163,3 +163,52 @@ def test_disk_full_is_recognised_through_the_writers_error():
         wrapped.__cause__ = full
         assert disk_full(wrapped) and disk_full(full)
     assert not disk_full(RuntimeError("other")) and not disk_full(OSError(2, "missing"))
+
+
+def test_extract_shard_reuses_the_probed_batches(tmp_path, tiny_llama):
+    """The estimate's probed batches are written, not recomputed: every sample is in the shard once,
+    in plan order, with the states of a single-sequence capture; the stats hold estimate and actual."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from draftsmith.engines.hf import HfExtractor
+    from draftsmith.extract import extract_shard
+    from draftsmith.shards import iter_samples, verify_shard
+
+    target = tmp_path / "target"
+    tiny_llama.save_pretrained(target)
+    lengths = [7, 30, 12, 25, 9, 18, 40, 15]
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, 256, (n,), generator=g) for n in lengths]
+    meta = {"sample_ids": [f"s{i}" for i in range(8)], "template": "t", "shards": [[0, 8]]}
+    save_file(
+        {
+            "input_ids": torch.cat(ids),
+            "loss_mask": torch.ones(sum(lengths), dtype=torch.uint8),
+            "offsets": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]),
+        },
+        str(tmp_path / "tokens.safetensors"),
+        metadata={"draftsmith_tokens": json.dumps(meta)},
+    )
+    out = tmp_path / "hidden" / "shard-0.safetensors"
+    extractor = HfExtractor(tiny_llama, [1, 3])  # the tiny target has no tokenizer to load from a folder
+    tokens = str(tmp_path / "tokens.safetensors")
+    stats = extract_shard(str(target), tokens, 0, str(out), [1, 3], "float32", 60, extractor=extractor)
+    extractor.close()
+    assert (
+        stats["estimate"]["seconds_low"] <= stats["estimate"]["seconds"] <= stats["estimate"]["seconds_high"]
+    )
+    assert len(stats["estimate"]["probe_batches"]) >= 1 and stats["probe_seconds"] > 0
+    assert stats["file_bytes"] == out.stat().st_size
+    plan = [i for batch in token_batches(lengths, 60) for i in batch]
+    samples = list(iter_samples(out))
+    assert [s.id for s in samples] == [f"s{i}" for i in plan]  # each once, in plan order
+    for s in samples:
+        aux, final = capture_states(tiny_llama, ids[int(s.id[1:])][None], [1, 3])
+        assert torch.equal(s.input_ids, ids[int(s.id[1:])])
+        torch.testing.assert_close(
+            s.aux.float(), aux[0].bfloat16().float(), rtol=2**-7, atol=0
+        )  # bf16 storage
+        torch.testing.assert_close(s.final.float(), final[0].bfloat16().float(), rtol=2**-7, atol=0)
+    assert len(verify_shard(out)) == 64
