@@ -159,9 +159,14 @@ def estimate_lines(
             f"codec ratio {measured['codec_ratio']:.3f} (measured on {measured['tokens']:,} tokens) -> about {human_bytes(compressed)} on disk"
         )
         shapes = len(measured.get("batches", [])) or 1
+        spread = (
+            f"range {human_seconds(low)} to {human_seconds(high)}"
+            if shapes > 1
+            else "one batch shape measured: no range"
+        )
         lines.append(
             f"capture measured on {shapes} batch shape(s) after a warm-up, {measured['tokens_per_second']:,.0f} tok/s "
-            f"-> about {human_seconds(seconds)} of compute (range {human_seconds(low)} to {human_seconds(high)})"
+            f"-> about {human_seconds(seconds)} of compute ({spread})"
         )
     return lines, result
 

@@ -287,8 +287,7 @@ def extract_shard(
     agreement = stats["teacher_agreement"]
     print(
         f"extract shard {shard}: {total_tokens:,} tokens in {human_seconds(stats['seconds'])} "
-        f"(estimate {human_seconds(estimate['seconds'])}, range {human_seconds(estimate['seconds_low'])} to "
-        f"{human_seconds(estimate['seconds_high'])}{', eager' if compile_seconds else ''}; "
+        f"(estimate {human_seconds(estimate['seconds'])}{', eager' if compile_seconds else ''}; "
         f"{stats['tokens_per_second']} tok/s), teacher agreement "
         f"{'n/a' if agreement is None else f'{agreement:.4f}'} over {stats['teacher_checked']:,} positions{size}",
         flush=True,
