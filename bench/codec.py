@@ -4,7 +4,9 @@
 
 All candidates are lossless and run in this one process on the same bytes (the bf16 aux + final states
 of one shard), single-threaded, each sample encoded and decoded on its own as a shard stores it and the
-loader reads it; decode includes rebuilding the bf16 tensor. Ratio = compressed / raw.
+loader reads it; decode includes rebuilding the bf16 tensor. Ratio = compressed / raw. The last three
+rows price the integrity checks: zstd's frame checksums, then the per-sample sha256 that every read
+recomputes.
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ from draftsmith.shards import (
     bf16_bits,
     byte_planes,
     decode_sample,
+    high_plane_params,
     iter_samples,
+    sample_digest,
+    split_slots,
 )
 
 
@@ -78,13 +83,22 @@ def candidates() -> dict[str, tuple[Callable, Callable]]:
     for level in (1, 3):
         out[f"byte planes per layer, zstd-{level}"] = _planes_encoder(level, per_layer=True)
     out[f"same, mantissa at zstd {MANTISSA_LEVEL}"] = _planes_encoder(1, True, MANTISSA_LEVEL)
-    out["shipped: min_match 7, mantissa framed"] = _shipped_codec()
+    out["shipped, format 1 (no checksums)"] = _shipped_codec(checksums=False, digest=False)
+    out["shipped + zstd frame checksums"] = _shipped_codec(digest=False)
+    out["shipped + checksums + sample sha256"] = _shipped_codec()
     return out
 
 
-def _shipped_codec(level: int = 1) -> tuple[Callable, Callable]:
-    """Exactly what ShardWriter writes and ShardReader decodes."""
+def _shipped_codec(level: int = 1, checksums: bool = True, digest: bool = True) -> tuple[Callable, Callable]:
+    """What ShardWriter writes and ShardReader decodes: with checksums and digest, exactly (zstd checks
+    each frame's checksum, then the sample's sha256 is recomputed); without, to price them."""
     encoder, decomp = PlaneEncoder(level), zstandard.ZstdDecompressor()
+    if not checksums:  # format 1's frames
+        encoder.high = zstandard.ZstdCompressor(
+            compression_params=_without_checksum(high_plane_params(level))
+        )
+        encoder.low = zstandard.ZstdCompressor(level=MANTISSA_LEVEL)
+    ids, mask = torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.uint8)
 
     def encode(states: torch.Tensor) -> list[bytes]:  # states [N, L, H]
         sample = Sample("bench", torch.zeros(0), torch.zeros(0), states[:, :-1], states[:, -1])
@@ -95,10 +109,26 @@ def _shipped_codec(level: int = 1) -> tuple[Callable, Callable]:
         ends = np.cumsum([len(f) for f in frames]).tolist()
         spans = [[start, end - start] for start, end in zip([0, *ends[:-1]], ends, strict=True)]
         index = [spans[i : i + 2] for i in range(0, len(spans), 2)]
-        aux, final = decode_sample(blob, index, shape[0], {"hidden_size": shape[2]}, decomp)
+        slots = decode_sample(blob, index, shape[0], shape[2], decomp)  # [A + 1, T, H]
+        if digest:
+            sample_digest(ids, mask, slots)
+        aux, final = split_slots(slots)
         return torch.cat([aux, final[:, None]], dim=1)
 
     return encode, decode
+
+
+def _without_checksum(params: zstandard.ZstdCompressionParameters) -> zstandard.ZstdCompressionParameters:
+    return zstandard.ZstdCompressionParameters(
+        window_log=params.window_log,
+        chain_log=params.chain_log,
+        hash_log=params.hash_log,
+        search_log=params.search_log,
+        min_match=params.min_match,
+        target_length=params.target_length,
+        strategy=params.strategy,
+        write_checksum=False,
+    )
 
 
 def measure(

@@ -1,4 +1,9 @@
-"""Atomic writes: a crash leaves either the complete file or none (temp file + fsync + rename)."""
+"""Atomic writes: a crash leaves either the complete file or none (temp file + fsync + rename).
+
+Every committed file gets the mode a plain `open(path, "w")` would give it (0666 minus the umask:
+0644 under the usual 022), whatever made the temp file: mkstemp and safetensors create theirs 0600,
+which a serving process running as another user could not read.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,23 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+
+def process_umask() -> int:
+    """The process's umask, read without changing it (Linux: /proc; elsewhere set and restored)."""
+    with (
+        contextlib.suppress(OSError, ValueError, StopIteration),
+        open("/proc/self/status", encoding="ascii") as fh,
+    ):
+        return int(next(line for line in fh if line.startswith("Umask:")).split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def shared_mode(directory: bool = False) -> int:
+    """Mode of a result file (0666) or folder (0777) under the umask: 0644 / 0755 with umask 022."""
+    return (0o777 if directory else 0o666) & ~process_umask()
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -28,7 +50,6 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(fd)
     tmp = Path(tmp_name)
-    tmp.chmod(0o644)  # mkstemp makes 0600; results are meant to be shared
     try:
         yield tmp
         commit_file(tmp, target)
@@ -38,8 +59,10 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
 
 def commit_file(tmp: str | os.PathLike[str], target: str | os.PathLike[str]) -> None:
     """Make a finished temporary file (beside target, same filesystem) the target: fsync, rename, and
-    fsync the folder, so after a crash the target is either the old file or the whole new one."""
+    fsync the folder, so after a crash the target is either the old file or the whole new one. The
+    file gets shared_mode(): the writer may have created it 0600."""
     with open(tmp, "rb+") as fh:
+        os.fchmod(fh.fileno(), shared_mode())
         os.fsync(fh.fileno())
     os.replace(tmp, target)
     _fsync_dir(Path(target).parent)
@@ -51,12 +74,17 @@ def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
-    tmp.chmod(0o755)
     try:
         yield tmp
+        tmp.chmod(shared_mode(directory=True))  # mkdtemp makes 0700
         for child in tmp.rglob("*"):
-            if child.is_file():
+            if child.is_symlink():
+                continue
+            if child.is_dir():
+                child.chmod(shared_mode(directory=True))
+            elif child.is_file():
                 with open(child, "rb+") as fh:
+                    os.fchmod(fh.fileno(), shared_mode())  # save_file and mkstemp make 0600
                     os.fsync(fh.fileno())
         old = None
         if target.exists():

@@ -432,6 +432,7 @@ def extract(
     Writes OUT atomically: until the shard is complete only hidden temporary files (.NAME.*) exist,
     and a rerun after a crash removes them and starts the shard again.
     """
+    from draftsmith.estimate import NotEnoughDisk
     from draftsmith.extract import extract_shard
 
     ops = {"threads": kw.pop("threads"), "gpus": kw.pop("gpus")}
@@ -453,6 +454,8 @@ def extract(
         extract_shard(target_path, tokens, shard, out, values["aux_layers"], **options)
     except ValueError as err:
         _fail(str(err), EXIT_BAD_INPUT)
+    except NotEnoughDisk as err:
+        _fail(str(err))
 
 
 @main.command()
@@ -472,6 +475,7 @@ def extract(
 @setting("extract", "codec", "--codec")
 @setting("extract", "zstd_level", "--zstd-level", type=click.IntRange(1, 22))
 @setting("target", "dtype", "--dtype")
+@setting("extract", "batch_tokens", "--batch-tokens")
 @click.option("--num-tokens", type=float, help="Without --tokens: the token count, e.g. 17.3e6.")
 @click.option("--hidden-size", type=int, help="Without --target: the hidden size, e.g. 7168.")
 @click.option(
@@ -489,6 +493,7 @@ def estimate(tokens: str | None, target_path: str | None, aux_layers: str | None
     kw["codec"] = kw["codec"] or section_defaults("extract")["codec"]
     kw["zstd_level"] = kw["zstd_level"] or section_defaults("extract")["zstd_level"]
     kw["dtype"] = kw["dtype"] or section_defaults("target")["dtype"]
+    kw["batch_tokens"] = kw["batch_tokens"] or section_defaults("extract")["batch_tokens"]
 
     if tokens and target_path:
         import torch
@@ -502,15 +507,31 @@ def estimate(tokens: str | None, target_path: str | None, aux_layers: str | None
         model, _ = load_target(target_path, getattr(torch, kw["dtype"]))
         ids = [int(x) for x in aux_layers.split(",")] if aux_layers else None
         layer_ids = resolve_aux_layers(ids, model.config.num_hidden_layers)
-        picks = range(min(4, len(offsets) - 1))
-        samples = [
-            (
-                tensors["input_ids"][offsets[i] : offsets[i + 1]],
-                tensors["loss_mask"][offsets[i] : offsets[i + 1]],
-            )
-            for i in picks
+        from draftsmith.engines.hf import HfExtractor
+        from draftsmith.estimate import probe_batches
+        from draftsmith.extract import PROBE_SHARE, token_batches
+
+        lengths = [offsets[i + 1] - offsets[i] for i in range(len(offsets) - 1)]
+        plan = token_batches(lengths, kw["batch_tokens"])
+        plan_lengths = [[lengths[i] for i in b] for b in plan]
+        picks = probe_batches(plan_lengths, PROBE_SHARE * sum(lengths))
+        batches = [
+            [
+                (
+                    tensors["input_ids"][offsets[i] : offsets[i + 1]],
+                    tensors["loss_mask"][offsets[i] : offsets[i + 1]],
+                )
+                for i in plan[k]
+            ]
+            for k in picks
         ]
-        measured = probe(model, samples, layer_ids, kw["codec"], kw["zstd_level"], Path(tokens).parent)
+        extractor = HfExtractor(model, layer_ids)
+        try:
+            measured, _ = probe(
+                batches, extractor.capture, plan_lengths, kw["codec"], kw["zstd_level"], Path(tokens).parent
+            )
+        finally:
+            extractor.close()
         lines, _ = estimate_lines(int(offsets[-1]), len(layer_ids) + 1, model.config.hidden_size, measured)
     elif kw["num_tokens"] and kw["hidden_size"]:
         lines, _ = estimate_lines(int(kw["num_tokens"]), kw["stored_layers"], kw["hidden_size"], None)
@@ -547,13 +568,14 @@ def manifest(
 
 @main.command()
 @click.argument("manifest_path", type=click.Path(dir_okay=False))
-@click.option("--fast", is_flag=True, help="Check presence and sizes only, not checksums.")
+@click.option("--fast", is_flag=True, help="Check presence and sizes only, without decoding.")
 def verify(manifest_path: str, fast: bool) -> None:
-    """Re-check extracted data against data_config.json: files, sizes, sha256, teacher agreement."""
+    """Re-check extracted data against data_config.json: files, sizes, teacher agreement, and every
+    sample decoded and compared with the content digest recorded when it was extracted."""
     from draftsmith.manifest import DataError, verify_manifest
 
     try:
-        problems = verify_manifest(manifest_path, check_hashes=not fast)
+        problems = verify_manifest(manifest_path, decode=not fast)
     except DataError as err:
         _fail(str(err))
     for p in problems:
@@ -724,8 +746,26 @@ def _warn_untrained_positions(drafter: str, num_draft_tokens: int) -> None:
         click.secho(f"warning: {warning}", fg="yellow", err=True)
 
 
-def _drafters(drafter: str, untrained: str | None) -> dict[str, str]:
-    return {"eagle3": drafter, **({"untrained": untrained} if untrained else {})}
+def _drafters(drafter: str, untrained: str | None, target_path: str | None = None) -> dict[str, str]:
+    """The drafters to measure, each export checked first: a missing or broken export is one line and
+    exit 2 here, not a crash after the target has loaded (or vLLM after a minute)."""
+    from draftsmith.export import check_export
+
+    drafters = {"eagle3": drafter, **({"untrained": untrained} if untrained else {})}
+    layers = vocab_size = None
+    if target_path and (Path(target_path) / "config.json").is_file():
+        from draftsmith.target import text_config_dict
+
+        cfg = text_config_dict(target_path)
+        layers, vocab_size = cfg.get("num_hidden_layers"), cfg.get("vocab_size")
+    for name, path in drafters.items():
+        problems = check_export(path, target_num_layers=layers, target_vocab_size=vocab_size)
+        if problems:
+            _fail(
+                f"{name} drafter {path}: {'; '.join(problems)} (not a complete export: rerun its rule)",
+                EXIT_BAD_INPUT,
+            )
+    return drafters
 
 
 EVAL_KEYS = ("num_prompts", "max_new_tokens", "num_draft_tokens", "ngram", "temperature")
@@ -756,7 +796,9 @@ def evaluate(target_path: str, drafter: str, untrained: str | None, prompts_path
     _eval_settings(kw, "seed")
     _warn_untrained_positions(drafter, kw["num_draft_tokens"])
     try:
-        evaluate_offline(target_path, _drafters(drafter, untrained), prompts_path, kw.pop("out"), **kw)
+        evaluate_offline(
+            target_path, _drafters(drafter, untrained, target_path), prompts_path, kw.pop("out"), **kw
+        )
     except NotLossless as err:
         _fail(f"speculative decoding changed the output: {err}")
 
@@ -783,7 +825,9 @@ def evaluate_vllm_cmd(
     if kw["log_dir"]:
         Path(kw["log_dir"]).mkdir(parents=True, exist_ok=True)
     try:
-        evaluate_vllm(target_path, _drafters(drafter, untrained), prompts_path, kw.pop("out"), **kw)
+        evaluate_vllm(
+            target_path, _drafters(drafter, untrained, target_path), prompts_path, kw.pop("out"), **kw
+        )
     except VllmUnavailable as err:
         _fail(str(err))
     except RuntimeError as err:

@@ -1,8 +1,10 @@
 """Exact size and time estimates for extraction, before any work is done.
 
 Bytes are exact for raw storage: tokens x (aux layers + final) x hidden x 2 (bf16). Compressed bytes
-and time come from a probe: the target runs on a few real samples, which are then encoded with the
-chosen codec, so the ratio and tokens/s are measured on this machine and this data, not guessed.
+and time come from a probe: after a warm-up, the target runs a few real batches of the job's own
+plan (short, middle and long rows), which are then encoded with the chosen codec, so the ratio and the
+time are measured on this machine and this data, not guessed; the time is extrapolated batch by batch
+over the plan's shapes, with the interval its fastest and slowest probe give.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from draftsmith.shards import Sample, write_shard
 
 BF16_BYTES = 2
+WARMUP_TOKENS = 32  # per row of the warm-up batch
 
 
 def raw_state_bytes(
@@ -41,43 +45,90 @@ def human_seconds(s: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{sec:02d}s"
 
 
+def padded_tokens(lengths: list[int]) -> int:
+    """Tokens a right-padded batch computes: rows x its longest row."""
+    return len(lengths) * max(lengths) if lengths else 0
+
+
+def probe_batches(plan: list[list[int]], budget_tokens: int, count: int = 3) -> list[int]:
+    """Indices of up to `count` batches of a length-sorted plan to time: spread over the plan (short,
+    middle, long rows) so that the estimate sees its shape mix, within a budget of padded tokens."""
+    lengths = [padded_tokens(b) for b in plan]
+    picks = sorted({round(q * (len(plan) - 1)) for q in np.linspace(0.25, 0.75, count)} if plan else set())
+    chosen, spent = [], 0
+    for i in sorted(picks, key=lambda i: abs(i - (len(plan) - 1) / 2)):  # the middle one first
+        if chosen and spent + lengths[i] > budget_tokens:
+            continue
+        chosen.append(i)
+        spent += lengths[i]
+    return sorted(chosen)
+
+
+def predict_seconds(plan_lengths: list[list[int]], timed: list[dict[str, float]]) -> dict[str, float]:
+    """Time for a whole plan from timed batches: seconds per padded token, interpolated by row length
+    (longer rows cost more per token: attention), applied batch by batch; the interval uses the slowest
+    and fastest measured rate for every batch."""
+    order = sorted(timed, key=lambda t: t["length"])
+    xs = [t["length"] for t in order]
+    rates = [t["seconds"] / t["padded"] for t in order]  # seconds per padded token
+    padded = np.array([padded_tokens(b) for b in plan_lengths], dtype=np.float64)
+    longest = np.array([max(b) for b in plan_lengths], dtype=np.float64)
+    low, high = float(padded.sum() * min(rates)), float(padded.sum() * max(rates))
+    point = float((padded * np.interp(longest, xs, rates)).sum())
+    return {
+        "seconds": min(max(point, low), high),  # within by construction, up to rounding
+        "seconds_low": low,
+        "seconds_high": high,
+        "padded_tokens": int(padded.sum()),
+    }
+
+
 def probe(
-    model,
-    samples: list[tuple[torch.Tensor, torch.Tensor]],
-    aux_layer_ids: list[int],
+    batches: list[list[tuple[torch.Tensor, torch.Tensor]]],
+    capture: Callable[[list[torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]],
+    plan_lengths: list[list[int]],
     codec: str,
     level: int,
     workdir: Path,
-    capture: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
-) -> dict[str, float]:
-    """Run the capture on a few real samples and encode them: measured tokens/s and codec ratio.
+) -> tuple[dict[str, Any], list[list[tuple[torch.Tensor, torch.Tensor]]]]:
+    """Time the capture on a few real batches of the plan, after a short warm-up, and encode what they
+    captured: measured time for the whole plan (with an interval) and codec ratio, and the captured
+    states of each probed batch (the job reuses them: the probe costs only its warm-up).
 
-    `capture(ids [T]) -> (aux [T, A, H], final [T, H])` replaces the transformers capture of `model`
-    (how extraction engines probe themselves)."""
-    if capture is None:
-        from draftsmith.engines.hf import capture_states
-
-        def capture(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            aux, final = capture_states(model, ids[None], aux_layer_ids)
-            return aux[0], final[0]
-
-    tokens = sum(ids.numel() for ids, _ in samples)
-    captured = []
-    capture(samples[0][0][:16])  # warm-up: first calls are slow
-    start = time.perf_counter()
-    for ids, mask in samples:
-        aux, final = capture(ids)
-        captured.append(Sample("probe", ids, mask.bool(), aux.bfloat16(), final.bfloat16()))
-    seconds = time.perf_counter() - start
+    batches: the probed batches, each a list of (ids [T], loss_mask [T]); capture(list of ids [T]) ->
+    [(aux [T, A, H], final [T, H])]; plan_lengths: the sample lengths of every batch the job will run."""
+    # warm-up: the first calls allocate and pick kernels; as many rows as the first probe, short ones
+    capture([ids[:WARMUP_TOKENS] for ids, _ in batches[0]])
+    captured, timed, outputs = [], [], []
+    for batch in batches:
+        start, cpu = time.perf_counter(), time.process_time()
+        states = capture([ids for ids, _ in batch])
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+        outputs.append(states)
+        lengths = [int(ids.numel()) for ids, _ in batch]
+        timed.append(
+            {"length": max(lengths), "padded": padded_tokens(lengths), "seconds": seconds, "cpu_seconds": cpu}
+        )
+        for (ids, mask), (aux, final) in zip(batch, states, strict=True):
+            captured.append(Sample("probe", ids, mask.bool(), aux.bfloat16(), final.bfloat16()))
+    tokens = sum(s.num_tokens for s in captured)
     path = workdir / ".estimate-probe.safetensors"
     state_bytes = write_shard(path, captured, {"probe": True}, codec=codec, level=level)
     path.unlink()
-    ratio = state_bytes / raw_state_bytes(tokens, len(aux_layer_ids) + 1, captured[0].final.shape[-1])
-    return {"tokens": tokens, "tokens_per_second": tokens / seconds, "codec_ratio": ratio}
+    stored_layers, hidden = captured[0].aux.shape[1] + 1, captured[0].final.shape[-1]
+    ratio = state_bytes / raw_state_bytes(tokens, stored_layers, hidden)
+    measured = {
+        "tokens": tokens,
+        "tokens_per_second": tokens / sum(t["seconds"] for t in timed),
+        "codec_ratio": ratio,
+        "batches": timed,
+        **predict_seconds(plan_lengths, timed),
+    }
+    return measured, outputs
 
 
 def estimate_lines(
-    num_tokens: int, stored_layers: int, hidden_size: int, measured: dict[str, float] | None
+    num_tokens: int, stored_layers: int, hidden_size: int, measured: dict[str, Any] | None
 ) -> tuple[list[str], dict[str, Any]]:
     raw = raw_state_bytes(num_tokens, stored_layers, hidden_size)
     result: dict[str, Any] = {
@@ -91,29 +142,58 @@ def estimate_lines(
     ]
     if measured:
         compressed = raw * measured["codec_ratio"]
-        seconds = num_tokens / measured["tokens_per_second"]
+        seconds = measured.get("seconds", num_tokens / measured["tokens_per_second"])
+        low, high = measured.get("seconds_low", seconds), measured.get("seconds_high", seconds)
         result |= {
             "compressed_bytes": int(compressed),
             "seconds": seconds,
-            **{f"probe_{k}": v for k, v in measured.items()},
+            "seconds_low": low,
+            "seconds_high": high,
+            **{
+                f"probe_{k}": v
+                for k, v in measured.items()
+                if k not in ("seconds", "seconds_low", "seconds_high")
+            },
         }
         lines.append(
             f"codec ratio {measured['codec_ratio']:.3f} (measured on {measured['tokens']:,} tokens) -> about {human_bytes(compressed)} on disk"
         )
+        shapes = len(measured.get("batches", [])) or 1
+        spread = (
+            f"range {human_seconds(low)} to {human_seconds(high)}"
+            if shapes > 1
+            else "one batch shape measured: no range"
+        )
         lines.append(
-            f"capture at {measured['tokens_per_second']:,.0f} tok/s (measured) -> about {human_seconds(seconds)} of compute"
+            f"capture measured on {shapes} batch shape(s) after a warm-up, {measured['tokens_per_second']:,.0f} tok/s "
+            f"-> about {human_seconds(seconds)} of compute ({spread})"
         )
     return lines, result
 
 
-def check_free_disk(directory: str | Path, needed_bytes: float, margin: float = 1.1) -> None:
+class NotEnoughDisk(OSError):
+    """The results disk cannot hold what a job is about to write; the message has the numbers."""
+
+
+def disk_advice(codec: str, codec_ratio: float | None = None) -> str:
+    """What to do when a shard does not fit: only suggest the codec when it is not already in use."""
+    advice = "free space on that disk or point the workflow at a larger one (snakemake --directory)"
+    if codec == "none":
+        ratio = f" (measured ratio {codec_ratio:.2f})" if codec_ratio else ""
+        advice += f", or store less with extract.codec: zstd-planes{ratio}"
+    return advice
+
+
+def check_free_disk(
+    directory: str | Path, needed_bytes: float, codec: str = "zstd-planes", margin: float = 1.1
+) -> None:
     """Refuse to start when the disk cannot hold the output (with a 10% margin)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(directory).free
     if free < needed_bytes * margin:
-        raise OSError(
-            f"not enough free disk in {directory}: {human_bytes(free)} free, extraction needs about "
-            f"{human_bytes(needed_bytes)} (+10% margin). Free space, choose another results folder, or use "
-            "extract.codec: zstd-planes."
+        raise NotEnoughDisk(
+            f"not enough free disk in {directory}: {human_bytes(free)} free, this shard needs about "
+            f"{human_bytes(needed_bytes)} with codec {codec} (+10% margin: {human_bytes(needed_bytes * margin)}); "
+            f"{disk_advice(codec)}"
         )

@@ -12,6 +12,7 @@ complete only hidden `.shard-k.safetensors.*` files exist, and the next run of t
 
 from __future__ import annotations
 
+import errno
 import shutil
 import tempfile
 import time
@@ -21,11 +22,29 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from draftsmith.estimate import check_free_disk, estimate_lines, human_bytes, probe
+from draftsmith.estimate import (
+    NotEnoughDisk,
+    check_free_disk,
+    disk_advice,
+    estimate_lines,
+    human_bytes,
+    human_seconds,
+    probe,
+    probe_batches,
+)
 from draftsmith.layers import default_aux_layers, validate_aux_layers
 from draftsmith.shards import Sample, ShardWriter, remove_stale_temp_files
 from draftsmith.target import text_config_dict
 from draftsmith.tokenize import load_tokens
+
+
+def disk_full(err: BaseException | None) -> bool:
+    """Whether an error (or what caused it, e.g. the shard writer's) is a full disk."""
+    while err is not None:
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def resolve_aux_layers(aux_layers: list[int] | None, num_layers: int) -> list[int]:
@@ -73,6 +92,7 @@ def teacher_agreement(
     return count_agreeing(lm_head_weight, states, next_ids), int(next_ids.numel())
 
 
+PROBE_SHARE = 0.25  # the probe times up to this share of a shard (reused: costs only its warm-up)
 COMPILE_MIN_SECONDS = 300.0  # "auto" compiles when eager compute would take longer than this
 
 
@@ -174,23 +194,23 @@ def extract_shard(
         extractor = make_engine(
             engine, target, layer_ids, dtype, gpus, max(lengths) + 1, scratch, vllm_eager=vllm_eager
         )
-    writer = None
+    writer, estimate = None, {}
     try:
-        shortest = sorted(range(len(lengths)), key=lambda i: lengths[i])[len(lengths) // 2 :][:2]
-        measured = probe(
-            None,
-            [sample_tokens(i) for i in shortest],
-            layer_ids,
+        plan = token_batches(lengths, batch_tokens)
+        picks = probe_batches([[lengths[i] for i in b] for b in plan], PROBE_SHARE * total_tokens)
+        measured, probed = probe(
+            [[sample_tokens(i) for i in plan[k]] for k in picks],
+            extractor.capture,
+            [[lengths[i] for i in b] for b in plan],
             codec,
             zstd_level,
             scratch,
-            capture=lambda ids: extractor.capture([ids])[0],
         )
         lines, estimate = estimate_lines(total_tokens, len(layer_ids) + 1, hidden, measured)
         for line in lines:
             print(f"extract shard {shard}: estimate: {line}", flush=True)
         if out_path:
-            check_free_disk(Path(out_path).parent, estimate["compressed_bytes"])
+            check_free_disk(Path(out_path).parent, estimate["compressed_bytes"], codec)
         compile_seconds = None
         if should_compile(compile, engine, estimate["seconds"]) and not extractor.compiled:
             print(f"extract shard {shard}: compiling the forward (torch.compile, one-off)...", flush=True)
@@ -206,7 +226,23 @@ def extract_shard(
             )
         t0, cpu0 = time.perf_counter(), time.process_time()
         stats = _extract_loop(
-            extractor, writer, shard, lengths, sample_tokens, meta["sample_ids"][start:end], batch_tokens
+            extractor,
+            writer,
+            shard,
+            lengths,
+            sample_tokens,
+            meta["sample_ids"][start:end],
+            plan,
+            dict(zip(picks, probed, strict=True)),
+        )
+        # the probed batches were computed before the loop: their time belongs to the shard's compute
+        probe_seconds = sum(b["seconds"] for b in measured["batches"])
+        probe_cpu = sum(b["cpu_seconds"] for b in measured["batches"])
+        stats["probe_seconds"] = round(probe_seconds, 2)
+        stats["seconds"] = round(stats["seconds"] + probe_seconds, 2)
+        stats["cpu_seconds"] = round(stats["cpu_seconds"] + probe_cpu, 2)
+        stats["tokens_per_second"] = (
+            round(total_tokens / stats["seconds"], 1) if stats["seconds"] > 0 else None
         )
         stats |= {"engine": engine, "compile_seconds": compile_seconds, "estimate": estimate}
         if writer:
@@ -221,21 +257,37 @@ def extract_shard(
             )
             stats["writer_cpu_seconds"] = round(writer.cpu_seconds, 3)
             stats["close_seconds"] = round(time.perf_counter() - closing, 3)
-    except BaseException:
+    except BaseException as err:
         if writer:
             writer.abort()
+        if out_path and disk_full(err):  # the disk filled up after the check (other jobs write too)
+            free = human_bytes(shutil.disk_usage(Path(out_path).parent).free)
+            needed = human_bytes(estimate.get("compressed_bytes", 0))
+            raise NotEnoughDisk(
+                f"{Path(out_path).parent}: disk full while writing shard {shard} ({free} free after removing its "
+                f"partial file; the shard needs about {needed}); {disk_advice(codec)}"
+            ) from None
         raise
     finally:
         if own_engine:
             extractor.close()
         shutil.rmtree(scratch, ignore_errors=True)
-    stats["wall_seconds_with_write"] = round(time.perf_counter() - t0, 2)
-    stats["cpu_seconds_with_write"] = round(time.process_time() - cpu0, 2)
-    size = f", {human_bytes(Path(out_path).stat().st_size)} written" if out_path else ""
+    stats["wall_seconds_with_write"] = round(time.perf_counter() - t0 + probe_seconds, 2)
+    stats["cpu_seconds_with_write"] = round(time.process_time() - cpu0 + probe_cpu, 2)
+    size = ""
+    if out_path:
+        file_bytes = Path(out_path).stat().st_size
+        stats["file_bytes"] = file_bytes
+        size = (
+            f", {human_bytes(file_bytes)} written ({human_bytes(writer.bytes_written)} states + "
+            f"{human_bytes(file_bytes - writer.bytes_written)} tokens, index and header; estimate "
+            f"{human_bytes(estimate['compressed_bytes'])})"
+        )
     agreement = stats["teacher_agreement"]
     print(
-        f"extract shard {shard}: {total_tokens:,} tokens in {stats['seconds']:.1f}s "
-        f"({stats['tokens_per_second']} tok/s), teacher agreement "
+        f"extract shard {shard}: {total_tokens:,} tokens in {human_seconds(stats['seconds'])} "
+        f"(estimate {human_seconds(estimate['seconds'])}{', eager' if compile_seconds else ''}; "
+        f"{stats['tokens_per_second']} tok/s), teacher agreement "
         f"{'n/a' if agreement is None else f'{agreement:.4f}'} over {stats['teacher_checked']:,} positions{size}",
         flush=True,
     )
@@ -243,9 +295,17 @@ def extract_shard(
 
 
 def _extract_loop(
-    extractor, writer, shard: int, lengths: list[int], sample_tokens, sample_ids: list[str], batch_tokens: int
+    extractor,
+    writer,
+    shard: int,
+    lengths: list[int],
+    sample_tokens,
+    sample_ids: list[str],
+    plan: list[list[int]],
+    done: dict[int, list[tuple[torch.Tensor, torch.Tensor]]],
 ) -> dict[str, Any]:
-    """Capture every sample, check teacher agreement, hand samples to the writer; returns the stats."""
+    """Capture every batch of the plan (taking those in `done` from the probe: the same batch gives the
+    same states), check teacher agreement, hand samples to the writer in plan order; returns the stats."""
     total_tokens = sum(lengths)
     agree = checked = masked = 0
     t0, cpu0 = time.perf_counter(), time.process_time()
@@ -253,8 +313,8 @@ def _extract_loop(
         total=total_tokens, desc=f"extract shard {shard}", unit="tok", unit_scale=True, dynamic_ncols=True
     )
     try:
-        for batch in token_batches(lengths, batch_tokens):
-            captured = extractor.capture([sample_tokens(i)[0] for i in batch])
+        for k, batch in enumerate(plan):
+            captured = done.pop(k, None) or extractor.capture([sample_tokens(i)[0] for i in batch])
             states, next_ids = [], []
             for i, (aux, final) in zip(batch, captured, strict=True):
                 input_ids, loss_mask = sample_tokens(i)
@@ -276,10 +336,10 @@ def _extract_loop(
             agree += count_agreeing(extractor.lm_head_weight, torch.cat(states), next_batch)
             checked += int(next_batch.numel())
             bar.update(sum(lengths[i] for i in batch))
-            if writer:
+            if writer and writer.tokens_written:  # states encoded so far (the queue holds the rest)
                 bar.set_postfix(
-                    written=human_bytes(writer.bytes_written),
-                    projected=human_bytes(writer.bytes_written * total_tokens / bar.n),
+                    states=human_bytes(writer.bytes_written),
+                    projected=human_bytes(writer.bytes_written * total_tokens / writer.tokens_written),
                 )
     finally:
         bar.close()

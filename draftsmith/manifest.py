@@ -16,10 +16,10 @@ from typing import Any
 
 from draftsmith import __version__
 from draftsmith.atomic import write_json
-from draftsmith.shards import read_shard_meta
-from draftsmith.target import file_sha256, text_config_dict
+from draftsmith.shards import ShardError, read_shard_meta, verify_shard
+from draftsmith.target import text_config_dict
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: content_sha256 per shard
 
 
 class DataError(RuntimeError):
@@ -31,9 +31,14 @@ def build_manifest(
 ) -> dict[str, Any]:
     out_dir = Path(out_path).parent
     target_config = text_config_dict(target)  # a wrapper's (Kimi-K2.5) language-model settings
-    shards, metas = [], []
+    shards, metas, damaged = [], [], []
     for path in shard_paths:
-        meta = read_shard_meta(path)
+        try:
+            content = verify_shard(path)  # decodes every sample: a damaged shard never gets a manifest
+            meta = read_shard_meta(path)
+        except ShardError as err:
+            damaged.append(str(err))
+            continue
         metas.append(meta)
         stats = meta["stats"]
         shards.append(
@@ -43,10 +48,12 @@ def build_manifest(
                 "num_tokens": stats["num_tokens"],
                 "num_masked_tokens": stats["num_masked_tokens"],
                 "bytes": Path(path).stat().st_size,
-                "sha256": file_sha256(path),
+                "content_sha256": content,
                 "teacher_agreement": stats["teacher_agreement"],
             }
         )
+    if damaged:
+        raise DataError("\n".join(damaged))
     for key in ("aux_layer_ids", "layer_convention", "template", "dtype", "codec"):
         values = {json.dumps(m[key]) for m in metas}
         if len(values) > 1:
@@ -116,8 +123,10 @@ def load_manifest(path: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def verify_manifest(path: str | Path, check_hashes: bool = True) -> list[str]:
-    """Problems found (empty = all shards present, of the recorded size and checksum, agreement OK)."""
+def verify_manifest(path: str | Path, decode: bool = True) -> list[str]:
+    """Problems found (empty = every shard present, of the recorded size, every sample decoding to its
+    recorded digest, the shard's content digest the manifest's, teacher agreement OK). decode=False
+    checks presence and sizes only."""
     manifest = load_manifest(path)
     problems = []
     for shard in manifest["shards"]:
@@ -127,9 +136,27 @@ def verify_manifest(path: str | Path, check_hashes: bool = True) -> list[str]:
             continue
         if p.stat().st_size != shard["bytes"]:
             problems.append(f"{p}: {p.stat().st_size} bytes, manifest says {shard['bytes']}")
-        elif check_hashes and file_sha256(p) != shard["sha256"]:
-            problems.append(f"{p}: sha256 differs from the manifest (corrupted or rewritten)")
+        elif decode:
+            problems += _content_problems(p, shard.get("content_sha256"))
         agreement = shard.get("teacher_agreement")
         if agreement is not None and agreement < manifest["min_teacher_agreement"]:
             problems.append(f"{p}: teacher agreement {agreement:.3f} < {manifest['min_teacher_agreement']}")
     return problems
+
+
+def _content_problems(path: Path, recorded: str | None) -> list[str]:
+    try:
+        content = verify_shard(path)
+    except ShardError as err:
+        return [str(err)]
+    if recorded is None:
+        return [
+            f"{path}: the manifest records no content_sha256 (written by an older draftsmith); re-run "
+            "the manifest rule"
+        ]
+    if content != recorded:
+        return [
+            f"{path}: content_sha256 {content[:12]}... differs from the manifest's {recorded[:12]}... "
+            "(the shard was re-extracted with other data after the manifest was written)"
+        ]
+    return []

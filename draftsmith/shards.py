@@ -19,19 +19,29 @@ do not compress: they are written at zstd's fastest level, which stores them as 
 plane is one zstd frame:
     blob        uint8 [B]               all frames back to back
     blob_index  int64 [S, A + 1, 2, 2]  [i, l, plane (0 high, 1 low)] = (byte offset, byte length)
-To decode: value_u16 = (high << 8) | low, then reinterpret as bfloat16, shape [T, H].
+To decode: value_u16 = (high << 8) | low, then reinterpret as bfloat16, shape [T, H]. Every frame carries
+zstd's content checksum, so a flipped bit fails its frame instead of decoding to a wrong value.
+
+Content digests (format 2): the writer records per sample `sample_sha256`, the sha256 of
+    (T, A, H) as three little-endian uint64, input_ids int64 [T], loss_mask uint8 [T],
+    then the bf16 values slot by slot (aux layers in id order, then final), each [T, H] row-major
+whatever the codec, and per shard `content_sha256`, the sha256 of the layer ids, dtype and the list of
+(sample id, sample digest). Both depend on the tensors only: two extractions of the same data give the
+same digests whatever their timing stats (which the header also holds) or codec. Every read recomputes
+the sample's digest and refuses a mismatch, naming the shard and the sample.
 
 Tensors may lie in the file in any order (the blob first: it streams straight into the final file),
 and the JSON header may end in spaces (room reserved for it before the data was known).
 
 The metadata also holds sample ids, aux layer ids and their convention, dtype, and extraction stats.
 `iter_samples` streams samples in order, decoding one at a time; `ShardReader` reads any one sample
-alone (random access, for training's shuffled streaming loader).
+alone (random access, for training's shuffled streaming loader); `verify_shard` decodes them all.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import json
 import os
@@ -49,13 +59,16 @@ from typing import Any
 import numpy as np
 import torch
 import zstandard
-from safetensors import safe_open
 from torch import Tensor
 
 from draftsmith.atomic import atomic_path, commit_file
 
-SHARD_FORMAT_VERSION = 1
+SHARD_FORMAT_VERSION = 2  # 2: frame checksums and content digests
 CODECS = ("none", "zstd-planes")
+
+
+class ShardError(RuntimeError):
+    """A shard that cannot be read back as it was written; the message names the file (and sample)."""
 
 
 @dataclass
@@ -84,15 +97,47 @@ def byte_planes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return (values >> 8).astype(np.uint8), values.astype(np.uint8)
 
 
-def sample_planes(sample: Sample) -> tuple[np.ndarray, np.ndarray]:
-    """(high, low) byte planes of one sample, each [A + 1, T * H]: slots in storage order (aux layers,
-    then the final state), each slot's [T, H] values row-major."""
+def sample_slots(sample: Sample) -> np.ndarray:
+    """bf16 bit patterns of one sample, [A + 1, T, H] uint16: slots in storage order (aux layers, then
+    the final state), each slot's [T, H] values row-major."""
     aux, final = bf16_bits(sample.aux), bf16_bits(sample.final)  # [T, A, H], [T, H]
     slots = np.empty((aux.shape[1] + 1, *final.shape), dtype=np.uint16)  # [A + 1, T, H]
     slots[:-1] = aux.transpose(1, 0, 2)
     slots[-1] = final
-    high, low = byte_planes(slots.reshape(slots.shape[0], -1))
-    return high, low
+    return slots
+
+
+def sample_planes(sample: Sample) -> tuple[np.ndarray, np.ndarray]:
+    """(high, low) byte planes of one sample, each [A + 1, T * H] (see sample_slots)."""
+    slots = sample_slots(sample)
+    return byte_planes(slots.reshape(slots.shape[0], -1))
+
+
+def sample_digest(input_ids: Tensor, loss_mask: Tensor, slots: np.ndarray) -> str:
+    """sha256 of one sample's content: its shape, tokens, loss mask and slot-major bf16 values.
+
+    slots: [A + 1, T, H] uint16, as sample_slots returns it."""
+    num_slots, num_tokens, hidden = slots.shape
+    h = hashlib.sha256(struct.pack("<QQQ", num_tokens, num_slots - 1, hidden))
+    h.update(input_ids.to(torch.int64).contiguous().numpy().tobytes())
+    h.update(loss_mask.to(torch.uint8).contiguous().numpy().tobytes())
+    h.update(memoryview(np.ascontiguousarray(slots)).cast("B"))  # no copy; hashlib drops the GIL
+    return h.hexdigest()
+
+
+def content_digest(meta: dict[str, Any], ids: list[str], digests: list[str]) -> str:
+    """A shard's content digest: what the states are (layer ids, convention, dtype, shape) and every
+    sample's id and digest, in order. Codec, compression level and timing stats stay out of it."""
+    record = {
+        "aux_layer_ids": meta.get("aux_layer_ids"),
+        "layer_convention": meta.get("layer_convention"),
+        "final": meta.get("final"),
+        "dtype": meta.get("dtype"),
+        "num_aux": meta.get("num_aux"),
+        "hidden_size": meta.get("hidden_size"),
+        "samples": [[i, d] for i, d in zip(ids, digests, strict=True)],
+    }
+    return hashlib.sha256(json.dumps(record, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 MANTISSA_LEVEL = -5  # zstd's fastest mode: the low plane does not compress, so this only frames it
@@ -103,7 +148,7 @@ def high_plane_params(level: int) -> zstandard.ZstdCompressionParameters:
     (entropy-coded literals); matches shorter than 7 bytes cost more than they save, and hunting for
     them is most of zstd's time: on SmolLM2's states min_match 7 with a small hash table gives ratio
     0.358 instead of 0.374 at 2.7x the speed of stock level 1 (bench/codec.py)."""
-    return zstandard.ZstdCompressionParameters.from_level(level, min_match=7, hash_log=7)
+    return zstandard.ZstdCompressionParameters.from_level(level, min_match=7, hash_log=7, write_checksum=True)
 
 
 class PlaneEncoder:
@@ -111,11 +156,13 @@ class PlaneEncoder:
 
     def __init__(self, level: int = 1):
         self.high = zstandard.ZstdCompressor(compression_params=high_plane_params(level))
-        self.low = zstandard.ZstdCompressor(level=MANTISSA_LEVEL)
+        self.low = zstandard.ZstdCompressor(level=MANTISSA_LEVEL, write_checksum=True)
 
-    def encode(self, sample: Sample) -> list[bytes]:
-        """Frames of one sample: for each slot (aux layers, then final) its high plane, its low plane."""
-        high, low = sample_planes(sample)
+    def encode(self, sample: Sample, slots: np.ndarray | None = None) -> list[bytes]:
+        """Frames of one sample: for each slot (aux layers, then final) its high plane, its low plane.
+        `slots` is sample_slots(sample) when the caller has it already."""
+        slots = sample_slots(sample) if slots is None else slots
+        high, low = byte_planes(slots.reshape(slots.shape[0], -1))
         return [
             f for h, lo in zip(high, low, strict=True) for f in (self.high.compress(h), self.low.compress(lo))
         ]
@@ -176,8 +223,12 @@ class ShardWriter:
         self._data = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed in close()/abort())
             prefix=f".{self.path.name}.", suffix=".data", dir=self.path.parent, delete=False
         )
-        os.chmod(self._data.name, 0o644)  # it becomes the shard: shared like every result (mkstemp: 0600)
-        ids_room = len(json.dumps(sample_ids, ensure_ascii=False).encode()) if sample_ids else 0
+        # the ids, and one quoted 64-hex digest per sample
+        ids_room = (
+            len(json.dumps(sample_ids, ensure_ascii=False).encode()) + 67 * len(sample_ids)
+            if sample_ids
+            else 0
+        )
         self._header_room = -(-(HEADER_ROOM + ids_room + 2 * len(json.dumps(meta))) // 8) * 8
         self._data.seek(8 + self._header_room)  # the states start here; the gap is filled at close()
         self._final = None
@@ -191,8 +242,10 @@ class ShardWriter:
         self._input_ids: list[Tensor] = []
         self._masks: list[Tensor] = []
         self._index: list[list[list[int]]] = []
+        self._digests: list[str] = []  # sample_sha256, in add() order (one writer thread keeps it)
         self.num_aux = self.hidden_size = None
         self.bytes_written = 0  # state bytes (blob, or aux + final), all the file's bulk
+        self.tokens_written = 0  # tokens whose states are in bytes_written (the queue holds the rest)
         self.cpu_seconds = 0.0  # the writer thread's CPU time: what writing costs the cores
         self._thread = threading.Thread(target=self._work, name=f"shard-writer-{self.path.name}", daemon=True)
         self._thread.start()
@@ -230,13 +283,16 @@ class ShardWriter:
                 self.cpu_seconds += time.thread_time() - cpu
 
     def _write(self, sample: Sample, encoder: PlaneEncoder) -> None:
+        slots = sample_slots(sample)  # [A + 1, T, H]
+        self._digests.append(sample_digest(sample.input_ids, sample.loss_mask, slots))
         if self.codec == "none":
             aux, final = bf16_bits(sample.aux.contiguous()), bf16_bits(sample.final.contiguous())
             self._data.write(aux)
             self._final.write(final)
             self.bytes_written += aux.nbytes + final.nbytes
+            self.tokens_written += sample.num_tokens
             return
-        rows, frames = [], encoder.encode(sample)
+        rows, frames = [], encoder.encode(sample, slots)
         offset = self.bytes_written
         for i in range(0, len(frames), 2):
             rows.append([[offset, len(frames[i])], [offset + len(frames[i]), len(frames[i + 1])]])
@@ -245,6 +301,7 @@ class ShardWriter:
             self._data.write(frame)
         self._index.append(rows)
         self.bytes_written = offset
+        self.tokens_written += sample.num_tokens
 
     def close(self, extra_meta: dict[str, Any] | None = None) -> None:
         """Finish the file: small tensors appended, header written into its room, fsynced, renamed."""
@@ -308,9 +365,11 @@ class ShardWriter:
             "zstd_level": self.level if self.codec != "none" else None,
             "num_aux": num_aux,
             "hidden_size": hidden,
-            "sample_ids": self.ids,
             **self.meta,
+            "sample_ids": self.ids,
+            "sample_sha256": self._digests,
         }
+        header_meta["content_sha256"] = content_digest(header_meta, self.ids, self._digests)
         header: dict[str, Any] = {"__metadata__": {"draftsmith_shard": json.dumps(header_meta)}}
         offset = 0
         for name, code, shape, size in tensors:
@@ -347,92 +406,115 @@ def write_shard(
     return writer.bytes_written
 
 
+def read_header(path: str | Path) -> tuple[int, dict[str, Any], dict[str, Any]]:
+    """(data start, tensor entries, draftsmith metadata) of a shard, checked: a missing, truncated,
+    garbled or older-format file raises ShardError naming it, with what to do."""
+    path = Path(path)
+    redo = "delete it and rerun its extract job"
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            (header_len,) = struct.unpack("<Q", head) if len(head) == 8 else (None,)
+            if header_len is None or 8 + header_len > size:
+                raise ShardError(f"{path}: truncated ({size:,} bytes, its header alone needs more); {redo}")
+            header = json.loads(fh.read(header_len))
+        meta = json.loads(header["__metadata__"]["draftsmith_shard"])
+        entries = {k: v for k, v in header.items() if k != "__metadata__"}
+        end = 8 + header_len + max((e["data_offsets"][1] for e in entries.values()), default=0)
+    except FileNotFoundError:
+        raise ShardError(f"{path}: missing") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+        raise ShardError(f"{path}: not a readable draftsmith shard (header: {err}); {redo}") from None
+    if size < end:
+        raise ShardError(f"{path}: truncated ({size:,} bytes, its header says {end:,}); {redo}")
+    version = meta.get("version")
+    if version != SHARD_FORMAT_VERSION:
+        raise ShardError(
+            f"{path}: shard format {version}, this draftsmith reads format {SHARD_FORMAT_VERSION} (content "
+            f"digests); re-extract it ({redo})"
+        )
+    return 8 + header_len, entries, meta
+
+
 def read_shard_meta(path: str | Path) -> dict[str, Any]:
-    with safe_open(str(path), framework="pt") as f:
-        return json.loads(f.metadata()["draftsmith_shard"])
+    return read_header(path)[2]
 
 
 def iter_samples(path: str | Path) -> Iterator[Sample]:
-    """Stream the samples of one shard in order (memory-mapped; decodes one sample at a time)."""
-    with safe_open(str(path), framework="pt") as f:
-        meta = json.loads(f.metadata()["draftsmith_shard"])
-        codec = meta.get("codec", "none")
-        offsets = f.get_tensor("offsets").tolist()
-        input_ids = f.get_tensor("input_ids")
-        loss_mask = f.get_tensor("loss_mask").bool()
-        if codec == "none":
-            aux = f.get_slice("aux_hidden_states")
-            final = f.get_slice("final_hidden_states")
-        else:
-            blob = f.get_tensor("blob").numpy()
-            index = f.get_tensor("blob_index").tolist()
-            decompressor = zstandard.ZstdDecompressor()
-        for i, sample_id in enumerate(meta["sample_ids"]):
-            a, b = offsets[i], offsets[i + 1]
-            if codec == "none":
-                yield Sample(sample_id, input_ids[a:b], loss_mask[a:b], aux[a:b], final[a:b])
-                continue
-            yield Sample(
-                sample_id,
-                input_ids[a:b],
-                loss_mask[a:b],
-                *decode_sample(blob, index[i], b - a, meta, decompressor),
+    """Stream the samples of one shard in order, decoding and checking one at a time."""
+    with ShardReader(path) as reader:
+        for i in range(len(reader)):
+            yield reader.read(i)
+
+
+def verify_shard(path: str | Path) -> str:
+    """Decode every sample of a shard and check it against the digests recorded by its writer; returns
+    the shard's content digest. Raises ShardError naming the shard (and sample) on any mismatch."""
+    with ShardReader(path) as reader:
+        for i in range(len(reader)):
+            reader.read(i)
+        digest = content_digest(reader.meta, reader.ids, reader.digests)
+        if digest != reader.meta.get("content_sha256"):
+            raise ShardError(
+                f"{reader.path}: content_sha256 in its header does not match its samples' digests"
             )
+    return digest
 
 
-def decode_sample(
-    blob: np.ndarray, index: list, num_tokens: int, meta: dict, decompressor
-) -> tuple[Tensor, Tensor]:
-    """One sample's frames -> (aux [T, A, H], final [T, H]), bf16, without intermediate copies."""
+def decode_sample(blob: np.ndarray, index: list, num_tokens: int, hidden: int, decompressor) -> np.ndarray:
+    """One sample's frames -> its bf16 bit patterns, [A + 1, T, H] uint16 (see sample_slots), without
+    intermediate copies. zstd checks each frame's content checksum (ZstdError on a mismatch)."""
     view = memoryview(blob)
     slots = len(index)
-    pairs = np.empty(
-        (slots, num_tokens * meta["hidden_size"], 2), dtype=np.uint8
-    )  # little-endian [low, high]
+    pairs = np.empty((slots, num_tokens * hidden, 2), dtype=np.uint8)  # little-endian [low, high]
     for slot, ((h_off, h_len), (l_off, l_len)) in enumerate(index):
-        pairs[slot, :, 1] = np.frombuffer(
-            decompressor.decompress(view[h_off : h_off + h_len]), dtype=np.uint8
-        )
-        pairs[slot, :, 0] = np.frombuffer(
-            decompressor.decompress(view[l_off : l_off + l_len]), dtype=np.uint8
-        )
-    states = torch.from_numpy(pairs).view(torch.bfloat16).reshape(slots, num_tokens, -1)  # [A+1, T, H]
+        for plane, off, size in ((1, h_off, h_len), (0, l_off, l_len)):
+            data = decompressor.decompress(view[off : off + size])
+            if len(data) != num_tokens * hidden:
+                raise zstandard.ZstdError(f"{len(data)} bytes decoded, {num_tokens * hidden} expected")
+            pairs[slot, :, plane] = np.frombuffer(data, dtype=np.uint8)
+    return pairs.view(np.uint16).reshape(slots, num_tokens, hidden)
+
+
+def split_slots(slots: np.ndarray) -> tuple[Tensor, Tensor]:
+    """[A + 1, T, H] uint16 bit patterns -> (aux [T, A, H], final [T, H]) bf16 views."""
+    states = torch.from_numpy(slots).view(torch.bfloat16)
     return states[:-1].transpose(0, 1), states[-1]
 
 
 def read_tokens(path: str | Path) -> tuple[Tensor, Tensor, Tensor]:
     """(input_ids [N], loss_mask [N] bool, offsets [S+1]) of a shard, without touching hidden states."""
-    with safe_open(str(path), framework="pt") as f:
-        return f.get_tensor("input_ids"), f.get_tensor("loss_mask").bool(), f.get_tensor("offsets")
+    with ShardReader(path) as reader:
+        return (
+            reader.read_tensor("input_ids"),
+            reader.read_tensor("loss_mask").bool(),
+            reader.read_tensor("offsets"),
+        )
 
 
 class ShardReader:
-    """Random access to one shard: `read(i)` reads and decodes sample i alone, in any order.
+    """Random access to one shard: `read(i)` reads, decodes and checks sample i alone, in any order.
 
     Only the offsets and the frame index stay in memory; a sample's bytes are fetched with one
-    positioned read (os.preadv, which releases the GIL, as zstd and numpy do), so background threads can
-    decode samples of many shards at once. Thread-safe: reads share one file descriptor (positioned, no
-    seek), and each thread gets its own zstd decompressor.
+    positioned read (os.preadv, which releases the GIL, as zstd, numpy and hashlib do), so background
+    threads can decode samples of many shards at once. Thread-safe: reads share one file descriptor
+    (positioned, no seek), and each thread gets its own zstd decompressor.
     """
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        with open(self.path, "rb") as fh:
-            (header_len,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(header_len))
-        self._data_start = 8 + header_len
-        self._entries = {k: v for k, v in header.items() if k != "__metadata__"}
-        self.meta: dict[str, Any] = json.loads(header["__metadata__"]["draftsmith_shard"])
+        self._data_start, self._entries, self.meta = read_header(self.path)
         self.codec = self.meta.get("codec", "none")
         self.ids: list[str] = list(self.meta["sample_ids"])
-        if self.codec == "none":  # shapes from the header (older shards lack these metadata keys)
-            _, self.num_aux, self.hidden_size = self._entries["aux_hidden_states"]["shape"]
-        else:
-            self.num_aux, self.hidden_size = int(self.meta["num_aux"]), int(self.meta["hidden_size"])
+        self.digests: list[str] = list(self.meta["sample_sha256"])
+        self.num_aux, self.hidden_size = int(self.meta["num_aux"]), int(self.meta["hidden_size"])
         self._fd = os.open(self.path, os.O_RDONLY)
         self._local = threading.local()
         self.offsets: list[int] = self.read_tensor("offsets").tolist()
         self._index = self.read_tensor("blob_index").tolist() if self.codec == "zstd-planes" else None
+        if not (len(self.offsets) == len(self.ids) + 1 == len(self.digests) + 1):
+            raise ShardError(f"{self.path}: {len(self.ids)} sample ids, {len(self.offsets) - 1} offsets")
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -454,7 +536,7 @@ class ShardReader:
     def _pread(self, start: int, length: int) -> np.ndarray:
         buf = bytearray(length)  # writable, so torch.from_numpy does not warn
         if length and os.preadv(self._fd, [buf], self._data_start + start) != length:
-            raise OSError(f"{self.path}: short read at byte {self._data_start + start} (truncated file?)")
+            raise ShardError(f"{self.path}: short read at byte {self._data_start + start} (truncated file?)")
         return np.frombuffer(buf, dtype=np.uint8)
 
     def read_tensor(self, name: str, start: int = 0, stop: int | None = None) -> Tensor:
@@ -472,28 +554,43 @@ class ShardReader:
         t = torch.from_numpy(raw.view(np_dtype).reshape(stop - start, *shape[1:]))
         return t.view(torch_dtype) if torch_dtype is not None else t
 
-    def read(self, i: int, max_tokens: int | None = None) -> Sample:
-        """Sample i, cut to its first max_tokens tokens (whole frames are decoded, then sliced)."""
+    def _slots(self, i: int) -> np.ndarray:
+        """Sample i's states as stored, [A + 1, T, H] uint16 bit patterns."""
         a, b = self.offsets[i], self.offsets[i + 1]
-        n = b - a if max_tokens is None else min(b - a, max_tokens)
-        input_ids = self.read_tensor("input_ids", a, a + n)
-        loss_mask = self.read_tensor("loss_mask", a, a + n).bool()
         if self.codec == "none":
-            aux = self.read_tensor("aux_hidden_states", a, a + n)
-            final = self.read_tensor("final_hidden_states", a, a + n)
-            return Sample(self.ids[i], input_ids, loss_mask, aux, final)
+            aux = self.read_tensor("aux_hidden_states", a, b)  # [T, A, H]
+            final = self.read_tensor("final_hidden_states", a, b)  # [T, H]
+            return sample_slots(Sample(self.ids[i], torch.empty(0), torch.empty(0), aux, final))
         # the sample's frames lie back to back: one read, offsets rebased onto it
         frames = self._index[i]
         first = min(off for slot in frames for off, _ in slot)
         last = max(off + size for slot in frames for off, size in slot)
-        blob_start = self._entries["blob"]["data_offsets"][0]
-        blob = self._pread(blob_start + first, last - first)
+        blob = self._pread(self._entries["blob"]["data_offsets"][0] + first, last - first)
         local = [[[off - first, size] for off, size in slot] for slot in frames]
         decompressor = getattr(self._local, "decompressor", None)
         if decompressor is None:
             decompressor = self._local.decompressor = zstandard.ZstdDecompressor()
-        aux, final = decode_sample(blob, local, b - a, self.meta, decompressor)
-        return Sample(self.ids[i], input_ids, loss_mask, aux[:n], final[:n])
+        return decode_sample(blob, local, b - a, self.hidden_size, decompressor)
+
+    def read(self, i: int, max_tokens: int | None = None) -> Sample:
+        """Sample i, checked against its recorded digest, cut to its first max_tokens tokens (the whole
+        sample is read and checked, then sliced)."""
+        a, b = self.offsets[i], self.offsets[i + 1]
+        where = f"{self.path}: sample {i} ({self.ids[i]})"
+        input_ids = self.read_tensor("input_ids", a, b)
+        loss_mask = self.read_tensor("loss_mask", a, b)
+        try:
+            slots = self._slots(i)
+        except zstandard.ZstdError as err:
+            raise ShardError(f"{where}: a frame fails to decode ({err}); re-extract this shard") from None
+        if sample_digest(input_ids, loss_mask, slots) != self.digests[i]:
+            raise ShardError(
+                f"{where}: content differs from the digest recorded at extraction (corrupted); "
+                "re-extract this shard"
+            )
+        n = b - a if max_tokens is None else min(b - a, max_tokens)
+        aux, final = split_slots(slots)
+        return Sample(self.ids[i], input_ids[:n], loss_mask[:n].bool(), aux[:n], final[:n])
 
 
 def read_sample(path: str | Path, i: int) -> Sample:

@@ -1,3 +1,4 @@
+import math
 import os
 import subprocess
 import sys
@@ -34,6 +35,20 @@ def target_model() -> Path:
             env=cli_env(),
         )
     return DEFAULT_TARGET
+
+
+def fp_tolerance(dtype: torch.dtype, depth: int, reduction: int = 1, scale: float = 1.0) -> dict[str, float]:
+    """rtol/atol for torch.testing.assert_close between two computations of the same maths in `dtype`
+    that round differently (other kernels, batch shapes, summation orders: AMX vs AVX-512 CPUs).
+
+    A sum of `reduction` products is off by about eps * sqrt(reduction) of its magnitude (rounding
+    errors add like a random walk); `depth` such steps in sequence add their errors (linearly, the
+    pessimistic case); the worst of thousands of elements sits about 4 standard deviations out.
+    `scale` is the magnitude of the compared values (e.g. max |reference|), which makes atol absolute.
+    Real bugs (a wrong position, mask or cache entry) move values by O(scale), far beyond this.
+    """
+    rel = 4 * torch.finfo(dtype).eps * math.sqrt(reduction) * depth
+    return {"rtol": rel, "atol": rel * float(scale)}
 
 
 # Tests measure correctness, not speed: two threads, deterministic CPU kernels.

@@ -8,7 +8,7 @@ build the stock connector fails on pinned memory, hence `cpu_hs_connector.CpuHid
 Layer ids: vLLM's id k is `hidden_states + residual` after decoder layer k-1, the input to layer k:
 draftsmith's "input" convention, HF `hidden_states[k]`. The last id, L (the number of layers), is the
 final residual stream *before* the final norm, whereas draftsmith stores what lm_head consumes; so
-the target's final RMSNorm is applied here (research/vllm-on-cpu.md, step 5).
+the target's final RMSNorm is applied here.
 
 vLLM spawns its engine core as a child process: construct `VllmExtractor` only in a process whose
 main module is guarded by `if __name__ == "__main__"` (the `draftsmith` command is); tests run

@@ -15,7 +15,7 @@ from conftest import DEFAULT_TARGET, REPO, cli_env
 from safetensors.torch import save_file
 
 from draftsmith.manifest import verify_manifest
-from draftsmith.shards import iter_samples
+from draftsmith.shards import iter_samples, verify_shard
 
 pytestmark = pytest.mark.slow
 
@@ -148,3 +148,9 @@ def test_killed_extraction_leaves_no_shard_and_the_rerun_redoes_only_it(tmp_path
     record = json.loads(manifest.read_text())
     assert [s["num_samples"] for s in record["shards"]] == [1, 14]
     assert [s.id for s in iter_samples(hidden / "shard-1.safetensors")] == [f"s{i}" for i in range(1, 15)]
+    # the resumed shard holds exactly what an uninterrupted extraction gives: same content digest
+    clean = tmp_path / "clean" / "shard-1.safetensors"
+    cmd = ["draftsmith", "extract", "--target", str(target_model), "--shard", "1", "--out", str(clean)]
+    cmd += ["--tokens", str(tmp_path / "results" / "tokens.safetensors"), "--batch-tokens", "300"]
+    subprocess.run([*cmd, "--compile", "off", "--threads", "2"], env=env, check=True, capture_output=True)
+    assert record["shards"][1]["content_sha256"] == verify_shard(clean)

@@ -9,7 +9,7 @@ from test_train import make_tiny_data, settings
 
 from draftsmith.loader import InMemoryData, StreamingData, is_validation, plan_batches, prefetch
 from draftsmith.manifest import load_manifest
-from draftsmith.shards import ShardReader, iter_samples, read_sample
+from draftsmith.shards import ShardReader
 
 
 @pytest.fixture(scope="module")
@@ -26,25 +26,6 @@ def test_plan_batches_budget_and_determinism() -> None:
         assert len(b) == 1 or max(lengths[i] for i in b) * len(b) <= 64
     assert batches == plan_batches(lengths, 64, torch.Generator().manual_seed(3))
     assert plan_batches(lengths, 64, None)[0] == [0, 1]  # unshuffled: in order
-
-
-def test_shard_reader_random_access(data: dict) -> None:
-    """Sample i read alone, in any order, equals the streamed sample (both codecs), and truncates."""
-    paths = sorted((data["root"] / "hidden").glob("shard-*.safetensors"))
-    for path in paths:  # shard-0 codec "none", shard-1 "zstd-planes"
-        streamed = list(iter_samples(path))
-        with ShardReader(path) as reader:
-            assert len(reader) == len(streamed) and reader.codec in ("none", "zstd-planes")
-            for i in reversed(range(len(reader))):
-                got, want = reader.read(i), streamed[i]
-                assert got.id == want.id
-                for name in ("input_ids", "loss_mask", "aux", "final"):
-                    assert torch.equal(getattr(got, name), getattr(want, name)[:]), (path.name, i, name)
-                cut = reader.read(i, 12)
-                assert cut.num_tokens == 12 and torch.equal(cut.aux, want.aux[:12])
-                assert torch.equal(cut.final, want.final[:12])
-        original = data["samples"][int(streamed[3].id.split("-")[1])]
-        assert torch.equal(read_sample(path, 3).aux, original.aux)  # the codec round trip is lossless
 
 
 def test_plan_batches_packs_by_length() -> None:

@@ -1,5 +1,5 @@
-"""Verified data: `draftsmith verify` re-checks the manifest, and `draftsmith train` refuses data that
-fails it, naming the shard."""
+"""Verified data: the manifest and `draftsmith verify` decode every sample and compare it with the
+digests its writer recorded; `draftsmith train` refuses data that fails, naming the shard."""
 
 import json
 
@@ -9,8 +9,8 @@ from click.testing import CliRunner
 
 from draftsmith.atomic import write_json
 from draftsmith.cli import main
-from draftsmith.manifest import build_manifest
-from draftsmith.shards import Sample, write_shard
+from draftsmith.manifest import DataError, build_manifest, load_manifest, verify_manifest
+from draftsmith.shards import Sample, read_header, write_shard
 from draftsmith.vocab import build_vocab_map, save_vocab_map
 
 
@@ -75,9 +75,13 @@ def _train(tmp_path, manifest, vocab):
     return CliRunner().invoke(main, args)
 
 
-def _flip_byte(path, offset_from_end: int = 100) -> None:
+def _flip_state_bit(path) -> None:
+    """Flip one bit in the middle of the encoded states: inside sample 1 of 3 (lengths 6, 7, 8). The file
+    keeps its size and, unlike before content digests, its header."""
+    data_start, entries, _ = read_header(path)
+    start, end = entries["blob"]["data_offsets"]
     data = bytearray(path.read_bytes())
-    data[-offset_from_end] ^= 0x01  # same size: only the checksum can tell
+    data[data_start + (start + end) // 2] ^= 0x40
     path.write_bytes(bytes(data))
 
 
@@ -90,17 +94,66 @@ def test_verify_passes_clean_data(data):
 
 def test_train_refuses_a_corrupted_shard_naming_it(tmp_path, data):
     manifest, shards, vocab = data
-    _flip_byte(shards[1])
+    _flip_state_bit(shards[1])
     verify = CliRunner().invoke(main, ["verify", str(manifest)])
     assert verify.exit_code == 1
-    assert "shard-1.safetensors: sha256 differs" in verify.output and "shard-0" not in verify.output
-    # --fast checks sizes only: a flipped byte passes it, which is why train uses the full check
+    assert "shard-1.safetensors: sample " in verify.output and "shard-0" not in verify.output
+    # --fast checks sizes only: a flipped bit passes it, which is why train uses the full check
     assert CliRunner().invoke(main, ["verify", "--fast", str(manifest)]).exit_code == 0
     result = _train(tmp_path, manifest, vocab)
     assert result.exit_code != 0
     assert "refusing to train" in result.output
-    assert "shard-1.safetensors: sha256 differs" in result.output and "shard-0" not in result.output
+    assert "shard-1.safetensors: sample " in result.output and "shard-0" not in result.output
     assert not (tmp_path / "drafter").exists() and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_rebuilt_manifest_refuses_a_damaged_shard(tmp_path, data):
+    """The bit-rot path: a copy changes the shard's mtime, Snakemake reruns `manifest`; it must decode,
+    not re-hash what is on disk."""
+    manifest, shards, _ = data
+    _flip_state_bit(shards[0])
+    target = tmp_path / "target"
+    result = CliRunner().invoke(
+        main, ["manifest", "--target", str(target), "--out", str(manifest), *map(str, shards)]
+    )
+    assert result.exit_code == 1
+    assert "shard-0.safetensors: sample 1 (s0-1)" in result.output and "shard-1" not in result.output
+    verify = CliRunner().invoke(main, ["verify", str(manifest)])  # the old manifest still names it
+    assert verify.exit_code == 1 and "shard-0.safetensors: sample 1 (s0-1)" in verify.output
+
+
+def test_content_digests_match_for_identical_data_whatever_the_stats(tmp_path, data):
+    manifest, shards, _ = data
+    first = json.loads(manifest.read_text())["shards"]
+    again = tmp_path / "again"
+    paths = []
+    for k, agreement in enumerate((1.0, 0.9)):
+        samples = _samples(k)
+        meta = _meta(samples, agreement)
+        meta["stats"] |= {"seconds": 123.4 + k, "tokens_per_second": 9.9}  # another run's timing
+        paths.append(again / "hidden" / f"shard-{k}.safetensors")
+        write_shard(paths[-1], samples, meta, codec="zstd-planes", level=3)
+    second = build_manifest(
+        [str(p) for p in paths], str(again / "data_config.json"), str(tmp_path / "target"), 0.8
+    )
+    assert [s["content_sha256"] for s in first] == [s["content_sha256"] for s in second["shards"]]
+    assert paths[1].read_bytes() != shards[1].read_bytes()  # the files differ: stats, zstd level
+
+
+def test_verify_names_a_shard_re_extracted_with_other_data(tmp_path, data):
+    manifest, shards, _ = data
+    other = _samples(7)  # same shapes, other values: same byte size with codec none
+    write_shard(shards[0], other, _meta(other, 1.0), codec="none")
+    record = json.loads(manifest.read_text())
+    record["shards"][0]["bytes"] = shards[0].stat().st_size
+    manifest.write_text(json.dumps(record))
+    problems = verify_manifest(manifest)
+    assert len(problems) == 1 and "shard-0.safetensors: content_sha256" in problems[0]
+    del record["shards"][1]["content_sha256"]  # a manifest from before content digests
+    manifest.write_text(json.dumps(record))
+    assert any(
+        "shard-1.safetensors: the manifest records no content_sha256" in p for p in verify_manifest(manifest)
+    )
 
 
 def test_train_refuses_a_missing_or_truncated_shard(tmp_path, data):
@@ -111,6 +164,11 @@ def test_train_refuses_a_missing_or_truncated_shard(tmp_path, data):
     assert result.exit_code != 0
     assert "shard-0.safetensors: " in result.output and "manifest says" in result.output
     assert "shard-1.safetensors: missing" in result.output
+    rebuilt = CliRunner().invoke(
+        main, ["manifest", "--target", str(tmp_path / "target"), "--out", str(manifest), str(shards[0])]
+    )
+    assert rebuilt.exit_code == 1 and "shard-0.safetensors: truncated" in rebuilt.output
+    assert "Traceback" not in rebuilt.output and "SafetensorError" not in rebuilt.output
 
 
 def test_train_refuses_low_teacher_agreement_naming_the_shard(tmp_path, data):
@@ -122,3 +180,20 @@ def test_train_refuses_low_teacher_agreement_naming_the_shard(tmp_path, data):
     assert result.exit_code != 0
     assert "shard-1.safetensors: teacher agreement 0.900 < 0.95" in result.output
     assert "shard-0" not in result.output
+
+
+def test_manifest_records_the_contract(tmp_path, data):
+    manifest, shards, _ = data
+    record = json.loads(manifest.read_text())
+    assert record["version"] == 2 and record["num_tokens"] == sum(s["num_tokens"] for s in record["shards"])
+    assert record["layer_convention"] == "input" and record["codec"] == "zstd-planes"
+    assert record["shards"][0]["path"] == "hidden/shard-0.safetensors"
+    assert all(len(s["content_sha256"]) == 64 for s in record["shards"])
+    assert load_manifest(manifest)["shards"][0]["path"] == shards[0].resolve()
+    assert verify_manifest(manifest) == []
+    samples = _samples(0)
+    write_shard(shards[0], samples, _meta(samples, 0.5), codec="zstd-planes")
+    with pytest.raises(DataError, match="teacher agreement below 0.8 in results/hidden/shard-0.safetensors"):
+        build_manifest([str(p) for p in shards], str(tmp_path / "other.json"), str(tmp_path / "target"), 0.8)
+    with pytest.raises(DataError, match="missing"):
+        load_manifest(tmp_path / "nope.json")

