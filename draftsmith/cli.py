@@ -697,7 +697,7 @@ def train(
     # one checksum pass (rank 0); the other ranks wait for it in their first collective
     if os.environ.get("RANK", "0") == "0":
         try:
-            problems = verify_manifest(manifest_path)
+            problems = verify_manifest(manifest_path)  # decodes every sample: nothing unproven is trained on
         except DataError as err:
             _fail(str(err))
         if problems:
@@ -925,6 +925,7 @@ def gate(summary_path: str, out: str | None) -> None:
 @click.option(
     "--engine",
     type=click.Choice(["vllm", "sglang", "speculators"]),
+    default=None,
     help="Check against what this engine reads [default: the engine the export is written for].",
 )
 def check_export_cmd(drafter_dir: str, target_path: str | None, engine: str | None) -> None:

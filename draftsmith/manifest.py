@@ -16,7 +16,7 @@ from typing import Any
 
 from draftsmith import __version__
 from draftsmith.atomic import write_json
-from draftsmith.shards import ShardError, read_shard_meta, verify_shard
+from draftsmith.shards import ShardError, read_header, read_shard_meta, verify_shard
 from draftsmith.target import text_config_dict
 
 MANIFEST_VERSION = 2  # 2: content_sha256 per shard
@@ -126,7 +126,8 @@ def load_manifest(path: str | Path) -> dict[str, Any]:
 def verify_manifest(path: str | Path, decode: bool = True) -> list[str]:
     """Problems found (empty = every shard present, of the recorded size, every sample decoding to its
     recorded digest, the shard's content digest the manifest's, teacher agreement OK). decode=False
-    checks presence and sizes only."""
+    reads headers only: presence, sizes and the content digest each shard's writer recorded (training then
+    checks every sample's digest as it reads it)."""
     manifest = load_manifest(path)
     problems = []
     for shard in manifest["shards"]:
@@ -138,10 +139,22 @@ def verify_manifest(path: str | Path, decode: bool = True) -> list[str]:
             problems.append(f"{p}: {p.stat().st_size} bytes, manifest says {shard['bytes']}")
         elif decode:
             problems += _content_problems(p, shard.get("content_sha256"))
+        else:
+            problems += _header_problems(p, shard.get("content_sha256"))
         agreement = shard.get("teacher_agreement")
         if agreement is not None and agreement < manifest["min_teacher_agreement"]:
             problems.append(f"{p}: teacher agreement {agreement:.3f} < {manifest['min_teacher_agreement']}")
     return problems
+
+
+def _header_problems(path: Path, recorded: str | None) -> list[str]:
+    try:
+        _, _, meta = read_header(path)
+    except ShardError as err:
+        return [str(err)]
+    if meta.get("content_sha256") != recorded:
+        return [f"{path}: content_sha256 in its header is not the manifest's; re-run the manifest rule"]
+    return []
 
 
 def _content_problems(path: Path, recorded: str | None) -> list[str]:

@@ -20,7 +20,7 @@ from draftsmith.drafter import TTTKV, DrafterConfig, Eagle3Drafter
 from draftsmith.export import check_export, load_drafter
 from draftsmith.layers import capture_aux, stack_aux
 from draftsmith.loader import collate
-from draftsmith.shards import Sample, iter_samples, write_shard
+from draftsmith.shards import Sample, iter_samples, verify_shard, write_shard
 from draftsmith.target import file_sha256
 from draftsmith.train import (
     TrainSettings,
@@ -93,11 +93,12 @@ def make_tiny_data(root: Path) -> dict:
                 "num_tokens": sum(s.num_tokens for s in part),
                 "bytes": path.stat().st_size,  # what `draftsmith train` verifies before training
                 "sha256": file_sha256(path),
+                "content_sha256": verify_shard(path),
                 "teacher_agreement": None,
             }
         )
     manifest = {
-        "version": 1,
+        "version": 2,
         "target": str(target_dir),
         "hidden_size": HIDDEN,
         "num_layers": LAYERS,
