@@ -14,16 +14,18 @@ accepted_tokens, accepted_per_pos, plus tau, acceptance_rate_per_position, token
 summary (draftsmith.eval_summary) and the gate (draftsmith.gate) compare them directly.
 
 The offline target runs in float32: in bf16, near-tied logits flip between the one-token path of plain
-decoding and the multi-token verify path, so outputs diverge although nothing is wrong
-(research/calibration-and-prompts.md). In float32 any divergence is a bug and fails hard. vLLM runs in
-float32 too, where its greedy output equals transformers' token for token (research/vllm-on-cpu.md).
+decoding and the multi-token verify path, so outputs diverge although nothing is wrong. In float32 any
+divergence is a bug and fails hard. vLLM runs in float32 too, where its greedy output equals
+transformers' token for token.
+
+Every method also records accepted drafts and drafts per prompt (`per_prompt`), so the gate can put a
+bootstrap interval over prompts on tau and on the difference between two methods.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import inspect
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -157,6 +159,18 @@ def method_summary(
     }
 
 
+def prompt_counts(prompt_id: str, result: SpecResult) -> dict[str, Any]:
+    """One prompt's counts for the bootstrap over prompts: accepted drafts, drafts (steps with a draft),
+    accepted drafts per position, generated tokens."""
+    return {
+        "id": prompt_id,
+        "accepted": sum(result.accepted),
+        "drafts": result.drafts,
+        "accepted_per_pos": list(result.position_accepts),
+        "tokens": len(result.tokens),
+    }
+
+
 def _mismatch(prompt_id: str, plain: list[int], spec: list[int]) -> dict[str, Any] | None:
     diff = first_difference(plain, spec)
     if diff is None:
@@ -191,20 +205,18 @@ def evaluate_offline(
     token); each prompt and method gets its own seeded generator, so reruns repeat exactly.
     """
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from draftsmith.export import load_drafter
+    from draftsmith.target import load_target
 
     if threads and threads > 0:
         torch.set_num_threads(threads)
     target_path, out_path = Path(target_path), Path(out_path)
-    if not (target_path / "config.json").is_file():
-        raise FileNotFoundError(f"target model folder {target_path} has no config.json")
     unknown = sorted(set(drafters) - set(EAGLE_METHODS))
     if unknown:
         raise ValueError(f"unknown drafter method(s) {unknown}; expected {list(EAGLE_METHODS)}")
-    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    target, tokenizer = load_target(target_path, dtype=torch.float32)
+    target = target.to(device)
     embed = target.get_input_embeddings()
     proposers: dict[str, Any] = {}
     aux_ids: dict[str, list[int]] = {}
@@ -272,6 +284,7 @@ def evaluate_offline(
             "drafter": str(drafters[name]) if name in drafters else None,
             **({"ngram": dict(NGRAM)} if name == "ngram" else {"aux_layer_ids": aux_ids[name]}),
             **method_summary(results[name], seconds[name], plain_tps, num_draft_tokens),
+            "per_prompt": [prompt_counts(p["id"], r) for p, r in zip(prompts, results[name], strict=True)],
             "lossless": (not mismatches[name]) if greedy else None,
             "mismatches": mismatches[name],
         }
@@ -354,6 +367,30 @@ def vllm_method_summary(result: dict[str, Any], plain_tps: float, num_draft_toke
     }
 
 
+def vllm_prompt_counts(prompt_ids: list[str], result: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Per-prompt counts from vLLM's per-request acceptance histograms (histogram[j] = verify steps that
+    accepted j drafts); None when the run did not report them."""
+    hists = result.get("per_request_histograms")
+    if not hists or len(hists) != len(prompt_ids):
+        return None
+    return [
+        {
+            "id": pid,
+            "accepted": sum(j * c for j, c in enumerate(h)),
+            "drafts": sum(h),
+            "accepted_per_pos": histogram_positions(h),
+            "tokens": len(out),
+        }
+        for pid, h, out in zip(prompt_ids, hists, result["outputs"], strict=True)
+    ]
+
+
+def histogram_positions(histogram: list[int]) -> list[int]:
+    """Accepted drafts per position from an acceptance histogram: position i (0-based) is accepted in
+    every step that accepted more than i drafts."""
+    return [sum(histogram[i + 1 :]) for i in range(len(histogram) - 1)]
+
+
 def outputs_agree(a: list[list[int]], b: list[list[int]]) -> int:
     """How many prompts have token-identical outputs."""
     return sum(1 for x, y in zip(a, b, strict=True) if list(x) == list(y))
@@ -422,6 +459,7 @@ def evaluate_vllm(
             "kind": method,
             "drafter": drafter,
             **vllm_method_summary(raw[name], plain_tps, num_draft_tokens),
+            "per_prompt": vllm_prompt_counts([p["id"] for p in prompts], raw[name]),
             "outputs_equal_plain": outputs_agree(raw[name]["outputs"], plain["outputs"]),
         }
     summary = {
@@ -434,6 +472,7 @@ def evaluate_vllm(
         "num_draft_tokens": num_draft_tokens,
         "temperature": temperature,
         "dtype": dtype,
+        "device": plain.get("device"),
         "plain": {
             "tokens": int(plain["generated_tokens"]),
             "seconds": float(plain["seconds"]),
@@ -445,13 +484,6 @@ def evaluate_vllm(
     }
     write_json(out_path, summary)
     return summary
-
-
-def load_json(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing")
-    return json.loads(path.read_text(encoding="utf-8"))
 
 
 def export_untrained_drafter(

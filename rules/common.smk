@@ -1,7 +1,10 @@
+import hashlib
 import json
+from pathlib import Path
 
 from snakemake.utils import validate
 
+import draftsmith
 from draftsmith.config import coerce_strings, config_errors
 
 # A short message naming each bad key first; then validate() fills in the schema's defaults.
@@ -58,3 +61,43 @@ def prompt_source_inputs():
 def untrained_option(wildcards, input):
     """`--untrained DIR` when the rule takes the untrained baseline as an input, else nothing."""
     return f"--untrained {input.untrained}" if "untrained" in input.keys() else ""
+
+
+# ---- evaluation: held-out sets, gate modes, TensorBoard run name (rules/evaluate.smk)
+
+
+def heldout_prompts(wildcards):
+    """The prompt file of a held-out set: "split" = the prompts stage's held-out split, "handwritten" =
+    the packaged hand-written set, anything else = a prompt file of the user's."""
+    source = config["evaluate"]["heldout_sets"][wildcards.heldout]
+    if source == "split":
+        return "results/prompts/heldout.jsonl"
+    if source == "handwritten":
+        return str(Path(draftsmith.__file__).parent / "data" / "heldout_handwritten.jsonl")
+    return source
+
+
+def eval_summary_sets():
+    """--offline/--vllm SET=PATH for every held-out set, in the configured order."""
+    options = [
+        f"--offline {name}=results/eval/{name}/offline.json" for name in config["evaluate"]["heldout_sets"]
+    ]
+    if config["evaluate"]["vllm"]:
+        options += [
+            f"--vllm {name}=results/eval/{name}/vllm.json" for name in config["evaluate"]["heldout_sets"]
+        ]
+    return " ".join(options)
+
+
+def gate_modes():
+    return " ".join(f"--check {name}={mode}" for name, mode in config["evaluate"]["gate"].items())
+
+
+def tensorboard_run():
+    """evaluate.tensorboard_run, or a name from a hash of every setting upstream of the drafter, so runs
+    that differ in data or training land side by side."""
+    if config["evaluate"]["tensorboard_run"]:
+        return config["evaluate"]["tensorboard_run"]
+    upstream = {k: config[k] for k in ("target", "prompts", "generate", "extract", "vocab", "train")}
+    digest = hashlib.sha256(json.dumps(upstream, sort_keys=True).encode()).hexdigest()[:10]
+    return f"run-{digest}"

@@ -1,16 +1,26 @@
 # Evaluation: the drafter and two baselines (untrained drafter, n-gram lookup) measured offline and in
-# real vLLM on the same held-out prompts; a summary with plots; the gate with its diagnosis.
-
+# real vLLM on the same prompts of each held-out set; a summary with intervals and plots; the gate.
 
 EVAL = config["evaluate"]
+HELDOUT = EVAL["heldout_sets"]
+
+
+wildcard_constraints:
+    heldout=r"[A-Za-z0-9_-]+",
+
+
 # The measurement settings both engines share: the same prompts, lengths and draft count.
 EVAL_OPTIONS = (
     f"--num-prompts {EVAL['num_prompts']} --max-new-tokens {EVAL['max_new_tokens']}"
     f" --num-draft-tokens {EVAL['num_draft_tokens']} --temperature {EVAL['temperature']}"
-    f" {'--ngram' if EVAL['ngram'] else '--no-ngram'}"
 )
+# n-gram lookup is measured where the gate reads it: in vLLM when vLLM runs (offline it would only repeat
+# vLLM's numbers at the cost of another decode of every prompt), else offline.
+NGRAM = "--ngram" if EVAL["ngram"] else "--no-ngram"
+OFFLINE_NGRAM = "--no-ngram" if EVAL["vllm"] else NGRAM
 # vllm.json joins the summary only when evaluate.vllm is on.
-VLLM_EVAL = {"vllm": "results/eval/vllm.json"} if EVAL["vllm"] else {}
+VLLM_EVAL = {f"vllm_{name}": f"results/eval/{name}/vllm.json" for name in HELDOUT} if EVAL["vllm"] else {}
+OFFLINE_EVAL = {f"offline_{name}": f"results/eval/{name}/offline.json" for name in HELDOUT}
 # The untrained baseline is served by vLLM too only when evaluate.vllm_untrained is on.
 VLLM_UNTRAINED = {"untrained": "results/eval/untrained_drafter"} if EVAL["vllm_untrained"] else {}
 
@@ -43,13 +53,13 @@ rule evaluate_offline:
         target=TARGET,
         drafter="results/drafter",
         untrained="results/eval/untrained_drafter",
-        prompts="results/prompts/heldout.jsonl",
+        prompts=heldout_prompts,
     output:
-        "results/eval/offline.json",
+        "results/eval/{heldout}/offline.json",
     log:
-        "logs/evaluate_offline.log",
+        "logs/evaluate_offline/{heldout}.log",
     benchmark:
-        "benchmarks/evaluate_offline.tsv"
+        "benchmarks/evaluate_offline/{heldout}.tsv"
     conda:
         "../envs/draftsmith.yaml"
     threads: config["resources"]["evaluate"]["threads"]
@@ -59,11 +69,12 @@ rule evaluate_offline:
         mem_mb=config["resources"]["evaluate"]["mem_mb"],
     params:
         options=EVAL_OPTIONS,
+        ngram=OFFLINE_NGRAM,
         seed=config["evaluate"]["seed"],
     shell:
         "draftsmith run --gpus {resources.gpu} --"
         " draftsmith evaluate --target {input.target} --drafter {input.drafter} --untrained {input.untrained}"
-        " --prompts {input.prompts} --out {output} {params.options} --seed {params.seed}"
+        " --prompts {input.prompts} --out {output} {params.options} {params.ngram} --seed {params.seed}"
         " --threads {threads} 2>&1 | tee {log}"
 
 
@@ -72,13 +83,13 @@ rule evaluate_vllm:
         **VLLM_UNTRAINED,
         target=TARGET,
         drafter="results/drafter",
-        prompts="results/prompts/heldout.jsonl",
+        prompts=heldout_prompts,
     output:
-        "results/eval/vllm.json",
+        "results/eval/{heldout}/vllm.json",
     log:
-        "logs/evaluate_vllm.log",
+        "logs/evaluate_vllm/{heldout}.log",
     benchmark:
-        "benchmarks/evaluate_vllm.tsv"
+        "benchmarks/evaluate_vllm/{heldout}.tsv"
     conda:
         "../envs/draftsmith.yaml"
     threads: config["resources"]["evaluate"]["threads"]
@@ -88,18 +99,19 @@ rule evaluate_vllm:
         mem_mb=config["resources"]["evaluate"]["mem_mb"],
     params:
         options=EVAL_OPTIONS,
+        ngram=NGRAM,
         untrained=untrained_option,
     shell:
         "draftsmith run --gpus {resources.gpu} --"
         " draftsmith evaluate-vllm --target {input.target} --drafter {input.drafter}"
-        " {params.untrained} --prompts {input.prompts} --out {output} {params.options}"
-        " --log-dir logs/vllm 2>&1 | tee {log}"
+        " {params.untrained} --prompts {input.prompts} --out {output} {params.options} {params.ngram}"
+        " --log-dir logs/vllm/{wildcards.heldout} 2>&1 | tee {log}"
 
 
 rule eval_summary:
     input:
+        **OFFLINE_EVAL,
         **VLLM_EVAL,
-        offline="results/eval/offline.json",
         data="results/data_config.json",
         drafter="results/drafter",
         target=TARGET,
@@ -141,20 +153,20 @@ rule eval_summary:
         runtime=config["resources"]["default"]["runtime"],
         mem_mb=config["resources"]["default"]["mem_mb"],
     params:
-        vllm=" ".join(f"--vllm {path}" for path in VLLM_EVAL.values()),
-        min_tau=config["evaluate"]["min_tau"],
-        min_speedup=config["evaluate"]["min_speedup"],
-        max_tau_gap=(
-            f"--max-tau-gap {config['evaluate']['max_tau_gap']}"
-            if config["evaluate"]["max_tau_gap"] is not None
-            else ""
-        ),
-        max_acc_gap=config["evaluate"]["max_acc_gap"],
+        sets=eval_summary_sets(),
+        gate=gate_modes(),
+        max_tau_gap=(f"--max-tau-gap {EVAL['max_tau_gap']}" if EVAL["max_tau_gap"] is not None else ""),
+        max_acc_gap=EVAL["max_acc_gap"],
+        min_val_gain=EVAL["min_val_gain"],
+        level=EVAL["interval_level"],
+        resamples=EVAL["bootstrap_resamples"],
+        tensorboard=f"results/tensorboard/{tensorboard_run()}",
     shell:
-        "draftsmith eval-summary --offline {input.offline} {params.vllm} --data {input.data}"
-        " --drafter {input.drafter} --target {input.target} --metrics {input.metrics} --out $(dirname {output.summary})"
-        " --min-tau {params.min_tau} --min-speedup {params.min_speedup} {params.max_tau_gap}"
-        " --max-acc-gap {params.max_acc_gap} 2>&1 | tee {log}"
+        "draftsmith eval-summary {params.sets} --data {input.data} --drafter {input.drafter}"
+        " --target {input.target} --metrics {input.metrics} --out $(dirname {output.summary})"
+        " {params.gate} {params.max_tau_gap} --max-acc-gap {params.max_acc_gap}"
+        " --min-val-gain {params.min_val_gain} --level {params.level} --resamples {params.resamples}"
+        " --tensorboard {params.tensorboard} 2>&1 | tee {log}"
 
 
 # Last, and apart from the summary: when the gate fails, Snakemake deletes only gate.json; the table,
