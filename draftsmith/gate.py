@@ -585,11 +585,14 @@ def diagnose(
     ]
     for heldout, results in sets.items():
         off, vllm = results["offline"]["methods"], (results.get("vllm") or {}).get("methods", {})
-        gap = check_tau_gap(method, off[method], vllm.get(method), settings.max_tau_gap)
+        ids = results["offline"]["prompt_ids"]
+        gap = check_tau_gap(method, off[method], on_prompts(vllm.get(method), ids), settings.max_tau_gap)
         contract.append(_on_set(gap, heldout))
         # the baselines' gaps check the measurement itself (no training involved): warnings only
         for name in sorted(set(off) & set(vllm) - {method}):
-            gap = check_tau_gap(name, off[name], vllm[name], settings.max_tau_gap, blocking=False)
+            gap = check_tau_gap(
+                name, off[name], on_prompts(vllm[name], ids), settings.max_tau_gap, blocking=False
+            )
             contract.append(_on_set(gap, heldout))
     for c in contract:
         c.group = "contract"
@@ -600,6 +603,19 @@ def diagnose(
         check_still_learning(curve, settings.min_val_gain),
     ]
     return checks
+
+
+def on_prompts(method: dict[str, Any] | None, prompt_ids: list[str]) -> dict[str, Any] | None:
+    """A method's tau and drafts on just these prompts (the offline contract check decodes the first few
+    of what vLLM decoded), from its per-prompt counts; unchanged without them."""
+    if method is None or not method.get("per_prompt"):
+        return method
+    by_id = {r["id"]: r for r in method["per_prompt"]}
+    if any(p not in by_id for p in prompt_ids) or len(prompt_ids) == len(by_id):
+        return method
+    accepted = sum(by_id[p]["accepted"] for p in prompt_ids)
+    drafts = sum(by_id[p]["drafts"] for p in prompt_ids)
+    return {**method, "tau": 1.0 + accepted / drafts if drafts else 1.0, "drafts": drafts}
 
 
 def _on_set(check: Check, heldout: str) -> Check:

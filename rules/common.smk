@@ -67,14 +67,31 @@ def untrained_option(wildcards, input):
 
 
 def heldout_prompts(wildcards):
+    return heldout_prompt_file(wildcards.heldout)
+
+
+def heldout_prompt_file(name):
     """The prompt file of a held-out set: "split" = the prompts stage's held-out split, "handwritten" =
     the packaged hand-written set, anything else = a prompt file of the user's."""
-    source = config["evaluate"]["heldout_sets"][wildcards.heldout]
+    source = config["evaluate"]["heldout_sets"][name]
     if source == "split":
         return "results/prompts/heldout.jsonl"
     if source == "handwritten":
         return str(Path(draftsmith.__file__).parent / "data" / "heldout_handwritten.jsonl")
     return source
+
+
+def heldout_prompt_inputs(wildcards):
+    """Every held-out set's prompt file, keyed prompts_<set>."""
+    return {f"prompts_{name}": heldout_prompt_file(name) for name in config["evaluate"]["heldout_sets"]}
+
+
+def vllm_set_options():
+    """--prompts/--out SET=PATH of every held-out set for the one vLLM job."""
+    return " ".join(
+        f"--prompts {name}={heldout_prompt_file(name)}" f" --out {name}=results/eval/{name}/vllm.json"
+        for name in config["evaluate"]["heldout_sets"]
+    )
 
 
 def eval_summary_sets():

@@ -11,18 +11,22 @@ wildcard_constraints:
 
 # The measurement settings both engines share: the same prompts, lengths and draft count.
 EVAL_OPTIONS = (
-    f"--num-prompts {EVAL['num_prompts']} --max-new-tokens {EVAL['max_new_tokens']}"
-    f" --num-draft-tokens {EVAL['num_draft_tokens']} --temperature {EVAL['temperature']}"
+    f"--max-new-tokens {EVAL['max_new_tokens']} --num-draft-tokens {EVAL['num_draft_tokens']}"
+    f" --temperature {EVAL['temperature']}"
 )
-# n-gram lookup is measured where the gate reads it: in vLLM when vLLM runs (offline it would only repeat
-# vLLM's numbers at the cost of another decode of every prompt), else offline.
 NGRAM = "--ngram" if EVAL["ngram"] else "--no-ngram"
-OFFLINE_NGRAM = "--no-ngram" if EVAL["vllm"] else NGRAM
+# With vLLM, the judged numbers (trained, untrained, n-gram on every prompt) come from vLLM, and the
+# offline run is the contract check: the trained drafter alone, lossless and accepted as in vLLM, on the
+# first evaluate.offline_num_prompts prompts. Without vLLM, the offline run measures everything.
+OFFLINE_OPTIONS = (
+    f"--num-prompts {EVAL['offline_num_prompts']} --no-ngram"
+    if EVAL["vllm"]
+    else f"--num-prompts {EVAL['num_prompts']} {NGRAM}"
+)
+OFFLINE_UNTRAINED = {} if EVAL["vllm"] else {"untrained": "results/eval/untrained_drafter"}
+OFFLINE_EVAL = {f"offline_{name}": f"results/eval/{name}/offline.json" for name in HELDOUT}
 # vllm.json joins the summary only when evaluate.vllm is on.
 VLLM_EVAL = {f"vllm_{name}": f"results/eval/{name}/vllm.json" for name in HELDOUT} if EVAL["vllm"] else {}
-OFFLINE_EVAL = {f"offline_{name}": f"results/eval/{name}/offline.json" for name in HELDOUT}
-# The untrained baseline is served by vLLM too only when evaluate.vllm_untrained is on.
-VLLM_UNTRAINED = {"untrained": "results/eval/untrained_drafter"} if EVAL["vllm_untrained"] else {}
 
 
 rule untrained_drafter:
@@ -50,9 +54,9 @@ rule untrained_drafter:
 
 rule evaluate_offline:
     input:
+        **OFFLINE_UNTRAINED,
         target=TARGET,
         drafter="results/drafter",
-        untrained="results/eval/untrained_drafter",
         prompts=heldout_prompts,
     output:
         "results/eval/{heldout}/offline.json",
@@ -69,27 +73,29 @@ rule evaluate_offline:
         mem_mb=config["resources"]["evaluate"]["mem_mb"],
     params:
         options=EVAL_OPTIONS,
-        ngram=OFFLINE_NGRAM,
+        offline=OFFLINE_OPTIONS,
+        untrained=untrained_option,
         seed=config["evaluate"]["seed"],
     shell:
         "draftsmith run --gpus {resources.gpu} --"
-        " draftsmith evaluate --target {input.target} --drafter {input.drafter} --untrained {input.untrained}"
-        " --prompts {input.prompts} --out {output} {params.options} {params.ngram} --seed {params.seed}"
+        " draftsmith evaluate --target {input.target} --drafter {input.drafter} {params.untrained}"
+        " --prompts {input.prompts} --out {output} {params.options} {params.offline} --seed {params.seed}"
         " --threads {threads} 2>&1 | tee {log}"
 
 
+# Every held-out set in one batch per method: each vLLM engine starts once (~20-30 s on a CPU).
 rule evaluate_vllm:
     input:
-        **VLLM_UNTRAINED,
+        unpack(heldout_prompt_inputs),
         target=TARGET,
         drafter="results/drafter",
-        prompts=heldout_prompts,
+        untrained="results/eval/untrained_drafter",
     output:
-        "results/eval/{heldout}/vllm.json",
+        [f"results/eval/{name}/vllm.json" for name in HELDOUT],
     log:
-        "logs/evaluate_vllm/{heldout}.log",
+        "logs/evaluate_vllm.log",
     benchmark:
-        "benchmarks/evaluate_vllm/{heldout}.tsv"
+        "benchmarks/evaluate_vllm.tsv"
     conda:
         "../envs/draftsmith.yaml"
     threads: config["resources"]["evaluate"]["threads"]
@@ -99,13 +105,14 @@ rule evaluate_vllm:
         mem_mb=config["resources"]["evaluate"]["mem_mb"],
     params:
         options=EVAL_OPTIONS,
+        num_prompts=EVAL["num_prompts"],
         ngram=NGRAM,
-        untrained=untrained_option,
+        sets=vllm_set_options(),
     shell:
         "draftsmith run --gpus {resources.gpu} --"
         " draftsmith evaluate-vllm --target {input.target} --drafter {input.drafter}"
-        " {params.untrained} --prompts {input.prompts} --out {output} {params.options} {params.ngram}"
-        " --log-dir logs/vllm/{wildcards.heldout} 2>&1 | tee {log}"
+        " --untrained {input.untrained} {params.sets} --num-prompts {params.num_prompts} {params.options}"
+        " {params.ngram} --log-dir logs/vllm 2>&1 | tee {log}"
 
 
 rule eval_summary:

@@ -16,6 +16,7 @@ from draftsmith.cli import EXIT_GATE, main
 from draftsmith.evaluate import (
     NotLossless,
     VllmUnavailable,
+    counts_summary,
     evaluate_offline,
     evaluate_vllm,
     histogram_positions,
@@ -301,6 +302,11 @@ def test_vllm_bookkeeping():
     assert outputs_agree([[1, 2], [3]], [[1, 2], [4]]) == 1
 
 
+def test_vllm_sets_and_outputs_must_match(pipeline, tmp_path):
+    with pytest.raises(ValueError, match="differ"):
+        evaluate_vllm(pipeline["target"], {}, {"a": pipeline["prompts"]}, {"b": tmp_path / "v.json"}, 1, 4, 2)
+
+
 def test_vllm_per_request_histograms_to_prompt_counts():
     # histogram[j]: verify steps that accepted j of 3 drafts
     assert histogram_positions([5, 3, 2, 1]) == [6, 3, 1]
@@ -311,6 +317,15 @@ def test_vllm_per_request_histograms_to_prompt_counts():
         {"id": "b", "accepted": 0, "drafts": 4, "accepted_per_pos": [0, 0, 0], "tokens": 5},
     ]
     assert vllm_prompt_counts(["a", "b"], {"per_request_histograms": None, "outputs": []}) is None
+    # the counters of one held-out set of a batch
+    assert counts_summary(rows[1:], 3) == {
+        "drafts": 4,
+        "accepted_tokens": 0,
+        "accepted_per_pos": [0, 0, 0],
+        "tau": 1.0,
+        "acceptance_rate_per_position": [0.0, 0.0, 0.0],
+    }
+    assert counts_summary(rows, 3)["tau"] == pytest.approx(1 + 10 / 15)
 
 
 def test_vllm_missing_says_how_to_skip(pipeline, monkeypatch, tmp_path):
@@ -318,7 +333,7 @@ def test_vllm_missing_says_how_to_skip(pipeline, monkeypatch, tmp_path):
 
     monkeypatch.setattr(ev, "vllm_available", lambda: False)
     with pytest.raises(VllmUnavailable, match=r"evaluate\.vllm: false"):
-        evaluate_vllm(pipeline["target"], {}, pipeline["prompts"], tmp_path / "v.json", 1, 4, 2)
+        evaluate_vllm(pipeline["target"], {}, {"s": pipeline["prompts"]}, {"s": tmp_path / "v.json"}, 1, 4, 2)
 
 
 def fake_vllm(offline: dict) -> dict:

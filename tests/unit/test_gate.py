@@ -27,6 +27,7 @@ from draftsmith.gate import (
     format_checks,
     format_verdict,
     learning_curve,
+    on_prompts,
     order_checks,
     paired_bootstrap_diff,
     per_prompt_counts,
@@ -396,3 +397,15 @@ def test_diagnose_judges_vllm_per_prompt_counts_on_every_set():
     gpu = {**split, "vllm": {**split["vllm"], "device": "cuda"}}
     checks = diagnose({"split": gpu}, MANIFEST, EXPORT, [], FINGERPRINT, rows, relaxed)
     assert next(c for c in checks if c.name == "speedup").failed
+
+
+def test_tau_gap_on_the_offline_prompts_only():
+    # vLLM decoded 4 prompts, the offline contract check the first 2: compare on those 2
+    served = with_prompts(method(1.5, [], drafts=80), [30, 30, 0, 0], [20, 20, 20, 20])
+    sub = on_prompts(served, ["p0", "p1"])
+    assert sub["tau"] == pytest.approx(2.5) and sub["drafts"] == 40
+    assert on_prompts(served, ["p0", "p1", "p2", "p3"]) is served
+    assert on_prompts(None, ["p0"]) is None and on_prompts({"tau": 1.2}, ["p0"]) == {"tau": 1.2}
+    off = method(2.5, [3, 1] * 20)
+    assert check_tau_gap("eagle3", off, sub, None).status == "pass"
+    assert check_tau_gap("eagle3", off, served, None).failed  # all 4 prompts: a false alarm
