@@ -167,6 +167,7 @@ def per_prompt_counts(method: dict[str, Any], prompt_ids: list[str]) -> tuple[li
 # --------------------------------------------------------------------------------------- alternatives
 
 BASELINE_LABELS = {"ngram": "n-gram lookup", "untrained": "the untrained drafter"}
+SHORT_LABELS = {"ngram": "n-gram", "untrained": "untrained"}
 BASELINE_WHERE = {
     "ngram": "n-gram lookup drafts only where the output repeats the prompt or itself and is then usually "
     "right; a drafter must be accepted more than that on these prompts: more and more varied training "
@@ -206,9 +207,6 @@ def check_beats(
                  "alternatives", heldout)  # fmt: skip
 
 
-SHORT_LABELS = {"ngram": "n-gram", "untrained": "untrained"}
-
-
 # ---------------------------------------------------------------------------------------------- speed
 
 
@@ -237,7 +235,7 @@ def check_speedup(
     if mode == "auto" and not blocking:
         value += (
             "; informational: on a CPU a verify step of k+1 tokens costs about k+1 decode steps, so "
-            "speculation cannot pay here whatever tau is"
+            "speculation pays only when nearly every draft is accepted"
         )
         return Check("speedup", "info", value, threshold, where, False, "speed")
     return Check("speedup", _status(speedup > 1.0, blocking), value, threshold, where, blocking, "speed")
