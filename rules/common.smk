@@ -106,6 +106,12 @@ def eval_summary_sets():
     return " ".join(options)
 
 
+def offline_num_prompts():
+    """The contract check's prompts: never more than vLLM decodes (0 = all)."""
+    n, n_offline = config["evaluate"]["num_prompts"], config["evaluate"]["offline_num_prompts"]
+    return n if n > 0 and (n_offline == 0 or n_offline > n) else n_offline
+
+
 def gate_modes():
     return " ".join(f"--check {name}={mode}" for name, mode in config["evaluate"]["gate"].items())
 

@@ -19,7 +19,7 @@ NGRAM = "--ngram" if EVAL["ngram"] else "--no-ngram"
 # offline run is the contract check: the trained drafter alone, lossless and accepted as in vLLM, on the
 # first evaluate.offline_num_prompts prompts. Without vLLM, the offline run measures everything.
 OFFLINE_OPTIONS = (
-    f"--num-prompts {EVAL['offline_num_prompts']} --no-ngram"
+    f"--num-prompts {offline_num_prompts()} --no-ngram"
     if EVAL["vllm"]
     else f"--num-prompts {EVAL['num_prompts']} {NGRAM}"
 )
