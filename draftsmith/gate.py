@@ -535,12 +535,14 @@ def format_verdict(v: dict[str, Any]) -> str:
 # ------------------------------------------------------------------------------------------ diagnosis
 
 
-def judged_counts(results: dict[str, Any], method: str) -> tuple[str, tuple[list[int], list[int]]] | None:
-    """(engine, per-prompt counts) of a method on one held-out set: vLLM's when measured (what serving
-    sees), else the offline measurement's."""
+def judged_counts(
+    results: dict[str, Any], method: str, prompt_ids: list[str] | None = None
+) -> tuple[str, tuple[list[int], list[int]]] | None:
+    """(engine, per-prompt counts) of a method on one held-out set (on prompt_ids, default: all that
+    engine decoded): vLLM's when measured (what serving sees), else the offline measurement's."""
     for engine, data in (("vLLM", results.get("vllm")), ("offline", results.get("offline"))):
         if data and method in data["methods"]:
-            counts = per_prompt_counts(data["methods"][method], data["prompt_ids"])
+            counts = per_prompt_counts(data["methods"][method], prompt_ids or data["prompt_ids"])
             if counts is not None:
                 return engine, counts
     return None
@@ -567,8 +569,11 @@ def diagnose(
             raise KeyError(f"{heldout}: offline results have no method {method!r}")
         trained = judged_counts(results, method)
         for baseline in ("ngram", "untrained"):
-            other = judged_counts(results, baseline)
-            checks.append(check_beats(baseline, heldout, trained, other, settings.modes[f"beats_{baseline}"],
+            other, ours = judged_counts(results, baseline), trained
+            if ours and other and ours[0] != other[0]:  # two engines: pair on the prompts both decoded
+                ids = results["offline"]["prompt_ids"]
+                ours, other = judged_counts(results, method, ids), judged_counts(results, baseline, ids)
+            checks.append(check_beats(baseline, heldout, ours, other, settings.modes[f"beats_{baseline}"],
                                       settings))  # fmt: skip
     first = next(iter(sets.values()))
     served = (first.get("vllm") or {}).get("methods", {})

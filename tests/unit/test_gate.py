@@ -409,3 +409,17 @@ def test_tau_gap_on_the_offline_prompts_only():
     off = method(2.5, [3, 1] * 20)
     assert check_tau_gap("eagle3", off, sub, None).status == "pass"
     assert check_tau_gap("eagle3", off, served, None).failed  # all 4 prompts: a false alarm
+
+
+def test_two_engines_pair_on_the_prompts_both_decoded():
+    # vLLM measured the drafter on 16 prompts; the untrained drafter only offline, on the first 8
+    eagle_vllm = with_prompts(method(1.6, [], drafts=640), [24] * 16, DRAFTS)
+    untrained_off = with_prompts(method(1.0, [0] * 50), [0] * 8, [40] * 8)
+    eagle_off = with_prompts(method(1.6, [0, 1] * 20), [24] * 8, [40] * 8)
+    split = {
+        "offline": {**run({"eagle3": eagle_off, "untrained": untrained_off}, 8)},
+        "vllm": run({"eagle3": eagle_vllm}, 16),
+    }
+    checks = diagnose({"split": split}, MANIFEST, EXPORT, [], FINGERPRINT, RISING, SETTINGS)
+    beats = next(c for c in checks if c.name == "beats_untrained (split)")
+    assert beats.status == "pass" and "8 prompts" in beats.value and "vLLM vs offline" in beats.value
