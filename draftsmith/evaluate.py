@@ -6,24 +6,27 @@
                        equal plain greedy decoding token for token (else NotLossless). Reports tau,
                        acceptance per draft position and wall-clock speedup.
     evaluate_vllm      the same prompts (the same token ids) through vLLM's offline engine: plain, eagle3
-                       with the trained and the untrained export, and vLLM's `ngram` method, reading its
-                       spec-decode counters (draftsmith.engines.vllm_spec, one child process each).
+                       with the trained and the untrained export, and vLLM's `ngram` method, every
+                       held-out set in one batch, reading its spec-decode counters and per-request
+                       acceptance (draftsmith.engines.vllm_spec, one child process per method).
 
 Both write JSON with the same per-method fields (vLLM's counter names: drafts, draft_tokens,
 accepted_tokens, accepted_per_pos, plus tau, acceptance_rate_per_position, tokens_per_s, speedup), so the
 summary (draftsmith.eval_summary) and the gate (draftsmith.gate) compare them directly.
 
 The offline target runs in float32: in bf16, near-tied logits flip between the one-token path of plain
-decoding and the multi-token verify path, so outputs diverge although nothing is wrong
-(research/calibration-and-prompts.md). In float32 any divergence is a bug and fails hard. vLLM runs in
-float32 too, where its greedy output equals transformers' token for token (research/vllm-on-cpu.md).
+decoding and the multi-token verify path, so outputs diverge although nothing is wrong. In float32 any
+divergence is a bug and fails hard. vLLM runs in float32 too, where its greedy output equals
+transformers' token for token.
+
+Every method also records accepted drafts and drafts per prompt (`per_prompt`), so the gate can put a
+bootstrap interval over prompts on tau and on the difference between two methods.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import inspect
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -144,6 +147,18 @@ def method_summary(
     }
 
 
+def prompt_counts(prompt_id: str, result: SpecResult) -> dict[str, Any]:
+    """One prompt's counts for the bootstrap over prompts: accepted drafts, drafts (steps with a draft),
+    accepted drafts per position, generated tokens."""
+    return {
+        "id": prompt_id,
+        "accepted": sum(result.accepted),
+        "drafts": result.drafts,
+        "accepted_per_pos": list(result.position_accepts),
+        "tokens": len(result.tokens),
+    }
+
+
 def _mismatch(prompt_id: str, plain: list[int], spec: list[int]) -> dict[str, Any] | None:
     diff = first_difference(plain, spec)
     if diff is None:
@@ -185,8 +200,6 @@ def evaluate_offline(
     if threads and threads > 0:
         torch.set_num_threads(threads)
     target_path, out_path = Path(target_path), Path(out_path)
-    if not (target_path / "config.json").is_file():
-        raise FileNotFoundError(f"target model folder {target_path} has no config.json")
     unknown = sorted(set(drafters) - set(EAGLE_METHODS))
     if unknown:
         raise ValueError(f"unknown drafter method(s) {unknown}; expected {list(EAGLE_METHODS)}")
@@ -259,6 +272,7 @@ def evaluate_offline(
             "drafter": str(drafters[name]) if name in drafters else None,
             **({"ngram": dict(NGRAM)} if name == "ngram" else {"aux_layer_ids": aux_ids[name]}),
             **method_summary(results[name], seconds[name], plain_tps, num_draft_tokens),
+            "per_prompt": [prompt_counts(p["id"], r) for p, r in zip(prompts, results[name], strict=True)],
             "lossless": (not mismatches[name]) if greedy else None,
             "mismatches": mismatches[name],
         }
@@ -341,6 +355,45 @@ def vllm_method_summary(result: dict[str, Any], plain_tps: float, num_draft_toke
     }
 
 
+def vllm_prompt_counts(prompt_ids: list[str], result: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Per-prompt counts from vLLM's per-request acceptance histograms (histogram[j] = verify steps that
+    accepted j drafts); None when the run did not report them."""
+    hists = result.get("per_request_histograms")
+    if not hists or len(hists) != len(prompt_ids) or any(h is None for h in hists):
+        return None
+    return [
+        {
+            "id": pid,
+            "accepted": sum(j * c for j, c in enumerate(h)),
+            "drafts": sum(h),
+            "accepted_per_pos": histogram_positions(h),
+            "tokens": len(out),
+        }
+        for pid, h, out in zip(prompt_ids, hists, result["outputs"], strict=True)
+    ]
+
+
+def histogram_positions(histogram: list[int]) -> list[int]:
+    """Accepted drafts per position from an acceptance histogram: position i (0-based) is accepted in
+    every step that accepted more than i drafts."""
+    return [sum(histogram[i + 1 :]) for i in range(len(histogram) - 1)]
+
+
+def counts_summary(rows: list[dict[str, Any]], num_draft_tokens: int) -> dict[str, Any]:
+    """vLLM's counter vocabulary (drafts, accepted tokens and per position, tau, rates) summed over the
+    per-prompt counts of some prompts."""
+    drafts = sum(r["drafts"] for r in rows)
+    accepted = sum(r["accepted"] for r in rows)
+    per_pos = [sum(r["accepted_per_pos"][i] for r in rows) for i in range(num_draft_tokens)]
+    return {
+        "drafts": drafts,
+        "accepted_tokens": accepted,
+        "accepted_per_pos": per_pos,
+        "tau": 1.0 + accepted / drafts if drafts else 1.0,
+        "acceptance_rate_per_position": [a / drafts if drafts else 0.0 for a in per_pos],
+    }
+
+
 def outputs_agree(a: list[list[int]], b: list[list[int]]) -> int:
     """How many prompts have token-identical outputs."""
     return sum(1 for x, y in zip(a, b, strict=True) if list(x) == list(y))
@@ -349,8 +402,8 @@ def outputs_agree(a: list[list[int]], b: list[list[int]]) -> int:
 def evaluate_vllm(
     target_path: str | Path,
     drafters: dict[str, str | Path],
-    prompts_path: str | Path,
-    out_path: str | Path,
+    prompt_sets: dict[str, str | Path],
+    out_paths: dict[str, str | Path],
     num_prompts: int,
     max_new_tokens: int,
     num_draft_tokens: int,
@@ -358,10 +411,13 @@ def evaluate_vllm(
     dtype: str = "float32",
     temperature: float = 0.0,
     log_dir: str | Path | None = None,
-) -> dict[str, Any]:
-    """The held-out prompts through vLLM: plain, then eagle3 with each export in `drafters` and, with
-    `ngram`, vLLM's ngram method; one child process per run (vLLM never enters this process).
-    Writes out_path (JSON) and returns it. temperature > 0 samples (vLLM's rejection sampler)."""
+) -> dict[str, dict[str, Any]]:
+    """The prompts of every held-out set (`prompt_sets`: name -> prompt file) through vLLM in one batch
+    per method: plain, then eagle3 with each export in `drafters` and, with `ngram`, vLLM's ngram method;
+    one child process per method (vLLM never enters this process), so each engine starts once however
+    many sets there are. Acceptance per set comes from vLLM's per-request histograms; tokens/s is the
+    whole batch's. Writes one JSON per set (`out_paths`) and returns them. temperature > 0 samples
+    (vLLM's rejection sampler)."""
     from draftsmith.engines.vllm_spec import run_vllm_speculative, run_vllm_subprocess
     from draftsmith.target import load_tokenizer
 
@@ -377,10 +433,15 @@ def evaluate_vllm(
             f"temperature {temperature}; set evaluate.temperature: 0, or evaluate.vllm: false to sample "
             "offline only"
         )
-    target_path, out_path = Path(target_path), Path(out_path)
+    if set(prompt_sets) != set(out_paths):
+        raise ValueError(f"held-out sets {sorted(prompt_sets)} and outputs {sorted(out_paths)} differ")
+    target_path = Path(target_path)
     tokenizer = load_tokenizer(target_path)
-    prompts = read_eval_prompts(prompts_path, num_prompts)
-    encoded = encode_prompts(tokenizer, prompts)
+    sets = {name: read_eval_prompts(path, num_prompts) for name, path in prompt_sets.items()}
+    spans, encoded = {}, []  # set -> (start, end) in the one batch
+    for name, prompts in sets.items():
+        spans[name] = (len(encoded), len(encoded) + len(prompts))
+        encoded += encode_prompts(tokenizer, prompts)
     runs: list[tuple[str, str | None, str | None]] = [("plain", None, None)]
     runs += [(name, str(path), "eagle3") for name, path in drafters.items()]
     if ngram:
@@ -402,42 +463,59 @@ def evaluate_vllm(
             )
     plain = raw["plain"]
     plain_tps = throughput(int(plain["generated_tokens"]), float(plain["seconds"]))
-    methods = {}
-    for name, drafter, method in runs[1:]:
-        methods[name] = {
-            "kind": method,
-            "drafter": drafter,
-            **vllm_method_summary(raw[name], plain_tps, num_draft_tokens),
-            "outputs_equal_plain": outputs_agree(raw[name]["outputs"], plain["outputs"]),
+    all_ids = [p["id"] for prompts in sets.values() for p in prompts]
+    counts = {name: vllm_prompt_counts(all_ids, raw[name]) for name, _, _ in runs[1:]}
+    for name, rows in counts.items():
+        total = vllm_method_summary(raw[name], plain_tps, num_draft_tokens)
+        if rows is None and len(sets) > 1:
+            raise RuntimeError(f"vLLM reported no per-request acceptance for {name}: cannot split the sets")
+        if rows is not None and (sum(r["drafts"] for r in rows), sum(r["accepted"] for r in rows)) != (
+            total["drafts"], total["accepted_tokens"]
+        ):  # fmt: skip
+            raise RuntimeError(
+                f"vLLM's per-request acceptance for {name} does not add up to its counters "
+                f"({sum(r['drafts'] for r in rows)} vs {total['drafts']} drafts)"
+            )
+    summaries = {}
+    for set_name, (a, b) in spans.items():
+        methods = {}
+        for name, drafter, method in runs[1:]:
+            total = vllm_method_summary(raw[name], plain_tps, num_draft_tokens)
+            rows = counts[name][a:b] if counts[name] is not None else None
+            methods[name] = {
+                "kind": method,
+                "drafter": drafter,
+                **total,  # tokens/s and speedup: the whole batch's
+                **({"draft_tokens": None, "draft_acceptance_rate": None} if len(sets) > 1 else {}),
+                **(counts_summary(rows, num_draft_tokens) if rows is not None else {}),
+                "tokens": sum(len(o) for o in raw[name]["outputs"][a:b]),
+                "per_prompt": rows,
+                "outputs_equal_plain": outputs_agree(raw[name]["outputs"][a:b], plain["outputs"][a:b]),
+            }
+        summaries[set_name] = {
+            "engine": f"vLLM offline LLM ({dtype}, enforce_eager, one batch of {len(encoded)} prompts)",
+            "target": str(target_path),
+            "prompts": str(prompt_sets[set_name]),
+            "num_prompts": b - a,
+            "prompt_ids": all_ids[a:b],
+            "batch_sets": list(sets),
+            "max_new_tokens": max_new_tokens,
+            "num_draft_tokens": num_draft_tokens,
+            "temperature": temperature,
+            "dtype": dtype,
+            "device": plain.get("device"),
+            "plain": {
+                "tokens": sum(len(o) for o in plain["outputs"][a:b]),
+                "batch_tokens": int(plain["generated_tokens"]),
+                "seconds": float(plain["seconds"]),
+                "load_seconds": float(plain.get("load_seconds") or 0.0),
+                "tokens_per_s": plain_tps,
+                "outputs": plain["outputs"][a:b],
+            },
+            "methods": methods,
         }
-    summary = {
-        "engine": f"vLLM offline LLM ({dtype}, enforce_eager, batch of {len(encoded)})",
-        "target": str(target_path),
-        "prompts": str(prompts_path),
-        "num_prompts": len(prompts),
-        "prompt_ids": [p["id"] for p in prompts],
-        "max_new_tokens": max_new_tokens,
-        "num_draft_tokens": num_draft_tokens,
-        "temperature": temperature,
-        "dtype": dtype,
-        "plain": {
-            "tokens": int(plain["generated_tokens"]),
-            "seconds": float(plain["seconds"]),
-            "load_seconds": float(plain.get("load_seconds") or 0.0),
-            "tokens_per_s": plain_tps,
-            "outputs": plain["outputs"],
-        },
-        "methods": methods,
-    }
-    write_json(out_path, summary)
-    return summary
-
-
-def load_json(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing")
-    return json.loads(path.read_text(encoding="utf-8"))
+        write_json(out_paths[set_name], summaries[set_name])
+    return summaries
 
 
 def export_untrained_drafter(

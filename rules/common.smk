@@ -1,9 +1,12 @@
+import hashlib
 import json
 import os
 import sys
+from pathlib import Path
 
 from snakemake.utils import validate
 
+import draftsmith
 from draftsmith.config import (
     coerce_strings,
     config_errors,
@@ -79,3 +82,68 @@ def prompt_source_inputs():
 def untrained_option(wildcards, input):
     """`--untrained DIR` when the rule takes the untrained baseline as an input, else nothing."""
     return f"--untrained {input.untrained}" if "untrained" in input.keys() else ""
+
+
+# ---- evaluation: held-out sets, gate modes, TensorBoard run name (rules/evaluate.smk)
+
+
+def heldout_prompts(wildcards):
+    return heldout_prompt_file(wildcards.heldout)
+
+
+def heldout_prompt_file(name):
+    """The prompt file of a held-out set: "split" = the prompts stage's held-out split, "handwritten" =
+    the packaged hand-written set, anything else = a prompt file of the user's."""
+    source = config["evaluate"]["heldout_sets"][name]
+    if source == "split":
+        return "results/prompts/heldout.jsonl"
+    if source == "handwritten":
+        return str(Path(draftsmith.__file__).parent / "data" / "heldout_handwritten.jsonl")
+    return source
+
+
+def heldout_prompt_inputs(wildcards):
+    """Every held-out set's prompt file, keyed prompts_<set>."""
+    return {f"prompts_{name}": heldout_prompt_file(name) for name in config["evaluate"]["heldout_sets"]}
+
+
+def vllm_set_options():
+    """--prompts/--out SET=PATH of every held-out set for the one vLLM job."""
+    return " ".join(
+        f"--prompts {name}={heldout_prompt_file(name)}" f" --out {name}=results/eval/{name}/vllm.json"
+        for name in config["evaluate"]["heldout_sets"]
+    )
+
+
+def eval_summary_sets():
+    """--offline/--vllm SET=PATH for every held-out set, in the configured order. With evaluate.offline
+    off, vLLM's measurement stands in for the offline one."""
+    offline = "offline.json" if config["evaluate"]["offline"] else "vllm.json"
+    options = [
+        f"--offline {name}=results/eval/{name}/{offline}" for name in config["evaluate"]["heldout_sets"]
+    ]
+    if config["evaluate"]["vllm"]:
+        options += [
+            f"--vllm {name}=results/eval/{name}/vllm.json" for name in config["evaluate"]["heldout_sets"]
+        ]
+    return " ".join(options)
+
+
+def offline_num_prompts():
+    """The contract check's prompts: never more than vLLM decodes (0 = all)."""
+    n, n_offline = config["evaluate"]["num_prompts"], config["evaluate"]["offline_num_prompts"]
+    return n if n > 0 and (n_offline == 0 or n_offline > n) else n_offline
+
+
+def gate_modes():
+    return " ".join(f"--check {name}={mode}" for name, mode in config["evaluate"]["gate"].items())
+
+
+def tensorboard_run():
+    """evaluate.tensorboard_run, or a name from a hash of every setting upstream of the drafter, so runs
+    that differ in data or training land side by side."""
+    if config["evaluate"]["tensorboard_run"]:
+        return config["evaluate"]["tensorboard_run"]
+    upstream = {k: config[k] for k in ("target", "prompts", "generate", "extract", "vocab", "train")}
+    digest = hashlib.sha256(json.dumps(upstream, sort_keys=True).encode()).hexdigest()[:10]
+    return f"run-{digest}"

@@ -1,23 +1,38 @@
 # Evaluation: the drafter and two baselines (untrained drafter, n-gram lookup) measured offline and in
-# real vLLM on the same held-out prompts; a summary with plots; the gate with its diagnosis.
-
+# real vLLM on the same prompts of each held-out set; a summary with intervals and plots; the gate.
 
 EVAL = config["evaluate"]
+HELDOUT = EVAL["heldout_sets"]
+
+
+wildcard_constraints:
+    heldout=r"[A-Za-z0-9_-]+",
+
+
 # The measurement settings both engines share: the same prompts, lengths and draft count.
 EVAL_OPTIONS = (
-    f"--num-prompts {EVAL['num_prompts']} --max-new-tokens {EVAL['max_new_tokens']}"
-    f" --num-draft-tokens {EVAL['num_draft_tokens']} --temperature {EVAL['temperature']}"
-    f" {'--ngram' if EVAL['ngram'] else '--no-ngram'}"
+    f"--max-new-tokens {EVAL['max_new_tokens']} --num-draft-tokens {EVAL['num_draft_tokens']}"
+    f" --temperature {EVAL['temperature']}"
 )
+NGRAM = "--ngram" if EVAL["ngram"] else "--no-ngram"
+# With vLLM, the judged numbers (trained, untrained, n-gram on every prompt) come from vLLM, and the
+# offline run is the contract check: the trained drafter alone, lossless and accepted as in vLLM, on the
+# first evaluate.offline_num_prompts prompts. Without vLLM, the offline run measures everything.
+OFFLINE_OPTIONS = (
+    f"--num-prompts {offline_num_prompts()} --no-ngram"
+    if EVAL["vllm"]
+    else f"--num-prompts {EVAL['num_prompts']} {NGRAM}"
+)
+OFFLINE_UNTRAINED = {} if EVAL["vllm"] else {"untrained": "results/eval/untrained_drafter"}
+OFFLINE_EVAL = {f"offline_{name}": f"results/eval/{name}/offline.json" for name in HELDOUT}
 # vllm.json joins the summary only when evaluate.vllm is on.
-VLLM_EVAL = {"vllm": "results/eval/vllm.json"} if EVAL["vllm"] else {}
+VLLM_EVAL = {f"vllm_{name}": f"results/eval/{name}/vllm.json" for name in HELDOUT} if EVAL["vllm"] else {}
 # evaluate.offline: false keeps a huge target out of the workflow's processes: vLLM's measurement
-# stands in for the offline one.
+# stands in for the offline one (the summary's contract columns then compare vLLM with itself).
 if not (EVAL["offline"] or EVAL["vllm"]):
     raise ValueError("evaluate.offline: false needs evaluate.vllm: true (the drafter must be measured)")
-OFFLINE_EVAL = "results/eval/offline.json" if EVAL["offline"] else "results/eval/vllm.json"
-# The untrained baseline is served by vLLM too only when evaluate.vllm_untrained is on.
-VLLM_UNTRAINED = {"untrained": "results/eval/untrained_drafter"} if EVAL["vllm_untrained"] else {}
+if not EVAL["offline"]:
+    OFFLINE_EVAL = {f"offline_{name}": f"results/eval/{name}/vllm.json" for name in HELDOUT}
 
 
 rule untrained_drafter:
@@ -45,16 +60,16 @@ rule untrained_drafter:
 
 rule evaluate_offline:
     input:
+        **OFFLINE_UNTRAINED,
         target=TARGET,
         drafter="results/drafter",
-        untrained="results/eval/untrained_drafter",
-        prompts="results/prompts/heldout.jsonl",
+        prompts=heldout_prompts,
     output:
-        "results/eval/offline.json",
+        "results/eval/{heldout}/offline.json",
     log:
-        "logs/evaluate_offline.log",
+        "logs/evaluate_offline/{heldout}.log",
     benchmark:
-        "benchmarks/evaluate_offline.tsv"
+        "benchmarks/evaluate_offline/{heldout}.tsv"
     conda:
         "../envs/draftsmith.yaml"
     threads: config["resources"]["evaluate"]["threads"]
@@ -64,22 +79,25 @@ rule evaluate_offline:
         mem_mb=config["resources"]["evaluate"]["mem_mb"],
     params:
         options=EVAL_OPTIONS,
+        offline=OFFLINE_OPTIONS,
+        untrained=untrained_option,
         seed=config["evaluate"]["seed"],
     shell:
         "draftsmith run --gpus {resources.gpu} --"
-        " draftsmith evaluate --target {input.target} --drafter {input.drafter} --untrained {input.untrained}"
-        " --prompts {input.prompts} --out {output} {params.options} --seed {params.seed}"
+        " draftsmith evaluate --target {input.target} --drafter {input.drafter} {params.untrained}"
+        " --prompts {input.prompts} --out {output} {params.options} {params.offline} --seed {params.seed}"
         " --threads {threads} 2>&1 | tee {log}"
 
 
+# Every held-out set in one batch per method: each vLLM engine starts once (~20-30 s on a CPU).
 rule evaluate_vllm:
     input:
-        **VLLM_UNTRAINED,
+        unpack(heldout_prompt_inputs),
         target=TARGET,
         drafter="results/drafter",
-        prompts="results/prompts/heldout.jsonl",
+        untrained="results/eval/untrained_drafter",
     output:
-        "results/eval/vllm.json",
+        [f"results/eval/{name}/vllm.json" for name in HELDOUT],
     log:
         "logs/evaluate_vllm.log",
     benchmark:
@@ -93,18 +111,20 @@ rule evaluate_vllm:
         mem_mb=config["resources"]["evaluate"]["mem_mb"],
     params:
         options=EVAL_OPTIONS,
-        untrained=untrained_option,
+        num_prompts=EVAL["num_prompts"],
+        ngram=NGRAM,
+        sets=vllm_set_options(),
     shell:
         "draftsmith run --gpus {resources.gpu} --"
         " draftsmith evaluate-vllm --target {input.target} --drafter {input.drafter}"
-        " {params.untrained} --prompts {input.prompts} --out {output} {params.options}"
-        " --log-dir logs/vllm 2>&1 | tee {log}"
+        " --untrained {input.untrained} {params.sets} --num-prompts {params.num_prompts} {params.options}"
+        " {params.ngram} --log-dir logs/vllm 2>&1 | tee {log}"
 
 
 rule eval_summary:
     input:
+        **OFFLINE_EVAL,
         **VLLM_EVAL,
-        offline=OFFLINE_EVAL,
         data="results/data_config.json",
         drafter="results/drafter",
         target=TARGET,
@@ -146,20 +166,20 @@ rule eval_summary:
         runtime=config["resources"]["default"]["runtime"],
         mem_mb=config["resources"]["default"]["mem_mb"],
     params:
-        vllm=" ".join(f"--vllm {path}" for path in VLLM_EVAL.values()),
-        min_tau=config["evaluate"]["min_tau"],
-        min_speedup=config["evaluate"]["min_speedup"],
-        max_tau_gap=(
-            f"--max-tau-gap {config['evaluate']['max_tau_gap']}"
-            if config["evaluate"]["max_tau_gap"] is not None
-            else ""
-        ),
-        max_acc_gap=config["evaluate"]["max_acc_gap"],
+        sets=eval_summary_sets(),
+        gate=gate_modes(),
+        max_tau_gap=(f"--max-tau-gap {EVAL['max_tau_gap']}" if EVAL["max_tau_gap"] is not None else ""),
+        max_acc_gap=EVAL["max_acc_gap"],
+        min_val_gain=EVAL["min_val_gain"],
+        level=EVAL["interval_level"],
+        resamples=EVAL["bootstrap_resamples"],
+        tensorboard=f"results/tensorboard/{tensorboard_run()}",
     shell:
-        "draftsmith eval-summary --offline {input.offline} {params.vllm} --data {input.data}"
-        " --drafter {input.drafter} --target {input.target} --metrics {input.metrics} --out $(dirname {output.summary})"
-        " --min-tau {params.min_tau} --min-speedup {params.min_speedup} {params.max_tau_gap}"
-        " --max-acc-gap {params.max_acc_gap} 2>&1 | tee {log}"
+        "draftsmith eval-summary {params.sets} --data {input.data} --drafter {input.drafter}"
+        " --target {input.target} --metrics {input.metrics} --out $(dirname {output.summary})"
+        " {params.gate} {params.max_tau_gap} --max-acc-gap {params.max_acc_gap}"
+        " --min-val-gain {params.min_val_gain} --level {params.level} --resamples {params.resamples}"
+        " --tensorboard {params.tensorboard} 2>&1 | tee {log}"
 
 
 # Last, and apart from the summary: when the gate fails, Snakemake deletes only gate.json; the table,

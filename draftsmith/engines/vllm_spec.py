@@ -3,8 +3,10 @@
 This is the check that an export is not just well-formed but *used*: vLLM loads the drafter through
 `speculative_config={"method": "eagle3", "model": DRAFTER, ...}`, drafts with it, and counts in its
 Prometheus metrics how many draft tokens the target accepted (`llm.get_metrics()`, which needs
-`disable_log_stats=False`). A drafter vLLM silently mis-loads (research/vllm-on-cpu.md step 6: a missing
-fc or d2t loads without a warning) shows up here as zero acceptance.
+`disable_log_stats=False`), and per request (`per_request_spec_decode_metrics="summary"`: a histogram of
+accepted drafts per verify step, which gives the per-prompt counts for an interval over prompts). A
+drafter vLLM silently mis-loads (a missing fc or d2t loads without a warning) shows up here as zero
+acceptance.
 
 vLLM spawns its engine core as a child process, so `from vllm import LLM` must run in a `__main__`
 module. Two ways in:
@@ -96,6 +98,12 @@ def speculative_config(
     raise ValueError(f"unknown speculative method {method!r}; expected eagle3, ngram or None")
 
 
+def request_histogram(output: Any) -> list[int] | None:
+    """One completion's acceptance histogram (index j: verify steps that accepted j drafts), or None."""
+    metrics = getattr(output, "spec_decode_metrics", None)
+    return None if metrics is None else [int(c) for c in metrics.histogram]
+
+
 def run_vllm_speculative(
     target: str,
     drafter_or_None: str | None,
@@ -117,6 +125,8 @@ def run_vllm_speculative(
         spec_decode  drafts, drafted/accepted tokens, per-position acceptance, rate, tau (None values
                      without speculation)
         outputs      generated token ids per prompt
+        per_request_histograms  per prompt: verify steps that accepted 0..k drafts (speculative runs)
+        device       the platform vLLM ran on (cpu, cuda, ...)
         seconds      generation wall time (load excluded); load_seconds; generated_tokens
 
     Must run in a `__main__` process (vLLM spawns its engine core); see run_vllm_subprocess.
@@ -136,6 +146,8 @@ def run_vllm_speculative(
         disable_log_stats=False,  # else get_metrics() asserts "Stat logging disabled"
         speculative_config=speculative_config(method, drafter_or_None, num_speculative_tokens),
         trust_remote_code=trust_remote_code(),
+        # per-request acceptance histograms; vLLM refuses the option without speculation
+        **({"per_request_spec_decode_metrics": "summary"} if method else {}),
     )
     load_seconds = time.perf_counter() - t0
     params = SamplingParams(
@@ -145,7 +157,10 @@ def run_vllm_speculative(
     results = llm.generate([{"prompt_token_ids": list(map(int, p))} for p in prompts_token_ids], params)
     seconds = time.perf_counter() - t0
     outputs = [list(r.outputs[0].token_ids) for r in results]
+    histograms = [request_histogram(r.outputs[0]) for r in results] if method else None
     metrics = metrics_to_dict(llm.get_metrics())
+    from vllm.platforms import current_platform
+
     return {
         "target": str(target),
         "drafter": str(drafter_or_None) if drafter_or_None else None,
@@ -154,6 +169,8 @@ def run_vllm_speculative(
         "metrics": metrics,
         "spec_decode": spec_decode_summary(metrics, num_speculative_tokens) if method else None,
         "outputs": outputs,
+        "per_request_histograms": histograms,
+        "device": current_platform.device_type,
         "generated_tokens": sum(len(o) for o in outputs),
         "seconds": seconds,
         "load_seconds": load_seconds,

@@ -93,13 +93,16 @@ def test_gpu_reservations(plan):
 
 def test_huge_targets_stay_out_of_the_workflow_processes(plan):
     """Kimi and Qwen3-235B: no offline evaluation (it would load the target with transformers); the
-    vLLM measurement feeds the summary. Llama-3.1-8B is measured both ways."""
+    vLLM measurement feeds the summary. Llama-3.1-8B is measured both ways, on every held-out set. The
+    untrained baseline is built from the target's embedding, norm and lm_head only, and served by vLLM."""
     name, jobs = plan
+    assert [j["gpu"] for j in jobs["untrained_drafter"]] == [0]
     if name == "llama-3.1-8b":
-        assert [j["gpu"] for j in jobs["evaluate_offline"]] == [1]
+        assert [j["gpu"] for j in jobs["evaluate_offline"]] == [1, 1]  # split and handwritten
         return
-    assert "evaluate_offline" not in jobs and "untrained_drafter" not in jobs
-    assert "--offline results/eval/vllm.json" in jobs["eval_summary"][0]["shell"]
+    assert "evaluate_offline" not in jobs
+    shell = jobs["eval_summary"][0]["shell"]
+    assert "--offline split=results/eval/split/vllm.json" in shell and "offline.json" not in shell
 
 
 def test_target_specific_settings(plan):

@@ -89,7 +89,15 @@ def test_every_target_exists_and_is_sound(finished_run):
     assert (results / "eval" / "gate.json").is_file()
     for engine in ("sglang", "speculators"):  # one export per engine, each checked by `draftsmith export`
         assert (results / f"drafter-{engine}" / "model.safetensors").is_file(), engine
-    rules = ("generate", "extract/shard-0", "train", "evaluate_offline", "evaluate_vllm", "gate", "export")
+    rules = (
+        "generate",
+        "extract/shard-0",
+        "train",
+        "evaluate_offline/split",
+        "evaluate_vllm",
+        "gate",
+        "export",
+    )
     for rule in rules:
         assert (workdir / "benchmarks" / f"{rule}.tsv").is_file(), rule
         assert (workdir / "logs" / f"{rule}.log").is_file(), rule

@@ -16,10 +16,13 @@ from draftsmith.cli import EXIT_GATE, main
 from draftsmith.evaluate import (
     NotLossless,
     VllmUnavailable,
+    counts_summary,
     evaluate_offline,
     evaluate_vllm,
+    histogram_positions,
     outputs_agree,
     vllm_method_summary,
+    vllm_prompt_counts,
 )
 
 AUX = [1, 2, 3]
@@ -224,6 +227,15 @@ def test_offline_measures_every_method_losslessly(offline):
     assert all(
         data["methods"][n]["drafts"] == data["methods"][n]["verify_steps"] for n in ("eagle3", "untrained")
     )
+    # per-prompt counts (the bootstrap's unit) add up to the totals
+    for name, m in data["methods"].items():
+        rows = m["per_prompt"]
+        assert [r["id"] for r in rows] == ["p0", "p1"], name
+        assert sum(r["accepted"] for r in rows) == m["accepted_tokens"]
+        assert sum(r["drafts"] for r in rows) == m["drafts"]
+        assert [sum(col) for col in zip(*(r["accepted_per_pos"] for r in rows), strict=True)] == m[
+            "accepted_per_pos"
+        ]
 
 
 def test_offline_fails_hard_when_not_lossless(pipeline, untrained, monkeypatch, tmp_path):
@@ -289,59 +301,121 @@ def test_vllm_bookkeeping():
     assert outputs_agree([[1, 2], [3]], [[1, 2], [4]]) == 1
 
 
+def test_vllm_sets_and_outputs_must_match(pipeline, tmp_path):
+    with pytest.raises(ValueError, match="differ"):
+        evaluate_vllm(pipeline["target"], {}, {"a": pipeline["prompts"]}, {"b": tmp_path / "v.json"}, 1, 4, 2)
+
+
+def test_vllm_per_request_histograms_to_prompt_counts():
+    # histogram[j]: verify steps that accepted j of 3 drafts
+    assert histogram_positions([5, 3, 2, 1]) == [6, 3, 1]
+    result = {"per_request_histograms": [[5, 3, 2, 1], [4, 0, 0, 0]], "outputs": [[1] * 20, [2] * 5]}
+    rows = vllm_prompt_counts(["a", "b"], result)
+    assert rows == [
+        {"id": "a", "accepted": 3 + 4 + 3, "drafts": 11, "accepted_per_pos": [6, 3, 1], "tokens": 20},
+        {"id": "b", "accepted": 0, "drafts": 4, "accepted_per_pos": [0, 0, 0], "tokens": 5},
+    ]
+    assert vllm_prompt_counts(["a", "b"], {"per_request_histograms": None, "outputs": []}) is None
+    # the counters of one held-out set of a batch
+    assert counts_summary(rows[1:], 3) == {
+        "drafts": 4,
+        "accepted_tokens": 0,
+        "accepted_per_pos": [0, 0, 0],
+        "tau": 1.0,
+        "acceptance_rate_per_position": [0.0, 0.0, 0.0],
+    }
+    assert counts_summary(rows, 3)["tau"] == pytest.approx(1 + 10 / 15)
+
+
 def test_vllm_missing_says_how_to_skip(pipeline, monkeypatch, tmp_path):
     import draftsmith.evaluate as ev
 
     monkeypatch.setattr(ev, "vllm_available", lambda: False)
     with pytest.raises(VllmUnavailable, match=r"evaluate\.vllm: false"):
-        evaluate_vllm(pipeline["target"], {}, pipeline["prompts"], tmp_path / "v.json", 1, 4, 2)
+        evaluate_vllm(pipeline["target"], {}, {"s": pipeline["prompts"]}, {"s": tmp_path / "v.json"}, 1, 4, 2)
 
 
-def test_summary_report_and_gate(pipeline, offline, tmp_path):
-    off = json.loads(offline.read_text())
-    outputs = off["plain"]["outputs"]
-    plain_tokens = off["plain"]["tokens"]
+def fake_vllm(offline: dict) -> dict:
+    """vllm.json as vLLM would write it for the same acceptance counts (the real one runs in the workflow
+    test)."""
+    outputs, plain_tokens = offline["plain"]["outputs"], offline["plain"]["tokens"]
     methods = {
         name: {"kind": "ngram" if name == "ngram" else "eagle3", "drafter": None,
                **vllm_method_summary(vllm_result(m, plain_tokens, 2.0, outputs), plain_tokens / 1.0, 3),
-               "outputs_equal_plain": 2}
-        for name, m in off["methods"].items()
+               "per_prompt": m["per_prompt"], "outputs_equal_plain": len(outputs)}
+        for name, m in offline["methods"].items() if name != "untrained"
     }  # fmt: skip
-    vllm = {"num_prompts": 2, "plain": {"tokens": plain_tokens, "seconds": 1.0, "tokens_per_s": plain_tokens,
-            "outputs": outputs}, "methods": methods}  # fmt: skip
+    return {"num_prompts": offline["num_prompts"], "prompt_ids": offline["prompt_ids"], "device": "cpu",
+            "plain": {"tokens": plain_tokens, "seconds": 1.0, "tokens_per_s": plain_tokens, "outputs": outputs},
+            "methods": methods}  # fmt: skip
+
+
+def test_summary_report_and_gate(pipeline, offline, untrained, tmp_path):
+    from draftsmith.eval_summary import write_tensorboard
+
+    hand = tmp_path / "hand-offline.json"
+    handwritten = Path(__file__).parents[2] / "draftsmith" / "data" / "heldout_handwritten.jsonl"
+    cli("evaluate", "--target", pipeline["target"], "--drafter", pipeline["drafter"], "--untrained", untrained,
+        "--prompts", handwritten, "--out", hand, "--num-prompts", 2, "--max-new-tokens", 12,
+        "--num-draft-tokens", 3, "--threads", 1)  # fmt: skip
     vllm_path = tmp_path / "vllm.json"
-    vllm_path.write_text(json.dumps(vllm))
+    vllm_path.write_text(json.dumps(fake_vllm(json.loads(offline.read_text()))))
     out = tmp_path / "eval"
-    common = ["--offline", offline, "--vllm", vllm_path, "--data", pipeline["data"], "--drafter", pipeline["drafter"],
-              "--target", pipeline["target"], "--metrics", pipeline["metrics"], "--out", out]  # fmt: skip
-    cli("eval-summary", *common, "--min-tau", 1.0, "--min-speedup", 0.1, "--max-acc-gap", 1.0)
+    common = ["--offline", f"split={offline}", "--offline", f"handwritten={hand}", "--vllm", f"split={vllm_path}",
+              "--data", pipeline["data"], "--drafter", pipeline["drafter"], "--target", pipeline["target"],
+              "--metrics", pipeline["metrics"], "--out", out]  # fmt: skip
+    relaxed = ["--check", "beats_ngram=warn", "--check", "beats_untrained=warn", "--max-acc-gap", 1.0]
+    printed = cli("eval-summary", *common, *relaxed, "--tensorboard", tmp_path / "tb" / "run-a")
+    assert printed.startswith("VERDICT: ")
     for name in ("training.png", "acceptance.png", "tau_speedup.png"):
         assert (out / name).read_bytes()[:8] == PNG, name
     summary = json.loads((out / "summary.json").read_text())
     assert summary["gate_passed"], summary["checks"]
+    assert list(summary["heldout_sets"]) == ["split", "handwritten"]
+    assert summary["heldout_sets"]["handwritten"]["prompts"] == str(handwritten)
     assert summary["headline"]["vllm_tau"] == pytest.approx(summary["headline"]["offline_tau"])
-    assert [r["method"] for r in summary["rows"]][:2] == ["plain decoding", "plain decoding"]
-    assert {(r["method"], r["engine"]) for r in summary["rows"]} >= {
-        ("trained drafter", "vLLM"),
-        ("n-gram lookup", "offline"),
-    }
+    trained = [r for r in summary["rows"] if r.get("key") == "eagle3"]
+    assert {(r["heldout"], r["engine"]) for r in trained} == {("split", "offline"), ("split", "vLLM"),
+                                                              ("handwritten", "offline")}  # fmt: skip
+    for r in trained:
+        lo, hi = r["tau_interval"]
+        assert lo <= r["tau"] <= hi and len(r["acceptance_intervals"]) == 3
+    names = [c["name"] for c in summary["checks"]]
+    assert {
+        "beats_ngram (split)",
+        "beats_untrained (handwritten)",
+        "speedup",
+        "tau_gap (eagle3, split)",
+    } <= set(names)
+    speed = next(c for c in summary["checks"] if c["name"] == "speedup")
+    assert speed["status"] == "info"  # measured on a CPU
+    html = (out / "summary.html").read_text()
+    assert "<table>" in html and "Gate: PASSED" in html and html.index("Verdict") < html.index("<table>")
     assert (
-        "<table>" in (out / "summary.html").read_text()
-        and "Gate: PASSED" in (out / "summary.html").read_text()
+        (out / "summary.tsv").read_text().splitlines()[0].startswith("held-out set\tmethod\tengine\tprompts")
     )
-    assert (out / "summary.tsv").read_text().splitlines()[0].startswith("method\tengine\ttau")
+    assert " ± " in (out / "summary.tsv").read_text()
     printed = cli("gate", out / "summary.json", "--out", out / "gate.json")
-    assert "trained drafter" in printed and "tau_gap (eagle3)" in printed and "gate passed" in printed
+    assert printed.startswith("VERDICT: ") and "trained drafter" in printed and "gate passed" in printed
     assert json.loads((out / "gate.json").read_text())["passed"]
 
-    # a demanding threshold: the summary is still written, the gate fails with exit 3, naming it first
-    cli("eval-summary", *common, "--min-tau", 9.0, "--min-speedup", 0.1, "--max-acc-gap", 1.0)
+    # n-gram lookup accepted far more in vLLM: blocking by default, the gate fails naming it first
+    strong = json.loads(vllm_path.read_text())
+    ngram = strong["methods"]["ngram"]
+    ngram["tau"] = 4.0
+    ngram["per_prompt"] = [{**r, "accepted": 3 * max(r["drafts"], 1), "drafts": max(r["drafts"], 1)}
+                           for r in ngram["per_prompt"]]  # fmt: skip
+    (tmp_path / "vllm-ngram.json").write_text(json.dumps(strong))
+    args = [f"split={tmp_path / 'vllm-ngram.json'}" if a == f"split={vllm_path}" else a for a in common]
+    cli("eval-summary", *args, "--check", "beats_untrained=warn", "--max-acc-gap", 1.0)
     summary = json.loads((out / "summary.json").read_text())
     assert not summary["gate_passed"] and "Gate: FAILED" in (out / "summary.html").read_text()
+    assert summary["verdict"]["deploy"] == "n-gram lookup"
     printed = cli("gate", out / "summary.json", "--out", tmp_path / "never.json", code=EXIT_GATE)
     diagnosis = printed[printed.index("check ") :].splitlines()
-    assert diagnosis[1].startswith("min_tau (offline)") and "FAIL" in diagnosis[1]
-    assert "the acceptance gate failed on 2 check(s): min_tau (offline)" in printed
+    assert diagnosis[1].startswith("beats_ngram (split)") and "FAIL" in diagnosis[1]
+    # the tiny drafter accepts nothing on the hand-written prompts: a tie with n-gram, which fails too
+    assert "the acceptance gate failed on 2 check(s): beats_ngram (split)" in printed
     assert not (tmp_path / "never.json").exists()
 
     # vLLM sees a different drafter than the one measured offline: an integration failure
@@ -354,8 +428,21 @@ def test_summary_report_and_gate(pipeline, offline, tmp_path):
     broken_off["methods"]["eagle3"]["accepted_per_step"] = [1, 0, 2, 0, 1] * 100
     (tmp_path / "off2.json").write_text(json.dumps(broken_off))
     (tmp_path / "vllm2.json").write_text(json.dumps(broken))
-    args = [a if a not in (offline, vllm_path) else {offline: tmp_path / "off2.json", vllm_path: tmp_path / "vllm2.json"}[a]
-            for a in common]  # fmt: skip
-    cli("eval-summary", *args, "--min-tau", 1.0, "--min-speedup", 0.0, "--max-acc-gap", 1.0)
+    swap = {
+        f"split={offline}": f"split={tmp_path / 'off2.json'}",
+        f"split={vllm_path}": f"split={tmp_path / 'vllm2.json'}",
+    }
+    cli("eval-summary", *[swap.get(a, a) for a in common], *relaxed)
     printed = cli("gate", out / "summary.json", code=EXIT_GATE)
-    assert "tau_gap (eagle3)" in printed.split("failed on 1 check(s): ")[1]
+    assert "tau_gap (eagle3, split)" in printed.split("failed on 1 check(s): ")[1]
+    assert printed.startswith("VERDICT: CONTRACT BROKEN")
+
+    # bad usage: a held-out set named twice, an unknown gate mode
+    cli("eval-summary", *common, "--offline", f"split={offline}", code=2)
+    cli("eval-summary", *common, "--check", "speedup=sometimes", code=2)
+
+    # TensorBoard event files (with the optional extra): one run folder, readable by others
+    if write_tensorboard(tmp_path / "tb" / "run-b", [], summary):
+        files = list((tmp_path / "tb" / "run-a").iterdir())
+        assert files and all(f.name.startswith("events.out.tfevents") for f in files)
+        assert all(f.stat().st_mode & 0o777 == 0o644 for f in files)

@@ -1,0 +1,119 @@
+"""The evaluation summary as pure functions: intervals in every row, the table, set loading, and the
+TensorBoard event files read back with TensorBoard's own reader."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from draftsmith.eval_summary import (
+    format_table,
+    format_tsv,
+    intervals,
+    load_sets,
+    summary_rows,
+    write_tensorboard,
+)
+from draftsmith.gate import GateSettings
+
+
+def method(accepted: list[int], drafts: list[int], per_pos: list[list[int]], **kw) -> dict:
+    total_a, total_d = sum(accepted), sum(drafts)
+    return {
+        "tau": 1 + total_a / total_d,
+        "acceptance_rate_per_position": [sum(col) / total_d for col in zip(*per_pos, strict=True)],
+        "tokens": 64 * len(accepted),
+        "tokens_per_s": 10.0,
+        "speedup": 0.7,
+        "lossless": True,
+        "outputs_equal_plain": len(accepted),
+        "per_prompt": [
+            {"id": f"p{i}", "accepted": a, "drafts": d, "accepted_per_pos": pp}
+            for i, (a, d, pp) in enumerate(zip(accepted, drafts, per_pos, strict=True))
+        ],
+        **kw,
+    }
+
+
+N = 12
+TRAINED = method([10 + i for i in range(N)], [40] * N, [[6 + i, 3, 1] for i in range(N)])
+NGRAM = method([30] * N, [20] * N, [[12, 10, 8]] * N)
+
+
+def results(engine_methods: dict) -> dict:
+    return {"num_prompts": N, "prompt_ids": [f"p{i}" for i in range(N)], "methods": engine_methods,
+            "plain": {"tokens": 64 * N, "tokens_per_s": 14.0}}  # fmt: skip
+
+
+def test_rows_carry_intervals():
+    iv = intervals(TRAINED, [f"p{i}" for i in range(N)], GateSettings())
+    lo, hi = iv["tau_interval"]
+    assert lo < TRAINED["tau"] < hi and hi - lo < 0.2
+    for rate, (plo, phi) in zip(
+        TRAINED["acceptance_rate_per_position"], iv["acceptance_intervals"], strict=True
+    ):
+        assert plo - 1e-12 <= rate <= phi + 1e-12  # float64 sums in another order
+    assert intervals({**TRAINED, "per_prompt": None}, ["p0"], GateSettings())["tau_interval"] is None
+    sets = {
+        "split": {
+            "offline": results({"eagle3": TRAINED, "ngram": NGRAM}),
+            "vllm": results({"eagle3": TRAINED}),
+        }
+    }
+    rows = summary_rows(sets, GateSettings())
+    assert [(r["method"], r["engine"]) for r in rows] == [
+        ("plain decoding", "offline"),
+        ("plain decoding", "vLLM"),
+        ("trained drafter", "offline"),
+        ("trained drafter", "vLLM"),
+        ("n-gram lookup", "offline"),
+    ]
+    summary = {"rows": rows}
+    text = format_table(summary)
+    assert f"{TRAINED['tau']:.3f} ± " in text and "split" in text
+    assert format_tsv(summary).count("\n") == len(rows) + 1
+
+
+def test_load_sets_checks_the_prompts_match(tmp_path):
+    off, served = tmp_path / "off.json", tmp_path / "vllm.json"
+    off.write_text(json.dumps(results({"eagle3": TRAINED})))
+    served.write_text(json.dumps({**results({"eagle3": TRAINED}), "prompt_ids": ["x"] * N}))
+    with pytest.raises(ValueError, match="decoded different prompts"):
+        load_sets({"split": off}, {"split": served})
+    with pytest.raises(ValueError, match="without offline results"):
+        load_sets({"split": off}, {"other": served})
+    assert load_sets({"split": off}, {})["split"]["vllm"] is None
+
+
+def test_tensorboard_events_read_back(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sets = {"split": {"offline": results({"eagle3": TRAINED, "ngram": NGRAM}), "vllm": None}}
+    rows = summary_rows(sets, GateSettings())
+    summary = {"rows": rows, "verdict": {"action": "deploy n-gram", "deploy": "n-gram lookup", "per_set": []}}
+    metrics = [
+        {"kind": "train", "step": 1, "loss": 5.0, "acc": [0.1, 0.05]},
+        {"kind": "train", "step": 2, "loss": 4.0, "acc": [0.2, None]},
+        {"kind": "resume", "step": 2},
+        {"kind": "val", "step": 2, "loss": 4.5, "acc": [0.15, 0.1]},
+    ]
+    run = tmp_path / "tensorboard" / "run-x"
+    (run).mkdir(parents=True)
+    (run / "stale").write_text("from an earlier run")
+    assert write_tensorboard(run, metrics, summary)
+    assert not (run / "stale").exists()  # the run folder is replaced whole
+    acc = EventAccumulator(str(run))
+    acc.Reload()
+    scalars = acc.Tags()["scalars"]
+    assert [e.value for e in acc.Scalars("train/loss")] == [5.0, 4.0]
+    assert [e.step for e in acc.Scalars("train/accuracy_ttt_step_1")] == [1]
+    assert acc.Scalars("val/accuracy_ttt_step_0")[0].value == pytest.approx(0.15)
+    tau = acc.Scalars("eval_split/eagle3_offline/tau")[0]
+    assert tau.step == 2 and tau.value == pytest.approx(TRAINED["tau"])
+    assert (
+        "eval_split/ngram_offline/tau_low" in scalars
+        and "eval_split/eagle3_offline/acceptance_position_3" in scalars
+    )
+    assert all(f.stat().st_mode & 0o777 == 0o644 for f in run.iterdir())
