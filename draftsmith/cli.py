@@ -909,7 +909,13 @@ def _named(option: str, values: tuple[str, ...]) -> dict[str, str]:
     metavar="SET=PATH",
     help="offline.json of a held-out set (repeat per set; the first set's speed is judged).",
 )
-@click.option("--vllm", multiple=True, metavar="SET=PATH", help="vllm.json of a held-out set, if measured.")
+@click.option(
+    "--vllm",
+    multiple=True,
+    default=None,
+    metavar="SET=PATH",
+    help="vllm.json of a held-out set, if measured.",
+)
 @click.option("--data", "manifest_path", required=True, type=click.Path(dir_okay=False, exists=True))
 @click.option("--drafter", required=True, type=click.Path(file_okay=False, exists=True))
 @click.option("--target", "target_path", required=True, type=click.Path(file_okay=False, exists=True))

@@ -179,14 +179,21 @@ def test_a_failed_check_exits_1(tmp_path):
 
 
 def test_a_failed_gate_exits_3_and_a_passed_one_0(tmp_path):
-    check = {"name": "min_tau", "status": "fail", "value": "1.0", "threshold": ">= 1.1", "where": "x"}
+    check = {
+        "name": "beats_ngram (split)",
+        "status": "fail",
+        "value": "-0.8",
+        "threshold": "> 0",
+        "where": "x",
+    }
+    verdict = {"action": "deploy n-gram", "deploy": "n-gram lookup", "per_set": []}
     failing = tmp_path / "failing.json"
-    failing.write_text(json.dumps({"rows": [], "checks": [check]}))
+    failing.write_text(json.dumps({"rows": [], "checks": [check], "verdict": verdict}))
     result = invoke("gate", str(failing), "--out", str(tmp_path / "gate.json"))
     assert result.exit_code == EXIT_GATE, result.output
     assert not (tmp_path / "gate.json").exists()
     passing = tmp_path / "passing.json"
-    passing.write_text(json.dumps({"rows": [], "checks": [{**check, "status": "pass"}]}))
+    passing.write_text(json.dumps({"rows": [], "checks": [{**check, "status": "pass"}], "verdict": verdict}))
     assert invoke("gate", str(passing), "--out", str(tmp_path / "gate.json")).exit_code == 0
     assert json.loads((tmp_path / "gate.json").read_text())["passed"] is True
 

@@ -51,7 +51,7 @@ OPERATIONAL = {
     },
     "evaluate": {"threads": 3, "runtime": 7, "mem_mb": 123, "gpus": 1},
 }
-AFTER_TRAINING = {"evaluate_offline", "evaluate_vllm", "eval_summary", "gate", "all"}
+AFTER_TRAINING = {"export", "evaluate_offline", "evaluate_vllm", "eval_summary", "gate", "all"}
 AFTER_EXTRACT = {"manifest", "train", "untrained_drafter", *AFTER_TRAINING}
 
 
