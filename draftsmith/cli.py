@@ -202,6 +202,12 @@ def fetch_wheel_cmd(requirement: str, out: str, cache: str) -> None:
     show_default=True,
     help="Finish despite failed prompts up to this fraction (else fail; a rerun retries them).",
 )
+@click.option(
+    "--original-answers-share",
+    default=0.0,
+    show_default=True,
+    help="Share of prompts with a dataset conversation trained on its original answers, not regenerated.",
+)
 @click.pass_context
 def generate(ctx: click.Context, target_path: str, prompts_path: str, **kw: Any) -> None:
     """Answer every prompt with the target and append the traces, resumably.

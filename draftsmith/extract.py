@@ -206,9 +206,11 @@ def extract_shard(
                 sample_ids=meta["sample_ids"][start:end],
             )
         t0, cpu0 = time.perf_counter(), time.process_time()
+        sources = meta.get("sample_sources") or ["regenerated"] * len(meta["sample_ids"])
         stats = _extract_loop(
-            extractor, writer, shard, lengths, sample_tokens, meta["sample_ids"][start:end], batch_tokens
-        )
+            extractor, writer, shard, lengths, sample_tokens, meta["sample_ids"][start:end], batch_tokens,
+            sources[start:end],
+        )  # fmt: skip
         stats |= {"engine": engine, "compile_seconds": compile_seconds, "estimate": estimate}
         if writer:
             closing = time.perf_counter()
@@ -217,6 +219,7 @@ def extract_shard(
                     "final": "post_final_norm",
                     "dtype": "bfloat16",
                     "template": meta["template"],
+                    "sample_sources": sources[start:end],
                     "stats": stats,
                 }
             )
@@ -244,11 +247,23 @@ def extract_shard(
 
 
 def _extract_loop(
-    extractor, writer, shard: int, lengths: list[int], sample_tokens, sample_ids: list[str], batch_tokens: int
+    extractor,
+    writer,
+    shard: int,
+    lengths: list[int],
+    sample_tokens,
+    sample_ids: list[str],
+    batch_tokens: int,
+    sample_sources: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Capture every sample, check teacher agreement, hand samples to the writer; returns the stats."""
+    """Capture every sample, check teacher agreement, hand samples to the writer; returns the stats.
+
+    Agreement is counted per sample source; `teacher_agreement` (the gated figure) is over regenerated
+    samples only: on a dataset's original answers the target's argmax need not match the text."""
     total_tokens = sum(lengths)
-    agree = checked = masked = 0
+    sources = sample_sources or ["regenerated"] * len(lengths)
+    by_source: dict[str, list[int]] = {}  # source -> [agreeing, checked]
+    masked = 0
     t0, cpu0 = time.perf_counter(), time.process_time()
     bar = tqdm(
         total=total_tokens, desc=f"extract shard {shard}", unit="tok", unit_scale=True, dynamic_ncols=True
@@ -256,7 +271,8 @@ def _extract_loop(
     try:
         for batch in token_batches(lengths, batch_tokens):
             captured = extractor.capture([sample_tokens(i)[0] for i in batch])
-            states, next_ids = [], []
+            states: dict[str, list] = {}
+            next_ids: dict[str, list] = {}
             for i, (aux, final) in zip(batch, captured, strict=True):
                 input_ids, loss_mask = sample_tokens(i)
                 sample = Sample(
@@ -267,15 +283,17 @@ def _extract_loop(
                     final.to(torch.bfloat16),
                 )
                 rows, ids = checked_positions(sample.final, sample.input_ids, sample.loss_mask)
-                states.append(rows)
-                next_ids.append(ids)
+                states.setdefault(sources[i], []).append(rows)
+                next_ids.setdefault(sources[i], []).append(ids)
                 masked += int(sample.loss_mask.sum())
                 if writer:
                     writer.add(sample)
-            # the teacher check of the whole batch at once: one large matmul instead of one per sample
-            next_batch = torch.cat(next_ids)
-            agree += count_agreeing(extractor.lm_head_weight, torch.cat(states), next_batch)
-            checked += int(next_batch.numel())
+            # the teacher check of the whole batch at once (per source): one large matmul, not one per sample
+            for source, parts in states.items():
+                next_batch = torch.cat(next_ids[source])
+                counts = by_source.setdefault(source, [0, 0])
+                counts[0] += count_agreeing(extractor.lm_head_weight, torch.cat(parts), next_batch)
+                counts[1] += int(next_batch.numel())
             bar.update(sum(lengths[i] for i in batch))
             if writer:
                 bar.set_postfix(
@@ -285,14 +303,16 @@ def _extract_loop(
     finally:
         bar.close()
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
+    agree, checked = by_source.get("regenerated", [0, 0])
     return {
         "shard": shard,
         "num_samples": len(lengths),
         "num_tokens": total_tokens,
         "num_masked_tokens": masked,
-        "teacher_agree": agree,
+        "teacher_agree": agree,  # regenerated samples only
         "teacher_checked": checked,
         "teacher_agreement": agree / checked if checked else None,
+        "teacher_by_source": {k: {"agree": a, "checked": c} for k, (a, c) in sorted(by_source.items())},
         "seconds": round(seconds, 2),
         "cpu_seconds": round(cpu_seconds, 2),  # all threads: cpu / seconds = cores kept busy
         "tokens_per_second": round(total_tokens / seconds, 1) if seconds > 0 else None,

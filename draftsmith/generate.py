@@ -16,10 +16,17 @@ Multi-turn prompts (several user turns): each assistant turn is regenerated in o
 own earlier answers (`multi_turn: regenerate`), so every answer a drafter learns from is the target's.
 One trace per conversation: `messages` holds the final context with the regenerated turns, `response`
 the last answer and `turns` the earlier answers with their token ids (tokenize masks them all).
+
+Original answers: a share of the prompts that carry their dataset conversation (`original_answers_share`,
+chosen by a hash of the id) is not generated: its trace is the conversation as written, every answer a
+turn, with `source: original` (regenerated traces have `source: regenerated`). The teacher is still the
+target's softmax on its own final state, so such text teaches the target's distribution at ~1/10 the
+cost; only its argmax agrees less with the text (the target did not write it).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import queue
@@ -35,7 +42,7 @@ from tqdm import tqdm
 from draftsmith.atomic import write_json, write_jsonl
 from draftsmith.chat import render_prompt, template_fingerprint
 from draftsmith.engines.openai import Answer, EndpointError, OpenAIClient, RequestFailed
-from draftsmith.prompts import PromptError, read_prompt_file
+from draftsmith.prompts import PromptError, conversation_answers, read_prompt_file
 
 ENGINES = ("transformers", "openai", "vllm-server")
 
@@ -73,6 +80,7 @@ class GenerateSettings:
     max_prompt_tokens: int = 0
     oversized_prompts: str = "skip"
     max_failed_fraction: float = 0.0
+    original_answers_share: float = 0.0
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> GenerateSettings:
@@ -94,6 +102,10 @@ class GenerateSettings:
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"generate.{key}: {getattr(self, key)!r} is not one of {list(allowed)}")
+        if not 0 <= self.original_answers_share <= 1:
+            raise ValueError(
+                f"generate.original_answers_share: {self.original_answers_share} is not in [0, 1]"
+            )
         if self.engine == "openai" and not self.base_url:
             raise ValueError("generate.base_url is required with engine 'openai' (e.g. http://host:8000/v1)")
         for key in (
@@ -247,7 +259,35 @@ def trace_row(conv: Conversation, engine: str, model: str, template: str) -> dic
         row["turns"] = [
             answer_record(a, ids) for a, ids in zip(conv.answers[:-1], conv.prompt_ids, strict=False)
         ]
+    row["source"] = "regenerated"
     row["engine"], row["model"], row["template"] = engine, model, template
+    return row
+
+
+def uses_original(prompt_id: str, share: float, seed: int) -> bool:
+    """Whether a prompt with a dataset conversation is trained on its original answers: a hash of
+    (seed, id) below `share`, so the choice is stable across reruns and independent of prompt order."""
+    h = int.from_bytes(hashlib.sha256(f"original/{seed}/{prompt_id}".encode()).digest()[:8], "big")
+    return h / 2**64 < share
+
+
+def original_row(prompt: dict, template: str) -> dict[str, Any] | None:
+    """The trace of a prompt's dataset conversation as written (every answer a turn), or None when it
+    has none. Token counts are 0: nothing was generated."""
+    conversation = prompt.get("conversation") or []
+    answers = conversation_answers(conversation)
+    if not answers or answers != [i for i, m in enumerate(conversation) if m["role"] == "assistant"]:
+        return None  # no answer, or an assistant turn before any question: regenerate instead
+
+    def record(i: int) -> dict[str, Any]:
+        text = conversation[i]["content"]
+        return {"response": text, "prompt_tokens": 0, "completion_tokens": 0, "finish_reason": "original"}
+
+    last = answers[-1]
+    row: dict[str, Any] = {"id": prompt["id"], "messages": conversation[:last], **record(last)}
+    if len(answers) > 1:
+        row["turns"] = [record(i) for i in answers[:-1]]
+    row |= {"source": "original", "engine": "dataset", "model": None, "template": template}
     return row
 
 
@@ -263,6 +303,7 @@ def summarize(rows: list[dict], generated_now: int, new_tokens: int, seconds: fl
     return {
         "samples": len(rows),
         "done": len(rows),
+        "original_answers": sum(r.get("source") == "original" for r in rows),
         "generated_now": generated_now,
         "turns": len(answers),
         "truncated": sum(any(a["finish_reason"] == "length" for a in row_answers(r)) for r in rows),
@@ -555,10 +596,17 @@ def generate_traces(
             f"{partial_path}: {len(stale)} traces were rendered with another chat template; delete the file to restart"
         )
     render = Renderer(tokenizer)
+    originals = {}  # the dataset's own answers: written below without generation
+    if settings.original_answers_share > 0:
+        for p in prompts:
+            if p["id"] not in done and uses_original(p["id"], settings.original_answers_share, settings.seed):
+                row = original_row(p, fingerprint)
+                if row is not None:
+                    originals[p["id"]] = row
     todo = [
         Conversation(p, line, settings.multi_turn)
         for p, line in zip(prompts, lines, strict=True)
-        if p["id"] not in done
+        if p["id"] not in done and p["id"] not in originals
     ]
     if settings.oversized_prompts == "error" and settings.max_prompt_tokens > 0:
         for c in todo:  # fail before any work, naming the line
@@ -569,7 +617,8 @@ def generate_traces(
                     f"{settings.max_prompt_tokens} (set generate.oversized_prompts: skip to skip such prompts)"
                 )
     print(
-        f"generate ({settings.engine}): {len(prompts)} prompts, {len(done)} already done, {len(todo)} to go",
+        f"generate ({settings.engine}): {len(prompts)} prompts, {len(done)} already done, "
+        f"{len(originals)} with their original answers, {len(todo)} to go",
         flush=True,
     )
 
@@ -578,6 +627,9 @@ def generate_traces(
     state = {"new_tokens": 0, "generated": 0}
     bar = tqdm(total=len(todo), desc="generate", unit="prompt", dynamic_ncols=True)
     sink = TraceSink(partial_path)
+    for pid, row in originals.items():
+        sink.write(row)
+        done[pid] = row
     engine_model = {"name": str(target)}
     start = time.perf_counter()
 
@@ -598,7 +650,9 @@ def generate_traces(
 
     fatal, startup = None, None
     try:
-        if settings.engine == "transformers":
+        if not todo:
+            pass  # all answered (earlier run, or original answers): start no engine
+        elif settings.engine == "transformers":
             import torch
 
             from draftsmith.target import load_target

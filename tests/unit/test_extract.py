@@ -208,3 +208,44 @@ def test_atomic_write_leaves_nothing_on_failure(tmp_path):
         raise RuntimeError("crash mid-write")
     assert path.read_text() == "old"
     assert list(tmp_path.iterdir()) == [path]
+
+
+def test_teacher_agreement_is_split_by_source_and_gated_on_regenerated_only(tiny_llama, tmp_path):
+    """A greedy (regenerated) sample agrees fully, a text the model did not write does not: the
+    extract stats keep both, the shard and manifest report both, and only the regenerated figure is
+    gated, so a mix with original answers passes a 0.9 gate."""
+    from draftsmith.engines.hf import HfExtractor
+    from draftsmith.extract import _extract_loop
+
+    torch.manual_seed(0)
+    prompt = torch.randint(0, 256, (1, 8))
+    with torch.no_grad():
+        greedy = tiny_llama.generate(prompt, max_new_tokens=12, do_sample=False)[0]
+    other = torch.cat([prompt[0], torch.randint(0, 256, (12,))])  # not the model's text
+    mask = torch.tensor([0] * 8 + [1] * 12, dtype=torch.uint8)
+    seqs = [greedy, other]
+    shard = tmp_path / "hidden" / "shard-0.safetensors"
+    writer = ShardWriter(shard, {"aux_layer_ids": [1, 2, 3], "layer_convention": "input"}, "none")
+    stats = _extract_loop(
+        HfExtractor(tiny_llama, [1, 2, 3]), writer, 0, [20, 20], lambda i: (seqs[i], mask), ["g", "o"],
+        4096, ["regenerated", "original"],
+    )  # fmt: skip
+    by = stats["teacher_by_source"]
+    assert by["regenerated"] == {"agree": 12, "checked": 12}  # positions whose next token is masked
+    assert by["original"]["checked"] == 12 and by["original"]["agree"] < 6
+    assert (stats["teacher_agree"], stats["teacher_checked"]) == (12, 12)  # gated: regenerated only
+    meta = {
+        "dtype": "bfloat16",
+        "template": "t",
+        "stats": stats,
+        "sample_sources": ["regenerated", "original"],
+    }
+    writer.close(meta)
+    target = tmp_path / "target"
+    target.mkdir()
+    write_json(target / "config.json", {"num_hidden_layers": 6, "hidden_size": 64, "vocab_size": 256})
+    manifest = build_manifest([str(shard)], str(tmp_path / "data_config.json"), str(target), 0.9)
+    assert manifest["teacher_agreement"] == 1.0
+    assert manifest["teacher_agreement_by_source"]["regenerated"] == 1.0
+    assert manifest["teacher_agreement_by_source"]["original"] < 0.6
+    assert manifest["shards"][0]["teacher_agreement_by_source"] == manifest["teacher_agreement_by_source"]
