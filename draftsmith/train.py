@@ -113,7 +113,7 @@ class TrainSettings:
     loader_threads: int  # background threads decoding the next batches; 0 = decode in the loop
     precision: str = "bf16"  # bf16: matmuls under bf16 autocast (weights, optimizer, loss in fp32); fp32
     # the objective and optimiser choices below were picked by ablation (bench/ablate.py, README "Training")
-    head_init: str = "target"  # target: lm_head rows + final norm from the target; random: N(0, 0.02), ones
+    head_init: str = "random"  # random: lm_head N(0, 0.02), norm ones; target: both from the target
     loss_norm: str = "position"  # position: step mean over valid positions; sample: per-sample sum / length
     mask_offset: int = 2  # step j at t trains where loss_mask[t+j+offset]: 2 = the predicted token's own
     adam_beta2: float = 0.95  # AdamW (0.9, beta2); the EAGLE reference 0.95, SpecForge 0.999
@@ -864,7 +864,7 @@ def build_drafter(
     num_aux: int,
     seed: int,
     device: torch.device | str,
-    head_init: str = "target",
+    head_init: str = "random",
 ) -> tuple[Eagle3Drafter, Tensor, Tensor]:
     """-> (the drafter at its initial weights, in train mode; the frozen target embedding [V, Ht]; the
     teacher weight [Vd, Ht] = the target's lm_head rows of the draft ids), on device. The initial

@@ -645,7 +645,7 @@ def test_objective_settings_validated_and_reach_the_optimizer(data: dict) -> Non
 def test_objective_options_train_end_to_end(data: dict, tmp_path: Path) -> None:
     """The loop passes the options through: a run with every non-default option trains, and its
     validation accuracy is scored on the default positions (comparable across options)."""
-    s = settings(epochs=2, head_init="random", loss_norm="sample", mask_offset=0, adam_beta2=0.999)
+    s = settings(epochs=2, head_init="target", loss_norm="sample", mask_offset=0, adam_beta2=0.999)
     summary = run(data, tmp_path, s)
     assert summary["steps"] > 0 and summary["val_acc"] is not None
     saved = json.loads((tmp_path / "drafter" / "config.json").read_text())["draftsmith"]["training"]
