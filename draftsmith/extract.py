@@ -197,16 +197,21 @@ def extract_shard(
             print(f"extract shard {shard}: compiling the forward (torch.compile, one-off)...", flush=True)
             compile_seconds = extractor.compile()
             print(f"extract shard {shard}: compiled in {compile_seconds:.0f}s", flush=True)
+        sources = meta.get("sample_sources") or ["regenerated"] * len(meta["sample_ids"])
         if out_path:
             writer = ShardWriter(
                 out_path,
-                {"aux_layer_ids": layer_ids, "layer_convention": "input"},
+                # sources known up front: the header's room is sized for them (no rewrite at close)
+                {
+                    "aux_layer_ids": layer_ids,
+                    "layer_convention": "input",
+                    "sample_sources": sources[start:end],
+                },
                 codec,
                 zstd_level,
                 sample_ids=meta["sample_ids"][start:end],
             )
         t0, cpu0 = time.perf_counter(), time.process_time()
-        sources = meta.get("sample_sources") or ["regenerated"] * len(meta["sample_ids"])
         stats = _extract_loop(
             extractor, writer, shard, lengths, sample_tokens, meta["sample_ids"][start:end], batch_tokens,
             sources[start:end],
@@ -219,7 +224,6 @@ def extract_shard(
                     "final": "post_final_norm",
                     "dtype": "bfloat16",
                     "template": meta["template"],
-                    "sample_sources": sources[start:end],
                     "stats": stats,
                 }
             )

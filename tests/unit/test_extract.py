@@ -249,3 +249,42 @@ def test_teacher_agreement_is_split_by_source_and_gated_on_regenerated_only(tiny
     assert manifest["teacher_agreement_by_source"]["regenerated"] == 1.0
     assert manifest["teacher_agreement_by_source"]["original"] < 0.6
     assert manifest["shards"][0]["teacher_agreement_by_source"] == manifest["teacher_agreement_by_source"]
+
+
+@pytest.mark.slow
+def test_sample_source_travels_from_traces_to_the_manifest(tmp_path):
+    """Real target: a regenerated-looking trace and an original-answer trace -> tokens -> one shard ->
+    manifest. The shard's metadata lists each sample's source; the manifest reports agreement per
+    source and gates on the regenerated sample only."""
+    from conftest import REPO
+
+    from draftsmith.extract import extract_shard
+    from draftsmith.shards import read_shard_meta
+    from draftsmith.tokenize import tokenize_traces
+
+    target = REPO / "resources" / "SmolLM2-135M-Instruct"
+    if not (target / "config.json").is_file():
+        pytest.skip("the default target is not materialised (resources/)")
+    user = {"role": "user", "content": "Name a colour."}
+    rows = [
+        {"id": "r", "messages": [user], "response": "Blue.", "source": "regenerated"},
+        {
+            "id": "o",
+            "messages": [user],
+            "response": "Chartreuse, obviously, my friend.",
+            "source": "original",
+        },
+    ]
+    traces = tmp_path / "traces.jsonl"
+    traces.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tokens = tmp_path / "tokens.safetensors"
+    tokenize_traces(str(target), str(traces), str(tokens), 1, 256)
+    shard = tmp_path / "hidden" / "shard-0.safetensors"
+    stats = extract_shard(
+        str(target), str(tokens), 0, str(shard), None, "float32", 4096, "none", compile="off"
+    )
+    assert read_shard_meta(shard)["sample_sources"] == ["regenerated", "original"]
+    assert set(stats["teacher_by_source"]) == {"regenerated", "original"}
+    assert stats["teacher_checked"] == stats["teacher_by_source"]["regenerated"]["checked"] > 0
+    manifest = build_manifest([str(shard)], str(tmp_path / "data_config.json"), str(target), 0.0)
+    assert set(manifest["teacher_agreement_by_source"]) == {"regenerated", "original"}
