@@ -33,16 +33,14 @@ from draftsmith.config import section_defaults
 
 REFERENCE = {"name": "SpecForge 0.2.0 (same shards and budget)", "val_acc": [0.240, 0.195, 0.175]}
 
-# name -> the settings it changes; "baseline" is the settings as given
+# name -> the settings it changes; "baseline" is the settings as given (the defaults: random head)
 VARIANTS: dict[str, dict[str, Any]] = {
     "baseline": {},
-    "random_head": {"head_init": "random"},
+    "target_head": {"head_init": "target"},
     "sample_norm": {"loss_norm": "sample"},
     "mask_offset0": {"mask_offset": 0},
+    "sample_norm+mask_offset0": {"loss_norm": "sample", "mask_offset": 0},
     "beta2_0.999": {"adam_beta2": 0.999},
-    "random_head+sample_norm": {"head_init": "random", "loss_norm": "sample"},
-    "random_head+mask_offset0": {"head_init": "random", "mask_offset": 0},
-    "random_head+sample_norm+mask_offset0": {"head_init": "random", "loss_norm": "sample", "mask_offset": 0},
     "specforge_like": {"head_init": "random", "loss_norm": "sample", "mask_offset": 0, "adam_beta2": 0.999},
 }
 
