@@ -1,18 +1,22 @@
-"""Generation throughput: the transformers engine (batched) vs a vLLM server (concurrent requests).
+"""Generation throughput: the transformers engine (batched) vs a vLLM server (concurrent requests), paired.
 
-    python bench/generate.py [--num-prompts 32] [--max-new-tokens 64] [--json results/bench/generate.json]
+    python bench/generate.py [--prompts results/prompts/train.jsonl] [--num-prompts 32]
+                             [--max-new-tokens 64] [--repeats 2] [--json results/bench/generate.json]
 
-Every variant runs the real generate stage (`generate_traces`) on the same prompts (the first N built-in
-ones), greedy, in this one process, one after the other: transformers at each batch size, then one vLLM
-server (started once, `--enforce-eager`, stopped at the end) at each concurrency. Tokens/s counts the
-generated tokens over the generation time (model load and server start-up are reported apart). Timings
-on a shared machine are noisy: compare the ratios within one run, not numbers across runs.
+Every variant runs the real generate stage (`generate_traces`) on the same prompts (the first N of
+--prompts, default the built-in ones), greedy, in this one process. The variants alternate within each of
+--repeats rounds: transformers at each batch size, then a vLLM server (started for the round,
+`--enforce-eager`, stopped before the next round so it takes no CPU from transformers) at each
+concurrency; a busy machine then slows both alike, and the per-round ratio vLLM / transformers is the
+paired comparison. Tokens/s counts the generated tokens over the generation time (model load and server
+start-up are reported apart).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -44,19 +48,23 @@ def run_variant(target: str, prompts: Path, work: Path, settings: GenerateSettin
 
 @click.command()
 @click.option("--target", default="resources/SmolLM2-135M-Instruct", show_default=True)
+@click.option("--prompts", "prompts_path", default=str(BUILTIN_PROMPTS), show_default=True)
 @click.option("--num-prompts", default=32, show_default=True)
 @click.option("--max-new-tokens", default=64, show_default=True)
-@click.option("--batch-sizes", default="8,32", show_default=True, help="transformers engine.")
-@click.option("--concurrency", "concurrencies", default="1,4,16", show_default=True, help="server engine.")
+@click.option("--batch-sizes", default="32", show_default=True, help="transformers engine.")
+@click.option("--concurrency", "concurrencies", default="32", show_default=True, help="server engine.")
+@click.option("--repeats", default=2, show_default=True, help="Rounds; the variants alternate within each.")
 @click.option("--dtype", default="bfloat16", show_default=True)
-@click.option("--server-args", default='["--enforce-eager", "--max-model-len", "1024"]', show_default=True)
+@click.option("--server-args", default='["--enforce-eager", "--max-model-len", "2048"]', show_default=True)
 @click.option("--json", "json_path", default="results/bench/generate.json", show_default=True)
 def main(
     target: str,
+    prompts_path: str,
     num_prompts: int,
     max_new_tokens: int,
     batch_sizes: str,
     concurrencies: str,
+    repeats: int,
     dtype: str,
     server_args: str,
     json_path: str,
@@ -67,47 +75,74 @@ def main(
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CACHE_ROOT", str(tmp / "vllm-cache"))
     prompts = tmp / "prompts.jsonl"
-    lines = BUILTIN_PROMPTS.read_text(encoding="utf-8").splitlines(keepends=True)[:num_prompts]
-    prompts.write_text("".join(lines), encoding="utf-8")
+    lines = [x for x in Path(prompts_path).read_text(encoding="utf-8").splitlines(keepends=True) if x.strip()]
+    prompts.write_text("".join(lines[:num_prompts]), encoding="utf-8")
     common = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "dtype": dtype}
-    rows = []
-    for bs in _ints(batch_sizes):
-        settings = GenerateSettings(engine="transformers", batch_size=bs, **common)
-        rows.append(
-            {"engine": "transformers", "setting": f"batch {bs}"}
-            | run_variant(target, prompts, tmp / f"hf{bs}", settings)
-        )
-    with VllmServer(
-        target, extra_args=json.loads(server_args), log_path=tmp / "server.log", dtype=dtype, seed=0
-    ) as srv:
-        startup = srv.startup_seconds
-        for c in _ints(concurrencies):
-            settings = GenerateSettings(engine="openai", base_url=srv.base_url, concurrency=c, **common)
-            rows.append(
-                {"engine": "vllm server", "setting": f"concurrency {c}"}
-                | run_variant(target, prompts, tmp / f"srv{c}", settings)
+    runs: list[dict] = []
+    startups = []
+    for r in range(repeats):
+        for bs in _ints(batch_sizes):
+            settings = GenerateSettings(engine="transformers", batch_size=bs, **common)
+            runs.append(
+                {"round": r, "engine": "transformers", "setting": f"batch {bs}"}
+                | run_variant(target, prompts, tmp / f"r{r}-hf{bs}", settings)
             )
-    base = next((r for r in rows if r["setting"] == f"batch {max(_ints(batch_sizes))}"), rows[0])
-    for r in rows:
-        r["ratio"] = round(r["tokens_per_second"] / base["tokens_per_second"], 2)
+        with VllmServer(
+            target, extra_args=json.loads(server_args), log_path=tmp / f"server-{r}.log", dtype=dtype, seed=0
+        ) as srv:
+            startups.append(srv.startup_seconds)
+            for c in _ints(concurrencies):
+                settings = GenerateSettings(engine="openai", base_url=srv.base_url, concurrency=c, **common)
+                runs.append(
+                    {"round": r, "engine": "vllm server", "setting": f"concurrency {c}"}
+                    | run_variant(target, prompts, tmp / f"r{r}-srv{c}", settings)
+                )
+    variants = list(dict.fromkeys((x["engine"], x["setting"]) for x in runs))
+    rows = []
+    for engine, setting in variants:
+        mine = [x for x in runs if (x["engine"], x["setting"]) == (engine, setting)]
+        rows.append(
+            {
+                "engine": engine,
+                "setting": setting,
+                "tokens": mine[0]["tokens"],
+                "tokens_per_second": statistics.median(x["tokens_per_second"] for x in mine),
+                "per_round": [x["tokens_per_second"] for x in mine],
+            }
+        )
+    base_setting = f"batch {max(_ints(batch_sizes))}"
+    base = {x["round"]: x for x in runs if x["setting"] == base_setting}
+    for row in rows:  # paired: each round's ratio to that round's transformers run, then the median
+        ratios = [
+            x["tokens_per_second"] / base[x["round"]]["tokens_per_second"]
+            for x in runs
+            if (x["engine"], x["setting"]) == (row["engine"], row["setting"])
+        ]
+        row["ratio_per_round"] = [round(q, 3) for q in ratios]
+        row["ratio"] = round(statistics.median(ratios), 3)
     print(
-        f"\n{num_prompts} prompts x <= {max_new_tokens} new tokens, greedy, {dtype}; server start-up {startup:.0f}s"
+        f"\n{len(lines[:num_prompts])} prompts x <= {max_new_tokens} new tokens, greedy, {dtype}, {repeats} rounds; "
+        f"server start-up {statistics.median(startups):.0f}s"
     )
-    print(f"{'engine':<14}{'setting':<16}{'tokens':>8}{'seconds':>9}{'tok/s':>8}{'ratio':>7}")
+    print(f"{'engine':<14}{'setting':<16}{'tokens':>8}{'tok/s':>8}{'ratio':>7}  per round")
     for r in rows:
         print(
-            f"{r['engine']:<14}{r['setting']:<16}{r['tokens']:>8}{r['seconds']:>9.1f}{r['tokens_per_second']:>8.1f}{r['ratio']:>7.2f}"
+            f"{r['engine']:<14}{r['setting']:<16}{r['tokens']:>8}{r['tokens_per_second']:>8.1f}{r['ratio']:>7.2f}"
+            f"  {r['per_round']}"
         )
-    print(f"ratio = tok/s / transformers {base['setting']}")
+    print(f"ratio = median over rounds of tok/s / that round's transformers {base_setting}")
     result = {
-        "num_prompts": num_prompts,
+        "prompts": prompts_path,
+        "num_prompts": len(lines[:num_prompts]),
         "max_new_tokens": max_new_tokens,
         "dtype": dtype,
+        "repeats": repeats,
         "server_args": json.loads(server_args),
-        "server_startup_seconds": round(startup, 1),
+        "server_startup_seconds": [round(x, 1) for x in startups],
         "cpu_count": os.cpu_count(),
-        "baseline": f"transformers {base['setting']}",
+        "baseline": f"transformers {base_setting}",
         "rows": rows,
+        "runs": runs,
     }
     write_json(json_path, result)
     print(f"wrote {json_path}")

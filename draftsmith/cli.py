@@ -303,6 +303,12 @@ def fetch_wheel_cmd(requirement: str, out: str, cache: str) -> None:
     "generate", "max_prompt_tokens", "--max-prompt-tokens", help="0 = what fits the context with the answer."
 )
 @setting("generate", "oversized_prompts", "--oversized-prompts")
+@setting(
+    "generate",
+    "original_answers_share",
+    "--original-answers-share",
+    help="Share of prompts with a dataset conversation trained on its original answers, not regenerated.",
+)
 def generate(target_path: str, prompts_path: str, settings_json: str | None, **kw: Any) -> None:
     """Answer every prompt with the target and append the traces, resumably.
 

@@ -216,10 +216,16 @@ def extract_shard(
             print(f"extract shard {shard}: compiling the forward (torch.compile, one-off)...", flush=True)
             compile_seconds = extractor.compile()
             print(f"extract shard {shard}: compiled in {compile_seconds:.0f}s", flush=True)
+        sources = meta.get("sample_sources") or ["regenerated"] * len(meta["sample_ids"])
         if out_path:
             writer = ShardWriter(
                 out_path,
-                {"aux_layer_ids": layer_ids, "layer_convention": "input"},
+                # sources known up front: the header's room is sized for them (no rewrite at close)
+                {
+                    "aux_layer_ids": layer_ids,
+                    "layer_convention": "input",
+                    "sample_sources": sources[start:end],
+                },
                 codec,
                 zstd_level,
                 sample_ids=meta["sample_ids"][start:end],
@@ -234,6 +240,7 @@ def extract_shard(
             meta["sample_ids"][start:end],
             plan,
             dict(zip(picks, probed, strict=True)),
+            sources[start:end],
         )
         # the probed batches were computed before the loop: their time belongs to the shard's compute
         probe_seconds = sum(b["seconds"] for b in measured["batches"])
@@ -303,11 +310,17 @@ def _extract_loop(
     sample_ids: list[str],
     plan: list[list[int]],
     done: dict[int, list[tuple[torch.Tensor, torch.Tensor]]],
+    sample_sources: list[str] | None = None,
 ) -> dict[str, Any]:
     """Capture every batch of the plan (taking those in `done` from the probe: the same batch gives the
-    same states), check teacher agreement, hand samples to the writer in plan order; returns the stats."""
+    same states), check teacher agreement, hand samples to the writer in plan order; returns the stats.
+
+    Agreement is counted per sample source; `teacher_agreement` (the gated figure) is over regenerated
+    samples only: on a dataset's original answers the target's argmax need not match the text."""
     total_tokens = sum(lengths)
-    agree = checked = masked = 0
+    sources = sample_sources or ["regenerated"] * len(lengths)
+    by_source: dict[str, list[int]] = {}  # source -> [agreeing, checked]
+    masked = 0
     t0, cpu0 = time.perf_counter(), time.process_time()
     bar = tqdm(
         total=total_tokens, desc=f"extract shard {shard}", unit="tok", unit_scale=True, dynamic_ncols=True
@@ -315,7 +328,8 @@ def _extract_loop(
     try:
         for k, batch in enumerate(plan):
             captured = done.pop(k, None) or extractor.capture([sample_tokens(i)[0] for i in batch])
-            states, next_ids = [], []
+            states: dict[str, list] = {}
+            next_ids: dict[str, list] = {}
             for i, (aux, final) in zip(batch, captured, strict=True):
                 input_ids, loss_mask = sample_tokens(i)
                 sample = Sample(
@@ -326,15 +340,17 @@ def _extract_loop(
                     final.to(torch.bfloat16),
                 )
                 rows, ids = checked_positions(sample.final, sample.input_ids, sample.loss_mask)
-                states.append(rows)
-                next_ids.append(ids)
+                states.setdefault(sources[i], []).append(rows)
+                next_ids.setdefault(sources[i], []).append(ids)
                 masked += int(sample.loss_mask.sum())
                 if writer:
                     writer.add(sample)
-            # the teacher check of the whole batch at once: one large matmul instead of one per sample
-            next_batch = torch.cat(next_ids)
-            agree += count_agreeing(extractor.lm_head_weight, torch.cat(states), next_batch)
-            checked += int(next_batch.numel())
+            # the teacher check of the whole batch at once (per source): one large matmul, not one per sample
+            for source, parts in states.items():
+                next_batch = torch.cat(next_ids[source])
+                counts = by_source.setdefault(source, [0, 0])
+                counts[0] += count_agreeing(extractor.lm_head_weight, torch.cat(parts), next_batch)
+                counts[1] += int(next_batch.numel())
             bar.update(sum(lengths[i] for i in batch))
             if writer and writer.tokens_written:  # states encoded so far (the queue holds the rest)
                 bar.set_postfix(
@@ -344,14 +360,16 @@ def _extract_loop(
     finally:
         bar.close()
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
+    agree, checked = by_source.get("regenerated", [0, 0])
     return {
         "shard": shard,
         "num_samples": len(lengths),
         "num_tokens": total_tokens,
         "num_masked_tokens": masked,
-        "teacher_agree": agree,
+        "teacher_agree": agree,  # regenerated samples only
         "teacher_checked": checked,
         "teacher_agreement": agree / checked if checked else None,
+        "teacher_by_source": {k: {"agree": a, "checked": c} for k, (a, c) in sorted(by_source.items())},
         "seconds": round(seconds, 2),
         "cpu_seconds": round(cpu_seconds, 2),  # all threads: cpu / seconds = cores kept busy
         "tokens_per_second": round(total_tokens / seconds, 1) if seconds > 0 else None,

