@@ -890,10 +890,9 @@ def untrained_drafter(
     so the evaluation shows what training bought."""
     from draftsmith.evaluate import export_untrained_drafter
 
-    seed = resolve(settings_json, {"seed": seed}, "train")["seed"]
-
-    export_untrained_drafter(manifest_path, vocab_path, out, seed, threads)
-    click.echo(f"untrained drafter (seed {seed}) exported to {out}")
+    values = resolve(settings_json, {"seed": seed}, "train")
+    export_untrained_drafter(manifest_path, vocab_path, out, values, threads)
+    click.echo(f"untrained drafter (seed {values['seed']}) exported to {out}")
 
 
 def _named(option: str, values: tuple[str, ...]) -> dict[str, str]:

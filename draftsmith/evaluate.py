@@ -522,16 +522,16 @@ def export_untrained_drafter(
     manifest_path: str | Path,
     vocab_path: str | Path,
     out_dir: str | Path,
-    seed: int,
+    train_settings: dict[str, Any],
     threads: int | None = None,
 ) -> dict[str, Any]:
-    """The untrained baseline: `train` with 0 steps and the training seed, so it is exactly the trained
-    drafter's starting point (same architecture and vocabulary map; random fc and midlayer; lm_head and
-    norm from the target), exported the same way. Returns train's summary."""
+    """The untrained baseline: `train` with 0 steps and the training settings (seed, drafter shape,
+    head_init), so it is exactly the trained drafter's starting point (same architecture and vocabulary
+    map; the same initial draw), exported the same way. Returns train's summary."""
     from draftsmith.config import settings_defaults
     from draftsmith.train import TrainSettings, train
 
-    values = {**settings_defaults("train"), "seed": seed, "max_steps": 0, "threads": threads}
+    values = {**settings_defaults("train"), **train_settings, "max_steps": 0, "threads": threads}
     settings = TrainSettings.from_dict(values)
     with tempfile.TemporaryDirectory(prefix="draftsmith-untrained-") as tmp:
         return train(

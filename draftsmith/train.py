@@ -147,7 +147,9 @@ class TrainSettings:
     def from_dict(cls, d: dict[str, Any]) -> TrainSettings:
         names = [f.name for f in fields(cls)]
         unknown = sorted(set(d) - set(names))
-        optional = {f.name for f in fields(cls) if f.default is not MISSING}
+        optional = {
+            f.name for f in fields(cls) if f.default is not MISSING or f.default_factory is not MISSING
+        }
         missing = [n for n in names if n not in d and n not in optional]
         if unknown or missing:
             raise ValueError(f"train settings: unknown keys {unknown}, missing keys {missing}")

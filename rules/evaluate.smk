@@ -52,10 +52,11 @@ rule untrained_drafter:
         runtime=config["resources"]["evaluate"]["runtime"],
         mem_mb=config["resources"]["evaluate"]["mem_mb"],
     params:
-        seed=config["train"]["seed"],
+        # what decides training's starting point, which the baseline is
+        settings=section_json("train", ["seed", "drafter", "head_init"]),
     shell:
         "draftsmith untrained-drafter --data {input.data} --vocab {input.vocab} --out {output}"
-        " --seed {params.seed} --threads {threads} 2>&1 | tee {log}"
+        " --settings {params.settings:q} --threads {threads} 2>&1 | tee {log}"
 
 
 rule evaluate_offline:

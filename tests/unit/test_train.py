@@ -430,7 +430,7 @@ def changed_copy(data: dict, root: Path) -> Path:
         meta = {"aux_layer_ids": AUX_IDS, "layer_convention": "input", "dtype": "bfloat16"}
         path = root / shard["path"]
         write_shard(path, samples, meta)
-        shard.update(bytes=path.stat().st_size, sha256=file_sha256(path))
+        shard.update(bytes=path.stat().st_size, sha256=file_sha256(path), content_sha256=verify_shard(path))
     out = root / "data_config.json"
     out.write_text(json.dumps(manifest))
     return out
@@ -589,17 +589,21 @@ def test_head_init_target_or_random(data: dict) -> None:
     head = load_target_head(data["target"])
     vocab = load_vocab_map(data["vocab"])
     rows_of_draft = head.lm_head[torch.arange(DRAFT_VOCAB) + vocab["d2t"]]
-    copied, _, teacher = build_drafter(head, vocab["d2t"], vocab["t2d"], len(AUX_IDS), 0, "cpu", "target")
+    copied, _, teacher = build_drafter(
+        head, vocab["d2t"], vocab["t2d"], len(AUX_IDS), 0, "cpu", head_init="target"
+    )
     assert torch.equal(copied.lm_head.weight.detach(), rows_of_draft) and torch.equal(teacher, rows_of_draft)
     assert torch.equal(copied.norm.weight.detach(), head.norm)
-    fresh, _, teacher = build_drafter(head, vocab["d2t"], vocab["t2d"], len(AUX_IDS), 0, "cpu", "random")
+    fresh, _, teacher = build_drafter(
+        head, vocab["d2t"], vocab["t2d"], len(AUX_IDS), 0, "cpu", head_init="random"
+    )
     assert torch.equal(teacher, rows_of_draft)  # the teacher is the target's either way
     assert torch.equal(fresh.norm.weight.detach(), torch.ones(HIDDEN))
     w = fresh.lm_head.weight.detach()
     assert not torch.equal(w, rows_of_draft) and abs(float(w.std()) - 0.02) < 0.002
     assert torch.equal(fresh.fc.weight, copied.fc.weight)  # the same seed draws the same rest
     with pytest.raises(ValueError, match="head_init"):
-        build_drafter(head, vocab["d2t"], vocab["t2d"], len(AUX_IDS), 0, "cpu", "zeros")
+        build_drafter(head, vocab["d2t"], vocab["t2d"], len(AUX_IDS), 0, "cpu", head_init="zeros")
 
 
 def test_objective_settings_validated_and_reach_the_optimizer(data: dict) -> None:
