@@ -245,7 +245,7 @@ def extract_shard(
         # the probed batches were computed before the loop: their time belongs to the shard's compute
         probe_seconds = sum(b["seconds"] for b in measured["batches"])
         probe_cpu = sum(b["cpu_seconds"] for b in measured["batches"])
-        stats["probe_seconds"] = round(probe_seconds, 2)
+        stats["probe_seconds"] = round(probe_seconds, 6)  # a tiny probe can take milliseconds
         stats["seconds"] = round(stats["seconds"] + probe_seconds, 2)
         stats["cpu_seconds"] = round(stats["cpu_seconds"] + probe_cpu, 2)
         stats["tokens_per_second"] = (
