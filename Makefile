@@ -33,7 +33,7 @@ lint: setup
 
 # No -x: one failure must not hide the rest.
 test: lint
-	$(VENV)/bin/pytest -q -ra
+	$(VENV)/bin/pytest -q -ra --durations=30
 
 # Unit tests only (seconds to a few minutes): no workflow runs, no servers.
 test-fast: setup
