@@ -134,11 +134,15 @@ def run_vllm_speculative(
     """
     from vllm import LLM, SamplingParams
 
+    from draftsmith.devices import parse_visible
     from draftsmith.target import trust_remote_code
 
+    # tensor parallel over the GPUs `draftsmith run --gpus N` gave this job (one process on a CPU)
+    gpus = len(parse_visible(os.environ.get("CUDA_VISIBLE_DEVICES")) or [])
     t0 = time.perf_counter()
     llm = LLM(
         model=str(target),
+        tensor_parallel_size=max(1, gpus),
         dtype=dtype,
         max_model_len=max_model_len,
         seed=seed,
