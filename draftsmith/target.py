@@ -79,7 +79,7 @@ def gguf_to_hf(gguf_path: str | Path, out_dir: str | Path) -> dict[str, Any]:
     """Dequantise a GGUF checkpoint into a plain safetensors HF folder (fp32 keeps the weights exact).
 
     transformers refuses `save_pretrained` on a GGUF-loaded model, so the weights are copied into a
-    fresh model whose config has no quantization_config (a config carrying it makes vLLM expect GGUF weights).
+    fresh model whose config has no quantization_config (the copy reloads with 0.0 logit difference).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
