@@ -143,38 +143,10 @@ def test_disk_too_small_is_a_clear_message(tmp_path, target_model):
     ("section", "values", "key"),
     [
         ("vocab", {"size": 0}, "vocab.size"),
-        pytest.param(
-            "extract",
-            {"aux_layers": [2, 2, 3]},
-            "extract.aux_layers",
-            marks=pytest.mark.xfail(
-                reason="repeated aux layers: checked at workflow start on the settings branch"
-            ),
-        ),
-        pytest.param(
-            "extract",
-            {"aux_layers": [5, 2, 3]},
-            "extract.aux_layers",
-            marks=pytest.mark.xfail(
-                reason="unsorted aux layers: checked at workflow start on the settings branch"
-            ),
-        ),
-        pytest.param(
-            "extract",
-            {"aux_layers": [2, 15, 99]},
-            "extract.aux_layers",
-            marks=pytest.mark.xfail(
-                reason="out of the target's range: checked at parse time on the settings branch"
-            ),
-        ),
-        pytest.param(
-            "vocab",
-            {"size": 10**6},
-            "vocab.size",
-            marks=pytest.mark.xfail(
-                reason="above the target's vocabulary: checked at parse time on the settings branch"
-            ),
-        ),
+        ("extract", {"aux_layers": [2, 2, 3]}, "extract.aux_layers"),
+        ("extract", {"aux_layers": [5, 2, 3]}, "extract.aux_layers"),
+        ("extract", {"aux_layers": [2, 15, 99]}, "extract.aux_layers"),
+        ("vocab", {"size": 10**6}, "vocab.size"),
     ],
 )
 def test_bad_config_values_are_refused_naming_the_key(tmp_path, target_model, section, values, key):
