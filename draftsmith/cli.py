@@ -805,11 +805,10 @@ def evaluate(target_path: str, drafter: str, untrained: str | None, prompts_path
     from draftsmith.evaluate import NotLossless, evaluate_offline
 
     _eval_settings(kw, "seed")
+    drafters = _drafters(drafter, untrained, target_path)  # a broken export: one line, before any load
     _warn_untrained_positions(drafter, kw["num_draft_tokens"])
     try:
-        evaluate_offline(
-            target_path, _drafters(drafter, untrained, target_path), prompts_path, kw.pop("out"), **kw
-        )
+        evaluate_offline(target_path, drafters, prompts_path, kw.pop("out"), **kw)
     except NotLossless as err:
         _fail(f"speculative decoding changed the output: {err}")
 
@@ -853,6 +852,7 @@ def evaluate_vllm_cmd(
     from draftsmith.evaluate import VllmUnavailable, evaluate_vllm
 
     _eval_settings(kw)
+    drafters = _drafters(drafter, untrained, target_path)  # a broken export: one line, before vLLM starts
     _warn_untrained_positions(drafter, kw["num_draft_tokens"])
 
     if kw["log_dir"]:
@@ -862,7 +862,7 @@ def evaluate_vllm_cmd(
         for path in prompts.values():
             if not Path(path).is_file():
                 raise click.BadParameter(f"{path} does not exist", param_hint="--prompts")
-        evaluate_vllm(target_path, _drafters(drafter, untrained, target_path), prompts, outs, **kw)
+        evaluate_vllm(target_path, drafters, prompts, outs, **kw)
     except VllmUnavailable as err:
         _fail(str(err))
     except ValueError as err:

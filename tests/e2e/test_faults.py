@@ -99,7 +99,9 @@ def test_missing_drafter_config_is_one_line_before_any_model_loads(tmp_path, tar
     prompts = tmp_path / "heldout.jsonl"
     prompts.write_text(json.dumps({"id": "p0", "messages": [{"role": "user", "content": "hi"}]}) + "\n")
     cmd = ["draftsmith", command, "--target", str(target_model), "--drafter", str(drafter)]
-    result = _run([*cmd, "--prompts", str(prompts), "--out", str(tmp_path / "eval.json")], timeout=120)
+    held = "split=" if command == "evaluate-vllm" else ""  # evaluate-vllm takes SET=PATH per held-out set
+    args = ["--prompts", f"{held}{prompts}", "--out", f"{held}{tmp_path / 'eval.json'}"]
+    result = _run([*cmd, *args], timeout=120)
     assert result.returncode == 2
     out = _one_line_error(result)
     assert f"{drafter / 'config.json'} is missing" in out

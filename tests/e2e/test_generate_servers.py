@@ -473,7 +473,7 @@ def test_kill_during_openai_generation_resumes_without_duplicates_or_losses(fake
     # the CLI with logging configured the way a rule's log receives it (stderr)
     logged = [sys.executable, "-c", LOGGED_CLI, *args[1:]]
     out = subprocess.run(logged, env=_env(), capture_output=True, text=True, check=True).stderr
-    assert f"{len(before)} already done, {40 - len(before)} to go" in out
+    assert f"{len(before)} already done, 0 with their original answers, {40 - len(before)} to go" in out
     assert len(srv.requests) - asked_before == 40 - len(before)  # no finished id asked again
     rows = (tmp_path / "traces.jsonl").read_text().splitlines()
     ids = [json.loads(line)["id"] for line in rows]
