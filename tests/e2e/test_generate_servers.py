@@ -639,8 +639,9 @@ def test_vllm_server_mode_end_to_end_and_stopped(tmp_path):
     args += ["--server-args", json.dumps(VLLM_ARGS)]
     proc = subprocess.run(args, env=_vllm_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + log.read_text()[-3000:]
-    pid = int(proc.stdout.split("vllm-server: pid ")[1].split()[0])
-    assert f"vllm-server: stopped (pid {pid})" in proc.stdout
+    logged = proc.stderr  # the server's lifecycle lines go through the CLI's logging (stderr)
+    pid = int(logged.split("vllm-server: pid ")[1].split()[0])
+    assert f"vllm-server: stopped (pid {pid})" in logged
     assert not group_alive(pid)  # the server and its EngineCore are gone when the command returns
     summary = json.loads((tmp_path / "s.json").read_text())
     assert (

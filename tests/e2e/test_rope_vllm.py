@@ -68,20 +68,14 @@ def run(tmp_path_factory, target_model) -> dict:
         "--checkpoints", r / "checkpoints", "--metrics", r / "metrics.jsonl",
         "--settings", json.dumps(settings))  # fmt: skip
     control = plain_rope_copy(r / "drafter", r / "drafter-plain-rope")
-    common = ["--target", target, "--prompts", r / "train.jsonl", "--num-prompts", NUM_PROMPTS,
-              "--max-new-tokens", MAX_NEW_TOKENS, "--num-draft-tokens", SPEC_TOKENS, "--no-ngram"]  # fmt: skip
-    cli("evaluate", *common, "--drafter", r / "drafter", "--untrained", control, "--out", r / "offline.json")
+    common = ["--target", target, "--num-prompts", NUM_PROMPTS, "--max-new-tokens", MAX_NEW_TOKENS,
+              "--num-draft-tokens", SPEC_TOKENS, "--no-ngram"]  # fmt: skip
+    cli("evaluate", *common, "--drafter", r / "drafter", "--untrained", control,
+        "--prompts", r / "train.jsonl", "--out", r / "offline.json")  # fmt: skip
     torch.set_num_threads(threads)
-    cli(
-        "evaluate-vllm",
-        *common,
-        "--drafter",
-        r / "drafter",
-        "--out",
-        r / "vllm.json",
-        "--log-dir",
-        r / "logs",
-    )
+    # evaluate-vllm decodes named held-out sets (SET=PATH); one set here
+    cli("evaluate-vllm", *common, "--drafter", r / "drafter", "--prompts", f"twin={r / 'train.jsonl'}",
+        "--out", f"twin={r / 'vllm.json'}", "--log-dir", r / "logs")  # fmt: skip
     return {
         "root": r,
         "export": json.loads((r / "drafter" / "config.json").read_text()),
