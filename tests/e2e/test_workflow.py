@@ -169,8 +169,8 @@ def test_kill_during_generation_resumes(tmp_path, target_model):
     assert not (tmp_path / "traces.jsonl").exists()
     done_before = partial.read_text().count("\n")
     assert done_before >= 8
-    out = subprocess.run(args, env=env, capture_output=True, text=True, check=True).stdout
-    assert f"{done_before} already done" in out
+    rerun = subprocess.run(args, env=env, capture_output=True, text=True, check=True)
+    assert f"{done_before} already done" in rerun.stderr  # logged, as a rule's log receives it
     rows = [json.loads(line) for line in (tmp_path / "traces.jsonl").read_text().splitlines()]
     ids = [r["id"] for r in rows]
     expected = sum(1 for line in (tmp_path / "p.jsonl").read_text().splitlines() if line.strip())
