@@ -372,6 +372,25 @@ def tokenize(target_path: str, traces: str, out: str, settings_json: str | None,
         _fail(str(err), EXIT_BAD_INPUT)
 
 
+aux_layers_option = setting(
+    "extract",
+    "aux_layers",
+    "--aux-layers",
+    type=str,
+    help="Comma-separated ids, input convention (null: 2,L//2,L-3).",
+)
+
+
+def _aux_layer_ids(text: str | None) -> list[int] | None:
+    """--aux-layers "2,15,27" -> [2, 15, 27]; None stays None (the default layers)."""
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        _fail(f"--aux-layers: {text!r} is not a comma-separated list of integers", EXIT_BAD_INPUT)
+
+
 @main.command()
 @click.option("--target", "target_path", required=True, type=click.Path(file_okay=False, exists=True))
 @click.option(
@@ -388,13 +407,7 @@ def tokenize(target_path: str, traces: str, out: str, settings_json: str | None,
     help="The shard file, e.g. results/hidden/shard-0.safetensors.",
 )
 @settings_option("extract")
-@setting(
-    "extract",
-    "aux_layers",
-    "--aux-layers",
-    type=str,
-    help="Comma-separated ids, input convention (null: 2,L//2,L-3).",
-)
+@aux_layers_option
 @setting("target", "dtype", "--dtype")
 @setting(
     "extract",
@@ -443,14 +456,7 @@ def extract(
 
     ops = {"threads": kw.pop("threads"), "gpus": kw.pop("gpus")}
     dtype = kw.pop("dtype") or section_defaults("target")["dtype"]
-    if isinstance(kw["aux_layers"], str):
-        try:
-            kw["aux_layers"] = [int(x) for x in kw["aux_layers"].split(",")]
-        except ValueError:
-            _fail(
-                f"--aux-layers: {kw['aux_layers']!r} is not a comma-separated list of integers",
-                EXIT_BAD_INPUT,
-            )
+    kw["aux_layers"] = _aux_layer_ids(kw["aux_layers"])
     values = resolve(settings_json, kw, "extract")
     # YAML reads a bare on/off as a boolean
     compile_mode = {True: "on", False: "off"}.get(values["compile"], values["compile"])
@@ -471,13 +477,7 @@ def extract(
 @click.option(
     "--target", "target_path", type=click.Path(file_okay=False, exists=True), help="Target model folder."
 )
-@setting(
-    "extract",
-    "aux_layers",
-    "--aux-layers",
-    type=str,
-    help="Comma-separated ids, input convention (null: 2,L//2,L-3).",
-)
+@aux_layers_option
 @setting("extract", "codec", "--codec")
 @setting("extract", "zstd_level", "--zstd-level", type=click.IntRange(1, 22))
 @setting("target", "dtype", "--dtype")
@@ -511,8 +511,7 @@ def estimate(tokens: str | None, target_path: str | None, aux_layers: str | None
         tensors, _ = load_tokens(tokens)
         offsets = tensors["offsets"].tolist()
         model, _ = load_target(target_path, getattr(torch, kw["dtype"]))
-        ids = [int(x) for x in aux_layers.split(",")] if aux_layers else None
-        layer_ids = resolve_aux_layers(ids, model.config.num_hidden_layers)
+        layer_ids = resolve_aux_layers(_aux_layer_ids(aux_layers), model.config.num_hidden_layers)
         from draftsmith.engines.hf import HfExtractor
         from draftsmith.estimate import probe_batches
         from draftsmith.extract import PROBE_SHARE, token_batches
