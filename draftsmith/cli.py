@@ -323,7 +323,9 @@ def generate(target_path: str, prompts_path: str, settings_json: str | None, **k
     from draftsmith.prompts import PromptError
 
     paths = {k: kw.pop(k) for k in ("out", "summary", "errors", "server_log")}
-    dtype = kw.pop("dtype") or section_defaults("target")["dtype"]
+    from draftsmith.precision import compute_dtype
+
+    dtype = compute_dtype(kw.pop("dtype") or section_defaults("target")["dtype"])
     try:
         if isinstance(kw["server_args"], str):
             kw["server_args"] = json.loads(kw["server_args"])
@@ -498,7 +500,9 @@ def estimate(tokens: str | None, target_path: str | None, aux_layers: str | None
 
     kw["codec"] = kw["codec"] or section_defaults("extract")["codec"]
     kw["zstd_level"] = kw["zstd_level"] or section_defaults("extract")["zstd_level"]
-    kw["dtype"] = kw["dtype"] or section_defaults("target")["dtype"]
+    from draftsmith.precision import compute_dtype
+
+    kw["dtype"] = compute_dtype(kw["dtype"] or section_defaults("target")["dtype"])
     kw["batch_tokens"] = kw["batch_tokens"] or section_defaults("extract")["batch_tokens"]
 
     if tokens and target_path:

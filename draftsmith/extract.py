@@ -33,6 +33,7 @@ from draftsmith.estimate import (
     probe_batches,
 )
 from draftsmith.layers import default_aux_layers, validate_aux_layers
+from draftsmith.precision import compute_dtype
 from draftsmith.shards import Sample, ShardWriter, remove_stale_temp_files
 from draftsmith.target import text_config_dict
 from draftsmith.tokenize import load_tokens
@@ -163,6 +164,7 @@ def extract_shard(
     engine to reuse (left open), both for benchmarks."""
     if threads:
         torch.set_num_threads(threads)
+    dtype = compute_dtype(dtype, "cuda" if gpus else "cpu")
     tensors, meta = load_tokens(tokens_path)
     if shard >= len(meta["shards"]):
         raise ValueError(f"shard {shard} does not exist: {tokens_path} plans {len(meta['shards'])} shards")
@@ -251,7 +253,12 @@ def extract_shard(
         stats["tokens_per_second"] = (
             round(total_tokens / stats["seconds"], 1) if stats["seconds"] > 0 else None
         )
-        stats |= {"engine": engine, "compile_seconds": compile_seconds, "estimate": estimate}
+        stats |= {
+            "engine": engine,
+            "compute_dtype": dtype,
+            "compile_seconds": compile_seconds,
+            "estimate": estimate,
+        }
         if writer:
             closing = time.perf_counter()
             writer.close(

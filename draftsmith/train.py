@@ -30,7 +30,7 @@ import logging
 import math
 import random
 import time
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ from draftsmith.export import check_export, save_drafter
 from draftsmith.layers import convert_layer_ids
 from draftsmith.loader import Batch, StreamingData
 from draftsmith.manifest import load_manifest
+from draftsmith.precision import TRAIN_PRECISIONS, train_precision
 from draftsmith.target import TargetHead, load_target_head
 from draftsmith.vocab import load_vocab_map
 
@@ -58,15 +59,14 @@ METRICS_FLUSH_S = 10.0  # rewrite metrics.jsonl at most this often (and at every
 # ----------------------------------------------------------------------------------------------- settings
 
 
-PRECISIONS = ("bf16", "fp32")
 HEAD_INITS = ("target", "random")
 LOSS_NORMS = ("position", "sample")
 EVAL_MASK_OFFSET = 2  # validation always scores the positions whose predicted token is an assistant token
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """bf16 autocast on any device (CPU too: 1.5-1.9x the fp32 training tokens/s measured on 2 cores,
-    same loss to 1e-4), as the EAGLE-3 reference and SpecForge train in bf16; fp32 = no autocast."""
+    """bf16 autocast (as the EAGLE-3 reference and SpecForge train; on a CPU only worth it where bf16 is
+    native: precision.py); fp32 = no autocast."""
     if precision == "bf16":
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
@@ -93,7 +93,8 @@ class TrainSettings:
     )  # also checkpoint every N steps (always at each epoch end); None = epochs only
     pack_window: int  # samples sorted by length together before packing into batches (1 = no sorting)
     loader_threads: int  # background threads decoding the next batches; 0 = decode in the loop
-    precision: str = "bf16"  # bf16: matmuls under bf16 autocast (weights, optimizer, loss in fp32); fp32
+    precision: str = "auto"  # bf16: matmuls under bf16 autocast (weights, optimizer, loss in fp32); fp32;
+    # auto: bf16 where the device multiplies it natively (precision.py)
     drafter: dict[str, Any] = field(default_factory=dict)  # train.drafter: explicit shape; nulls = derived
     # the objective and optimiser choices below were picked by ablation (bench/ablate.py, README "Training")
     head_init: str = "random"  # random: lm_head N(0, 0.02), norm ones; target: both from the target
@@ -128,8 +129,8 @@ class TrainSettings:
             problems.append(f"checkpoint_every={self.checkpoint_every} must be >= 1 or null")
         if self.pack_window < 1:
             problems.append(f"pack_window={self.pack_window} must be >= 1")
-        if self.precision not in PRECISIONS:
-            problems.append(f"precision={self.precision!r} must be one of {list(PRECISIONS)}")
+        if self.precision not in TRAIN_PRECISIONS:
+            problems.append(f"precision={self.precision!r} must be one of {list(TRAIN_PRECISIONS)}")
         if self.loader_threads < 0:
             problems.append(f"loader_threads={self.loader_threads} must be >= 0")
         if self.head_init not in HEAD_INITS:
@@ -565,6 +566,7 @@ def train(
     wall_start = time.perf_counter()
     out_dir, metrics_path = Path(out_dir), Path(metrics_path)
     dist = init_distributed(device)
+    settings = replace(settings, precision=train_precision(settings.precision, dist.device))
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     manifest, vocab, target = load_inputs(manifest_path, vocab_path)

@@ -30,6 +30,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from draftsmith.engines import vllm_child_env
 from draftsmith.engines.openai import OpenAIChatEngine, OpenAIClient
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ def server_command(
 
 def server_env(devices: list[str] | None, base: dict[str, str] | None = None) -> dict[str, str]:
     """The server's environment: the job's devices only (Snakemake counts GPUs but assigns none)."""
-    env = dict(os.environ if base is None else base)
+    env = vllm_child_env(dict(os.environ if base is None else base))
     if devices:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
     return env

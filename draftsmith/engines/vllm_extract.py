@@ -18,6 +18,7 @@ main module is guarded by `if __name__ == "__main__"` (the `draftsmith` command 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -83,6 +84,7 @@ class VllmExtractor:
     ):
         from vllm import LLM
 
+        from draftsmith.engines import THREAD_CAPS
         from draftsmith.target import read_head_tensors, text_config_dict, trust_remote_code
 
         config = text_config_dict(target)  # a wrapper's (Kimi-K2.5) text model settings
@@ -95,6 +97,9 @@ class VllmExtractor:
         self.lm_head_weight = head["lm_head"].to(getattr(torch, dtype))
         # Per-request files land here and are deleted as soon as they are read.
         self._storage = Path(tempfile.mkdtemp(prefix=".vllm-states-", dir=storage_dir))
+        # vLLM's engine core is a child of this process and reads its thread settings from the environment
+        for key in THREAD_CAPS:  # see engines.vllm_child_env
+            os.environ.pop(key, None)
         start = time.perf_counter()
         self.llm = LLM(
             model=str(target),

@@ -135,10 +135,12 @@ def run_vllm_speculative(
     from vllm import LLM, SamplingParams
 
     from draftsmith.devices import parse_visible
+    from draftsmith.engines import single_process_on_cpu
     from draftsmith.target import trust_remote_code
 
     # tensor parallel over the GPUs `draftsmith run --gpus N` gave this job (one process on a CPU)
     gpus = len(parse_visible(os.environ.get("CUDA_VISIBLE_DEVICES")) or [])
+    single_process_on_cpu(max(1, gpus))
     t0 = time.perf_counter()
     llm = LLM(
         model=str(target),
@@ -183,7 +185,9 @@ def run_vllm_speculative(
 
 def vllm_env(cache_dir: str | Path, base: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for a CPU vLLM child: a 2 GiB KV cache, caches under cache_dir (not ~/.cache)."""
-    env = dict(os.environ if base is None else base)
+    from draftsmith.engines import vllm_child_env
+
+    env = vllm_child_env(dict(os.environ if base is None else base))
     cache_dir = Path(cache_dir)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     env["VLLM_CACHE_ROOT"] = str(cache_dir / "vllm")
