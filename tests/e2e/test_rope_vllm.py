@@ -41,12 +41,10 @@ def plain_rope_copy(drafter, out):
     return out
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory, target_model) -> dict:
-    r = tmp_path_factory.mktemp("rope-vllm")
-    target = r / "llama3-twin"
-    # peaked logits (init 0.1): greedy continuations far from ties, identical in vLLM and transformers
-    twins.save("llama3", target, vocab_size=49152, tokenizer_from=DEFAULT_TARGET, initializer_range=0.1)
+def train_and_measure(target, r, control_of=None) -> dict:
+    """The stage commands on `target` (built-in prompts, fp32 greedy traces, a drafter trained until it
+    has learnt them), then the offline and the vLLM measurement of the drafter on the training prompts.
+    `control_of(drafter, out)` makes the export measured offline as "untrained" -> the results."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a busy 2-core machine: one thread avoids lock-step waits
     cli("prompts", "--source", "builtin", "--max-prompts", NUM_PROMPTS + 1, "--num-heldout", 1,
@@ -67,10 +65,10 @@ def run(tmp_path_factory, target_model) -> dict:
     cli("train", "--data", r / "data_config.json", "--vocab", r / "vocab_map.pt", "--out", r / "drafter",
         "--checkpoints", r / "checkpoints", "--metrics", r / "metrics.jsonl",
         "--settings", json.dumps(settings))  # fmt: skip
-    control = plain_rope_copy(r / "drafter", r / "drafter-plain-rope")
     common = ["--target", target, "--num-prompts", NUM_PROMPTS, "--max-new-tokens", MAX_NEW_TOKENS,
               "--num-draft-tokens", SPEC_TOKENS, "--no-ngram"]  # fmt: skip
-    cli("evaluate", *common, "--drafter", r / "drafter", "--untrained", control,
+    control = ["--untrained", control_of(r / "drafter", r / "drafter-control")] if control_of else []
+    cli("evaluate", *common, "--drafter", r / "drafter", *control,
         "--prompts", r / "train.jsonl", "--out", r / "offline.json")  # fmt: skip
     torch.set_num_threads(threads)
     # evaluate-vllm decodes named held-out sets (SET=PATH); one set here
@@ -79,9 +77,32 @@ def run(tmp_path_factory, target_model) -> dict:
     return {
         "root": r,
         "export": json.loads((r / "drafter" / "config.json").read_text()),
+        "train": json.loads((r / "drafter" / "train_summary.json").read_text()),
         "offline": json.loads((r / "offline.json").read_text()),
         "vllm": json.loads((r / "vllm.json").read_text()),
     }
+
+
+def assert_vllm_accepts_as_offline(run: dict, min_tau: float = 1.5) -> None:
+    """Same target, fp32 greedy on both sides: the same plain continuations, and vLLM accepts exactly
+    the drafts draftsmith's decoder accepts, position by position."""
+    offline, vllm = run["offline"], run["vllm"]
+    assert vllm["plain"]["outputs"] == offline["plain"]["outputs"]
+    off, served = offline["methods"]["eagle3"], vllm["methods"]["eagle3"]
+    print(f"offline tau {off['tau']:.4f} {off['accepted_per_pos']}/{off['drafts']}, "
+          f"vLLM tau {served['tau']:.4f} {served['accepted_per_pos']}/{served['drafts']}")  # fmt: skip
+    assert off["tau"] > min_tau, off  # the drafter learnt its traces: there is something to compare
+    assert (served["drafts"], served["accepted_per_pos"]) == (off["drafts"], off["accepted_per_pos"])
+    assert served["tau"] == pytest.approx(off["tau"], abs=1e-12)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, target_model) -> dict:
+    r = tmp_path_factory.mktemp("rope-vllm")
+    target = r / "llama3-twin"
+    # peaked logits (init 0.1): greedy continuations far from ties, identical in vLLM and transformers
+    twins.save("llama3", target, vocab_size=49152, tokenizer_from=DEFAULT_TARGET, initializer_range=0.1)
+    return train_and_measure(target, r, control_of=plain_rope_copy)
 
 
 def test_export_carries_llama3_rope(run):
@@ -91,18 +112,11 @@ def test_export_carries_llama3_rope(run):
 
 
 def test_offline_tau_equals_vllm_tau(run):
-    """Same target, fp32 greedy on both sides: the same plain continuations, and vLLM accepts exactly
-    the drafts draftsmith's decoder accepts, position by position."""
-    offline, vllm = run["offline"], run["vllm"]
-    assert vllm["plain"]["outputs"] == offline["plain"]["outputs"]
-    off, served = offline["methods"]["eagle3"], vllm["methods"]["eagle3"]
-    control = offline["methods"]["untrained"]
-    print(f"offline tau {off['tau']:.4f} {off['accepted_per_pos']}/{off['drafts']}, "
-          f"vLLM tau {served['tau']:.4f} {served['accepted_per_pos']}/{served['drafts']}, "
-          f"plain-RoPE control offline {control['tau']:.4f} {control['accepted_per_pos']}/{control['drafts']}")  # fmt: skip
-    assert off["tau"] > 1.5, off  # the drafter learnt its traces: there is something to compare
-    assert (served["drafts"], served["accepted_per_pos"]) == (off["drafts"], off["accepted_per_pos"])
-    assert served["tau"] == pytest.approx(off["tau"], abs=1e-12)
+    assert_vllm_accepts_as_offline(run)
+    control = run["offline"]["methods"]["untrained"]
+    print(
+        f"plain-RoPE control offline {control['tau']:.4f} {control['accepted_per_pos']}/{control['drafts']}"
+    )
 
 
 def test_plain_rope_drafts_differently(run):
