@@ -85,12 +85,11 @@ def test_both_extraction_engines_agree_on_each_family(tmp_path, target_model, fa
     """The same greedy samples through transformers and vLLM (fp32): every aux layer and the final normed
     state agree, and so does the teacher agreement that gates the data (MLA attention on CPU differs
     most: research/targets-on-cpu.md measured up to 3.6% relative on DeepSeek-V3)."""
-    import torch.nn.functional as F
-    from test_extract_engines import _greedy_samples
+    from test_extract_engines import _greedy_samples, vllm_extract, worst_cosines
     from test_extract_kill import write_tokens
 
     from draftsmith.extract import extract_shard
-    from draftsmith.shards import iter_samples, read_shard_meta
+    from draftsmith.shards import read_shard_meta
 
     target = tmp_path / f"{family}-twin"
     twins.save(family, target, vocab_size=49152, initializer_range=0.1, tokenizer_from=DEFAULT_TARGET)
@@ -101,38 +100,9 @@ def test_both_extraction_engines_agree_on_each_family(tmp_path, target_model, fa
     hf_stats = extract_shard(
         str(target), str(tokens), 0, str(hf_out), [1, 2, 3], "float32", 4096, codec="none", compile="off"
     )
-    cmd = [
-        "draftsmith",
-        "extract",
-        "--engine",
-        "vllm",
-        "--target",
-        str(target),
-        "--tokens",
-        str(tokens),
-        "--shard",
-        "0",
-        "--out",
-        str(vllm_out),
-        "--dtype",
-        "float32",
-        "--codec",
-        "none",
-        "--aux-layers",
-        "1,2,3",
-    ]  # fmt: skip (the twins have 4 layers: the default ids repeat)
-    proc = subprocess.run(cmd, env=env(tmp_path), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    hf = {s.id: s for s in iter_samples(hf_out)}
-    vl = {s.id: s for s in iter_samples(vllm_out)}
-    assert hf.keys() == vl.keys() and len(hf) == len(ids)
-    worst = [1.0] * 4  # three aux layers, then the final normed state
-    for key, a in hf.items():
-        b = vl[key]
-        for slot in range(3):
-            cos = F.cosine_similarity(a.aux[:, slot].float(), b.aux[:, slot].float(), dim=-1)
-            worst[slot] = min(worst[slot], cos.min().item())
-        worst[3] = min(worst[3], F.cosine_similarity(a.final.float(), b.final.float(), dim=-1).min().item())
+    # the twins have 4 layers: the default aux ids would repeat one
+    vllm_extract(target, tokens, vllm_out, env(tmp_path), "--aux-layers", "1,2,3")
+    worst = worst_cosines(hf_out, vllm_out, len(ids))
     vllm_stats = read_shard_meta(vllm_out)["stats"]
     assert (hf_stats["engine"], vllm_stats["engine"]) == ("transformers", "vllm")
     agreement = (hf_stats["teacher_agreement"], vllm_stats["teacher_agreement"])
