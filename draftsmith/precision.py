@@ -41,6 +41,5 @@ def train_precision(requested: str, device: torch.device | str | None = None) ->
     """train.precision -> "bf16" or "fp32"; `auto` is bf16 where it is native on `device`."""
     if requested not in TRAIN_PRECISIONS:
         raise ValueError(f"precision {requested!r}: expected one of {', '.join(TRAIN_PRECISIONS)}")
-    if requested != "auto":
-        return requested
-    return "bf16" if bf16_is_native(device) else "fp32"
+    names = {"bf16": "bfloat16", "fp32": "float32", "auto": "auto"}
+    return {"bfloat16": "bf16", "float32": "fp32"}[compute_dtype(names[requested], device)]
