@@ -29,7 +29,7 @@ import click
 import yaml
 
 from draftsmith.atomic import write_json
-from draftsmith.config import section_defaults
+from draftsmith.config import settings_defaults
 
 REFERENCE = {"name": "SpecForge 0.2.0 (same shards and budget)", "val_acc": [0.240, 0.195, 0.175]}
 
@@ -42,12 +42,17 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "sample_norm+mask_offset0": {"loss_norm": "sample", "mask_offset": 0},
     "beta2_0.999": {"adam_beta2": 0.999},
     "specforge_like": {"head_init": "random", "loss_norm": "sample", "mask_offset": 0, "adam_beta2": 0.999},
+    # the same tokens in 4x as many optimizer steps: a few hundred samples make only ~20 steps an epoch
+    "batch_1024": {"batch_tokens": 1024},
+    "batch_1024+lr_1e-3": {"batch_tokens": 1024, "lr": 0.001},
+    "batch_512": {"batch_tokens": 512},
+    "batch_512+lr_6e-3": {"batch_tokens": 512, "lr": 0.006},
 }
 
 
 def base_settings(config_path: Path | None, overrides: dict[str, Any]) -> dict[str, Any]:
     """Schema defaults < the config file's `train` section < overrides (as the workflow merges them)."""
-    values = section_defaults("train")
+    values = settings_defaults("train")
     if config_path is not None and config_path.is_file():
         values.update((yaml.safe_load(config_path.read_text(encoding="utf-8")) or {}).get("train") or {})
     values.update(overrides)

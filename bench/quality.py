@@ -27,7 +27,7 @@ import click
 import yaml
 
 from draftsmith.atomic import atomic_path, write_json
-from draftsmith.config import section_defaults
+from draftsmith.config import settings_defaults
 
 
 def _floats(text: str) -> list[float]:
@@ -40,32 +40,32 @@ def subset_rank(sample_id: str) -> float:
 
 
 def subset_manifest(manifest_path: Path, fraction: float, val_fraction: float, folder: Path) -> Path:
-    """A copy of the data with `fraction` of the training samples and every validation sample."""
-    from draftsmith.manifest import load_manifest
+    """A manifest of `fraction` of the training samples and every validation sample, in new shards.
+
+    The subset shards' counts are their own; their teacher-agreement figures stay the full shards'."""
+    from draftsmith.loader import is_validation
+    from draftsmith.manifest import build_manifest, load_manifest
     from draftsmith.shards import ShardWriter, iter_samples, read_shard_meta
-    from draftsmith.train import is_validation
 
     manifest = load_manifest(manifest_path)
     folder.mkdir(parents=True, exist_ok=True)
-    shards = []
+    paths = []
     for k, shard in enumerate(manifest["shards"]):
         meta = read_shard_meta(shard["path"])
         keep_meta = {key: meta[key] for key in ("aux_layer_ids", "layer_convention", "dtype") if key in meta}
         path = folder / f"shard-{k}.safetensors"
         writer = ShardWriter(path, keep_meta, codec="none")
-        samples = tokens = 0
+        samples = tokens = masked = 0
         for s in iter_samples(shard["path"]):
             if is_validation(s.id, val_fraction) or subset_rank(s.id) < fraction:
                 writer.add(s)
-                samples, tokens = samples + 1, tokens + s.num_tokens
-        writer.close({"template": meta.get("template"), "stats": meta.get("stats")})
-        shards.append({"path": path.name, "num_samples": samples, "num_tokens": tokens})
-    out = {**manifest, "shards": shards}
-    out["target"] = str(manifest["target"])
-    path = folder / "data_config.json"
-    with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(out, default=str), encoding="utf-8")
-    return path
+                samples, tokens, masked = samples + 1, tokens + s.num_tokens, masked + int(s.loss_mask.sum())
+        stats = {**meta["stats"], "num_samples": samples, "num_tokens": tokens, "num_masked_tokens": masked}
+        writer.close({"template": meta.get("template"), "stats": stats})
+        paths.append(str(path))
+    out = folder / "data_config.json"
+    build_manifest(paths, str(out), str(manifest["target"]), min_teacher_agreement=0.0)
+    return out
 
 
 def vllm_tau(
@@ -127,7 +127,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 def main(**kw: Any) -> None:
     from draftsmith.train import TrainSettings, train
 
-    values = section_defaults("train")
+    values = settings_defaults("train")
     config_path = Path(kw["config_path"])
     if config_path.is_file():
         values.update((yaml.safe_load(config_path.read_text(encoding="utf-8")) or {}).get("train") or {})

@@ -477,8 +477,10 @@ def write_tensorboard(log_dir: str | Path, rows: list[dict[str, Any]], summary: 
 
 
 def load_sets(offline: dict[str, str | Path], vllm: dict[str, str | Path]) -> dict[str, dict[str, Any]]:
-    """Held-out set name -> {"offline": ..., "vllm": ... or None}, read from the files; a vLLM result
-    without an offline one, or two sets that disagree on prompt ids across engines, is an error."""
+    """Held-out set name -> {"offline": ..., "vllm": ... or None}, read from the files. With vLLM on, the
+    offline run is the contract check on the first `evaluate.offline_num_prompts` of the prompts vLLM
+    decoded: a vLLM result without an offline one, or offline prompt ids that are not the first of
+    vLLM's, is an error."""
     extra = sorted(set(vllm) - set(offline))
     if extra:
         raise ValueError(f"vLLM results for held-out set(s) {extra} without offline results")
@@ -486,7 +488,7 @@ def load_sets(offline: dict[str, str | Path], vllm: dict[str, str | Path]) -> di
     for name, path in offline.items():
         off = json.loads(Path(path).read_text(encoding="utf-8"))
         served = json.loads(Path(vllm[name]).read_text(encoding="utf-8")) if name in vllm else None
-        if served is not None and served["prompt_ids"] != off["prompt_ids"]:
+        if served is not None and served["prompt_ids"][: len(off["prompt_ids"])] != off["prompt_ids"]:
             raise ValueError(f"{vllm[name]} and {path} decoded different prompts; rerun both")
         sets[name] = {"offline": off, "vllm": served}
     return sets

@@ -84,6 +84,13 @@ def test_load_sets_checks_the_prompts_match(tmp_path):
     with pytest.raises(ValueError, match="without offline results"):
         load_sets({"split": off}, {"other": served})
     assert load_sets({"split": off}, {})["split"]["vllm"] is None
+    # the offline contract check decodes the first few of vLLM's prompts (evaluate.offline_num_prompts)
+    more = {**results({"eagle3": TRAINED}), "prompt_ids": results({})["prompt_ids"] + ["extra"]}
+    served.write_text(json.dumps(more))
+    assert load_sets({"split": off}, {"split": served})["split"]["vllm"]["prompt_ids"][-1] == "extra"
+    served.write_text(json.dumps({**more, "prompt_ids": ["extra"] + results({})["prompt_ids"]}))
+    with pytest.raises(ValueError, match="decoded different prompts"):
+        load_sets({"split": off}, {"split": served})
 
 
 def test_tensorboard_events_read_back(tmp_path):
