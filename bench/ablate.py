@@ -102,8 +102,11 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def beats_reference(val_acc: list[float | None]) -> bool:
-    return all(a is not None and a >= r for a, r in zip(val_acc, REFERENCE["val_acc"], strict=False))
+def beats_reference(val_acc: list[float | None] | None) -> bool:
+    """False also when there is no validation figure (a run stopped by max_steps before any)."""
+    return val_acc is not None and all(
+        a is not None and a >= r for a, r in zip(val_acc, REFERENCE["val_acc"], strict=False)
+    )
 
 
 @click.command(help=__doc__)

@@ -88,7 +88,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = max(len(r["val_acc"]) for r in rows)
+    steps = max(len(r["val_acc"] or []) for r in rows)
     fig, axes = plt.subplots(1, 1 + steps, figsize=(4.2 * (1 + steps), 3.6))
     for epochs in sorted({r["epochs"] for r in rows}):
         line = sorted((r for r in rows if r["epochs"] == epochs), key=lambda r: r["trained_tokens"])
@@ -176,7 +176,7 @@ def main(**kw: Any) -> None:
                     }
                 )
                 r = rows[-1]
-                acc = " / ".join(f"{a:.3f}" for a in r["val_acc"] if a is not None)
+                acc = " / ".join(f"{a:.3f}" for a in r["val_acc"] or [] if a is not None)
                 click.echo(
                     f"fraction {fraction} x {epochs} epochs: {r['trained_tokens']:,} tokens, val acc {acc}, "
                     f"tau {'-' if tau is None else f'{tau:.3f}'} ({r['wall_s']:.0f} s)"

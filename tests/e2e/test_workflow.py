@@ -144,27 +144,6 @@ def test_single_target_regenerates_just_that_file(finished_run):
     assert vocab.is_file()
 
 
-def test_benches_train_on_the_runs_data(finished_run):
-    """bench/ablate.py and bench/quality.py read what the workflow wrote (they are not run elsewhere)."""
-    workdir, _ = finished_run
-    tiny = ["--config", str(REPO / "tests" / "config.tiny.yaml"), "--settings", '{"max_steps": 2}']
-    for script, args in (
-        ("ablate.py", ["--variants", "baseline,batch_1024", "--epochs", "1", "--json", "bench/ablate.json"]),
-        ("quality.py", ["--fractions", "0.5,1", "--epochs", "1", "--no-vllm", "--out", "bench/quality"]),
-    ):
-        cmd = ["python", str(REPO / "bench" / script), *tiny, *args]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), cwd=workdir)
-        assert proc.returncode == 0, f"{script}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    ablation = json.loads((workdir / "bench" / "ablate.json").read_text())
-    assert [r["variant"] for r in ablation["rows"]] == ["baseline", "batch_1024"]
-    assert all(r["steps"] == 2 and len(r["val_acc"]) == 2 for r in ablation["rows"])
-    curve = json.loads((workdir / "bench" / "quality" / "quality.json").read_text())
-    half, full = curve["rows"]
-    assert 0 < half["train_samples"] < full["train_samples"]
-    assert half["val_samples"] == full["val_samples"]  # every validation sample kept in each subset
-    assert (workdir / "bench" / "quality" / "quality.png").stat().st_size > 0
-
-
 def test_bad_config_names_the_key(tmp_path, target_model):
     proc = snakemake(tmp_path, "-n", "--config", "train={lrr: 1}", check=False)
     assert proc.returncode != 0
