@@ -44,7 +44,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "specforge_like": {"head_init": "random", "loss_norm": "sample", "mask_offset": 0, "adam_beta2": 0.999},
     # the same tokens in 4x as many optimizer steps: a few hundred samples make only ~20 steps an epoch
     "batch_1024": {"batch_tokens": 1024},
-    "batch_1024+lr_1e-3": {"batch_tokens": 1024, "lr": 0.001},
     "batch_512": {"batch_tokens": 512},
     "batch_512+lr_6e-3": {"batch_tokens": 512, "lr": 0.006},
 }

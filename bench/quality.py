@@ -89,14 +89,18 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     steps = max(len(r["val_acc"] or []) for r in rows)
-    fig, axes = plt.subplots(1, 1 + steps, figsize=(4.2 * (1 + steps), 3.6))
+    fig, axes = plt.subplots(1, 1 + steps, figsize=(4.2 * (1 + steps), 3.6), squeeze=False)
+    axes = axes[0]
     for epochs in sorted({r["epochs"] for r in rows}):
         line = sorted((r for r in rows if r["epochs"] == epochs), key=lambda r: r["trained_tokens"])
         x = [r["trained_tokens"] for r in line]
         if any(r["vllm_tau"] is not None for r in line):
             axes[0].plot(x, [r["vllm_tau"] for r in line], "o-", label=f"{epochs} epochs")
         for j in range(steps):
-            axes[1 + j].plot(x, [r["val_acc"][j] for r in line], "o-", label=f"{epochs} epochs")
+            acc = [(r["val_acc"] or [None] * steps)[j] for r in line]  # None: no validation sample
+            axes[1 + j].plot(
+                x, [float("nan") if a is None else a for a in acc], "o-", label=f"{epochs} epochs"
+            )
     axes[0].set_title("vLLM tau (held-out prompts)")
     for j in range(steps):
         axes[1 + j].set_title(f"validation accuracy, TTT step {j}")
