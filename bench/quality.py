@@ -1,17 +1,18 @@
 """Learning curves: drafter quality against training tokens, to tell "more data" from "longer training".
 
     python bench/quality.py [--data results/data_config.json] [--vocab results/vocab_map.pt]
-                            [--prompts results/prompts/heldout.jsonl] [--fractions 0.25,0.5,1]
-                            [--epochs 1,3] [--out results/bench/quality]
+                            [--summary results/eval/summary.json] [--config config.yaml]
+                            [--fractions 0.25,0.5,1] [--epochs 1,3] [--out results/bench/quality]
 
 For each fraction f of the training samples (a fixed random subset, nested: the 0.5 subset holds the
 0.25 one; every validation sample is always kept, so the validation figures compare) and each epoch
 count, the drafter is trained with the run's settings (schema defaults < config `train` < --settings)
 and measured: validation top-1 accuracy per TTT step and, with vLLM installed, the mean acceptance
-length tau of vLLM's own EAGLE-3 decoding on the held-out prompts (greedy, k = --num-draft-tokens).
-Writes quality.json and quality.png (tau and accuracy per step against trained tokens, one line per
-epoch count). A curve still rising at f = 1 says more data helps; rising with epochs at a fixed f only
-says the drafter is not yet fitted (watch the train/validation gap for overfitting).
+length tau of vLLM's own EAGLE-3 decoding with its 95% interval, on every held-out set the run's eval
+summary measured (same prompts, tokens and draft length). Writes quality.json and quality.png (tau per
+held-out set against trained tokens beside n-gram lookup's tau and interval as a band, and accuracy per
+TTT step; one line per epoch count). A curve still rising at f = 1 says more data helps; rising with
+epochs at a fixed f only says the drafter is not yet fitted (watch the train/validation gap).
 """
 
 from __future__ import annotations
@@ -68,47 +69,107 @@ def subset_manifest(manifest_path: Path, fraction: float, val_fraction: float, f
     return out
 
 
-def vllm_tau(
-    target: str, drafter: Path, prompts: str, num_prompts: int, max_new_tokens: int, k: int
-) -> float:
+def heldout_reference(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per held-out set of a run's eval summary: its prompt file, how many prompts vLLM decoded, and
+    n-gram lookup's vLLM tau with its interval there (the free alternative a drafter must beat)."""
+    sets = {}
+    for name, info in summary["heldout_sets"].items():
+        rows = [r for r in summary["rows"] if r["heldout"] == name and r["engine"] == "vLLM"]
+        ngram = next((r for r in rows if r.get("key") == "ngram"), None)
+        sets[name] = {
+            "prompts": info["prompts"],
+            "num_prompts": max((r["prompts"] for r in rows), default=info["num_prompts"]),
+            "ngram_tau": ngram["tau"] if ngram else None,
+            "ngram_tau_interval": ngram["tau_interval"] if ngram else None,
+        }
+    return sets
+
+
+def tau_by_set(
+    spans: dict[str, tuple[int, int]], counts: list[dict[str, Any]], num_draft_tokens: int, level: float
+) -> dict[str, dict[str, Any]]:
+    """tau, its bootstrap interval over prompts and acceptance per position, per held-out set, from the
+    per-prompt counts of one batch holding every set (`spans`: set -> [start, end) in the batch)."""
+    from draftsmith.evaluate import counts_summary
+    from draftsmith.gate import bootstrap_tau
+
+    out = {}
+    for name, (a, b) in spans.items():
+        rows = counts[a:b]
+        tau, lo, hi = bootstrap_tau([r["accepted"] for r in rows], [r["drafts"] for r in rows], level)
+        out[name] = {
+            "tau": tau,
+            "tau_interval": [lo, hi],
+            "acceptance_per_position": counts_summary(rows, num_draft_tokens)["acceptance_rate_per_position"],
+        }
+    return out
+
+
+def vllm_taus(
+    target: str, drafter: Path, sets: dict[str, dict[str, Any]], max_new_tokens: int, k: int, level: float
+) -> dict[str, dict[str, Any]]:
+    """The drafter in vLLM's EAGLE-3 decoding (greedy), every held-out set in one batch."""
     from transformers import AutoTokenizer
 
     from draftsmith.engines.vllm_spec import run_vllm_subprocess
-    from draftsmith.evaluate import encode_prompts, read_eval_prompts, vllm_method_summary
+    from draftsmith.evaluate import encode_prompts, read_eval_prompts, vllm_prompt_counts
 
     tokenizer = AutoTokenizer.from_pretrained(target)
-    encoded = encode_prompts(tokenizer, read_eval_prompts(prompts, num_prompts))
+    spans, ids, encoded = {}, [], []
+    for name, info in sets.items():
+        prompts = read_eval_prompts(info["prompts"], info["num_prompts"])
+        spans[name] = (len(encoded), len(encoded) + len(prompts))
+        ids += [p["id"] for p in prompts]
+        encoded += encode_prompts(tokenizer, prompts)
     result = run_vllm_subprocess(target, str(drafter), "eagle3", encoded, max_new_tokens, k)
-    return vllm_method_summary(result, 0.0, k)["tau"]
+    counts = vllm_prompt_counts(ids, result)
+    if counts is None:
+        raise RuntimeError("vLLM reported no per-request acceptance: cannot split the held-out sets")
+    return tau_by_set(spans, counts, k, level)
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
+def plot(rows: list[dict[str, Any]], sets: dict[str, dict[str, Any]], path: Path) -> None:
+    """One panel per held-out set (vLLM tau with its interval, n-gram lookup's as a band), then one per
+    TTT step (validation accuracy), all against trained tokens, one line per epoch count."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    names = [n for n in sets if any((r["vllm"] or {}).get(n) for r in rows)]
     steps = max(len(r["val_acc"] or []) for r in rows)
-    fig, axes = plt.subplots(1, 1 + steps, figsize=(4.2 * (1 + steps), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(names) + steps, figsize=(4.2 * (len(names) + steps), 3.6), squeeze=False)
     axes = axes[0]
     for epochs in sorted({r["epochs"] for r in rows}):
         line = sorted((r for r in rows if r["epochs"] == epochs), key=lambda r: r["trained_tokens"])
         x = [r["trained_tokens"] for r in line]
-        if any(r["vllm_tau"] is not None for r in line):
-            axes[0].plot(x, [r["vllm_tau"] for r in line], "o-", label=f"{epochs} epochs")
+        for ax, name in zip(axes, names, strict=False):
+            taus = [r["vllm"][name] for r in line]
+            y = [t["tau"] for t in taus]
+            err = [
+                [t["tau"] - t["tau_interval"][0] for t in taus],
+                [t["tau_interval"][1] - t["tau"] for t in taus],
+            ]
+            ax.errorbar(x, y, yerr=err, fmt="o-", capsize=3, label=f"{epochs} epochs")
         for j in range(steps):
             acc = [(r["val_acc"] or [None] * steps)[j] for r in line]  # None: no validation sample
-            axes[1 + j].plot(
+            axes[len(names) + j].plot(
                 x, [float("nan") if a is None else a for a in acc], "o-", label=f"{epochs} epochs"
             )
-    axes[0].set_title("vLLM tau (held-out prompts)")
+    for ax, name in zip(axes, names, strict=False):
+        ref = sets[name]
+        if ref.get("ngram_tau") is not None:
+            ax.axhline(ref["ngram_tau"], color="grey", linestyle="--", label="n-gram lookup")
+            if ref.get("ngram_tau_interval"):
+                ax.axhspan(*ref["ngram_tau_interval"], color="grey", alpha=0.15)
+        ax.set_title(f"vLLM tau, {name} ({ref['num_prompts']} prompts)")
     for j in range(steps):
-        axes[1 + j].set_title(f"validation accuracy, TTT step {j}")
+        axes[len(names) + j].set_title(f"validation accuracy, TTT step {j}")
     for ax in axes:
         ax.set_xlabel("trained tokens (all epochs)")
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend()
+            ax.legend(fontsize=8)
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=110)
@@ -118,15 +179,16 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 @click.command(help=__doc__)
 @click.option("--data", default="results/data_config.json", show_default=True, type=click.Path(exists=True))
 @click.option("--vocab", default="results/vocab_map.pt", show_default=True, type=click.Path(exists=True))
-@click.option("--prompts", default="results/prompts/heldout.jsonl", show_default=True)
+@click.option(
+    "--summary", "summary_path", default="results/eval/summary.json", show_default=True,
+    help="The run's eval summary: the held-out sets, prompt counts and decoding settings to measure tau "
+    "with, and n-gram lookup's tau there to compare against.",
+)  # fmt: skip
 @click.option("--config", "config_path", default="config.yaml", show_default=True, type=click.Path())
 @click.option("--settings", "settings_json", default="{}", help="JSON overrides of train settings.")
 @click.option("--fractions", default="0.25,0.5,1", show_default=True)
 @click.option("--epochs", "epoch_list", default="1,3", show_default=True)
 @click.option("--vllm/--no-vllm", default=True, show_default=True, help="Measure tau in vLLM.")
-@click.option("--num-prompts", default=16, show_default=True)
-@click.option("--max-new-tokens", default=64, show_default=True)
-@click.option("--num-draft-tokens", default=3, show_default=True)
 @click.option("--out", default="results/bench/quality", show_default=True, type=click.Path(file_okay=False))
 def main(**kw: Any) -> None:
     from draftsmith.train import TrainSettings, train
@@ -140,6 +202,12 @@ def main(**kw: Any) -> None:
     values["checkpoint_every"] = None
     out = Path(kw["out"])
     target = json.loads(Path(kw["data"]).read_text(encoding="utf-8"))["target"]
+    sets: dict[str, dict[str, Any]] = {}
+    if kw["vllm"]:
+        if not Path(kw["summary_path"]).is_file():
+            raise click.UsageError(f"--summary {kw['summary_path']}: no such file (or pass --no-vllm)")
+        eval_summary = json.loads(Path(kw["summary_path"]).read_text(encoding="utf-8"))
+        sets = heldout_reference(eval_summary)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="draftsmith-quality-") as work:
         for fraction in _floats(kw["fractions"]):
@@ -159,11 +227,11 @@ def main(**kw: Any) -> None:
                     settings,
                     progress=False,
                 )
-                tau = None
+                taus = None
                 if kw["vllm"]:
-                    tau = vllm_tau(
-                        target, run / "drafter", kw["prompts"], kw["num_prompts"], kw["max_new_tokens"],
-                        kw["num_draft_tokens"],
+                    taus = vllm_taus(
+                        target, run / "drafter", sets, eval_summary["max_new_tokens"],
+                        eval_summary["num_draft_tokens"], eval_summary["level"],
                     )  # fmt: skip
                 rows.append(
                     {
@@ -175,19 +243,23 @@ def main(**kw: Any) -> None:
                         "steps": summary["steps"],
                         "val_acc": summary["val_acc"],
                         "train_acc": summary["train_acc"],
-                        "vllm_tau": tau,
+                        "vllm": taus,
                         "wall_s": round(time.perf_counter() - t0, 1),
                     }
                 )
                 r = rows[-1]
                 acc = " / ".join(f"{a:.3f}" for a in r["val_acc"] or [] if a is not None)
+                tau_text = ", ".join(
+                    f"{name} {t['tau']:.3f} [{t['tau_interval'][0]:.3f}, {t['tau_interval'][1]:.3f}]"
+                    for name, t in (taus or {}).items()
+                )
                 click.echo(
                     f"fraction {fraction} x {epochs} epochs: {r['trained_tokens']:,} tokens, val acc {acc}, "
-                    f"tau {'-' if tau is None else f'{tau:.3f}'} ({r['wall_s']:.0f} s)"
+                    f"vLLM tau {tau_text or '-'} ({r['wall_s']:.0f} s)"
                 )
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "quality.json", {"data": kw["data"], "settings": values, "rows": rows})
-    plot(rows, out / "quality.png")
+    write_json(out / "quality.json", {"data": kw["data"], "settings": values, "heldout": sets, "rows": rows})
+    plot(rows, sets, out / "quality.png")
     click.echo(f"wrote {out / 'quality.json'} and {out / 'quality.png'}")
 
 

@@ -1,0 +1,63 @@
+"""bench/quality.py: the learning-curve bench splits one vLLM batch back into its held-out sets and
+compares against the run's own n-gram figures."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "quality.py"
+
+
+@pytest.fixture(scope="module")
+def quality():
+    spec = importlib.util.spec_from_file_location("bench_quality", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _counts(accepted: int, drafts: int, per_pos: list[int]) -> dict:
+    return {"accepted": accepted, "drafts": drafts, "accepted_per_pos": per_pos}
+
+
+def test_tau_by_set_splits_the_batch_by_span(quality):
+    counts = [_counts(2, 4, [2, 0, 0]), _counts(0, 4, [0, 0, 0]), _counts(6, 2, [2, 2, 2])]
+    out = quality.tau_by_set({"a": (0, 2), "b": (2, 3)}, counts, 3, 0.95)
+    assert out["a"]["tau"] == pytest.approx(1 + 2 / 8)
+    assert out["a"]["acceptance_per_position"] == pytest.approx([0.25, 0.0, 0.0])
+    lo, hi = out["a"]["tau_interval"]
+    assert 1.0 <= lo <= out["a"]["tau"] <= hi <= 1.5  # resampling 2 prompts: 1 + {0, 2, 4} / 8
+    assert out["b"]["tau"] == pytest.approx(4.0)
+    assert out["b"]["tau_interval"][0] == float("-inf")  # one prompt: no interval
+
+
+def test_heldout_reference_reads_vllm_prompt_count_and_ngram(quality):
+    summary = {
+        "heldout_sets": {"split": {"prompts": "p.jsonl", "num_prompts": 8}, "own": {"prompts": "o.jsonl", "num_prompts": 8}},
+        "rows": [
+            {"heldout": "split", "engine": "offline", "key": "ngram", "prompts": 8, "tau": 9.0, "tau_interval": None},
+            {"heldout": "split", "engine": "vLLM", "method": "plain decoding", "prompts": 16},
+            {"heldout": "split", "engine": "vLLM", "key": "ngram", "prompts": 16, "tau": 2.5, "tau_interval": [2.0, 3.0]},
+            {"heldout": "own", "engine": "vLLM", "key": "trained", "prompts": 42, "tau": 1.2, "tau_interval": [1.1, 1.3]},
+        ],
+    }  # fmt: skip
+    sets = quality.heldout_reference(summary)
+    assert sets["split"] == {
+        "prompts": "p.jsonl",
+        "num_prompts": 16,
+        "ngram_tau": 2.5,
+        "ngram_tau_interval": [2.0, 3.0],
+    }
+    assert sets["own"]["num_prompts"] == 42 and sets["own"]["ngram_tau"] is None
+
+
+def test_plot_draws_tau_per_set_and_accuracy_per_step(quality, tmp_path):
+    sets = {"split": {"num_prompts": 16, "ngram_tau": 2.5, "ngram_tau_interval": [2.0, 3.0]}}
+    rows = [
+        {"epochs": 1, "trained_tokens": n, "val_acc": [0.2, None, 0.1],
+         "vllm": {"split": {"tau": 1.2, "tau_interval": [1.1, 1.3]}}}
+        for n in (1000, 2000)
+    ]  # fmt: skip
+    quality.plot(rows, sets, tmp_path / "q.png")
+    assert (tmp_path / "q.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
