@@ -85,6 +85,26 @@ def heldout_reference(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return sets
 
 
+def run_row(train_summary: dict[str, Any], eval_summary: dict[str, Any]) -> dict[str, Any]:
+    """The run's own drafter as the full-data point: its training summary and the trained drafter's vLLM
+    rows of the run's eval summary (the same prompts this bench decodes), so it is not trained twice."""
+    taus = {
+        r["heldout"]: {k: r[k] for k in ("tau", "tau_interval", "acceptance_per_position")}
+        for r in eval_summary["rows"]
+        if r.get("key") == "eagle3" and r["engine"] == "vLLM"
+    }
+    return {
+        "fraction": 1.0,
+        "epochs": train_summary["epochs"],
+        **{k: train_summary[k] for k in ("train_samples", "val_samples", "trained_tokens", "steps")},
+        "val_acc": train_summary["val_acc"],
+        "train_acc": train_summary["train_acc"],
+        "vllm": taus or None,
+        "wall_s": round(train_summary["wall_s"], 1),
+        "source": "run",
+    }
+
+
 def tau_by_set(
     spans: dict[str, tuple[int, int]], counts: list[dict[str, Any]], num_draft_tokens: int, level: float
 ) -> dict[str, dict[str, Any]]:
@@ -189,6 +209,12 @@ def plot(rows: list[dict[str, Any]], sets: dict[str, dict[str, Any]], path: Path
 @click.option("--fractions", default="0.25,0.5,1", show_default=True)
 @click.option("--epochs", "epoch_list", default="1,3", show_default=True)
 @click.option("--vllm/--no-vllm", default=True, show_default=True, help="Measure tau in vLLM.")
+@click.option(
+    "--run-drafter", type=click.Path(exists=True, file_okay=False), default=None,
+    help="The run's trained drafter (results/drafter): stands for fraction 1 at the run's epoch count "
+    "(its train_summary.json and the eval summary's vLLM rows) instead of training it again; pass it "
+    "with the run's config so the other points share its settings.",
+)  # fmt: skip
 @click.option("--out", default="results/bench/quality", show_default=True, type=click.Path(file_okay=False))
 def main(**kw: Any) -> None:
     from draftsmith.train import TrainSettings, train
@@ -209,12 +235,24 @@ def main(**kw: Any) -> None:
         eval_summary = json.loads(Path(kw["summary_path"]).read_text(encoding="utf-8"))
         sets = heldout_reference(eval_summary)
     rows: list[dict[str, Any]] = []
+    if kw["run_drafter"]:
+        train_summary = json.loads(
+            (Path(kw["run_drafter"]) / "train_summary.json").read_text(encoding="utf-8")
+        )
+        rows.append(run_row(train_summary, eval_summary if kw["vllm"] else {"rows": []}))
     with tempfile.TemporaryDirectory(prefix="draftsmith-quality-") as work:
         for fraction in _floats(kw["fractions"]):
+            todo = [
+                e
+                for e in (int(e) for e in _floats(kw["epoch_list"]))
+                if not any(r["fraction"] == fraction and r["epochs"] == e for r in rows)  # the run's own
+            ]
+            if not todo:
+                continue
             data = subset_manifest(
                 Path(kw["data"]), fraction, values["val_fraction"], Path(work) / f"f{fraction}"
             )
-            for epochs in [int(e) for e in _floats(kw["epoch_list"])]:
+            for epochs in todo:
                 settings = TrainSettings.from_dict({**values, "epochs": epochs})
                 run = Path(work) / f"f{fraction}-e{epochs}"
                 t0 = time.perf_counter()

@@ -61,3 +61,22 @@ def test_plot_draws_tau_per_set_and_accuracy_per_step(quality, tmp_path):
     ]  # fmt: skip
     quality.plot(rows, sets, tmp_path / "q.png")
     assert (tmp_path / "q.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_run_row_takes_the_runs_trained_drafter_from_vllm_rows(quality):
+    train_summary = {"epochs": 3, "train_samples": 10, "val_samples": 2, "trained_tokens": 900, "steps": 12,
+                     "val_acc": [0.3, 0.2, 0.1], "train_acc": [0.4, 0.3, 0.2], "wall_s": 61.23}  # fmt: skip
+    eval_summary = {
+        "rows": [
+            {"heldout": "split", "engine": "offline", "key": "eagle3", "tau": 9.0},
+            {"heldout": "split", "engine": "vLLM", "key": "eagle3", "tau": 1.5, "tau_interval": [1.4, 1.6],
+             "acceptance_per_position": [0.3, 0.1, 0.1]},
+            {"heldout": "split", "engine": "vLLM", "key": "ngram", "tau": 2.0},
+        ]
+    }  # fmt: skip
+    row = quality.run_row(train_summary, eval_summary)
+    assert (row["fraction"], row["epochs"], row["trained_tokens"]) == (1.0, 3, 900)
+    assert row["vllm"] == {
+        "split": {"tau": 1.5, "tau_interval": [1.4, 1.6], "acceptance_per_position": [0.3, 0.1, 0.1]}
+    }
+    assert quality.run_row(train_summary, {"rows": []})["vllm"] is None
