@@ -155,6 +155,7 @@ def plot(rows: list[dict[str, Any]], sets: dict[str, dict[str, Any]], path: Path
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     names = [n for n in sets if any((r["vllm"] or {}).get(n) for r in rows)]
     steps = max(len(r["val_acc"] or []) for r in rows)
@@ -186,6 +187,8 @@ def plot(rows: list[dict[str, Any]], sets: dict[str, dict[str, Any]], path: Path
     for j in range(steps):
         axes[len(names) + j].set_title(f"validation accuracy, TTT step {j}")
     for ax in axes:
+        ax.set_xscale("log")  # quality grows about linearly in log tokens
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("trained tokens (all epochs)")
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
