@@ -165,13 +165,15 @@ def plot(rows: list[dict[str, Any]], sets: dict[str, dict[str, Any]], path: Path
         line = sorted((r for r in rows if r["epochs"] == epochs), key=lambda r: r["trained_tokens"])
         x = [r["trained_tokens"] for r in line]
         for ax, name in zip(axes, names, strict=False):
-            taus = [r["vllm"][name] for r in line]
+            measured = [r for r in line if (r["vllm"] or {}).get(name)]
+            taus = [r["vllm"][name] for r in measured]
             y = [t["tau"] for t in taus]
             err = [
                 [t["tau"] - t["tau_interval"][0] for t in taus],
                 [t["tau_interval"][1] - t["tau"] for t in taus],
             ]
-            ax.errorbar(x, y, yerr=err, fmt="o-", capsize=3, label=f"{epochs} epochs")
+            xs = [r["trained_tokens"] for r in measured]
+            ax.errorbar(xs, y, yerr=err, fmt="o-", capsize=3, label=f"{epochs} epochs")
         for j in range(steps):
             acc = [(r["val_acc"] or [None] * steps)[j] for r in line]  # None: no validation sample
             axes[len(names) + j].plot(

@@ -58,7 +58,7 @@ def test_plot_draws_tau_per_set_and_accuracy_per_step(quality, tmp_path):
         {"epochs": 1, "trained_tokens": n, "val_acc": [0.2, None, 0.1],
          "vllm": {"split": {"tau": 1.2, "tau_interval": [1.1, 1.3]}}}
         for n in (1000, 2000)
-    ]  # fmt: skip
+    ] + [{"epochs": 1, "trained_tokens": 500, "val_acc": [0.1, 0.1, 0.1], "vllm": None}]  # fmt: skip
     quality.plot(rows, sets, tmp_path / "q.png")
     assert (tmp_path / "q.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
