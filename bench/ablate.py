@@ -46,6 +46,18 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "batch_1024": {"batch_tokens": 1024},
     "batch_512": {"batch_tokens": 512},
     "batch_512+lr_6e-3": {"batch_tokens": 512, "lr": 0.006},
+    # later TTT steps weighed as much as the first (the reference and SpecForge: 0.8**j)
+    "ttt_decay_1.0": {"ttt_decay": 1.0},
+    # speculators' uniform noise on the aux states: a regulariser where data is scarce
+    "noise_0.05": {"noise_std": 0.05},
+    # SpecForge warms up for 1.5% of its steps (1 of 72) and uses AdamW's default betas
+    "warmup_1": {"warmup_steps": 1},
+    "warmup_1+beta2_0.999": {"warmup_steps": 1, "adam_beta2": 0.999},
+    "fan_in_init": {"layer_init": "fan_in"},
+    "warmup_1+fan_in_init": {"warmup_steps": 1, "layer_init": "fan_in"},
+    # prompt positions as extra (free) training signal: their hidden states are extracted anyway
+    "loss_all_positions": {"loss_positions": "all"},
+    "fan_in_init+loss_all_positions": {"layer_init": "fan_in", "loss_positions": "all"},
 }
 
 
@@ -74,6 +86,7 @@ def run_variant(name: str, values: dict[str, Any], data: str, vocab: str, workdi
         "variant": name,
         "changes": VARIANTS.get(name, {}),
         "val_acc": summary["val_acc"],
+        "val_agreement": summary["val_agreement"],
         "val_loss": summary["val_loss"],
         "train_acc": summary["train_acc"],
         "val_acc_per_epoch": [r["acc"] for r in rows if r["kind"] == "val"],

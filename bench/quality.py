@@ -98,6 +98,7 @@ def run_row(train_summary: dict[str, Any], eval_summary: dict[str, Any]) -> dict
         "epochs": train_summary["epochs"],
         **{k: train_summary[k] for k in ("train_samples", "val_samples", "trained_tokens", "steps")},
         "val_acc": train_summary["val_acc"],
+        "val_agreement": train_summary.get("val_agreement"),  # absent from runs before it was measured
         "train_acc": train_summary["train_acc"],
         "vllm": taus or None,
         "wall_s": round(train_summary["wall_s"], 1),
@@ -285,6 +286,7 @@ def main(**kw: Any) -> None:
                         "trained_tokens": summary["trained_tokens"],
                         "steps": summary["steps"],
                         "val_acc": summary["val_acc"],
+                        "val_agreement": summary["val_agreement"],
                         "train_acc": summary["train_acc"],
                         "vllm": taus,
                         "wall_s": round(time.perf_counter() - t0, 1),

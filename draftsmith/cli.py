@@ -714,10 +714,12 @@ def train(
     summary = run_train(manifest_path, vocab_path, out, checkpoints, metrics, settings, fresh=fresh)
     if os.environ.get("RANK", "0") == "0":
         acc = " ".join(f"{a:.3f}" for a in summary["train_acc"] if a is not None)
+        agree = " ".join(f"{a:.3f}" for a in summary["train_agreement"] if a is not None)
         tps = summary["tokens_per_s"]
         click.echo(
             f"train: {summary['steps']} steps on {summary['world_size']} process(es), "
-            f"accuracy per TTT step {acc}, {tps or 0:.0f} tokens/s, drafter in {out}"
+            f"accuracy per TTT step {acc} (agreement with the target's top-1 {agree}), "
+            f"{tps or 0:.0f} tokens/s, drafter in {out}"
         )
 
 

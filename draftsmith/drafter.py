@@ -48,6 +48,7 @@ SHAPE_KEYS = (
 )
 # The drafter rotates its whole head by 1-D token positions, whatever the target's layers do.
 TARGET_ONLY_ROPE_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
+LAYER_INITS = ("fan_in", "normal")
 MLA_HEAD_DIM = 128  # published MLA-target drafters (Kimi-K2.5): Llama-style heads of 128
 
 
@@ -399,12 +400,19 @@ class Eagle3Drafter(nn.Module):
         # target_id = draft_id + d2t[draft_id]; t2d marks target ids that have a draft id
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(cfg.target_vocab_size, dtype=torch.bool))
-        self.apply(self._init_weights)
+        self.init_linears("normal")
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, std=0.02)
+    def init_linears(self, layer_init: str) -> None:
+        """Draw every linear layer's weights: "normal" N(0, 0.02) (the EAGLE reference); "fan_in" torch's
+        default U(-1/sqrt(fan_in), 1/sqrt(fan_in)), which SpecForge's drafter keeps."""
+        if layer_init not in LAYER_INITS:
+            raise ValueError(f"layer_init={layer_init!r} must be one of {list(LAYER_INITS)}")
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                if layer_init == "normal":
+                    nn.init.normal_(module.weight, std=0.02)
+                else:
+                    module.reset_parameters()
 
     def init_from_target(self, lm_head_weight: Tensor, final_norm_weight: Tensor) -> None:
         """Start lm_head and norm from the target's (EAGLE-3 reference and SpecForge do the same)."""

@@ -345,9 +345,18 @@ def plot_training(path: str | Path, rows: list[dict[str, Any]]) -> None:
         ]
         if vpts:
             right.plot(*zip(*vpts, strict=True), "o", color=color, label=f"val step {j}")
+        apts = [
+            (r["step"], r["agreement"][j])
+            for r in val
+            if len(r.get("agreement") or []) > j and r["agreement"][j] is not None
+        ]
+        if apts:
+            right.plot(
+                *zip(*apts, strict=True), "o", mfc="none", color=color, label=f"val step {j}, agreement"
+            )
     right.set_ylim(0, 1.02)
     right.set_xlabel("optimizer step")
-    right.set_ylabel("top-1 accuracy vs the target's token")
+    right.set_ylabel("top-1 accuracy (filled: the data's token; hollow: the target's top-1)")
     right.set_title("accuracy per TTT step (step j = draft position j+1)")
     right.legend(fontsize=7, ncol=2)
     _save(fig, path)
@@ -454,6 +463,9 @@ def write_tensorboard(log_dir: str | Path, rows: list[dict[str, Any]], summary: 
             for j, a in enumerate(r.get("acc") or []):
                 if a is not None:
                     writer.add_scalar(f"{kind}/accuracy_ttt_step_{j}", a, step)
+            for j, a in enumerate(r.get("agreement") or []):
+                if a is not None:
+                    writer.add_scalar(f"{kind}/agreement_ttt_step_{j}", a, step)
         for r in summary["rows"]:
             if not r.get("key"):
                 continue

@@ -42,7 +42,7 @@ from tqdm import tqdm
 from draftsmith.atomic import atomic_dir, write_json, write_jsonl
 from draftsmith.checkpoints import find_resume, load_checkpoint, resume_key, save_checkpoint, start_run
 from draftsmith.distributed import Dist, init_distributed, sync_gradients
-from draftsmith.drafter import TTTKV, DrafterConfig, Eagle3Drafter, describe, param_count
+from draftsmith.drafter import LAYER_INITS, TTTKV, DrafterConfig, Eagle3Drafter, describe, param_count
 from draftsmith.export import check_export, save_drafter
 from draftsmith.layers import convert_layer_ids
 from draftsmith.loader import Batch, StreamingData
@@ -60,6 +60,7 @@ METRICS_FLUSH_S = 10.0  # rewrite metrics.jsonl at most this often (and at every
 
 
 HEAD_INITS = ("target", "random")
+LOSS_POSITIONS = ("assistant", "all")
 LOSS_NORMS = ("position", "sample")
 EVAL_MASK_OFFSET = 2  # validation always scores the positions whose predicted token is an assistant token
 
@@ -101,6 +102,12 @@ class TrainSettings:
     loss_norm: str = "position"  # position: step mean over valid positions; sample: per-sample sum / length
     mask_offset: int = 2  # step j at t trains where loss_mask[t+j+offset]: 2 = the predicted token's own
     adam_beta2: float = 0.95  # AdamW (0.9, beta2); the EAGLE reference 0.95, SpecForge 0.999
+    # fan_in: torch's default U(+-1/sqrt(fan_in)), which SpecForge's drafter keeps (it never
+    # re-initialises); normal: every linear N(0, 0.02) (the EAGLE reference)
+    layer_init: str = "fan_in"
+    # assistant: train where the predicted token is an answer token; all: also on prompts and templates
+    # (the target's distribution is a teacher everywhere; validation always scores answers)
+    loss_positions: str = "assistant"
 
     def __post_init__(self) -> None:
         self.drafter = dict(self.drafter or {})  # a saved null means "all derived"
@@ -139,6 +146,10 @@ class TrainSettings:
             problems.append(f"loss_norm={self.loss_norm!r} must be one of {list(LOSS_NORMS)}")
         if self.mask_offset not in (0, 1, 2):
             problems.append(f"mask_offset={self.mask_offset} must be 0, 1 or 2")
+        if self.loss_positions not in LOSS_POSITIONS:
+            problems.append(f"loss_positions={self.loss_positions!r} must be one of {list(LOSS_POSITIONS)}")
+        if self.layer_init not in LAYER_INITS:
+            problems.append(f"layer_init={self.layer_init!r} must be one of {list(LAYER_INITS)}")
         if not 0 < self.adam_beta2 < 1:
             problems.append(f"adam_beta2={self.adam_beta2} must be in (0, 1)")
         if problems:
@@ -196,6 +207,13 @@ class StepStats:
     count: list[int]  # valid positions
     teacher_correct: int = 0  # step 0: the teacher's top-1 over the draft vocab == the real token
     tokens: int = 0
+    # drafter top-1 == the teacher's top-1 over the draft vocab: what greedy verification accepts, also
+    # on answers the target did not write (where the real token often is not the target's choice)
+    agree: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.agree:  # a checkpoint written before the field existed
+            self.agree = [0] * len(self.count)
 
     @classmethod
     def zeros(cls, steps: int) -> StepStats:
@@ -206,6 +224,7 @@ class StepStats:
             self.loss_sum[j] += other.loss_sum[j]
             self.correct[j] += other.correct[j]
             self.count[j] += other.count[j]
+            self.agree[j] += other.agree[j]
         self.teacher_correct += other.teacher_correct
         self.tokens += other.tokens
 
@@ -214,6 +233,9 @@ class StepStats:
 
     def acc(self) -> list[float | None]:
         return [c / n if n else None for c, n in zip(self.correct, self.count, strict=True)]
+
+    def agreement(self) -> list[float | None]:
+        return [a / n if n else None for a, n in zip(self.agree, self.count, strict=True)]
 
     def loss(self, decay: float) -> float:
         return sum(
@@ -231,10 +253,10 @@ class StepStats:
         if dist.world == 1:
             return self
         n = len(self.count)
-        flat = [*self.loss_sum, *self.correct, *self.count, self.teacher_correct, self.tokens]
+        flat = [*self.loss_sum, *self.correct, *self.count, self.teacher_correct, self.tokens, *self.agree]
         t = dist.all_sum(torch.tensor(flat, dtype=torch.float64, device=dist.device)).tolist()
         ints = [int(round(x)) for x in t[n:]]
-        return StepStats(t[:n], ints[:n], ints[n : 2 * n], ints[2 * n], ints[2 * n + 1])
+        return StepStats(t[:n], ints[:n], ints[n : 2 * n], ints[2 * n], ints[2 * n + 1], ints[2 * n + 2 :])
 
 
 def ttt_loss(
@@ -293,7 +315,9 @@ def ttt_loss(
             teacher_logits = batch.final[b, src[t]].float() @ teacher_weight.T
             p = torch.softmax(teacher_logits, dim=-1)
             real = batch.input_ids[b, tgt[t]]  # x_{t+2+j}
-            stats.correct[j] = int((drafter.draft_to_target(logits.argmax(-1)) == real).sum())
+            drafted = logits.argmax(-1)
+            stats.correct[j] = int((drafter.draft_to_target(drafted) == real).sum())
+            stats.agree[j] = int((drafted == teacher_logits.argmax(-1)).sum())
             if j == 0:
                 stats.teacher_correct = int(
                     (drafter.draft_to_target(teacher_logits.argmax(-1)) == real).sum()
@@ -308,6 +332,11 @@ def ttt_loss(
         )
         total = total + ttt_decay**j * per_position.sum() / denominator
     return total, stats
+
+
+def real_positions(lengths: Tensor, T: int) -> Tensor:
+    """lengths [B] -> [B, T] bool: True on every real (non-padding) position."""
+    return torch.arange(T, device=lengths.device)[None, :] < lengths[:, None]
 
 
 def ttt_step_counts(
@@ -386,19 +415,25 @@ def build_drafter(
     device: torch.device | str,
     shape: dict[str, Any] | None = None,
     head_init: str = "random",
+    layer_init: str = "fan_in",
 ) -> tuple[Eagle3Drafter, Tensor, Tensor]:
     """-> (the drafter at its initial weights, in train mode; the frozen target embedding [V, Ht]; the
     teacher weight [Vd, Ht] = the target's lm_head rows of the draft ids), on device. The initial
     weights are a function of `seed`: every data-parallel rank builds the same drafter. head_init
     "target" copies lm_head rows and the final norm from the target; "random" keeps the drafter's own
-    initialisation (lm_head N(0, 0.02), norm ones; SpecForge)."""
+    initialisation (lm_head as every other linear layer, norm ones; SpecForge). layer_init "normal" draws
+    every linear N(0, 0.02); "fan_in" keeps torch's default, U(+-1/sqrt(fan_in))."""
     if head_init not in HEAD_INITS:
         raise ValueError(f"head_init={head_init!r} must be one of {list(HEAD_INITS)}")
+    if layer_init not in LAYER_INITS:
+        raise ValueError(f"layer_init={layer_init!r} must be one of {list(LAYER_INITS)}")
     cfg = DrafterConfig.from_target(target.config, d2t.numel(), num_aux, shape)
     log.info("drafter: %s, %.1f M parameters", describe(cfg), param_count(cfg) / 1e6)
     random.seed(seed)
     torch.manual_seed(seed)
     drafter = Eagle3Drafter(cfg)
+    if layer_init != "normal":  # the constructor's draw is "normal"
+        drafter.init_linears(layer_init)
     drafter.set_vocab_map(d2t, t2d)
     if head_init == "target":
         drafter.init_from_target(target.lm_head, target.norm)
@@ -446,6 +481,8 @@ def train_step(
     counts = torch.zeros(settings.ttt_steps, dtype=torch.int64)
     if batch is not None:
         batch = batch.to(dist.device)
+        if settings.loss_positions == "all":
+            batch = replace(batch, loss_mask=real_positions(batch.lengths, batch.loss_mask.shape[1]))
         counts = torch.tensor(
             ttt_step_counts(
                 batch.loss_mask, batch.lengths, settings.ttt_steps, settings.mask_offset, settings.loss_norm
@@ -481,6 +518,7 @@ def stats_row(kind: str, stats: StepStats, settings: TrainSettings, **extra: Any
         "loss": stats.loss(settings.ttt_decay),
         "step_loss": stats.step_loss(),
         "acc": stats.acc(),
+        "agreement": stats.agreement(),
         "positions": stats.count,
         "teacher_acc": stats.teacher_acc(),
         "tokens": stats.tokens,
@@ -580,7 +618,7 @@ def train(
 
     drafter, embed, teacher_weight = build_drafter(
         target, vocab["d2t"], vocab["t2d"], num_aux, settings.seed, dist.device, settings.drafter,
-        settings.head_init,
+        settings.head_init, settings.layer_init,
     )  # fmt: skip
     del target
     optimizer = make_optimizer(drafter, settings)
@@ -702,9 +740,11 @@ def train(
         "val_samples": len(data.val),
         "train_loss": stats.loss(settings.ttt_decay) if sum(stats.count) else None,
         "train_acc": stats.acc(),
+        "train_agreement": stats.agreement(),
         "teacher_acc": stats.teacher_acc(),
         "val_loss": val_rows[-1]["loss"] if val_rows else None,
         "val_acc": val_rows[-1]["acc"] if val_rows else None,
+        "val_agreement": val_rows[-1]["agreement"] if val_rows else None,
         "trained_tokens": trained_tokens,
         "tokens_per_s": trained_tokens / train_time if train_time > 0 else None,
         # time the loop waited for the loader: ~0 when background decoding keeps ahead of training

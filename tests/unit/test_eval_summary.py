@@ -104,7 +104,7 @@ def test_tensorboard_events_read_back(tmp_path):
         {"kind": "train", "step": 1, "loss": 5.0, "acc": [0.1, 0.05]},
         {"kind": "train", "step": 2, "loss": 4.0, "acc": [0.2, None]},
         {"kind": "resume", "step": 2},
-        {"kind": "val", "step": 2, "loss": 4.5, "acc": [0.15, 0.1]},
+        {"kind": "val", "step": 2, "loss": 4.5, "acc": [0.15, 0.1], "agreement": [0.25, 0.2]},
     ]
     run = tmp_path / "tensorboard" / "run-x"
     (run).mkdir(parents=True)
@@ -117,6 +117,8 @@ def test_tensorboard_events_read_back(tmp_path):
     assert [e.value for e in acc.Scalars("train/loss")] == [5.0, 4.0]
     assert [e.step for e in acc.Scalars("train/accuracy_ttt_step_1")] == [1]
     assert acc.Scalars("val/accuracy_ttt_step_0")[0].value == pytest.approx(0.15)
+    assert acc.Scalars("val/agreement_ttt_step_1")[0].value == pytest.approx(0.2)
+    assert "train/agreement_ttt_step_0" not in scalars  # rows written before it was measured
     tau = acc.Scalars("eval_split/eagle3_offline/tau")[0]
     assert tau.step == 2 and tau.value == pytest.approx(TRAINED["tau"])
     assert (

@@ -183,8 +183,9 @@ def test_untrained_drafter_is_trainings_starting_point(pipeline, untrained):
         load_file(untrained / "model.safetensors"),
         load_file(pipeline["drafter"] / "model.safetensors"),
     )
-    torch.manual_seed(0)  # train.seed: the same draw as train()'s initialisation
+    torch.manual_seed(0)  # train.seed: the same draws as train()'s initialisation
     fresh = Eagle3Drafter(DrafterConfig(**config["draftsmith"]["drafter_config"]))
+    fresh.init_linears(config["draftsmith"]["training"]["settings"]["layer_init"])
     torch.testing.assert_close(
         weights["fc.weight"].float(), fresh.fc.weight.detach().to(torch.bfloat16).float()
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 from dataclasses import replace
@@ -28,6 +29,7 @@ from draftsmith.train import (
     load_target_head,
     lr_factor,
     make_optimizer,
+    real_positions,
     train,
     ttt_loss,
     ttt_step_counts,
@@ -269,6 +271,20 @@ def test_ttt_loss_matches_reference_formulation(data: dict) -> None:
     assert stats.count[0] >= stats.count[1] >= stats.count[2] > 0
     # greedy traces: the target's argmax reproduces the next token wherever it lies in the draft vocab
     assert stats.teacher_acc() > 0.9
+    # agreement with the teacher's top-1, counted by hand at step 0 (t predicts t+2 from f_{t+1})
+    valid, src, _ = ttt_step_targets(batch.loss_mask, batch.lengths, 0)
+    b, t = valid.nonzero(as_tuple=True)
+    with torch.no_grad():
+        hidden = drafter.midlayer(
+            F.embedding(batch.input_ids[:, src], embed),
+            drafter.fuse(batch.aux.float()),
+            torch.arange(batch.input_ids.shape[1]).expand_as(batch.input_ids),
+            TTTKV(),
+        )
+        drafted = drafter.lm_head(drafter.norm(hidden[b, t])).argmax(-1)
+    wanted = (batch.final[b, src[t]].float() @ teacher.T).argmax(-1)
+    assert stats.agree[0] == int((drafted == wanted).sum())
+    assert stats.agreement()[0] == stats.agree[0] / stats.count[0]
 
 
 def test_bf16_autocast_loss_is_close_to_fp32(data: dict) -> None:
@@ -590,12 +606,12 @@ def test_head_init_target_or_random(data: dict) -> None:
     vocab = load_vocab_map(data["vocab"])
     rows_of_draft = head.lm_head[torch.arange(DRAFT_VOCAB) + vocab["d2t"]]
     copied, _, teacher = build_drafter(
-        head, vocab["d2t"], vocab["t2d"], len(AUX_IDS), 0, "cpu", head_init="target"
+        head, vocab["d2t"], vocab["t2d"], len(AUX_IDS), 0, "cpu", head_init="target", layer_init="normal"
     )
     assert torch.equal(copied.lm_head.weight.detach(), rows_of_draft) and torch.equal(teacher, rows_of_draft)
     assert torch.equal(copied.norm.weight.detach(), head.norm)
     fresh, _, teacher = build_drafter(
-        head, vocab["d2t"], vocab["t2d"], len(AUX_IDS), 0, "cpu", head_init="random"
+        head, vocab["d2t"], vocab["t2d"], len(AUX_IDS), 0, "cpu", head_init="random", layer_init="normal"
     )
     assert torch.equal(teacher, rows_of_draft)  # the teacher is the target's either way
     assert torch.equal(fresh.norm.weight.detach(), torch.ones(HIDDEN))
@@ -606,8 +622,34 @@ def test_head_init_target_or_random(data: dict) -> None:
         build_drafter(head, vocab["d2t"], vocab["t2d"], len(AUX_IDS), 0, "cpu", head_init="zeros")
 
 
+def test_layer_init_normal_or_fan_in(data: dict) -> None:
+    from draftsmith.vocab import load_vocab_map
+
+    head = load_target_head(data["target"])
+    vocab = load_vocab_map(data["vocab"])
+    args = (head, vocab["d2t"], vocab["t2d"], len(AUX_IDS), 0, "cpu")
+    normal, _, _ = build_drafter(*args, layer_init="normal")
+    fan_in, _, _ = build_drafter(*args, layer_init="fan_in")
+    again, _, _ = build_drafter(*args, layer_init="fan_in")
+    for name, module in fan_in.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            w = module.weight.detach()
+            bound = 1 / math.sqrt(w.shape[1])  # torch's default: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+            assert float(w.abs().max()) <= bound and float(w.abs().max()) > 0.9 * bound, name
+            assert torch.equal(w, again.get_submodule(name).weight), name  # a function of the seed
+    assert abs(float(normal.fc.weight.std()) - 0.02) < 0.002
+    with pytest.raises(ValueError, match="layer_init"):
+        build_drafter(*args, layer_init="xavier")
+
+
 def test_objective_settings_validated_and_reach_the_optimizer(data: dict) -> None:
-    for bad in ({"loss_norm": "token"}, {"mask_offset": 3}, {"adam_beta2": 1.0}, {"head_init": "x"}):
+    for bad in (
+        {"loss_norm": "token"},
+        {"mask_offset": 3},
+        {"adam_beta2": 1.0},
+        {"head_init": "x"},
+        {"layer_init": "x"},
+    ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             settings(**bad)
     drafter, _, _ = build(data)
@@ -618,8 +660,26 @@ def test_objective_settings_validated_and_reach_the_optimizer(data: dict) -> Non
 def test_objective_options_train_end_to_end(data: dict, tmp_path: Path) -> None:
     """The loop passes the options through: a run with every non-default option trains, and its
     validation accuracy is scored on the default positions (comparable across options)."""
-    s = settings(epochs=2, head_init="target", loss_norm="sample", mask_offset=0, adam_beta2=0.999)
+    s = settings(
+        epochs=2, head_init="target", loss_norm="sample", mask_offset=0, adam_beta2=0.999,
+        layer_init="fan_in", loss_positions="all",
+    )  # fmt: skip
     summary = run(data, tmp_path, s)
     assert summary["steps"] > 0 and summary["val_acc"] is not None
+    assert len(summary["val_agreement"]) == len(summary["val_acc"])
     saved = json.loads((tmp_path / "drafter" / "config.json").read_text())["draftsmith"]["training"]
     assert saved["settings"]["loss_norm"] == "sample" and saved["settings"]["mask_offset"] == 0
+    assert saved["settings"]["loss_positions"] == "all" and saved["settings"]["layer_init"] == "fan_in"
+
+
+def test_real_positions_hand_example(data: dict) -> None:
+    assert real_positions(torch.tensor([3, 1]), 4).tolist() == [
+        [True, True, True, False],
+        [True, False, False, False],
+    ]
+    # prompts as well as answers: every step trains more positions than on answers alone
+    batch = collate(data["samples"][:4])
+    everywhere = ttt_step_counts(real_positions(batch.lengths, batch.loss_mask.shape[1]), batch.lengths, 3)
+    answers = ttt_step_counts(batch.loss_mask, batch.lengths, 3)
+    assert all(e > a for e, a in zip(everywhere, answers, strict=True)), (everywhere, answers)
+    assert everywhere == [int((batch.lengths - 2 - j).clamp(min=0).sum()) for j in range(3)]
