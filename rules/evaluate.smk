@@ -53,7 +53,7 @@ rule untrained_drafter:
         mem_mb=config["resources"]["evaluate"]["mem_mb"],
     params:
         # what decides training's starting point, which the baseline is
-        settings=section_json("train", ["seed", "drafter", "head_init"]),
+        settings=section_json("train", ["seed", "drafter", "head_init", "layer_init"]),
     shell:
         "draftsmith untrained-drafter --data {input.data} --vocab {input.vocab} --out {output}"
         " --settings {params.settings:q} --threads {threads} 2>&1 | tee {log}"
