@@ -54,6 +54,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "warmup_1": {"warmup_steps": 1},
     "warmup_1+beta2_0.999": {"warmup_steps": 1, "adam_beta2": 0.999},
     "fan_in_init": {"layer_init": "fan_in"},
+    "normal_init": {"layer_init": "normal"},  # the reference's (the default before fan_in was measured)
     "warmup_1+fan_in_init": {"warmup_steps": 1, "layer_init": "fan_in"},
     # prompt positions as extra (free) training signal: their hidden states are extracted anyway
     "loss_all_positions": {"loss_positions": "all"},
