@@ -315,13 +315,11 @@ def ttt_loss(
             teacher_logits = batch.final[b, src[t]].float() @ teacher_weight.T
             p = torch.softmax(teacher_logits, dim=-1)
             real = batch.input_ids[b, tgt[t]]  # x_{t+2+j}
-            drafted = logits.argmax(-1)
+            drafted, wanted = logits.argmax(-1), teacher_logits.argmax(-1)
             stats.correct[j] = int((drafter.draft_to_target(drafted) == real).sum())
-            stats.agree[j] = int((drafted == teacher_logits.argmax(-1)).sum())
+            stats.agree[j] = int((drafted == wanted).sum())
             if j == 0:
-                stats.teacher_correct = int(
-                    (drafter.draft_to_target(teacher_logits.argmax(-1)) == real).sum()
-                )
+                stats.teacher_correct = int((drafter.draft_to_target(wanted) == real).sum())
         per_position = -(p * logp).sum(-1)  # soft cross-entropy
         stats.loss_sum[j] = float(per_position.detach().sum())
         stats.count[j] = int(b.numel())
@@ -425,8 +423,6 @@ def build_drafter(
     every linear N(0, 0.02); "fan_in" keeps torch's default, U(+-1/sqrt(fan_in))."""
     if head_init not in HEAD_INITS:
         raise ValueError(f"head_init={head_init!r} must be one of {list(HEAD_INITS)}")
-    if layer_init not in LAYER_INITS:
-        raise ValueError(f"layer_init={layer_init!r} must be one of {list(LAYER_INITS)}")
     cfg = DrafterConfig.from_target(target.config, d2t.numel(), num_aux, shape)
     log.info("drafter: %s, %.1f M parameters", describe(cfg), param_count(cfg) / 1e6)
     random.seed(seed)
