@@ -59,6 +59,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # prompt positions as extra (free) training signal: their hidden states are extracted anyway
     "loss_all_positions": {"loss_positions": "all"},
     "fan_in_init+loss_all_positions": {"layer_init": "fan_in", "loss_positions": "all"},
+    # SpecForge's TTT view: step j does not see the step-0 keys at t-j+1..t, and keeps position t
+    "ttt_prefix_lagged": {"ttt_prefix": "lagged"},
+    "ttt_positions_fixed": {"ttt_positions": "fixed"},
+    "ttt_specforge_view": {"ttt_prefix": "lagged", "ttt_positions": "fixed"},
 }
 
 

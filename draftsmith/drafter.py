@@ -280,32 +280,40 @@ class TTTKV:
     Step 0 runs over the whole sequence with a causal mask. At step j > 0, position t stands for the
     j-th draft token after t: it sees the step-0 keys at positions <= t (the accepted prefix, computed
     from target features) and its own keys of steps 1..j at the same t (the earlier draft tokens), which
-    is exactly what a cached drafter sees at inference.
+    is exactly what a cached drafter sees at inference. `prefix_lag=True` hides the step-0 keys at
+    t-j+1..t from step j as SpecForge's trainer does (a training-only variant: see `ttt_attention`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, prefix_lag: bool = False) -> None:
         self.keys: list[Tensor] = []
         self.values: list[Tensor] = []
+        self.prefix_lag = prefix_lag
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         self.keys.append(k)
         self.values.append(v)
-        return ttt_attention(q, self.keys, self.values)
+        lag = len(self.keys) - 1 if self.prefix_lag else 0
+        return ttt_attention(q, self.keys, self.values, lag)
 
 
-def ttt_attention(q: Tensor, keys: list[Tensor], values: list[Tensor]) -> Tensor:
+def ttt_prefix_mask(T: int, lag: int, device: torch.device | None = None) -> Tensor:
+    """[T, T] bool: query t sees step-0 key s where s <= t - lag (lag 0: the causal mask)."""
+    return torch.ones(T, T, dtype=torch.bool, device=device).tril(diagonal=-lag)
+
+
+def ttt_attention(q: Tensor, keys: list[Tensor], values: list[Tensor], lag: int = 0) -> Tensor:
     """q [B, nh, T, d]; keys/values: one [B, nkv, T, d] per TTT step so far (step 0 first).
 
-    Scores: step 0 -> causal [B, nh, T, T]; each later step -> the diagonal q·k at the same position
-    [B, nh, T, 1]. One softmax over all of them.
+    Scores: step 0 -> [B, nh, T, T] under `ttt_prefix_mask(T, lag)`; each later step -> the diagonal
+    q·k at the same position [B, nh, T, 1]. One softmax over all of them. lag 0 is what inference sees;
+    SpecForge trains step j with lag j (a row left without step-0 keys still has its diagonal ones).
     """
     n_rep = q.shape[1] // keys[0].shape[1]
     scale = 1.0 / math.sqrt(q.shape[-1])
     T = q.shape[2]
     k0, v0 = _repeat_kv(keys[0], n_rep), _repeat_kv(values[0], n_rep)
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
     s0 = (q @ k0.transpose(-1, -2)) * scale  # [B, nh, T, T]
-    s0 = s0.masked_fill(~causal, float("-inf"))
+    s0 = s0.masked_fill(~ttt_prefix_mask(T, lag, q.device), float("-inf"))
     diag = [((q * _repeat_kv(k, n_rep)).sum(-1, keepdim=True) * scale) for k in keys[1:]]  # [B, nh, T, 1]
     probs = torch.softmax(torch.cat([s0, *diag], dim=-1).float(), dim=-1).to(q.dtype)
     out = probs[..., :T] @ v0

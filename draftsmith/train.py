@@ -62,6 +62,8 @@ METRICS_FLUSH_S = 10.0  # rewrite metrics.jsonl at most this often (and at every
 HEAD_INITS = ("target", "random")
 LOSS_POSITIONS = ("assistant", "all")
 LOSS_NORMS = ("position", "sample")
+TTT_PREFIXES = ("accepted", "lagged")
+TTT_POSITIONS = ("advance", "fixed")
 EVAL_MASK_OFFSET = 2  # validation always scores the positions whose predicted token is an assistant token
 
 
@@ -108,6 +110,11 @@ class TrainSettings:
     # assistant: train where the predicted token is an answer token; all: also on prompts and templates
     # (the target's distribution is a teacher everywhere; validation always scores answers)
     loss_positions: str = "assistant"
+    # accepted: step j at t attends to the step-0 keys <= t, what a cached drafter sees at inference;
+    # lagged: <= t-j, as SpecForge trains (validation always scores the inference view)
+    ttt_prefix: str = "accepted"
+    # advance: step j at t rotates by position t+j (vLLM's draft positions); fixed: t (SpecForge)
+    ttt_positions: str = "advance"
 
     def __post_init__(self) -> None:
         self.drafter = dict(self.drafter or {})  # a saved null means "all derived"
@@ -150,6 +157,10 @@ class TrainSettings:
             problems.append(f"loss_positions={self.loss_positions!r} must be one of {list(LOSS_POSITIONS)}")
         if self.layer_init not in LAYER_INITS:
             problems.append(f"layer_init={self.layer_init!r} must be one of {list(LAYER_INITS)}")
+        if self.ttt_prefix not in TTT_PREFIXES:
+            problems.append(f"ttt_prefix={self.ttt_prefix!r} must be one of {list(TTT_PREFIXES)}")
+        if self.ttt_positions not in TTT_POSITIONS:
+            problems.append(f"ttt_positions={self.ttt_positions!r} must be one of {list(TTT_POSITIONS)}")
         if not 0 < self.adam_beta2 < 1:
             problems.append(f"adam_beta2={self.adam_beta2} must be in (0, 1)")
         if problems:
@@ -272,6 +283,8 @@ def ttt_loss(
     precision: str = "fp32",
     mask_offset: int = EVAL_MASK_OFFSET,
     loss_norm: str = "position",
+    ttt_prefix: str = "accepted",
+    ttt_positions: str = "advance",
 ) -> tuple[Tensor, StepStats]:
     """The EAGLE-3 TTT objective on a batch -> (weighted loss, stats).
 
@@ -282,6 +295,7 @@ def ttt_loss(
     step_counts[j] (default: the batch's sample count), so every sample weighs by its share of trained
     positions (SpecForge). Data-parallel ranks pass `ttt_step_counts` summed over all ranks' slices, so
     their losses add up to the whole batch's. mask_offset: see `ttt_step_targets` (stats use it too).
+    ttt_prefix / ttt_positions: see TrainSettings; the defaults are what inference sees.
     """
     B, T = batch.input_ids.shape
     device = batch.input_ids.device
@@ -291,7 +305,9 @@ def ttt_loss(
         # speculators AddUniformNoise: x + 2 * (U[0, 1) - 0.5) * std, on the aux states only
         aux = aux + 2 * (torch.rand(aux.shape, generator=generator, device=device) - 0.5) * noise_std
     positions = torch.arange(T, device=device).expand(B, T)
-    kv = TTTKV()  # one per forward: step j attends to step-0 keys <= t and its own earlier steps at t
+    # one per forward: step j attends to step-0 keys <= t (lagged: <= t-j) and its own earlier steps at t
+    kv = TTTKV(prefix_lag=ttt_prefix == "lagged")
+    advance = 1 if ttt_positions == "advance" else 0
     stats = StepStats.zeros(ttt_steps)
     stats.tokens = batch.num_tokens
     total = torch.zeros((), device=device)
@@ -302,7 +318,9 @@ def ttt_loss(
         with amp:
             embeds = F.embedding(batch.input_ids[:, src], embed_weight)  # e(x_{t+1+j})
             # = drafter.forward(...), with norm + lm_head (the costliest matmul) only on the valid rows
-            hidden = drafter.midlayer(embeds, hidden, positions + j, kv)  # recurrent state for step j+1
+            hidden = drafter.midlayer(
+                embeds, hidden, positions + advance * j, kv
+            )  # recurrent state for step j+1
         b, t = valid.nonzero(as_tuple=True)
         if b.numel() == 0:
             continue
@@ -493,6 +511,7 @@ def train_step(
             drafter, embed, teacher_weight, batch, settings.ttt_steps, settings.ttt_decay,
             settings.noise_std, noise_gen, step_counts=counts, precision=settings.precision,
             mask_offset=settings.mask_offset, loss_norm=settings.loss_norm,
+            ttt_prefix=settings.ttt_prefix, ttt_positions=settings.ttt_positions,
         )  # fmt: skip
         if loss.requires_grad:  # False only if no position of the batch is trainable
             loss.backward()

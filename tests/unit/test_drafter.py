@@ -12,6 +12,8 @@ from draftsmith.drafter import (
     derived_shape,
     param_count,
     split_rope,
+    ttt_attention,
+    ttt_prefix_mask,
 )
 from draftsmith.export import drafter_config_from_export, export_config
 
@@ -124,6 +126,41 @@ def test_cached_inference_equals_ttt(kind):
             torch.testing.assert_close(lc[:, 0], logits0[:, t], rtol=FP32_ULPS, atol=1e-9)
             l1, _ = d(embeds[:, t + 1 : t + 2], hc, torch.tensor([[t + 1]]), cache)
             torch.testing.assert_close(l1[:, 0], logits1[:, t], rtol=FP32_ULPS, atol=1e-9)
+
+
+def test_ttt_prefix_mask_lags_by_the_step():
+    assert ttt_prefix_mask(4, 0).int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
+    assert ttt_prefix_mask(4, 2).int().tolist() == [[0, 0, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0], [1, 1, 0, 0]]
+
+
+def test_lagged_ttt_attention_hides_the_recent_prefix():
+    """Step 1 with lag 1: position 0 sees no step-0 key, only its own step-1 key, so its output is that
+    value exactly; later positions see step-0 keys < t and differ from the inference view (lag 0)."""
+    torch.manual_seed(0)
+    B, nh, T, d = 1, 2, 5, 4
+    q = torch.randn(B, nh, T, d, dtype=torch.float64)
+    keys = [torch.randn(B, nh, T, d, dtype=torch.float64) for _ in range(2)]
+    values = [torch.randn(B, nh, T, d, dtype=torch.float64) for _ in range(2)]
+    lagged = ttt_attention(q, keys, values, lag=1)
+    torch.testing.assert_close(lagged[:, :, 0], values[1][:, :, 0], rtol=0, atol=1e-12)
+    accepted = ttt_attention(q, keys, values)
+    assert (lagged[:, :, 1:] - accepted[:, :, 1:]).abs().min() > 0
+    # by hand at t = 3: scores over step-0 keys 0..2 and the step-1 key at 3
+    k = torch.cat([keys[0][:, :, :3], keys[1][:, :, 3:4]], dim=2)
+    v = torch.cat([values[0][:, :, :3], values[1][:, :, 3:4]], dim=2)
+    p = torch.softmax((q[:, :, 3:4] @ k.transpose(-1, -2)) / d**0.5, dim=-1)
+    torch.testing.assert_close(lagged[:, :, 3:4], p @ v, rtol=FP32_ULPS, atol=1e-12)
+
+
+def test_ttt_kv_lags_only_when_asked():
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 6, 4)
+    steps = [(torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4)) for _ in range(3)]
+    plain, lagged = TTTKV(), TTTKV(prefix_lag=True)
+    for j, (k, v) in enumerate(steps):
+        a, b = plain.attend(q, k, v), lagged.attend(q, k, v)
+        torch.testing.assert_close(b, ttt_attention(q, lagged.keys, lagged.values, lag=j))
+        assert torch.equal(a, b) == (j == 0)  # step 0 is the causal pass either way
 
 
 def test_rope_changes_the_drafter():

@@ -239,9 +239,12 @@ def build(data: dict, seed: int = 0) -> tuple[Eagle3Drafter, torch.Tensor, torch
     return drafter, head.embed, teacher
 
 
-def reference_loss(drafter, embed, teacher_weight, batch, steps: int, decay: float) -> torch.Tensor:
+def reference_loss(
+    drafter, embed, teacher_weight, batch, steps: int, decay: float, lagged=False, advance=True
+) -> torch.Tensor:
     """EAGLE cnets.py's formulation: full-length forward per step, inputs/teacher/mask shifted left by
-    one per step (zero padded), position ids + j."""
+    one per step (zero padded), position ids + j (advance=False: SpecForge's fixed ids; lagged: its
+    step-0 keys hidden from t-j+1 on)."""
     B, T = batch.input_ids.shape
 
     def shift(x: torch.Tensor) -> torch.Tensor:  # x[:, t] <- x[:, t+1], zero at the end
@@ -251,9 +254,9 @@ def reference_loss(drafter, embed, teacher_weight, batch, steps: int, decay: flo
     teacher = shift(torch.softmax(batch.final.float() @ teacher_weight.T, -1))  # f_{t+1}
     mask = shift(shift(batch.loss_mask.float()))  # x_{t+2} is an assistant token (0 past the end)
     hidden = drafter.fuse(batch.aux.float())
-    kv, pos, total = TTTKV(), torch.arange(T).expand(B, T), 0.0
+    kv, pos, total = TTTKV(prefix_lag=lagged), torch.arange(T).expand(B, T), 0.0
     for j in range(steps):
-        logits, hidden = drafter(F.embedding(inputs, embed), hidden, pos + j, kv)
+        logits, hidden = drafter(F.embedding(inputs, embed), hidden, pos + (j if advance else 0), kv)
         ce = -(teacher * torch.log_softmax(logits, -1)).sum(-1)
         total = total + decay**j * (ce * mask).sum() / mask.sum()
         inputs, teacher, mask = shift(inputs), shift(teacher), shift(mask)
@@ -285,6 +288,34 @@ def test_ttt_loss_matches_reference_formulation(data: dict) -> None:
     wanted = (batch.final[b, src[t]].float() @ teacher.T).argmax(-1)
     assert stats.agree[0] == int((drafted == wanted).sum())
     assert stats.agreement()[0] == stats.agree[0] / stats.count[0]
+
+
+@pytest.mark.parametrize(
+    ("prefix", "positions"), [("lagged", "advance"), ("accepted", "fixed"), ("lagged", "fixed")]
+)
+def test_specforge_ttt_views_change_only_later_steps(data: dict, prefix: str, positions: str) -> None:
+    """SpecForge's TTT view (step j sees step-0 keys <= t-j, position t) leaves step 0 as it is and
+    changes every later step's loss; it matches the cnets-style formulation with that view."""
+    drafter, embed, teacher = build(data)
+    attn = drafter.midlayer.self_attn
+    for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
+        torch.nn.init.normal_(proj.weight, std=0.5)  # attention dominates: positions and masks show
+    batch = collate(data["samples"][:4])
+    kw = {"ttt_prefix": prefix, "ttt_positions": positions}
+    one, _ = ttt_loss(drafter, embed, teacher, batch, ttt_steps=1, ttt_decay=0.8, **kw)
+    torch.testing.assert_close(one, ttt_loss(drafter, embed, teacher, batch, ttt_steps=1, ttt_decay=0.8)[0])
+    _, view = ttt_loss(drafter, embed, teacher, batch, ttt_steps=3, ttt_decay=0.8, **kw)
+    _, default = ttt_loss(drafter, embed, teacher, batch, ttt_steps=3, ttt_decay=0.8)
+    assert view.loss_sum[0] == pytest.approx(default.loss_sum[0], rel=1e-6)
+    # fp32, two formulations: 3 TTT steps of fc -> decoder layer -> lm_head (6 matmuls), longest sum 3H
+    rtol = fp_tolerance(torch.float32, 3 * 6, 3 * HIDDEN)["rtol"]
+    assert all(
+        abs(a - b) > rtol * abs(b) for a, b in zip(view.loss_sum[1:], default.loss_sum[1:], strict=True)
+    )
+    loss, _ = ttt_loss(drafter, embed, teacher, batch, ttt_steps=3, ttt_decay=0.8, **kw)
+    ref = reference_loss(drafter, embed, teacher, batch, 3, 0.8, lagged=prefix == "lagged",
+                         advance=positions == "advance")  # fmt: skip
+    torch.testing.assert_close(loss, ref, rtol=rtol, atol=rtol * float(ref.abs()))
 
 
 def test_bf16_autocast_loss_is_close_to_fp32(data: dict) -> None:
