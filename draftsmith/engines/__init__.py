@@ -22,11 +22,18 @@ ENGINES = ("transformers", "openai", "vllm-server")
 THREAD_CAPS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
+CPU_KV_CACHE_GIB = "2"  # vLLM's CPU KV cache; unset, it reserves 92% of a NUMA node and may not start
+
+
 def vllm_child_env(env: dict[str, str]) -> dict[str, str]:
-    """`env` without thread caps: vLLM binds its workers to cores itself and sizes torch's threads to
-    them, unless OMP_NUM_THREADS is set; Snakemake sets it to the job's threads, and two threads bound to
-    one core decoded 1.3 tokens/s where one decodes ~20 (2-core CPU)."""
-    return {key: value for key, value in env.items() if key not in THREAD_CAPS}
+    """`env` for a vLLM child process. Without thread caps: vLLM binds its workers to cores itself and
+    sizes torch's threads to them, unless OMP_NUM_THREADS is set; Snakemake sets it to the job's threads,
+    and two threads bound to one core decoded 1.3 tokens/s where one decodes ~20 (2-core CPU). With a
+    fixed CPU KV cache (VLLM_CPU_KVCACHE_SPACE, GiB, unless set; GPUs ignore it): otherwise vLLM's CPU
+    backend asks for 0.92 of a NUMA node's memory and refuses to start beside anything else."""
+    child = {key: value for key, value in env.items() if key not in THREAD_CAPS}
+    child.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
+    return child
 
 
 def single_process_on_cpu(tensor_parallel_size: int) -> None:

@@ -184,12 +184,11 @@ def run_vllm_speculative(
 
 
 def vllm_env(cache_dir: str | Path, base: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for a CPU vLLM child: a 2 GiB KV cache, caches under cache_dir (not ~/.cache)."""
+    """Environment for a CPU vLLM child (`vllm_child_env`), caches under cache_dir (not ~/.cache)."""
     from draftsmith.engines import vllm_child_env
 
     env = vllm_child_env(dict(os.environ if base is None else base))
     cache_dir = Path(cache_dir)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     env["VLLM_CACHE_ROOT"] = str(cache_dir / "vllm")
     env["HF_HOME"] = str(cache_dir / "hf")
     env["HF_HUB_OFFLINE"] = "1"  # nothing is fetched from a hub at run time

@@ -9,7 +9,7 @@ from conftest import REPO
 
 from draftsmith.chat import assistant_message, merge_turns, render_prompt, render_with_response
 from draftsmith.config import section_defaults
-from draftsmith.engines import Answer, oversized
+from draftsmith.engines import CPU_KV_CACHE_GIB, Answer, oversized, vllm_child_env
 from draftsmith.engines.hf import length_batches
 from draftsmith.engines.openai import check_served_prompt
 from draftsmith.generate import (
@@ -413,3 +413,9 @@ def test_generate_writes_original_answers_without_generating(tmp_path):
     assert meta["sample_sources"] == ["original"] * 3
     with pytest.raises(ValueError, match="original_answers_share"):
         GenerateSettings(original_answers_share=1.5).check()
+
+
+def test_vllm_children_get_no_thread_caps_and_a_fixed_cpu_kv_cache():
+    env = vllm_child_env({"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2", "PATH": "/bin"})
+    assert env == {"PATH": "/bin", "VLLM_CPU_KVCACHE_SPACE": CPU_KV_CACHE_GIB}
+    assert vllm_child_env({"VLLM_CPU_KVCACHE_SPACE": "8"})["VLLM_CPU_KVCACHE_SPACE"] == "8"  # a user's own
