@@ -85,7 +85,6 @@ def main(
     dtype = compute_dtype(dtype)
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-generate-"))
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CACHE_ROOT", str(tmp / "vllm-cache"))
     prompts = tmp / "prompts.jsonl"
     lines = [x for x in Path(prompts_path).read_text(encoding="utf-8").splitlines(keepends=True) if x.strip()]

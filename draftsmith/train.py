@@ -307,7 +307,7 @@ def ttt_loss(
     positions = torch.arange(T, device=device).expand(B, T)
     # one per forward: step j attends to step-0 keys <= t (lagged: <= t-j) and its own earlier steps at t
     kv = TTTKV(prefix_lag=ttt_prefix == "lagged")
-    advance = 1 if ttt_positions == "advance" else 0
+    advance = ttt_positions == "advance"
     stats = StepStats.zeros(ttt_steps)
     stats.tokens = batch.num_tokens
     total = torch.zeros((), device=device)
@@ -318,9 +318,8 @@ def ttt_loss(
         with amp:
             embeds = F.embedding(batch.input_ids[:, src], embed_weight)  # e(x_{t+1+j})
             # = drafter.forward(...), with norm + lm_head (the costliest matmul) only on the valid rows
-            hidden = drafter.midlayer(
-                embeds, hidden, positions + advance * j, kv
-            )  # recurrent state for step j+1
+            step_positions = positions + j if advance else positions
+            hidden = drafter.midlayer(embeds, hidden, step_positions, kv)  # recurrent state for step j+1
         b, t = valid.nonzero(as_tuple=True)
         if b.numel() == 0:
             continue
