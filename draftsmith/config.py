@@ -78,6 +78,15 @@ def config_errors(config: dict[str, Any]) -> list[str]:
     return lines
 
 
+def cross_key_errors(config: dict[str, Any]) -> list[str]:
+    """Errors between keys the schema cannot express, on a validated config with its defaults."""
+    evaluate = config["evaluate"]
+    unknown = sorted(set(evaluate["set_num_prompts"]) - set(evaluate["heldout_sets"]))
+    if unknown:
+        return [f"evaluate.set_num_prompts: {unknown} are not held-out sets (evaluate.heldout_sets)"]
+    return []
+
+
 def section_errors(section: str, values: dict[str, Any]) -> list[str]:
     """Schema violations of the keys of `section` present in values, one line each naming section.key
     (how a stage command checks its --settings JSON)."""

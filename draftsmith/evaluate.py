@@ -10,17 +10,19 @@
                        held-out set in one batch, reading its spec-decode counters and per-request
                        acceptance (draftsmith.engines.vllm_spec, one child process per method).
 
-Both write JSON with the same per-method fields (vLLM's counter names: drafts, draft_tokens,
-accepted_tokens, accepted_per_pos, plus tau, acceptance_rate_per_position, tokens_per_s, speedup), so the
-summary (draftsmith.eval_summary) and the gate (draftsmith.gate) compare them directly.
+Both write JSON with the same per-method fields, so the summary (draftsmith.eval_summary) and the gate
+(draftsmith.gate) compare them directly: the headline figure, tokens per target forward with every step
+counted (`forwards`, `tokens_per_forward`, `draft_share` = steps that had a draft / forwards), and vLLM's
+counters under their own names (drafts, draft_tokens, accepted_tokens, accepted_per_pos, and tau =
+1 + accepted / drafts over the steps that had a draft), plus tokens_per_s and speedup.
 
 The offline target runs in float32: in bf16, near-tied logits flip between the one-token path of plain
 decoding and the multi-token verify path, so outputs diverge although nothing is wrong. In float32 any
 divergence is a bug and fails hard. vLLM runs in float32 too, where its greedy output equals
 transformers' token for token.
 
-Every method also records accepted drafts and drafts per prompt (`per_prompt`), so the gate can put a
-bootstrap interval over prompts on tau and on the difference between two methods.
+Every method also records tokens, forwards, accepted drafts and drafts per prompt (`per_prompt`), so the
+gate can put a bootstrap interval over prompts on each figure and on the difference between two methods.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ from draftsmith.speculate import (
     first_difference,
     sample_decode,
     speculative_decode,
+    target_forwards,
+    tokens_per_forward,
 )
 
 # method name -> what proposes the drafts; "eagle3"/"untrained" take a drafter export folder
@@ -100,6 +104,23 @@ def aux_ids_from_export(config: dict) -> list[int]:
     return convert_layer_ids(ids, block.get("aux_layer_convention", "input"), "input")
 
 
+def checked_drafters(
+    drafter: str | Path, untrained: str | Path | None, target_path: str | Path
+) -> dict[str, str]:
+    """{"eagle3": trained, "untrained": baseline} with each export checked against the target first, so a
+    missing or broken export is one line (ValueError) before the target or vLLM loads."""
+    from draftsmith.export import check_against_target
+
+    drafters = {"eagle3": str(drafter), **({"untrained": str(untrained)} if untrained else {})}
+    for name, path in drafters.items():
+        problems = check_against_target(path, target_path)
+        if problems:
+            raise ValueError(
+                f"{name} drafter {path}: {'; '.join(problems)} (not a complete export: rerun its rule)"
+            )
+    return drafters
+
+
 def _check_pair(target: Any, drafter: Any, aux_ids: list[int]) -> None:
     from draftsmith.layers import validate_aux_layers
 
@@ -125,6 +146,19 @@ def throughput(tokens: int, seconds: float) -> float:
     return tokens / seconds if seconds > 0 else 0.0
 
 
+def forward_figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Tokens per target forward over some prompts' counts (each row: tokens, forwards, drafts): the
+    figure that compares methods, every step counted; and the share of steps that had a draft."""
+    tokens = sum(r["tokens"] for r in rows)
+    forwards = sum(r["forwards"] for r in rows)
+    drafts = sum(r["drafts"] for r in rows)
+    return {
+        "forwards": forwards,
+        "tokens_per_forward": tokens_per_forward(tokens, forwards),
+        "draft_share": drafts / forwards if forwards else 0.0,
+    }
+
+
 def method_summary(
     results: list[SpecResult], spec_seconds: list[float], plain_tps: float, num_draft_tokens: int
 ) -> dict[str, Any]:
@@ -135,7 +169,9 @@ def method_summary(
     tokens = sum(len(r.tokens) for r in results)
     seconds = sum(spec_seconds)
     tps = throughput(tokens, seconds)
+    rows = [{"tokens": len(r.tokens), "forwards": r.forwards, "drafts": r.drafts} for r in results]
     return {
+        **forward_figures(rows),
         **acceptance_stats(accepted, proposed, num_draft_tokens),
         "verify_steps": len(accepted),
         "accepted_per_step": accepted,
@@ -148,14 +184,15 @@ def method_summary(
 
 
 def prompt_counts(prompt_id: str, result: SpecResult) -> dict[str, Any]:
-    """One prompt's counts for the bootstrap over prompts: accepted drafts, drafts (steps with a draft),
-    accepted drafts per position, generated tokens."""
+    """One prompt's counts for the bootstrap over prompts: generated tokens, target forwards, accepted
+    drafts, drafts (steps with a draft), accepted drafts per position."""
     return {
         "id": prompt_id,
+        "tokens": len(result.tokens),
+        "forwards": result.forwards,
         "accepted": sum(result.accepted),
         "drafts": result.drafts,
         "accepted_per_pos": list(result.position_accepts),
-        "tokens": len(result.tokens),
     }
 
 
@@ -338,8 +375,13 @@ def vllm_method_summary(result: dict[str, Any], plain_tps: float, num_draft_toke
     accepted = int(spec.get("accepted_tokens") or 0)
     per_pos = [int(a) for a in (spec.get("accepted_per_pos") or [0] * num_draft_tokens)]
     draft_tokens = int(spec.get("draft_tokens") or 0)
-    tps = throughput(int(result["generated_tokens"]), float(result["seconds"]))
+    tokens = int(result["generated_tokens"])
+    tps = throughput(tokens, float(result["seconds"]))
+    forwards = sum(target_forwards(len(o), 0) for o in result["outputs"]) - accepted  # the whole batch
     return {
+        "forwards": forwards,
+        "tokens_per_forward": tokens_per_forward(tokens, forwards),
+        "draft_share": drafts / forwards if forwards else 0.0,
         "drafts": drafts,
         "draft_tokens": draft_tokens,
         "accepted_tokens": accepted,
@@ -347,7 +389,7 @@ def vllm_method_summary(result: dict[str, Any], plain_tps: float, num_draft_toke
         "tau": 1.0 + accepted / drafts if drafts else 1.0,
         "acceptance_rate_per_position": [a / drafts if drafts else 0.0 for a in per_pos],
         "draft_acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
-        "tokens": int(result["generated_tokens"]),
+        "tokens": tokens,
         "seconds": float(result["seconds"]),
         "load_seconds": float(result.get("load_seconds") or 0.0),
         "tokens_per_s": tps,
@@ -361,16 +403,18 @@ def vllm_prompt_counts(prompt_ids: list[str], result: dict[str, Any]) -> list[di
     hists = result.get("per_request_histograms")
     if not hists or len(hists) != len(prompt_ids) or any(h is None for h in hists):
         return None
-    return [
-        {
+    rows = []
+    for pid, h, out in zip(prompt_ids, hists, result["outputs"], strict=True):
+        accepted = sum(j * c for j, c in enumerate(h))
+        rows.append({
             "id": pid,
-            "accepted": sum(j * c for j, c in enumerate(h)),
+            "tokens": len(out),
+            "forwards": target_forwards(len(out), accepted),
+            "accepted": accepted,
             "drafts": sum(h),
             "accepted_per_pos": histogram_positions(h),
-            "tokens": len(out),
-        }
-        for pid, h, out in zip(prompt_ids, hists, result["outputs"], strict=True)
-    ]
+        })  # fmt: skip
+    return rows
 
 
 def histogram_positions(histogram: list[int]) -> list[int]:
@@ -380,12 +424,13 @@ def histogram_positions(histogram: list[int]) -> list[int]:
 
 
 def counts_summary(rows: list[dict[str, Any]], num_draft_tokens: int) -> dict[str, Any]:
-    """vLLM's counter vocabulary (drafts, accepted tokens and per position, tau, rates) summed over the
-    per-prompt counts of some prompts."""
+    """Tokens per target forward and vLLM's counter vocabulary (drafts, accepted tokens and per position,
+    tau, rates) summed over the per-prompt counts of some prompts."""
     drafts = sum(r["drafts"] for r in rows)
     accepted = sum(r["accepted"] for r in rows)
     per_pos = [sum(r["accepted_per_pos"][i] for r in rows) for i in range(num_draft_tokens)]
     return {
+        **forward_figures(rows),
         "drafts": drafts,
         "accepted_tokens": accepted,
         "accepted_per_pos": per_pos,
@@ -411,13 +456,15 @@ def evaluate_vllm(
     dtype: str = "float32",
     temperature: float = 0.0,
     log_dir: str | Path | None = None,
+    set_num_prompts: dict[str, int] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """The prompts of every held-out set (`prompt_sets`: name -> prompt file) through vLLM in one batch
     per method: plain, then eagle3 with each export in `drafters` and, with `ngram`, vLLM's ngram method;
     one child process per method (vLLM never enters this process), so each engine starts once however
     many sets there are. Acceptance per set comes from vLLM's per-request histograms; tokens/s is the
     whole batch's. Writes one JSON per set (`out_paths`) and returns them. temperature > 0 samples
-    (vLLM's rejection sampler)."""
+    (vLLM's rejection sampler). `set_num_prompts` caps a set's prompts where it differs from
+    `num_prompts` (0 = all)."""
     from draftsmith.engines.vllm_spec import run_vllm_speculative, run_vllm_subprocess
     from draftsmith.target import load_tokenizer
 
@@ -437,7 +484,11 @@ def evaluate_vllm(
         raise ValueError(f"held-out sets {sorted(prompt_sets)} and outputs {sorted(out_paths)} differ")
     target_path = Path(target_path)
     tokenizer = load_tokenizer(target_path)
-    sets = {name: read_eval_prompts(path, num_prompts) for name, path in prompt_sets.items()}
+    caps = {name: (set_num_prompts or {}).get(name, num_prompts) for name in prompt_sets}
+    unknown = sorted(set(set_num_prompts or {}) - set(prompt_sets))
+    if unknown:
+        raise ValueError(f"prompt counts for {unknown}, which are not held-out sets here")
+    sets = {name: read_eval_prompts(path, caps[name]) for name, path in prompt_sets.items()}
     spans, encoded = {}, []  # set -> (start, end) in the one batch
     for name, prompts in sets.items():
         spans[name] = (len(encoded), len(encoded) + len(prompts))

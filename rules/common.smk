@@ -10,6 +10,7 @@ import draftsmith
 from draftsmith.config import (
     coerce_strings,
     config_errors,
+    cross_key_errors,
     is_embedded_target,
     target_checks,
 )
@@ -19,6 +20,8 @@ coerce_strings(config)
 if config_errors(config):
     raise ValueError("invalid configuration:\n  " + "\n  ".join(config_errors(config)))
 validate(config, schema="../draftsmith/config.schema.yaml")
+if cross_key_errors(config):
+    raise ValueError("invalid configuration:\n  " + "\n  ".join(cross_key_errors(config)))
 # Against the target's config.json, at parse time: before any job runs or any output is deleted.
 TARGET_ERRORS, TARGET_WARNINGS = target_checks(config)
 if TARGET_ERRORS:
@@ -93,12 +96,15 @@ def heldout_prompts(wildcards):
 
 def heldout_prompt_file(name):
     """The prompt file of a held-out set: "split" = the prompts stage's held-out split, "handwritten" =
-    the packaged hand-written set, anything else = a prompt file of the user's."""
+    the packaged hand-written set, "humaneval" = HumanEval from its wheel (rule humaneval_prompts),
+    anything else = a prompt file of the user's."""
     source = config["evaluate"]["heldout_sets"][name]
     if source == "split":
         return "results/prompts/heldout.jsonl"
     if source == "handwritten":
         return str(Path(draftsmith.__file__).parent / "data" / "heldout_handwritten.jsonl")
+    if source == "humaneval":
+        return "resources/data/humaneval.jsonl"
     return source
 
 
@@ -107,10 +113,16 @@ def heldout_prompt_inputs(wildcards):
     return {f"prompts_{name}": heldout_prompt_file(name) for name in config["evaluate"]["heldout_sets"]}
 
 
+def set_num_prompts(name):
+    """Prompts decoded of one held-out set (0 = all): evaluate.set_num_prompts, else num_prompts."""
+    return config["evaluate"]["set_num_prompts"].get(name, config["evaluate"]["num_prompts"])
+
+
 def vllm_set_options():
-    """--prompts/--out SET=PATH of every held-out set for the one vLLM job."""
+    """--prompts/--out/--set-num-prompts SET=... of every held-out set for the one vLLM job."""
     return " ".join(
-        f"--prompts {name}={heldout_prompt_file(name)}" f" --out {name}=results/eval/{name}/vllm.json"
+        f"--prompts {name}={heldout_prompt_file(name)} --out {name}=results/eval/{name}/vllm.json"
+        f" --set-num-prompts {name}={set_num_prompts(name)}"
         for name in config["evaluate"]["heldout_sets"]
     )
 
@@ -129,10 +141,22 @@ def eval_summary_sets():
     return " ".join(options)
 
 
-def offline_num_prompts():
-    """The contract check's prompts: never more than vLLM decodes (0 = all)."""
-    n, n_offline = config["evaluate"]["num_prompts"], config["evaluate"]["offline_num_prompts"]
+def offline_num_prompts(name):
+    """The contract check's prompts of a held-out set: never more than vLLM decodes (0 = all)."""
+    n, n_offline = set_num_prompts(name), config["evaluate"]["offline_num_prompts"]
     return n if n > 0 and (n_offline == 0 or n_offline > n) else n_offline
+
+
+def offline_options(wildcards):
+    """What the offline job of a held-out set measures. With vLLM, the judged numbers (trained, untrained,
+    n-gram on every prompt) come from vLLM and the offline run is the contract check: the trained drafter
+    alone, lossless and accepted as in vLLM, on the first evaluate.offline_num_prompts prompts. Without
+    vLLM, the offline run measures everything."""
+    evaluate = config["evaluate"]
+    if evaluate["vllm"]:
+        return f"--num-prompts {offline_num_prompts(wildcards.heldout)} --no-ngram"
+    ngram = "--ngram" if evaluate["ngram"] else "--no-ngram"
+    return f"--num-prompts {set_num_prompts(wildcards.heldout)} {ngram}"
 
 
 def gate_modes():

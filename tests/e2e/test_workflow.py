@@ -82,10 +82,19 @@ def test_every_target_exists_and_is_sound(finished_run):
     assert manifest["aux_layer_ids"] == [2, 15, 27] and manifest["layer_convention"] == "input"
     assert manifest["teacher_agreement"] > 0.9
     summary = json.loads((results / "eval" / "summary.json").read_text())
-    assert summary["headline"]["vllm_tau"] is not None
+    assert summary["figure"] == "tokens per target forward"
+    head = summary["headline"]["split"]
+    assert head["measured_by"] == "vLLM" and {"eagle3", "untrained", "ngram"} <= set(head["methods"])
     for row in summary["rows"]:  # tau = 1 + mean accepted length = 1 + sum of per-position acceptance
         if row["tau"] is not None and row["acceptance_per_position"]:
             assert row["tau"] == pytest.approx(1 + sum(row["acceptance_per_position"]), abs=1e-6), row
+        # every forward counted: tokens / forwards, and forwards never exceed tokens
+        assert row["tokens_per_forward"] == pytest.approx(row["tokens"] / row["forwards"]), row
+    by = {(r["key"], r["measured_by"]): r for r in summary["rows"] if r["heldout"] == "split"}
+    assert (
+        by["eagle3", "offline"]["tokens_per_forward"] >= 1.0 and by[None, "vLLM"]["tokens_per_forward"] == 1.0
+    )
+    assert summary["verdict"]["per_set"][0]["heldout"] == "split"
     assert (results / "eval" / "gate.json").is_file()
     for engine in ("sglang", "speculators"):  # one export per engine, each checked by `draftsmith export`
         assert (results / f"drafter-{engine}" / "model.safetensors").is_file(), engine
