@@ -848,6 +848,7 @@ def benchmark_prompts(name: str, wheel: str, out: str) -> None:
     metavar="SET=N",
     help="Prompts to decode of one set where it differs from --num-prompts (0 = all; evaluate.set_num_prompts).",
 )
+@setting("evaluate", "seed", "--seed", help="Sampling seed of every request (temperature > 0).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
               help="vLLM's dtype; float32 matches the offline measurement token for token.")  # fmt: skip
 @click.option("--log-dir", type=click.Path(file_okay=False), help="Keep each vLLM run's output here.")
@@ -868,7 +869,7 @@ def evaluate_vllm_cmd(
     """
     from draftsmith.evaluate import VllmUnavailable, evaluate_vllm
 
-    _eval_settings(kw)
+    _eval_settings(kw, "seed")
     drafters = _drafters(drafter, untrained, target_path)  # a broken export: one line, before vLLM starts
     _warn_draft_positions(drafter, kw["num_draft_tokens"])
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import logging
 import tempfile
 import time
 from pathlib import Path
@@ -48,6 +49,8 @@ from draftsmith.speculate import (
     target_forwards,
     tokens_per_forward,
 )
+
+logger = logging.getLogger(__name__)
 
 # method name -> what proposes the drafts; "eagle3"/"untrained" take a drafter export folder
 EAGLE_METHODS = ("eagle3", "untrained")
@@ -457,14 +460,15 @@ def evaluate_vllm(
     temperature: float = 0.0,
     log_dir: str | Path | None = None,
     set_num_prompts: dict[str, int] | None = None,
+    seed: int = 0,
 ) -> dict[str, dict[str, Any]]:
     """The prompts of every held-out set (`prompt_sets`: name -> prompt file) through vLLM in one batch
     per method: plain, then eagle3 with each export in `drafters` and, with `ngram`, vLLM's ngram method;
     one child process per method (vLLM never enters this process), so each engine starts once however
     many sets there are. Acceptance per set comes from vLLM's per-request histograms; tokens/s is the
     whole batch's. Writes one JSON per set (`out_paths`) and returns them. temperature > 0 samples
-    (vLLM's rejection sampler). `set_num_prompts` caps a set's prompts where it differs from
-    `num_prompts` (0 = all)."""
+    (vLLM's rejection sampler, every request seeded with `seed`). `set_num_prompts` caps a set's prompts
+    where it differs from `num_prompts` (0 = all)."""
     from draftsmith.engines.vllm_spec import run_vllm_speculative, run_vllm_subprocess
     from draftsmith.target import load_tokenizer
 
@@ -499,19 +503,23 @@ def evaluate_vllm(
         runs.append(("ngram", None, "ngram"))
     log_dir = Path(log_dir) if log_dir else None
     raw: dict[str, dict[str, Any]] = {}
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="draftsmith-vllm-cache-") as cache:
-        for name, drafter, method in runs:
+        for i, (name, drafter, method) in enumerate(runs):
+            logger.info("vllm %s (engine %d of %d): %d prompts of %s", name, i + 1, len(runs), len(encoded),
+                        ", ".join(sets))  # fmt: skip
             t0 = time.perf_counter()
             raw[name] = run_vllm_subprocess(
                 str(target_path), drafter, method, encoded, max_new_tokens, num_draft_tokens, dtype,
                 cache_dir=cache, log_path=(log_dir / f"vllm-{name}.log") if log_dir else None,
-                **({"temperature": temperature} if temperature > 0 else {}),
+                **({"temperature": temperature, "seed": seed} if temperature > 0 else {}),
             )  # fmt: skip
-            print(
-                f"vllm {name}: {raw[name]['generated_tokens']} tokens in {raw[name]['seconds']:.1f} s "
-                f"(engine start {raw[name]['load_seconds']:.0f} s, process {time.perf_counter() - t0:.0f} s)",
-                flush=True,
-            )
+            elapsed = time.perf_counter() - started
+            logger.info(
+                "vllm %s: %d tokens in %.1f s (engine start %.0f s, process %.0f s); about %.0f s to go",
+                name, raw[name]["generated_tokens"], raw[name]["seconds"], raw[name]["load_seconds"],
+                time.perf_counter() - t0, elapsed / (i + 1) * (len(runs) - i - 1),
+            )  # fmt: skip
     plain = raw["plain"]
     plain_tps = throughput(int(plain["generated_tokens"]), float(plain["seconds"]))
     all_ids = [p["id"] for prompts in sets.values() for p in prompts]

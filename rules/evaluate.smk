@@ -144,11 +144,12 @@ rule evaluate_vllm:
         num_prompts=EVAL["num_prompts"],
         ngram=NGRAM,
         sets=vllm_set_options(),
+        seed=EVAL["seed"],
     shell:
         "draftsmith run --gpus {resources.gpu} --"
         " draftsmith evaluate-vllm --target {input.target} --drafter {input.drafter}"
         " --untrained {input.untrained} {params.sets} --num-prompts {params.num_prompts} {params.options}"
-        " {params.ngram} --log-dir logs/vllm 2>&1 | tee {log}"
+        " {params.ngram} --seed {params.seed} --log-dir logs/vllm 2>&1 | tee {log}"
 
 
 rule eval_summary:
