@@ -66,6 +66,45 @@ def settings_defaults(stage: str) -> dict[str, Any]:
     return values
 
 
+def requirement_error(value: str) -> str | None:
+    """Why `value` is not one package requirement (`name==version`, PEP 508) to hand to pip, or None.
+
+    A leading '-' would make pip read it as an option (`-r file`, `--index-url ...`).
+    """
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    if value.startswith("-"):
+        return f"{value!r} begins with '-': pip would take it for an option, not a package"
+    try:
+        Requirement(value)
+    except InvalidRequirement as err:
+        return f"{value!r} is not a package requirement such as name==1.0 ({str(err).splitlines()[0]})"
+    return None
+
+
+# Checks of single values beyond what the schema can say, by key path; each gives the reason or None.
+VALUE_CHECKS = {
+    ("target", "gguf_wheel"): requirement_error,
+    ("prompts", "sharegpt_wheel"): requirement_error,
+}
+
+
+def value_errors(config: dict[str, Any], section: str | None = None) -> list[str]:
+    """VALUE_CHECKS on the string values present in config (the whole config, or one section's values)."""
+    lines = []
+    for (where, key), check in VALUE_CHECKS.items():
+        if section is None:
+            values = config.get(where)
+        elif section == where:
+            values = config
+        else:
+            continue
+        value = values.get(key) if isinstance(values, dict) else None
+        if isinstance(value, str) and (reason := check(value)):
+            lines.append(f"{where}.{key}: {reason}")
+    return lines
+
+
 def config_errors(config: dict[str, Any]) -> list[str]:
     """Every schema violation as one line naming the key path, e.g. "train.lr: 'big' is not of type 'number'"."""
     import jsonschema
@@ -75,7 +114,7 @@ def config_errors(config: dict[str, Any]) -> list[str]:
     for err in sorted(validator.iter_errors(config), key=lambda e: list(map(str, e.absolute_path))):
         where = ".".join(str(p) for p in err.absolute_path) or "(top level)"
         lines.append(f"{where}: {err.message}")
-    return lines
+    return lines + value_errors(config)
 
 
 def section_errors(section: str, values: dict[str, Any]) -> list[str]:
@@ -87,7 +126,8 @@ def section_errors(section: str, values: dict[str, Any]) -> list[str]:
     spec = {"type": "object", "properties": {k: props[k] for k in values if k in props}}
     validator = jsonschema.Draft202012Validator(spec)
     errors = sorted(validator.iter_errors(values), key=lambda e: list(map(str, e.absolute_path)))
-    return [f"{section}.{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in errors]
+    lines = [f"{section}.{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in errors]
+    return lines + value_errors(values, section)
 
 
 def coerce_strings(config: dict[str, Any], spec: dict[str, Any] | None = None) -> dict[str, Any]:

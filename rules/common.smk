@@ -63,10 +63,10 @@ def section_json(section, keys=None):
 
 
 def prompt_wheel_option():
-    """The downloaded ShareGPT wheel for source sharegpt (a file, not a setting)."""
+    """The downloaded ShareGPT wheel for source sharegpt (a file, not a setting), as arguments."""
     if config["prompts"]["source"] == "sharegpt":
-        return "--wheel resources/data/sharegpt.whl"
-    return ""
+        return ["--wheel", "resources/data/sharegpt.whl"]
+    return []
 
 
 def prompt_source_inputs():
@@ -81,7 +81,7 @@ def prompt_source_inputs():
 
 def untrained_option(wildcards, input):
     """`--untrained DIR` when the rule takes the untrained baseline as an input, else nothing."""
-    return f"--untrained {input.untrained}" if "untrained" in input.keys() else ""
+    return ["--untrained", input.untrained] if "untrained" in input.keys() else []
 
 
 # ---- evaluation: held-out sets, gate modes, TensorBoard run name (rules/evaluate.smk)
@@ -108,25 +108,25 @@ def heldout_prompt_inputs(wildcards):
 
 
 def vllm_set_options():
-    """--prompts/--out SET=PATH of every held-out set for the one vLLM job."""
-    return " ".join(
-        f"--prompts {name}={heldout_prompt_file(name)}" f" --out {name}=results/eval/{name}/vllm.json"
-        for name in config["evaluate"]["heldout_sets"]
-    )
+    """--prompts/--out SET=PATH of every held-out set for the one vLLM job, as arguments."""
+    options = []
+    for name in config["evaluate"]["heldout_sets"]:
+        options += ["--prompts", f"{name}={heldout_prompt_file(name)}"]
+        options += ["--out", f"{name}=results/eval/{name}/vllm.json"]
+    return options
 
 
 def eval_summary_sets():
     """--offline/--vllm SET=PATH for every held-out set, in the configured order. With evaluate.offline
     off, vLLM's measurement stands in for the offline one."""
     offline = "offline.json" if config["evaluate"]["offline"] else "vllm.json"
-    options = [
-        f"--offline {name}=results/eval/{name}/{offline}" for name in config["evaluate"]["heldout_sets"]
-    ]
+    options = []
+    for name in config["evaluate"]["heldout_sets"]:
+        options += ["--offline", f"{name}=results/eval/{name}/{offline}"]
     if config["evaluate"]["vllm"]:
-        options += [
-            f"--vllm {name}=results/eval/{name}/vllm.json" for name in config["evaluate"]["heldout_sets"]
-        ]
-    return " ".join(options)
+        for name in config["evaluate"]["heldout_sets"]:
+            options += ["--vllm", f"{name}=results/eval/{name}/vllm.json"]
+    return options
 
 
 def offline_num_prompts():
@@ -136,7 +136,7 @@ def offline_num_prompts():
 
 
 def gate_modes():
-    return " ".join(f"--check {name}={mode}" for name, mode in config["evaluate"]["gate"].items())
+    return [arg for name, mode in config["evaluate"]["gate"].items() for arg in ("--check", f"{name}={mode}")]
 
 
 def tensorboard_run():

