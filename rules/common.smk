@@ -8,21 +8,42 @@ from snakemake.utils import validate
 
 import draftsmith
 from draftsmith.config import (
-    coerce_strings,
+    ConfigSource,
+    combination_errors,
     config_errors,
     is_embedded_target,
+    locate,
+    merge_sources,
+    read_config_file,
     target_checks,
 )
 
-# A short message naming each bad key first; then validate() fills in the schema's defaults.
-coerce_strings(config)
-if config_errors(config):
-    raise ValueError("invalid configuration:\n  " + "\n  ".join(config_errors(config)))
+
+def config_layers():
+    """The config files and --config in the order Snakemake merged them (later ones override)."""
+    given = [
+        os.path.relpath(f) if f.is_relative_to(Path.cwd()) else str(f) for f in workflow.overwrite_configfiles
+    ]
+    files = [] if workflow.config_settings.replace_workflow_config else workflow.configfiles[len(given) :]
+    cli = ConfigSource("--config", dict(workflow.config_settings.config))
+    return [*map(read_config_file, [*files, *given]), cli]
+
+
+def stop_if_invalid(errors):
+    """One line per bad setting, each naming where it was set; Snakemake stops before any job runs or
+    any output is deleted."""
+    if errors:
+        sys.exit("invalid configuration:\n  " + "\n  ".join(locate(e, CONFIG_LAYERS) for e in errors))
+
+
+# A short message naming each bad key and its file first; then validate() fills in the schema's defaults.
+CONFIG_LAYERS = config_layers()
+merge_sources(config, CONFIG_LAYERS)
+stop_if_invalid(config_errors(config, CONFIG_LAYERS))
 validate(config, schema="../draftsmith/config.schema.yaml")
-# Against the target's config.json, at parse time: before any job runs or any output is deleted.
+# Against the target's config.json and each other, at parse time: before any job runs or any output is deleted.
 TARGET_ERRORS, TARGET_WARNINGS = target_checks(config)
-if TARGET_ERRORS:
-    raise ValueError("invalid configuration:\n  " + "\n  ".join(TARGET_ERRORS))
+stop_if_invalid(TARGET_ERRORS + combination_errors(config))
 for warning in TARGET_WARNINGS:
     print(f"warning: {warning}", file=sys.stderr)
 # Jobs inherit this process's environment: every transformers / vLLM load of the target honours it

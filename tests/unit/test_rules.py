@@ -55,13 +55,15 @@ AFTER_TRAINING = {"export", "evaluate_offline", "evaluate_vllm", "eval_summary",
 AFTER_EXTRACT = {"manifest", "train", "untrained_drafter", *AFTER_TRAINING}
 
 
-def _workflow(api: SnakemakeApi, workdir: Path, changes: dict, forceall: bool = False):
+def _workflow(
+    api: SnakemakeApi, workdir: Path, changes: dict, forceall: bool = False, configfiles: tuple = ()
+):
     config = copy.deepcopy({**BASE, **changes})  # validation fills defaults in place
     wf = api.workflow(
         snakefile=REPO / "Snakefile",
         workdir=workdir,
         resource_settings=ResourceSettings(cores=1),
-        config_settings=ConfigSettings(config=config, configfiles=[TINY]),
+        config_settings=ConfigSettings(config=config, configfiles=[TINY, *configfiles]),
     )
     return wf, wf.dag(dag_settings=DAGSettings(forceall=forceall))
 
@@ -138,9 +140,10 @@ def test_a_result_setting_plans_its_stage_and_downstream(finished, changes, expe
 # ----------------------------------------------------------------------------- checked at start
 
 
-def _parse_error(workdir: Path, changes: dict) -> str:
-    with SnakemakeApi(OutputSettings(quiet=QUIET)) as api, pytest.raises(Exception) as err:
-        _workflow(api, workdir, changes)
+def _parse_error(workdir: Path, changes: dict, configfiles: tuple = ()) -> str:
+    """The message the workflow stops with at start (a SystemExit: one line per bad setting)."""
+    with SnakemakeApi(OutputSettings(quiet=QUIET)) as api, pytest.raises((Exception, SystemExit)) as err:
+        _workflow(api, workdir, changes, configfiles=configfiles)
     return str(err.value)
 
 
@@ -162,10 +165,73 @@ def test_a_target_typo_stops_the_workflow_at_start(tmp_path):
         ({"extract": {"aux_layers": [2, 2, 10]}}, "extract.aux_layers: [2, 2, 10] repeats a layer"),
         ({"extract": {"aux_layers": [2, 30]}}, "extract.aux_layers: [30] out of range"),
         ({"vocab": {"size": 49152}}, "vocab.size: 49152 must be smaller than the target's vocabulary"),
+        (
+            {"generate": {"base_url": "not a url"}},
+            "--config: generate.base_url: 'not a url' is not an http(s) URL",
+        ),
+        (
+            {"prompts": {"source": "jsonl"}},
+            "--config: prompts.path: prompts.source is jsonl but no prompt file is named",
+        ),
+        (
+            {"generate": {"engine": "openai"}},
+            "--config: generate.base_url: generate.engine is openai but no server is named",
+        ),
     ],
 )
 def test_values_the_target_rules_out_stop_the_workflow_at_start(finished, changes, fragment):
     assert fragment in _parse_error(finished, changes)
+
+
+# ----------------------------------------------------------------------------- config files
+
+
+def _config_of(workdir: Path, configfiles: tuple = ()) -> dict:
+    """The configuration the workflow runs with (defaults filled in), after a dry run's parse."""
+    with SnakemakeApi(OutputSettings(quiet=QUIET)) as api:
+        wf, _ = _workflow(api, workdir, {}, configfiles=configfiles)
+        return wf._workflow.config
+
+
+def test_numbers_as_recipes_write_them_are_floats(finished, tmp_path):
+    extra = tmp_path / "recipe.yaml"
+    extra.write_text("train:\n  lr: 1e-4\n  weight_decay: 3e-3\n")  # YAML 1.1 reads both as strings
+    train = _config_of(finished, (extra,))["train"]
+    assert train["lr"] == 1e-4 and train["weight_decay"] == 3e-3 and isinstance(train["lr"], float)
+
+
+def test_a_config_error_names_the_file_and_line_it_came_from(finished, tmp_path):
+    extra = tmp_path / "mine.yaml"
+    extra.write_text("vocab:\n  size: 100\ntrain:\n  lrr: 1\n  epochs: '3'\n")
+    message = _parse_error(finished, {}, (extra,))
+    assert f"{extra}:5: train.epochs: '3' is not of type 'integer'" in message
+    assert f"{extra}:4: train: Additional properties are not allowed ('lrr' was unexpected)" in message
+
+
+def test_a_yaml_syntax_error_in_config_yaml_names_its_line(tmp_path):
+    (tmp_path / "config.yaml").write_text("train:\n  lr: 0.1\n  epochs: [1\n")
+    message = _parse_error(tmp_path, {})
+    assert "config.yaml:4: not valid YAML" in message, message
+
+
+def test_a_target_config_json_that_is_no_object_is_named(tmp_path):
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text("[1, 2]")
+    message = _parse_error(tmp_path, {})
+    assert "target.model: target/config.json: not a JSON object of settings (a list)" in message
+
+
+def test_a_configfile_naming_one_held_out_set_replaces_the_sets_before_it(finished, tmp_path):
+    """config.yaml names two sets, the tiny config one: the run evaluates that one only (mappings of
+    entries are replaced, not merged)."""
+    (finished / "config.yaml").write_text(
+        "evaluate:\n  heldout_sets: {split: split, handwritten: handwritten}\n"
+    )
+    try:
+        assert _config_of(finished)["evaluate"]["heldout_sets"] == {"split": "split"}
+        assert planned(finished, {}) == set()
+    finally:
+        (finished / "config.yaml").unlink()
 
 
 # ----------------------------------------------------------------------------- what reaches the shell
