@@ -363,6 +363,45 @@ def combination_errors(config: dict[str, Any]) -> list[str]:
     return errors
 
 
+# Prompt files up to this size are read at start (~1 s); a larger one is left to the job that reads it.
+INPUT_CHECK_MAX_BYTES = 256 * 2**20
+# evaluate.heldout_sets values that name a packaged or produced set rather than a file
+NAMED_HELDOUT_SETS = ("split", "handwritten")
+
+
+def input_file_errors(config: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(errors, warnings) of the prompt files a validated config names, each read and validated as its
+    job will read it: a bad line is "key: FILE:LINE: reason", at start, before any output is deleted."""
+    from draftsmith.prompts import PromptError, read_jsonl_prompts
+
+    prompts = config["prompts"]
+    files = {}
+    if prompts["source"] == "jsonl" and prompts["path"]:
+        files["prompts.path"] = (prompts["path"], prompts["max_prompt_chars"])
+    if prompts["heldout_path"]:
+        files["prompts.heldout_path"] = (prompts["heldout_path"], 0)
+    for name, source in config["evaluate"]["heldout_sets"].items():
+        if source not in NAMED_HELDOUT_SETS:
+            files[f"evaluate.heldout_sets.{name}"] = (source, 0)
+    errors, warnings = [], []
+    for key, (path, max_chars) in files.items():
+        if not Path(path).is_file():
+            errors.append(f"{key}: {path}: no such file")
+            continue
+        if Path(path).stat().st_size > INPUT_CHECK_MAX_BYTES:
+            warnings.append(f"{key}: {path} is too large to check at start; its job will")
+            continue
+        try:
+            usable, counts = read_jsonl_prompts(path, max_chars)
+        except PromptError as err:
+            errors.append(f"{key}: {err}")
+            continue
+        if not usable:
+            skipped = ", ".join(f"{n} {why.replace('_', ' ')}" for why, n in counts["skipped"].items())
+            errors.append(f"{key}: {path}: no usable prompts (skipped: {skipped or 'none'})")
+    return errors, warnings
+
+
 # ------------------------------------------------------------------------ checks against the target
 
 

@@ -11,6 +11,7 @@ from draftsmith.config import (
     ConfigSource,
     combination_errors,
     config_errors,
+    input_file_errors,
     is_embedded_target,
     locate,
     merge_sources,
@@ -44,7 +45,10 @@ validate(config, schema="../draftsmith/config.schema.yaml")
 # Against the target's config.json and each other, at parse time: before any job runs or any output is deleted.
 TARGET_ERRORS, TARGET_WARNINGS = target_checks(config)
 stop_if_invalid(TARGET_ERRORS + combination_errors(config))
-for warning in TARGET_WARNINGS:
+# Every prompt file a job will read, read now (cluster jobs re-parse this file: the main process did it).
+INPUT_ERRORS, INPUT_WARNINGS = input_file_errors(config) if workflow.is_main_process else ([], [])
+stop_if_invalid(INPUT_ERRORS)
+for warning in TARGET_WARNINGS + INPUT_WARNINGS:
     print(f"warning: {warning}", file=sys.stderr)
 # Jobs inherit this process's environment: every transformers / vLLM load of the target honours it
 # (draftsmith.target.TRUST_REMOTE_CODE_ENV; not imported here, torch would slow every parse).

@@ -150,6 +150,27 @@ def test_single_target_regenerates_just_that_file(finished_run):
     assert vocab.is_file()
 
 
+def test_a_broken_prompt_file_stops_the_rerun_before_any_result_is_deleted(finished_run):
+    """The prompt file gains a bad line after a good run: `snakemake` (not a dry run) stops at start
+    naming file and line, and every result of the good run is still there, unchanged."""
+    workdir, config = finished_run
+    prompts = workdir / "my prompts.jsonl"
+    good = prompts.read_text()
+    before = {p: p.stat().st_mtime_ns for p in (workdir / "results").rglob("*") if p.is_file()}
+    line = good.count("\n") + 1
+    prompts.write_text(good + '{"messages": [{"role": "user", "content": "unterminated}]}\n')
+    try:
+        proc = snakemake(workdir, "--config", *config, check=False)
+        assert proc.returncode != 0
+        out = proc.stdout + proc.stderr
+        assert f"prompts.path: {prompts}:{line}: invalid JSON" in out, out[-3000:]
+        assert "Traceback" not in out
+        after = {p: p.stat().st_mtime_ns for p in (workdir / "results").rglob("*") if p.is_file()}
+        assert after == before
+    finally:
+        prompts.write_text(good)  # same bytes: Snakemake's checksum sees nothing new
+
+
 def test_bad_config_names_the_key(tmp_path, target_model):
     proc = snakemake(tmp_path, "-n", "--config", "train={lrr: 1}", check=False)
     assert proc.returncode != 0

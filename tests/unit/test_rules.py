@@ -366,3 +366,33 @@ def test_config_strings_and_paths_reach_every_command_as_single_arguments(tmp_pa
 def test_a_requirement_that_pip_would_read_as_an_option_stops_the_workflow_at_start(finished):
     message = _parse_error(finished, {"prompts": {"sharegpt_wheel": "--index-url=http://elsewhere/simple"}})
     assert "prompts.sharegpt_wheel: '--index-url=http://elsewhere/simple' begins with '-'" in message
+
+
+# ----------------------------------------------------------------------------- input files, read at start
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ('{"prompt": "fine"}\n{"prompt": "half\n', ":2: invalid JSON"),
+        (
+            '{"prompt": "fine"}\n{"messages": [{"role": "robot", "content": "x"}]}\n',
+            ":2: message 0: unknown role",
+        ),
+        ("", ": no usable prompts"),
+    ],
+)
+def test_a_bad_prompt_file_stops_the_workflow_at_start_naming_file_and_line(finished, tmp_path, text, reason):
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text(text)
+    message = _parse_error(finished, {"prompts": {"source": "jsonl", "path": str(bad)}})
+    assert f"--config: prompts.path: {bad}{reason}" in message, message
+
+
+def test_a_bad_held_out_set_stops_the_workflow_before_training(finished, tmp_path):
+    bad = tmp_path / "mine.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{"prompt": 3}\n')
+    message = _parse_error(finished, {"evaluate": {"heldout_sets": {"split": "split", "mine": str(bad)}}})
+    assert f"evaluate.heldout_sets.mine: {bad}:2: " in message, message
+    missing = _parse_error(finished, {"prompts": {"heldout_path": str(tmp_path / "nowhere.jsonl")}})
+    assert f"prompts.heldout_path: {tmp_path / 'nowhere.jsonl'}: no such file" in missing
