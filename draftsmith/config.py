@@ -100,18 +100,35 @@ def url_error(value: str) -> str | None:
     return None
 
 
-# Checks of single values beyond what the schema can say, by key path; each gives the reason or None.
+# vllm-server flags the workflow sets itself: what it serves, where it listens and who may call it.
+RESERVED_SERVER_ARGS = ("--model", "--host", "--port", "--uds", "--api-key", "--served-model-name")
+
+
+def server_args_error(args: list[Any]) -> str | None:
+    """Why `generate.server_args` may not be given to the vllm-server, or None."""
+    taken = [str(a) for a in args if str(a).split("=", 1)[0] in RESERVED_SERVER_ARGS]
+    if not taken:
+        return None
+    return (
+        f"{', '.join(taken)}: set by the workflow (the server listens on generate.server_host, a free "
+        "port, with a new API key per run)"
+    )
+
+
+# Checks of single values beyond what the schema can say, by key path: (the type checked, the check,
+# which gives the reason or None).
 VALUE_CHECKS = {
-    ("target", "gguf_wheel"): requirement_error,
-    ("prompts", "sharegpt_wheel"): requirement_error,
-    ("generate", "base_url"): url_error,
+    ("target", "gguf_wheel"): (str, requirement_error),
+    ("prompts", "sharegpt_wheel"): (str, requirement_error),
+    ("generate", "base_url"): (str, url_error),
+    ("generate", "server_args"): (list, server_args_error),
 }
 
 
 def value_errors(config: dict[str, Any], section: str | None = None) -> list[str]:
-    """VALUE_CHECKS on the string values present in config (the whole config, or one section's values)."""
+    """VALUE_CHECKS on the values present in config (the whole config, or one section's values)."""
     lines = []
-    for (where, key), check in VALUE_CHECKS.items():
+    for (where, key), (kind, check) in VALUE_CHECKS.items():
         if section is None:
             values = config.get(where)
         elif section == where:
@@ -119,7 +136,7 @@ def value_errors(config: dict[str, Any], section: str | None = None) -> list[str
         else:
             continue
         value = values.get(key) if isinstance(values, dict) else None
-        if isinstance(value, str) and (reason := check(value)):
+        if isinstance(value, kind) and (reason := check(value)):
             lines.append(f"{where}.{key}: {reason}")
     return lines
 

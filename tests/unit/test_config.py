@@ -309,3 +309,14 @@ def test_a_target_config_json_that_is_not_an_object_is_named(tmp_path, text, fra
     with pytest.raises(ValueError, match=f"^{tmp_path / 'config.json'}: ") as err:
         text_config_json(tmp_path)
     assert fragment in str(err.value)
+
+
+def test_server_args_that_move_the_address_or_set_the_key_are_config_errors():
+    errors = config_errors(
+        {"generate": {"server_args": ["--enforce-eager", "--host", "0.0.0.0", "--api-key=k"]}}
+    )
+    assert errors == [
+        "generate.server_args: --host, --api-key=k: set by the workflow (the server listens on "
+        "generate.server_host, a free port, with a new API key per run)"
+    ]
+    assert config_errors({"generate": {"server_args": ["--enforce-eager"], "server_host": "0.0.0.0"}}) == []
