@@ -20,7 +20,6 @@ import contextlib
 import ctypes
 import logging
 import os
-import re
 import secrets
 import signal
 import socket
@@ -34,7 +33,7 @@ from types import FrameType
 from typing import Any
 
 from draftsmith.config import server_args_error
-from draftsmith.engines import vllm_child_env
+from draftsmith.engines import attention_backend_for, log_cause, vllm_child_env
 from draftsmith.engines.openai import OpenAIChatEngine, OpenAIClient
 
 log = logging.getLogger(__name__)
@@ -70,6 +69,7 @@ def server_command(
     python: str = sys.executable,
     module: str = API_SERVER_MODULE,
     host: str = "127.0.0.1",
+    attention_backend: str | None = None,
 ) -> list[str]:
     """The api_server command line. Settings given in `extra_args` win over the derived ones, except
     what the workflow owns (config.RESERVED_SERVER_ARGS: model, address, API key), which they may not set."""
@@ -82,6 +82,8 @@ def server_command(
         cmd += ["--dtype", dtype]
     if seed is not None and not _has_flag(extra, "--seed"):
         cmd += ["--seed", str(seed)]
+    if attention_backend and not _has_flag(extra, "--attention-backend"):
+        cmd += ["--attention-backend", attention_backend]
     # One job's GPUs serve one model: split it over all of them unless told otherwise.
     if devices and len(devices) > 1 and not _has_flag(extra, "--tensor-parallel-size"):
         cmd += ["--tensor-parallel-size", str(len(devices))]
@@ -120,20 +122,6 @@ def log_tail(path: Path, lines: int = 40) -> str:
     except OSError:
         return "(no log)"
     return "\n".join(text.splitlines()[-lines:])
-
-
-# what a failing vLLM prints last that says why: "ValueError: ...", "torch.OutOfMemoryError: ...",
-# "RuntimeError: Engine core initialization failed", "CUDA out of memory"
-_CAUSE = re.compile(r"\b[\w.]*(?:Error|Exception):|(?i:out of memory|no available memory)")
-
-
-def log_cause(tail: str) -> str | None:
-    """The last line of a log tail that names an error, stripped of its logger prefix; None if none."""
-    for line in reversed(tail.splitlines()):
-        match = _CAUSE.search(line)
-        if match:
-            return line[match.start() :].strip()
-    return None
 
 
 def startup_failure(what: str, log_path: Path) -> str:
@@ -247,6 +235,7 @@ class VllmServer:
             self.extra_args,
             module=self.module,
             host=self.host,
+            attention_backend=attention_backend_for(self.model, self.dtype or "auto"),
         )
         if not is_loopback(self.host):
             log.warning(
