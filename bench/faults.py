@@ -226,22 +226,22 @@ def settings_of(out: str, rule: str) -> dict:
     return json.loads(re.search(r"--settings '([^']*)'", block).group(1))
 
 
-def probe_learning_rate_as_written(p: Probe) -> str:
-    config = p.root / "lr.yaml"
-    config.write_text(p.config({}).read_text() + "train:\n  lr: 1e-4\n")
+def train_setting_as_written(p: Probe, key: str, written: str) -> str:
+    """A train setting written into a config file as given (YAML text): refused, or what train gets."""
+    config = p.root / "train.yaml"
+    config.write_text(p.config({}).read_text() + f"train:\n  {key}: {written}\n")
     proc = p.snakemake("-n", "-p", "results/drafter", config=config)
     if proc.returncode:
         return f"refused: {said(proc)}"
-    return f"accepted: lr {settings_of(proc.stdout + proc.stderr, 'train')['lr']!r}"
+    return f"accepted: {key} {settings_of(proc.stdout + proc.stderr, 'train')[key]!r}"
+
+
+def probe_learning_rate_as_written(p: Probe) -> str:
+    return train_setting_as_written(p, "lr", "1e-4")
 
 
 def probe_quoted_integer(p: Probe) -> str:
-    config = p.root / "epochs.yaml"
-    config.write_text(p.config({}).read_text() + 'train:\n  epochs: "3"\n')
-    proc = p.snakemake("-n", "-p", "results/drafter", config=config)
-    if proc.returncode:
-        return f"refused: {said(proc)}"
-    return f"accepted silently: epochs {settings_of(proc.stdout + proc.stderr, 'train')['epochs']!r}"
+    return train_setting_as_written(p, "epochs", '"3"')
 
 
 def probe_yaml_syntax_error(p: Probe) -> str:
