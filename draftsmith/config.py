@@ -105,8 +105,14 @@ RESERVED_SERVER_ARGS = ("--model", "--host", "--port", "--uds", "--api-key", "--
 
 
 def server_args_error(args: list[Any]) -> str | None:
-    """Why `generate.server_args` may not be given to the vllm-server, or None."""
-    taken = [str(a) for a in args if str(a).split("=", 1)[0] in RESERVED_SERVER_ARGS]
+    """Why `generate.server_args` may not be given to the vllm-server, or None. vLLM's parser takes any
+    unambiguous abbreviation (`--hos`), so a prefix of a reserved flag is one too."""
+    flags = [str(a).split("=", 1)[0] for a in args]
+    taken = [
+        str(a)
+        for a, flag in zip(args, flags, strict=True)
+        if flag.startswith("--") and len(flag) > 2 and any(r.startswith(flag) for r in RESERVED_SERVER_ARGS)
+    ]
     if not taken:
         return None
     return (

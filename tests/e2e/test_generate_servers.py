@@ -208,7 +208,8 @@ def test_server_command_derives_tensor_parallel_and_respects_overrides():
 
 
 @pytest.mark.parametrize(
-    "args", [["--host", "0.0.0.0"], ["--host=0.0.0.0"], ["--api-key", "k"], ["--port=1"]]
+    "args",
+    [["--host", "0.0.0.0"], ["--host=0.0.0.0"], ["--hos", "0.0.0.0"], ["--api-key", "k"], ["--port=1"]],
 )
 def test_server_args_cannot_move_the_address_or_set_the_key(args):
     with pytest.raises(RuntimeError, match="set by the workflow"):
