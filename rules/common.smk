@@ -8,25 +8,47 @@ from snakemake.utils import validate
 
 import draftsmith
 from draftsmith.config import (
-    coerce_strings,
+    ConfigSource,
+    combination_errors,
     config_errors,
-    cross_key_errors,
+    input_file_errors,
     is_embedded_target,
+    locate,
+    merge_sources,
+    read_config_file,
     target_checks,
 )
 
-# A short message naming each bad key first; then validate() fills in the schema's defaults.
-coerce_strings(config)
-if config_errors(config):
-    raise ValueError("invalid configuration:\n  " + "\n  ".join(config_errors(config)))
+
+def config_layers():
+    """The config files and --config in the order Snakemake merged them (later ones override)."""
+    given = [
+        os.path.relpath(f) if f.is_relative_to(Path.cwd()) else str(f) for f in workflow.overwrite_configfiles
+    ]
+    files = [] if workflow.config_settings.replace_workflow_config else workflow.configfiles[len(given) :]
+    cli = ConfigSource("--config", dict(workflow.config_settings.config))
+    return [*map(read_config_file, [*files, *given]), cli]
+
+
+def stop_if_invalid(errors):
+    """One line per bad setting, each naming where it was set; Snakemake stops before any job runs or
+    any output is deleted."""
+    if errors:
+        sys.exit("invalid configuration:\n  " + "\n  ".join(locate(e, CONFIG_LAYERS) for e in errors))
+
+
+# A short message naming each bad key and its file first; then validate() fills in the schema's defaults.
+CONFIG_LAYERS = config_layers()
+merge_sources(config, CONFIG_LAYERS)
+stop_if_invalid(config_errors(config, CONFIG_LAYERS))
 validate(config, schema="../draftsmith/config.schema.yaml")
-if cross_key_errors(config):
-    raise ValueError("invalid configuration:\n  " + "\n  ".join(cross_key_errors(config)))
-# Against the target's config.json, at parse time: before any job runs or any output is deleted.
+# Against the target's config.json and each other, at parse time: before any job runs or any output is deleted.
 TARGET_ERRORS, TARGET_WARNINGS = target_checks(config)
-if TARGET_ERRORS:
-    raise ValueError("invalid configuration:\n  " + "\n  ".join(TARGET_ERRORS))
-for warning in TARGET_WARNINGS:
+stop_if_invalid(TARGET_ERRORS + combination_errors(config))
+# Every prompt file a job will read, read now (cluster jobs re-parse this file: the main process did it).
+INPUT_ERRORS, INPUT_WARNINGS = input_file_errors(config) if workflow.is_main_process else ([], [])
+stop_if_invalid(INPUT_ERRORS)
+for warning in TARGET_WARNINGS + INPUT_WARNINGS:
     print(f"warning: {warning}", file=sys.stderr)
 # Jobs inherit this process's environment: every transformers / vLLM load of the target honours it
 # (draftsmith.target.TRUST_REMOTE_CODE_ENV; not imported here, torch would slow every parse).
@@ -66,10 +88,10 @@ def section_json(section, keys=None):
 
 
 def prompt_wheel_option():
-    """The downloaded ShareGPT wheel for source sharegpt (a file, not a setting)."""
+    """The downloaded ShareGPT wheel for source sharegpt (a file, not a setting), as arguments."""
     if config["prompts"]["source"] == "sharegpt":
-        return "--wheel resources/data/sharegpt.whl"
-    return ""
+        return ["--wheel", "resources/data/sharegpt.whl"]
+    return []
 
 
 def prompt_source_inputs():
@@ -84,7 +106,7 @@ def prompt_source_inputs():
 
 def untrained_option(wildcards, input):
     """`--untrained DIR` when the rule takes the untrained baseline as an input, else nothing."""
-    return f"--untrained {input.untrained}" if "untrained" in input.keys() else ""
+    return ["--untrained", input.untrained] if "untrained" in input.keys() else []
 
 
 # ---- evaluation: held-out sets, gate modes, TensorBoard run name (rules/evaluate.smk)
@@ -119,26 +141,26 @@ def set_num_prompts(name):
 
 
 def vllm_set_options():
-    """--prompts/--out/--set-num-prompts SET=... of every held-out set for the one vLLM job."""
-    return " ".join(
-        f"--prompts {name}={heldout_prompt_file(name)} --out {name}=results/eval/{name}/vllm.json"
-        f" --set-num-prompts {name}={set_num_prompts(name)}"
-        for name in config["evaluate"]["heldout_sets"]
-    )
+    """--prompts/--out/--set-num-prompts SET=... of every held-out set for the one vLLM job, as arguments."""
+    options = []
+    for name in config["evaluate"]["heldout_sets"]:
+        options += ["--prompts", f"{name}={heldout_prompt_file(name)}"]
+        options += ["--out", f"{name}=results/eval/{name}/vllm.json"]
+        options += ["--set-num-prompts", f"{name}={set_num_prompts(name)}"]
+    return options
 
 
 def eval_summary_sets():
     """--offline/--vllm SET=PATH for every held-out set, in the configured order. With evaluate.offline
     off, vLLM's measurement stands in for the offline one."""
     offline = "offline.json" if config["evaluate"]["offline"] else "vllm.json"
-    options = [
-        f"--offline {name}=results/eval/{name}/{offline}" for name in config["evaluate"]["heldout_sets"]
-    ]
+    options = []
+    for name in config["evaluate"]["heldout_sets"]:
+        options += ["--offline", f"{name}=results/eval/{name}/{offline}"]
     if config["evaluate"]["vllm"]:
-        options += [
-            f"--vllm {name}=results/eval/{name}/vllm.json" for name in config["evaluate"]["heldout_sets"]
-        ]
-    return " ".join(options)
+        for name in config["evaluate"]["heldout_sets"]:
+            options += ["--vllm", f"{name}=results/eval/{name}/vllm.json"]
+    return options
 
 
 def offline_num_prompts(name):
@@ -154,13 +176,13 @@ def offline_options(wildcards):
     vLLM, the offline run measures everything."""
     evaluate = config["evaluate"]
     if evaluate["vllm"]:
-        return f"--num-prompts {offline_num_prompts(wildcards.heldout)} --no-ngram"
+        return ["--num-prompts", str(offline_num_prompts(wildcards.heldout)), "--no-ngram"]
     ngram = "--ngram" if evaluate["ngram"] else "--no-ngram"
-    return f"--num-prompts {set_num_prompts(wildcards.heldout)} {ngram}"
+    return ["--num-prompts", str(set_num_prompts(wildcards.heldout)), ngram]
 
 
 def gate_modes():
-    return " ".join(f"--check {name}={mode}" for name, mode in config["evaluate"]["gate"].items())
+    return [arg for name, mode in config["evaluate"]["gate"].items() for arg in ("--check", f"{name}={mode}")]
 
 
 def tensorboard_run():

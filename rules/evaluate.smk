@@ -9,11 +9,13 @@ wildcard_constraints:
     heldout=r"[A-Za-z0-9_-]+",
 
 
-# The measurement settings both engines share: the same prompts, lengths and draft count.
-EVAL_OPTIONS = (
-    f"--max-new-tokens {EVAL['max_new_tokens']} --num-draft-tokens {EVAL['num_draft_tokens']}"
-    f" --temperature {EVAL['temperature']}"
-)
+# The measurement settings both engines share: the same prompts, lengths and draft count (arguments,
+# quoted by the shell commands' :q like every config value).
+EVAL_OPTIONS = [
+    *("--max-new-tokens", str(EVAL["max_new_tokens"])),
+    *("--num-draft-tokens", str(EVAL["num_draft_tokens"])),
+    *("--temperature", str(EVAL["temperature"])),
+]
 NGRAM = "--ngram" if EVAL["ngram"] else "--no-ngram"
 OFFLINE_UNTRAINED = {} if EVAL["vllm"] else {"untrained": "results/eval/untrained_drafter"}
 OFFLINE_EVAL = {f"offline_{name}": f"results/eval/{name}/offline.json" for name in HELDOUT}
@@ -84,8 +86,8 @@ rule untrained_drafter:
         # what decides training's starting point, which the baseline is
         settings=section_json("train", ["seed", "drafter", "head_init", "layer_init"]),
     shell:
-        "draftsmith untrained-drafter --data {input.data} --vocab {input.vocab} --out {output}"
-        " --settings {params.settings:q} --threads {threads} 2>&1 | tee {log}"
+        "draftsmith untrained-drafter --data {input.data:q} --vocab {input.vocab:q} --out {output:q}"
+        " --settings {params.settings:q} --threads {threads} 2>&1 | tee {log:q}"
 
 
 rule evaluate_offline:
@@ -114,9 +116,9 @@ rule evaluate_offline:
         seed=config["evaluate"]["seed"],
     shell:
         "draftsmith run --gpus {resources.gpu} --"
-        " draftsmith evaluate --target {input.target} --drafter {input.drafter} {params.untrained}"
-        " --prompts {input.prompts} --out {output} {params.options} {params.offline} --seed {params.seed}"
-        " --threads {threads} 2>&1 | tee {log}"
+        " draftsmith evaluate --target {input.target:q} --drafter {input.drafter:q} {params.untrained:q}"
+        " --prompts {input.prompts:q} --out {output:q} {params.options:q} {params.offline:q}"
+        " --seed {params.seed:q} --threads {threads} 2>&1 | tee {log:q}"
 
 
 # Every held-out set in one batch per method: each vLLM engine starts once (~20-30 s on a CPU).
@@ -147,9 +149,9 @@ rule evaluate_vllm:
         seed=EVAL["seed"],
     shell:
         "draftsmith run --gpus {resources.gpu} --"
-        " draftsmith evaluate-vllm --target {input.target} --drafter {input.drafter}"
-        " --untrained {input.untrained} {params.sets} --num-prompts {params.num_prompts} {params.options}"
-        " {params.ngram} --seed {params.seed} --log-dir logs/vllm 2>&1 | tee {log}"
+        " draftsmith evaluate-vllm --target {input.target:q} --drafter {input.drafter:q}"
+        " --untrained {input.untrained:q} {params.sets:q} --num-prompts {params.num_prompts:q}"
+        " {params.options:q} {params.ngram:q} --seed {params.seed:q} --log-dir logs/vllm 2>&1 | tee {log:q}"
 
 
 rule eval_summary:
@@ -199,18 +201,18 @@ rule eval_summary:
     params:
         sets=eval_summary_sets(),
         gate=gate_modes(),
-        max_tau_gap=(f"--max-tau-gap {EVAL['max_tau_gap']}" if EVAL["max_tau_gap"] is not None else ""),
+        max_tau_gap=(["--max-tau-gap", str(EVAL["max_tau_gap"])] if EVAL["max_tau_gap"] is not None else []),
         max_acc_gap=EVAL["max_acc_gap"],
         min_val_gain=EVAL["min_val_gain"],
         level=EVAL["interval_level"],
         resamples=EVAL["bootstrap_resamples"],
         tensorboard=f"results/tensorboard/{tensorboard_run()}",
     shell:
-        "draftsmith eval-summary {params.sets} --data {input.data} --drafter {input.drafter}"
-        " --target {input.target} --metrics {input.metrics} --out $(dirname {output.summary})"
-        " {params.gate} {params.max_tau_gap} --max-acc-gap {params.max_acc_gap}"
-        " --min-val-gain {params.min_val_gain} --level {params.level} --resamples {params.resamples}"
-        " --tensorboard {params.tensorboard} 2>&1 | tee {log}"
+        "draftsmith eval-summary {params.sets:q} --data {input.data:q} --drafter {input.drafter:q}"
+        ' --target {input.target:q} --metrics {input.metrics:q} --out "$(dirname {output.summary:q})"'
+        " {params.gate:q} {params.max_tau_gap:q} --max-acc-gap {params.max_acc_gap:q}"
+        " --min-val-gain {params.min_val_gain:q} --level {params.level:q} --resamples {params.resamples:q}"
+        " --tensorboard {params.tensorboard:q} 2>&1 | tee {log:q}"
 
 
 # Last, and apart from the summary: when the gate fails, Snakemake deletes only gate.json; the table,
@@ -230,4 +232,4 @@ rule gate:
         runtime=config["resources"]["default"]["runtime"],
         mem_mb=config["resources"]["default"]["mem_mb"],
     shell:
-        "draftsmith gate {input} --out {output} 2>&1 | tee {log}"
+        "draftsmith gate {input:q} --out {output:q} 2>&1 | tee {log:q}"

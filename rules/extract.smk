@@ -16,8 +16,8 @@ rule tokenize:
     params:
         settings=section_json("extract", ["num_shards", "max_seq_len"]),
     shell:
-        "draftsmith tokenize --target {input.target} --traces {input.traces} --out {output}"
-        " --settings {params.settings:q} 2>&1 | tee {log}"
+        "draftsmith tokenize --target {input.target:q} --traces {input.traces:q} --out {output:q}"
+        " --settings {params.settings:q} 2>&1 | tee {log:q}"
 
 
 rule extract:
@@ -55,9 +55,9 @@ rule extract:
         dtype=config["target"]["dtype"],
     shell:
         "draftsmith run --gpus {resources.gpu} --"
-        " draftsmith extract --target {input.target} --tokens {input.tokens} --shard {wildcards.shard}"
-        " --out {output} --settings {params.settings:q} --dtype {params.dtype}"
-        " --threads {threads} --gpus {resources.gpu} 2>&1 | tee {log}"
+        " draftsmith extract --target {input.target:q} --tokens {input.tokens:q} --shard {wildcards.shard}"
+        " --out {output:q} --settings {params.settings:q} --dtype {params.dtype:q}"
+        " --threads {threads} --gpus {resources.gpu} 2>&1 | tee {log:q}"
 
 
 rule manifest:
@@ -78,5 +78,5 @@ rule manifest:
     params:
         settings=section_json("extract", ["min_teacher_agreement"]),
     shell:
-        "draftsmith manifest --target {input.target} --out {output}"
-        " --settings {params.settings:q} {input.shards} 2>&1 | tee {log}"
+        "draftsmith manifest --target {input.target:q} --out {output:q}"
+        " --settings {params.settings:q} {input.shards:q} 2>&1 | tee {log:q}"

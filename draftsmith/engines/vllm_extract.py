@@ -84,7 +84,7 @@ class VllmExtractor:
     ):
         from vllm import LLM
 
-        from draftsmith.engines import THREAD_CAPS
+        from draftsmith.engines import THREAD_CAPS, attention_backend_for, vllm_start
         from draftsmith.target import read_head_tensors, text_config_dict, trust_remote_code
 
         config = text_config_dict(target)  # a wrapper's (Kimi-K2.5) text model settings
@@ -100,28 +100,31 @@ class VllmExtractor:
         # vLLM's engine core is a child of this process and reads its thread settings from the environment
         for key in THREAD_CAPS:  # see engines.vllm_child_env
             os.environ.pop(key, None)
+        backend = attention_backend_for(str(target), dtype)
         start = time.perf_counter()
-        self.llm = LLM(
-            model=str(target),
-            dtype=dtype,
-            tensor_parallel_size=tensor_parallel_size,
-            max_model_len=max_model_len,
-            enforce_eager=enforce_eager,
-            trust_remote_code=trust_remote_code(),
-            # A cached prefix would skip the very forward pass whose states we want.
-            enable_prefix_caching=False,
-            speculative_config={
-                "method": "extract_hidden_states",
-                "num_speculative_tokens": 1,
-                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": self._ids}},
-            },
-            kv_transfer_config={
-                "kv_connector": CONNECTOR,
-                "kv_connector_module_path": CONNECTOR_MODULE,
-                "kv_role": "kv_producer",
-                "kv_connector_extra_config": {"shared_storage_path": str(self._storage)},
-            },
-        )
+        with vllm_start(f"vllm extraction of {target}"):
+            self.llm = LLM(
+                model=str(target),
+                dtype=dtype,
+                tensor_parallel_size=tensor_parallel_size,
+                max_model_len=max_model_len,
+                enforce_eager=enforce_eager,
+                trust_remote_code=trust_remote_code(),
+                # A cached prefix would skip the very forward pass whose states we want.
+                enable_prefix_caching=False,
+                speculative_config={
+                    "method": "extract_hidden_states",
+                    "num_speculative_tokens": 1,
+                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": self._ids}},
+                },
+                kv_transfer_config={
+                    "kv_connector": CONNECTOR,
+                    "kv_connector_module_path": CONNECTOR_MODULE,
+                    "kv_role": "kv_producer",
+                    "kv_connector_extra_config": {"shared_storage_path": str(self._storage)},
+                },
+                **({"attention_backend": backend} if backend else {}),
+            )
         self.load_seconds = time.perf_counter() - start
 
     def capture(self, sequences: list[Tensor]) -> list[tuple[Tensor, Tensor]]:

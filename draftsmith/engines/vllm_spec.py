@@ -33,6 +33,8 @@ from typing import Any
 
 import click
 
+from draftsmith.engines import log_cause
+
 SPEC_METRICS = {
     "drafts": "vllm:spec_decode_num_drafts",
     "draft_tokens": "vllm:spec_decode_num_draft_tokens",
@@ -135,12 +137,13 @@ def run_vllm_speculative(
     from vllm import LLM, SamplingParams
 
     from draftsmith.devices import parse_visible
-    from draftsmith.engines import single_process_on_cpu
+    from draftsmith.engines import attention_backend_for, single_process_on_cpu
     from draftsmith.target import trust_remote_code
 
     # tensor parallel over the GPUs `draftsmith run --gpus N` gave this job (one process on a CPU)
     gpus = len(parse_visible(os.environ.get("CUDA_VISIBLE_DEVICES")) or [])
     single_process_on_cpu(max(1, gpus))
+    backend = attention_backend_for(str(target), dtype)
     t0 = time.perf_counter()
     llm = LLM(
         model=str(target),
@@ -154,6 +157,7 @@ def run_vllm_speculative(
         trust_remote_code=trust_remote_code(),
         # per-request acceptance histograms; vLLM refuses the option without speculation
         **({"per_request_spec_decode_metrics": "summary"} if method else {}),
+        **({"attention_backend": backend} if backend else {}),
     )
     load_seconds = time.perf_counter() - t0
     params = SamplingParams(
@@ -236,7 +240,12 @@ def run_vllm_subprocess(
         if log_path:
             Path(log_path).write_text(log, encoding="utf-8")
         if proc.returncode != 0 or not out_path.is_file():
-            raise RuntimeError(f"vLLM run failed (exit {proc.returncode}): {' '.join(cmd)}\n{log[-6000:]}")
+            # the cause first, not the worker's stack; the whole output is in the log (or its tail here)
+            where = (
+                f"vLLM's output: {log_path}" if log_path else "last lines of vLLM's output:\n" + log[-3000:]
+            )
+            cause = log_cause(log) or "no error line in its output"
+            raise RuntimeError(f"vLLM run failed (exit {proc.returncode}): {cause}\n{where}")
         return json.loads(out_path.read_text(encoding="utf-8"))
 
 

