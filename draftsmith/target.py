@@ -21,7 +21,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from draftsmith.atomic import atomic_dir
-from draftsmith.config import read_target_config, text_config_json
+from draftsmith.config import read_target_config, target_config_errors, text_config_json
 from draftsmith.hub import HubError, snapshot
 
 # `target.trust_remote_code`: the workflow exports it to every job (Snakefile); `draftsmith
@@ -31,6 +31,10 @@ TRUST_REMOTE_CODE_ENV = "DRAFTSMITH_TRUST_REMOTE_CODE"
 
 class TargetError(RuntimeError):
     pass
+
+
+class TargetCheckError(TargetError):
+    """Settings the target's config.json rules out (bad input, exit 2)."""
 
 
 def fetch_wheel(requirement: str, dest: str | Path) -> Path:
@@ -143,15 +147,18 @@ HUB_IGNORE = [
 ]
 
 
-def link_or_copy_tree(src: Path, dst: Path) -> tuple[int, int, str]:
-    """Every file under `src` (the Hub cache's snapshot: links into its blobs) as a file under `dst`:
+def link_or_copy_tree(src: Path, dst: Path, ignore_patterns: list[str]) -> tuple[int, int, str]:
+    """Every file under `src` (the Hub cache's snapshot: links into its blobs) but those matching
+    `ignore_patterns` (a snapshot may hold files another tool fetched) as a file under `dst`:
     hard-linked to the blob when both sit on one file system (no second copy), copied otherwise.
     Returns (files, bytes, "linked" | "copied")."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    names = [str(p.relative_to(src)) for p in sorted(src.rglob("*")) if not p.is_dir()]
     files = size = 0
     how = "linked"
-    for path in sorted(src.rglob("*")):
-        if path.is_dir():
-            continue
+    for name in filter_repo_objects(names, ignore_patterns=ignore_patterns):
+        path = src / name
         blob = path.resolve()
         out = dst / path.relative_to(src)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -164,17 +171,21 @@ def link_or_copy_tree(src: Path, dst: Path) -> tuple[int, int, str]:
     return files, size, how
 
 
-def materialize_hub_target(repo_id: str, revision: str | None, out_dir: str | Path) -> dict[str, Any]:
+def materialize_hub_target(
+    repo_id: str, revision: str | None, out_dir: str | Path, checks: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """A Hugging Face Hub model as a local folder `out_dir`: fetched into the Hub cache (or found there;
-    offline with HF_HUB_OFFLINE=1), its files linked into the folder, which is checked for what every
-    stage reads (config.json with layer count and vocabulary, safetensors weights). Written atomically."""
+    offline with HF_HUB_OFFLINE=1), checked for what every stage reads (config.json with layer count and
+    vocabulary, safetensors weights) and against `checks` ({"aux_layers", "vocab_size"}: the start-up
+    checks a target not yet downloaded at start-up could not have), then its files linked into the
+    folder, atomically. Nothing is written when a check fails."""
     try:
         cached = snapshot(repo_id, revision, ignore_patterns=HUB_IGNORE)
     except HubError as err:
         raise TargetError(f"target.model: {err}") from None
     if not (cached / "config.json").is_file():
         raise TargetError(f"target.model: {repo_id} has no config.json (not a transformers model)")
-    if not any(cached.rglob("*.safetensors")):
+    if not any(cached.rglob("*.safetensors")):  # the patterns above leave no other weights
         raise TargetError(
             f"target.model: {repo_id} has no *.safetensors weights; draftsmith reads safetensors only "
             "(convert the model with save_pretrained, or point target.model at a converted folder)"
@@ -183,8 +194,12 @@ def materialize_hub_target(repo_id: str, revision: str | None, out_dir: str | Pa
         config = read_target_config(cached)
     except ValueError as err:
         raise TargetError(f"target.model: {err}") from None
+    if checks:
+        errors = target_config_errors(config, checks.get("aux_layers"), checks["vocab_size"], repo_id)
+        if errors:
+            raise TargetCheckError("invalid configuration:\n  " + "\n  ".join(errors))
     with atomic_dir(out_dir) as tmp:
-        files, size, how = link_or_copy_tree(cached, Path(tmp))
+        files, size, how = link_or_copy_tree(cached, Path(tmp), HUB_IGNORE)
     return {
         "commit": cached.name,
         "snapshot": str(cached),

@@ -31,11 +31,18 @@ for warning in TARGET_WARNINGS:
 # (draftsmith.target.TRUST_REMOTE_CODE_ENV; not imported here, torch would slow every parse).
 TRUST_REMOTE_CODE = "1" if config["target"]["trust_remote_code"] else "0"
 os.environ["DRAFTSMITH_TRUST_REMOTE_CODE"] = TRUST_REMOTE_CODE
+# What a target's config.json can rule out (extract.aux_layers, vocab.size), for the target job to check
+# once a Hub target is downloaded, before any other job reads it (draftsmith.target.TARGET_CHECKS_ENV).
+# A check, not an input of the result: the environment, so that changing them reruns no download.
+os.environ["DRAFTSMITH_TARGET_CHECKS"] = json.dumps(
+    {"aux_layers": config["extract"]["aux_layers"], "vocab_size": config["vocab"]["size"]}, sort_keys=True
+)
 
 
-# declared: Snakemake passes it on to jobs of remote executors (SLURM, Kubernetes) too
+# declared: Snakemake passes them on to jobs of remote executors (SLURM, Kubernetes) too
 envvars:
     "DRAFTSMITH_TRUST_REMOTE_CODE",
+    "DRAFTSMITH_TARGET_CHECKS",
 
 
 wildcard_constraints:
@@ -64,19 +71,6 @@ def section_json(section, keys=None):
     if keys is not None:
         values = {key: values[key] for key in keys}
     return json.dumps(values, sort_keys=True)
-
-
-def target_ready():
-    """For a Hub target, generate also waits for the check_target rule (the start-up checks that need
-    the target's config.json, run once it is downloaded). `ancient`: rerunning the checks after a
-    settings change reruns no generation."""
-    return {"target_checks": ancient("results/target_checks.json")} if HUB_TARGET else {}
-
-
-def target_check_settings():
-    """What check_target rules on, as JSON: the settings the target's config.json can rule out."""
-    checked = {"aux_layers": config["extract"]["aux_layers"], "vocab_size": config["vocab"]["size"]}
-    return json.dumps(checked, sort_keys=True)
 
 
 # The prompts settings that change the selection, passed to the prompts rule as --settings.

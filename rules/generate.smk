@@ -1,6 +1,5 @@
 rule generate:
     input:
-        unpack(target_ready()),
         target=TARGET,
         prompts="results/prompts/train.jsonl",
     output:
