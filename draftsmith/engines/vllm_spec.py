@@ -33,12 +33,8 @@ from typing import Any
 
 import click
 
-SPEC_METRICS = {
-    "drafts": "vllm:spec_decode_num_drafts",
-    "draft_tokens": "vllm:spec_decode_num_draft_tokens",
-    "accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
-    "accepted_per_pos": "vllm:spec_decode_num_accepted_tokens_per_pos",
-}
+from draftsmith.engines.vllm_api import SPEC_METRICS
+
 RESULT_MARKER = "DRAFTSMITH_VLLM_RESULT "  # prefix of the result line on stdout
 
 
