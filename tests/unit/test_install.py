@@ -148,3 +148,18 @@ def test_snakefile_min_version_is_the_installed_floor():
     floor = next(r for r in PYPROJECT["dependencies"] if r.startswith("snakemake"))
     wanted = re.search(r">=([\d.]+)", floor).group(1)
     assert f'min_version("{wanted}")' in (REPO / "Snakefile").read_text()
+
+
+def test_the_conda_env_of_the_rules_is_the_resolved_gpu_install():
+    """Every rule's `conda:` names envs/draftsmith.yaml: CPython 3.11 and this checkout's `gpu` extra,
+    the requirement set test_the_gpu_install_resolves_for_a_linux_node resolves."""
+    import yaml
+
+    env = yaml.safe_load((REPO / "envs" / "draftsmith.yaml").read_text())
+    deps = env["dependencies"]
+    assert "python=3.11" in deps
+    pip = next(d["pip"] for d in deps if isinstance(d, dict))
+    assert pip == ["-e ..[gpu]"]  # relative to envs/: the repository root
+    text = "".join(p.read_text() for p in sorted((REPO / "rules").glob("*.smk")))
+    rules = re.findall(r"^\s*rule (\w+):", text, re.M)
+    assert len(re.findall(r'conda:\s*\n\s*"\.\./envs/draftsmith\.yaml"', text)) == len(rules) > 10
