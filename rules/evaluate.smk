@@ -87,7 +87,7 @@ rule evaluate_offline:
         "draftsmith run --gpus {resources.gpu} --"
         " draftsmith evaluate --target {input.target} --drafter {input.drafter} {params.untrained}"
         " --prompts {input.prompts} --out {output} {params.options} {params.offline} --seed {params.seed}"
-        " --threads {threads} 2>&1 | tee {log}"
+        " --threads {threads} --gpus {resources.gpu} 2>&1 | tee {log}"
 
 
 # Every held-out set in one batch per method: each vLLM engine starts once (~20-30 s on a CPU).
@@ -110,16 +110,23 @@ rule evaluate_vllm:
         gpu=config["resources"]["evaluate"]["gpus"],
         runtime=config["resources"]["evaluate"]["runtime"],
         mem_mb=config["resources"]["evaluate"]["mem_mb"],
+        gpu_memory_utilization=str(config["resources"]["evaluate"]["gpu_memory_utilization"]),
+        vllm_timeout_s=str(config["resources"]["evaluate"]["vllm_timeout_s"]),
     params:
         options=EVAL_OPTIONS,
         num_prompts=EVAL["num_prompts"],
         ngram=NGRAM,
         sets=vllm_set_options(),
+        # the target's dtype on GPUs (float32 on a CPU); eager or CUDA graphs (null: by device)
+        dtype=config["target"]["dtype"],
+        eager={True: "--vllm-eager", False: "--vllm-compiled", None: ""}[EVAL["vllm_eager"]],
     shell:
         "draftsmith run --gpus {resources.gpu} --"
         " draftsmith evaluate-vllm --target {input.target} --drafter {input.drafter}"
         " --untrained {input.untrained} {params.sets} --num-prompts {params.num_prompts} {params.options}"
-        " {params.ngram} --log-dir logs/vllm 2>&1 | tee {log}"
+        " {params.ngram} --gpus {resources.gpu} --dtype {params.dtype} {params.eager}"
+        " --gpu-memory-utilization {resources.gpu_memory_utilization} --timeout-s {resources.vllm_timeout_s}"
+        " --log-dir logs/vllm 2>&1 | tee {log}"
 
 
 rule eval_summary:

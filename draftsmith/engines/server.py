@@ -30,6 +30,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from draftsmith.devices import parse_visible
 from draftsmith.engines import vllm_child_env
 from draftsmith.engines.openai import OpenAIChatEngine, OpenAIClient
 from draftsmith.engines.vllm_api import API_SERVER_MODULE
@@ -55,6 +56,21 @@ def _has_flag(args: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
+def tensor_parallel_size(gpus: int, devices: list[str] | None, visible: str | None) -> int:
+    """How many GPUs one server spans: the devices given, else the job's GPU count (`draftsmith run
+    --gpus N` made exactly N visible). Raises ValueError when the job has fewer visible devices than
+    GPUs (CUDA_VISIBLE_DEVICES, when set, lists them)."""
+    if devices:
+        return len(devices)
+    shown = parse_visible(visible)
+    if gpus > 0 and shown is not None and len(shown) < gpus:
+        raise ValueError(
+            f"resources.generate.gpus is {gpus} but only {len(shown)} GPU(s) are visible "
+            f"(CUDA_VISIBLE_DEVICES={visible!r}); run the stage through `draftsmith run --gpus {gpus} --`"
+        )
+    return max(1, gpus)
+
+
 def server_command(
     model: str,
     port: int,
@@ -65,8 +81,14 @@ def server_command(
     extra_args: list[str] | tuple[str, ...] = (),
     python: str = sys.executable,
     module: str = API_SERVER_MODULE,
+    tensor_parallel: int | None = None,
+    gpu_memory_utilization: float | None = None,
 ) -> list[str]:
-    """The api_server command line. Settings given in `extra_args` win over the derived ones."""
+    """The api_server command line. Settings given in `extra_args` win over the derived ones.
+
+    tensor_parallel: GPUs the model is split over (default: one per device given); with
+    --enable-expert-parallel in extra_args vLLM's MoE layers then use EP = that size.
+    gpu_memory_utilization: passed on GPUs only (tensor_parallel or devices given)."""
     extra = list(extra_args)
     cmd = [python, "-m", module, "--model", str(model), "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--served-model-name", served_name]
@@ -75,8 +97,12 @@ def server_command(
     if seed is not None and not _has_flag(extra, "--seed"):
         cmd += ["--seed", str(seed)]
     # One job's GPUs serve one model: split it over all of them unless told otherwise.
-    if devices and len(devices) > 1 and not _has_flag(extra, "--tensor-parallel-size"):
-        cmd += ["--tensor-parallel-size", str(len(devices))]
+    tp = tensor_parallel or (len(devices) if devices else 1)
+    if tp > 1 and not (_has_flag(extra, "--tensor-parallel-size") or _has_flag(extra, "-tp")):
+        cmd += ["--tensor-parallel-size", str(tp)]
+    on_gpu = bool(tensor_parallel or devices)
+    if on_gpu and gpu_memory_utilization is not None and not _has_flag(extra, "--gpu-memory-utilization"):
+        cmd += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
     return cmd + extra
 
 
@@ -170,6 +196,8 @@ class VllmServer:
         env: dict[str, str] | None = None,
         module: str
         | None = None,  # default API_SERVER_MODULE; another with the same flags (tests: a stand-in)
+        tensor_parallel: int | None = None,
+        gpu_memory_utilization: float | None = None,
     ):
         self.model = str(model)
         self.port = port
@@ -182,6 +210,8 @@ class VllmServer:
         self.stop_grace_s = stop_grace_s
         self.env = env
         self.module = module or API_SERVER_MODULE
+        self.tensor_parallel = tensor_parallel
+        self.gpu_memory_utilization = gpu_memory_utilization
         self.proc: subprocess.Popen | None = None
         self.startup_seconds: float | None = None
         self._old_handlers: dict[int, Any] = {}
@@ -200,20 +230,26 @@ class VllmServer:
 
     # ------------------------------------------------------------------------- start
 
-    def start(self) -> VllmServer:
-        if self.proc is not None:
-            raise RuntimeError("server already started")
-        self.port = self.port or free_port()
-        cmd = server_command(
+    def command(self) -> list[str]:
+        """The server's command line (on the port given, else 0 until start() picks a free one)."""
+        return server_command(
             self.model,
-            self.port,
+            self.port or 0,
             SERVED_NAME,
             self.devices,
             self.dtype,
             self.seed,
             self.extra_args,
             module=self.module,
+            tensor_parallel=self.tensor_parallel,
+            gpu_memory_utilization=self.gpu_memory_utilization,
         )
+
+    def start(self) -> VllmServer:
+        if self.proc is not None:
+            raise RuntimeError("server already started")
+        self.port = self.port or free_port()
+        cmd = self.command()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         out = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps writing after we return
         out.write(f"$ {' '.join(cmd)}\n".encode())
@@ -330,11 +366,16 @@ class VllmServerEngine(OpenAIChatEngine):
         self.model = str(server.model)  # the target folder, not the served alias
         self.startup_seconds = server.startup_seconds
 
-    @classmethod
-    def open(  # type: ignore[override]
-        cls, settings: Any, target: str, render: Callable, fingerprint: str, log_path: str
-    ) -> VllmServerEngine:
-        server = VllmServer(
+    @staticmethod
+    def server(settings: Any, target: str, log_path: str) -> VllmServer:
+        """The (not yet started) server for the generate settings: tensor parallel over the job's GPUs
+        (settings.gpus, or the devices given), its dtype, seed, memory share and server_args."""
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        try:
+            gpus = tensor_parallel_size(settings.gpus, settings.devices, visible)
+        except ValueError as err:
+            raise ServerError(str(err)) from None
+        return VllmServer(
             target,
             devices=settings.devices,
             extra_args=settings.server_args,
@@ -342,7 +383,15 @@ class VllmServerEngine(OpenAIChatEngine):
             dtype=settings.dtype,
             seed=settings.seed,
             startup_timeout_s=settings.server_startup_timeout_s,
-        ).start()
+            tensor_parallel=gpus if settings.gpus or settings.devices else None,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+        )
+
+    @classmethod
+    def open(  # type: ignore[override]
+        cls, settings: Any, target: str, render: Callable, fingerprint: str, log_path: str
+    ) -> VllmServerEngine:
+        server = cls.server(settings, target, log_path).start()
         try:
             client = OpenAIClient(
                 server.base_url,

@@ -227,3 +227,25 @@ def test_trust_remote_code_reaches_transformers(tmp_path, monkeypatch):
     assert result.exit_code == 0 and os.environ[target_mod.TRUST_REMOTE_CODE_ENV] == "1"
     assert load_target_config(tmp_path).built_by_remote_code is True
     assert load_target_head(tmp_path).config.kv_lora_rank == 512
+
+
+def test_a_wrapper_that_is_no_causal_lm_loads_as_its_language_model(tmp_path, target_model):
+    """Kimi-K2.5's layout: transformers' AutoModelForCausalLM refuses the wrapper, so the transformers
+    engines load the class of its text_config with the `language_model.` weights, the same function."""
+    from conftest import fp_tolerance
+
+    from draftsmith.target import language_model_keys, load_target
+
+    twin, _ = twins.save_kimi(tmp_path, vocab_size=49152, tokenizer_from=target_model)
+    assert language_model_keys(tmp_path) == {
+        r"^language_model\.model\.": "model.",
+        r"^language_model\.lm_head\.weight$": "lm_head.weight",
+    }
+    model, tokenizer = load_target(tmp_path, torch.float32)
+    assert type(model).__name__ == "DeepseekV3ForCausalLM" and tokenizer.vocab_size == 49152
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        got, want = model(ids).logits, twin(ids).logits
+    torch.testing.assert_close(
+        got, want, **fp_tolerance(torch.float32, twins.LAYERS, twins.HIDDEN, want.abs().max())
+    )
