@@ -77,9 +77,8 @@ class GenerateSettings:
     server_args: list[str] = field(default_factory=lambda: ["--enforce-eager"])
     server_startup_timeout_s: float = 900.0
     devices: list[str] | None = None
-    gpus: int = (
-        0  # the job's GPUs (resources.generate.gpus): the vllm-server engine is tensor parallel over them
-    )
+    # the job's GPUs (resources.generate.gpus): the vllm-server engine is tensor parallel over them
+    gpus: int = 0
     gpu_memory_utilization: float = 0.9
     reasoning: str = "auto"
     multi_turn: str = "regenerate"
