@@ -8,7 +8,7 @@ from snakemake.utils import min_version
 
 from draftsmith.config import config_file_error
 
-min_version("9.0")
+min_version("9.20")
 
 # Snakemake's own reader says only "not valid JSON or YAML"; this names the file and line (files given
 # with --configfile are read by Snakemake before this file is).

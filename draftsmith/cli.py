@@ -362,6 +362,15 @@ def fetch_wheel_cmd(requirement: str, out: str, cache: str) -> None:
     help="Finish despite failed prompts up to this fraction (else fail; a rerun retries them).",
 )
 @setting("resources.generate", "server_startup_timeout_s", "--server-startup-timeout-s")
+@setting(
+    "resources.generate",
+    "gpus",
+    "--gpus",
+    help="GPUs of this job: the vllm-server engine is tensor parallel over them (--tensor-parallel-size).",
+)
+@setting(
+    "resources.generate", "gpu_memory_utilization", "--gpu-memory-utilization", help="vllm-server on GPUs."
+)
 @click.option(
     "--devices", help="vllm-server: GPU ids for CUDA_VISIBLE_DEVICES, e.g. 0,1 [default: inherited]."
 )
@@ -526,6 +535,9 @@ def _aux_layer_ids(text: str | None) -> list[int] | None:
     "--vllm-eager/--vllm-compiled",
     help="vLLM without torch.compile/CUDA graphs (fast start) or with them (faster on GPUs).",
 )
+@setting(
+    "resources.extract", "gpu_memory_utilization", "--gpu-memory-utilization", help="vllm engine on GPUs."
+)
 def extract(
     target_path: str, tokens: str, shard: int, out: str, settings_json: str | None, **kw: Any
 ) -> None:
@@ -537,7 +549,7 @@ def extract(
     from draftsmith.estimate import NotEnoughDisk
     from draftsmith.extract import extract_shard
 
-    ops = {"threads": kw.pop("threads"), "gpus": kw.pop("gpus")}
+    ops = {key: kw.pop(key) for key in ("threads", "gpus", "gpu_memory_utilization")}
     dtype = kw.pop("dtype") or section_defaults("target")["dtype"]
     kw["aux_layers"] = _aux_layer_ids(kw["aux_layers"])
     values = resolve(settings_json, kw, "extract")
@@ -545,6 +557,9 @@ def extract(
     compile_mode = {True: "on", False: "off"}.get(values["compile"], values["compile"])
     options = {key: values[key] for key in ("batch_tokens", "codec", "zstd_level", "engine", "vllm_eager")}
     options.update(dtype=dtype, compile=compile_mode, threads=ops["threads"], gpus=ops["gpus"] or 0)
+    options["gpu_memory_utilization"] = (
+        ops["gpu_memory_utilization"] or section_defaults("resources.extract")["gpu_memory_utilization"]
+    )
     try:
         extract_shard(target_path, tokens, shard, out, values["aux_layers"], **options)
     except ValueError as err:
@@ -590,13 +605,14 @@ def estimate(tokens: str | None, target_path: str | None, aux_layers: str | None
         import torch
 
         from draftsmith.extract import resolve_aux_layers
-        from draftsmith.target import load_target
+        from draftsmith.target import load_target, text_config_dict
         from draftsmith.tokenize import load_tokens
 
         tensors, _ = load_tokens(tokens)
         offsets = tensors["offsets"].tolist()
         model, _ = load_target(target_path, getattr(torch, kw["dtype"]))
-        layer_ids = resolve_aux_layers(_aux_layer_ids(aux_layers), model.config.num_hidden_layers)
+        num_layers = text_config_dict(target_path)["num_hidden_layers"]  # a wrapper's too (Kimi-K2.5)
+        layer_ids = resolve_aux_layers(_aux_layer_ids(aux_layers), num_layers)
         from draftsmith.engines.hf import HfExtractor
         from draftsmith.estimate import probe_batches
         from draftsmith.extract import PROBE_SHARE, token_batches
@@ -868,6 +884,9 @@ def _eval_settings(kw: dict[str, Any], *keys: str) -> dict[str, Any]:
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Result JSON to write.")
 @setting("evaluate", "seed", "--seed", help="Sampling seed (temperature > 0).")
 @click.option("--threads", type=click.IntRange(min=1), help=THREADS_HELP)
+@setting(
+    "resources.evaluate", "gpus", "--gpus", help="GPUs of this job: target and drafters run on the first."
+)
 def evaluate(target_path: str, drafter: str, untrained: str | None, prompts_path: str, **kw: Any) -> None:
     """Offline speculative decoding on held-out prompts (target in float32, batch 1).
 
@@ -876,11 +895,15 @@ def evaluate(target_path: str, drafter: str, untrained: str | None, prompts_path
     wall-clock speedup over plain decoding. Writes --out (JSON); `draftsmith eval-summary` and
     `draftsmith gate` turn it into the report and the verdict.
     """
-    from draftsmith.evaluate import NotLossless, evaluate_offline
+    from draftsmith.evaluate import NotLossless, evaluate_offline, offline_device
 
     _eval_settings(kw, "seed")
     drafters = _drafters(drafter, untrained, target_path)  # a broken export: one line, before any load
     _warn_draft_positions(drafter, kw["num_draft_tokens"])
+    try:
+        kw["device"] = offline_device(kw.pop("gpus") or 0)
+    except ValueError as err:
+        _fail(str(err), EXIT_BAD_INPUT)
     try:
         evaluate_offline(target_path, drafters, prompts_path, kw.pop("out"), **kw)
     except NotLossless as err:
@@ -930,8 +953,28 @@ def benchmark_prompts(name: str, wheel: str, out: str) -> None:
     help="Prompts to decode of one set where it differs from --num-prompts (0 = all; evaluate.set_num_prompts).",
 )
 @setting("evaluate", "seed", "--seed", help="Sampling seed of every request (temperature > 0).")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
-              help="vLLM's dtype; float32 matches the offline measurement token for token.")  # fmt: skip
+@setting(
+    "target",
+    "dtype",
+    "--dtype",
+    help="vLLM's dtype on GPUs (auto: bfloat16); on a CPU always float32, where vLLM's tokens equal "
+    "the offline measurement's.",
+)
+@setting("resources.evaluate", "gpus", "--gpus", help="GPUs of this job: vLLM is tensor parallel over them.")
+@setting(
+    "evaluate",
+    "vllm_eager",
+    "--vllm-eager/--vllm-compiled",
+    help="enforce_eager, or torch.compile + CUDA graphs [unset: eager on a CPU, graphs on GPUs].",
+)
+@setting("resources.evaluate", "gpu_memory_utilization", "--gpu-memory-utilization", help="On GPUs.")
+@setting(
+    "resources.evaluate",
+    "vllm_timeout_s",
+    "--timeout-s",
+    "vllm_timeout_s",
+    help="Seconds one vLLM run (load + decoding) may take before the stage fails naming it.",
+)
 @click.option("--log-dir", type=click.Path(file_okay=False), help="Keep each vLLM run's output here.")
 def evaluate_vllm_cmd(
     target_path: str,
@@ -948,9 +991,21 @@ def evaluate_vllm_cmd(
     spec-decode counters and per-request acceptance histograms: drafts, accepted tokens per position per
     prompt; tau = 1 + accepted / drafts; throughput with and without speculation.
     """
-    from draftsmith.evaluate import VllmUnavailable, evaluate_vllm
+    from draftsmith.evaluate import VllmUnavailable, evaluate_vllm, vllm_eval_dtype
 
     _eval_settings(kw, "seed")
+    ops = {
+        k: v if kw[k] is None else kw[k] for k, v in section_defaults("resources.evaluate").items() if k in kw
+    }
+    gpus, eager = ops["gpus"], kw.pop("vllm_eager")
+    kw.update(
+        dtype=vllm_eval_dtype(kw["dtype"] or section_defaults("target")["dtype"], gpus),
+        enforce_eager=gpus == 0 if eager is None else eager,
+        tensor_parallel_size=max(1, gpus),
+        gpu_memory_utilization=ops["gpu_memory_utilization"] if gpus else None,  # CPU: VLLM_CPU_KVCACHE_SPACE
+        timeout_s=ops["vllm_timeout_s"],
+    )
+    kw.pop("gpus"), kw.pop("vllm_timeout_s")
     drafters = _drafters(drafter, untrained, target_path)  # a broken export: one line, before vLLM starts
     _warn_draft_positions(drafter, kw["num_draft_tokens"])
 

@@ -51,6 +51,8 @@ SETTINGS_OPS = {
         "max_consecutive_failures",
         "max_failed_fraction",
         "server_startup_timeout_s",
+        "gpus",
+        "gpu_memory_utilization",
     ),
     "train": ("threads", "checkpoint_every", "loader_threads"),
 }

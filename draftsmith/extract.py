@@ -74,12 +74,14 @@ def checked_positions(
 
 
 def count_agreeing(lm_head_weight: torch.Tensor, states: torch.Tensor, next_ids: torch.Tensor) -> int:
-    """How many rows have argmax(lm_head(state)) == next id, in chunks that bound the [rows, V] logits."""
+    """How many rows have argmax(lm_head(state)) == next id, in chunks that bound the [rows, V] logits,
+    on lm_head's device (the job's GPU when it has one)."""
     agree = 0
+    device, dtype = lm_head_weight.device, lm_head_weight.dtype
     for i in range(0, states.shape[0], 512):
-        logits = states[i : i + 512].to(lm_head_weight.dtype) @ lm_head_weight.T
+        logits = states[i : i + 512].to(device, dtype) @ lm_head_weight.T
         # max().indices is argmax (the first maximum); in bf16 on CPU it runs ~5x faster than argmax()
-        agree += int((logits.max(-1).indices == next_ids[i : i + 512]).sum())
+        agree += int((logits.max(-1).indices == next_ids[i : i + 512].to(device)).sum())
     return agree
 
 
@@ -116,6 +118,7 @@ def make_engine(
     max_model_len: int = 2048,
     workdir: Path | None = None,
     vllm_eager: bool = True,
+    gpu_memory_utilization: float | None = None,
 ):
     """An extraction engine: `.capture(list of [T] ids) -> [(aux [T, A, H], final [T, H])]`,
     `.lm_head_weight`, `.close()`."""
@@ -134,6 +137,7 @@ def make_engine(
             max_model_len=max_model_len,
             storage_dir=workdir,
             enforce_eager=vllm_eager,
+            gpu_memory_utilization=gpu_memory_utilization if gpus else None,  # GPUs only
         )
     raise ValueError(f"unknown extraction engine {engine!r}; expected transformers or vllm")
 
@@ -159,6 +163,7 @@ def extract_shard(
     gpus: int = 0,
     vllm_eager: bool = True,
     extractor=None,
+    gpu_memory_utilization: float | None = None,
 ) -> dict[str, Any]:
     """Extract one shard. `out_path=None` computes everything but writes nothing, and `extractor` is an
     engine to reuse (left open), both for benchmarks."""
@@ -194,8 +199,9 @@ def extract_shard(
     own_engine = extractor is None
     if own_engine:
         extractor = make_engine(
-            engine, target, layer_ids, dtype, gpus, max(lengths) + 1, scratch, vllm_eager=vllm_eager
-        )
+            engine, target, layer_ids, dtype, gpus, max(lengths) + 1, scratch, vllm_eager=vllm_eager,
+            gpu_memory_utilization=gpu_memory_utilization,
+        )  # fmt: skip
     writer, estimate = None, {}
     try:
         plan = token_batches(lengths, batch_tokens)

@@ -78,6 +78,9 @@ class GenerateSettings:
     server_host: str = "127.0.0.1"
     server_startup_timeout_s: float = 900.0
     devices: list[str] | None = None
+    # the job's GPUs (resources.generate.gpus): the vllm-server engine is tensor parallel over them
+    gpus: int = 0
+    gpu_memory_utilization: float = 0.9
     reasoning: str = "auto"
     multi_turn: str = "regenerate"
     max_prompt_tokens: int = 0
@@ -88,7 +91,7 @@ class GenerateSettings:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> GenerateSettings:
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known - {"gpus"})  # gpus is a Snakemake resource, not a setting
+        unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown generate settings: {', '.join(unknown)}")
         settings = cls(**{k: v for k, v in values.items() if k in known})

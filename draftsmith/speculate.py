@@ -242,8 +242,9 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
 
 
 def sample_from(probs: Tensor, generator: torch.Generator | None) -> int:
-    """One draw from a probability vector [V]."""
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """One draw from a probability vector [V], on the CPU whatever the target's device: the seeded
+    generators are CPU ones, and the same seed then draws the same token on a GPU."""
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
 def target_probs(logits: Tensor, temperature: float) -> Tensor:
@@ -272,7 +273,7 @@ def rejection_sample(
             qi = torch.zeros_like(p[i])
             qi[d] = 1.0
         else:
-            qi = q[i].to(p.dtype)
+            qi = q[i].to(p.device, p.dtype)
         if not qi[d] > 0:
             raise ValueError(f"draft {i} (token {d}) has draft probability 0: it cannot have been drawn")
         u = torch.rand((), generator=generator, dtype=torch.float64)
@@ -369,8 +370,11 @@ class Eagle3Proposer:
         drafts = self._chain(
             k, lambda logits: torch.multinomial(target_probs(logits[0], temperature), 1, generator=generator)
         )
-        target_ids = self.drafter.draft_to_target(torch.arange(self.drafter.cfg.draft_vocab_size))
-        q = torch.zeros(k, self.drafter.cfg.target_vocab_size)
+        device = self.drafter.d2t.device
+        target_ids = self.drafter.draft_to_target(
+            torch.arange(self.drafter.cfg.draft_vocab_size, device=device)
+        )
+        q = torch.zeros(k, self.drafter.cfg.target_vocab_size, device=device)
         for j, logits in enumerate(self.draft_logits):
             q[j, target_ids] = target_probs(logits[0], temperature).to(q.device)
         return drafts, q

@@ -236,13 +236,42 @@ def load_tokenizer(path: str | Path):
 
 
 def load_target(path: str | Path, dtype: torch.dtype = torch.float32):
-    """(model in eval mode, tokenizer) from a local HF folder."""
+    """(model in eval mode, tokenizer) from a local HF folder. A multimodal wrapper that is no causal LM
+    itself (Kimi-K2.5: KimiK25ForConditionalGeneration) loads as its language model: the class of its
+    `text_config`, with the weights found under the wrapper's prefix (`language_model.`)."""
     from transformers import AutoModelForCausalLM
 
     path = check_target_dir(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code())
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code())
+    except ValueError:
+        if not isinstance(
+            json.loads((path / "config.json").read_text(encoding="utf-8")).get("text_config"), dict
+        ):
+            raise
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            config=load_target_config(path),
+            dtype=dtype,
+            trust_remote_code=trust_remote_code(),
+            key_mapping=language_model_keys(path),
+        )
     model.eval()
     return model, load_tokenizer(path)
+
+
+def language_model_keys(path: str | Path) -> dict[str, str]:
+    """transformers' key_mapping from a wrapper's checkpoint names to its language model's own
+    (`language_model.model.` -> `model.`, `language_model.lm_head.weight` -> `lm_head.weight`)."""
+    import re
+
+    config = text_config_dict(path)
+    names = head_tensor_names(weight_map(path), bool(config.get("tie_word_embeddings")))
+    model_prefix = names["embed"][: -len("embed_tokens.weight")]
+    mapping = {f"^{re.escape(model_prefix)}": "model."}
+    if names["lm_head"] != names["embed"]:
+        mapping[f"^{re.escape(names['lm_head'])}$"] = "lm_head.weight"
+    return mapping
 
 
 # ------------------------------------------------------------------------------------ config and head

@@ -118,7 +118,7 @@ rule evaluate_offline:
         "draftsmith run --gpus {resources.gpu} --"
         " draftsmith evaluate --target {input.target:q} --drafter {input.drafter:q} {params.untrained:q}"
         " --prompts {input.prompts:q} --out {output:q} {params.options:q} {params.offline:q}"
-        " --seed {params.seed:q} --threads {threads} 2>&1 | tee {log:q}"
+        " --seed {params.seed:q} --threads {threads} --gpus {resources.gpu} 2>&1 | tee {log:q}"
 
 
 # Every held-out set in one batch per method: each vLLM engine starts once (~20-30 s on a CPU).
@@ -141,17 +141,25 @@ rule evaluate_vllm:
         gpu=config["resources"]["evaluate"]["gpus"],
         runtime=config["resources"]["evaluate"]["runtime"],
         mem_mb=config["resources"]["evaluate"]["mem_mb"],
+        gpu_memory_utilization=str(config["resources"]["evaluate"]["gpu_memory_utilization"]),
+        vllm_timeout_s=str(config["resources"]["evaluate"]["vllm_timeout_s"]),
     params:
         options=EVAL_OPTIONS,
         num_prompts=EVAL["num_prompts"],
         ngram=NGRAM,
         sets=vllm_set_options(),
         seed=EVAL["seed"],
+        # the target's dtype on GPUs (float32 on a CPU); eager or CUDA graphs (null: by device)
+        dtype=config["target"]["dtype"],
+        eager={True: ["--vllm-eager"], False: ["--vllm-compiled"], None: []}[EVAL["vllm_eager"]],
     shell:
         "draftsmith run --gpus {resources.gpu} --"
         " draftsmith evaluate-vllm --target {input.target:q} --drafter {input.drafter:q}"
         " --untrained {input.untrained:q} {params.sets:q} --num-prompts {params.num_prompts:q}"
-        " {params.options:q} {params.ngram:q} --seed {params.seed:q} --log-dir logs/vllm 2>&1 | tee {log:q}"
+        " {params.options:q} {params.ngram:q} --seed {params.seed:q} --gpus {resources.gpu}"
+        " --dtype {params.dtype:q} {params.eager:q}"
+        " --gpu-memory-utilization {resources.gpu_memory_utilization} --timeout-s {resources.vllm_timeout_s}"
+        " --log-dir logs/vllm 2>&1 | tee {log:q}"
 
 
 rule eval_summary:

@@ -37,6 +37,7 @@ rule extract:
         gpu=config["resources"]["extract"]["gpus"],
         runtime=config["resources"]["extract"]["runtime"],
         mem_mb=config["resources"]["extract"]["mem_mb"],
+        gpu_memory_utilization=str(config["resources"]["extract"]["gpu_memory_utilization"]),
     params:
         # batch_tokens, engine, compile and vllm_eager change the bf16 rounding; codec and zstd_level
         # the shard file's bytes (not its tensors)
@@ -57,7 +58,8 @@ rule extract:
         "draftsmith run --gpus {resources.gpu} --"
         " draftsmith extract --target {input.target:q} --tokens {input.tokens:q} --shard {wildcards.shard}"
         " --out {output:q} --settings {params.settings:q} --dtype {params.dtype:q}"
-        " --threads {threads} --gpus {resources.gpu} 2>&1 | tee {log:q}"
+        " --threads {threads} --gpus {resources.gpu}"
+        " --gpu-memory-utilization {resources.gpu_memory_utilization} 2>&1 | tee {log:q}"
 
 
 rule manifest:

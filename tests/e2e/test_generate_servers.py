@@ -31,7 +31,7 @@ from draftsmith.engines.openai import (
     parse_completion,
     split_reasoning,
 )
-from draftsmith.engines.server import VllmServer, group_alive, server_command
+from draftsmith.engines.server import VllmServer, group_alive, server_command, tensor_parallel_size
 from draftsmith.generate import GenerateError, GenerateSettings, generate_traces
 from draftsmith.prompts import PromptError
 
@@ -215,6 +215,30 @@ def test_server_args_cannot_move_the_address_or_set_the_key(args):
     with pytest.raises(RuntimeError, match="set by the workflow"):
         server_command("/m", 1234, extra_args=["--enforce-eager", *args])
     assert server_command("/m", 1234, host="0.0.0.0")[5:7] == ["--host", "0.0.0.0"]  # the explicit setting
+
+
+def test_the_server_spans_the_jobs_gpus_with_expert_parallel_over_them():
+    """resources.generate.gpus -> --tensor-parallel-size; with --enable-expert-parallel vLLM's MoE layers
+    use EP = TP (draftsmith/engines/vllm_api.py checks that in vLLM's source); the memory share on GPUs."""
+    args = ["--enable-expert-parallel"]
+    cmd = server_command("/m", 1, tensor_parallel=8, gpu_memory_utilization=0.85, extra_args=args)
+    flags = dict(zip(cmd, cmd[1:], strict=False))
+    assert flags["--tensor-parallel-size"] == "8" and "--enable-expert-parallel" in cmd
+    assert flags["--gpu-memory-utilization"] == "0.85"
+    cpu = server_command("/m", 1, gpu_memory_utilization=0.85)  # a CPU job: no GPU-only flags
+    assert "--gpu-memory-utilization" not in cpu and "--tensor-parallel-size" not in cpu
+    mine = server_command("/m", 1, tensor_parallel=8, gpu_memory_utilization=0.85,
+                          extra_args=["--gpu-memory-utilization", "0.5", "-tp", "4"])  # fmt: skip
+    assert mine.count("--gpu-memory-utilization") == 1 and "--tensor-parallel-size" not in mine
+
+
+def test_tensor_parallel_size_is_the_jobs_gpus_and_short_devices_are_named():
+    assert tensor_parallel_size(8, None, "0,1,2,3,4,5,6,7") == 8
+    assert tensor_parallel_size(0, None, "") == 1
+    assert tensor_parallel_size(2, ["4", "5", "6"], None) == 3  # devices given by hand decide
+    assert tensor_parallel_size(4, None, None) == 4  # CUDA_VISIBLE_DEVICES unset: trust the count
+    with pytest.raises(ValueError, match=r"resources.generate.gpus is 8 but only 2 GPU\(s\) are visible"):
+        tensor_parallel_size(8, None, "0,1")
 
 
 # ----------------------------------------------------------------------------- the client against the double

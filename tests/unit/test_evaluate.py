@@ -20,7 +20,9 @@ from draftsmith.evaluate import (
     evaluate_offline,
     evaluate_vllm,
     histogram_positions,
+    offline_device,
     outputs_agree,
+    vllm_eval_dtype,
     vllm_method_summary,
     vllm_prompt_counts,
 )
@@ -465,3 +467,77 @@ def test_summary_report_and_gate(pipeline, offline, untrained, tmp_path):
         files = list((tmp_path / "tb" / "run-a").iterdir())
         assert files and all(f.name.startswith("events.out.tfevents") for f in files)
         assert all(f.stat().st_mode & 0o777 == 0o644 for f in files)
+
+
+# ------------------------------------------------------------------------ the device it runs on
+
+
+def test_vllm_evaluates_in_the_targets_dtype_on_gpus_and_float32_on_a_cpu():
+    assert vllm_eval_dtype("bfloat16", gpus=8) == "bfloat16"
+    assert vllm_eval_dtype("float32", gpus=1) == "float32"
+    assert vllm_eval_dtype("bfloat16", gpus=0) == "float32"  # tokens equal the offline decoder's
+    assert vllm_eval_dtype("auto", gpus=0) == "float32"
+
+
+def test_offline_decoding_runs_on_the_jobs_gpu(monkeypatch):
+    assert offline_device(0) == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="--gpus 1, but torch sees no CUDA device"):
+        offline_device(1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert offline_device(1) == "cuda"
+
+
+def evaluate_vllm_call(monkeypatch, tmp_path, *options: str) -> dict:
+    """What `draftsmith evaluate-vllm ... OPTIONS` passes to evaluate_vllm (recorded, not run)."""
+    import draftsmith.cli as cli
+    import draftsmith.evaluate as ev
+
+    calls = []
+    monkeypatch.setattr(ev, "evaluate_vllm", lambda *a, **kw: calls.append(kw))
+    monkeypatch.setattr(cli, "_drafters", lambda drafter, untrained, target: {"eagle3": drafter})
+    monkeypatch.setattr(cli, "_warn_untrained_positions", lambda *a: None)
+    (tmp_path / "p.jsonl").touch()
+    args = ["evaluate-vllm", "--target", str(tmp_path), "--drafter", str(tmp_path), "--prompts",
+            f"s={tmp_path / 'p.jsonl'}", "--out", f"s={tmp_path / 'v.json'}", *options]  # fmt: skip
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return calls[0]
+
+
+def test_vllm_evaluation_on_a_cpu_is_eager_float32_in_one_process(monkeypatch, tmp_path):
+    kw = evaluate_vllm_call(monkeypatch, tmp_path, "--gpus", "0", "--dtype", "auto")
+    assert (kw["dtype"], kw["enforce_eager"], kw["tensor_parallel_size"]) == ("float32", True, 1)
+    assert kw["gpu_memory_utilization"] is None and kw["timeout_s"] == 900
+
+
+def test_vllm_evaluation_on_gpus_compiles_unless_told_otherwise(monkeypatch, tmp_path):
+    kw = evaluate_vllm_call(monkeypatch, tmp_path, "--gpus", "2", "--dtype", "bfloat16", "--timeout-s", "60")
+    assert (kw["dtype"], kw["enforce_eager"], kw["tensor_parallel_size"]) == ("bfloat16", False, 2)
+    assert (kw["gpu_memory_utilization"], kw["timeout_s"]) == (0.9, 60)
+    assert evaluate_vllm_call(monkeypatch, tmp_path, "--gpus", "2", "--vllm-eager")["enforce_eager"] is True
+
+
+def test_a_vllm_run_past_its_time_limit_fails_in_one_line(monkeypatch, tmp_path):
+    import draftsmith.cli as cli
+    import draftsmith.engines.vllm_spec as spec
+
+    monkeypatch.setattr(spec, "run_with_timeout", lambda cmd, env, log, timeout: None)
+    with pytest.raises(spec.VllmTimeout) as err:
+        spec.run_vllm_subprocess("t", None, None, [[1]], 4, 3, timeout=60, log_path=tmp_path / "plain.log",
+                                 run_name="plain")  # fmt: skip
+    assert str(err.value) == (
+        "vLLM run 'plain' did not finish within 60 s, engine load included (raise "
+        f"resources.evaluate.vllm_timeout_s for a target that loads slowly); its log: {tmp_path / 'plain.log'}"
+    )
+    monkeypatch.setattr(
+        "draftsmith.evaluate.evaluate_vllm", lambda *a, **kw: (_ for _ in ()).throw(err.value)
+    )
+    monkeypatch.setattr(cli, "_drafters", lambda drafter, untrained, target: {"eagle3": drafter})
+    monkeypatch.setattr(cli, "_warn_untrained_positions", lambda *a: None)
+    (tmp_path / "p.jsonl").touch()
+    args = ["evaluate-vllm", "--target", str(tmp_path), "--drafter", str(tmp_path), "--prompts",
+            f"s={tmp_path / 'p.jsonl'}", "--out", f"s={tmp_path / 'v.json'}"]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [f"error: the vLLM measurement failed: {err.value}"]

@@ -299,3 +299,54 @@ def test_sample_source_travels_from_traces_to_the_manifest(tmp_path):
     assert stats["teacher_checked"] == stats["teacher_by_source"]["regenerated"]["checked"] > 0
     manifest = build_manifest([str(shard)], str(tmp_path / "data_config.json"), str(target), 0.0)
     assert set(manifest["teacher_agreement_by_source"]) == {"regenerated", "original"}
+
+
+# ------------------------------------------------------------------ on the job's device (GPU path)
+
+
+def test_teacher_check_runs_on_the_jobs_gpu():
+    from draftsmith.engines.vllm_extract import teacher_device
+
+    assert teacher_device(gpus=8, cuda_available=True) == "cuda"
+    assert teacher_device(gpus=0, cuda_available=True) == "cpu"  # a CPU job on a GPU node
+    assert teacher_device(gpus=1, cuda_available=False) == "cpu"
+
+
+def test_teacher_check_moves_the_states_to_the_heads_device_and_dtype():
+    """States (bf16, read from vLLM's files on the host) go to lm_head's device and dtype; the count is
+    the same in either dtype where the winner is clear (a margin beyond bf16's rounding of logits of up
+    to ~16: 2^-8 x 16 x a few)."""
+    from draftsmith.extract import count_agreeing
+
+    torch.manual_seed(0)
+    head = torch.randn(50, 16)
+    states = torch.randn(1100, 16).to(torch.bfloat16)  # more rows than one 512-row chunk
+    top = (states.float() @ head.T).max(-1).indices
+    next_ids = top.clone()
+    next_ids[::3] = (next_ids[::3] + 1) % 50
+    margin = (states.float() @ head.T).topk(2).values.diff().abs().squeeze(-1) > 0.5
+    expected = int(((next_ids == top) & margin).sum())
+    assert count_agreeing(head, states[margin], next_ids[margin]) == expected
+    assert count_agreeing(head.to(torch.bfloat16), states[margin], next_ids[margin]) == expected
+
+
+def test_vllm_engine_gets_the_jobs_gpus_eager_setting_and_memory_share(monkeypatch):
+    import draftsmith.engines.vllm_extract as vx
+    from draftsmith.extract import make_engine
+
+    made = []
+    monkeypatch.setattr(vx, "VllmExtractor", lambda *a, **kw: made.append((a, kw)))
+    make_engine("vllm", "T", [2], "bfloat16", gpus=8, vllm_eager=False, gpu_memory_utilization=0.8)
+    make_engine("vllm", "T", [2], "float32", gpus=0, vllm_eager=True, gpu_memory_utilization=0.8)
+    (gpu_args, gpu), (_, cpu) = made
+    assert gpu_args == ("T", [2], "bfloat16")
+    assert (gpu["tensor_parallel_size"], gpu["enforce_eager"], gpu["gpu_memory_utilization"]) == (
+        8,
+        False,
+        0.8,
+    )
+    assert (cpu["tensor_parallel_size"], cpu["enforce_eager"], cpu["gpu_memory_utilization"]) == (
+        1,
+        True,
+        None,
+    )

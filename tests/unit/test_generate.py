@@ -1,5 +1,6 @@
 """The generate stage's bookkeeping and the training sequences it leads to (no model runs, seconds)."""
 
+import importlib.util
 import json
 import logging
 
@@ -9,7 +10,7 @@ from conftest import REPO
 
 from draftsmith.chat import assistant_message, merge_turns, render_prompt, render_with_response
 from draftsmith.config import section_defaults
-from draftsmith.engines import CPU_KV_CACHE_GIB, Answer, oversized, vllm_child_env
+from draftsmith.engines import CPU_KV_CACHE_GIB, Answer, oversized, vllm_child_env, vllm_is_cpu_build
 from draftsmith.engines.hf import length_batches
 from draftsmith.engines.openai import check_served_prompt
 from draftsmith.generate import (
@@ -416,9 +417,17 @@ def test_generate_writes_original_answers_without_generating(tmp_path):
 
 
 def test_vllm_children_get_no_thread_caps_and_a_fixed_cpu_kv_cache():
-    env = vllm_child_env({"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2", "PATH": "/bin"})
+    env = vllm_child_env({"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2", "PATH": "/bin"}, cpu=True)
     assert env == {"PATH": "/bin", "VLLM_CPU_KVCACHE_SPACE": CPU_KV_CACHE_GIB}
-    assert vllm_child_env({"VLLM_CPU_KVCACHE_SPACE": "8"})["VLLM_CPU_KVCACHE_SPACE"] == "8"  # a user's own
+    assert (
+        vllm_child_env({"VLLM_CPU_KVCACHE_SPACE": "8"}, cpu=True)["VLLM_CPU_KVCACHE_SPACE"] == "8"
+    )  # a user's own
+
+
+def test_the_cpu_kv_cache_is_set_only_for_vllms_cpu_build():
+    """CPU-only settings apply only on CPU: the CUDA build gets no VLLM_CPU_KVCACHE_SPACE."""
+    assert vllm_child_env({"OMP_NUM_THREADS": "2"}, cpu=False) == {}
+    assert vllm_is_cpu_build() == (importlib.util.find_spec("vllm") is not None)  # this venv: the cpu extra
 
 
 def test_served_traffic_trains_on_the_served_answer_and_its_reasoning(thinking_tokenizer):

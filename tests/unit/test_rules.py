@@ -39,8 +39,9 @@ OPERATIONAL = {
         "max_consecutive_failures": 2,
         "max_failed_fraction": 0.25,
         "server_startup_timeout_s": 60,
+        "gpu_memory_utilization": 0.5,
     },
-    "extract": {"threads": 3, "runtime": 7, "mem_mb": 123, "gpus": 1},
+    "extract": {"threads": 3, "runtime": 7, "mem_mb": 123, "gpus": 1, "gpu_memory_utilization": 0.5},
     "train": {
         "threads": 3,
         "runtime": 7,
@@ -49,7 +50,14 @@ OPERATIONAL = {
         "checkpoint_every": 3,
         "loader_threads": 0,
     },
-    "evaluate": {"threads": 3, "runtime": 7, "mem_mb": 123, "gpus": 1},
+    "evaluate": {
+        "threads": 3,
+        "runtime": 7,
+        "mem_mb": 123,
+        "gpus": 1,
+        "gpu_memory_utilization": 0.5,
+        "vllm_timeout_s": 60,
+    },
 }
 AFTER_TRAINING = {"export", "evaluate_offline", "evaluate_vllm", "eval_summary", "gate", "all"}
 AFTER_EXTRACT = {"manifest", "train", "untrained_drafter", *AFTER_TRAINING}
@@ -123,6 +131,11 @@ def test_all_operational_knobs_at_once_plan_no_job(finished):
         ({"extract": {"batch_tokens": 1000}}, {"extract", *AFTER_EXTRACT}),
         ({"extract": {"min_teacher_agreement": 0.5}}, AFTER_EXTRACT),
         ({"generate": {"batch_size": 3}}, {"generate", "tokenize", "extract", "vocab", *AFTER_EXTRACT}),
+        ({"evaluate": {"vllm_eager": False}}, {"evaluate_vllm", "eval_summary", "gate", "all"}),
+        (
+            {"target": {**BASE["target"], "dtype": "float32"}},
+            {"generate", "tokenize", "extract", "vocab", "evaluate_vllm", *AFTER_EXTRACT},
+        ),
     ],
     ids=[
         "train.lr",
@@ -131,6 +144,8 @@ def test_all_operational_knobs_at_once_plan_no_job(finished):
         "extract.batch_tokens",
         "min_teacher_agreement",
         "batch_size",
+        "evaluate.vllm_eager",
+        "target.dtype",
     ],
 )
 def test_a_result_setting_plans_its_stage_and_downstream(finished, changes, expected):

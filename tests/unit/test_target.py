@@ -322,3 +322,25 @@ def test_neither_network_nor_cache_is_one_line_naming_the_id_and_the_cache(tmp_p
     )
     assert why in lines[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_wrapper_that_is_no_causal_lm_loads_as_its_language_model(tmp_path, target_model):
+    """Kimi-K2.5's layout: transformers' AutoModelForCausalLM refuses the wrapper, so the transformers
+    engines load the class of its text_config with the `language_model.` weights, the same function."""
+    from conftest import fp_tolerance
+
+    from draftsmith.target import language_model_keys, load_target
+
+    twin, _ = twins.save_kimi(tmp_path, vocab_size=49152, tokenizer_from=target_model)
+    assert language_model_keys(tmp_path) == {
+        r"^language_model\.model\.": "model.",
+        r"^language_model\.lm_head\.weight$": "lm_head.weight",
+    }
+    model, tokenizer = load_target(tmp_path, torch.float32)
+    assert type(model).__name__ == "DeepseekV3ForCausalLM" and tokenizer.vocab_size == 49152
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        got, want = model(ids).logits, twin(ids).logits
+    torch.testing.assert_close(
+        got, want, **fp_tolerance(torch.float32, twins.LAYERS, twins.HIDDEN, want.abs().max())
+    )
