@@ -40,6 +40,7 @@ from draftsmith.loader import Batch, InMemoryData, StreamingData
 from draftsmith.manifest import load_manifest
 from draftsmith.shards import ShardWriter, iter_samples, read_shard_meta
 from draftsmith.train import (
+    Objective,
     TrainSettings,
     build_drafter,
     load_target_head,
@@ -84,19 +85,12 @@ def make_trainer(manifest: dict, vocab_path: str, settings: TrainSettings) -> Ca
     target = load_target_head(manifest["target"])
     vocab = load_vocab_map(vocab_path)
     num_aux = int(manifest["num_aux"])
-    drafter, embed, teacher = build_drafter(target, vocab["d2t"], vocab["t2d"], num_aux, 0, "cpu")
+    drafter, embed, teacher = build_drafter(target, vocab["d2t"], vocab["t2d"], num_aux, settings, "cpu")
     optimizer = make_optimizer(drafter, settings)
+    objective = Objective.from_settings(settings).for_validation()  # no noise: the matmuls are the cost
 
     def step(batch: Batch) -> int:
-        loss, stats = ttt_loss(
-            drafter,
-            embed,
-            teacher,
-            batch,
-            settings.ttt_steps,
-            settings.ttt_decay,
-            precision=settings.precision,
-        )
+        loss, stats = ttt_loss(drafter, embed, teacher, batch, objective)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), settings.grad_clip)

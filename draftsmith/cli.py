@@ -689,8 +689,6 @@ def train(
 
     # the operational knobs may also come in the JSON (a saved TrainSettings); options override them
     values = resolve(settings_json, ops, "train")
-    if values["checkpoint_every"] == 0:
-        values["checkpoint_every"] = None  # epoch ends only
     try:
         settings = TrainSettings.from_dict(values)
     except ValueError as err:

@@ -35,6 +35,12 @@ class Dist:
         if self.world > 1:
             torch.distributed.barrier()
 
+    def finish(self) -> None:
+        """Wait for every rank (rank 0's writes are done), then leave the group this call created."""
+        self.barrier()
+        if self.owns_group:
+            torch.distributed.destroy_process_group()
+
 
 def init_distributed(device: str | torch.device | None) -> Dist:
     """Join the torchrun process group when WORLD_SIZE > 1: nccl on CUDA (rank r on cuda:LOCAL_RANK),

@@ -334,12 +334,14 @@ class VllmServerEngine(OpenAIChatEngine):
     def open(  # type: ignore[override]
         cls, settings: Any, target: str, render: Callable, fingerprint: str, log_path: str
     ) -> VllmServerEngine:
+        from draftsmith.precision import compute_dtype
+
         server = VllmServer(
             target,
             devices=settings.devices,
             extra_args=settings.server_args,
             log_path=log_path,
-            dtype=settings.dtype,
+            dtype=compute_dtype(settings.dtype),
             seed=settings.seed,
             startup_timeout_s=settings.server_startup_timeout_s,
         ).start()

@@ -39,7 +39,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def _settings(**over):
     # batch_tokens 64: batches of 1-4 samples, so some ranks get an empty slice (the one-sample batches)
-    base = {"epochs": 3, "batch_tokens": 64, "noise_std": 0.0, "checkpoint_every": None, "precision": "fp32"}
+    base = {"epochs": 3, "batch_tokens": 64, "noise_std": 0.0, "checkpoint_every": 0, "precision": "fp32"}
     return settings(**{**base, **over})
 
 
