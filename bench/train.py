@@ -30,6 +30,7 @@ cores: training 152 tokens/s with 2 threads, 409 with 1).
 
 from __future__ import annotations
 
+import json
 import statistics
 import tempfile
 import time
@@ -331,6 +332,146 @@ def attention(tokens: int, heads: str, steps: int, threads: int, json_path: str)
     write_json(
         json_path, {**shape, "rows": rows, "projected_64_heads": projected, "score_tensor_gib": scores_gib}
     )
+    print(f"wrote {json_path}")
+
+
+# ------------------------------------------------------------------------------------------------- ddp
+
+
+def ddp_worker(rank: int, world: int, port: int, args: dict[str, Any], out: str) -> None:
+    """One rank of a data-parallel group on the CPU (gloo): `steps` optimizer steps of the real drafter on
+    its share of the first batches, through train_step as training runs it -> out/rank-<r>.json with
+    its step times and the bytes DistributedDataParallel handed to all-reduce."""
+    import os
+
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from draftsmith.distributed import init_distributed
+    from draftsmith.train import DraftingLoss, load_inputs, make_scheduler, train_step
+
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank)}
+    os.environ.update({**env, "WORLD_SIZE": str(world)})
+    torch.set_num_threads(args["threads"])
+    dist = init_distributed("cpu")
+    settings = TrainSettings(val_fraction=0.0, batch_tokens=args["batch_tokens"], precision=args["precision"])
+    manifest, vocab, target = load_inputs(args["data"], args["vocab"])
+    data = StreamingData.from_manifest(manifest, settings)
+    num_aux = int(manifest["num_aux"])
+    drafter, embed, teacher = build_drafter(
+        target, vocab["d2t"], vocab["t2d"], num_aux, settings, dist.device
+    )
+    trained = dist.wrap(DraftingLoss(drafter, embed, teacher))
+    sent = {"bytes": 0}
+    if world > 1:
+
+        def counting(state, bucket):  # no annotations: DDP checks them against types, not strings
+            state["bytes"] += bucket.buffer().numel() * bucket.buffer().element_size()
+            return allreduce_hook(None, bucket)  # DDP's own: all-reduce, then divide by the world size
+
+        trained.register_comm_hook(sent, counting)
+    optimizer = make_optimizer(drafter, settings)
+    scheduler = make_scheduler(optimizer, settings, args["steps"] + 1)
+    objective = Objective.from_settings(settings)
+    plan = data.epoch_batches(0)[: args["steps"] + 1]  # the first is a warm-up
+    times, tokens, counted = [], 0, 0
+    for step, batch in enumerate(data.batches([b[rank::world] for b in plan], "train")):
+        t0 = time.perf_counter()
+        stats, _, _ = train_step(trained, batch, objective, optimizer, scheduler, settings, dist, step)
+        if step == 0:
+            counted = sent["bytes"]
+            continue
+        times.append(time.perf_counter() - t0)
+        tokens += stats.tokens
+    data.close()
+    steps = len(times)
+    result = {
+        "rank": rank,
+        "world": world,
+        "steps": steps,
+        "step_s": statistics.median(times),
+        "tokens_per_s": tokens / sum(times),
+        "allreduce_bytes_per_step": (sent["bytes"] - counted) / steps,
+        "parameters": sum(p.numel() for p in drafter.parameters()),
+    }
+    write_json(Path(out) / f"rank-{rank}.json", result)
+    dist.finish()
+
+
+@main.command()
+@click.option("--data", "manifest_path", default="results/data_config.json", show_default=True)
+@click.option("--vocab", "vocab_path", default=None, help="[default: vocab_map.pt beside --data]")
+@click.option("--steps", default=20, show_default=True, help="Optimizer steps measured (after 1 warm-up).")
+@click.option("--batch-tokens", default=None, type=int, help="[default: the train section's default]")
+@click.option("--threads", default=1, show_default=True, help="torch threads per process.")
+@click.option("--json", "json_path", default="results/bench/ddp.json", show_default=True)
+def ddp(
+    manifest_path: str,
+    vocab_path: str | None,
+    steps: int,
+    batch_tokens: int | None,
+    threads: int,
+    json_path: str,
+) -> None:
+    """Data-parallel training, 1 vs 2 processes on this machine: step time, tokens/s, and the bytes each
+    rank hands to all-reduce per step (DDP's gradient buckets; a ring all-reduce sends 2 (N-1)/N of them)."""
+    import multiprocessing
+    import socket
+
+    vocab_path = vocab_path or str(Path(manifest_path).with_name("vocab_map.pt"))
+    precision = "fp32"  # the same arithmetic in every configuration
+    args = {
+        "data": manifest_path,
+        "vocab": vocab_path,
+        "steps": steps,
+        "threads": threads,
+        "precision": precision,
+    }
+    args["batch_tokens"] = batch_tokens or TrainSettings().batch_tokens
+    rows = []
+    ctx = multiprocessing.get_context("spawn")
+    for world in (1, 2):
+        with socket.socket() as s, tempfile.TemporaryDirectory(prefix="draftsmith-ddp-") as out:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            s.close()
+            procs = [ctx.Process(target=ddp_worker, args=(r, world, port, args, out)) for r in range(world)]
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join()
+            if any(p.exitcode for p in procs):
+                raise click.ClickException(f"a rank of the {world}-process run failed")
+            ranks = [json.loads((Path(out) / f"rank-{r}.json").read_text()) for r in range(world)]
+        row = {
+            "processes": world,
+            "step_s": max(r["step_s"] for r in ranks),
+            "tokens_per_s": min(
+                r["tokens_per_s"] for r in ranks
+            ),  # the whole batch's tokens (stats are summed)
+            "allreduce_bytes_per_rank_per_step": ranks[0]["allreduce_bytes_per_step"],
+            "ring_bytes_sent_per_rank_per_step": ranks[0]["allreduce_bytes_per_step"]
+            * 2
+            * (world - 1)
+            / world,
+            "parameters": ranks[0]["parameters"],
+            "ranks": ranks,
+        }
+        rows.append(row)
+    print(
+        f"\n{manifest_path}: {rows[0]['parameters'] / 1e6:.1f} M parameters, batch_tokens {args['batch_tokens']},"
+    )
+    print(
+        f"{steps} steps after a warm-up, {precision}, {threads} torch thread(s) per process, gloo on the CPU\n"
+    )
+    print(
+        f"{'processes':>9s} {'step s':>8s} {'tokens/s':>9s} {'all-reduce MB/step':>19s} {'sent MB/step (ring)':>20s}"
+    )
+    for r in rows:
+        print(
+            f"{r['processes']:>9d} {r['step_s']:8.3f} {r['tokens_per_s']:9.0f} "
+            f"{r['allreduce_bytes_per_rank_per_step'] / 1e6:19.2f} {r['ring_bytes_sent_per_rank_per_step'] / 1e6:20.2f}"
+        )
+    write_json(json_path, {"data": manifest_path, "steps": steps, "threads": threads, "rows": rows})
     print(f"wrote {json_path}")
 
 

@@ -42,12 +42,12 @@ from torch import Tensor
 
 from draftsmith.atomic import atomic_dir, write_json, write_jsonl
 from draftsmith.checkpoints import Run, open_run, resume_key
-from draftsmith.distributed import Dist, init_distributed, sync_gradients
+from draftsmith.distributed import Dist, init_distributed, launch_rank
 from draftsmith.drafter import TTTKV, DrafterConfig, Eagle3Drafter, describe, param_count
 from draftsmith.export import check_export, save_drafter
 from draftsmith.layers import convert_layer_ids
-from draftsmith.loader import Batch, StreamingData
-from draftsmith.manifest import load_manifest
+from draftsmith.loader import Batch, StreamingData, verify_share
+from draftsmith.manifest import DataError, load_manifest
 from draftsmith.precision import train_precision
 from draftsmith.settings import from_schema
 from draftsmith.target import TargetHead, load_target_head
@@ -392,9 +392,17 @@ class DraftingLoss(torch.nn.Module):
         self.drafter, self.embed, self.teacher = drafter, embed, teacher
 
     def forward(
-        self, batch: Batch, objective: Objective, step_counts: list[int] | None = None
+        self, batch: Batch | None, objective: Objective, step_counts: list[int] | None = None
     ) -> tuple[Tensor, StepStats]:
-        return ttt_loss(self.drafter, self.embed, self.teacher, batch, objective, step_counts)
+        """batch None (a data-parallel rank without a share of this batch): a loss of 0 whose gradient
+        is 0 for every parameter, so that this rank still takes part in the gradient sum."""
+        if batch is None:
+            return self.zero(), StepStats.zeros(objective.ttt_steps)
+        loss, stats = ttt_loss(self.drafter, self.embed, self.teacher, batch, objective, step_counts)
+        return (loss if loss.requires_grad else loss + self.zero()), stats
+
+    def zero(self) -> Tensor:
+        return sum(p.sum() for p in self.parameters()) * 0.0
 
 
 def make_optimizer(drafter: Eagle3Drafter, settings: TrainSettings) -> torch.optim.Optimizer:
@@ -426,7 +434,7 @@ def make_scheduler(
 
 
 def train_step(
-    model: DraftingLoss,
+    model: torch.nn.Module,
     batch: Batch | None,
     objective: Objective,
     optimizer: torch.optim.Optimizer,
@@ -436,26 +444,23 @@ def train_step(
     step: int,
 ) -> tuple[StepStats, float, float]:
     """One optimizer step on this rank's share of a batch (None: no share) -> (stats summed over
-    ranks, grad norm, the lr it used)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    stats = StepStats.zeros(objective.ttt_steps)
+    ranks, grad norm, the lr it used). Every rank runs forward and backward, share or not: the backward
+    is where DistributedDataParallel sums the gradients."""
     counts = torch.zeros(objective.ttt_steps, dtype=torch.int64)
     if batch is not None:
         batch = batch.to(dist.device)
         counts = torch.tensor(objective.step_counts(batch))
+        if objective.noise_std > 0:
+            generator = torch.Generator(device=dist.device)
+            generator.manual_seed(noise_seed(settings.seed, step, dist.rank))
+            batch = replace(batch, aux=with_noise(batch.aux, objective.noise_std, generator))
     counts = dist.all_sum(counts.to(dist.device)).tolist()  # the whole batch's, over all ranks
     optimizer.zero_grad(set_to_none=True)
-    if batch is not None:
-        if objective.noise_std > 0:
-            generator = torch.Generator(device=dist.device).manual_seed(
-                noise_seed(settings.seed, step, dist.rank)
-            )
-            batch = replace(batch, aux=with_noise(batch.aux, objective.noise_std, generator))
-        loss, stats = model(batch, objective, counts)
-        if loss.requires_grad:  # False only if no position of the batch is trainable
-            loss.backward()
-    sync_gradients(params, dist)
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
+    loss, stats = model(batch, objective, counts)
+    if dist.world > 1:
+        loss = loss * dist.world  # a share of the whole batch's loss; DDP averages the gradients
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
     scheduler.step()
@@ -706,7 +711,13 @@ def train(
     on every rank; rank 0 writes checkpoints, metrics and the drafter. `progress`: log a line as it goes.
     """
     throughput = Throughput()
-    dist = init_distributed(device)
+    rank, world = launch_rank()
+    unproven = (
+        [] if settings.max_steps == 0 else verify_share(manifest_path, rank, world, settings.loader_threads)
+    )
+    dist = init_distributed(device)  # only once every rank has checked its share
+    if dist.total(len(unproven)):
+        raise DataError(refusal(unproven))
     settings = replace(settings, precision=train_precision(settings.precision, dist.device))
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
@@ -723,6 +734,7 @@ def train(
     target_config = target.config
     del target  # the embedding and teacher rows live on in model; the rest of the head is freed
     model = DraftingLoss(drafter, embed, teacher)
+    trained = dist.wrap(model)
     optimizer = make_optimizer(drafter, settings)
     scheduler = make_scheduler(optimizer, settings, total_steps)
     objective = Objective.from_settings(settings, dist.device)
@@ -744,7 +756,7 @@ def train(
         for batch, waited in timed(data.batches([b[dist.rank :: dist.world] for b in todo], "train")):
             t0 = time.perf_counter()
             stats, grad_norm, lr = train_step(
-                model, batch, objective, optimizer, scheduler, settings, dist, pos.step
+                trained, batch, objective, optimizer, scheduler, settings, dist, pos.step
             )
             dt = time.perf_counter() - t0
             pos.advance(stats)
@@ -784,12 +796,28 @@ def train(
     return summary
 
 
+def refusal(problems: list[str]) -> str:
+    """Why no rank trains: this rank's problems, or that another rank found some."""
+    if problems:
+        return "refusing to train on data that fails verification:\n  " + "\n  ".join(problems)
+    return "refusing to train: another rank found data that fails verification (its log names it)"
+
+
 def resume_position(run: Run, settings: TrainSettings, dist: Dist) -> tuple[Position, int | None]:
     """Where the loop starts -> (position, the step resumed from or None); a resumed run's metrics get
     a "resume" row."""
     if run.state is None:
         return Position.start(settings.ttt_steps), None
     pos = Position.from_state(run.state)
+    before = run.state.get("world_size", 1)
+    if dist.main and before != dist.world:
+        log.warning(
+            "resuming a checkpoint of %d process(es) on %d: the same batches and gradient sums, grouped "
+            "into other floating-point partial sums%s",
+            before,
+            dist.world,
+            " (and other aux-state noise: it is drawn per rank)" if settings.noise_std > 0 else "",
+        )
     run.rows.append(
         {"kind": "resume", "step": pos.step, "checkpoint": str(run.checkpoint), "world_size": dist.world}
     )
