@@ -155,7 +155,7 @@ def main(
         raise click.BadParameter(
             f"unknown variants {unknown}; known: {list(VARIANTS)}", param_hint="--variants"
         )
-    overrides = {**json.loads(settings_json), "threads": threads, "checkpoint_every": None}
+    overrides = {**json.loads(settings_json), "threads": threads, "checkpoint_every": 0}
     if epochs is not None:
         overrides["epochs"] = epochs
     base = base_settings(Path(config_path), overrides)

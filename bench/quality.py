@@ -248,7 +248,7 @@ def main(**kw: Any) -> None:
         values.update((yaml.safe_load(config_path.read_text(encoding="utf-8")) or {}).get("train") or {})
     values.update(json.loads(kw["settings_json"]))
     values.pop("gpus", None)
-    values["checkpoint_every"] = None
+    values["checkpoint_every"] = 0
     out = Path(kw["out"])
     target = json.loads(Path(kw["data"]).read_text(encoding="utf-8"))["target"]
     sets: dict[str, dict[str, Any]] = {}

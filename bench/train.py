@@ -1,10 +1,11 @@
-"""Training benchmark: can the loader feed training? Loader samples/s and tokens/s alone vs what training
-consumes, on real shards, side by side in one process.
+"""Training benchmarks, one command each (every one prints a table and writes JSON):
 
-    python bench/train.py [--data results/data_config.json] [--vocab results/vocab_map.pt]
-                          [--json results/bench/train.json]
+    python bench/train.py loader [--data results/data_config.json] [--vocab results/vocab_map.pt]
+                                 [--json results/bench/train.json]
+    python bench/train.py attention [--tokens 8192] [--heads 1,2] [--json results/bench/attention.json]
 
-Measured, each the median of --repeats rounds (the rounds of all variants interleave, so a busy
+`loader`: can the loader feed training? Loader samples/s and tokens/s alone vs what training consumes,
+on real shards, side by side in one process. Measured, each the median of --repeats rounds (the rounds of all variants interleave, so a busy
 machine slows them alike):
   loader    decode + batch --epochs epoch plans, no model: the streaming loader with 0 (in the loop), 1
             and 2 background threads, and the in-memory loader (everything decoded up front, its one-off
@@ -16,6 +17,12 @@ machine slows them alike):
 headroom = loader tokens/s / training tokens/s (the faster training measurement; > 1: the loader is not
 the bottleneck).
 
+`attention`: peak memory of the TTT attention (forward and backward of every TTT step, as training
+runs it) at --tokens tokens for a Kimi-K2.5-shaped drafter layer (head dim 128; 64 heads), the fused
+form (drafter.ttt_attention) against the materialised one it replaced (ttt_attention_reference). Each
+measurement runs in a fresh process and reports its peak resident memory above the inputs; on a CPU the
+head count is reduced (--heads) and the 64-head figure extrapolated from the linear fit over heads.
+
 On a CPU shared with other work, pass --threads 1: with more torch threads than free cores every small
 op waits for the whole thread team, and the training-thread numbers become noise (measured on 2 busy
 cores: training 152 tokens/s with 2 threads, 409 with 1).
@@ -23,6 +30,7 @@ cores: training 152 tokens/s with 2 threads, 409 with 1).
 
 from __future__ import annotations
 
+import json
 import statistics
 import tempfile
 import time
@@ -35,11 +43,11 @@ import click
 import torch
 
 from draftsmith.atomic import write_json
-from draftsmith.config import settings_defaults
 from draftsmith.loader import Batch, InMemoryData, StreamingData
 from draftsmith.manifest import load_manifest
 from draftsmith.shards import ShardWriter, iter_samples, read_shard_meta
 from draftsmith.train import (
+    Objective,
     TrainSettings,
     build_drafter,
     load_target_head,
@@ -84,19 +92,12 @@ def make_trainer(manifest: dict, vocab_path: str, settings: TrainSettings) -> Ca
     target = load_target_head(manifest["target"])
     vocab = load_vocab_map(vocab_path)
     num_aux = int(manifest["num_aux"])
-    drafter, embed, teacher = build_drafter(target, vocab["d2t"], vocab["t2d"], num_aux, 0, "cpu")
+    drafter, embed, teacher = build_drafter(target, vocab["d2t"], vocab["t2d"], num_aux, settings, "cpu")
     optimizer = make_optimizer(drafter, settings)
+    objective = Objective.from_settings(settings).for_validation()  # no noise: the matmuls are the cost
 
     def step(batch: Batch) -> int:
-        loss, stats = ttt_loss(
-            drafter,
-            embed,
-            teacher,
-            batch,
-            settings.ttt_steps,
-            settings.ttt_decay,
-            precision=settings.precision,
-        )
+        loss, stats = ttt_loss(drafter, embed, teacher, batch, objective)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), settings.grad_clip)
@@ -106,7 +107,12 @@ def make_trainer(manifest: dict, vocab_path: str, settings: TrainSettings) -> Ca
     return step
 
 
-@click.command()
+@click.group()
+def main() -> None:
+    """Training benchmarks (see the module docstring)."""
+
+
+@main.command()
 @click.option("--data", "manifest_path", default="results/data_config.json", show_default=True)
 @click.option("--vocab", "vocab_path", default=None, help="[default: vocab_map.pt beside --data]")
 @click.option("--json", "json_path", default="results/bench/train.json", show_default=True)
@@ -115,7 +121,7 @@ def make_trainer(manifest: dict, vocab_path: str, settings: TrainSettings) -> Ca
 @click.option("--train-steps", default=4, show_default=True, help="Optimizer steps per training round.")
 @click.option("--threads", default=None, type=int, help="torch threads for training [default: torch's].")
 @click.option("--batch-tokens", default=None, type=int, help="[default: the train section's default]")
-def main(
+def loader(
     manifest_path: str,
     vocab_path: str | None,
     json_path: str,
@@ -129,9 +135,8 @@ def main(
         torch.set_num_threads(threads)
     vocab_path = vocab_path or str(Path(manifest_path).with_name("vocab_map.pt"))
     manifest = load_manifest(manifest_path)
-    defaults = settings_defaults("train")
     settings = TrainSettings.from_dict(
-        {**defaults, "val_fraction": 0.0, **({"batch_tokens": batch_tokens} if batch_tokens else {})}
+        {"val_fraction": 0.0, **({"batch_tokens": batch_tokens} if batch_tokens else {})}
     )
     print(
         f"{manifest_path}: {manifest['num_samples']} samples, {manifest['num_tokens']:,} tokens, "
@@ -248,6 +253,225 @@ def main(
     for data in loaders.values():
         data.close()
     tmp.cleanup()
+    print(f"wrote {json_path}")
+
+
+# ------------------------------------------------------------------------------------------- attention
+
+KIMI_HEADS, KIMI_HEAD_DIM = 64, 128  # Kimi-K2.5's drafter layer (drafter.derived_shape for MLA targets)
+
+
+def attention_peak(fused: bool, heads: int, tokens: int, steps: int, threads: int) -> dict[str, float]:
+    """In a fresh process: forward + backward of `steps` TTT steps of attention over [1, heads, tokens,
+    128] fp32 inputs -> peak resident memory above the inputs (MiB) and seconds."""
+    import resource
+
+    from draftsmith.drafter import ttt_attention, ttt_attention_reference
+
+    torch.set_num_threads(threads)
+    attend = ttt_attention if fused else ttt_attention_reference
+    gen = torch.Generator().manual_seed(0)
+
+    def draw() -> torch.Tensor:
+        return torch.randn(1, heads, tokens, KIMI_HEAD_DIM, generator=gen).requires_grad_()
+
+    qs, keys, values = (
+        [draw() for _ in range(steps)],
+        [draw() for _ in range(steps)],
+        [draw() for _ in range(steps)],
+    )
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    t0 = time.perf_counter()
+    loss = sum(attend(qs[j], keys[: j + 1], values[: j + 1]).square().mean() for j in range(steps))
+    loss.backward()
+    seconds = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"peak_mib": (peak - base) / 1024, "seconds": seconds}
+
+
+@main.command()
+@click.option("--tokens", default=8192, show_default=True, help="Sequence length (one sample).")
+@click.option("--heads", default="1,2", show_default=True, help="Head counts measured (comma-separated).")
+@click.option("--steps", default=3, show_default=True, help="TTT steps.")
+@click.option("--threads", default=1, show_default=True, help="torch threads per measurement.")
+@click.option("--json", "json_path", default="results/bench/attention.json", show_default=True)
+def attention(tokens: int, heads: str, steps: int, threads: int, json_path: str) -> None:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    counts = [int(h) for h in heads.split(",")]
+    rows = []
+    ctx = multiprocessing.get_context("spawn")
+    for fused in (False, True):
+        for h in counts:
+            with ProcessPoolExecutor(1, mp_context=ctx) as pool:  # one at a time: peaks do not mix
+                r = pool.submit(attention_peak, fused, h, tokens, steps, threads).result()
+            rows.append({"implementation": "fused" if fused else "materialised", "heads": h, **r})
+            print(
+                f"{rows[-1]['implementation']:13s} {h:3d} heads: peak +{r['peak_mib']:8.0f} MiB, {r['seconds']:6.1f} s"
+            )
+    projected = {}
+    for name in ("materialised", "fused"):
+        pts = [(r["heads"], r["peak_mib"]) for r in rows if r["implementation"] == name]
+        (h0, m0), (h1, m1) = pts[0], pts[-1]
+        per_head = (m1 - m0) / (h1 - h0) if h1 != h0 else m0 / h0
+        projected[name] = {"mib_per_head": per_head, "fixed_mib": m0 - per_head * h0}
+        projected[name]["kimi_fp32_gib"] = (projected[name]["fixed_mib"] + per_head * KIMI_HEADS) / 1024
+    scores_gib = KIMI_HEADS * tokens * tokens * 4 / 2**30
+    print(
+        f"\n{tokens} tokens, {steps} TTT steps, fp32, batch 1, head dim {KIMI_HEAD_DIM}; projected to "
+        f"{KIMI_HEADS} heads (linear in heads):"
+    )
+    for name, p in projected.items():
+        print(
+            f"  {name:13s} {p['mib_per_head']:8.0f} MiB per head + {p['fixed_mib']:6.0f} MiB -> "
+            f"{p['kimi_fp32_gib']:6.1f} GiB"
+        )
+    print(f"  (one [64, {tokens}, {tokens}] fp32 score tensor alone: {scores_gib:.1f} GiB)")
+    shape = {"tokens": tokens, "ttt_steps": steps, "dtype": "float32", "head_dim": KIMI_HEAD_DIM}
+    write_json(
+        json_path, {**shape, "rows": rows, "projected_64_heads": projected, "score_tensor_gib": scores_gib}
+    )
+    print(f"wrote {json_path}")
+
+
+# ------------------------------------------------------------------------------------------------- ddp
+
+
+def ddp_worker(rank: int, world: int, port: int, args: dict[str, Any], out: str) -> None:
+    """One rank of a data-parallel group on the CPU (gloo): `steps` optimizer steps of the real drafter on
+    its share of the first batches, through train_step as training runs it -> out/rank-<r>.json with
+    its step times and the bytes DistributedDataParallel handed to all-reduce."""
+    import os
+
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from draftsmith.distributed import init_distributed
+    from draftsmith.train import DraftingLoss, load_inputs, make_scheduler, train_step
+
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank)}
+    os.environ.update({**env, "WORLD_SIZE": str(world)})
+    torch.set_num_threads(args["threads"])
+    dist = init_distributed("cpu")
+    settings = TrainSettings(val_fraction=0.0, batch_tokens=args["batch_tokens"], precision=args["precision"])
+    manifest, vocab, target = load_inputs(args["data"], args["vocab"])
+    data = StreamingData.from_manifest(manifest, settings)
+    num_aux = int(manifest["num_aux"])
+    drafter, embed, teacher = build_drafter(
+        target, vocab["d2t"], vocab["t2d"], num_aux, settings, dist.device
+    )
+    trained = dist.wrap(DraftingLoss(drafter, embed, teacher))
+    sent = {"bytes": 0}
+    if world > 1:
+
+        def counting(state, bucket):  # no annotations: DDP checks them against types, not strings
+            state["bytes"] += bucket.buffer().numel() * bucket.buffer().element_size()
+            return allreduce_hook(None, bucket)  # DDP's own: all-reduce, then divide by the world size
+
+        trained.register_comm_hook(sent, counting)
+    optimizer = make_optimizer(drafter, settings)
+    scheduler = make_scheduler(optimizer, settings, args["steps"] + 1)
+    objective = Objective.from_settings(settings)
+    plan = data.epoch_batches(0)[: args["steps"] + 1]  # the first is a warm-up
+    times, tokens, counted = [], 0, 0
+    for step, batch in enumerate(data.batches([b[rank::world] for b in plan], "train")):
+        t0 = time.perf_counter()
+        stats, _, _ = train_step(trained, batch, objective, optimizer, scheduler, settings, dist, step)
+        if step == 0:
+            counted = sent["bytes"]
+            continue
+        times.append(time.perf_counter() - t0)
+        tokens += stats.tokens
+    data.close()
+    steps = len(times)
+    result = {
+        "rank": rank,
+        "world": world,
+        "steps": steps,
+        "step_s": statistics.median(times),
+        "tokens_per_s": tokens / sum(times),
+        "allreduce_bytes_per_step": (sent["bytes"] - counted) / steps,
+        "parameters": sum(p.numel() for p in drafter.parameters()),
+    }
+    write_json(Path(out) / f"rank-{rank}.json", result)
+    dist.finish()
+
+
+@main.command()
+@click.option("--data", "manifest_path", default="results/data_config.json", show_default=True)
+@click.option("--vocab", "vocab_path", default=None, help="[default: vocab_map.pt beside --data]")
+@click.option("--steps", default=20, show_default=True, help="Optimizer steps measured (after 1 warm-up).")
+@click.option("--batch-tokens", default=None, type=int, help="[default: the train section's default]")
+@click.option("--threads", default=1, show_default=True, help="torch threads per process.")
+@click.option("--json", "json_path", default="results/bench/ddp.json", show_default=True)
+def ddp(
+    manifest_path: str,
+    vocab_path: str | None,
+    steps: int,
+    batch_tokens: int | None,
+    threads: int,
+    json_path: str,
+) -> None:
+    """Data-parallel training, 1 vs 2 processes on this machine: step time, tokens/s, and the bytes each
+    rank hands to all-reduce per step (DDP's gradient buckets; a ring all-reduce sends 2 (N-1)/N of them)."""
+    import multiprocessing
+    import socket
+
+    vocab_path = vocab_path or str(Path(manifest_path).with_name("vocab_map.pt"))
+    precision = "fp32"  # the same arithmetic in every configuration
+    args = {
+        "data": manifest_path,
+        "vocab": vocab_path,
+        "steps": steps,
+        "threads": threads,
+        "precision": precision,
+    }
+    args["batch_tokens"] = batch_tokens or TrainSettings().batch_tokens
+    rows = []
+    ctx = multiprocessing.get_context("spawn")
+    for world in (1, 2):
+        with socket.socket() as s, tempfile.TemporaryDirectory(prefix="draftsmith-ddp-") as out:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            s.close()
+            procs = [ctx.Process(target=ddp_worker, args=(r, world, port, args, out)) for r in range(world)]
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join()
+            if any(p.exitcode for p in procs):
+                raise click.ClickException(f"a rank of the {world}-process run failed")
+            ranks = [json.loads((Path(out) / f"rank-{r}.json").read_text()) for r in range(world)]
+        row = {
+            "processes": world,
+            "step_s": max(r["step_s"] for r in ranks),
+            "tokens_per_s": min(
+                r["tokens_per_s"] for r in ranks
+            ),  # the whole batch's tokens (stats are summed)
+            "allreduce_bytes_per_rank_per_step": ranks[0]["allreduce_bytes_per_step"],
+            "ring_bytes_sent_per_rank_per_step": ranks[0]["allreduce_bytes_per_step"]
+            * 2
+            * (world - 1)
+            / world,
+            "parameters": ranks[0]["parameters"],
+            "ranks": ranks,
+        }
+        rows.append(row)
+    print(
+        f"\n{manifest_path}: {rows[0]['parameters'] / 1e6:.1f} M parameters, batch_tokens {args['batch_tokens']},"
+    )
+    print(
+        f"{steps} steps after a warm-up, {precision}, {threads} torch thread(s) per process, gloo on the CPU\n"
+    )
+    print(
+        f"{'processes':>9s} {'step s':>8s} {'tokens/s':>9s} {'all-reduce MB/step':>19s} {'sent MB/step (ring)':>20s}"
+    )
+    for r in rows:
+        print(
+            f"{r['processes']:>9d} {r['step_s']:8.3f} {r['tokens_per_s']:9.0f} "
+            f"{r['allreduce_bytes_per_rank_per_step'] / 1e6:19.2f} {r['ring_bytes_sent_per_rank_per_step'] / 1e6:20.2f}"
+        )
+    write_json(json_path, {"data": manifest_path, "steps": steps, "threads": threads, "rows": rows})
     print(f"wrote {json_path}")
 
 

@@ -20,6 +20,7 @@ import json
 import logging
 import random
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -236,3 +237,47 @@ def start_run(checkpoint_dir: str | Path, key: dict, remove: list[Path]) -> Path
     remove_partial_checkpoints(folder)
     write_json(folder / KEY_FILE, key)
     return folder
+
+
+@dataclass
+class Run:
+    """One training run's checkpoints: what it resumed (state None: a fresh start) and where rank 0
+    saves the next ones."""
+
+    folder: Path
+    main: bool  # this process writes (rank 0)
+    checkpoint: Path | None  # the checkpoint resumed
+    state: dict[str, Any] | None  # its state.json
+    rows: list[dict[str, Any]]  # its metrics rows
+
+    def save(
+        self,
+        step: int,
+        drafter: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        state: dict[str, Any],
+        rows: list[dict[str, Any]],
+    ) -> None:
+        if self.main:
+            save_checkpoint(self.folder, step, drafter, optimizer, scheduler, state, rows)
+
+
+def open_run(
+    checkpoint_dir: str | Path,
+    key: dict,
+    stop_at: int,
+    drafter: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    *,
+    fresh: bool,
+    dist: Any,
+) -> Run:
+    """Resume or start the run of `key`, on every rank: each loads the same checkpoint (if any) into
+    drafter, optimizer and scheduler; once all have read it, rank 0 removes what will not be resumed."""
+    latest, remove = find_resume(checkpoint_dir, key, stop_at, fresh=fresh, verbose=dist.main)
+    state, rows = load_checkpoint(latest, drafter, optimizer, scheduler) if latest else (None, [])
+    dist.barrier()
+    folder = start_run(checkpoint_dir, key, remove) if dist.main else run_dir(checkpoint_dir, key)
+    return Run(folder, dist.main, latest, state, rows)

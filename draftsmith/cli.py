@@ -780,14 +780,12 @@ def train(
     """
     import os
 
-    from draftsmith.manifest import DataError, verify_manifest
+    from draftsmith.manifest import DataError
     from draftsmith.train import TrainSettings
     from draftsmith.train import train as run_train
 
     # the operational knobs may also come in the JSON (a saved TrainSettings); options override them
     values = resolve(settings_json, ops, "train")
-    if values["checkpoint_every"] == 0:
-        values["checkpoint_every"] = None  # epoch ends only
     try:
         settings = TrainSettings.from_dict(values)
     except ValueError as err:
@@ -800,15 +798,10 @@ def train(
         cmd += ["--fresh"] if fresh else []
         sys.stdout.flush()
         os.execv(sys.executable, cmd)
-    # one checksum pass (rank 0); the other ranks wait for it in their first collective
-    if os.environ.get("RANK", "0") == "0":
-        try:
-            problems = verify_manifest(manifest_path)  # decodes every sample: nothing unproven is trained on
-        except DataError as err:
-            _fail(str(err))
-        if problems:
-            _fail("refusing to train on data that fails verification:\n  " + "\n  ".join(problems))
-    summary = run_train(manifest_path, vocab_path, out, checkpoints, metrics, settings, fresh=fresh)
+    try:  # every rank decodes its share of the samples first: nothing unproven is trained on
+        summary = run_train(manifest_path, vocab_path, out, checkpoints, metrics, settings, fresh=fresh)
+    except DataError as err:
+        _fail(str(err))
     if os.environ.get("RANK", "0") == "0":
         acc = " ".join(f"{a:.3f}" for a in summary["train_acc"] if a is not None)
         agree = " ".join(f"{a:.3f}" for a in summary["train_agreement"] if a is not None)

@@ -60,16 +60,13 @@ SETTINGS_OPS = {
 
 def settings_defaults(stage: str) -> dict[str, Any]:
     """Defaults of a stage's library settings: its section plus its operational knobs. Threads are
-    torch's choice (None) outside Snakemake, which passes the job's; checkpoint_every 0 means None
-    (epoch ends only)."""
+    torch's choice (None) outside Snakemake, which passes the job's."""
     values = section_defaults(stage)
     if stage not in SETTINGS_OPS:
         return values
     ops = section_defaults(f"resources.{stage}")
     for key in SETTINGS_OPS[stage]:
         values[key] = None if key == "threads" else ops[key]
-    if values.get("checkpoint_every") == 0:
-        values["checkpoint_every"] = None
     return values
 
 

@@ -1,16 +1,26 @@
 """Data-parallel process groups for training: under `torchrun` (or `draftsmith train --nproc N`) every
 rank takes a disjoint slice of every batch; each rank's loss is normalised by the *global* count of
-trained positions and gradients are summed across ranks, so N processes compute the gradient one process
-computes on the whole batch. gloo on CPU, nccl on CUDA; rank 0 writes checkpoints, metrics and the export.
+trained positions, and torch's DistributedDataParallel sums the gradients across ranks (bucketed,
+overlapped with the backward pass), so N processes compute the gradient one process computes on the whole
+batch. gloo on CPU, nccl on CUDA; rank 0 writes checkpoints, metrics and the drafter.
+
+Every rank trains a full copy of the drafter and its optimizer state: 16 bytes per parameter in fp32
+(weights, gradients, AdamW's two moments; Kimi-K2.5's 1.06 B-parameter drafter: 17 GB), beside the frozen
+target embedding and teacher rows. That fits one GPU for every shipped config (configs/*.yaml); a drafter
+several times larger would need its parameters sharded (FSDP2's `fully_shard`), which draftsmith does
+not do.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -35,15 +45,44 @@ class Dist:
         if self.world > 1:
             torch.distributed.barrier()
 
+    def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The module as this run trains it: itself in one process, else under DistributedDataParallel,
+        whose backward all-reduces the gradients (averaged over ranks: callers scale the loss by
+        `world` where, as here, each rank's loss is already a share of the whole batch's)."""
+        if self.world == 1:
+            return module
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(
+            module,
+            device_ids=[self.device] if self.device.type == "cuda" else None,
+            gradient_as_bucket_view=True,  # gradients live in the all-reduce buckets: no second copy
+        )
+
+    def total(self, count: int) -> int:
+        """An integer summed over every rank."""
+        return int(self.all_sum(torch.tensor([count], device=self.device)).item())
+
+    def finish(self) -> None:
+        """Wait for every rank (rank 0's writes are done), then leave the group this call created."""
+        self.barrier()
+        if self.owns_group:
+            torch.distributed.destroy_process_group()
+
+
+def launch_rank() -> tuple[int, int]:
+    """(rank, world size) of this process as torchrun launched it, before any process group exists."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
 
 def init_distributed(device: str | torch.device | None) -> Dist:
     """Join the torchrun process group when WORLD_SIZE > 1: nccl on CUDA (rank r on cuda:LOCAL_RANK),
     gloo on CPU. Otherwise a single process on `device` (default: CUDA when available)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, world = launch_rank()
     use_cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
     if world == 1:
         return Dist(device=torch.device(device or ("cuda" if use_cuda else "cpu")))
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:
         dev = torch.device("cuda", local_rank)
         torch.cuda.set_device(dev)
@@ -53,22 +92,3 @@ def init_distributed(device: str | torch.device | None) -> Dist:
     if owns:
         torch.distributed.init_process_group("nccl" if use_cuda else "gloo")
     return Dist(rank, world, dev, owns)
-
-
-def sync_gradients(params: list[torch.nn.Parameter], dist: Dist) -> None:
-    """Sum gradients over ranks in one flat all-reduce (each rank's loss already carries the global
-    normalisation). A parameter no rank produced a gradient for keeps grad None, as in one process, so
-    the optimizer skips it the same way."""
-    if dist.world == 1:
-        return
-    parts = [
-        p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device) for p in params
-    ]
-    has = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=dist.device)
-    flat = dist.all_sum(torch.cat([*parts, has]))
-    present = flat[-len(params) :] > 0
-    offset = 0
-    for p, keep in zip(params, present.tolist(), strict=True):
-        n = p.numel()
-        p.grad = flat[offset : offset + n].view_as(p).clone() if keep else None
-        offset += n

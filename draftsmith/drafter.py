@@ -301,12 +301,36 @@ def ttt_prefix_mask(T: int, lag: int, device: torch.device | None = None) -> Ten
     return torch.ones(T, T, dtype=torch.bool, device=device).tril(diagonal=-lag)
 
 
+def ttt_mask(T: int, steps: int, lag: int = 0, device: torch.device | None = None) -> Tensor:
+    """[T, steps * T] bool over the keys of `steps` TTT steps laid end to end (step 0 first): query t
+    sees the step-0 keys of `ttt_prefix_mask(T, lag)` and, of every later step, only its own position."""
+    eye = torch.eye(T, dtype=torch.bool, device=device)
+    return torch.cat([ttt_prefix_mask(T, lag, device), *[eye] * (steps - 1)], dim=1)
+
+
 def ttt_attention(q: Tensor, keys: list[Tensor], values: list[Tensor], lag: int = 0) -> Tensor:
     """q [B, nh, T, d]; keys/values: one [B, nkv, T, d] per TTT step so far (step 0 first).
 
+    Query t attends to the step-0 keys at positions <= t - lag and to each later step's key at t, all in
+    one softmax (see `ttt_attention_reference` for the same maths written out). The keys of all steps
+    go end to end into one scaled_dot_product_attention under `ttt_mask`, so the fused kernels (flash
+    on CPU, memory-efficient on CUDA) never hold the [B, nh, T, T] scores: the largest extra tensor is
+    the mask, [T, steps * T] whatever the batch and head count. Step 0 alone is plain causal attention.
+    """
+    n_rep = q.shape[1] // keys[0].shape[1]
+    k = torch.cat([_repeat_kv(k, n_rep) for k in keys], dim=2)  # [B, nh, steps * T, d]
+    v = torch.cat([_repeat_kv(v, n_rep) for v in values], dim=2)
+    if len(keys) == 1 and lag == 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=ttt_mask(q.shape[2], len(keys), lag, q.device))
+
+
+def ttt_attention_reference(q: Tensor, keys: list[Tensor], values: list[Tensor], lag: int = 0) -> Tensor:
+    """`ttt_attention` with every score materialised (the implementation before the fused one; what the
+    tests pin it to and bench/train.py measures it against).
+
     Scores: step 0 -> [B, nh, T, T] under `ttt_prefix_mask(T, lag)`; each later step -> the diagonal
-    q·k at the same position [B, nh, T, 1]. One softmax over all of them. lag 0 is what inference sees;
-    SpecForge trains step j with lag j (a row left without step-0 keys still has its diagonal ones).
+    q·k at the same position [B, nh, T, 1]. One softmax over all of them, in fp32.
     """
     n_rep = q.shape[1] // keys[0].shape[1]
     scale = 1.0 / math.sqrt(q.shape[-1])

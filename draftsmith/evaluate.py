@@ -625,13 +625,12 @@ def export_untrained_drafter(
     """The untrained baseline: `train` with 0 steps and the training settings (seed, drafter shape,
     head_init), so it is exactly the trained drafter's starting point (same architecture and vocabulary
     map; the same initial draw), exported the same way. Returns train's summary."""
-    from draftsmith.config import settings_defaults
     from draftsmith.train import TrainSettings, train
 
-    values = {**settings_defaults("train"), **train_settings, "max_steps": 0, "threads": threads}
-    settings = TrainSettings.from_dict(values)
+    settings = TrainSettings.from_dict({**train_settings, "max_steps": 0, "threads": threads})
     with tempfile.TemporaryDirectory(prefix="draftsmith-untrained-") as tmp:
+        work = Path(tmp)
+        checkpoints, metrics = work / "checkpoints", work / "metrics.jsonl"
         return train(
-            manifest_path, vocab_path, out_dir, Path(tmp) / "checkpoints", Path(tmp) / "metrics.jsonl",
-            settings, device="cpu", progress=False,
-        )  # fmt: skip
+            manifest_path, vocab_path, out_dir, checkpoints, metrics, settings, device="cpu", progress=False
+        )

@@ -31,7 +31,7 @@ import os
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +39,12 @@ from tqdm import tqdm
 
 from draftsmith.atomic import atomic_path, write_json, write_jsonl
 from draftsmith.chat import render_prompt, template_fingerprint
-from draftsmith.engines import ENGINES, Answer, Failure, open_engine
+from draftsmith.config import SETTINGS_OPS
+from draftsmith.engines import Answer, Failure, open_engine
 from draftsmith.engines.openai import EndpointError
 from draftsmith.engines.server import ServerError
 from draftsmith.prompts import PromptError, conversation_answers, read_prompt_file
+from draftsmith.settings import from_schema
 
 log = logging.getLogger(__name__)
 
@@ -53,76 +55,45 @@ class GenerateError(RuntimeError):
     """The stage cannot finish (endpoint down, too many failures, mismatched template); says what to do."""
 
 
-@dataclass
+@from_schema("generate", ops=SETTINGS_OPS["generate"], paths={"dtype": "target.dtype"})
 class GenerateSettings:
-    """The `generate` config section (defaults and meanings in config.schema.yaml)."""
+    """The `generate` config section with its operational knobs (resources.generate) and the target's
+    dtype; defaults, choices and meanings in config.schema.yaml."""
 
-    engine: str = "transformers"
-    max_new_tokens: int = 160
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-    dtype: str = "bfloat16"
-    batch_size: int = 32
-    batch_tokens: int = 8192
-    base_url: str | None = None
-    model: str | None = None
-    api_key_env: str | None = None
-    concurrency: int = 8
-    timeout_s: float = 600.0
-    max_retries: int = 4
-    backoff_s: float = 1.0
-    max_consecutive_failures: int = 8
-    request_token_ids: bool = True
-    server_args: list[str] = field(default_factory=lambda: ["--enforce-eager"])
-    server_host: str = "127.0.0.1"
-    server_startup_timeout_s: float = 900.0
-    devices: list[str] | None = None
-    # the job's GPUs (resources.generate.gpus): the vllm-server engine is tensor parallel over them
-    gpus: int = 0
-    gpu_memory_utilization: float = 0.9
-    reasoning: str = "auto"
-    multi_turn: str = "regenerate"
-    max_prompt_tokens: int = 0
-    oversized_prompts: str = "skip"
-    max_failed_fraction: float = 0.0
-    original_answers_share: float = 0.0
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> GenerateSettings:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown generate settings: {', '.join(unknown)}")
-        settings = cls(**{k: v for k, v in values.items() if k in known})
-        settings.check()
-        return settings
+    engine: str
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    dtype: str  # target.dtype; the engine resolves auto for its device (precision.compute_dtype)
+    batch_size: int
+    batch_tokens: int
+    base_url: str | None
+    model: str | None
+    api_key_env: str | None
+    concurrency: int
+    timeout_s: float
+    max_retries: int
+    backoff_s: float
+    max_consecutive_failures: int
+    request_token_ids: bool
+    server_args: list[str]
+    server_host: str
+    server_startup_timeout_s: float
+    gpus: int  # the job's GPUs (resources.generate.gpus): the vllm-server engine is tensor parallel over them
+    gpu_memory_utilization: float
+    reasoning: str
+    multi_turn: str
+    max_prompt_tokens: int
+    oversized_prompts: str
+    max_failed_fraction: float
+    original_answers_share: float
+    devices: list[str] | None = None  # vllm-server: the job's GPU ids (not a config key); None = inherited
 
     def check(self) -> None:
-        choices = {
-            "engine": ENGINES,
-            "reasoning": ("auto", "required"),
-            "multi_turn": ("regenerate", "last"),
-            "oversized_prompts": ("skip", "error"),
-        }
-        for key, allowed in choices.items():
-            if getattr(self, key) not in allowed:
-                raise ValueError(f"generate.{key}: {getattr(self, key)!r} is not one of {list(allowed)}")
-        if not 0 <= self.original_answers_share <= 1:
-            raise ValueError(
-                f"generate.original_answers_share: {self.original_answers_share} is not in [0, 1]"
-            )
+        """What the schema cannot say: the openai engine needs an endpoint."""
         if self.engine == "openai" and not self.base_url:
             raise ValueError("generate.base_url is required with engine 'openai' (e.g. http://host:8000/v1)")
-        for key in (
-            "concurrency",
-            "batch_size",
-            "batch_tokens",
-            "max_new_tokens",
-            "max_consecutive_failures",
-        ):
-            if getattr(self, key) < 1:
-                raise ValueError(f"generate.{key} must be >= 1")
 
     def sampling(self) -> dict[str, Any]:
         """The request's sampling fields (same meaning as the transformers engine's)."""

@@ -18,8 +18,9 @@ schedule, grad clip 0.5); speculators `models/eagle3/core.py` + `train/noise_tra
 restricted to the draft vocabulary, uniform noise 0.05 on the aux states).
 
 Around this file: loader.py streams the batches, distributed.py holds the data-parallel process group,
-checkpoints.py decides what to resume. Layout here: settings -> target head -> objective -> `train_step`
--> `train()`.
+checkpoints.py decides what to resume and saves. Layout here: settings -> the objective (`Objective`,
+`ttt_loss`) -> model and optimizer -> one step (`train_step`, `validate`) -> the record (metrics rows,
+position, summary) -> `train()` -> `write_drafter`.
 """
 
 from __future__ import annotations
@@ -30,40 +31,37 @@ import logging
 import math
 import random
 import time
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from tqdm import tqdm
 
 from draftsmith.atomic import atomic_dir, write_json, write_jsonl
-from draftsmith.checkpoints import find_resume, load_checkpoint, resume_key, save_checkpoint, start_run
-from draftsmith.distributed import Dist, init_distributed, sync_gradients
-from draftsmith.drafter import LAYER_INITS, TTTKV, DrafterConfig, Eagle3Drafter, describe, param_count
+from draftsmith.checkpoints import Run, open_run, resume_key
+from draftsmith.distributed import Dist, init_distributed, launch_rank
+from draftsmith.drafter import TTTKV, DrafterConfig, Eagle3Drafter, describe, param_count
 from draftsmith.export import check_export, save_drafter
 from draftsmith.layers import convert_layer_ids
-from draftsmith.loader import Batch, StreamingData
-from draftsmith.manifest import load_manifest
-from draftsmith.precision import TRAIN_PRECISIONS, train_precision
+from draftsmith.loader import Batch, StreamingData, verify_share
+from draftsmith.manifest import DataError, load_manifest
+from draftsmith.precision import train_precision
+from draftsmith.settings import from_schema
 from draftsmith.target import TargetHead, load_target_head
 from draftsmith.vocab import load_vocab_map
 
 log = logging.getLogger(__name__)
 
 METRICS_FLUSH_S = 10.0  # rewrite metrics.jsonl at most this often (and at every epoch end / checkpoint)
+PROGRESS_EVERY_S = 10.0  # log a training progress line at most this often (validation: always)
 
 
 # ----------------------------------------------------------------------------------------------- settings
 
 
-HEAD_INITS = ("target", "random")
-LOSS_POSITIONS = ("assistant", "all")
-LOSS_NORMS = ("position", "sample")
-TTT_PREFIXES = ("accepted", "lagged")
-TTT_POSITIONS = ("advance", "fixed")
 EVAL_MASK_OFFSET = 2  # validation always scores the positions whose predicted token is an assistant token
 
 
@@ -75,111 +73,38 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
     return contextlib.nullcontext()
 
 
-@dataclass
+@from_schema("train", ops=("threads", "checkpoint_every", "loader_threads"), unset=("threads",))
 class TrainSettings:
-    epochs: int  # passes over the training split
-    max_steps: int | None  # stop early (tiny configs/tests); does not change the LR schedule; None = no limit
+    """The `train` config section and the train job's operational knobs; defaults, choices and meanings
+    in config.schema.yaml (the objective and optimiser choices were picked by bench/ablate.py)."""
+
+    epochs: int
+    max_steps: int | None  # stop early (tests, the untrained drafter's 0); the LR schedule is unchanged
     lr: float
     weight_decay: float  # on matrices only (norm weights are not decayed)
     warmup_steps: int
-    grad_clip: float  # max global grad norm; 0 = off
+    grad_clip: float  # max global grad norm
     batch_tokens: int  # token budget per optimizer step (padded size of a batch of whole samples)
     max_seq_len: int  # longer samples are truncated
-    ttt_steps: int  # training-time-test steps
-    ttt_decay: float  # step j loss weight decay**j (EAGLE-3 reference and SpecForge: 0.8)
-    noise_std: float  # uniform noise U(-std, std) on aux states (speculators: 0.05); 0 = off
-    val_fraction: float  # held-out samples for validation, chosen by a hash of the sample id
+    ttt_steps: int
+    ttt_decay: float  # step j weighs ttt_decay**j
+    noise_std: float  # uniform noise U(-std, std) on the aux states
+    val_fraction: float  # held-out samples, chosen by a hash of the sample id
     seed: int
-    threads: int | None  # torch.set_num_threads; None = torch's default
-    checkpoint_every: (
-        int | None
-    )  # also checkpoint every N steps (always at each epoch end); None = epochs only
-    pack_window: int  # samples sorted by length together before packing into batches (1 = no sorting)
+    precision: str  # auto | bf16 | fp32 (train_precision resolves auto per device)
+    head_init: str
+    loss_norm: str
+    mask_offset: int
+    adam_beta2: float
+    loss_positions: str
+    layer_init: str
+    ttt_prefix: str
+    ttt_positions: str
+    pack_window: int
+    drafter: dict[str, Any]  # train.drafter: explicit shape; nulls = derived from the target
+    threads: int | None  # torch.set_num_threads; None = torch's choice (the rule passes the job's)
+    checkpoint_every: int  # also checkpoint every N steps (always at epoch ends); 0 = epoch ends only
     loader_threads: int  # background threads decoding the next batches; 0 = decode in the loop
-    precision: str = "auto"  # bf16: matmuls under bf16 autocast (weights, optimizer, loss in fp32); fp32;
-    # auto: bf16 where the device multiplies it natively (precision.py)
-    drafter: dict[str, Any] = field(default_factory=dict)  # train.drafter: explicit shape; nulls = derived
-    # the objective and optimiser choices below were picked by ablation (bench/ablate.py, README "Training")
-    head_init: str = "random"  # random: lm_head N(0, 0.02), norm ones; target: both from the target
-    loss_norm: str = "position"  # position: step mean over valid positions; sample: per-sample sum / length
-    mask_offset: int = 2  # step j at t trains where loss_mask[t+j+offset]: 2 = the predicted token's own
-    adam_beta2: float = 0.95  # AdamW (0.9, beta2); the EAGLE reference 0.95, SpecForge 0.999
-    # fan_in: torch's default U(+-1/sqrt(fan_in)), which SpecForge's drafter keeps (it never
-    # re-initialises); normal: every linear N(0, 0.02) (the EAGLE reference)
-    layer_init: str = "fan_in"
-    # assistant: train where the predicted token is an answer token; all: also on prompts and templates
-    # (the target's distribution is a teacher everywhere; validation always scores answers)
-    loss_positions: str = "assistant"
-    # accepted: step j at t attends to the step-0 keys <= t, what a cached drafter sees at inference;
-    # lagged: <= t-j, as SpecForge trains (validation always scores the inference view)
-    ttt_prefix: str = "accepted"
-    # advance: step j at t rotates by position t+j (vLLM's draft positions); fixed: t (SpecForge)
-    ttt_positions: str = "advance"
-
-    def __post_init__(self) -> None:
-        self.drafter = dict(self.drafter or {})  # a saved null means "all derived"
-        problems = []
-        if self.epochs < 1:
-            problems.append(f"epochs={self.epochs} must be >= 1")
-        if self.max_steps is not None and self.max_steps < 0:
-            problems.append(f"max_steps={self.max_steps} must be >= 0 or null")
-        if not self.lr > 0:
-            problems.append(f"lr={self.lr} must be > 0")
-        if self.weight_decay < 0 or self.warmup_steps < 0 or self.grad_clip < 0 or self.noise_std < 0:
-            problems.append("weight_decay, warmup_steps, grad_clip and noise_std must be >= 0")
-        if self.max_seq_len < 3:
-            problems.append(f"max_seq_len={self.max_seq_len} must be >= 3 (a prediction needs t+2 < T)")
-        if self.batch_tokens < 1:
-            problems.append(f"batch_tokens={self.batch_tokens} must be >= 1")
-        if self.ttt_steps < 1:
-            problems.append(f"ttt_steps={self.ttt_steps} must be >= 1")
-        if not self.ttt_decay > 0:
-            problems.append(f"ttt_decay={self.ttt_decay} must be > 0")
-        if not 0 <= self.val_fraction < 1:
-            problems.append(f"val_fraction={self.val_fraction} must be in [0, 1)")
-        if self.threads is not None and self.threads < 1:
-            problems.append(f"threads={self.threads} must be >= 1 or null")
-        if self.checkpoint_every is not None and self.checkpoint_every < 1:
-            problems.append(f"checkpoint_every={self.checkpoint_every} must be >= 1 or null")
-        if self.pack_window < 1:
-            problems.append(f"pack_window={self.pack_window} must be >= 1")
-        if self.precision not in TRAIN_PRECISIONS:
-            problems.append(f"precision={self.precision!r} must be one of {list(TRAIN_PRECISIONS)}")
-        if self.loader_threads < 0:
-            problems.append(f"loader_threads={self.loader_threads} must be >= 0")
-        if self.head_init not in HEAD_INITS:
-            problems.append(f"head_init={self.head_init!r} must be one of {list(HEAD_INITS)}")
-        if self.loss_norm not in LOSS_NORMS:
-            problems.append(f"loss_norm={self.loss_norm!r} must be one of {list(LOSS_NORMS)}")
-        if self.mask_offset not in (0, 1, 2):
-            problems.append(f"mask_offset={self.mask_offset} must be 0, 1 or 2")
-        if self.loss_positions not in LOSS_POSITIONS:
-            problems.append(f"loss_positions={self.loss_positions!r} must be one of {list(LOSS_POSITIONS)}")
-        if self.layer_init not in LAYER_INITS:
-            problems.append(f"layer_init={self.layer_init!r} must be one of {list(LAYER_INITS)}")
-        if self.ttt_prefix not in TTT_PREFIXES:
-            problems.append(f"ttt_prefix={self.ttt_prefix!r} must be one of {list(TTT_PREFIXES)}")
-        if self.ttt_positions not in TTT_POSITIONS:
-            problems.append(f"ttt_positions={self.ttt_positions!r} must be one of {list(TTT_POSITIONS)}")
-        if not 0 < self.adam_beta2 < 1:
-            problems.append(f"adam_beta2={self.adam_beta2} must be in (0, 1)")
-        if problems:
-            raise ValueError("invalid train settings: " + "; ".join(problems))
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TrainSettings:
-        names = [f.name for f in fields(cls)]
-        unknown = sorted(set(d) - set(names))
-        optional = {
-            f.name for f in fields(cls) if f.default is not MISSING or f.default_factory is not MISSING
-        }
-        missing = [n for n in names if n not in d and n not in optional]
-        if unknown or missing:
-            raise ValueError(f"train settings: unknown keys {unknown}, missing keys {missing}")
-        return cls(**d)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 # --------------------------------------------------------------------------------------------- objective
@@ -248,10 +173,9 @@ class StepStats:
     def agreement(self) -> list[float | None]:
         return [a / n if n else None for a, n in zip(self.agree, self.count, strict=True)]
 
-    def loss(self, decay: float) -> float:
-        return sum(
-            decay**j * (s / n) for j, (s, n) in enumerate(zip(self.loss_sum, self.count, strict=True)) if n
-        )
+    def loss(self, weights: tuple[float, ...]) -> float:
+        """The objective's weighted sum of the per-step mean losses (steps without positions left out)."""
+        return sum(w * (s / n) for w, s, n in zip(weights, self.loss_sum, self.count, strict=True) if n)
 
     def teacher_acc(self) -> float | None:
         return self.teacher_correct / self.count[0] if self.count[0] else None
@@ -270,51 +194,94 @@ class StepStats:
         return StepStats(t[:n], ints[:n], ints[n : 2 * n], ints[2 * n], ints[2 * n + 1], ints[2 * n + 2 :])
 
 
+@dataclass(frozen=True)
+class Objective:
+    """What the TTT loss computes, built from the settings (`from_settings`); `for_validation()` is the
+    view validation scores: what a cached drafter sees at inference, on answer tokens."""
+
+    ttt_steps: int
+    step_weights: tuple[float, ...]  # step j's loss weight: ttt_decay**j
+    precision: str  # "bf16" (matmuls under autocast) or "fp32"
+    mask_offset: int  # see ttt_step_targets
+    loss_norm: str  # "position": step mean over valid positions; "sample": per-sample sum / length
+    loss_positions: str  # "assistant": where the predicted token is an answer token; "all": every real one
+    ttt_prefix: str  # "accepted": step j sees step-0 keys <= t (inference); "lagged": <= t-j (SpecForge)
+    ttt_positions: str  # "advance": step j rotates by t+j (vLLM's draft positions); "fixed": by t
+    noise_std: float  # uniform noise on the aux states (train_step draws it)
+
+    @classmethod
+    def from_settings(cls, settings: TrainSettings, device: torch.device | str | None = None) -> Objective:
+        return cls(
+            ttt_steps=settings.ttt_steps,
+            step_weights=tuple(settings.ttt_decay**j for j in range(settings.ttt_steps)),
+            precision=train_precision(settings.precision, device),
+            mask_offset=settings.mask_offset,
+            loss_norm=settings.loss_norm,
+            loss_positions=settings.loss_positions,
+            ttt_prefix=settings.ttt_prefix,
+            ttt_positions=settings.ttt_positions,
+            noise_std=settings.noise_std,
+        )
+
+    def for_validation(self) -> Objective:
+        """The same steps, weights and precision with every training-only option at the inference view:
+        no noise, answer positions only (mask offset 2), each valid position alike, the accepted prefix at
+        advancing positions. So validation figures compare across training variants."""
+        return replace(
+            self,
+            mask_offset=EVAL_MASK_OFFSET,
+            loss_norm="position",
+            loss_positions="assistant",
+            ttt_prefix="accepted",
+            ttt_positions="advance",
+            noise_std=0.0,
+        )
+
+    def trained_mask(self, batch: Batch) -> Tensor:
+        """[B, T] bool: the positions whose tokens count as targets (before the per-step offset)."""
+        if self.loss_positions == "all":
+            return real_positions(batch.lengths, batch.loss_mask.shape[1])
+        return batch.loss_mask
+
+    def step_counts(self, batch: Batch) -> list[int]:
+        """What each step's loss of the batch is divided by, known before the forward (masks only)."""
+        return ttt_step_counts(
+            self.trained_mask(batch), batch.lengths, self.ttt_steps, self.mask_offset, self.loss_norm
+        )
+
+
 def ttt_loss(
     drafter: Eagle3Drafter,
     embed_weight: Tensor,
     teacher_weight: Tensor,
     batch: Batch,
-    ttt_steps: int,
-    ttt_decay: float,
-    noise_std: float = 0.0,
-    generator: torch.Generator | None = None,
+    objective: Objective,
     step_counts: list[int] | None = None,
-    precision: str = "fp32",
-    mask_offset: int = EVAL_MASK_OFFSET,
-    loss_norm: str = "position",
-    ttt_prefix: str = "accepted",
-    ttt_positions: str = "advance",
 ) -> tuple[Tensor, StepStats]:
     """The EAGLE-3 TTT objective on a batch -> (weighted loss, stats).
 
     embed_weight [V, Ht]: the target's frozen input embedding; teacher_weight [Vd, Ht]: the target's
-    lm_head rows of the draft ids (teacher_logits = f @ teacher_weight.T). loss_norm "position": step j's
-    cross-entropy sum is divided by step_counts[j] (default: this batch's count of valid positions, i.e.
-    the mean); "sample": each position is weighted 1/its sample's length and the sum divided by
-    step_counts[j] (default: the batch's sample count), so every sample weighs by its share of trained
-    positions (SpecForge). Data-parallel ranks pass `ttt_step_counts` summed over all ranks' slices, so
-    their losses add up to the whole batch's. mask_offset: see `ttt_step_targets` (stats use it too).
-    ttt_prefix / ttt_positions: see TrainSettings; the defaults are what inference sees.
+    lm_head rows of the draft ids (teacher_logits = f @ teacher_weight.T). Step j's cross-entropy sum is
+    divided by step_counts[j], by default this batch's `objective.step_counts` (loss_norm "position": its
+    valid positions, i.e. the mean; "sample": its samples, each position weighted 1/its sample's length,
+    as SpecForge). Data-parallel ranks pass the counts summed over all ranks' slices, so their losses add
+    up to the whole batch's. The aux states are used as given (train_step adds the noise).
     """
     B, T = batch.input_ids.shape
     device = batch.input_ids.device
-    amp = autocast(device, precision)
-    aux = batch.aux.float()
-    if noise_std > 0:
-        # speculators AddUniformNoise: x + 2 * (U[0, 1) - 0.5) * std, on the aux states only
-        aux = aux + 2 * (torch.rand(aux.shape, generator=generator, device=device) - 0.5) * noise_std
+    amp = autocast(device, objective.precision)
+    loss_mask = objective.trained_mask(batch)
     positions = torch.arange(T, device=device).expand(B, T)
     # one per forward: step j attends to step-0 keys <= t (lagged: <= t-j) and its own earlier steps at t
-    kv = TTTKV(prefix_lag=ttt_prefix == "lagged")
-    advance = ttt_positions == "advance"
-    stats = StepStats.zeros(ttt_steps)
+    kv = TTTKV(prefix_lag=objective.ttt_prefix == "lagged")
+    advance = objective.ttt_positions == "advance"
+    stats = StepStats.zeros(objective.ttt_steps)
     stats.tokens = batch.num_tokens
     total = torch.zeros((), device=device)
     with amp:
-        hidden = drafter.fuse(aux)  # [B, T, H]
-    for j in range(ttt_steps):
-        valid, src, tgt = ttt_step_targets(batch.loss_mask, batch.lengths, j, mask_offset)
+        hidden = drafter.fuse(batch.aux.float())  # [B, T, H]
+    for j in range(objective.ttt_steps):
+        valid, src, tgt = ttt_step_targets(loss_mask, batch.lengths, j, objective.mask_offset)
         with amp:
             embeds = F.embedding(batch.input_ids[:, src], embed_weight)  # e(x_{t+1+j})
             # = drafter.forward(...), with norm + lm_head (the costliest matmul) only on the valid rows
@@ -340,12 +307,13 @@ def ttt_loss(
         per_position = -(p * logp).sum(-1)  # soft cross-entropy
         stats.loss_sum[j] = float(per_position.detach().sum())
         stats.count[j] = int(b.numel())
-        if loss_norm == "sample":
+        if objective.loss_norm == "sample":
             per_position = per_position / batch.lengths[b].to(per_position.dtype)
-        denominator = (
-            step_counts[j] if step_counts is not None else (B if loss_norm == "sample" else b.numel())
-        )
-        total = total + ttt_decay**j * per_position.sum() / denominator
+        if step_counts is not None:
+            denominator = step_counts[j]
+        else:
+            denominator = B if objective.loss_norm == "sample" else b.numel()
+        total = total + objective.step_weights[j] * per_position.sum() / denominator
     return total, stats
 
 
@@ -368,48 +336,10 @@ def ttt_step_counts(
     return [int(ttt_step_targets(loss_mask, lengths, j, mask_offset)[0].sum()) for j in range(ttt_steps)]
 
 
-def lr_factor(step: int, warmup_steps: int, total_steps: int, final_ratio: float = 0.1) -> float:
-    """Linear warm-up to 1, then cosine down to final_ratio at total_steps."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return final_ratio + (1 - final_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def make_optimizer(drafter: Eagle3Drafter, settings: TrainSettings) -> torch.optim.AdamW:
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": settings.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=settings.lr, betas=(0.9, settings.adam_beta2))
-
-
-@torch.no_grad()
-def evaluate(
-    drafter: Eagle3Drafter,
-    embed: Tensor,
-    teacher: Tensor,
-    data: StreamingData,
-    settings: TrainSettings,
-    dist: Dist,
-) -> StepStats:
-    """Validation stats over every rank's slice of the validation batches."""
-    was_training = drafter.training
-    drafter.eval()
-    stats = StepStats.zeros(settings.ttt_steps)
-    plan = [b[dist.rank :: dist.world] for b in data.val_batches()]
-    for batch in data.batches(plan, "val"):
-        if batch is not None:
-            batch = batch.to(dist.device)
-            stats.add(
-                ttt_loss(
-                    drafter, embed, teacher, batch, settings.ttt_steps, settings.ttt_decay,
-                    precision=settings.precision,
-                )[1]
-            )  # fmt: skip
-    drafter.train(was_training)
-    return stats.all_sum(dist)
+def with_noise(aux: Tensor, std: float, generator: torch.Generator) -> Tensor:
+    """speculators' AddUniformNoise on the aux states: x + 2 * (U[0, 1) - 0.5) * std, in fp32."""
+    aux = aux.float()
+    return aux + 2 * (torch.rand(aux.shape, generator=generator, device=aux.device) - 0.5) * std
 
 
 def noise_seed(seed: int, step: int, rank: int) -> int:
@@ -418,7 +348,7 @@ def noise_seed(seed: int, step: int, rank: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}/{step}/{rank}".encode()).digest()[:7], "big")
 
 
-# ------------------------------------------------------------------------------------------------- train
+# ------------------------------------------------------------------------------ model and optimizer
 
 
 def build_drafter(
@@ -426,29 +356,25 @@ def build_drafter(
     d2t: Tensor,
     t2d: Tensor,
     num_aux: int,
-    seed: int,
+    settings: TrainSettings,
     device: torch.device | str,
-    shape: dict[str, Any] | None = None,
-    head_init: str = "random",
-    layer_init: str = "fan_in",
 ) -> tuple[Eagle3Drafter, Tensor, Tensor]:
     """-> (the drafter at its initial weights, in train mode; the frozen target embedding [V, Ht]; the
-    teacher weight [Vd, Ht] = the target's lm_head rows of the draft ids), on device. The initial
-    weights are a function of `seed`: every data-parallel rank builds the same drafter. head_init
-    "target" copies lm_head rows and the final norm from the target; "random" keeps the drafter's own
-    initialisation (lm_head as every other linear layer, norm ones; SpecForge). layer_init "normal" draws
-    every linear N(0, 0.02); "fan_in" keeps torch's default, U(+-1/sqrt(fan_in))."""
-    if head_init not in HEAD_INITS:
-        raise ValueError(f"head_init={head_init!r} must be one of {list(HEAD_INITS)}")
-    cfg = DrafterConfig.from_target(target.config, d2t.numel(), num_aux, shape)
+    teacher weight [Vd, Ht] = the target's lm_head rows of the draft ids), on device.
+
+    The initial weights are a function of settings.seed: every data-parallel rank builds the same
+    drafter. settings.drafter shapes it; layer_init "normal" draws every linear N(0, 0.02), "fan_in" keeps
+    torch's default U(+-1/sqrt(fan_in)); head_init "target" then copies lm_head rows and the final norm
+    from the target, "random" keeps the drafter's own draw (SpecForge)."""
+    cfg = DrafterConfig.from_target(target.config, d2t.numel(), num_aux, settings.drafter)
     log.info("drafter: %s, %.1f M parameters", describe(cfg), param_count(cfg) / 1e6)
-    random.seed(seed)
-    torch.manual_seed(seed)
+    random.seed(settings.seed)
+    torch.manual_seed(settings.seed)
     drafter = Eagle3Drafter(cfg)
-    if layer_init != "normal":  # the constructor's draw is "normal"
-        drafter.init_linears(layer_init)
+    if settings.layer_init != "normal":  # the constructor's draw is "normal"
+        drafter.init_linears(settings.layer_init)
     drafter.set_vocab_map(d2t, t2d)
-    if head_init == "target":
+    if settings.head_init == "target":
         drafter.init_from_target(target.lm_head, target.norm)
     drafter.to(device).train()
     embed = target.embed.to(device)  # frozen, not part of the drafter
@@ -456,80 +382,151 @@ def build_drafter(
     return drafter, embed, target.lm_head[draft_ids].to(device)
 
 
-# ------------------------------------------------------------------------------------------------- train
+class DraftingLoss(torch.nn.Module):
+    """The drafter and the frozen target tensors it learns from: forward = `ttt_loss`, so one module
+    call computes the loss (what a data-parallel wrapper needs to see). embed and teacher are plain
+    attributes, not parameters or buffers: never trained, saved or synchronised."""
+
+    def __init__(self, drafter: Eagle3Drafter, embed: Tensor, teacher: Tensor):
+        super().__init__()
+        self.drafter, self.embed, self.teacher = drafter, embed, teacher
+
+    def forward(
+        self, batch: Batch | None, objective: Objective, step_counts: list[int] | None = None
+    ) -> tuple[Tensor, StepStats]:
+        """batch None (a data-parallel rank without a share of this batch): a loss of 0 whose gradient
+        is 0 for every parameter, so that this rank still takes part in the gradient sum."""
+        if batch is None:
+            return self.zero(), StepStats.zeros(objective.ttt_steps)
+        loss, stats = ttt_loss(self.drafter, self.embed, self.teacher, batch, objective, step_counts)
+        return (loss if loss.requires_grad else loss + self.zero()), stats
+
+    def zero(self) -> Tensor:
+        return sum(p.sum() for p in self.parameters()) * 0.0
 
 
-class MetricsLog:
-    """Every metrics row of the run so far; rank 0 rewrites the whole file at most every
-    METRICS_FLUSH_S (a resumed run starts from the rows its checkpoint kept)."""
+def make_optimizer(drafter: Eagle3Drafter, settings: TrainSettings) -> torch.optim.Optimizer:
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": settings.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=settings.lr, betas=(0.9, settings.adam_beta2))
 
-    def __init__(self, path: Path, rows: list[dict[str, Any]], enabled: bool):
-        self.path, self.rows, self.enabled, self.last_flush = path, rows, enabled, 0.0
 
-    def append(self, row: dict[str, Any]) -> None:
-        self.rows.append(row)
+def lr_factor(step: int, warmup_steps: int, total_steps: int, final_ratio: float = 0.1) -> float:
+    """Linear warm-up to 1, then cosine down to final_ratio at total_steps."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return final_ratio + (1 - final_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
-    def flush(self, force: bool = False) -> None:
-        if self.enabled and (force or time.perf_counter() - self.last_flush > METRICS_FLUSH_S):
-            write_jsonl(self.path, self.rows)
-            self.last_flush = time.perf_counter()
+
+def make_scheduler(
+    optimizer: torch.optim.Optimizer, settings: TrainSettings, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, settings.warmup_steps, total_steps)
+    )
+
+
+# -------------------------------------------------------------------------------------- one step
 
 
 def train_step(
-    drafter: Eagle3Drafter,
-    embed: Tensor,
-    teacher_weight: Tensor,
+    model: torch.nn.Module,
     batch: Batch | None,
+    objective: Objective,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     settings: TrainSettings,
     dist: Dist,
-    noise_gen: torch.Generator,
     step: int,
 ) -> tuple[StepStats, float, float]:
     """One optimizer step on this rank's share of a batch (None: no share) -> (stats summed over
-    ranks, grad norm, the lr it used)."""
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    stats = StepStats.zeros(settings.ttt_steps)
-    counts = torch.zeros(settings.ttt_steps, dtype=torch.int64)
+    ranks, grad norm, the lr it used). Every rank runs forward and backward, share or not: the backward
+    is where DistributedDataParallel sums the gradients."""
+    counts = torch.zeros(objective.ttt_steps, dtype=torch.int64)
     if batch is not None:
         batch = batch.to(dist.device)
-        if settings.loss_positions == "all":
-            batch = replace(batch, loss_mask=real_positions(batch.lengths, batch.loss_mask.shape[1]))
-        counts = torch.tensor(
-            ttt_step_counts(
-                batch.loss_mask, batch.lengths, settings.ttt_steps, settings.mask_offset, settings.loss_norm
-            )
-        )
+        counts = torch.tensor(objective.step_counts(batch))
+        if objective.noise_std > 0:
+            generator = torch.Generator(device=dist.device)
+            generator.manual_seed(noise_seed(settings.seed, step, dist.rank))
+            batch = replace(batch, aux=with_noise(batch.aux, objective.noise_std, generator))
     counts = dist.all_sum(counts.to(dist.device)).tolist()  # the whole batch's, over all ranks
     optimizer.zero_grad(set_to_none=True)
-    if batch is not None:
-        if settings.noise_std > 0:
-            noise_gen.manual_seed(noise_seed(settings.seed, step, dist.rank))
-        loss, stats = ttt_loss(
-            drafter, embed, teacher_weight, batch, settings.ttt_steps, settings.ttt_decay,
-            settings.noise_std, noise_gen, step_counts=counts, precision=settings.precision,
-            mask_offset=settings.mask_offset, loss_norm=settings.loss_norm,
-            ttt_prefix=settings.ttt_prefix, ttt_positions=settings.ttt_positions,
-        )  # fmt: skip
-        if loss.requires_grad:  # False only if no position of the batch is trainable
-            loss.backward()
-    sync_gradients(params, dist)
-    grad_norm = torch.nn.utils.clip_grad_norm_(
-        params, settings.grad_clip if settings.grad_clip > 0 else float("inf")
-    )
+    loss, stats = model(batch, objective, counts)
+    if dist.world > 1:
+        loss = loss * dist.world  # a share of the whole batch's loss; DDP averages the gradients
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
     scheduler.step()
     return stats.all_sum(dist), float(grad_norm), lr
 
 
-def stats_row(kind: str, stats: StepStats, settings: TrainSettings, **extra: Any) -> dict[str, Any]:
+@torch.no_grad()
+def validate(model: DraftingLoss, data: StreamingData, objective: Objective, dist: Dist) -> StepStats:
+    """Validation stats in the inference view, over every rank's slice of the validation batches."""
+    view = objective.for_validation()
+    was_training = model.training
+    model.eval()
+    stats = StepStats.zeros(view.ttt_steps)
+    plan = [b[dist.rank :: dist.world] for b in data.val_batches()]
+    for batch in data.batches(plan, "val"):
+        if batch is not None:
+            stats.add(ttt_loss(model.drafter, model.embed, model.teacher, batch.to(dist.device), view)[1])
+    model.train(was_training)
+    return stats.all_sum(dist)
+
+
+# ------------------------------------------------------------------------------------- the record
+
+
+class MetricsLog:
+    """Every metrics row of the run so far (a resumed run starts from the rows its checkpoint kept). On
+    rank 0 each new row is also a progress line (train rows at most every PROGRESS_EVERY_S), and the whole
+    file is rewritten at most every METRICS_FLUSH_S."""
+
+    def __init__(self, path: Path, rows: list[dict[str, Any]], main: bool, progress: bool = True):
+        self.path, self.rows, self.main, self.progress = path, rows, main, progress
+        self.last_flush, self.last_line = time.perf_counter(), -math.inf  # the first step is logged
+        self.flush(force=True)  # a resumed run's full history, at once
+
+    def append(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        if not self.main:
+            return
+        now = time.perf_counter()
+        if self.progress and (row["kind"] != "train" or now - self.last_line > PROGRESS_EVERY_S):
+            log.info("%s", progress_line(row))
+            self.last_line = now
+        self.flush()
+
+    def flush(self, force: bool = False) -> None:
+        if self.main and (force or time.perf_counter() - self.last_flush > METRICS_FLUSH_S):
+            write_jsonl(self.path, self.rows)
+            self.last_flush = time.perf_counter()
+
+
+def progress_line(row: dict[str, Any]) -> str:
+    """'epoch 1 step 12/40 train loss 2.3141 acc 0.312 0.221 0.180 tok/s 812' from a metrics row."""
+    where = f"epoch {row['epoch']} step {row['step']}"
+    if row["kind"] == "train":
+        where += f"/{row['stop_at']}"
+    acc = " ".join(f"{a:.3f}" for a in row["acc"] if a is not None)
+    speed = f" tok/s {row['tokens_per_s']:.0f}" if row.get("tokens_per_s") else ""
+    return f"{where} {row['kind']} loss {row['loss']:.4f} acc {acc}{speed}"
+
+
+def stats_row(kind: str, stats: StepStats, objective: Objective, **extra: Any) -> dict[str, Any]:
     """A metrics.jsonl row of train or val stats."""
     return {
         "kind": kind,
         **extra,
-        "loss": stats.loss(settings.ttt_decay),
+        "loss": stats.loss(objective.step_weights),
         "step_loss": stats.step_loss(),
         "acc": stats.acc(),
         "agreement": stats.agreement(),
@@ -543,11 +540,43 @@ def stats_row(kind: str, stats: StepStats, settings: TrainSettings, **extra: Any
 class Position:
     """Where the loop is: what a checkpoint records besides weights, optimizer and metrics."""
 
-    step: int = 0
-    epoch: int = 0  # the epoch to continue (0-based) ...
-    batch_in_epoch: int = 0  # ... from this batch of its plan
-    epoch_stats: StepStats | None = None  # the current epoch's train stats so far
+    step: int
+    epoch: int  # the epoch to continue (0-based) ...
+    batch_in_epoch: int  # ... from this batch of its plan
+    epoch_stats: StepStats  # the current epoch's train stats so far
     last_epoch_stats: StepStats | None = None
+
+    @classmethod
+    def start(cls, ttt_steps: int) -> Position:
+        return cls(0, 0, 0, StepStats.zeros(ttt_steps))
+
+    def advance(self, stats: StepStats) -> None:
+        self.step += 1
+        self.batch_in_epoch += 1
+        self.epoch_stats.add(stats)
+
+    def next_epoch(self) -> None:
+        self.last_epoch_stats, self.epoch_stats = (
+            self.epoch_stats,
+            StepStats.zeros(len(self.epoch_stats.count)),
+        )
+        self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+
+    def where(self, batches_in_epoch: int, stop_at: int) -> dict[str, int]:
+        """A train metrics row's place: after `step` of `stop_at`, batch `batch` of the epoch (1-based)."""
+        return {
+            "step": self.step,
+            "stop_at": stop_at,
+            "epoch": self.epoch + 1,
+            "batch": self.batch_in_epoch,
+            "batches_in_epoch": batches_in_epoch,
+        }
+
+    def latest_stats(self) -> StepStats:
+        """The running epoch's train stats, or the last finished epoch's when it has none yet."""
+        if sum(self.epoch_stats.count) or self.last_epoch_stats is None:
+            return self.epoch_stats
+        return self.last_epoch_stats
 
     def to_state(self, **extra: Any) -> dict[str, Any]:
         last = self.last_epoch_stats
@@ -570,6 +599,69 @@ class Position:
             StepStats(**state["epoch_stats"]),
             StepStats(**last) if last else None,
         )
+
+
+@dataclass
+class Throughput:
+    """This process's training time, loader waits and tokens (not checkpointed: a resumed run reports
+    its own)."""
+
+    started: float = field(default_factory=time.perf_counter)
+    tokens: int = 0
+    train_s: float = 0.0
+    wait_s: float = 0.0
+
+    def add(self, tokens: int, train_s: float, wait_s: float) -> None:
+        self.tokens, self.train_s, self.wait_s = (
+            self.tokens + tokens,
+            self.train_s + train_s,
+            self.wait_s + wait_s,
+        )
+
+
+def training_summary(
+    pos: Position,
+    steps_per_epoch: list[int],
+    settings: TrainSettings,
+    objective: Objective,
+    data: StreamingData,
+    dist: Dist,
+    rows: list[dict[str, Any]],
+    resumed_from: int | None,
+    throughput: Throughput,
+) -> dict[str, Any]:
+    """train_summary.json: where the run ended, its last train and validation figures, its speed."""
+    total_steps = sum(steps_per_epoch)
+    stats = pos.latest_stats()
+    val = [r for r in rows if r["kind"] == "val"]
+    last_val = val[-1] if val else {}
+    t = throughput
+    return {
+        "steps": pos.step,
+        "total_steps": total_steps,
+        "epochs": settings.epochs,
+        "epochs_completed": pos.epoch,
+        "steps_per_epoch": steps_per_epoch,
+        "stopped_early": pos.step < total_steps,
+        "resumed_from_step": resumed_from,
+        "world_size": dist.world,
+        "device": str(dist.device),
+        "train_samples": len(data.train),
+        "val_samples": len(data.val),
+        "train_loss": stats.loss(objective.step_weights) if sum(stats.count) else None,
+        "train_acc": stats.acc(),
+        "train_agreement": stats.agreement(),
+        "teacher_acc": stats.teacher_acc(),
+        "val_loss": last_val.get("loss"),
+        "val_acc": last_val.get("acc"),
+        "val_agreement": last_val.get("agreement"),
+        "trained_tokens": t.tokens,
+        "tokens_per_s": t.tokens / t.train_s if t.train_s > 0 else None,
+        # time the loop waited for the loader: ~0 when background decoding keeps ahead of training
+        "data_wait_s": t.wait_s,
+        "data_wait_fraction": t.wait_s / (t.wait_s + t.train_s) if t.train_s > 0 else None,
+        "wall_s": time.perf_counter() - t.started,
+    }
 
 
 def load_inputs(
@@ -596,6 +688,9 @@ def load_inputs(
     return manifest, vocab, target
 
 
+# ------------------------------------------------------------------------------------------- train
+
+
 def train(
     manifest_path: str | Path,
     vocab_path: str | Path,
@@ -608,192 +703,165 @@ def train(
     progress: bool = True,
     fresh: bool = False,
 ) -> dict[str, Any]:
-    """Train a drafter on the shards of data_config.json and export it to out_dir -> summary dict.
+    """Train a drafter on the shards of data_config.json and write it to out_dir -> summary dict.
 
     Resumes from the newest complete checkpoint of this data and these settings (checkpoints.py says
     when); `fresh` discards every checkpoint first. Checkpoints are written at each epoch end, every
     `checkpoint_every` steps and when max_steps stops the run. Under torchrun (WORLD_SIZE > 1) this runs
-    on every rank; rank 0 writes checkpoints, metrics and the export.
+    on every rank; rank 0 writes checkpoints, metrics and the drafter. `progress`: log a line as it goes.
     """
-    wall_start = time.perf_counter()
-    out_dir, metrics_path = Path(out_dir), Path(metrics_path)
-    dist = init_distributed(device)
+    throughput = Throughput()
+    rank, world = launch_rank()
+    unproven = (
+        [] if settings.max_steps == 0 else verify_share(manifest_path, rank, world, settings.loader_threads)
+    )
+    dist = init_distributed(device)  # only once every rank has checked its share
+    if dist.total(len(unproven)):
+        raise DataError(refusal(unproven))
     settings = replace(settings, precision=train_precision(settings.precision, dist.device))
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     manifest, vocab, target = load_inputs(manifest_path, vocab_path)
-    tcfg = target.config
-    num_aux = int(manifest["num_aux"])
-
     data = StreamingData.from_manifest(manifest, settings)
     steps_per_epoch = [len(data.epoch_batches(e)) for e in range(settings.epochs)]
     total_steps = sum(steps_per_epoch)  # the schedule's horizon; max_steps only stops early
     stop_at = total_steps if settings.max_steps is None else min(total_steps, settings.max_steps)
 
-    drafter, embed, teacher_weight = build_drafter(
-        target, vocab["d2t"], vocab["t2d"], num_aux, settings.seed, dist.device, settings.drafter,
-        settings.head_init, settings.layer_init,
-    )  # fmt: skip
-    del target
+    num_aux = int(manifest["num_aux"])
+    drafter, embed, teacher = build_drafter(
+        target, vocab["d2t"], vocab["t2d"], num_aux, settings, dist.device
+    )
+    target_config = target.config
+    del target  # the embedding and teacher rows live on in model; the rest of the head is freed
+    model = DraftingLoss(drafter, embed, teacher)
+    trained = dist.wrap(model)
     optimizer = make_optimizer(drafter, settings)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, settings.warmup_steps, total_steps)
-    )
-    noise_gen = torch.Generator(device=dist.device)
+    scheduler = make_scheduler(optimizer, settings, total_steps)
+    objective = Objective.from_settings(settings, dist.device)
 
-    # ---- resume: every rank reads the same checkpoint; rank 0 removes the rest after the others read
     key = resume_key(settings, manifest, vocab, drafter.cfg)
-    latest, remove = find_resume(checkpoint_dir, key, stop_at, fresh=fresh, verbose=dist.main)
-    pos, rows = Position(epoch_stats=StepStats.zeros(settings.ttt_steps)), []
-    if latest is not None:
-        state, rows = load_checkpoint(latest, drafter, optimizer, scheduler)
-        pos = Position.from_state(state)
-        rows.append({"kind": "resume", "step": pos.step, "checkpoint": str(latest), "world_size": dist.world})
-        if dist.main:
-            log.info(
-                "resumed from step %d (%s; epoch %d, batch %d)",
-                pos.step,
-                latest,
-                pos.epoch + 1,
-                pos.batch_in_epoch,
-            )
-    resumed_from = pos.step if latest is not None else None
-    dist.barrier()
-    run_folder = start_run(checkpoint_dir, key, remove) if dist.main else None
-    metrics = MetricsLog(metrics_path, rows, dist.main)
-    metrics.flush(force=True)  # a resumed run's full history, at once
+    run = open_run(checkpoint_dir, key, stop_at, drafter, optimizer, scheduler, fresh=fresh, dist=dist)
+    pos, resumed_from = resume_position(run, settings, dist)
+    metrics = MetricsLog(Path(metrics_path), run.rows, dist.main, progress)
 
-    def checkpoint_now() -> None:  # reads only: no state of the loop changes here
+    def checkpoint() -> None:  # reads only: no state of the loop changes here
         metrics.flush(force=True)  # metrics first: they also go into the checkpoint
-        if dist.main:
-            state = pos.to_state(total_steps=total_steps, world_size=dist.world, resume_key=key)
-            save_checkpoint(run_folder, pos.step, drafter, optimizer, scheduler, state, metrics.rows)
+        state = pos.to_state(total_steps=total_steps, world_size=dist.world, resume_key=key)
+        run.save(pos.step, drafter, optimizer, scheduler, state, metrics.rows)
 
-    # ---- loop
     last_saved = resumed_from
-    trained_tokens, train_time, wait_time = 0, 0.0, 0.0
-    bar = tqdm(
-        total=stop_at,
-        initial=min(pos.step, stop_at),
-        disable=not (progress and dist.main),
-        desc="train",
-        mininterval=1.0,
-    )
     while pos.epoch < settings.epochs and pos.step < stop_at:
         plan = data.epoch_batches(pos.epoch)
         todo = plan[pos.batch_in_epoch : pos.batch_in_epoch + stop_at - pos.step]  # none past max_steps
-        batches = data.batches([b[dist.rank :: dist.world] for b in todo], "train")
-        for _ in todo:
-            t_wait = time.perf_counter()
-            batch = next(batches)  # decoded in the background while the previous step trained
+        for batch, waited in timed(data.batches([b[dist.rank :: dist.world] for b in todo], "train")):
             t0 = time.perf_counter()
             stats, grad_norm, lr = train_step(
-                drafter, embed, teacher_weight, batch, optimizer, scheduler, settings, dist, noise_gen, pos.step
-            )  # fmt: skip
+                trained, batch, objective, optimizer, scheduler, settings, dist, pos.step
+            )
             dt = time.perf_counter() - t0
-            pos.step += 1
-            pos.batch_in_epoch += 1
-            pos.epoch_stats.add(stats)
-            trained_tokens, train_time, wait_time = (
-                trained_tokens + stats.tokens,
-                train_time + dt,
-                wait_time + t0 - t_wait,
+            pos.advance(stats)
+            throughput.add(stats.tokens, dt, waited)
+            row = stats_row(
+                "train", stats, objective, **pos.where(len(plan), stop_at), lr=lr, grad_norm=grad_norm
             )
             metrics.append(
-                stats_row(
-                    "train", stats, settings, step=pos.step, epoch=pos.epoch + 1, batch=pos.batch_in_epoch,
-                    batches_in_epoch=len(plan), lr=lr, grad_norm=grad_norm,
-                    tokens_per_s=stats.tokens / dt if dt > 0 else None, data_wait_s=t0 - t_wait,
-                )
-            )  # fmt: skip
-            bar.update(1)
-            acc = " ".join(f"acc{j} {a:.2f}" for j, a in enumerate(stats.acc()) if a is not None)
-            bar.set_postfix_str(
-                f"loss {stats.loss(settings.ttt_decay):.3f} {acc} tok/s {stats.tokens / dt:.0f}"
+                {**row, "tokens_per_s": stats.tokens / dt if dt > 0 else None, "data_wait_s": waited}
             )
-            metrics.flush()
             every = settings.checkpoint_every
             if every and pos.step % every == 0 and pos.batch_in_epoch < len(plan):
-                checkpoint_now()
+                checkpoint()
                 last_saved = pos.step
-        batches.close()
         if pos.batch_in_epoch < len(plan):
             break  # stopped by max_steps
-        # ---- epoch end: validation, then a checkpoint positioned at the next epoch
+        # epoch end: validation, then a checkpoint positioned at the next epoch
         if data.val:
-            v = evaluate(drafter, embed, teacher_weight, data, settings, dist)
+            v = validate(model, data, objective, dist)
             metrics.append(
-                stats_row("val", v, settings, step=pos.step, epoch=pos.epoch + 1, samples=len(data.val))
+                stats_row("val", v, objective, step=pos.step, epoch=pos.epoch + 1, samples=len(data.val))
             )
-            if dist.main:
-                log.info("epoch %d val loss %.4f acc %s", pos.epoch + 1, metrics.rows[-1]["loss"], v.acc())
-        pos.last_epoch_stats, pos.epoch_stats = pos.epoch_stats, StepStats.zeros(settings.ttt_steps)
-        pos.epoch, pos.batch_in_epoch = pos.epoch + 1, 0
-        checkpoint_now()
+        pos.next_epoch()
+        checkpoint()
         last_saved = pos.step
-    bar.close()
     data.close()
     if last_saved != pos.step:  # stopped since the last checkpoint
-        checkpoint_now()
+        checkpoint()
     metrics.flush(force=True)
 
-    # ---- summary + export
-    stats = pos.epoch_stats if sum(pos.epoch_stats.count) else (pos.last_epoch_stats or pos.epoch_stats)
-    val_rows = [r for r in metrics.rows if r["kind"] == "val"]
-    summary = {
-        "steps": pos.step,
-        "total_steps": total_steps,
-        "epochs": settings.epochs,
-        "epochs_completed": pos.epoch,
-        "steps_per_epoch": steps_per_epoch,
-        "stopped_early": pos.step < total_steps,
-        "resumed_from_step": resumed_from,
-        "world_size": dist.world,
-        "device": str(dist.device),
-        "train_samples": len(data.train),
-        "val_samples": len(data.val),
-        "train_loss": stats.loss(settings.ttt_decay) if sum(stats.count) else None,
-        "train_acc": stats.acc(),
-        "train_agreement": stats.agreement(),
-        "teacher_acc": stats.teacher_acc(),
-        "val_loss": val_rows[-1]["loss"] if val_rows else None,
-        "val_acc": val_rows[-1]["acc"] if val_rows else None,
-        "val_agreement": val_rows[-1]["agreement"] if val_rows else None,
-        "trained_tokens": trained_tokens,
-        "tokens_per_s": trained_tokens / train_time if train_time > 0 else None,
-        # time the loop waited for the loader: ~0 when background decoding keeps ahead of training
-        "data_wait_s": wait_time,
-        "data_wait_fraction": wait_time / (wait_time + train_time) if train_time > 0 else None,
-        "wall_s": time.perf_counter() - wall_start,
-    }
+    summary = training_summary(
+        pos, steps_per_epoch, settings, objective, data, dist, metrics.rows, resumed_from, throughput
+    )
     if dist.main:
-        aux_ids = convert_layer_ids(
-            [int(i) for i in manifest["aux_layer_ids"]], manifest.get("layer_convention", "input"), "input"
-        )
-        export(drafter, out_dir, aux_ids, str(manifest["target"]), tcfg, settings, summary)
-    dist.barrier()  # the export exists before any rank returns
-    if dist.owns_group:
-        torch.distributed.destroy_process_group()
+        write_drafter(drafter, out_dir, manifest, target_config, settings, summary)
+    dist.finish()  # the drafter exists before any rank returns
     return summary
 
 
-def export(
+def refusal(problems: list[str]) -> str:
+    """Why no rank trains: this rank's problems, or that another rank found some."""
+    if problems:
+        return "refusing to train on data that fails verification:\n  " + "\n  ".join(problems)
+    return "refusing to train: another rank found data that fails verification (its log names it)"
+
+
+def resume_position(run: Run, settings: TrainSettings, dist: Dist) -> tuple[Position, int | None]:
+    """Where the loop starts -> (position, the step resumed from or None); a resumed run's metrics get
+    a "resume" row."""
+    if run.state is None:
+        return Position.start(settings.ttt_steps), None
+    pos = Position.from_state(run.state)
+    before = run.state.get("world_size", 1)
+    if dist.main and before != dist.world:
+        log.warning(
+            "resuming a checkpoint of %d process(es) on %d: the same batches and gradient sums, grouped "
+            "into other floating-point partial sums%s",
+            before,
+            dist.world,
+            " (and other aux-state noise: it is drawn per rank)" if settings.noise_std > 0 else "",
+        )
+    run.rows.append(
+        {"kind": "resume", "step": pos.step, "checkpoint": str(run.checkpoint), "world_size": dist.world}
+    )
+    if dist.main:
+        log.info(
+            "resumed from step %d (%s; epoch %d, batch %d)",
+            pos.step,
+            run.checkpoint,
+            pos.epoch + 1,
+            pos.batch_in_epoch,
+        )
+    return pos, pos.step
+
+
+def timed(batches: Iterator[Batch | None]) -> Iterator[tuple[Batch | None, float]]:
+    """(batch, seconds waited for it): ~0 while the loader's background threads keep ahead."""
+    while True:
+        t0 = time.perf_counter()
+        batch = next(batches, StopIteration)
+        if batch is StopIteration:
+            return
+        yield batch, time.perf_counter() - t0
+
+
+def write_drafter(
     drafter: Eagle3Drafter,
-    out_dir: Path,
-    aux_ids_input: list[int],
-    target: str,
+    out_dir: str | Path,
+    manifest: dict[str, Any],
     target_config: Any,
     settings: TrainSettings,
     summary: dict[str, Any],
 ) -> None:
-    """The drafter in the serving format, checked, with the training summary; all or nothing."""
-    with atomic_dir(out_dir) as tmp:
+    """The drafter in vLLM's format (aux ids in its "input" convention), checked, with the training
+    summary; all or nothing."""
+    aux_ids = convert_layer_ids(
+        [int(i) for i in manifest["aux_layer_ids"]], manifest.get("layer_convention", "input"), "input"
+    )
+    with atomic_dir(Path(out_dir)) as tmp:
         extra = {"training": {"settings": settings.to_dict(), "summary": summary}}
-        save_drafter(drafter, tmp, aux_ids_input, target, extra=extra)
+        save_drafter(drafter, tmp, aux_ids, str(manifest["target"]), extra=extra)
         problems = check_export(
             tmp, target_num_layers=target_config.num_hidden_layers, target_vocab_size=target_config.vocab_size
         )
         if problems:
-            raise RuntimeError(f"the export failed its own checks: {problems}")
+            raise RuntimeError(f"the drafter written failed its own checks: {problems}")
         write_json(tmp / "train_summary.json", summary)
-    log.info("exported the drafter to %s", out_dir)
+    log.info("wrote the drafter to %s", out_dir)

@@ -15,6 +15,7 @@ from torch import Tensor
 from draftsmith.chat import eos_token_ids
 from draftsmith.engines import Answer, oversized, oversized_failure
 from draftsmith.layers import capture_aux, decoder_layers, stack_aux
+from draftsmith.precision import compute_dtype
 
 
 @dataclass
@@ -197,7 +198,7 @@ class HfChatEngine:
     def open(cls, settings: Any, target: str, render: Callable[[list[dict]], list[int]]) -> HfChatEngine:
         from draftsmith.target import load_target
 
-        model, tokenizer = load_target(target, getattr(torch, settings.dtype))
+        model, tokenizer = load_target(target, getattr(torch, compute_dtype(settings.dtype)))
         return cls(model, tokenizer, settings, render, str(target))
 
     def close(self) -> None:

@@ -397,6 +397,8 @@ class VllmServerEngine(OpenAIChatEngine):
     def server(settings: Any, target: str, log_path: str) -> VllmServer:
         """The (not yet started) server for the generate settings: tensor parallel over the job's GPUs
         (settings.gpus, or the devices given), its dtype, seed, memory share, address and server_args."""
+        from draftsmith.precision import compute_dtype
+
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         try:
             gpus = tensor_parallel_size(settings.gpus, settings.devices, visible)
@@ -407,7 +409,7 @@ class VllmServerEngine(OpenAIChatEngine):
             devices=settings.devices,
             extra_args=settings.server_args,
             log_path=log_path,
-            dtype=settings.dtype,
+            dtype=compute_dtype(settings.dtype),
             seed=settings.seed,
             startup_timeout_s=settings.server_startup_timeout_s,
             host=settings.server_host,

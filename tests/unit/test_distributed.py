@@ -1,28 +1,36 @@
-"""Data-parallel training: 2 CPU processes (torchrun, gloo) follow the loss curve of 1 process.
+"""Data-parallel training: 2 CPU processes (torchrun, gloo, DistributedDataParallel) train the weights
+1 process trains; a killed 2-process run resumes exactly; a run resumes on another world size; damaged
+data stops every rank before training.
 
 Each rank trains a disjoint slice of every batch and normalises its loss by the whole batch's count of
-trained positions; gradients are summed over ranks. So 2 processes compute the same gradient as 1,
-up to floating-point summation order: the per-position counts and token counts must match exactly,
-losses within TOLERANCE.
+trained positions; DDP sums the gradients over ranks. So 2 processes compute the same gradient as 1, up
+to floating-point summation order: the per-position counts and token counts must match exactly, losses
+within TOLERANCE.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_train import make_tiny_data, rows, run, run_folder, settings
+from test_manifest import _flip_state_bit
+from test_train import checkpoints_of, make_tiny_data, rows, run, run_folder, settings
 
-from draftsmith.distributed import Dist, sync_gradients
-from draftsmith.loader import StreamingData
+from draftsmith.distributed import Dist
+from draftsmith.loader import StreamingData, verify_share
 from draftsmith.manifest import load_manifest
-from draftsmith.train import StepStats
+from draftsmith.shards import ShardReader
+from draftsmith.train import DraftingLoss, StepStats
 
 # 1 vs 2 processes differ only in how fp32 sums are grouped (one sum over the batch vs two partial sums
 # added). Measured on this data over 30 steps: loss curves agree to 1.2e-7 relative, fp32 weights to
@@ -39,26 +47,48 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def _settings(**over):
     # batch_tokens 64: batches of 1-4 samples, so some ranks get an empty slice (the one-sample batches)
-    base = {"epochs": 3, "batch_tokens": 64, "noise_std": 0.0, "checkpoint_every": None, "precision": "fp32"}
+    # 10 epochs (~100 steps, seconds): a kill at the first checkpoint lands mid-run even on a busy machine
+    base = {"epochs": 10, "batch_tokens": 64, "noise_std": 0.0, "checkpoint_every": 4, "precision": "fp32"}
     return settings(**{**base, **over})
 
 
-def torchrun_train(data: dict, root: Path, s, nproc: int = 2) -> subprocess.CompletedProcess:
+def train_command(data: dict, root: Path, s, nproc: int = 2) -> list[str]:
     """`draftsmith train --nproc 2`: re-executes itself under torch.distributed.run (gloo on CPU)."""
-    cmd = [
+    return [
         sys.executable, "-m", "draftsmith.cli", "train", "--nproc", str(nproc),
         "--data", str(data["manifest"]), "--vocab", str(data["vocab"]), "--out", str(root / "drafter"),
         "--checkpoints", str(root / "checkpoints"), "--metrics", str(root / "metrics.jsonl"),
         "--settings", json.dumps(s.to_dict()),
     ]  # fmt: skip
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-    }
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+
+
+def torchrun_train(data: dict, root: Path, s, nproc: int = 2, ok: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        train_command(data, root, s, nproc), env=ENV, capture_output=True, text=True, timeout=600
+    )
+    if ok:
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     return proc
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of a process, from /proc (Linux)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        children = [p for p, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
 
 
 def curve(root: Path, kind: str = "train") -> list[dict]:
@@ -75,30 +105,38 @@ def assert_same_curve(one: list[dict], two: list[dict]) -> None:
             assert (x is None and y is None) or y == pytest.approx(x, rel=TOLERANCE)
 
 
-def test_two_processes_follow_one(data: dict, tmp_path: Path) -> None:
-    s = _settings()
-    one = run(data, tmp_path / "one", s)
-    k = one["steps_per_epoch"][0] + 2  # the 2-process run stops mid-epoch 2, then resumes
-    assert k < one["steps"]
-    loader = StreamingData.from_manifest(load_manifest(data["manifest"]), s)
-    plans = [loader.epoch_batches(e) for e in range(s.epochs)]
+def final_weights(root: Path, step: int) -> dict[str, torch.Tensor]:
+    """The fp32 weights of the checkpoint at `step` (the drafter written is bf16-rounded)."""
+    return load_file(str(run_folder(root) / f"step-{step}" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def one(data: dict, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """An uninterrupted single-process run -> (its folder, its summary)."""
+    root = tmp_path_factory.mktemp("one")
+    return root, run(data, root, _settings())
+
+
+@pytest.fixture(scope="module")
+def two(data: dict, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """An uninterrupted 2-process run -> (its folder, its summary)."""
+    root = tmp_path_factory.mktemp("two")
+    proc = torchrun_train(data, root, _settings())
+    assert "on 2 process(es)" in proc.stdout
+    return root, json.loads((root / "drafter" / "train_summary.json").read_text())
+
+
+@pytest.mark.slow
+def test_two_processes_train_the_single_process_weights(data: dict, one, two) -> None:
+    (one_root, one_summary), (two_root, two_summary) = one, two
+    loader = StreamingData.from_manifest(load_manifest(data["manifest"]), _settings())
+    plans = [loader.epoch_batches(e) for e in range(10)]
     loader.close()
     assert any(len(b) == 1 for p in plans for b in p)  # rank 1 then trains nothing and still syncs
-
-    two = tmp_path / "two"
-    first = torchrun_train(data, two, _settings(max_steps=k))
-    assert "on 2 process(es)" in first.stdout
-    assert_same_curve(curve(tmp_path / "one")[:k], curve(two))
-    # both ranks resume from the checkpoint rank 0 wrote, and finish the run
-    torchrun_train(data, two, s)
-    summary = json.loads((two / "drafter" / "train_summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["resumed_from_step"] == k
-    assert summary["steps"] == one["steps"]
-    assert_same_curve(curve(tmp_path / "one"), curve(two))
-    assert_same_curve(curve(tmp_path / "one", "val"), curve(two, "val"))
-    n = one["steps"]  # the fp32 weights of the last checkpoint (the export is bf16-rounded)
-    a = load_file(str(run_folder(tmp_path / "one") / f"step-{n}" / "model.safetensors"))
-    b = load_file(str(run_folder(two) / f"step-{n}" / "model.safetensors"))
+    assert two_summary["world_size"] == 2 and two_summary["steps"] == one_summary["steps"]
+    assert_same_curve(curve(one_root), curve(two_root))
+    assert_same_curve(curve(one_root, "val"), curve(two_root, "val"))
+    a, b = final_weights(one_root, one_summary["steps"]), final_weights(two_root, two_summary["steps"])
     for name in a:
         if a[name].is_floating_point():
             torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5)
@@ -106,11 +144,111 @@ def test_two_processes_follow_one(data: dict, tmp_path: Path) -> None:
             assert torch.equal(a[name], b[name])
 
 
-def test_sync_gradients_single_process_is_identity() -> None:
-    p = torch.nn.Parameter(torch.ones(3))
-    q = torch.nn.Parameter(torch.ones(2))
-    p.grad = torch.tensor([1.0, 2.0, 3.0])
-    sync_gradients([p, q], Dist())
-    assert p.grad.tolist() == [1.0, 2.0, 3.0] and q.grad is None
+@pytest.mark.slow
+def test_a_killed_two_process_run_resumes_exactly(data: dict, two, tmp_path: Path) -> None:
+    """SIGKILL torchrun and both workers once a mid-run checkpoint exists, rerun the same command: the
+    weights, losses and drafter equal the uninterrupted 2-process run's bit for bit."""
+    two_root, two_summary = two
+    proc = subprocess.Popen(
+        train_command(data, tmp_path, _settings()), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not checkpoints_of(tmp_path):
+        time.sleep(0.01)
+    for pid in [proc.pid, *descendants(proc.pid)]:  # torchrun and its workers (each in its own session)
+        os.kill(pid, signal.SIGKILL)
+    out = proc.communicate()[0].decode(errors="replace")
+    assert proc.returncode == -signal.SIGKILL, f"finished before the kill:\n{out[-3000:]}"
+    done = checkpoints_of(tmp_path)
+    assert done and not (tmp_path / "drafter").exists()
+    (tmp_path / "metrics.jsonl").unlink()  # Snakemake deletes a failed job's declared outputs
+
+    torchrun_train(data, tmp_path, _settings())
+    summary = json.loads((tmp_path / "drafter" / "train_summary.json").read_text())
+    assert summary["resumed_from_step"] is not None and summary["steps"] == two_summary["steps"]
+    a, b = final_weights(two_root, summary["steps"]), final_weights(tmp_path, summary["steps"])
+    assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
+    a = load_file(str(two_root / "drafter" / "model.safetensors"))
+    b = load_file(str(tmp_path / "drafter" / "model.safetensors"))
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+    def losses(root: Path) -> list:
+        return [(r["kind"], r["step"], r["loss"]) for r in rows(root) if r["kind"] in ("train", "val")]
+
+    assert losses(tmp_path) == losses(two_root)
+    assert [r["kind"] for r in rows(tmp_path)].count("resume") == 1
+
+
+@pytest.mark.slow
+def test_a_run_resumes_on_another_world_size(data: dict, one, tmp_path: Path, caplog) -> None:
+    """Stopped under 2 processes, resumed by 1: the same batches and sums, so the run ends where the
+    single-process run does (within the summation-order tolerance), and says that the world changed."""
+    one_root, one_summary = one
+    k = one_summary["steps_per_epoch"][0] + 2  # mid-epoch 2
+    torchrun_train(data, tmp_path, _settings(max_steps=k))
+    with caplog.at_level(logging.WARNING, logger="draftsmith.train"):
+        summary = run(data, tmp_path, _settings())
+    assert summary["resumed_from_step"] == k and summary["world_size"] == 1
+    assert any("checkpoint of 2 process(es) on 1" in r.getMessage() for r in caplog.records)
+    assert_same_curve(curve(one_root), curve(tmp_path))
+    a, b = final_weights(one_root, one_summary["steps"]), final_weights(tmp_path, summary["steps"])
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_damaged_data_stops_every_rank_before_training(data: dict, tmp_path: Path) -> None:
+    """A flipped bit in one shard: the rank whose share holds the sample names it, the other says
+    another rank found damage, both exit 1 at once (no rank waits in a collective), nothing trains."""
+    copy = tmp_path / "data"
+    shutil.copytree(data["root"], copy, ignore=shutil.ignore_patterns("target"))
+    manifest = json.loads((copy / "data_config.json").read_text())
+    manifest["target"] = str(data["target"])
+    (copy / "data_config.json").write_text(json.dumps(manifest))
+    _flip_state_bit(copy / "hidden" / "shard-1.safetensors")
+    damaged = {**data, "manifest": copy / "data_config.json", "vocab": copy / "vocab_map.pt"}
+    t0 = time.perf_counter()
+    proc = torchrun_train(damaged, tmp_path, _settings(), ok=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and time.perf_counter() - t0 < 120
+    assert "refusing to train on data that fails verification" in out and "shard-1.safetensors: sample" in out
+    assert "another rank found data that fails verification" in out
+    assert not (tmp_path / "drafter").exists() and not (tmp_path / "checkpoints").exists()
+
+
+def test_the_ranks_verify_every_sample_once(data: dict, monkeypatch) -> None:
+    """verify_share: 2 ranks decode disjoint shares that together are every sample of every shard."""
+    read: list[tuple[str, int]] = []
+    original = ShardReader.read
+
+    def recording(self: ShardReader, i: int, max_tokens: int | None = None):
+        read.append((self.path.name, i))
+        return original(self, i, max_tokens)
+
+    monkeypatch.setattr(ShardReader, "read", recording)
+    shares = []
+    for rank in (0, 1):
+        read.clear()
+        assert verify_share(data["manifest"], rank, 2, threads=0) == []
+        shares.append(set(read))
+    every = {(f"shard-{k}.safetensors", i) for k in (0, 1) for i in range(12)}
+    assert shares[0] | shares[1] == every and not shares[0] & shares[1]
+    assert abs(len(shares[0]) - len(shares[1])) <= 1
+
+
+def test_one_process_trains_the_module_itself() -> None:
+    module = torch.nn.Linear(2, 2)
+    assert Dist().wrap(module) is module and Dist().total(3) == 3
     stats = StepStats([1.5], [2], [3], 1, 10)
     assert stats.all_sum(Dist()) is stats
+
+
+def test_a_rank_without_a_share_gives_zero_gradients(data: dict) -> None:
+    """DDP needs every rank's backward: a rank without samples in a batch contributes exact zeros."""
+    from test_train import build, objective
+
+    drafter, embed, teacher = build(data)
+    loss, stats = DraftingLoss(drafter, embed, teacher)(None, objective())
+    loss.backward()
+    assert float(loss.detach()) == 0 and stats.count == [0, 0, 0]
+    assert all(p.grad is not None and not p.grad.any() for p in drafter.parameters())

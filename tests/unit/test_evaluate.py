@@ -62,7 +62,7 @@ def extract_tiny_data(root: Path, target_dir: Path) -> tuple[Path, Path]:
 
     from draftsmith.chat import render_prompt, template_fingerprint
     from draftsmith.layers import capture_aux, stack_aux
-    from draftsmith.shards import Sample, write_shard
+    from draftsmith.shards import Sample, verify_shard, write_shard
     from draftsmith.speculate import greedy_decode
     from draftsmith.target import file_sha256
     from draftsmith.vocab import build_vocab_map, save_vocab_map
@@ -100,6 +100,7 @@ def extract_tiny_data(root: Path, target_dir: Path) -> tuple[Path, Path]:
                 "num_tokens": sum(s.num_tokens for s in samples),
                 "bytes": shard.stat().st_size,
                 "sha256": file_sha256(shard),
+                "content_sha256": verify_shard(shard),  # what training checks the shard against
                 "teacher_agreement": 1.0,
             }
         ],

@@ -21,7 +21,7 @@ from draftsmith.target import (
     read_head_tensors,
     text_config_dict,
 )
-from draftsmith.train import build_drafter
+from draftsmith.train import TrainSettings, build_drafter
 
 FAMILIES = ["llama3", "qwen3", "qwen3_moe", "deepseek_v3"]
 
@@ -127,7 +127,7 @@ def test_kimi_drafter_is_llama_style(tmp_path, caplog):
     d2t, t2d = torch.zeros(64, dtype=torch.long), torch.zeros(512, dtype=torch.bool)
     t2d[:64] = True
     with caplog.at_level(logging.INFO, logger="draftsmith.train"):
-        drafter, _, _ = build_drafter(head, d2t, t2d, 3, 0, "cpu")
+        drafter, _, _ = build_drafter(head, d2t, t2d, 3, TrainSettings(), "cpu")
     cfg = drafter.cfg
     assert (cfg.num_attention_heads, cfg.head_dim, cfg.num_key_value_heads, cfg.intermediate_size) == (
         4, 128, 4, 512,

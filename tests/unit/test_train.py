@@ -24,6 +24,7 @@ from draftsmith.loader import collate
 from draftsmith.shards import Sample, iter_samples, verify_shard, write_shard
 from draftsmith.target import file_sha256
 from draftsmith.train import (
+    Objective,
     TrainSettings,
     build_drafter,
     load_target_head,
@@ -148,14 +149,22 @@ def settings(**over) -> TrainSettings:
         "val_fraction": 0.2,
         "seed": 0,
         "threads": 1,
-        "checkpoint_every": None,
+        "checkpoint_every": 0,
         "pack_window": 8,
         "loader_threads": 2,
     }
     return TrainSettings.from_dict({**base, **over})
 
 
-def run(data: dict, root: Path, s: TrainSettings) -> dict:
+def objective(steps: int = 3, **over) -> Objective:
+    """The validation view of `steps` TTT steps weighted 0.8**j in fp32, with `over` changed."""
+    view = Objective.from_settings(
+        settings(ttt_steps=steps, ttt_decay=0.8, precision="fp32")
+    ).for_validation()
+    return replace(view, **over)
+
+
+def run(data: dict, root: Path, s: TrainSettings, progress: bool = False) -> dict:
     return train(
         data["manifest"],
         data["vocab"],
@@ -163,7 +172,7 @@ def run(data: dict, root: Path, s: TrainSettings) -> dict:
         root / "checkpoints",
         root / "metrics.jsonl",
         s,
-        progress=False,
+        progress=progress,
     )
 
 
@@ -217,13 +226,33 @@ def test_lr_schedule() -> None:
 def test_settings_from_dict_names_bad_keys() -> None:
     good = settings().to_dict()
     assert TrainSettings.from_dict(good) == settings()
-    with pytest.raises(ValueError, match=r"unknown keys \['bogus'\], missing keys \['lr'\]"):
-        TrainSettings.from_dict({**{k: v for k, v in good.items() if k != "lr"}, "bogus": 1})
-    with pytest.raises(ValueError, match="ttt_steps"):
+    with pytest.raises(ValueError, match="unknown train settings: bogus"):
+        TrainSettings.from_dict({**good, "bogus": 1})
+    assert TrainSettings.from_dict({k: v for k, v in good.items() if k != "lr"}).lr == TrainSettings().lr
+    with pytest.raises(ValueError, match="train.ttt_steps: 0 is less than the minimum of 1"):
         TrainSettings.from_dict({**good, "ttt_steps": 0})
 
 
 # -------------------------------------------------------------------------------------------- objective
+
+
+def test_validation_view_keeps_steps_weights_precision_and_drops_training_options() -> None:
+    options = {"noise_std": 0.05, "mask_offset": 0, "loss_norm": "sample", "loss_positions": "all"}
+    views = {"ttt_prefix": "lagged", "ttt_positions": "fixed"}
+    trained = Objective.from_settings(
+        settings(ttt_steps=4, ttt_decay=0.5, precision="bf16", **options, **views)
+    )
+    assert trained.step_weights == (1.0, 0.5, 0.25, 0.125) and trained.precision == "bf16"
+    view = trained.for_validation()
+    assert (view.ttt_steps, view.step_weights, view.precision) == (4, trained.step_weights, "bf16")
+    assert (view.noise_std, view.mask_offset, view.loss_norm, view.loss_positions) == (
+        0,
+        2,
+        "position",
+        "assistant",
+    )
+    assert (view.ttt_prefix, view.ttt_positions) == ("accepted", "advance")
+    assert view.for_validation() == view
 
 
 def build(data: dict, seed: int = 0) -> tuple[Eagle3Drafter, torch.Tensor, torch.Tensor]:
@@ -266,7 +295,7 @@ def reference_loss(
 def test_ttt_loss_matches_reference_formulation(data: dict) -> None:
     drafter, embed, teacher = build(data)
     batch = collate(data["samples"][:4])
-    loss, stats = ttt_loss(drafter, embed, teacher, batch, ttt_steps=3, ttt_decay=0.8)
+    loss, stats = ttt_loss(drafter, embed, teacher, batch, objective())
     ref = reference_loss(drafter, embed, teacher, batch, 3, 0.8)
     # fp32, two formulations: 3 TTT steps of fc -> decoder layer -> lm_head (6 matmuls), longest sum 3H
     tol = fp_tolerance(torch.float32, 3 * 6, 3 * HIDDEN, scale=ref.abs())
@@ -302,10 +331,10 @@ def test_specforge_ttt_views_change_only_later_steps(data: dict, prefix: str, po
         torch.nn.init.normal_(proj.weight, std=0.5)  # attention dominates: positions and masks show
     batch = collate(data["samples"][:4])
     kw = {"ttt_prefix": prefix, "ttt_positions": positions}
-    one, _ = ttt_loss(drafter, embed, teacher, batch, ttt_steps=1, ttt_decay=0.8, **kw)
-    torch.testing.assert_close(one, ttt_loss(drafter, embed, teacher, batch, ttt_steps=1, ttt_decay=0.8)[0])
-    loss, view = ttt_loss(drafter, embed, teacher, batch, ttt_steps=3, ttt_decay=0.8, **kw)
-    _, default = ttt_loss(drafter, embed, teacher, batch, ttt_steps=3, ttt_decay=0.8)
+    one, _ = ttt_loss(drafter, embed, teacher, batch, objective(1, **kw))
+    torch.testing.assert_close(one, ttt_loss(drafter, embed, teacher, batch, objective(1))[0])
+    loss, view = ttt_loss(drafter, embed, teacher, batch, objective(**kw))
+    _, default = ttt_loss(drafter, embed, teacher, batch, objective())
     assert view.loss_sum[0] == pytest.approx(default.loss_sum[0], rel=1e-6)
     # fp32, two formulations: 3 TTT steps of fc -> decoder layer -> lm_head (6 matmuls), longest sum 3H
     rtol = fp_tolerance(torch.float32, 3 * 6, 3 * HIDDEN)["rtol"]
@@ -320,8 +349,8 @@ def test_specforge_ttt_views_change_only_later_steps(data: dict, prefix: str, po
 def test_bf16_autocast_loss_is_close_to_fp32(data: dict) -> None:
     drafter, embed, teacher = build(data)
     batch = collate(data["samples"][:4])
-    fp32, _ = ttt_loss(drafter, embed, teacher, batch, ttt_steps=3, ttt_decay=0.8, precision="fp32")
-    bf16, _ = ttt_loss(drafter, embed, teacher, batch, ttt_steps=3, ttt_decay=0.8, precision="bf16")
+    fp32, _ = ttt_loss(drafter, embed, teacher, batch, objective(precision="fp32"))
+    bf16, _ = ttt_loss(drafter, embed, teacher, batch, objective(precision="bf16"))
     assert bf16.dtype == torch.float32  # the loss itself is computed in fp32
     # autocast rounds each matmul's inputs to bf16 (sums stay fp32); the loss averages those roundings
     # over every token and step, so it stays within about one bf16 rounding of the fp32 loss
@@ -336,7 +365,7 @@ def test_ttt_steps_reduce_loss(data: dict) -> None:
     opt = make_optimizer(drafter, settings(lr=1e-3))
     losses = []
     for _ in range(6):
-        loss, _ = ttt_loss(drafter, embed, teacher, batch, ttt_steps=3, ttt_decay=0.8)
+        loss, _ = ttt_loss(drafter, embed, teacher, batch, objective())
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -388,8 +417,13 @@ def test_train_writes_export_metrics_checkpoint(data: dict, tmp_path: Path) -> N
     assert state["step"] == 3 and state["epoch"] == 0 and state["batch_in_epoch"] == 3
 
 
-def test_training_learns(data: dict, tmp_path: Path) -> None:
-    summary = run(data, tmp_path, settings(epochs=4, noise_std=0.0, lr=5e-3))
+def test_training_learns(data: dict, tmp_path: Path, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="draftsmith.train"):
+        summary = run(data, tmp_path, settings(epochs=4, noise_std=0.0, lr=5e-3), progress=True)
+    # progress goes through logging: the first step, then at most every PROGRESS_EVERY_S, every validation
+    lines = [r.getMessage() for r in caplog.records if r.name == "draftsmith.train"]
+    assert any(line.startswith("epoch 1 step 1/") and " train loss " in line for line in lines), lines
+    assert sum(" val loss " in line for line in lines) == 4, lines
     val = [r for r in rows(tmp_path) if r["kind"] == "val"]
     assert len(val) == 4 and summary["val_samples"] > 0
     assert val[-1]["loss"] < val[0]["loss"]
@@ -600,14 +634,14 @@ def test_sample_normalisation_matches_per_sample_reference(data: dict) -> None:
     i.e. each sample alone with a position mean rescaled by its share of valid positions."""
     drafter, embed, teacher = build(data)
     samples = data["samples"][:4]
-    loss, _ = ttt_loss(drafter, embed, teacher, collate(samples), 3, 0.8, loss_norm="sample")
+    loss, _ = ttt_loss(drafter, embed, teacher, collate(samples), objective(loss_norm="sample"))
     expected = 0.0
     for s in samples:  # each sample alone: its cross-entropy sums per step, over its length
-        _, stats = ttt_loss(drafter, embed, teacher, collate([s]), 3, 0.8)
+        _, stats = ttt_loss(drafter, embed, teacher, collate([s]), objective())
         expected += sum(0.8**j * stats.loss_sum[j] for j in range(3)) / s.num_tokens
     torch.testing.assert_close(loss, torch.tensor(expected / len(samples)), rtol=1e-5, atol=1e-6)
     # a position mean weighs long answers more than the per-sample mean does: the two differ
-    position, _ = ttt_loss(drafter, embed, teacher, collate(samples), 3, 0.8)
+    position, _ = ttt_loss(drafter, embed, teacher, collate(samples), objective())
     assert not torch.allclose(position, loss)
 
 
@@ -621,9 +655,9 @@ def test_split_batch_with_global_counts_adds_up(data: dict, loss_norm: str, offs
     whole = collate(samples)
     kw = {"mask_offset": offset, "loss_norm": loss_norm}
     counts = ttt_step_counts(whole.loss_mask, whole.lengths, 3, offset, loss_norm)
-    full, _ = ttt_loss(drafter, embed, teacher, whole, 3, 0.8, **kw)
+    full, _ = ttt_loss(drafter, embed, teacher, whole, objective(**kw))
     parts = [
-        ttt_loss(drafter, embed, teacher, collate(half), 3, 0.8, step_counts=counts, **kw)[0]
+        ttt_loss(drafter, embed, teacher, collate(half), objective(**kw), step_counts=counts)[0]
         for half in (samples[:2], samples[2:])
     ]
     torch.testing.assert_close(parts[0] + parts[1], full, rtol=1e-5, atol=1e-6)
@@ -635,21 +669,18 @@ def test_head_init_target_or_random(data: dict) -> None:
     head = load_target_head(data["target"])
     vocab = load_vocab_map(data["vocab"])
     rows_of_draft = head.lm_head[torch.arange(DRAFT_VOCAB) + vocab["d2t"]]
-    copied, _, teacher = build_drafter(
-        head, vocab["d2t"], vocab["t2d"], len(AUX_IDS), 0, "cpu", head_init="target", layer_init="normal"
-    )
+    args = (head, vocab["d2t"], vocab["t2d"], len(AUX_IDS))
+    copied, _, teacher = build_drafter(*args, settings(head_init="target", layer_init="normal"), "cpu")
     assert torch.equal(copied.lm_head.weight.detach(), rows_of_draft) and torch.equal(teacher, rows_of_draft)
     assert torch.equal(copied.norm.weight.detach(), head.norm)
-    fresh, _, teacher = build_drafter(
-        head, vocab["d2t"], vocab["t2d"], len(AUX_IDS), 0, "cpu", head_init="random", layer_init="normal"
-    )
+    fresh, _, teacher = build_drafter(*args, settings(head_init="random", layer_init="normal"), "cpu")
     assert torch.equal(teacher, rows_of_draft)  # the teacher is the target's either way
     assert torch.equal(fresh.norm.weight.detach(), torch.ones(HIDDEN))
     w = fresh.lm_head.weight.detach()
     assert not torch.equal(w, rows_of_draft) and abs(float(w.std()) - 0.02) < 0.002
     assert torch.equal(fresh.fc.weight, copied.fc.weight)  # the same seed draws the same rest
-    with pytest.raises(ValueError, match="head_init"):
-        build_drafter(head, vocab["d2t"], vocab["t2d"], len(AUX_IDS), 0, "cpu", head_init="zeros")
+    with pytest.raises(ValueError, match="head_init"):  # refused before any drafter is built
+        settings(head_init="zeros")
 
 
 def test_layer_init_normal_or_fan_in(data: dict) -> None:
@@ -657,10 +688,10 @@ def test_layer_init_normal_or_fan_in(data: dict) -> None:
 
     head = load_target_head(data["target"])
     vocab = load_vocab_map(data["vocab"])
-    args = (head, vocab["d2t"], vocab["t2d"], len(AUX_IDS), 0, "cpu")
-    normal, _, _ = build_drafter(*args, layer_init="normal")
-    fan_in, _, _ = build_drafter(*args, layer_init="fan_in")
-    again, _, _ = build_drafter(*args, layer_init="fan_in")
+    args = (head, vocab["d2t"], vocab["t2d"], len(AUX_IDS))
+    normal, _, _ = build_drafter(*args, settings(layer_init="normal"), "cpu")
+    fan_in, _, _ = build_drafter(*args, settings(layer_init="fan_in"), "cpu")
+    again, _, _ = build_drafter(*args, settings(layer_init="fan_in"), "cpu")
     for name, module in fan_in.named_modules():
         if isinstance(module, torch.nn.Linear):
             w = module.weight.detach()
@@ -668,8 +699,8 @@ def test_layer_init_normal_or_fan_in(data: dict) -> None:
             assert float(w.abs().max()) <= bound and float(w.abs().max()) > 0.9 * bound, name
             assert torch.equal(w, again.get_submodule(name).weight), name  # a function of the seed
     assert abs(float(normal.fc.weight.std()) - 0.02) < 0.002
-    with pytest.raises(ValueError, match="layer_init"):
-        build_drafter(*args, layer_init="xavier")
+    with pytest.raises(ValueError, match="layer_init"):  # refused before any drafter is built
+        settings(layer_init="xavier")
 
 
 def test_objective_settings_validated_and_reach_the_optimizer(data: dict) -> None:

@@ -1,0 +1,86 @@
+"""draftsmith/settings.py: settings objects take their defaults and checks from the schema alone."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import replace
+
+import pytest
+
+from draftsmith.config import section_defaults
+from draftsmith.generate import GenerateSettings
+from draftsmith.settings import REGISTRY, from_schema, schema_default
+from draftsmith.train import TrainSettings
+
+# every module that defines a settings class (imported here so that each registers)
+SETTINGS_MODULES = ("draftsmith.train", "draftsmith.generate", "draftsmith.gate")
+
+
+def settings_classes() -> list[type]:
+    for module in SETTINGS_MODULES:
+        importlib.import_module(module)
+    return list(REGISTRY)
+
+
+def test_every_settings_objects_defaults_are_the_schemas() -> None:
+    classes = settings_classes()
+    assert {"TrainSettings", "GenerateSettings"} <= {c.__name__ for c in classes}
+    for cls in classes:
+        built = cls()
+        for name, path in cls.schema_paths.items():
+            expected = None if name in cls.unset_fields else schema_default(path)
+            assert getattr(built, name) == expected, f"{cls.__name__}.{name} is not {path}'s default"
+
+
+def test_every_key_of_a_stage_section_is_a_setting() -> None:
+    for cls, section in ((TrainSettings, "train"), (GenerateSettings, "generate")):
+        assert set(section_defaults(section)) <= set(cls.schema_paths), cls.__name__
+
+
+def test_values_are_checked_against_the_schema_with_the_key_named() -> None:
+    with pytest.raises(ValueError, match=r"train\.lr: 0 is less than or equal to the minimum of 0"):
+        TrainSettings(lr=0)
+    with pytest.raises(ValueError, match=r"train\.loss_norm: 'token' is not one of \['position', 'sample'\]"):
+        TrainSettings(loss_norm="token")
+    with pytest.raises(ValueError, match=r"train\.epochs: 'two' is not of type 'integer'"):
+        TrainSettings(epochs="two")
+    with pytest.raises(ValueError, match=r"resources\.train\.loader_threads: -1 is less than the minimum"):
+        replace(TrainSettings(), loader_threads=-1)  # replace() builds a new object: checked too
+    with pytest.raises(ValueError, match=r"target\.dtype: 'float16' is not one of"):
+        GenerateSettings(dtype="float16")  # a field named after another section's key
+
+
+def test_unset_fields_default_to_none_and_are_checked_when_given() -> None:
+    assert TrainSettings().threads is None  # torch's choice outside Snakemake
+    assert TrainSettings(threads=2).threads == 2
+    with pytest.raises(ValueError, match=r"resources\.train\.threads: 0 is less than the minimum of 1"):
+        TrainSettings(threads=0)
+
+
+def test_from_dict_fills_defaults_ignores_scheduler_knobs_and_refuses_unknown_keys() -> None:
+    assert TrainSettings.from_dict({"lr": 0.01}) == TrainSettings(lr=0.01)
+    assert TrainSettings.from_dict({"gpus": 4, "mem_mb": 100}) == TrainSettings()  # resources.train only
+    with pytest.raises(ValueError, match="unknown train settings: bogus, lrr"):
+        TrainSettings.from_dict({"lrr": 0.01, "bogus": 1})
+    assert TrainSettings.from_dict(TrainSettings(seed=3).to_dict()) == TrainSettings(seed=3)
+
+
+def test_mutable_defaults_are_fresh_copies() -> None:
+    a, b = GenerateSettings(), GenerateSettings()
+    a.server_args.append("--x")
+    assert b.server_args == schema_default("generate.server_args")
+
+
+def test_a_class_cannot_carry_its_own_default_for_a_schema_key() -> None:
+    with pytest.raises(TypeError, match=r"Bad\.lr: its default is the schema's \(train\.lr\); remove it"):
+
+        @from_schema("train")
+        class Bad:
+            lr: float = 0.1
+
+    with pytest.raises(TypeError, match=r"\['nowhere'\] are not in the schema and have no default"):
+
+        @from_schema("train")
+        class Lost:
+            lr: float
+            nowhere: int
