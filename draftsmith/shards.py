@@ -185,7 +185,7 @@ def fp8_quantize(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     k = fp8_scale_exponents(absmax)
     scaled = np.ldexp(values, -k[..., None])  # exact (a power of two), |scaled| <= FP8_MAX
     # scaled is a bf16 value again (below fp32's normals only where e4m3 rounds it to 0 anyway)
-    codes = fp8_tables()[0][(scaled.view(np.uint32) >> 16).astype(np.uint16)]
+    codes = np.take(fp8_tables()[0], (scaled.view(np.uint32) >> 16).astype(np.uint16))
     return codes, np.ldexp(np.float32(1), k).astype(np.float32)
 
 
@@ -193,7 +193,8 @@ def fp8_dequantize(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """float8_e4m3fn codes [..., H] and row scales [...] -> bf16 bit patterns [..., H] uint16. Exact:
     a code has at most 4 significant bits and a scale is a power of two, so code * scale is a bf16
     value, and its fp32 bits' top half are its bf16 bits."""
-    values = fp8_tables()[1][codes] * scales[..., None]  # float32 [..., H]
+    values = np.take(fp8_tables()[1], codes)  # float32 [..., H]; take: ~4x fancy indexing's speed
+    values *= scales[..., None]
     return (values.view(np.uint32) >> 16).astype(np.uint16)
 
 
