@@ -1164,6 +1164,52 @@ def export_cmd(
         click.echo(f"{engine}: {path}")
 
 
+@main.command()
+@click.argument("results_dir", type=click.Path(file_okay=False))
+@click.option("--repo-id", required=True, help="The Hub repository, ORG/NAME (created if it does not exist).")
+@click.option(
+    "--engine",
+    type=click.Choice(["vllm", "sglang", "speculators"]),
+    default="vllm",
+    show_default=True,
+    help="Which export to push: drafter/, drafter-sglang/ or drafter-speculators/.",
+)
+@click.option("--private", is_flag=True, help="Create the repository private.")
+@click.option("--force", is_flag=True, help="Push even though the drafter's gate blocked it.")
+@click.option(
+    "--dry-run", is_flag=True, help="Print what would be uploaded and the gate's word; push nothing."
+)
+def push(results_dir: str, repo_id: str, engine: str, private: bool, force: bool, dry_run: bool) -> None:
+    """Upload a drafter export to the Hugging Face Hub, after its gate.
+
+    \b
+    draftsmith push results --repo-id my-org/smollm2-eagle3            # results/drafter/, for vLLM
+    draftsmith push results --repo-id my-org/smollm2-eagle3-sglang --engine sglang
+
+    The token is read from HF_TOKEN (never from the command line, never printed). A drafter whose gate
+    blocked (results/eval/summary.json gate_passed false, or results/eval/gate.json missing) is refused
+    with exit 3 unless --force. Exit 2: bad input (no such export, repository id, no token); 1: the Hub
+    failed.
+    """
+    from draftsmith.hub import GateRefused, PushFailed, PushInputError, plan_push
+    from draftsmith.hub import push as push_to_hub
+
+    try:
+        plan = plan_push(results_dir, repo_id, engine, private)
+        for line in plan.describe():
+            click.echo(line)
+        if dry_run:
+            return
+        url = push_to_hub(plan, force=force)
+    except PushInputError as err:
+        _fail(str(err), EXIT_BAD_INPUT)
+    except GateRefused as err:
+        _fail(str(err), EXIT_GATE)
+    except PushFailed as err:
+        _fail(str(err))
+    click.echo(f"pushed: {url}")
+
+
 @main.command("run", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("--gpus", default=0, show_default=True, help="GPUs this command gets (0 = none visible).")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
