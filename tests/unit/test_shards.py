@@ -15,6 +15,7 @@ from draftsmith.shards import (
     ShardError,
     ShardReader,
     ShardWriter,
+    as_stored,
     iter_samples,
     read_header,
     read_sample,
@@ -365,3 +366,14 @@ def test_format_2_shards_read_as_bf16_and_an_unknown_dtype_is_refused(tmp_path):
     _rewrite_meta(path, dtype="float8_e5m2")
     with pytest.raises(ShardError, match=r"shard-0.safetensors: stores float8_e5m2, this draftsmith reads"):
         ShardReader(path)
+
+
+def test_float8_storage_of_float8_states_is_exact():
+    """Re-storing what a float8 shard returned (a subset copied into new shards) changes nothing: the
+    row's largest value may round to 224 * s, and then s / 2 is the new scale, under which every value
+    is twice an e4m3 value, again an e4m3 value."""
+    g = torch.Generator().manual_seed(5)
+    sample = _sample(0, 64, hidden=256)
+    sample.aux.copy_(torch.randn(64, 3, 256, generator=g) * torch.logspace(-3, 3, 64)[:, None, None])
+    once = as_stored(sample.aux, "float8_e4m3fn")
+    assert torch.equal(as_stored(once, "float8_e4m3fn").view(torch.int16), once.view(torch.int16))
