@@ -509,6 +509,12 @@ def _aux_layer_ids(text: str | None) -> list[int] | None:
 )
 @setting("extract", "codec", "--codec", help="Lossless shard compression (see draftsmith/shards.py).")
 @setting("extract", "zstd_level", "--zstd-level", type=click.IntRange(1, 22))
+@setting(
+    "extract",
+    "storage_dtype",
+    "--storage-dtype",
+    help="bfloat16, or float8_e4m3fn: half the bytes, a power-of-two scale per token and layer.",
+)
 @click.option("--threads", type=click.IntRange(min=1), help=THREADS_HELP)
 @setting(
     "extract",
@@ -555,7 +561,8 @@ def extract(
     values = resolve(settings_json, kw, "extract")
     # YAML reads a bare on/off as a boolean
     compile_mode = {True: "on", False: "off"}.get(values["compile"], values["compile"])
-    options = {key: values[key] for key in ("batch_tokens", "codec", "zstd_level", "engine", "vllm_eager")}
+    keys = ("batch_tokens", "codec", "zstd_level", "storage_dtype", "engine", "vllm_eager")
+    options = {key: values[key] for key in keys}
     options.update(dtype=dtype, compile=compile_mode, threads=ops["threads"], gpus=ops["gpus"] or 0)
     options["gpu_memory_utilization"] = (
         ops["gpu_memory_utilization"] or section_defaults("resources.extract")["gpu_memory_utilization"]
@@ -578,6 +585,7 @@ def extract(
 @aux_layers_option
 @setting("extract", "codec", "--codec")
 @setting("extract", "zstd_level", "--zstd-level", type=click.IntRange(1, 22))
+@setting("extract", "storage_dtype", "--storage-dtype", help="The dtype marked as the one stored.")
 @setting("target", "dtype", "--dtype")
 @setting("extract", "batch_tokens", "--batch-tokens")
 @click.option("--num-tokens", type=float, help="Without --tokens: the token count, e.g. 17.3e6.")
@@ -585,17 +593,28 @@ def extract(
 @click.option(
     "--layers", "stored_layers", type=int, default=4, show_default=True, help="Stored layers (aux + final)."
 )
-def estimate(tokens: str | None, target_path: str | None, aux_layers: str | None, **kw: Any) -> None:
-    """Exact extraction size (and, with --tokens and --target, measured compressed size and time).
+@click.option(
+    "--ratios-from",
+    type=click.Path(dir_okay=False, exists=True),
+    help="With --num-tokens: a bfloat16 shard whose states give the codec's ratios (another target's "
+    "states compress differently; the output says where the ratios come from).",
+)
+def estimate(
+    tokens: str | None, target_path: str | None, aux_layers: str | None, ratios_from: str | None, **kw: Any
+) -> None:
+    """Exact extraction size for bfloat16 and float8_e4m3fn storage (and, with --tokens and --target,
+    the compressed sizes and the time measured on that data).
 
     \b
     From a workflow's data:   draftsmith estimate --tokens results/tokens.safetensors --target resources/...
     For any model, by hand:   draftsmith estimate --num-tokens 17.3e6 --hidden-size 7168 --layers 4
+    ... compressed as a shard:  add --ratios-from results/hidden/shard-0.safetensors
     """
     from draftsmith.estimate import estimate_lines, probe
 
     kw["codec"] = kw["codec"] or section_defaults("extract")["codec"]
     kw["zstd_level"] = kw["zstd_level"] or section_defaults("extract")["zstd_level"]
+    storage_dtype = kw["storage_dtype"] or section_defaults("extract")["storage_dtype"]
     from draftsmith.precision import compute_dtype
 
     kw["dtype"] = compute_dtype(kw["dtype"] or section_defaults("target")["dtype"])
@@ -638,9 +657,27 @@ def estimate(tokens: str | None, target_path: str | None, aux_layers: str | None
             )
         finally:
             extractor.close()
-        lines, _ = estimate_lines(int(offsets[-1]), len(layer_ids) + 1, model.config.hidden_size, measured)
+        lines, _ = estimate_lines(
+            int(offsets[-1]), len(layer_ids) + 1, model.config.hidden_size, measured, storage_dtype
+        )
     elif kw["num_tokens"] and kw["hidden_size"]:
-        lines, _ = estimate_lines(int(kw["num_tokens"]), kw["stored_layers"], kw["hidden_size"], None)
+        from draftsmith.estimate import shard_codec_ratios
+        from draftsmith.shards import ShardError
+
+        measured = None
+        if ratios_from:
+            try:
+                measured = shard_codec_ratios(ratios_from, kw["codec"], kw["zstd_level"])
+            except (ShardError, ValueError) as err:
+                _fail(str(err), EXIT_BAD_INPUT)
+        lines, _ = estimate_lines(
+            int(kw["num_tokens"]),
+            kw["stored_layers"],
+            kw["hidden_size"],
+            measured,
+            storage_dtype,
+            ratios_source=ratios_from,
+        )
     else:
         raise click.UsageError("give --tokens and --target, or --num-tokens and --hidden-size")
     for line in lines:
@@ -1243,6 +1280,52 @@ def export_cmd(
         _fail(str(err))
     for engine, path in outs.items():
         click.echo(f"{engine}: {path}")
+
+
+@main.command()
+@click.argument("results_dir", type=click.Path(file_okay=False))
+@click.option("--repo-id", required=True, help="The Hub repository, ORG/NAME (created if it does not exist).")
+@click.option(
+    "--engine",
+    type=click.Choice(["vllm", "sglang", "speculators"]),
+    default="vllm",
+    show_default=True,
+    help="Which export to push: drafter/, drafter-sglang/ or drafter-speculators/.",
+)
+@click.option("--private", is_flag=True, help="Create the repository private.")
+@click.option("--force", is_flag=True, help="Push even though the drafter's gate blocked it.")
+@click.option(
+    "--dry-run", is_flag=True, help="Print what would be uploaded and the gate's word; push nothing."
+)
+def push(results_dir: str, repo_id: str, engine: str, private: bool, force: bool, dry_run: bool) -> None:
+    """Upload a drafter export to the Hugging Face Hub, after its gate.
+
+    \b
+    draftsmith push results --repo-id my-org/smollm2-eagle3            # results/drafter/, for vLLM
+    draftsmith push results --repo-id my-org/smollm2-eagle3-sglang --engine sglang
+
+    The token is read from HF_TOKEN (never from the command line, never printed). A drafter whose gate
+    blocked (results/eval/summary.json gate_passed false, or results/eval/gate.json missing) is refused
+    with exit 3 unless --force. Exit 2: bad input (no such export, repository id, no token); 1: the Hub
+    failed.
+    """
+    from draftsmith.push import GateRefused, PushFailed, PushInputError, plan_push
+    from draftsmith.push import push as push_to_hub
+
+    try:
+        plan = plan_push(results_dir, repo_id, engine, private)
+        for line in plan.describe():
+            click.echo(line)
+        if dry_run:
+            return
+        url = push_to_hub(plan, force=force)
+    except PushInputError as err:
+        _fail(str(err), EXIT_BAD_INPUT)
+    except GateRefused as err:
+        _fail(str(err), EXIT_GATE)
+    except PushFailed as err:
+        _fail(str(err))
+    click.echo(f"pushed: {url}")
 
 
 @main.command("run", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})

@@ -34,7 +34,7 @@ from draftsmith.estimate import (
 )
 from draftsmith.layers import default_aux_layers, validate_aux_layers
 from draftsmith.precision import compute_dtype
-from draftsmith.shards import Sample, ShardWriter, remove_stale_temp_files
+from draftsmith.shards import Sample, ShardWriter, as_stored, remove_stale_temp_files
 from draftsmith.target import text_config_dict
 from draftsmith.tokenize import load_tokens
 
@@ -158,6 +158,7 @@ def extract_shard(
     codec: str = "zstd-planes",
     zstd_level: int = 1,
     threads: int | None = None,
+    storage_dtype: str = "bfloat16",
     engine: str = "transformers",
     compile: str = "auto",
     gpus: int = 0,
@@ -193,7 +194,7 @@ def extract_shard(
     scratch = Path(tempfile.mkdtemp(prefix=temp_prefix(out_path or f"shard-{shard}") + "job-", dir=workdir))
     print(
         f"extract shard {shard}: samples {start}..{end - 1}, aux layers {layer_ids} (input convention) "
-        f"+ final normed state, {engine} engine, {dtype} compute, bf16 storage, codec {codec}",
+        f"+ final normed state, {engine} engine, {dtype} compute, {storage_dtype} storage, codec {codec}",
         flush=True,
     )
     own_engine = extractor is None
@@ -214,11 +215,11 @@ def extract_shard(
             zstd_level,
             scratch,
         )
-        lines, estimate = estimate_lines(total_tokens, len(layer_ids) + 1, hidden, measured)
+        lines, estimate = estimate_lines(total_tokens, len(layer_ids) + 1, hidden, measured, storage_dtype)
         for line in lines:
             print(f"extract shard {shard}: estimate: {line}", flush=True)
         if out_path:
-            check_free_disk(Path(out_path).parent, estimate["compressed_bytes"], codec)
+            check_free_disk(Path(out_path).parent, estimate["compressed_bytes"], codec, storage_dtype)
         compile_seconds = None
         if should_compile(compile, engine, estimate["seconds"]) and not extractor.compiled:
             print(f"extract shard {shard}: compiling the forward (torch.compile, one-off)...", flush=True)
@@ -237,6 +238,7 @@ def extract_shard(
                 codec,
                 zstd_level,
                 sample_ids=meta["sample_ids"][start:end],
+                dtype=storage_dtype,
             )
         t0, cpu0 = time.perf_counter(), time.process_time()
         stats = _extract_loop(
@@ -249,6 +251,7 @@ def extract_shard(
             plan,
             dict(zip(picks, probed, strict=True)),
             sources[start:end],
+            storage_dtype,
         )
         # the probed batches were computed before the loop: their time belongs to the shard's compute
         probe_seconds = sum(b["seconds"] for b in measured["batches"])
@@ -270,7 +273,6 @@ def extract_shard(
             writer.close(
                 {
                     "final": "post_final_norm",
-                    "dtype": "bfloat16",
                     "template": meta["template"],
                     "stats": stats,
                 }
@@ -285,7 +287,7 @@ def extract_shard(
             needed = human_bytes(estimate.get("compressed_bytes", 0))
             raise NotEnoughDisk(
                 f"{Path(out_path).parent}: disk full while writing shard {shard} ({free} free after removing its "
-                f"partial file; the shard needs about {needed}); {disk_advice(codec)}"
+                f"partial file; the shard needs about {needed}); {disk_advice(codec, storage_dtype)}"
             ) from None
         raise
     finally:
@@ -324,12 +326,14 @@ def _extract_loop(
     plan: list[list[int]],
     done: dict[int, list[tuple[torch.Tensor, torch.Tensor]]],
     sample_sources: list[str] | None = None,
+    storage_dtype: str = "bfloat16",
 ) -> dict[str, Any]:
     """Capture every batch of the plan (taking those in `done` from the probe: the same batch gives the
     same states), check teacher agreement, hand samples to the writer in plan order; returns the stats.
 
     Agreement is counted per sample source; `teacher_agreement` (the gated figure) is over regenerated
-    samples only: on a dataset's original answers the target's argmax need not match the text."""
+    samples only: on a dataset's original answers the target's argmax need not match the text. It is
+    checked on the final states as stored (float8: dequantized), the teacher training will read."""
     total_tokens = sum(lengths)
     sources = sample_sources or ["regenerated"] * len(lengths)
     by_source: dict[str, list[int]] = {}  # source -> [agreeing, checked]
@@ -352,7 +356,8 @@ def _extract_loop(
                     aux.to(torch.bfloat16),
                     final.to(torch.bfloat16),
                 )
-                rows, ids = checked_positions(sample.final, sample.input_ids, sample.loss_mask)
+                final = as_stored(sample.final, storage_dtype)
+                rows, ids = checked_positions(final, sample.input_ids, sample.loss_mask)
                 states.setdefault(sources[i], []).append(rows)
                 next_ids.setdefault(sources[i], []).append(ids)
                 masked += int(sample.loss_mask.sum())

@@ -67,6 +67,13 @@ def _manifest_shape_problem(manifest: Any) -> str | None:
     return None
 
 
+DTYPE_NOTES = {
+    "bfloat16": "bf16 as the target computed it",
+    "float8_e4m3fn": "float8_e4m3fn codes, one float32 power-of-two scale per token and layer; reads return "
+    "code * scale in bf16 (exact), within 2^-4 of each value as computed",
+}
+
+
 def _by_source(stats: list[dict[str, Any]]) -> dict[str, float | None]:
     """Teacher agreement per sample source over shards' stats. Only "regenerated" is gated: on a
     dataset's original answers the target's argmax need not match the text (the teacher is still right)."""
@@ -133,7 +140,8 @@ def build_manifest(
         "SGLang/SpecForge 'output' ids are one lower",
         "num_aux": len(metas[0]["aux_layer_ids"]),
         "final_hidden_state": "after the final norm: teacher logits = lm_head(final)",
-        "dtype": metas[0]["dtype"],
+        "dtype": metas[0]["dtype"],  # the storage dtype; reads return bf16 either way
+        "dtype_note": DTYPE_NOTES[metas[0]["dtype"]],
         "codec": metas[0]["codec"],
         "format": "safetensors shards; layout and codecs documented in draftsmith/shards.py",
         "chat_template_fingerprint": metas[0]["template"],

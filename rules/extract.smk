@@ -39,13 +39,14 @@ rule extract:
         mem_mb=config["resources"]["extract"]["mem_mb"],
         gpu_memory_utilization=str(config["resources"]["extract"]["gpu_memory_utilization"]),
     params:
-        # batch_tokens, engine, compile and vllm_eager change the bf16 rounding; codec and zstd_level
-        # the shard file's bytes (not its tensors)
+        # batch_tokens, engine, compile and vllm_eager change the bf16 rounding, storage_dtype the
+        # stored values; codec and zstd_level the shard file's bytes (not its tensors)
         settings=section_json(
             "extract",
             [
                 "aux_layers",
                 "batch_tokens",
+                "storage_dtype",
                 "codec",
                 "zstd_level",
                 "engine",
