@@ -409,6 +409,17 @@ def side_env(threads: int | None) -> dict[str, str]:
     return env
 
 
+def draftsmith_code() -> str:
+    """A digest of the draftsmith modules that decide training (the package on the import path)."""
+    import draftsmith
+
+    root = Path(draftsmith.__file__).parent
+    h = hashlib.sha256()
+    for name in ("train.py", "drafter.py", "loader.py", "shards.py", "vocab.py"):
+        h.update((root / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
 def train_draftsmith(
     manifest: Path, vocab: Path, settings: dict[str, Any], out: Path, fresh: bool
 ) -> dict[str, Any]:
@@ -416,6 +427,7 @@ def train_draftsmith(
 
     summary_path = out / "drafter" / "train_summary.json"
     key_path = out / "settings.json"
+    settings = {**settings, "draftsmith_code": draftsmith_code()}  # a changed trainer retrains
     if (
         not fresh
         and summary_path.is_file()
@@ -424,9 +436,10 @@ def train_draftsmith(
     ):
         return json.loads(summary_path.read_text())
     shutil.rmtree(out, ignore_errors=True)
+    values = {k: v for k, v in settings.items() if k != "draftsmith_code"}
     summary = train(
         manifest, vocab, out / "drafter", out / "checkpoints", out / "metrics.jsonl",
-        TrainSettings.from_dict(settings), device="cpu", progress=False,
+        TrainSettings.from_dict(values), device="cpu", progress=False,
     )  # fmt: skip
     write_json(key_path, settings)
     return summary
@@ -992,11 +1005,16 @@ def table(result: dict[str, Any]) -> str:
 )
 @click.option("--diff-max-len", default=256, show_default=True, help="Tokens of each, at most.")
 @click.option("--fresh", is_flag=True, help="Redo every stage instead of reusing --work.")
+@click.option(
+    "--specforge-from",
+    type=click.Path(file_okay=False, exists=True),
+    help="A previous --work whose trained SpecForge drafter to reuse (e.g. to compare a changed draftsmith).",
+)
 @click.option("--json", "json_path", default="results/bench/peer.json", show_default=True)
 def main(
     data: str, vocab: str, config_path: str, settings_json: str, work: str, venv: str, torch_spec: str | None,
     specforge_dtype: str, threads: int | None, skip_vllm: bool, diff_only: bool, diff_samples: int,
-    diff_max_len: int, fresh: bool, json_path: str,
+    diff_max_len: int, fresh: bool, specforge_from: str | None, json_path: str,
 ) -> None:  # fmt: skip
     t_start, load_start = time.perf_counter(), load_avg()
     data_path, vocab_path, work_dir, venv_dir = Path(data), Path(vocab), Path(work), Path(venv).expanduser()
@@ -1027,12 +1045,17 @@ def main(
                                         "train_acc", "tokens_per_s", "wall_s", "trained_tokens")},
                                         "wall_s": ds.get("wall_s", time.perf_counter() - t0),
                                         "export": str(work_dir / "draftsmith" / "drafter")}  # fmt: skip
-    log("training SpecForge")
-    sf = train_specforge(venv_dir, work_dir / "specforge-data", settings, plan, specforge_dtype, threads,
-                         work_dir / "specforge", fresh)  # fmt: skip
-    sf_export = import_specforge(
-        Path(sf["state"]), data_path, vocab_path, settings, work_dir / "specforge" / "drafter"
-    )
+    sf_work = Path(specforge_from) / "specforge" if specforge_from else work_dir / "specforge"
+    if specforge_from:
+        log(f"SpecForge's drafter from {sf_work} (not retrained)")
+        sf = json.loads((sf_work / "summary.json").read_text(encoding="utf-8"))
+        if sf["plan"] != plan:
+            raise click.ClickException(f"{sf_work} trained another plan ({sf['plan']}, here {plan})")
+    else:
+        log("training SpecForge")
+        sf = train_specforge(venv_dir, work_dir / "specforge-data", settings, plan, specforge_dtype, threads,
+                             sf_work, fresh)  # fmt: skip
+    sf_export = import_specforge(Path(sf["state"]), data_path, vocab_path, settings, sf_work / "drafter")
     result["trainers"]["specforge"] = {
         "plan": plan,
         "wall_s": sf["wall_s"],
