@@ -36,9 +36,13 @@ Stages, each kept in --work and reused by a rerun with the same inputs (--fresh 
              target's top-1 over the draft vocabulary) per TTT step of both exports, scored by draftsmith's
              evaluator (`ttt_loss`'s stats, as `train.evaluate` scores validation; float32) on the same
              validation samples and positions, with 95% paired bootstrap intervals of the differences.
-  vllm       both exports in real vLLM: `draftsmith evaluate-vllm` on the run's held-out sets (the second
-             drafter rides in the command's baseline slot): tokens per target forward = generated /
-             (generated - accepted) with a 95% paired bootstrap interval of the difference, and vLLM's tau.
+  vllm       every export in real vLLM through `draftsmith evaluate-vllm`'s library call (plain decoding
+             once, then one engine per drafter, the run's held-out sets in one batch, greedy, k as the run
+             evaluates): tokens per target forward = generated / (generated - accepted) with a 95% paired
+             bootstrap interval of each drafter's difference from SpecForge's, and vLLM's tau beside it.
+
+--also NAME=EXPORT adds drafters (e.g. draftsmith trained with a proposed change) to the evaluate and vllm
+stages; --specforge-from reuses a previous --work's SpecForge drafter and its vLLM measurement.
 
 --diff: the differential check. The same initial weights (SpecForge's own initialisation, read from its
 side) and the same samples through both trainers, in float32: SpecForge's `Eagle3TrainStrategy.forward_loss`
@@ -303,6 +307,7 @@ def convert(
     target_dir = Path(manifest["target"])
     if not target_dir.is_absolute() and not target_dir.is_dir():
         target_dir = (manifest_path.parent.parent / target_dir).resolve()
+    target_dir = target_dir.resolve()
     write_target_folder(target_dir, out / "target")
     ids_input = [int(i) for i in manifest["aux_layer_ids"]]
     ids_input = convert_layer_ids(ids_input, manifest.get("layer_convention", "input"), "input")
@@ -464,6 +469,24 @@ def specforge_weights(state: dict[str, Any]) -> dict[str, Tensor]:
     }
 
 
+def finished_specforge_run(out: Path, cfg: dict[str, Any], plan: dict[str, int]) -> dict[str, Any] | None:
+    """The summary of a SpecForge run under out/ with this config that reached its last step, else None
+    (wall time: from its run.json to its final state)."""
+    run_json, state = out / "run.json", out / "run" / "peer-latest" / "training_state.pt"
+    if not (run_json.is_file() and state.is_file()) or json.loads(run_json.read_text()) != cfg:
+        return None
+    if int(torch.load(state, map_location="cpu", weights_only=False).get("global_step", -1)) != plan["steps"]:
+        return None
+    wall = state.stat().st_mtime - run_json.stat().st_mtime
+    return {
+        "config": cfg,
+        "plan": plan,
+        "state": str(state),
+        "wall_s": round(wall, 1),
+        "log": str(out / "train.log"),
+    }
+
+
 def train_specforge(
     venv: Path, conv_dir: Path, settings: dict[str, Any], plan: dict[str, int], dtype: str, threads: int | None,
     out: Path, fresh: bool,
@@ -472,6 +495,10 @@ def train_specforge(
     summary_path = out / "summary.json"
     if not fresh and summary_path.is_file() and json.loads(summary_path.read_text())["config"] == cfg:
         return json.loads(summary_path.read_text())
+    done = finished_specforge_run(out, cfg, plan)
+    if not fresh and done is not None:  # trained, but its summary was never written (the bench was stopped)
+        write_json(summary_path, done)
+        return done
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     write_json(out / "run.json", cfg)
@@ -618,65 +645,105 @@ def tokens_per_forward(tokens: list[int], accepted: list[int]) -> float:
     return t / (t - a) if t > a else float("nan")
 
 
-def paired_interval(tokens: list[int], acc_a: list[int], acc_b: list[int], resamples: int = 2000, seed: int = 0
-                    ) -> list[float]:  # fmt: skip
-    """95% percentile bootstrap interval of tokens_per_forward(a) - tokens_per_forward(b), prompts resampled
-    in pairs (the same prompts decode the same tokens: greedy speculation is lossless)."""
+def paired_interval(
+    tokens_a: list[int],
+    acc_a: list[int],
+    tokens_b: list[int],
+    acc_b: list[int],
+    resamples: int = 2000,
+    seed: int = 0,
+) -> list[float]:
+    """95% percentile bootstrap interval of tokens_per_forward(a) - tokens_per_forward(b) over the same
+    prompts, resampled in pairs."""
     rng = random.Random(seed)
-    n = len(tokens)
+    n = len(tokens_a)
     diffs = []
     for _ in range(resamples):
         idx = [rng.randrange(n) for _ in range(n)]
-        tk = [tokens[i] for i in idx]
-        diffs.append(
-            tokens_per_forward(tk, [acc_a[i] for i in idx]) - tokens_per_forward(tk, [acc_b[i] for i in idx])
-        )
+        a = tokens_per_forward([tokens_a[i] for i in idx], [acc_a[i] for i in idx])
+        b = tokens_per_forward([tokens_b[i] for i in idx], [acc_b[i] for i in idx])
+        diffs.append(a - b)
     diffs.sort()
     return [diffs[int(0.025 * resamples)], diffs[int(0.975 * resamples) - 1]]
 
 
-def vllm_compare(
-    target: str, exports: dict[str, Path], sets: dict[str, Path], ev: dict[str, Any], out: Path, fresh: bool
-) -> dict[str, Any]:
-    """Both exports through `draftsmith evaluate-vllm` (one engine per drafter, every set in one batch)."""
-    outs = {name: out / f"{name}.json" for name in sets}
-    if fresh or not all(p.is_file() for p in outs.values()):
-        cmd = ["draftsmith", "evaluate-vllm", "--target", target, "--drafter", str(exports["draftsmith"]),
-               "--untrained", str(exports["specforge"]), "--no-ngram",
-               "--num-prompts", str(ev["num_prompts"]), "--max-new-tokens", str(ev["max_new_tokens"]),
-               "--num-draft-tokens", str(ev["num_draft_tokens"]), "--log-dir", str(out / "logs")]  # fmt: skip
-        for name, path in sets.items():
-            cmd += ["--prompts", f"{name}={path}", "--out", f"{name}={outs[name]}"]
+def export_digest(export: Path) -> str:
+    return hashlib.sha256((export / "model.safetensors").read_bytes()).hexdigest()[:16]
+
+
+def vllm_measure(
+    target: str, exports: dict[str, Path], sets: dict[str, Path], ev: dict[str, Any], out: Path,
+    reuse: list[Path], fresh: bool,
+) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """Each export in vLLM (`draftsmith evaluate-vllm`'s library call, every drafter not measured yet in one
+    call: plain once, then one engine per drafter, every held-out set in one batch) -> label -> its
+    per-set figures and per-prompt counts. A drafter already measured (same weights, same settings) in
+    out/ or a `reuse` folder is read back: greedy decoding of the same prompts is deterministic."""
+    from draftsmith.evaluate import evaluate_vllm
+
+    keys = {"num_prompts": ev["num_prompts"], "max_new_tokens": ev["max_new_tokens"],
+            "num_draft_tokens": ev["num_draft_tokens"], "sets": {k: str(v) for k, v in sets.items()}}  # fmt: skip
+    results: dict[str, dict[str, Any]] = {}
+    for label, export in exports.items():
+        for folder in [out, *reuse]:
+            f = folder / f"{label}.json"
+            if not fresh and f.is_file():
+                r = json.loads(f.read_text(encoding="utf-8"))
+                if r["digest"] == export_digest(export) and r["keys"] == keys:
+                    results[label] = r
+                    break
+    missing = {label: exports[label] for label in exports if label not in results}
+    if missing:
+        outs = {name: out / "raw" / "-".join(missing) / f"{name}.json" for name in sets}
         t0 = time.perf_counter()
-        subprocess.run(cmd, check=True)
-        write_json(out / "wall.json", {"wall_s": round(time.perf_counter() - t0, 1)})
-    result = {
-        "wall_s": json.loads((out / "wall.json").read_text())["wall_s"]
-        if (out / "wall.json").is_file()
-        else None
-    }
-    for name, path in outs.items():
-        r = json.loads(path.read_text(encoding="utf-8"))
-        tokens = [len(o) for o in r["plain"]["outputs"]]
-        per = {}
-        accepted = {}
-        for method, label in (("eagle3", "draftsmith"), ("untrained", "specforge")):
-            m = r["methods"][method]
-            accepted[label] = [p["accepted"] for p in m["per_prompt"]]
-            per[label] = {
-                "tokens_per_forward": tokens_per_forward(tokens, accepted[label]),
-                "tau": m["tau"],
-                "acceptance_per_position": m["acceptance_rate_per_position"],
-                "outputs_equal_plain": m["outputs_equal_plain"],
+        summaries = evaluate_vllm(
+            target, {k: str(v) for k, v in missing.items()}, {k: str(v) for k, v in sets.items()},
+            {k: str(v) for k, v in outs.items()}, ev["num_prompts"], ev["max_new_tokens"], ev["num_draft_tokens"],
+            ngram=False, log_dir=out / "logs",
+        )  # fmt: skip
+        wall = time.perf_counter() - t0
+        for label in missing:
+            per_set = {}
+            for name, summary in summaries.items():
+                m = summary["methods"][label]
+                per_set[name] = {
+                    "num_prompts": summary["num_prompts"],
+                    "tau": m["tau"],
+                    "acceptance_per_position": m["acceptance_rate_per_position"],
+                    "outputs_equal_plain": m["outputs_equal_plain"],
+                    "tokens": [r["tokens"] for r in m["per_prompt"]],
+                    "accepted": [r["accepted"] for r in m["per_prompt"]],
+                }
+            results[label] = {"digest": export_digest(missing[label]), "keys": keys, "sets": per_set,
+                              "export": str(missing[label]), "batch_wall_s": round(wall, 1)}  # fmt: skip
+            write_json(out / f"{label}.json", results[label])
+    return results
+
+
+def vllm_table_rows(results: dict[str, dict[str, Any]], reference: str = "specforge") -> dict[str, Any]:
+    """Per set: tokens per target forward and tau of every drafter, and each one's paired difference
+    from the reference's."""
+    rows: dict[str, Any] = {}
+    ref = results[reference]["sets"]
+    for name in ref:
+        row = {"num_prompts": ref[name]["num_prompts"], "tokens": sum(ref[name]["tokens"]), "drafters": {}}
+        for label, r in results.items():
+            x = r["sets"][name]
+            entry = {
+                "tokens_per_forward": tokens_per_forward(x["tokens"], x["accepted"]),
+                "tau": x["tau"],
+                "acceptance_per_position": x["acceptance_per_position"],
+                "outputs_equal_plain": x["outputs_equal_plain"],
             }
-        per["difference"] = {
-            "tokens_per_forward": per["draftsmith"]["tokens_per_forward"]
-            - per["specforge"]["tokens_per_forward"],
-            "interval95": paired_interval(tokens, accepted["draftsmith"], accepted["specforge"]),
-        }
-        per["num_prompts"], per["tokens"] = r["num_prompts"], sum(tokens)
-        result[name] = per
-    return result
+            if label != reference:
+                y = ref[name]
+                entry["minus_" + reference] = entry["tokens_per_forward"] - tokens_per_forward(
+                    y["tokens"], y["accepted"]
+                )
+                entry["interval95"] = paired_interval(x["tokens"], x["accepted"], y["tokens"], y["accepted"])
+            row["drafters"][label] = entry
+        rows[name] = row
+    return rows
 
 
 # ----------------------------------------------------------------------------------------------- diff
@@ -914,36 +981,31 @@ def fmt_acc(xs: list[float | None] | None) -> str:
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = ["trainer     val acc per TTT step     agreement per TTT step   train wall s",
-             "----------  -----------------------  -----------------------  ------------"]  # fmt: skip
-    for name in ("draftsmith", "specforge"):
-        r = result["trainers"].get(name)
-        if not r:
-            continue
+    """The peer table: validation accuracy per TTT step (and each drafter's paired difference from
+    SpecForge's), then tokens per target forward in vLLM per held-out set."""
+    lines = ["drafter                val acc per TTT step     agreement per TTT step   train wall s",
+             "---------------------  -----------------------  -----------------------  ------------"]  # fmt: skip
+    for name, r in result["trainers"].items():
         v = r.get("validation") or {}
-        lines.append(
-            f"{name:<10}  {fmt_acc(v.get('acc')):<23}  {fmt_acc(v.get('agreement')):<23}  {r['wall_s']:>12.0f}"
-        )
-    d = result.get("validation_difference")
-    if d:
+        wall = f"{r['wall_s']:>12.0f}" if r.get("wall_s") is not None else f"{'-':>12}"
+        lines.append(f"{name:<21}  {fmt_acc(v.get('acc')):<23}  {fmt_acc(v.get('agreement')):<23}  {wall}")
+    for name, d in (result.get("validation_difference") or {}).items():
         iv = " / ".join(
             f"{x:+.3f} [{lo:+.3f}, {hi:+.3f}]"
             for x, (lo, hi) in zip(d["acc"], d["acc_interval95"], strict=True)
         )
-        lines.append(f"difference (draftsmith - SpecForge), val acc per TTT step [95% paired interval]: {iv}")
+        lines.append(f"{name} - specforge, val acc per TTT step [95% paired interval]: {iv}")
     lines.append(f"(last measured: SpecForge {fmt_acc(LAST_MEASURED['specforge'])}, "
                  f"draftsmith estimate {fmt_acc(LAST_MEASURED['draftsmith_estimate'])})")  # fmt: skip
-    vl = result.get("vllm") or {}
-    for name, r in vl.items():
-        if not isinstance(r, dict):
-            continue
-        d, s, diff = r["draftsmith"], r["specforge"], r["difference"]
-        lines.append(
-            f"vLLM {name} ({r['num_prompts']} prompts, {r['tokens']} tokens): tokens per target forward "
-            f"draftsmith {d['tokens_per_forward']:.3f} vs SpecForge {s['tokens_per_forward']:.3f} "
-            f"(difference {diff['tokens_per_forward']:+.3f} [{diff['interval95'][0]:+.3f}, {diff['interval95'][1]:+.3f}]); "
-            f"tau {d['tau']:.3f} vs {s['tau']:.3f}"
-        )
+    for set_name, row in (result.get("vllm") or {}).items():
+        lines.append(f"vLLM, {set_name} ({row['num_prompts']} prompts, {row['tokens']} tokens), k = "
+                     f"{result['vllm_settings']['num_draft_tokens']}: tokens per target forward (tau)")  # fmt: skip
+        for label, e in row["drafters"].items():
+            diff = ""
+            if "interval95" in e:
+                lo, hi = e["interval95"]
+                diff = f"   {e['minus_specforge']:+.3f} [{lo:+.3f}, {hi:+.3f}] vs specforge"
+            lines.append(f"  {label:<21} {e['tokens_per_forward']:.3f} ({e['tau']:.3f}){diff}")
     return "\n".join(lines)
 
 
@@ -1004,6 +1066,13 @@ def table(result: dict[str, Any]) -> str:
     "--diff-samples", default=2, show_default=True, help="Training samples the differential check runs."
 )
 @click.option("--diff-max-len", default=256, show_default=True, help="Tokens of each, at most.")
+@click.option(
+    "--also",
+    multiple=True,
+    metavar="NAME=EXPORT",
+    help="Another drafter export (e.g. draftsmith trained with a proposed change) scored beside the two "
+    "by the same evaluator and in the same vLLM batch. Repeatable.",
+)
 @click.option("--fresh", is_flag=True, help="Redo every stage instead of reusing --work.")
 @click.option(
     "--specforge-from",
@@ -1014,10 +1083,12 @@ def table(result: dict[str, Any]) -> str:
 def main(
     data: str, vocab: str, config_path: str, settings_json: str, work: str, venv: str, torch_spec: str | None,
     specforge_dtype: str, threads: int | None, skip_vllm: bool, diff_only: bool, diff_samples: int,
-    diff_max_len: int, fresh: bool, specforge_from: str | None, json_path: str,
+    diff_max_len: int, also: tuple[str, ...], fresh: bool, specforge_from: str | None, json_path: str,
 ) -> None:  # fmt: skip
     t_start, load_start = time.perf_counter(), load_avg()
-    data_path, vocab_path, work_dir, venv_dir = Path(data), Path(vocab), Path(work), Path(venv).expanduser()
+    # absolute: SpecForge runs in its own working directory
+    data_path, vocab_path = Path(data).resolve(), Path(vocab).resolve()
+    work_dir, venv_dir = Path(work).resolve(), Path(venv).expanduser().resolve()
     config = Path(config_path) if config_path else None
     settings = base_settings(
         config, {**json.loads(settings_json), "threads": threads, "checkpoint_every": None}
@@ -1062,27 +1133,38 @@ def main(
         "export": str(sf_export),
         "log": sf["log"],
     }
-    log("validation accuracy of both, by draftsmith's evaluator")
-    for name in ("draftsmith", "specforge"):
-        result["trainers"][name]["validation"] = validation(
-            Path(result["trainers"][name]["export"]), data_path, vocab_path, settings
-        )
+    for item in also:
+        name, _, path = item.partition("=")
+        if not path or not (Path(path) / "model.safetensors").is_file():
+            raise click.BadParameter(f"{item!r}: expected NAME=EXPORT_FOLDER", param_hint="--also")
+        result["trainers"][name] = {"export": str(Path(path).resolve()), "wall_s": None}
+    log("validation accuracy of every drafter, by draftsmith's evaluator")
+    for r in result["trainers"].values():
+        r["validation"] = validation(Path(r["export"]), data_path, vocab_path, settings)
+    ref = result["trainers"]["specforge"]["validation"]
+    result["validation_difference"] = {}
+    for name, r in result["trainers"].items():
+        if name == "specforge":
+            continue
+        v = r["validation"]
+        result["validation_difference"][name] = {
+            "acc": [a - b for a, b in zip(v["acc"], ref["acc"], strict=True)],
+            "acc_interval95": paired_acc_interval(v["per_sample"], ref["per_sample"], "correct"),
+            "agreement": [a - b for a, b in zip(v["agreement"], ref["agreement"], strict=True)],
+            "agreement_interval95": paired_acc_interval(v["per_sample"], ref["per_sample"], "agree"),
+        }
+    result["beats_specforge_per_step"] = [
+        a >= b for a, b in zip(result["trainers"]["draftsmith"]["validation"]["acc"], ref["acc"], strict=True)
+    ]
     if not skip_vllm:
-        log("both drafters in vLLM")
-        manifest = load_manifest(data_path)
-        target = str(result["convert"]["target"])
-        exports = {n: Path(result["trainers"][n]["export"]) for n in ("draftsmith", "specforge")}
-        result["vllm"] = vllm_compare(target, exports, heldout_sets(config, data_path), eval_settings(config),
-                                      work_dir / "vllm", fresh)  # fmt: skip
-        del manifest
-    va, vb = (result["trainers"][n]["validation"] for n in ("draftsmith", "specforge"))
-    result["validation_difference"] = {
-        "acc": [a - b for a, b in zip(va["acc"], vb["acc"], strict=True)],
-        "acc_interval95": paired_acc_interval(va["per_sample"], vb["per_sample"], "correct"),
-        "agreement": [a - b for a, b in zip(va["agreement"], vb["agreement"], strict=True)],
-        "agreement_interval95": paired_acc_interval(va["per_sample"], vb["per_sample"], "agree"),
-    }
-    result["beats_specforge_per_step"] = [a >= b for a, b in zip(va["acc"], vb["acc"], strict=True)]
+        log("every drafter in vLLM")
+        ev = eval_settings(config)
+        result["vllm_settings"] = {k: ev[k] for k in ("num_prompts", "max_new_tokens", "num_draft_tokens")}
+        exports = {n: Path(r["export"]) for n, r in result["trainers"].items()}
+        reuse = [Path(specforge_from).resolve() / "vllm"] if specforge_from else []
+        measured = vllm_measure(str(result["convert"]["target"]), exports, heldout_sets(config, data_path), ev,
+                                work_dir / "vllm", reuse, fresh)  # fmt: skip
+        result["vllm"] = vllm_table_rows(measured)
     result["wall_s"], result["load_avg_end"] = round(time.perf_counter() - t_start, 1), load_avg()
     click.echo(table(result))
     write_json(json_path, result)

@@ -149,7 +149,7 @@ def test_teacher_in_vocab_mask_drops_the_positions_whose_teacher_prefers_a_non_d
 def test_tokens_per_forward_counts_every_decode_step(peer) -> None:
     assert peer.tokens_per_forward([10, 10], [0, 0]) == 1.0
     assert peer.tokens_per_forward([10, 10], [5, 5]) == pytest.approx(2.0)  # 20 tokens in 10 forwards
-    lo, hi = peer.paired_interval([10] * 6, [5] * 6, [0] * 6)
+    lo, hi = peer.paired_interval([10] * 6, [5] * 6, [10] * 6, [0] * 6)
     assert lo == hi == pytest.approx(1.0)
 
 
@@ -158,3 +158,21 @@ def test_specforge_checkpoint_weights_get_draftsmiths_names_without_the_embeddin
     state = {"draft_state_dict": {"fc.weight": w, "midlayer.mlp.up_proj.weight": w, "embed_tokens.weight": w,
                                   "d2t": w}, "global_step": 3}  # fmt: skip
     assert sorted(peer.specforge_weights(state)) == ["d2t", "fc.weight", "midlayer.mlp.up_proj.weight"]
+
+
+def test_vllm_rows_give_every_drafter_tokens_per_forward_and_its_paired_difference_from_specforge(
+    peer,
+) -> None:
+    def measured(accepted: list[int]) -> dict:
+        s = {"num_prompts": 3, "tau": 0.0, "acceptance_per_position": [], "outputs_equal_plain": 3}
+        return {"sets": {"chat": {**s, "tokens": [10, 10, 10], "accepted": accepted}}}
+
+    rows = peer.vllm_table_rows({"specforge": measured([2, 2, 2]), "draftsmith": measured([5, 5, 5])})
+    chat = rows["chat"]
+    assert chat["tokens"] == 30 and chat["num_prompts"] == 3
+    assert chat["drafters"]["specforge"]["tokens_per_forward"] == pytest.approx(30 / 24)
+    ours = chat["drafters"]["draftsmith"]
+    assert ours["tokens_per_forward"] == pytest.approx(2.0)
+    assert ours["minus_specforge"] == pytest.approx(2.0 - 30 / 24)
+    assert ours["interval95"] == pytest.approx([2.0 - 30 / 24] * 2)  # identical prompts: no spread
+    assert "interval95" not in chat["drafters"]["specforge"]
