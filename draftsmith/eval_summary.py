@@ -187,7 +187,7 @@ def summarize(
         "rows": rows,
         "learning": learning_curve(metrics_rows),
         "settings": {
-            "gate": settings.modes,
+            "gate": settings.all_modes,
             "max_tau_gap": settings.max_tau_gap,
             "max_acc_gap": settings.max_acc_gap,
             "min_val_gain": settings.min_val_gain,

@@ -29,16 +29,16 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from draftsmith.methods import method
+from draftsmith.settings import from_schema, schema_spec
 from draftsmith.stats import bootstrap_ratio, paired_difference
 
-GATE_MODES = ("block", "warn")
-SPEED_MODES = ("auto", "block", "warn")
-DEFAULT_MODES = {"beats_ngram": "block", "beats_untrained": "block", "speedup": "auto"}
+# every check that evaluate.gate can make blocking, with its default mode (the schema's)
+DEFAULT_MODES = {name: spec["default"] for name, spec in schema_spec("evaluate.gate")["properties"].items()}
 ACTIONS = ("deploy drafter", "deploy n-gram", "more data", "train longer", "contract broken")
 FIGURE = "tokens per target forward"
 # per-prompt counts (numerator, denominator) of the judged figure and of vLLM's tau - 1
@@ -78,26 +78,29 @@ def _status(ok: bool, blocking: bool = True) -> str:
     return "pass" if ok else ("fail" if blocking else "warn")
 
 
-@dataclass
+@from_schema(
+    "evaluate",
+    paths={"modes": "evaluate.gate", "level": "evaluate.interval_level", "resamples": "evaluate.bootstrap_resamples"},
+)
 class GateSettings:
-    modes: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_MODES))
-    max_tau_gap: float | None = None  # None: tau_tolerance's statistical band
-    max_acc_gap: float = 0.15  # train - validation first-draft accuracy above this: more data
-    min_val_gain: float = 0.01  # last validation gain above this: still learning
-    level: float = 0.95
-    resamples: int = 2000
-    seed: int = 0
+    """What the gate judges with: which checks block (evaluate.gate, every check given its mode), the
+    tolerances, and the bootstrap's level and resamples. Defaults and choices in config.schema.yaml."""
 
-    def __post_init__(self) -> None:
-        self.modes = {**DEFAULT_MODES, **self.modes}
-        for name, mode in self.modes.items():
-            allowed = SPEED_MODES if name == "speedup" else GATE_MODES
-            if name not in DEFAULT_MODES:
-                raise ValueError(
-                    f"evaluate.gate.{name}: unknown check; expected one of {sorted(DEFAULT_MODES)}"
-                )
-            if mode not in allowed:
-                raise ValueError(f"evaluate.gate.{name}: {mode!r} is not one of {list(allowed)}")
+    modes: dict[str, str]
+    max_tau_gap: float | None  # None: tau_tolerance's statistical band
+    max_acc_gap: float  # train - validation first-draft accuracy above this: more data
+    min_val_gain: float  # last validation gain above this: still learning
+    level: float
+    resamples: int
+    bootstrap_seed: int = 0  # not a setting: the same resamples in every run, so intervals repeat
+
+    def mode(self, check: str) -> str:
+        """A check's mode: as given in evaluate.gate, else the schema's default."""
+        return self.modes.get(check, DEFAULT_MODES[check])
+
+    @property
+    def all_modes(self) -> dict[str, str]:
+        return {name: self.mode(name) for name in DEFAULT_MODES}
 
     @classmethod
     def from_evaluate(cls, values: dict[str, Any], modes: dict[str, str]) -> GateSettings:
@@ -114,7 +117,7 @@ class GateSettings:
     @property
     def bootstrap(self) -> tuple[float, int, int]:
         """(level, resamples, seed) for draftsmith.stats."""
-        return self.level, self.resamples, self.seed
+        return self.level, self.resamples, self.bootstrap_seed
 
 
 def per_prompt_counts(
@@ -555,14 +558,14 @@ def diagnose(
             if ours and other and ours[0] != other[0]:  # two engines: pair on the prompts both decoded
                 ids = results["offline"]["prompt_ids"]
                 ours, other = judged_counts(results, key, ids), judged_counts(results, baseline, ids)
-            mode = settings.modes[f"beats_{baseline}"]
+            mode = settings.mode(f"beats_{baseline}")
             checks.append(check_beats(baseline, heldout, ours, other, mode, settings))
     first = next(iter(sets.values()))
     served = (first.get("vllm") or {}).get("methods", {})
     data, by = (first["vllm"], "vLLM") if key in served else (first["offline"], "offline")
     ngram = data["methods"].get("ngram")
     checks.append(check_speedup(by, data["methods"][key]["speedup"], ngram["speedup"] if ngram else None,
-                                data.get("device"), settings.modes["speedup"]))  # fmt: skip
+                                data.get("device"), settings.mode("speedup")))  # fmt: skip
     contract = [
         check_teacher_agreement(manifest),
         check_chat_template(manifest, current_fingerprint),
