@@ -317,7 +317,8 @@ def replaced_mappings(
     spec: dict[str, Any] | None = None, prefix: tuple[str, ...] = ()
 ) -> list[tuple[str, ...]]:
     """Key paths of the mappings whose keys are entries, not settings (the schema does not close them
-    with additionalProperties: false): evaluate.heldout_sets, train.drafter.rope."""
+    with additionalProperties: false): prompts.columns, evaluate.heldout_sets and set_num_prompts,
+    train.drafter.rope."""
     spec = spec or schema()
     paths = []
     for key, sub in spec.get("properties", {}).items():

@@ -249,7 +249,12 @@ def test_only_the_command_lines_strings_are_read_as_yaml_scalars():
 
 
 def test_mappings_of_entries_are_the_schemas_open_mappings():
-    assert set(replaced_mappings()) == {("evaluate", "heldout_sets"), ("train", "drafter", "rope")}
+    assert set(replaced_mappings()) == {
+        ("prompts", "columns"),
+        ("evaluate", "heldout_sets"),
+        ("evaluate", "set_num_prompts"),
+        ("train", "drafter", "rope"),
+    }
 
 
 def test_the_last_source_that_sets_a_mapping_of_entries_replaces_it():
