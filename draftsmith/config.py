@@ -316,7 +316,8 @@ def replaced_mappings(
     spec: dict[str, Any] | None = None, prefix: tuple[str, ...] = ()
 ) -> list[tuple[str, ...]]:
     """Key paths of the mappings whose keys are entries, not settings (the schema does not close them
-    with additionalProperties: false): evaluate.heldout_sets, train.drafter.rope."""
+    with additionalProperties: false): prompts.columns, evaluate.heldout_sets and set_num_prompts,
+    train.drafter.rope."""
     spec = spec or schema()
     paths = []
     for key, sub in spec.get("properties", {}).items():
@@ -379,6 +380,11 @@ def combination_errors(config: dict[str, Any]) -> list[str]:
     errors = []
     if config["prompts"]["source"] == "jsonl" and not config["prompts"]["path"]:
         errors.append("prompts.path: prompts.source is jsonl but no prompt file is named (set prompts.path)")
+    if config["prompts"]["source"] == "dataset" and not config["prompts"]["path"]:
+        errors.append(
+            "prompts.path: prompts.source is dataset but no dataset is named (a local file or folder, or a "
+            "Hub id owner/name)"
+        )
     if config["generate"]["engine"] == "openai" and not config["generate"]["base_url"]:
         errors.append(
             "generate.base_url: generate.engine is openai but no server is named "
@@ -404,14 +410,18 @@ def input_file_errors(config: dict[str, Any]) -> tuple[list[str], list[str]]:
 
     prompts = config["prompts"]
     files = {}
+    errors, warnings = [], []
     if prompts["source"] == "jsonl" and prompts["path"]:
         files["prompts.path"] = (prompts["path"], prompts["max_prompt_chars"])
+    path = prompts["path"]
+    if prompts["source"] == "dataset" and path and not Path(path).exists() and not is_hub_id(path):
+        # a local dataset is read by `datasets` in its job (seconds to import); a Hub id is fetched there
+        errors.append(f"prompts.path: {path}: no such file or folder, nor a Hub dataset id (owner/name)")
     if prompts["heldout_path"]:
         files["prompts.heldout_path"] = (prompts["heldout_path"], 0)
     for name, source in config["evaluate"]["heldout_sets"].items():
         if source not in NAMED_HELDOUT_SETS:
             files[f"evaluate.heldout_sets.{name}"] = (source, 0)
-    errors, warnings = [], []
     for key, (path, max_chars) in files.items():
         if not Path(path).is_file():
             errors.append(f"{key}: {path}: no such file")
@@ -420,7 +430,9 @@ def input_file_errors(config: dict[str, Any]) -> tuple[list[str], list[str]]:
             warnings.append(f"{key}: {path} is too large to check at start; its job will")
             continue
         try:
-            usable, counts = read_jsonl_prompts(path, max_chars)
+            # prompts.columns renames the prompt file's keys; held-out files use draftsmith's own
+            columns = prompts["columns"] if key == "prompts.path" else None
+            usable, counts = read_jsonl_prompts(path, max_chars, columns)
         except PromptError as err:
             errors.append(f"{key}: {err}")
             continue

@@ -17,6 +17,7 @@ from draftsmith.config import (
     coerce_strings,
     combination_errors,
     config_errors,
+    input_file_errors,
     merge_sources,
     read_config_file,
     read_numbers,
@@ -249,7 +250,12 @@ def test_only_the_command_lines_strings_are_read_as_yaml_scalars():
 
 
 def test_mappings_of_entries_are_the_schemas_open_mappings():
-    assert set(replaced_mappings()) == {("evaluate", "heldout_sets"), ("train", "drafter", "rope")}
+    assert set(replaced_mappings()) == {
+        ("prompts", "columns"),
+        ("evaluate", "heldout_sets"),
+        ("evaluate", "set_num_prompts"),
+        ("train", "drafter", "rope"),
+    }
 
 
 def test_the_last_source_that_sets_a_mapping_of_entries_replaces_it():
@@ -290,6 +296,26 @@ def test_an_unreadable_config_file_names_its_line(tmp_path, text, fragment):
     with pytest.raises(ConfigFileError, match=f"^{path}") as err:
         read_config_file(path)
     assert fragment in str(err.value)
+
+
+def test_a_users_prompt_file_is_read_at_start_with_its_column_mapping(tmp_path):
+    own = tmp_path / "own.jsonl"
+    own.write_text(json.dumps({"chat": [{"role": "user", "content": "Hi"}]}) + "\n")
+    config = filled({"prompts": {"source": "jsonl", "path": str(own)}})
+    errors, _ = input_file_errors(config)
+    assert errors and errors[0].startswith(f"prompts.path: {own}:1: expected one of keys")
+    config = filled({"prompts": {"source": "jsonl", "path": str(own), "columns": {"messages": "chat"}}})
+    assert input_file_errors(config) == ([], [])
+
+
+def test_a_dataset_is_named_by_a_local_path_or_a_hub_id(tmp_path):
+    assert combination_errors(filled({"prompts": {"source": "dataset"}}))[0].startswith(
+        "prompts.path: prompts.source is dataset but no dataset is named"
+    )
+    missing = str(tmp_path / "no" / "such" / "data.parquet")
+    errors, _ = input_file_errors(filled({"prompts": {"source": "dataset", "path": missing}}))
+    assert errors == [f"prompts.path: {missing}: no such file or folder, nor a Hub dataset id (owner/name)"]
+    assert input_file_errors(filled({"prompts": {"source": "dataset", "path": "org/chats"}})) == ([], [])
 
 
 def test_settings_that_need_another_one_are_named():
