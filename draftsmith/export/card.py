@@ -261,14 +261,20 @@ def render_card(summary: dict[str, Any], engine: str, folders: dict[str, str], t
     return f"---\n{metadata(summary, engine)}\n---\n\n" + "\n".join(body).rstrip() + "\n"
 
 
+def serve_target(summary: dict[str, Any], target: str | Path | None = None) -> str:
+    """What the serve commands start the target from: a Hub target by its id; a local one (the embedded
+    default too: the figures were measured on its dequantised GGUF) by `target`, else its recorded path."""
+    source = (summary.get("provenance") or {}).get("target") or {}
+    hub_id = base_model(source) if not source.get("gguf_wheel") else None
+    return hub_id or str(target or source.get("path") or "TARGET")
+
+
 def write_cards(summary_path: str | Path, folders: dict[str, str | Path], target: str | Path) -> list[Path]:
     """README.md into each export folder (`folders`: engine -> folder), rendered from summary.json;
     returns the cards written."""
     summary = json.loads(Path(summary_path).read_text(encoding="utf-8"))
     names = {engine: str(folder) for engine, folder in folders.items()}
-    source = (summary.get("provenance") or {}).get("target") or {}
-    hub_id = base_model(source) if not source.get("gguf_wheel") else None
-    serve = hub_id or str(target)  # a Hub target by its id; a local one (the embedded default too) by path
+    serve = serve_target(summary, target)
     written = []
     for engine, folder in folders.items():
         path = Path(folder) / CARD_NAME
