@@ -979,6 +979,7 @@ def benchmark_prompts(name: str, wheel: str, out: str) -> None:
     "--set-num-prompts",
     "set_num_prompts",
     multiple=True,
+    default=None,
     metavar="SET=N",
     help="Prompts to decode of one set where it differs from --num-prompts (0 = all; evaluate.set_num_prompts).",
 )

