@@ -80,7 +80,11 @@ def _status(ok: bool, blocking: bool = True) -> str:
 
 @from_schema(
     "evaluate",
-    paths={"modes": "evaluate.gate", "level": "evaluate.interval_level", "resamples": "evaluate.bootstrap_resamples"},
+    paths={
+        "modes": "evaluate.gate",
+        "level": "evaluate.interval_level",
+        "resamples": "evaluate.bootstrap_resamples",
+    },
 )
 class GateSettings:
     """What the gate judges with: which checks block (evaluate.gate, every check given its mode), the
