@@ -1104,9 +1104,10 @@ def _named(option: str, values: tuple[str, ...]) -> dict[str, str]:
 @click.option(
     "--offline",
     multiple=True,
-    required=True,
+    default=None,
     metavar="SET=PATH",
-    help="offline.json of a held-out set (repeat per set; the first set's speed is judged).",
+    help="offline.json of a held-out set (repeat per set; the first set's speed is judged). Without any, "
+    "vLLM's measurement alone fills the summary (evaluate.offline: false).",
 )
 @click.option(
     "--vllm",
@@ -1179,6 +1180,8 @@ def eval_summary(settings_json: str | None, **kw: Any) -> None:
     except ValueError as err:
         raise click.BadParameter(str(err), param_hint="--check") from err
     offline, vllm = _named("--offline", kw.pop("offline")), _named("--vllm", kw.pop("vllm"))
+    if not offline and not vllm:
+        raise click.UsageError("give each held-out set's --offline or --vllm measurement (or both)")
     for path in [*offline.values(), *vllm.values()]:
         if not Path(path).is_file():
             raise click.BadParameter(f"{path} does not exist", param_hint="--offline/--vllm")

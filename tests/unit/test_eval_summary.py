@@ -146,3 +146,22 @@ def test_tensorboard_events_read_back(tmp_path):
         and "eval_split/eagle3_offline/acceptance_position_3" in scalars
     )
     assert all(f.stat().st_mode & 0o777 == 0o644 for f in run.iterdir())
+
+
+def test_without_the_offline_decoder_vllm_alone_fills_the_summary(tmp_path):
+    """evaluate.offline: false (a target only vLLM can hold): the summary has vLLM's rows only, and the
+    offline-vs-vLLM contract check says it could not be made instead of comparing vLLM with itself."""
+    from draftsmith.gate import diagnose
+
+    served = tmp_path / "vllm.json"
+    vllm = {**results({"eagle3": {**TRAINED, "kind": "eagle3"}}), "temperature": 0.0}
+    vllm["methods"]["eagle3"]["outputs_equal_plain"] = N
+    served.write_text(json.dumps(vllm))
+    sets = load_sets({}, {"split": served})
+    assert sets["split"]["offline_measured"] is False
+    rows = summary_rows(sets, GateSettings())
+    assert {r["measured_by"] for r in rows} == {"vLLM"}
+    manifest = {"teacher_agreement": 0.99, "min_teacher_agreement": 0.9}
+    checks = {c.name: c for c in diagnose(sets, manifest, {}, [], None, [], GateSettings())}
+    gap = checks["tau_gap (eagle3, split)"]
+    assert gap.status == "skip" and "offline decoder" in gap.value
