@@ -155,7 +155,7 @@ def target(out: str, settings_json: str | None, cache: str, checks: str | None, 
     weight formats (.bin, .pth, .gguf, `original/`). A gated or private model needs HF_TOKEN, which is
     never logged or written.
     """
-    from draftsmith.hub import is_hub_id
+    from draftsmith.config import is_hub_target
     from draftsmith.target import (
         TargetCheckError,
         TargetError,
@@ -174,7 +174,7 @@ def target(out: str, settings_json: str | None, cache: str, checks: str | None, 
         "target",
     )
     try:
-        if is_hub_id(values["model"]):
+        if is_hub_target(values):  # the embedded default's folder is no Hub id, even before it exists
             checked = _settings(checks) if checks else None
             info = materialize_hub_target(values["model"], values["revision"], out, checked)
             click.echo(
@@ -1291,17 +1291,20 @@ def export_cmd(
 @click.option("--repo-id", required=True, help="The Hub repository, ORG/NAME (created if it does not exist).")
 @click.option(
     "--engine",
+    "serving_engine",
     type=click.Choice(["vllm", "sglang", "speculators"]),
     default="vllm",
     show_default=True,
-    help="Which export to push: drafter/, drafter-sglang/ or drafter-speculators/.",
+    help="The serving engine whose export to push: drafter/, drafter-sglang/ or drafter-speculators/.",
 )
 @click.option("--private", is_flag=True, help="Create the repository private.")
 @click.option("--force", is_flag=True, help="Push even though the drafter's gate blocked it.")
 @click.option(
     "--dry-run", is_flag=True, help="Print what would be uploaded and the gate's word; push nothing."
 )
-def push(results_dir: str, repo_id: str, engine: str, private: bool, force: bool, dry_run: bool) -> None:
+def push(
+    results_dir: str, repo_id: str, serving_engine: str, private: bool, force: bool, dry_run: bool
+) -> None:
     """Upload a drafter export to the Hugging Face Hub, after its gate.
 
     \b
@@ -1317,7 +1320,7 @@ def push(results_dir: str, repo_id: str, engine: str, private: bool, force: bool
     from draftsmith.push import push as push_to_hub
 
     try:
-        plan = plan_push(results_dir, repo_id, engine, private)
+        plan = plan_push(results_dir, repo_id, serving_engine, private)
         for line in plan.describe():
             click.echo(line)
         if dry_run:
