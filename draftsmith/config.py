@@ -47,7 +47,7 @@ SETTINGS_OPS = {
         "max_failed_fraction",
         "server_startup_timeout_s",
     ),
-    "train": ("threads", "checkpoint_every", "loader_threads"),
+    "train": ("threads", "checkpoint_every", "loader_threads", "report_to"),
 }
 
 

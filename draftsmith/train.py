@@ -42,6 +42,7 @@ from torch import Tensor
 
 from draftsmith.atomic import atomic_dir, write_json, write_jsonl
 from draftsmith.checkpoints import Run, open_run, resume_key
+from draftsmith.config import SETTINGS_OPS
 from draftsmith.distributed import Dist, init_distributed, launch_rank
 from draftsmith.drafter import TTTKV, DrafterConfig, Eagle3Drafter, describe, param_count
 from draftsmith.export import check_export, save_drafter
@@ -51,6 +52,7 @@ from draftsmith.manifest import DataError, load_manifest
 from draftsmith.precision import train_precision
 from draftsmith.settings import from_schema
 from draftsmith.target import TargetHead, load_target_head
+from draftsmith.tracking import Curves, missing_trackers
 from draftsmith.vocab import load_vocab_map
 
 log = logging.getLogger(__name__)
@@ -73,7 +75,7 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
     return contextlib.nullcontext()
 
 
-@from_schema("train", ops=("threads", "checkpoint_every", "loader_threads"), unset=("threads",))
+@from_schema("train", ops=SETTINGS_OPS["train"], unset=("threads",))
 class TrainSettings:
     """The `train` config section and the train job's operational knobs; defaults, choices and meanings
     in config.schema.yaml (the objective and optimiser choices were picked by bench/ablate.py)."""
@@ -105,6 +107,13 @@ class TrainSettings:
     threads: int | None  # torch.set_num_threads; None = torch's choice (the rule passes the job's)
     checkpoint_every: int  # also checkpoint every N steps (always at epoch ends); 0 = epoch ends only
     loader_threads: int  # background threads decoding the next batches; 0 = decode in the loop
+    report_to: list[str]  # trackers besides TensorBoard that get the live curves (wandb, mlflow)
+
+    def check(self) -> None:
+        missing = missing_trackers(self.report_to)
+        if missing:
+            names = ", ".join(missing)
+            raise ValueError(f"resources.train.report_to: {names} not installed (pip install {names})")
 
 
 # --------------------------------------------------------------------------------------------- objective
@@ -487,11 +496,18 @@ def validate(model: DraftingLoss, data: StreamingData, objective: Objective, dis
 
 class MetricsLog:
     """Every metrics row of the run so far (a resumed run starts from the rows its checkpoint kept). On
-    rank 0 each new row is also a progress line (train rows at most every PROGRESS_EVERY_S), and the whole
-    file is rewritten at most every METRICS_FLUSH_S."""
+    rank 0 each new row also goes to the live curves (tracking.py) and is a progress line (train rows at
+    most every PROGRESS_EVERY_S); the whole file is rewritten at most every METRICS_FLUSH_S."""
 
-    def __init__(self, path: Path, rows: list[dict[str, Any]], main: bool, progress: bool = True):
-        self.path, self.rows, self.main, self.progress = path, rows, main, progress
+    def __init__(
+        self,
+        path: Path,
+        rows: list[dict[str, Any]],
+        main: bool,
+        progress: bool = True,
+        curves: Curves | None = None,
+    ):
+        self.path, self.rows, self.main, self.progress, self.curves = path, rows, main, progress, curves
         self.last_flush, self.last_line = time.perf_counter(), -math.inf  # the first step is logged
         self.flush(force=True)  # a resumed run's full history, at once
 
@@ -499,6 +515,8 @@ class MetricsLog:
         self.rows.append(row)
         if not self.main:
             return
+        if self.curves is not None:
+            self.curves.log(row)
         now = time.perf_counter()
         if self.progress and (row["kind"] != "train" or now - self.last_line > PROGRESS_EVERY_S):
             log.info("%s", progress_line(row))
@@ -508,7 +526,14 @@ class MetricsLog:
     def flush(self, force: bool = False) -> None:
         if self.main and (force or time.perf_counter() - self.last_flush > METRICS_FLUSH_S):
             write_jsonl(self.path, self.rows)
+            if self.curves is not None:
+                self.curves.flush()
             self.last_flush = time.perf_counter()
+
+    def close(self) -> None:
+        self.flush(force=True)
+        if self.curves is not None:
+            self.curves.close()
 
 
 def progress_line(row: dict[str, Any]) -> str:
@@ -702,13 +727,15 @@ def train(
     device: str | torch.device | None = None,
     progress: bool = True,
     fresh: bool = False,
+    log_dir: str | Path | None = None,
 ) -> dict[str, Any]:
     """Train a drafter on the shards of data_config.json and write it to out_dir -> summary dict.
 
     Resumes from the newest complete checkpoint of this data and these settings (checkpoints.py says
     when); `fresh` discards every checkpoint first. Checkpoints are written at each epoch end, every
     `checkpoint_every` steps and when max_steps stops the run. Under torchrun (WORLD_SIZE > 1) this runs
-    on every rank; rank 0 writes checkpoints, metrics and the drafter. `progress`: log a line as it goes.
+    on every rank; rank 0 writes checkpoints, metrics and the drafter. `progress`: log a line as it goes;
+    `log_dir`: live curves in <log_dir>/run-<key digest>/ (tracking.py).
     """
     throughput = Throughput()
     rank, world = launch_rank()
@@ -742,11 +769,19 @@ def train(
     key = resume_key(settings, manifest, vocab, drafter.cfg)
     run = open_run(checkpoint_dir, key, stop_at, drafter, optimizer, scheduler, fresh=fresh, dist=dist)
     pos, resumed_from = resume_position(run, settings, dist)
-    metrics = MetricsLog(Path(metrics_path), run.rows, dist.main, progress)
+    curves = None
+    if dist.main and log_dir is not None:
+        ids = dict((run.state or {}).get("trackers") or {})  # the trackers' runs a resumed run continues
+        config = {**settings.to_dict(), "drafter_shape": drafter.cfg.to_dict()}
+        curves = Curves(Path(log_dir) / run.folder.name, settings.report_to, config, resumed_from, ids)
+    metrics = MetricsLog(Path(metrics_path), run.rows, dist.main, progress, curves)
 
     def checkpoint() -> None:  # reads only: no state of the loop changes here
         metrics.flush(force=True)  # metrics first: they also go into the checkpoint
-        state = pos.to_state(total_steps=total_steps, world_size=dist.world, resume_key=key)
+        trackers = curves.ids if curves is not None else {}
+        state = pos.to_state(
+            total_steps=total_steps, world_size=dist.world, resume_key=key, trackers=trackers
+        )
         run.save(pos.step, drafter, optimizer, scheduler, state, metrics.rows)
 
     last_saved = resumed_from
@@ -785,7 +820,7 @@ def train(
     data.close()
     if last_saved != pos.step:  # stopped since the last checkpoint
         checkpoint()
-    metrics.flush(force=True)
+    metrics.close()
 
     summary = training_summary(
         pos, steps_per_epoch, settings, objective, data, dist, metrics.rows, resumed_from, throughput

@@ -48,6 +48,7 @@ OPERATIONAL = {
         "gpus": 1,
         "checkpoint_every": 3,
         "loader_threads": 0,
+        "report_to": ["wandb"],
     },
     "evaluate": {"threads": 3, "runtime": 7, "mem_mb": 123, "gpus": 1},
 }
