@@ -9,13 +9,15 @@ is softmax(lm_head(f_t))). The drafter learns, for every position t at once:
 
 with teacher softmax(W_d f_{t+1+j}) over the draft vocabulary (W_d = the target's lm_head rows of the
 draft ids). Step j counts only where t+2+j < T and x_{t+2+j} is an assistant token (loss_mask); its
-soft cross-entropy is averaged over those positions and weighted ttt_decay**j. One `TTTKV` per forward
-gives step j at t the keys a cached drafter would see (drafter.py).
+soft cross-entropy (or an LK loss of the expected acceptance) is averaged over those positions and
+weighted ttt_decay**j (or ttt_step_weights[j]). One `TTTKV` per forward gives step j at t the keys a
+cached drafter would see (drafter.py).
 
 References: EAGLE `eagle/traineagle3/cnets.py` (7 steps, 0.8**j, soft CE to the target softmax, position
 ids + j, AdamW betas (0.9, 0.95)); SpecForge `training/strategies/base.py` (ttt_length 7, 0.8**j, cosine
 schedule, grad clip 0.5); speculators `models/eagle3/core.py` + `train/noise_transforms.py` (teacher
-restricted to the draft vocabulary, uniform noise 0.05 on the aux states).
+restricted to the draft vocabulary, uniform noise 0.05 on the aux states; `train/optimizers.py`: Muon
+for the weight matrices); SpecForge `core/lk_loss.py` and arXiv 2602.23881 (the LK losses).
 
 Around this file: loader.py streams the batches, distributed.py holds the data-parallel process group,
 checkpoints.py decides what to resume and saves. Layout here: settings -> the objective (`Objective`,
@@ -312,7 +314,7 @@ def ttt_loss(
     loss_mask = objective.trained_mask(batch)
     positions = torch.arange(T, device=device).expand(B, T)
     # one per forward: step j attends to step-0 keys <= t (lagged: <= t-j) and its own earlier steps at t
-    kv = TTTKV(prefix_lag=objective.ttt_prefix == "lagged")
+    kv = TTTKV(prefix_lag=objective.ttt_prefix == "lagged", steps=objective.ttt_steps)
     advance = objective.ttt_positions == "advance"
     stats = StepStats.zeros(objective.ttt_steps)
     stats.tokens = batch.num_tokens
