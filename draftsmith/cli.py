@@ -778,6 +778,19 @@ def vocab(tokens: str, target_path: str, settings_json: str | None, size: int | 
     help="Also checkpoint every N optimizer steps; 0 = at epoch ends only.",
 )
 @setting("resources.train", "loader_threads", "--loader-threads", type=click.IntRange(min=0))
+@setting(
+    "resources.train",
+    "report_to",
+    "--report-to",
+    type=str,
+    help="Trackers that also get the live curves, comma-separated: wandb, mlflow (empty: none).",
+)
+@click.option(
+    "--log-dir",
+    type=click.Path(file_okay=False),
+    help="Live training curves (TensorBoard event files, W&B's local files) go to LOG_DIR/run-<digest>/ "
+    "[default: tensorboard/ beside --metrics].",
+)
 @click.option(
     "--nproc",
     default=1,
@@ -801,6 +814,7 @@ def train(
     settings_json: str | None,
     nproc: int,
     fresh: bool,
+    log_dir: str | None,
     **ops: Any,
 ) -> None:
     """Train the EAGLE-3 drafter with training-time test; resumes from the latest complete checkpoint.
@@ -822,7 +836,10 @@ def train(
     from draftsmith.train import train as run_train
 
     # the operational knobs may also come in the JSON (a saved TrainSettings); options override them
+    if isinstance(ops["report_to"], str):
+        ops["report_to"] = [name.strip() for name in ops["report_to"].split(",") if name.strip()]
     values = resolve(settings_json, ops, "train")
+    log_dir = log_dir or str(Path(metrics).parent / "tensorboard")
     try:
         settings = TrainSettings.from_dict(values)
     except ValueError as err:
@@ -830,13 +847,15 @@ def train(
     if nproc > 1 and "WORLD_SIZE" not in os.environ:  # become torchrun, which starts nproc copies of us
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
         cmd += ["-m", "draftsmith.cli", "train", "--data", manifest_path, "--vocab", vocab_path]
-        cmd += ["--out", out, "--checkpoints", checkpoints, "--metrics", metrics]
+        cmd += ["--out", out, "--checkpoints", checkpoints, "--metrics", metrics, "--log-dir", log_dir]
         cmd += ["--settings", json.dumps(values)]
         cmd += ["--fresh"] if fresh else []
         sys.stdout.flush()
         os.execv(sys.executable, cmd)
     try:  # every rank decodes its share of the samples first: nothing unproven is trained on
-        summary = run_train(manifest_path, vocab_path, out, checkpoints, metrics, settings, fresh=fresh)
+        summary = run_train(
+            manifest_path, vocab_path, out, checkpoints, metrics, settings, fresh=fresh, log_dir=log_dir
+        )
     except DataError as err:
         _fail(str(err))
     if os.environ.get("RANK", "0") == "0":

@@ -54,7 +54,7 @@ SETTINGS_OPS = {
         "gpus",
         "gpu_memory_utilization",
     ),
-    "train": ("threads", "checkpoint_every", "loader_threads"),
+    "train": ("threads", "checkpoint_every", "loader_threads", "report_to"),
 }
 
 

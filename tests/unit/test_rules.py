@@ -49,6 +49,7 @@ OPERATIONAL = {
         "gpus": 1,
         "checkpoint_every": 3,
         "loader_threads": 0,
+        "report_to": ["wandb"],
     },
     "evaluate": {
         "threads": 3,
