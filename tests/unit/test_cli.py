@@ -228,3 +228,33 @@ def test_run_passes_the_commands_exit_code_through():
 
 def test_unknown_option_exits_2():
     assert invoke("vocab", "--no-such-option").exit_code == EXIT_BAD_INPUT
+
+
+def test_fetch_wheel_refuses_an_option_as_bad_input(tmp_path):
+    result = invoke(
+        "fetch-wheel", "--out", str(tmp_path / "w.whl"), "--", "--index-url=http://127.0.0.1:9/simple"
+    )
+    assert result.exit_code == EXIT_BAD_INPUT
+    assert result.output.strip() == (
+        "error: '--index-url=http://127.0.0.1:9/simple' begins with '-': pip would take it for an option, not a package"
+    )
+
+
+def test_a_vllm_that_did_not_start_is_one_line_exit_1(tmp_path, monkeypatch):
+    import draftsmith.extract
+    from draftsmith.engines import VllmStartError
+
+    def fail(*args, **kwargs):
+        raise VllmStartError(
+            "vllm extraction of t: vLLM did not start: RuntimeError: expect weight to be bfloat16"
+        )
+
+    monkeypatch.setattr(draftsmith.extract, "extract_shard", fail)
+    (tmp_path / "t").mkdir()
+    (tmp_path / "tokens").write_bytes(b"")
+    args = ["extract", "--target", str(tmp_path / "t"), "--tokens", str(tmp_path / "tokens"), "--shard", "0"]
+    result = invoke(*args, "--out", str(tmp_path / "s"), "--engine", "vllm")
+    assert result.exit_code == EXIT_FAILED
+    assert result.output.strip() == (
+        "error: vllm extraction of t: vLLM did not start: RuntimeError: expect weight to be bfloat16"
+    )
