@@ -1188,6 +1188,22 @@ def _named(option: str, values: tuple[str, ...]) -> dict[str, str]:
     type=click.Path(file_okay=False),
     help="Write TensorBoard event files of training and evaluation here (needs the tensorboard extra).",
 )
+@click.option(
+    "--vocab",
+    "vocab_path",
+    type=click.Path(dir_okay=False, exists=True),
+    help="vocab_map.pt: the draft vocabulary's size and coverage, for the model card.",
+)
+@click.option(
+    "--prompts-summary",
+    type=click.Path(dir_okay=False, exists=True),
+    help="The prompts stage's summary.json: where the training prompts came from, for the model card.",
+)
+@click.option(
+    "--target-source",
+    help="The config's target section (model, revision, gguf_wheel, gguf_file) as JSON: what the model "
+    "card names as the target.",
+)
 def eval_summary(settings_json: str | None, **kw: Any) -> None:
     """Summary table with intervals, diagnosis, verdict and plots of an evaluation on one or more held-out
     sets: summary.{json,tsv,html}, training.png, acceptance.png, per_forward.png. Never fails on the
@@ -1208,6 +1224,7 @@ def eval_summary(settings_json: str | None, **kw: Any) -> None:
     for path in [*offline.values(), *vllm.values()]:
         if not Path(path).is_file():
             raise click.BadParameter(f"{path} does not exist", param_hint="--offline/--vllm")
+    kw["target_source"] = _settings(kw["target_source"]) if kw["target_source"] else None
     summary = summarize_files(offline, vllm, settings=settings, **kw)
     click.echo(format_verdict(summary["verdict"]))
     if kw["tensorboard_dir"] and not summary.get("tensorboard"):
@@ -1296,17 +1313,32 @@ def check_export_cmd(drafter_dir: str, target_path: str | None, engine: str | No
     default=None,
     help="speculators' default draft length [default: the trained TTT steps].",
 )
+@click.option(
+    "--summary",
+    "summary_path",
+    type=click.Path(dir_okay=False, exists=True),
+    help="The evaluation's summary.json: a model card (README.md) from it goes into every export, "
+    "--drafter's included.",
+)
 def export_cmd(
-    drafter: str, out_sglang: str, out_speculators: str, target_path: str, speculative_tokens: int | None
+    drafter: str,
+    out_sglang: str,
+    out_speculators: str,
+    target_path: str,
+    speculative_tokens: int | None,
+    summary_path: str | None,
 ) -> None:
     """Write the SGLang and speculators exports of a trained drafter (same tensors, each engine's
-    names and conventions), each checked against what its engine reads."""
+    names and conventions), each checked against what its engine reads; with --summary, the model
+    card of each export, --drafter's included."""
     from draftsmith.export import ExportError, export_stage
 
     if speculative_tokens is not None:
         _warn_draft_positions(drafter, speculative_tokens)
     try:
-        outs = export_stage(drafter, out_sglang, out_speculators, target_path, speculative_tokens)
+        outs = export_stage(
+            drafter, out_sglang, out_speculators, target_path, speculative_tokens, summary_path
+        )
     except ExportError as err:
         _fail(str(err), EXIT_BAD_INPUT)
     except RuntimeError as err:
