@@ -1183,12 +1183,6 @@ def _named(option: str, values: tuple[str, ...]) -> dict[str, str]:
     help="Bootstrap resamples over prompts.",
 )
 @click.option(
-    "--tensorboard",
-    "tensorboard_dir",
-    type=click.Path(file_okay=False),
-    help="Write TensorBoard event files of training and evaluation here (needs the tensorboard extra).",
-)
-@click.option(
     "--vocab",
     "vocab_path",
     type=click.Path(dir_okay=False, exists=True),
@@ -1227,8 +1221,6 @@ def eval_summary(settings_json: str | None, **kw: Any) -> None:
     kw["target_source"] = _settings(kw["target_source"]) if kw["target_source"] else None
     summary = summarize_files(offline, vllm, settings=settings, **kw)
     click.echo(format_verdict(summary["verdict"]))
-    if kw["tensorboard_dir"] and not summary.get("tensorboard"):
-        click.echo("tensorboard is not installed (pip install -e '.[tensorboard]'): no event files written")
     click.echo(f"summary written to {kw['out']}; gate {'passes' if summary['gate_passed'] else 'FAILS'}")
 
 

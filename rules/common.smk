@@ -1,4 +1,3 @@
-import hashlib
 import json
 import os
 import sys
@@ -145,7 +144,7 @@ def untrained_option(wildcards, input):
     return ["--untrained", input.untrained] if "untrained" in input.keys() else []
 
 
-# ---- evaluation: held-out sets, gate modes, TensorBoard run name (rules/evaluate.smk)
+# ---- evaluation: held-out sets and gate modes (rules/evaluate.smk)
 
 
 def heldout_prompts(wildcards):
@@ -219,13 +218,3 @@ def offline_options(wildcards):
 
 def gate_modes():
     return [arg for name, mode in config["evaluate"]["gate"].items() for arg in ("--check", f"{name}={mode}")]
-
-
-def tensorboard_run():
-    """evaluate.tensorboard_run, or a name from a hash of every setting upstream of the drafter, so runs
-    that differ in data or training land side by side."""
-    if config["evaluate"]["tensorboard_run"]:
-        return config["evaluate"]["tensorboard_run"]
-    upstream = {k: config[k] for k in ("target", "prompts", "generate", "extract", "vocab", "train")}
-    digest = hashlib.sha256(json.dumps(upstream, sort_keys=True).encode()).hexdigest()[:10]
-    return f"run-{digest}"
