@@ -108,7 +108,7 @@ def test_huge_targets_stay_out_of_the_workflow_processes(plan):
         return
     assert "evaluate_offline" not in jobs
     shell = jobs["eval_summary"][0]["shell"]
-    assert "--offline split=results/eval/split/vllm.json" in shell and "offline.json" not in shell
+    assert "--vllm split=results/eval/split/vllm.json" in shell and "--offline" not in shell
 
 
 def test_target_specific_settings(plan):
@@ -151,7 +151,7 @@ def run_planned(job: dict, workdir, monkeypatch, recorded: str) -> tuple[tuple, 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(gpus)))
     monkeypatch.setenv("DRAFTSMITH_TRUST_REMOTE_CODE", "0")
     monkeypatch.setattr(cli, "_drafters", lambda drafter, untrained, target: {"eagle3": drafter})
-    monkeypatch.setattr(cli, "_warn_untrained_positions", lambda *a: None)
+    monkeypatch.setattr(cli, "_warn_draft_positions", lambda *a: None)
     calls = []
     module, name = recorded.rsplit(".", 1)
     monkeypatch.setattr(importlib.import_module(module), name, lambda *a, **kw: calls.append((a, kw)))
