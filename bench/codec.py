@@ -1,19 +1,31 @@
-"""Shard codec benchmark: compression ratio and encode/decode MB/s of candidate codecs on real states.
+"""Shard codec benchmark: compression ratio and encode/decode MB/s of candidate codecs on real states,
+and the two storage dtypes side by side.
 
     python bench/codec.py [--shard results/hidden/shard-0.safetensors] [--json results/bench/codec.json]
 
 All candidates are lossless and run in this one process on the same bytes (the bf16 aux + final states
-of one shard), single-threaded, each sample encoded and decoded on its own as a shard stores it and the
-loader reads it; decode includes rebuilding the bf16 tensor. Ratio = compressed / raw. The last three
-rows price the integrity checks: zstd's frame checksums, then the per-sample sha256 that every read
-recomputes.
+of one bfloat16 shard), single-threaded, each sample encoded and decoded on its own as a shard stores it
+and the loader reads it; decode includes rebuilding the bf16 tensor. Ratio = compressed / raw. The last
+three rows price the integrity checks: zstd's frame checksums, then the per-sample sha256 that every
+read recomputes.
+
+Storage dtypes (`extract.storage_dtype`): the same samples written as shards with the shipped codec in
+bfloat16 and in float8_e4m3fn (ShardWriter, as extraction writes them), then read back with
+ShardReader.read, as training reads them (positioned read, zstd with checksums, sha256, float8
+dequantized to bf16), in alternating order over --rounds rounds: each round's float8 / bf16 time ratio
+sees the same spell of a shared machine, and the table gives their mean with a 95% bootstrap interval
+over rounds. Read MB/s counts the bf16 states a read delivers (tokens x layers x hidden x 2 bytes), the
+same for both. Bytes per token are the stored states' (the blob), exact.
 """
 
 from __future__ import annotations
 
 import gzip
+import statistics
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import click
 import numpy as np
@@ -23,15 +35,21 @@ import zstandard
 from draftsmith.atomic import write_json
 from draftsmith.shards import (
     MANTISSA_LEVEL,
+    STORAGE_DTYPES,
     PlaneEncoder,
     Sample,
+    ShardReader,
+    ShardWriter,
     bf16_bits,
     byte_planes,
     decode_sample,
     high_plane_params,
     iter_samples,
+    read_header,
+    read_shard_meta,
     sample_digest,
     split_slots,
+    store,
 )
 
 
@@ -102,17 +120,17 @@ def _shipped_codec(level: int = 1, checksums: bool = True, digest: bool = True) 
 
     def encode(states: torch.Tensor) -> list[bytes]:  # states [N, L, H]
         sample = Sample("bench", torch.zeros(0), torch.zeros(0), states[:, :-1], states[:, -1])
-        return encoder.encode(sample)
+        return encoder.encode(store(sample))
 
     def decode(frames: list[bytes], shape: tuple[int, ...]) -> torch.Tensor:
         blob = np.frombuffer(b"".join(frames), dtype=np.uint8)
         ends = np.cumsum([len(f) for f in frames]).tolist()
         spans = [[start, end - start] for start, end in zip([0, *ends[:-1]], ends, strict=True)]
         index = [spans[i : i + 2] for i in range(0, len(spans), 2)]
-        slots = decode_sample(blob, index, shape[0], shape[2], decomp)  # [A + 1, T, H]
+        stored = decode_sample(blob, index, shape[0], shape[2], decomp)  # [A + 1, T, H]
         if digest:
-            sample_digest(ids, mask, slots)
-        aux, final = split_slots(slots)
+            sample_digest(ids, mask, stored)
+        aux, final = split_slots(stored.bf16_bits())
         return torch.cat([aux, final[:, None]], dim=1)
 
     return encode, decode
@@ -156,14 +174,124 @@ def measure(
     }
 
 
+def bootstrap_mean(
+    values: list[float], level: float = 0.95, resamples: int = 10_000
+) -> tuple[float, float, float]:
+    """(mean, low, high): the mean of per-round values with a percentile bootstrap interval over rounds."""
+    x = np.asarray(values, dtype=np.float64)
+    means = x[np.random.default_rng(0).integers(0, len(x), (resamples, len(x)))].mean(axis=1)
+    tail = (1 - level) / 2
+    return float(x.mean()), float(np.quantile(means, tail)), float(np.quantile(means, 1 - tail))
+
+
+def write_as(samples: list[Sample], path: Path, dtype: str, level: int = 1) -> dict[str, float]:
+    """Write the samples as extraction does (zstd-planes, `dtype`): state bytes and the writer's CPU s."""
+    writer = ShardWriter(path, {}, "zstd-planes", level, sample_ids=[s.id for s in samples], dtype=dtype)
+    for sample in samples:
+        writer.add(sample)
+    writer.close()
+    return {"state_bytes": read_header(path)[1]["blob"]["shape"][0], "writer_cpu_seconds": writer.cpu_seconds}
+
+
+def read_all(path: Path) -> float:
+    """Seconds to read every sample of a shard as training does (ShardReader.read, one thread)."""
+    with ShardReader(path) as reader:
+        start = time.perf_counter()
+        for i in range(len(reader)):
+            reader.read(i)
+        return time.perf_counter() - start
+
+
+def fp8_code_planes(samples: list[Sample]) -> dict[str, float]:
+    """Bytes per token of the float8 code planes under the shipped settings and stock zstd levels (the
+    scales are 4 bytes a row either way): is the shipped choice the right one for codes too?"""
+    planes = [store(s, "float8_e4m3fn").values.reshape(-1, s.num_tokens * s.final.shape[-1]) for s in samples]
+    tokens = sum(s.num_tokens for s in samples)
+    compressors = {
+        "shipped (min_match 7, small hash)": zstandard.ZstdCompressor(compression_params=high_plane_params(1))
+    }
+    compressors |= {f"zstd-{level}": zstandard.ZstdCompressor(level=level) for level in (1, 3, 9)}
+    return {
+        name: sum(len(c.compress(plane)) for p in planes for plane in p) / tokens
+        for name, c in compressors.items()
+    }
+
+
+def compare_storage(samples: list[Sample], rounds: int) -> dict[str, dict]:
+    """bfloat16 vs float8_e4m3fn shards of the same samples: bytes per token (exact) and read MB/s,
+    read in alternating order, with per-round ratios."""
+    tokens = sum(s.num_tokens for s in samples)
+    layers, hidden = samples[0].aux.shape[1] + 1, samples[0].final.shape[-1]
+    delivered = tokens * layers * hidden * 2  # bf16 bytes a full read returns, either dtype
+    out: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        paths = {dtype: Path(scratch) / f"{dtype}.safetensors" for dtype in STORAGE_DTYPES}
+        for dtype, path in paths.items():
+            written = write_as(samples, path, dtype)
+            out[dtype] = {
+                "state_bytes": written["state_bytes"],
+                "bytes_per_token": written["state_bytes"] / tokens,
+                "ratio_to_raw_bf16": written["state_bytes"] / delivered,
+                "write_cpu_mb_s": delivered / written["writer_cpu_seconds"] / 1e6,
+                "read_seconds": [],
+            }
+        for dtype in STORAGE_DTYPES:  # a warm-up read each: page cache, zstd contexts, tables
+            read_all(paths[dtype])
+        for r in range(rounds):
+            for dtype in STORAGE_DTYPES if r % 2 == 0 else reversed(STORAGE_DTYPES):
+                out[dtype]["read_seconds"].append(read_all(paths[dtype]))
+    for row in out.values():
+        row["read_mb_s"] = delivered / statistics.median(row["read_seconds"]) / 1e6
+    base, fp8 = out["bfloat16"], out["float8_e4m3fn"]
+    speed = [
+        b / f for b, f in zip(base["read_seconds"], fp8["read_seconds"], strict=True)
+    ]  # fp8 MB/s / bf16's
+    mean, low, high = bootstrap_mean(speed)
+    ratios = {
+        "bytes": fp8["state_bytes"] / base["state_bytes"],
+        "read_speed": mean,
+        "read_speed_low": low,
+        "read_speed_high": high,
+        "read_speed_rounds": speed,
+    }
+    return {"tokens": tokens, "layers": layers, "hidden": hidden, **out, "float8_over_bf16": ratios}
+
+
+def print_storage(result: dict) -> None:
+    tokens = result["tokens"]
+    print(f"\nstorage dtypes, shipped codec (zstd-planes), {tokens:,} tokens, read as training reads:")
+    print(f"{'storage':15s} {'B/token':>8s} {'of raw bf16':>11s} {'read MB/s':>10s} {'write CPU MB/s':>15s}")
+    for dtype in STORAGE_DTYPES:
+        r = result[dtype]
+        print(
+            f"{dtype:15s} {r['bytes_per_token']:8.0f} {r['ratio_to_raw_bf16']:11.3f} {r['read_mb_s']:10.0f} "
+            f"{r['write_cpu_mb_s']:15.0f}"
+        )
+    q = result["float8_over_bf16"]
+    print(
+        f"float8 / bf16: bytes {q['bytes']:.3f}; read speed {q['read_speed']:.2f}x "
+        f"[{q['read_speed_low']:.2f}, {q['read_speed_high']:.2f}] (95%, {len(q['read_speed_rounds'])} paired rounds)"
+    )
+    print(
+        "float8 code planes, bytes per token:",
+        ", ".join(f"{k} {v:.0f}" for k, v in result["fp8_code_planes"].items()),
+    )
+
+
 @click.command()
 @click.option(
     "--shard", default="results/hidden/shard-0.safetensors", show_default=True, type=click.Path(exists=True)
 )
 @click.option("--json", "json_path", default="results/bench/codec.json", show_default=True)
 @click.option("--repeats", default=3, show_default=True)
-def main(shard: str, json_path: str, repeats: int) -> None:
+@click.option("--rounds", default=10, show_default=True, help="Paired read rounds of the storage dtypes.")
+@click.option(
+    "--storage-only", is_flag=True, help="Only the storage-dtype comparison (skip the codec candidates)."
+)
+def main(shard: str, json_path: str, repeats: int, rounds: int, storage_only: bool) -> None:
     torch.set_num_threads(1)
+    if read_shard_meta(shard).get("dtype", "bfloat16") != "bfloat16":
+        raise click.UsageError(f"{shard} is not a bfloat16 shard: the codecs need the states as computed")
     samples = list(iter_samples(shard))
     states = [torch.cat([s.aux, s.final[:, None]], dim=1).contiguous() for s in samples]  # [T, A+1, H] each
     tokens, layers, hidden = sum(x.shape[0] for x in states), states[0].shape[1], states[0].shape[2]
@@ -172,16 +300,27 @@ def main(shard: str, json_path: str, repeats: int) -> None:
         f"{tokens * layers * hidden * 2 / 1e6:.1f} MB raw bf16; one frame set per sample, one thread"
     )
     rows = {}
-    print(f"{'codec':36s} {'ratio':>6s} {'B/token':>8s} {'enc MB/s':>9s} {'dec MB/s':>9s}")
-    for name, (enc, dec) in candidates().items():
-        r = measure(states, enc, dec, repeats)
-        rows[name] = r
-        print(
-            f"{name:36s} {r['ratio']:6.3f} {r['bytes_per_token']:8.0f} {r['encode_mb_s']:9.0f} {r['decode_mb_s']:9.0f}"
-        )
+    if not storage_only:
+        print(f"{'codec':36s} {'ratio':>6s} {'B/token':>8s} {'enc MB/s':>9s} {'dec MB/s':>9s}")
+        for name, (enc, dec) in candidates().items():
+            r = measure(states, enc, dec, repeats)
+            rows[name] = r
+            print(
+                f"{name:36s} {r['ratio']:6.3f} {r['bytes_per_token']:8.0f} {r['encode_mb_s']:9.0f} {r['decode_mb_s']:9.0f}"
+            )
+    storage = compare_storage(samples, rounds)
+    storage["fp8_code_planes"] = fp8_code_planes(samples)
+    print_storage(storage)
     write_json(
         json_path,
-        {"shard": shard, "samples": len(states), "tokens": tokens, "layers": layers, "codecs": rows},
+        {
+            "shard": shard,
+            "samples": len(states),
+            "tokens": tokens,
+            "layers": layers,
+            "codecs": rows,
+            "storage": storage,
+        },
     )
     print(f"wrote {json_path}")
 

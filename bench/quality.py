@@ -7,11 +7,11 @@
 For each fraction f of the training samples (a fixed random subset, nested: the 0.5 subset holds the
 0.25 one; every validation sample is always kept, so the validation figures compare) and each epoch
 count, the drafter is trained with the run's settings (schema defaults < config `train` < --settings)
-and measured: validation top-1 accuracy per TTT step and, with vLLM installed, the mean acceptance
-length tau of vLLM's own EAGLE-3 decoding with its 95% interval, on every held-out set the run's eval
-summary measured (same prompts, tokens and draft length). Writes quality.json and quality.png (tau per
-held-out set against trained tokens beside n-gram lookup's tau and interval as a band, and accuracy per
-TTT step; one line per epoch count). A curve still rising at f = 1 says more data helps; rising with
+and measured: validation top-1 accuracy per TTT step and, with vLLM installed, tokens per target forward
+of vLLM's own EAGLE-3 decoding (every step counted) with its 95% interval, and vLLM's tau beside it, on
+every held-out set the run's eval summary measured (same prompts, tokens and draft length). Writes
+quality.json and quality.png (tokens per target forward per held-out set against trained tokens beside
+n-gram lookup's, with its interval as a band, and accuracy per TTT step; one line per epoch count). A curve still rising at f = 1 says more data helps; rising with
 epochs at a fixed f only says the drafter is not yet fitted (watch the train/validation gap).
 """
 
@@ -71,27 +71,37 @@ def subset_manifest(manifest_path: Path, fraction: float, val_fraction: float, f
 
 def heldout_reference(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per held-out set of a run's eval summary: its prompt file, how many prompts vLLM decoded, and
-    n-gram lookup's vLLM tau with its interval there (the free alternative a drafter must beat)."""
+    n-gram lookup's vLLM tokens per target forward with its interval there (the free alternative a
+    drafter must beat)."""
     sets = {}
     for name, info in summary["heldout_sets"].items():
-        rows = [r for r in summary["rows"] if r["heldout"] == name and r["engine"] == "vLLM"]
+        rows = [r for r in summary["rows"] if r["heldout"] == name and r["measured_by"] == "vLLM"]
         ngram = next((r for r in rows if r.get("key") == "ngram"), None)
         sets[name] = {
             "prompts": info["prompts"],
             "num_prompts": max((r["prompts"] for r in rows), default=info["num_prompts"]),
-            "ngram_tau": ngram["tau"] if ngram else None,
-            "ngram_tau_interval": ngram["tau_interval"] if ngram else None,
+            "ngram": ngram["tokens_per_forward"] if ngram else None,
+            "ngram_interval": ngram["tokens_per_forward_interval"] if ngram else None,
         }
     return sets
+
+
+FIGURES = (
+    "tokens_per_forward",
+    "tokens_per_forward_interval",
+    "tau",
+    "tau_interval",
+    "acceptance_per_position",
+)
 
 
 def run_row(train_summary: dict[str, Any], eval_summary: dict[str, Any]) -> dict[str, Any]:
     """The run's own drafter as the full-data point: its training summary and the trained drafter's vLLM
     rows of the run's eval summary (the same prompts this bench decodes), so it is not trained twice."""
     taus = {
-        r["heldout"]: {k: r[k] for k in ("tau", "tau_interval", "acceptance_per_position")}
+        r["heldout"]: {k: r[k] for k in FIGURES}
         for r in eval_summary["rows"]
-        if r.get("key") == "eagle3" and r["engine"] == "vLLM"
+        if r.get("key") == "eagle3" and r["measured_by"] == "vLLM"
     }
     return {
         "fraction": 1.0,
@@ -106,27 +116,33 @@ def run_row(train_summary: dict[str, Any], eval_summary: dict[str, Any]) -> dict
     }
 
 
-def tau_by_set(
+def figures_by_set(
     spans: dict[str, tuple[int, int]], counts: list[dict[str, Any]], num_draft_tokens: int, level: float
 ) -> dict[str, dict[str, Any]]:
-    """tau, its bootstrap interval over prompts and acceptance per position, per held-out set, from the
-    per-prompt counts of one batch holding every set (`spans`: set -> [start, end) in the batch)."""
+    """Tokens per target forward and tau with their bootstrap intervals over prompts, and acceptance per
+    position, per held-out set, from the per-prompt counts of one batch holding every set (`spans`: set ->
+    [start, end) in the batch)."""
     from draftsmith.evaluate import counts_summary
-    from draftsmith.gate import bootstrap_tau
+    from draftsmith.stats import bootstrap_ratio, bootstrap_tau
 
     out = {}
     for name, (a, b) in spans.items():
         rows = counts[a:b]
-        tau, lo, hi = bootstrap_tau([r["accepted"] for r in rows], [r["drafts"] for r in rows], level)
+        per_forward, lo, hi = bootstrap_ratio(
+            [r["tokens"] for r in rows], [r["forwards"] for r in rows], level
+        )
+        tau, tau_lo, tau_hi = bootstrap_tau([r["accepted"] for r in rows], [r["drafts"] for r in rows], level)
         out[name] = {
+            "tokens_per_forward": per_forward,
+            "tokens_per_forward_interval": [lo, hi],
             "tau": tau,
-            "tau_interval": [lo, hi],
+            "tau_interval": [tau_lo, tau_hi],
             "acceptance_per_position": counts_summary(rows, num_draft_tokens)["acceptance_rate_per_position"],
         }
     return out
 
 
-def vllm_taus(
+def vllm_figures(
     target: str, drafter: Path, sets: dict[str, dict[str, Any]], max_new_tokens: int, k: int, level: float
 ) -> dict[str, dict[str, Any]]:
     """The drafter in vLLM's EAGLE-3 decoding (greedy), every held-out set in one batch."""
@@ -146,12 +162,13 @@ def vllm_taus(
     counts = vllm_prompt_counts(ids, result)
     if counts is None:
         raise RuntimeError("vLLM reported no per-request acceptance: cannot split the held-out sets")
-    return tau_by_set(spans, counts, k, level)
+    return figures_by_set(spans, counts, k, level)
 
 
 def plot(rows: list[dict[str, Any]], sets: dict[str, dict[str, Any]], path: Path) -> None:
-    """One panel per held-out set (vLLM tau with its interval, n-gram lookup's as a band), then one per
-    TTT step (validation accuracy), all against trained tokens, one line per epoch count."""
+    """One panel per held-out set (vLLM tokens per target forward with its interval, n-gram lookup's as a
+    band), then one per TTT step (validation accuracy), all against trained tokens, one line per epoch
+    count."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -168,10 +185,10 @@ def plot(rows: list[dict[str, Any]], sets: dict[str, dict[str, Any]], path: Path
         for ax, name in zip(axes, names, strict=False):
             measured = [r for r in line if (r["vllm"] or {}).get(name)]
             taus = [r["vllm"][name] for r in measured]
-            y = [t["tau"] for t in taus]
+            y = [t["tokens_per_forward"] for t in taus]
             err = [
-                [t["tau"] - t["tau_interval"][0] for t in taus],
-                [t["tau_interval"][1] - t["tau"] for t in taus],
+                [t["tokens_per_forward"] - t["tokens_per_forward_interval"][0] for t in taus],
+                [t["tokens_per_forward_interval"][1] - t["tokens_per_forward"] for t in taus],
             ]
             xs = [r["trained_tokens"] for r in measured]
             ax.errorbar(xs, y, yerr=err, fmt="o-", capsize=3, label=f"{epochs} epochs")
@@ -182,11 +199,11 @@ def plot(rows: list[dict[str, Any]], sets: dict[str, dict[str, Any]], path: Path
             )
     for ax, name in zip(axes, names, strict=False):
         ref = sets[name]
-        if ref.get("ngram_tau") is not None:
-            ax.axhline(ref["ngram_tau"], color="grey", linestyle="--", label="n-gram lookup")
-            if ref.get("ngram_tau_interval"):
-                ax.axhspan(*ref["ngram_tau_interval"], color="grey", alpha=0.15)
-        ax.set_title(f"vLLM tau, {name} ({ref['num_prompts']} prompts)")
+        if ref.get("ngram") is not None:
+            ax.axhline(ref["ngram"], color="grey", linestyle="--", label="n-gram lookup")
+            if ref.get("ngram_interval"):
+                ax.axhspan(*ref["ngram_interval"], color="grey", alpha=0.15)
+        ax.set_title(f"vLLM tokens per target forward, {name} ({ref['num_prompts']} prompts)", fontsize=9)
     for j in range(steps):
         axes[len(names) + j].set_title(f"validation accuracy, TTT step {j}")
     for ax in axes:
@@ -207,14 +224,14 @@ def plot(rows: list[dict[str, Any]], sets: dict[str, dict[str, Any]], path: Path
 @click.option("--vocab", default="results/vocab_map.pt", show_default=True, type=click.Path(exists=True))
 @click.option(
     "--summary", "summary_path", default="results/eval/summary.json", show_default=True,
-    help="The run's eval summary: the held-out sets, prompt counts and decoding settings to measure tau "
-    "with, and n-gram lookup's tau there to compare against.",
+    help="The run's eval summary: the held-out sets, prompt counts and decoding settings to measure with, "
+    "and n-gram lookup's tokens per target forward there to compare against.",
 )  # fmt: skip
 @click.option("--config", "config_path", default="config.yaml", show_default=True, type=click.Path())
 @click.option("--settings", "settings_json", default="{}", help="JSON overrides of train settings.")
 @click.option("--fractions", default="0.25,0.5,1", show_default=True)
 @click.option("--epochs", "epoch_list", default="1,3", show_default=True)
-@click.option("--vllm/--no-vllm", default=True, show_default=True, help="Measure tau in vLLM.")
+@click.option("--vllm/--no-vllm", default=True, show_default=True, help="Measure acceptance in vLLM.")
 @click.option(
     "--run-drafter", type=click.Path(exists=True, file_okay=False), default=None,
     help="The run's trained drafter (results/drafter): stands for fraction 1 at the run's epoch count "
@@ -273,7 +290,7 @@ def main(**kw: Any) -> None:
                 )
                 taus = None
                 if kw["vllm"]:
-                    taus = vllm_taus(
+                    taus = vllm_figures(
                         target, run / "drafter", sets, eval_summary["max_new_tokens"],
                         eval_summary["num_draft_tokens"], eval_summary["level"],
                     )  # fmt: skip
@@ -294,13 +311,14 @@ def main(**kw: Any) -> None:
                 )
                 r = rows[-1]
                 acc = " / ".join(f"{a:.3f}" for a in r["val_acc"] or [] if a is not None)
-                tau_text = ", ".join(
-                    f"{name} {t['tau']:.3f} [{t['tau_interval'][0]:.3f}, {t['tau_interval'][1]:.3f}]"
+                per_forward = ", ".join(
+                    f"{name} {t['tokens_per_forward']:.3f} [{t['tokens_per_forward_interval'][0]:.3f}, "
+                    f"{t['tokens_per_forward_interval'][1]:.3f}] (tau {t['tau']:.3f})"
                     for name, t in (taus or {}).items()
                 )
                 click.echo(
                     f"fraction {fraction} x {epochs} epochs: {r['trained_tokens']:,} tokens, val acc {acc}, "
-                    f"vLLM tau {tau_text or '-'} ({r['wall_s']:.0f} s)"
+                    f"vLLM tokens per target forward {per_forward or '-'} ({r['wall_s']:.0f} s)"
                 )
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "quality.json", {"data": kw["data"], "settings": values, "heldout": sets, "rows": rows})

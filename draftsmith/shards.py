@@ -6,29 +6,52 @@ Every shard (N tokens over S samples, A aux layers, hidden size H) holds
     loss_mask      uint8 [N]       1 on assistant tokens (the tokens the drafter learns to predict)
     offsets        int64 [S + 1]   sample i is tokens offsets[i]:offsets[i+1]
 
-and the states in one of two codecs (metadata key `draftsmith_shard`, JSON, says which):
+and the states in one of two storage dtypes and one of two codecs (metadata key `draftsmith_shard`,
+JSON, says which).
+
+Storage dtype (metadata `dtype`, `extract.storage_dtype`):
+
+bfloat16 (lossless: the states as the target computed them in bf16).
+float8_e4m3fn (half the bytes, lossy): every row (one token's H values in one slot) is stored as H
+    float8_e4m3fn codes and one float32 scale, value = float(code) * scale. The scale is the smallest
+    power of two with row absmax / scale <= 448 (e4m3's largest finite value), so x / scale is exact
+    and the only rounding is e4m3's own (3 mantissa bits, nearest-even: |error| <= 2^-4 |x|, or
+    2^-10 * scale below e4m3's smallest normal 2^-6), and code * scale is exact in bf16, which is what
+    a read returns. Rows with a non-finite value are refused.
+
+Slots: for sample i, slot l is 0..A-1 (the aux layers, in id order) or A (the final state).
 
 codec "none":
     aux_hidden_states    bf16 [N, A, H]  input to each aux layer (HF hidden_states[k]), layer-id order
     final_hidden_states  bf16 [N, H]     after the final norm: exactly what lm_head consumes
+  with float8_e4m3fn these two are F8_E4M3 codes, beside
+    aux_scales           f32 [N, A]      per-row scales of aux_hidden_states
+    final_scales         f32 [N]         per-row scales of final_hidden_states
 
-codec "zstd-planes" (lossless; see bench/codec.py for why): for sample i and slot l (0..A-1 the aux
-layers, A the final state), the sample's [T, H] bf16 values are split into two byte planes — the high
-bytes (sign, exponent, top mantissa bit: these compress ~2.8x) and the low bytes (mantissa bits, which
-do not compress: they are written at zstd's fastest level, which stores them as raw blocks) — and each
-plane is one zstd frame:
+codec "zstd-planes" (lossless over what is stored; see bench/codec.py for why): each slot of each
+sample is two byte planes, each one zstd frame:
+  bfloat16: the sample's [T, H] bf16 values split into the high bytes (sign, exponent, top mantissa
+    bit: these compress ~2.8x) and the low bytes (mantissa bits, which do not compress: they are written
+    at zstd's fastest level, which stores them as raw blocks). To decode: value_u16 = (high << 8) | low,
+    reinterpreted as bfloat16, shape [T, H].
+  float8_e4m3fn: plane 0 the [T, H] codes (sign and exponent bits compress, like bf16's high bytes),
+    plane 1 the [T] float32 scales (little-endian).
     blob        uint8 [B]               all frames back to back
-    blob_index  int64 [S, A + 1, 2, 2]  [i, l, plane (0 high, 1 low)] = (byte offset, byte length)
-To decode: value_u16 = (high << 8) | low, then reinterpret as bfloat16, shape [T, H]. Every frame carries
-zstd's content checksum, so a flipped bit fails its frame instead of decoding to a wrong value.
+    blob_index  int64 [S, A + 1, 2, 2]  [i, l, plane] = (byte offset, byte length); bf16: plane 0 high,
+                                        1 low; float8: plane 0 codes, 1 scales
+Every frame carries zstd's content checksum, so a flipped bit fails its frame instead of decoding to a
+wrong value.
 
-Content digests (format 2): the writer records per sample `sample_sha256`, the sha256 of
+Content digests (format 2 on): the writer records per sample `sample_sha256`, the sha256 of
     (T, A, H) as three little-endian uint64, input_ids int64 [T], loss_mask uint8 [T],
-    then the bf16 values slot by slot (aux layers in id order, then final), each [T, H] row-major
+    then the stored values slot by slot (aux layers in id order, then final), each [T, H] row-major:
+    bf16 bit patterns, or float8 codes followed by the float32 scales, [A + 1, T],
 whatever the codec, and per shard `content_sha256`, the sha256 of the layer ids, dtype and the list of
-(sample id, sample digest). Both depend on the tensors only: two extractions of the same data give the
-same digests whatever their timing stats (which the header also holds) or codec. Every read recomputes
-the sample's digest and refuses a mismatch, naming the shard and the sample.
+(sample id, sample digest). Both depend on the stored tensors only: two extractions of the same data
+give the same digests whatever their timing stats (which the header also holds) or codec. Every read
+recomputes the sample's digest from what it read, before dequantizing, and refuses a mismatch, naming
+the shard and the sample. Format 3 added float8_e4m3fn; a format-2 shard is a bf16 shard of the same
+layout and reads as one.
 
 Tensors may lie in the file in any order (the blob first: it streams straight into the final file),
 and the JSON header may end in spaces (room reserved for it before the data was known).
@@ -41,6 +64,7 @@ alone (random access, for training's shuffled streaming loader); `verify_shard` 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import itertools
 import json
@@ -63,8 +87,11 @@ from torch import Tensor
 
 from draftsmith.atomic import atomic_path, commit_file
 
-SHARD_FORMAT_VERSION = 2  # 2: frame checksums and content digests
+SHARD_FORMAT_VERSION = 3  # 2: frame checksums and content digests; 3: float8_e4m3fn storage
+READABLE_FORMATS = (2, 3)  # a format-2 shard is a bf16 shard laid out as format 3 lays bf16 out
 CODECS = ("none", "zstd-planes")
+STORAGE_DTYPES = ("bfloat16", "float8_e4m3fn")
+FP8_MAX = 448.0  # e4m3fn's largest finite value, 1.75 * 2^8
 
 
 class ShardError(RuntimeError):
@@ -113,15 +140,99 @@ def sample_planes(sample: Sample) -> tuple[np.ndarray, np.ndarray]:
     return byte_planes(slots.reshape(slots.shape[0], -1))
 
 
-def sample_digest(input_ids: Tensor, loss_mask: Tensor, slots: np.ndarray) -> str:
-    """sha256 of one sample's content: its shape, tokens, loss mask and slot-major bf16 values.
+@dataclass
+class Stored:
+    """One sample's states as a shard stores them, slot-major (aux layers in id order, then final)."""
 
-    slots: [A + 1, T, H] uint16, as sample_slots returns it."""
-    num_slots, num_tokens, hidden = slots.shape
+    values: np.ndarray  # [A + 1, T, H]: uint16 bf16 bit patterns, or uint8 float8_e4m3fn codes
+    scales: np.ndarray | None = None  # [A + 1, T] float32 per-row scales (float8_e4m3fn only)
+
+    @property
+    def dtype(self) -> str:
+        return "bfloat16" if self.scales is None else "float8_e4m3fn"
+
+    def bf16_bits(self) -> np.ndarray:
+        """The states a read returns, [A + 1, T, H] uint16 bf16 bit patterns (float8 dequantized)."""
+        return self.values if self.scales is None else fp8_dequantize(self.values, self.scales)
+
+
+@functools.cache
+def fp8_tables() -> tuple[np.ndarray, np.ndarray]:
+    """(e4m3fn code of every bf16 bit pattern [65536] uint8, float32 value of every code [256]), both
+    computed by torch's own conversions (round to nearest, ties to even), so that the hot loops can run
+    in numpy, which releases the GIL and leaves torch's compute threads to the forward pass."""
+    every_bf16 = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    codes = every_bf16.float().to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+    return codes, values
+
+
+def fp8_scale_exponents(absmax: np.ndarray) -> np.ndarray:
+    """Per row, the smallest k with absmax / 2^k <= FP8_MAX, by exact integer arithmetic: absmax =
+    m * 2^e with 0.5 <= m < 1, and FP8_MAX = 0.875 * 2^9, so k = e - 9, or e - 8 when m > 0.875.
+    (A zero row gets 2^-9: any scale stores zeros exactly.)"""
+    mantissa, exponent = np.frexp(absmax)
+    return (exponent - 9 + (mantissa > 0.875)).astype(np.int32)
+
+
+def fp8_quantize(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """bf16 bit patterns [..., H] uint16 -> (float8_e4m3fn codes [..., H] uint8, scales [...] float32),
+    one power-of-two scale per row of H values; raises ValueError on a non-finite value."""
+    values = (bits.astype(np.uint32) << 16).view(np.float32)  # exact: bf16 is fp32's top half
+    absmax = np.abs(values).max(axis=-1)
+    if not np.isfinite(absmax).all():
+        raise ValueError("a hidden state is inf or nan: float8_e4m3fn cannot store it (store bfloat16)")
+    k = fp8_scale_exponents(absmax)
+    scaled = np.ldexp(values, -k[..., None])  # exact (a power of two), |scaled| <= FP8_MAX
+    # scaled is a bf16 value again (below fp32's normals only where e4m3 rounds it to 0 anyway)
+    codes = np.take(fp8_tables()[0], (scaled.view(np.uint32) >> 16).astype(np.uint16))
+    return codes, np.ldexp(np.float32(1), k).astype(np.float32)
+
+
+def fp8_dequantize(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """float8_e4m3fn codes [..., H] and row scales [...] -> bf16 bit patterns [..., H] uint16. Exact:
+    a code has at most 4 significant bits and a scale is a power of two, so code * scale is a bf16
+    value, and its fp32 bits' top half are its bf16 bits."""
+    values = np.take(fp8_tables()[1], codes)  # float32 [..., H]; take: ~4x fancy indexing's speed
+    values *= scales[..., None]
+    return (values.view(np.uint32) >> 16).astype(np.uint16)
+
+
+def store(sample: Sample, dtype: str = "bfloat16") -> Stored:
+    """A sample's states in a storage dtype (see the module docstring)."""
+    slots = sample_slots(sample)  # [A + 1, T, H]
+    if dtype == "bfloat16":
+        return Stored(slots)
+    if dtype == "float8_e4m3fn":
+        try:
+            return Stored(*fp8_quantize(slots))
+        except ValueError as err:
+            raise ValueError(f"sample {sample.id}: {err}") from None
+    raise ValueError(f"unknown storage dtype {dtype!r}; expected one of {STORAGE_DTYPES}")
+
+
+def as_stored(x: Tensor, dtype: str) -> Tensor:
+    """What a shard of storage `dtype` gives back for states x [..., H] (bf16): x itself, or its
+    float8_e4m3fn round trip (per-row scales over the last dimension)."""
+    if dtype == "bfloat16":
+        return x.to(torch.bfloat16)
+    bits = bf16_bits(x.contiguous())
+    return torch.from_numpy(fp8_dequantize(*fp8_quantize(bits))).view(torch.bfloat16)
+
+
+def sample_digest(input_ids: Tensor, loss_mask: Tensor, stored: Stored | np.ndarray) -> str:
+    """sha256 of one sample's content: its shape, tokens, loss mask and slot-major stored values (then,
+    for float8, the row scales).
+
+    stored: as store() returns it, or [A + 1, T, H] uint16 bf16 bit patterns (sample_slots)."""
+    stored = stored if isinstance(stored, Stored) else Stored(stored)
+    num_slots, num_tokens, hidden = stored.values.shape
     h = hashlib.sha256(struct.pack("<QQQ", num_tokens, num_slots - 1, hidden))
     h.update(input_ids.to(torch.int64).contiguous().numpy().tobytes())
     h.update(loss_mask.to(torch.uint8).contiguous().numpy().tobytes())
-    h.update(memoryview(np.ascontiguousarray(slots)).cast("B"))  # no copy; hashlib drops the GIL
+    h.update(memoryview(np.ascontiguousarray(stored.values)).cast("B"))  # no copy; hashlib drops the GIL
+    if stored.scales is not None:
+        h.update(memoryview(np.ascontiguousarray(stored.scales, dtype="<f4")).cast("B"))
     return h.hexdigest()
 
 
@@ -157,18 +268,29 @@ class PlaneEncoder:
     def __init__(self, level: int = 1):
         self.high = zstandard.ZstdCompressor(compression_params=high_plane_params(level))
         self.low = zstandard.ZstdCompressor(level=MANTISSA_LEVEL, write_checksum=True)
+        self.scales = zstandard.ZstdCompressor(level=level, write_checksum=True)
 
-    def encode(self, sample: Sample, slots: np.ndarray | None = None) -> list[bytes]:
-        """Frames of one sample: for each slot (aux layers, then final) its high plane, its low plane.
-        `slots` is sample_slots(sample) when the caller has it already."""
-        slots = sample_slots(sample) if slots is None else slots
-        high, low = byte_planes(slots.reshape(slots.shape[0], -1))
-        return [
-            f for h, lo in zip(high, low, strict=True) for f in (self.high.compress(h), self.low.compress(lo))
-        ]
+    def encode(self, stored: Stored) -> list[bytes]:
+        """Frames of one sample: for each slot (aux layers, then final) its two planes: bf16 high and
+        low bytes; float8 codes (compressed as the bf16 high bytes are) and scales."""
+        values = stored.values.reshape(stored.values.shape[0], -1)  # [A + 1, T * H]
+        if stored.scales is None:
+            high, low = byte_planes(values)
+            pairs = zip(high, low, strict=True)
+            return [f for h, lo in pairs for f in (self.high.compress(h), self.low.compress(lo))]
+        scales = np.ascontiguousarray(stored.scales, dtype="<f4")
+        pairs = zip(values, scales, strict=True)
+        return [f for c, sc in pairs for f in (self.high.compress(c), self.scales.compress(sc))]
 
 
-_DTYPES = {torch.int64: ("I64", 8), torch.uint8: ("U8", 1), torch.bfloat16: ("BF16", 2)}
+_DTYPES = {
+    torch.int64: ("I64", 8),
+    torch.uint8: ("U8", 1),
+    torch.bfloat16: ("BF16", 2),
+    torch.float32: ("F32", 4),
+}
+# safetensors' name and numpy's type of the stored states, per storage dtype
+_STATE_CODES = {"bfloat16": ("BF16", np.uint16), "float8_e4m3fn": ("F8_E4M3", np.uint8)}
 
 
 def remove_stale_temp_files(path: str | Path) -> list[Path]:
@@ -205,6 +327,9 @@ class ShardWriter:
     tensors, writes the header into its room and renames the file into place, so finishing a shard
     copies nothing (unless the header outgrew its room: then the file is rewritten once). Until then
     only hidden temporary files exist. Pass the sample ids when known, so the room fits them.
+
+    `dtype` is the storage dtype (STORAGE_DTYPES); samples are given in bf16 either way, and the header's
+    `dtype` is always this one, whatever `meta` says.
     """
 
     def __init__(
@@ -215,10 +340,13 @@ class ShardWriter:
         level: int = 1,
         queue_size: int = 64,
         sample_ids: list[str] | None = None,
+        dtype: str = "bfloat16",
     ):
         if codec not in CODECS:
             raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
-        self.path, self.meta, self.codec, self.level = Path(path), meta, codec, level
+        if dtype not in STORAGE_DTYPES:
+            raise ValueError(f"unknown storage dtype {dtype!r}; expected one of {STORAGE_DTYPES}")
+        self.path, self.meta, self.codec, self.level, self.dtype = Path(path), meta, codec, level, dtype
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._data = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed in close()/abort())
             prefix=f".{self.path.name}.", suffix=".data", dir=self.path.parent, delete=False
@@ -242,9 +370,10 @@ class ShardWriter:
         self._input_ids: list[Tensor] = []
         self._masks: list[Tensor] = []
         self._index: list[list[list[int]]] = []
+        self._scales: list[np.ndarray] = []  # codec none, float8: [A + 1, T] per sample
         self._digests: list[str] = []  # sample_sha256, in add() order (one writer thread keeps it)
         self.num_aux = self.hidden_size = None
-        self.bytes_written = 0  # state bytes (blob, or aux + final), all the file's bulk
+        self.bytes_written = 0  # state bytes (blob, or aux + final + scales), all the file's bulk
         self.tokens_written = 0  # tokens whose states are in bytes_written (the queue holds the rest)
         self.cpu_seconds = 0.0  # the writer thread's CPU time: what writing costs the cores
         self._thread = threading.Thread(target=self._work, name=f"shard-writer-{self.path.name}", daemon=True)
@@ -283,16 +412,19 @@ class ShardWriter:
                 self.cpu_seconds += time.thread_time() - cpu
 
     def _write(self, sample: Sample, encoder: PlaneEncoder) -> None:
-        slots = sample_slots(sample)  # [A + 1, T, H]
-        self._digests.append(sample_digest(sample.input_ids, sample.loss_mask, slots))
+        stored = store(sample, self.dtype)  # [A + 1, T, H] (+ scales [A + 1, T])
+        self._digests.append(sample_digest(sample.input_ids, sample.loss_mask, stored))
         if self.codec == "none":
-            aux, final = bf16_bits(sample.aux.contiguous()), bf16_bits(sample.final.contiguous())
+            aux = np.ascontiguousarray(stored.values[:-1].transpose(1, 0, 2))  # [T, A, H]
             self._data.write(aux)
-            self._final.write(final)
-            self.bytes_written += aux.nbytes + final.nbytes
+            self._final.write(stored.values[-1])  # [T, H]
+            self.bytes_written += stored.values.nbytes
+            if stored.scales is not None:
+                self._scales.append(stored.scales)
+                self.bytes_written += stored.scales.nbytes
             self.tokens_written += sample.num_tokens
             return
-        rows, frames = [], encoder.encode(sample, slots)
+        rows, frames = [], encoder.encode(stored)
         offset = self.bytes_written
         for i in range(0, len(frames), 2):
             rows.append([[offset, len(frames[i])], [offset + len(frames[i]), len(frames[i + 1])]])
@@ -335,12 +467,15 @@ class ShardWriter:
         if self.codec == "zstd-planes":
             tensors.append(("blob", "U8", [self.bytes_written], self.bytes_written))
         else:
-            aux_bytes = n_tok * num_aux * hidden * 2
+            code, np_type = _STATE_CODES[self.dtype]
+            size = np.dtype(np_type).itemsize
+            aux_bytes = n_tok * num_aux * hidden * size
             tensors += [
-                ("aux_hidden_states", "BF16", [n_tok, num_aux, hidden], aux_bytes),
-                ("final_hidden_states", "BF16", [n_tok, hidden], n_tok * hidden * 2),
+                ("aux_hidden_states", code, [n_tok, num_aux, hidden], aux_bytes),
+                ("final_hidden_states", code, [n_tok, hidden], n_tok * hidden * size),
             ]
-            assert self.bytes_written == aux_bytes + n_tok * hidden * 2
+            scale_bytes = sum(sc.nbytes for sc in self._scales)
+            assert self.bytes_written == aux_bytes + n_tok * hidden * size + scale_bytes
             self._final.flush()
             with open(self._final.name, "rb") as src:
                 shutil.copyfileobj(src, self._data, 1 << 24)
@@ -352,6 +487,13 @@ class ShardWriter:
         if self.codec == "zstd-planes":
             small["blob_index"] = torch.tensor(self._index, dtype=torch.int64).reshape(
                 len(self.ids), num_aux + 1, 2, 2
+            )
+        elif self.dtype == "float8_e4m3fn":
+            scales = np.concatenate(self._scales, axis=1) if self._scales else np.zeros((num_aux + 1, 0))
+            scales = torch.from_numpy(np.ascontiguousarray(scales.T, dtype=np.float32))  # [N, A + 1]
+            small["aux_scales"], small["final_scales"] = (
+                scales[:, :-1].contiguous(),
+                scales[:, -1].contiguous(),
             )
         for name, tensor in small.items():
             code, size = _DTYPES[tensor.dtype]
@@ -366,6 +508,7 @@ class ShardWriter:
             "num_aux": num_aux,
             "hidden_size": hidden,
             **self.meta,
+            "dtype": self.dtype,
             "sample_ids": self.ids,
             "sample_sha256": self._digests,
         }
@@ -391,11 +534,16 @@ class ShardWriter:
 
 
 def write_shard(
-    path: str | Path, samples: list[Sample], meta: dict[str, Any], codec: str = "none", level: int = 1
+    path: str | Path,
+    samples: list[Sample],
+    meta: dict[str, Any],
+    codec: str = "none",
+    level: int = 1,
+    dtype: str = "bfloat16",
 ) -> int:
     """Write samples to one shard file atomically (see ShardWriter for the streaming form); returns
     the bytes the states took."""
-    writer = ShardWriter(path, meta, codec, level, sample_ids=[s.id for s in samples])
+    writer = ShardWriter(path, meta, codec, level, sample_ids=[s.id for s in samples], dtype=dtype)
     try:
         for sample in samples:
             writer.add(sample)
@@ -429,10 +577,14 @@ def read_header(path: str | Path) -> tuple[int, dict[str, Any], dict[str, Any]]:
     if size < end:
         raise ShardError(f"{path}: truncated ({size:,} bytes, its header says {end:,}); {redo}")
     version = meta.get("version")
-    if version != SHARD_FORMAT_VERSION:
+    if version not in READABLE_FORMATS:
         raise ShardError(
-            f"{path}: shard format {version}, this draftsmith reads format {SHARD_FORMAT_VERSION} (content "
-            f"digests); re-extract it ({redo})"
+            f"{path}: shard format {version}, this draftsmith reads formats "
+            f"{' and '.join(map(str, READABLE_FORMATS))} (content digests); re-extract it ({redo})"
+        )
+    if meta.get("dtype", "bfloat16") not in STORAGE_DTYPES:
+        raise ShardError(
+            f"{path}: stores {meta['dtype']}, this draftsmith reads {' and '.join(STORAGE_DTYPES)}; {redo}"
         )
     return 8 + header_len, entries, meta
 
@@ -462,19 +614,33 @@ def verify_shard(path: str | Path) -> str:
     return digest
 
 
-def decode_sample(blob: np.ndarray, index: list, num_tokens: int, hidden: int, decompressor) -> np.ndarray:
-    """One sample's frames -> its bf16 bit patterns, [A + 1, T, H] uint16 (see sample_slots), without
-    intermediate copies. zstd checks each frame's content checksum (ZstdError on a mismatch)."""
+def _frame(decompressor, data: memoryview, expected: int) -> np.ndarray:
+    out = decompressor.decompress(data)
+    if len(out) != expected:
+        raise zstandard.ZstdError(f"{len(out)} bytes decoded, {expected} expected")
+    return np.frombuffer(out, dtype=np.uint8)
+
+
+def decode_sample(
+    blob: np.ndarray, index: list, num_tokens: int, hidden: int, decompressor, dtype: str = "bfloat16"
+) -> Stored:
+    """One sample's frames -> its stored states (bf16 bit patterns [A + 1, T, H] uint16, or float8
+    codes and scales), without intermediate copies. zstd checks each frame's content checksum
+    (ZstdError on a mismatch)."""
     view = memoryview(blob)
-    slots = len(index)
-    pairs = np.empty((slots, num_tokens * hidden, 2), dtype=np.uint8)  # little-endian [low, high]
+    slots, n = len(index), num_tokens * hidden
+    if dtype == "float8_e4m3fn":
+        codes = np.empty((slots, n), dtype=np.uint8)
+        scales = np.empty((slots, num_tokens), dtype="<f4")
+        for slot, ((c_off, c_len), (s_off, s_len)) in enumerate(index):
+            codes[slot] = _frame(decompressor, view[c_off : c_off + c_len], n)
+            scales[slot] = _frame(decompressor, view[s_off : s_off + s_len], 4 * num_tokens).view("<f4")
+        return Stored(codes.reshape(slots, num_tokens, hidden), scales)
+    pairs = np.empty((slots, n, 2), dtype=np.uint8)  # little-endian [low, high]
     for slot, ((h_off, h_len), (l_off, l_len)) in enumerate(index):
         for plane, off, size in ((1, h_off, h_len), (0, l_off, l_len)):
-            data = decompressor.decompress(view[off : off + size])
-            if len(data) != num_tokens * hidden:
-                raise zstandard.ZstdError(f"{len(data)} bytes decoded, {num_tokens * hidden} expected")
-            pairs[slot, :, plane] = np.frombuffer(data, dtype=np.uint8)
-    return pairs.view(np.uint16).reshape(slots, num_tokens, hidden)
+            pairs[slot, :, plane] = _frame(decompressor, view[off : off + size], n)
+    return Stored(pairs.view(np.uint16).reshape(slots, num_tokens, hidden))
 
 
 def split_slots(slots: np.ndarray) -> tuple[Tensor, Tensor]:
@@ -506,6 +672,7 @@ class ShardReader:
         self.path = Path(path)
         self._data_start, self._entries, self.meta = read_header(self.path)
         self.codec = self.meta.get("codec", "none")
+        self.dtype: str = self.meta.get("dtype", "bfloat16")
         self.ids: list[str] = list(self.meta["sample_ids"])
         self.digests: list[str] = list(self.meta["sample_sha256"])
         self.num_aux, self.hidden_size = int(self.meta["num_aux"]), int(self.meta["hidden_size"])
@@ -539,28 +706,43 @@ class ShardReader:
             raise ShardError(f"{self.path}: short read at byte {self._data_start + start} (truncated file?)")
         return np.frombuffer(buf, dtype=np.uint8)
 
-    def read_tensor(self, name: str, start: int = 0, stop: int | None = None) -> Tensor:
-        """Rows start:stop (along the first dimension) of a stored tensor, read from disk."""
+    _TYPES = {  # safetensors dtype -> (numpy type of its bits, torch dtype to view them as)
+        "I64": (np.int64, None),
+        "U8": (np.uint8, None),
+        "F32": (np.float32, None),
+        "BF16": (np.uint16, torch.bfloat16),
+        "F8_E4M3": (np.uint8, torch.float8_e4m3fn),
+    }
+
+    def read_array(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Rows start:stop (along the first dimension) of a stored tensor, read from disk, as numpy
+        (bf16 and float8 as their bit patterns, uint16 and uint8)."""
         entry = self._entries[name]
-        np_dtype, torch_dtype = {
-            "I64": (np.int64, None),
-            "U8": (np.uint8, None),
-            "BF16": (np.uint16, torch.bfloat16),
-        }[entry["dtype"]]
+        np_dtype = self._TYPES[entry["dtype"]][0]
         shape = entry["shape"]
         row = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(np_dtype).itemsize
         stop = shape[0] if stop is None else stop
         raw = self._pread(entry["data_offsets"][0] + start * row, (stop - start) * row)
-        t = torch.from_numpy(raw.view(np_dtype).reshape(stop - start, *shape[1:]))
+        return raw.view(np_dtype).reshape(stop - start, *shape[1:])
+
+    def read_tensor(self, name: str, start: int = 0, stop: int | None = None) -> Tensor:
+        """Rows start:stop (along the first dimension) of a stored tensor, read from disk."""
+        torch_dtype = self._TYPES[self._entries[name]["dtype"]][1]
+        t = torch.from_numpy(self.read_array(name, start, stop))
         return t.view(torch_dtype) if torch_dtype is not None else t
 
-    def _slots(self, i: int) -> np.ndarray:
-        """Sample i's states as stored, [A + 1, T, H] uint16 bit patterns."""
+    def _stored(self, i: int) -> Stored:
+        """Sample i's states as stored (bf16 bit patterns, or float8 codes and scales)."""
         a, b = self.offsets[i], self.offsets[i + 1]
         if self.codec == "none":
-            aux = self.read_tensor("aux_hidden_states", a, b)  # [T, A, H]
-            final = self.read_tensor("final_hidden_states", a, b)  # [T, H]
-            return sample_slots(Sample(self.ids[i], torch.empty(0), torch.empty(0), aux, final))
+            aux = self.read_array("aux_hidden_states", a, b)  # [T, A, H]
+            final = self.read_array("final_hidden_states", a, b)  # [T, H]
+            values = np.concatenate([aux.transpose(1, 0, 2), final[None]])  # [A + 1, T, H]
+            if self.dtype == "bfloat16":
+                return Stored(values)
+            aux_scales = self.read_array("aux_scales", a, b)  # [T, A]
+            final_scales = self.read_array("final_scales", a, b)  # [T]
+            return Stored(values, np.concatenate([aux_scales.T, final_scales[None]]))
         # the sample's frames lie back to back: one read, offsets rebased onto it
         frames = self._index[i]
         first = min(off for slot in frames for off, _ in slot)
@@ -570,26 +752,26 @@ class ShardReader:
         decompressor = getattr(self._local, "decompressor", None)
         if decompressor is None:
             decompressor = self._local.decompressor = zstandard.ZstdDecompressor()
-        return decode_sample(blob, local, b - a, self.hidden_size, decompressor)
+        return decode_sample(blob, local, b - a, self.hidden_size, decompressor, self.dtype)
 
     def read(self, i: int, max_tokens: int | None = None) -> Sample:
-        """Sample i, checked against its recorded digest, cut to its first max_tokens tokens (the whole
-        sample is read and checked, then sliced)."""
+        """Sample i, checked against its recorded digest, in bf16 (float8 dequantized after the check),
+        cut to its first max_tokens tokens (the whole sample is read and checked, then sliced)."""
         a, b = self.offsets[i], self.offsets[i + 1]
         where = f"{self.path}: sample {i} ({self.ids[i]})"
         input_ids = self.read_tensor("input_ids", a, b)
         loss_mask = self.read_tensor("loss_mask", a, b)
         try:
-            slots = self._slots(i)
+            stored = self._stored(i)
         except zstandard.ZstdError as err:
             raise ShardError(f"{where}: a frame fails to decode ({err}); re-extract this shard") from None
-        if sample_digest(input_ids, loss_mask, slots) != self.digests[i]:
+        if sample_digest(input_ids, loss_mask, stored) != self.digests[i]:
             raise ShardError(
                 f"{where}: content differs from the digest recorded at extraction (corrupted); "
                 "re-extract this shard"
             )
         n = b - a if max_tokens is None else min(b - a, max_tokens)
-        aux, final = split_slots(slots)
+        aux, final = split_slots(stored.bf16_bits())
         return Sample(self.ids[i], input_ids[:n], loss_mask[:n].bool(), aux[:n], final[:n])
 
 

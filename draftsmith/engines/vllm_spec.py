@@ -22,8 +22,10 @@ line) is `{"metrics": ..., "spec_decode": ..., "outputs": [[token ids] per promp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -33,12 +35,9 @@ from typing import Any
 
 import click
 
-SPEC_METRICS = {
-    "drafts": "vllm:spec_decode_num_drafts",
-    "draft_tokens": "vllm:spec_decode_num_draft_tokens",
-    "accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
-    "accepted_per_pos": "vllm:spec_decode_num_accepted_tokens_per_pos",
-}
+from draftsmith.engines import log_cause
+from draftsmith.engines.vllm_api import SPEC_METRICS
+
 RESULT_MARKER = "DRAFTSMITH_VLLM_RESULT "  # prefix of the result line on stdout
 
 
@@ -117,6 +116,9 @@ def run_vllm_speculative(
     ignore_eos: bool = False,
     seed: int = 0,
     temperature: float = 0.0,
+    tensor_parallel_size: int | None = None,
+    enforce_eager: bool = True,
+    gpu_memory_utilization: float | None = None,
 ) -> dict[str, Any]:
     """Generation with vLLM's offline `LLM` (greedy unless temperature > 0: then vLLM's rejection
     sampler, seeded), speculative when `method` is given -> dict:
@@ -131,29 +133,36 @@ def run_vllm_speculative(
 
     Must run in a `__main__` process (vLLM spawns its engine core); see run_vllm_subprocess.
     `dtype="float32"` makes vLLM's greedy output token-identical to transformers' on CPU.
+    tensor_parallel_size: default, the GPUs `draftsmith run --gpus N` made visible (1 on a CPU).
+    enforce_eager: True on a CPU (compiling costs ~100 s of start-up there for no gain); False on GPUs
+    is how vLLM serves (torch.compile + CUDA graphs). gpu_memory_utilization: vLLM's default when None.
     """
     from vllm import LLM, SamplingParams
 
     from draftsmith.devices import parse_visible
-    from draftsmith.engines import single_process_on_cpu
+    from draftsmith.engines import attention_backend_for, single_process_on_cpu
     from draftsmith.target import trust_remote_code
 
     # tensor parallel over the GPUs `draftsmith run --gpus N` gave this job (one process on a CPU)
-    gpus = len(parse_visible(os.environ.get("CUDA_VISIBLE_DEVICES")) or [])
-    single_process_on_cpu(max(1, gpus))
+    if tensor_parallel_size is None:
+        tensor_parallel_size = max(1, len(parse_visible(os.environ.get("CUDA_VISIBLE_DEVICES")) or []))
+    single_process_on_cpu(tensor_parallel_size)
+    backend = attention_backend_for(str(target), dtype)
     t0 = time.perf_counter()
     llm = LLM(
         model=str(target),
-        tensor_parallel_size=max(1, gpus),
+        tensor_parallel_size=tensor_parallel_size,
         dtype=dtype,
         max_model_len=max_model_len,
         seed=seed,
-        enforce_eager=True,  # compiled mode costs ~100 s of start-up on CPU for no gain here
+        enforce_eager=enforce_eager,
+        **({"gpu_memory_utilization": gpu_memory_utilization} if gpu_memory_utilization else {}),
         disable_log_stats=False,  # else get_metrics() asserts "Stat logging disabled"
         speculative_config=speculative_config(method, drafter_or_None, num_speculative_tokens),
         trust_remote_code=trust_remote_code(),
         # per-request acceptance histograms; vLLM refuses the option without speculation
         **({"per_request_spec_decode_metrics": "summary"} if method else {}),
+        **({"attention_backend": backend} if backend else {}),
     )
     load_seconds = time.perf_counter() - t0
     params = SamplingParams(
@@ -177,6 +186,8 @@ def run_vllm_speculative(
         "outputs": outputs,
         "per_request_histograms": histograms,
         "device": current_platform.device_type,
+        "tensor_parallel_size": tensor_parallel_size,
+        "enforce_eager": enforce_eager,
         "generated_tokens": sum(len(o) for o in outputs),
         "seconds": seconds,
         "load_seconds": load_seconds,
@@ -208,12 +219,14 @@ def run_vllm_subprocess(
     cache_dir: str | Path | None = None,
     timeout: float = 900,
     log_path: str | Path | None = None,
+    run_name: str | None = None,
     **kwargs: Any,
 ) -> dict[str, Any]:
     """run_vllm_speculative in a child `python -m draftsmith.engines.vllm_spec` -> its result dict.
 
     vLLM never enters the calling process. The child's output goes to log_path (when given); a failure
-    raises RuntimeError with the tail of that output.
+    raises RuntimeError with the tail of that output. Past `timeout` seconds (engine load included) the
+    child and everything it started are killed and VllmTimeout says so in one line, naming the log.
     """
     request = {
         "target": str(target),
@@ -231,13 +244,66 @@ def run_vllm_subprocess(
         env = vllm_env(cache_dir or Path(tmp) / "cache")
         cmd = [sys.executable, "-m", "draftsmith.engines.vllm_spec", "--request", str(req_path)]
         cmd += ["--out", str(out_path)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        log = proc.stdout + proc.stderr
-        if log_path:
-            Path(log_path).write_text(log, encoding="utf-8")
-        if proc.returncode != 0 or not out_path.is_file():
-            raise RuntimeError(f"vLLM run failed (exit {proc.returncode}): {' '.join(cmd)}\n{log[-6000:]}")
+        log_file = Path(log_path) if log_path else Path(tmp) / "vllm.log"
+        returncode = run_with_timeout(cmd, env, log_file, timeout)
+        log = log_file.read_text(encoding="utf-8", errors="replace") if log_file.is_file() else ""
+        if returncode is None:
+            name = f"vLLM run {run_name!r}" if run_name else "a vLLM run"
+            where = f"; its log: {log_path}" if log_path else ""
+            raise VllmTimeout(
+                f"{name} did not finish within {timeout:.0f} s, engine load included (raise "
+                f"resources.evaluate.vllm_timeout_s for a target that loads slowly){where}"
+            )
+        if returncode != 0 or not out_path.is_file():
+            # the cause first, not the worker's stack; the whole output is in the log (or its tail here)
+            where = (
+                f"vLLM's output: {log_path}" if log_path else "last lines of vLLM's output:\n" + log[-3000:]
+            )
+            cause = log_cause(log) or "no error line in its output"
+            raise RuntimeError(f"vLLM run failed (exit {returncode}): {cause}\n{where}")
         return json.loads(out_path.read_text(encoding="utf-8"))
+
+
+class VllmTimeout(RuntimeError):
+    """A vLLM child ran past its time limit (and was killed with everything it started)."""
+
+
+def descendants(pid: int) -> list[int]:
+    """Live processes started by `pid`, directly or not, from /proc (Linux; empty elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # exited while we looked
+            continue
+        fields = text[text.rfind(")") + 2 :].split()  # after "pid (comm) ": state ppid ...
+        if fields and fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(text.split(" ", 1)[0]))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def run_with_timeout(cmd: list[str], env: dict[str, str], log_file: Path, timeout: float) -> int | None:
+    """Run cmd with its output in log_file; its exit code, or None when it ran past `timeout` seconds:
+    then it and everything it started (vLLM's engine core and GPU workers) are SIGKILLed, so no orphan
+    keeps holding the job's GPUs. The child stays in this process group, so a job runner stopping the
+    job's group stops it too."""
+    with open(log_file, "wb") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            return proc.wait(timeout=timeout)
+        except BaseException as err:  # the time limit, or an interruption: leave nothing running
+            for pid in [*descendants(proc.pid), proc.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            proc.wait()
+            if isinstance(err, subprocess.TimeoutExpired):
+                return None
+            raise
 
 
 @click.command()

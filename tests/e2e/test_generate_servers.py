@@ -31,7 +31,7 @@ from draftsmith.engines.openai import (
     parse_completion,
     split_reasoning,
 )
-from draftsmith.engines.server import VllmServer, group_alive, server_command
+from draftsmith.engines.server import VllmServer, group_alive, server_command, tensor_parallel_size
 from draftsmith.generate import GenerateError, GenerateSettings, generate_traces
 from draftsmith.prompts import PromptError
 
@@ -207,6 +207,40 @@ def test_server_command_derives_tensor_parallel_and_respects_overrides():
     assert "--tensor-parallel-size" not in server_command("/m", 1, devices=["0"])
 
 
+@pytest.mark.parametrize(
+    "args",
+    [["--host", "0.0.0.0"], ["--host=0.0.0.0"], ["--hos", "0.0.0.0"], ["--api-key", "k"], ["--port=1"]],
+)
+def test_server_args_cannot_move_the_address_or_set_the_key(args):
+    with pytest.raises(RuntimeError, match="set by the workflow"):
+        server_command("/m", 1234, extra_args=["--enforce-eager", *args])
+    assert server_command("/m", 1234, host="0.0.0.0")[5:7] == ["--host", "0.0.0.0"]  # the explicit setting
+
+
+def test_the_server_spans_the_jobs_gpus_with_expert_parallel_over_them():
+    """resources.generate.gpus -> --tensor-parallel-size; with --enable-expert-parallel vLLM's MoE layers
+    use EP = TP (draftsmith/engines/vllm_api.py checks that in vLLM's source); the memory share on GPUs."""
+    args = ["--enable-expert-parallel"]
+    cmd = server_command("/m", 1, tensor_parallel=8, gpu_memory_utilization=0.85, extra_args=args)
+    flags = dict(zip(cmd, cmd[1:], strict=False))
+    assert flags["--tensor-parallel-size"] == "8" and "--enable-expert-parallel" in cmd
+    assert flags["--gpu-memory-utilization"] == "0.85"
+    cpu = server_command("/m", 1, gpu_memory_utilization=0.85)  # a CPU job: no GPU-only flags
+    assert "--gpu-memory-utilization" not in cpu and "--tensor-parallel-size" not in cpu
+    mine = server_command("/m", 1, tensor_parallel=8, gpu_memory_utilization=0.85,
+                          extra_args=["--gpu-memory-utilization", "0.5", "-tp", "4"])  # fmt: skip
+    assert mine.count("--gpu-memory-utilization") == 1 and "--tensor-parallel-size" not in mine
+
+
+def test_tensor_parallel_size_is_the_jobs_gpus_and_short_devices_are_named():
+    assert tensor_parallel_size(8, None, "0,1,2,3,4,5,6,7") == 8
+    assert tensor_parallel_size(0, None, "") == 1
+    assert tensor_parallel_size(2, ["4", "5", "6"], None) == 3  # devices given by hand decide
+    assert tensor_parallel_size(4, None, None) == 4  # CUDA_VISIBLE_DEVICES unset: trust the count
+    with pytest.raises(ValueError, match=r"resources.generate.gpus is 8 but only 2 GPU\(s\) are visible"):
+        tensor_parallel_size(8, None, "0,1")
+
+
 # ----------------------------------------------------------------------------- the client against the double
 
 
@@ -252,6 +286,53 @@ def test_wrong_model_or_dead_endpoint_stop_at_once(fake, tmp_path):
     # the stage turns it into one clear stop before any prompt is sent
     with pytest.raises(GenerateError, match="cannot reach"):
         run_stage(tmp_path, srv.url)
+
+
+class Recorder(BaseHTTPRequestHandler):
+    """Answers /v1/models like an OpenAI server and records each request's Authorization header;
+    `redirect_to` set, it redirects every request there instead (307 keeps the method)."""
+
+    seen: list = []
+    redirect_to: str | None = None
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        type(self).seen.append(self.headers.get("Authorization"))
+        if self.redirect_to:
+            self.send_response(307)
+            self.send_header("Location", self.redirect_to + self.path)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        data = json.dumps({"object": "list", "data": [{"id": "m"}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def _recorder(redirect_to=None):
+    handler = type("H", (Recorder,), {"seen": [], "redirect_to": redirect_to})
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd, handler, f"http://127.0.0.1:{httpd.server_address[1]}"
+
+
+def test_the_api_key_is_not_sent_on_to_another_origin_after_a_redirect():
+    """An endpoint that redirects elsewhere (another port is another origin) must not receive the key."""
+    elsewhere, seen_elsewhere, elsewhere_url = _recorder()
+    redirector, seen_here, here_url = _recorder(redirect_to=elsewhere_url)
+    try:
+        assert OpenAIClient(here_url + "/v1", api_key="sk-secret").check() == ["m"]  # followed
+        assert seen_here.seen == ["Bearer sk-secret"] and seen_elsewhere.seen == [None]
+        OpenAIClient(elsewhere_url + "/v1", api_key="sk-secret").check()  # sent where it was meant for
+        assert seen_elsewhere.seen == [None, "Bearer sk-secret"]
+    finally:
+        for httpd in (elsewhere, redirector):
+            httpd.shutdown()
+            httpd.server_close()
 
 
 def test_api_key_comes_from_the_environment(monkeypatch):
@@ -537,6 +618,37 @@ def test_server_never_outlives_its_owner(tmp_path, how):
     assert _wait_gone(pgid), f"server group {pgid} still running after the owner got {how}"
 
 
+# Serves /health and writes the API key it was given and its own command line, then idles like vLLM.
+KEY_STAND_IN = """
+import argparse, http.server, os, sys
+p = argparse.ArgumentParser(); p.add_argument("--port", type=int); p.add_argument("--host"); a, _ = p.parse_known_args()
+open(os.environ["KEY_FILE"], "a").write(os.environ.get("VLLM_API_KEY", "") + " " + a.host + "\\n")
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer((a.host, a.port), H).serve_forever()
+"""
+
+
+def test_each_server_run_requires_its_own_random_api_key(tmp_path, monkeypatch):
+    (tmp_path / "standin.py").write_text(KEY_STAND_IN)
+    monkeypatch.setenv("VLLM_API_KEY", "inherited")  # never passed on: the run's own key replaces it
+    keys = []
+    for _ in range(2):
+        srv = VllmServer(
+            "m", log_path=tmp_path / "s.log", module="standin", startup_timeout_s=60, stop_grace_s=5
+        )
+        srv.env = _env(PYTHONPATH=str(tmp_path), KEY_FILE=str(tmp_path / "keys"))
+        with srv:
+            cmdline = Path(f"/proc/{srv.pid}/cmdline").read_bytes().decode()
+            keys.append(srv.api_key)
+            assert srv.api_key not in cmdline and srv.api_key not in (tmp_path / "s.log").read_text()
+    assert (tmp_path / "keys").read_text().split() == [keys[0], "127.0.0.1", keys[1], "127.0.0.1"]
+    assert keys[0] != keys[1] and len(keys[0]) >= 32
+
+
 def test_server_that_dies_at_start_fails_fast_with_its_log(tmp_path):
     (tmp_path / "standin.py").write_text("import sys; print('CUDA out of memory', flush=True); sys.exit(3)")
     srv = VllmServer("m", log_path=tmp_path / "s.log", module="standin", startup_timeout_s=60)
@@ -562,7 +674,7 @@ import json, sys, time
 from draftsmith.engines.server import VllmServer
 srv = VllmServer(sys.argv[1], extra_args=json.loads(sys.argv[2]), log_path=sys.argv[3], dtype="bfloat16", seed=0)
 srv.start()
-print("READY", srv.pid, srv.base_url, flush=True)
+print("READY", srv.pid, srv.base_url, srv.api_key, flush=True)
 time.sleep(3600)
 """
 
@@ -585,8 +697,8 @@ def vllm_server(tmp_path_factory):
     if not line:
         owner.wait()
         pytest.fail("vLLM server did not start:\n" + log.read_text()[-4000:])
-    _, pid, base_url = line.split()
-    yield base_url
+    _, pid, base_url, api_key = line.split()
+    yield base_url, api_key
     owner.kill()
     owner.wait()
     assert _wait_gone(int(pid), 90), f"vLLM server {pid} outlived its SIGKILLed owner; log {log}"
@@ -594,11 +706,22 @@ def vllm_server(tmp_path_factory):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_openai_engine_against_real_vllm(vllm_server, tmp_path):
+def test_openai_engine_against_real_vllm(vllm_server, tmp_path, monkeypatch):
+    base_url, api_key = vllm_server
+    # the server takes its run's key only: another local user cannot use it
+    with pytest.raises(EndpointError, match="HTTP 401, the API key was refused"):
+        OpenAIClient(base_url).check()
     prompts = REPO / "draftsmith" / "data" / "prompts.jsonl"
     subset = tmp_path / "p.jsonl"
     subset.write_text("".join(prompts.read_text().splitlines(keepends=True)[:4]))
-    settings = GenerateSettings(engine="openai", base_url=vllm_server, max_new_tokens=24, concurrency=4)
+    monkeypatch.setenv("DRAFTSMITH_TEST_KEY", api_key)
+    settings = GenerateSettings(
+        engine="openai",
+        base_url=base_url,
+        api_key_env="DRAFTSMITH_TEST_KEY",
+        max_new_tokens=24,
+        concurrency=4,
+    )
     summary = generate_traces(
         str(TARGET), str(subset), str(tmp_path / "t.jsonl"), str(tmp_path / "s.json"), settings
     )

@@ -94,6 +94,11 @@ def assert_vllm_accepts_as_offline(run: dict, min_tau: float = 1.5) -> None:
     assert off["tau"] > min_tau, off  # the drafter learnt its traces: there is something to compare
     assert (served["drafts"], served["accepted_per_pos"]) == (off["drafts"], off["accepted_per_pos"])
     assert served["tau"] == pytest.approx(off["tau"], abs=1e-12)
+    # the figure that compares methods, every forward counted: equal to the token, prompt by prompt
+    assert [(r["tokens"], r["forwards"]) for r in served["per_prompt"]] == [
+        (r["tokens"], r["forwards"]) for r in off["per_prompt"]
+    ]
+    assert served["tokens_per_forward"] == pytest.approx(off["tokens_per_forward"], abs=1e-12)
 
 
 @pytest.fixture(scope="module")

@@ -53,9 +53,15 @@ def planned_jobs(output: str) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, target_model):
-    workdir = tmp_path_factory.mktemp("run")
-    config = f"target={{model: {target_model}, gguf_wheel: null}}"
-    snakemake(workdir, "--config", config)
+    """The tiny run with a space in every path: working folder, target folder and prompt file."""
+    workdir = tmp_path_factory.mktemp("tiny run")
+    (workdir / "target model").symlink_to(target_model)
+    shutil.copy(REPO / "draftsmith" / "data" / "prompts.jsonl", workdir / "my prompts.jsonl")
+    config = (
+        f"target={{model: '{workdir / 'target model'}', gguf_wheel: null}}",
+        f"prompts={{source: jsonl, path: '{workdir / 'my prompts.jsonl'}'}}",
+    )
+    snakemake(workdir, "--config", *config)
     return workdir, config
 
 
@@ -82,10 +88,19 @@ def test_every_target_exists_and_is_sound(finished_run):
     assert manifest["aux_layer_ids"] == [2, 15, 27] and manifest["layer_convention"] == "input"
     assert manifest["teacher_agreement"] > 0.9
     summary = json.loads((results / "eval" / "summary.json").read_text())
-    assert summary["headline"]["vllm_tau"] is not None
+    assert summary["figure"] == "tokens per target forward"
+    head = summary["headline"]["split"]
+    assert head["measured_by"] == "vLLM" and {"eagle3", "untrained", "ngram"} <= set(head["methods"])
     for row in summary["rows"]:  # tau = 1 + mean accepted length = 1 + sum of per-position acceptance
         if row["tau"] is not None and row["acceptance_per_position"]:
             assert row["tau"] == pytest.approx(1 + sum(row["acceptance_per_position"]), abs=1e-6), row
+        # every forward counted: tokens / forwards, and forwards never exceed tokens
+        assert row["tokens_per_forward"] == pytest.approx(row["tokens"] / row["forwards"]), row
+    by = {(r["key"], r["measured_by"]): r for r in summary["rows"] if r["heldout"] == "split"}
+    assert (
+        by["eagle3", "offline"]["tokens_per_forward"] >= 1.0 and by[None, "vLLM"]["tokens_per_forward"] == 1.0
+    )
+    assert summary["verdict"]["per_set"][0]["heldout"] == "split"
     assert (results / "eval" / "gate.json").is_file()
     for engine in ("sglang", "speculators"):  # one export per engine, each checked by `draftsmith export`
         assert (results / f"drafter-{engine}" / "model.safetensors").is_file(), engine
@@ -105,32 +120,32 @@ def test_every_target_exists_and_is_sound(finished_run):
 
 def test_nothing_to_do_after_a_run(finished_run):
     workdir, config = finished_run
-    out = snakemake(workdir, "-n", "--config", config).stdout
+    out = snakemake(workdir, "-n", "--config", *config).stdout
     assert "Nothing to be done" in out, out[-2000:]
 
 
 def test_train_settings_rerun_only_train_and_evaluate(finished_run):
     workdir, config = finished_run
-    out = snakemake(workdir, "-n", "--config", config, "train={lr: 0.001}").stdout
+    out = snakemake(workdir, "-n", "--config", *config, "train={lr: 0.001}").stdout
     assert set(planned_jobs(out)) == {"train", *AFTER_TRAINING}, out[-3000:]
 
 
 def test_vocab_size_reruns_vocab_train_evaluate_but_no_extraction(finished_run):
     workdir, config = finished_run
-    out = snakemake(workdir, "-n", "--config", config, "vocab={size: 1024}").stdout
+    out = snakemake(workdir, "-n", "--config", *config, "vocab={size: 1024}").stdout
     assert set(planned_jobs(out)) == {"vocab", "train", "untrained_drafter", *AFTER_TRAINING}, out[-3000:]
 
 
 def test_operational_knobs_rerun_nothing(finished_run):
     workdir, config = finished_run
     ops = "resources={generate: {concurrency: 3, timeout_s: 60}, train: {checkpoint_every: 1, threads: 1}}"
-    out = snakemake(workdir, "-n", "--config", config, ops).stdout
+    out = snakemake(workdir, "-n", "--config", *config, ops).stdout
     assert "Nothing to be done" in out, out[-2000:]
 
 
 def test_forcerun_redoes_one_output(finished_run):
     workdir, config = finished_run
-    out = snakemake(workdir, "results/vocab_map.pt", "-n", "--forcerun", "vocab", "--config", config).stdout
+    out = snakemake(workdir, "results/vocab_map.pt", "-n", "--forcerun", "vocab", "--config", *config).stdout
     assert planned_jobs(out) == {"vocab": 1}, out[-3000:]
 
 
@@ -138,10 +153,31 @@ def test_single_target_regenerates_just_that_file(finished_run):
     workdir, config = finished_run
     vocab = workdir / "results" / "vocab_map.pt"
     vocab.unlink()
-    out = snakemake(workdir, "results/vocab_map.pt", "-n", "--config", config).stdout
+    out = snakemake(workdir, "results/vocab_map.pt", "-n", "--config", *config).stdout
     assert planned_jobs(out) == {"vocab": 1}, out[-3000:]
-    snakemake(workdir, "results/vocab_map.pt", "--config", config)
+    snakemake(workdir, "results/vocab_map.pt", "--config", *config)
     assert vocab.is_file()
+
+
+def test_a_broken_prompt_file_stops_the_rerun_before_any_result_is_deleted(finished_run):
+    """The prompt file gains a bad line after a good run: `snakemake` (not a dry run) stops at start
+    naming file and line, and every result of the good run is still there, unchanged."""
+    workdir, config = finished_run
+    prompts = workdir / "my prompts.jsonl"
+    good = prompts.read_text()
+    before = {p: p.stat().st_mtime_ns for p in (workdir / "results").rglob("*") if p.is_file()}
+    line = good.count("\n") + 1
+    prompts.write_text(good + '{"messages": [{"role": "user", "content": "unterminated}]}\n')
+    try:
+        proc = snakemake(workdir, "--config", *config, check=False)
+        assert proc.returncode != 0
+        out = proc.stdout + proc.stderr
+        assert f"prompts.path: {prompts}:{line}: invalid JSON" in out, out[-3000:]
+        assert "Traceback" not in out
+        after = {p: p.stat().st_mtime_ns for p in (workdir / "results").rglob("*") if p.is_file()}
+        assert after == before
+    finally:
+        prompts.write_text(good)  # same bytes: Snakemake's checksum sees nothing new
 
 
 def test_bad_config_names_the_key(tmp_path, target_model):

@@ -17,13 +17,15 @@ def quality():
     return module
 
 
-def _counts(accepted: int, drafts: int, per_pos: list[int]) -> dict:
-    return {"accepted": accepted, "drafts": drafts, "accepted_per_pos": per_pos}
+def _counts(accepted: int, drafts: int, per_pos: list[int], tokens: int = 10) -> dict:
+    return {"tokens": tokens, "forwards": tokens - accepted, "accepted": accepted, "drafts": drafts,
+            "accepted_per_pos": per_pos}  # fmt: skip
 
 
-def test_tau_by_set_splits_the_batch_by_span(quality):
+def test_figures_by_set_splits_the_batch_by_span(quality):
     counts = [_counts(2, 4, [2, 0, 0]), _counts(0, 4, [0, 0, 0]), _counts(6, 2, [2, 2, 2])]
-    out = quality.tau_by_set({"a": (0, 2), "b": (2, 3)}, counts, 3, 0.95)
+    out = quality.figures_by_set({"a": (0, 2), "b": (2, 3)}, counts, 3, 0.95)
+    assert out["a"]["tokens_per_forward"] == pytest.approx(20 / 18)  # every forward counted
     assert out["a"]["tau"] == pytest.approx(1 + 2 / 8)
     assert out["a"]["acceptance_per_position"] == pytest.approx([0.25, 0.0, 0.0])
     lo, hi = out["a"]["tau_interval"]
@@ -36,27 +38,30 @@ def test_heldout_reference_reads_vllm_prompt_count_and_ngram(quality):
     summary = {
         "heldout_sets": {"split": {"prompts": "p.jsonl", "num_prompts": 8}, "own": {"prompts": "o.jsonl", "num_prompts": 8}},
         "rows": [
-            {"heldout": "split", "engine": "offline", "key": "ngram", "prompts": 8, "tau": 9.0, "tau_interval": None},
-            {"heldout": "split", "engine": "vLLM", "method": "plain decoding", "prompts": 16},
-            {"heldout": "split", "engine": "vLLM", "key": "ngram", "prompts": 16, "tau": 2.5, "tau_interval": [2.0, 3.0]},
-            {"heldout": "own", "engine": "vLLM", "key": "trained", "prompts": 42, "tau": 1.2, "tau_interval": [1.1, 1.3]},
+            {"heldout": "split", "measured_by": "offline", "key": "ngram", "prompts": 8, "tokens_per_forward": 9.0,
+             "tokens_per_forward_interval": None},
+            {"heldout": "split", "measured_by": "vLLM", "method": "plain decoding", "prompts": 16},
+            {"heldout": "split", "measured_by": "vLLM", "key": "ngram", "prompts": 16, "tokens_per_forward": 1.2,
+             "tokens_per_forward_interval": [1.1, 1.3]},
+            {"heldout": "own", "measured_by": "vLLM", "key": "trained", "prompts": 42, "tokens_per_forward": 1.2,
+             "tokens_per_forward_interval": [1.1, 1.3]},
         ],
     }  # fmt: skip
     sets = quality.heldout_reference(summary)
     assert sets["split"] == {
         "prompts": "p.jsonl",
         "num_prompts": 16,
-        "ngram_tau": 2.5,
-        "ngram_tau_interval": [2.0, 3.0],
+        "ngram": 1.2,
+        "ngram_interval": [1.1, 1.3],
     }
-    assert sets["own"]["num_prompts"] == 42 and sets["own"]["ngram_tau"] is None
+    assert sets["own"]["num_prompts"] == 42 and sets["own"]["ngram"] is None
 
 
 def test_plot_draws_tau_per_set_and_accuracy_per_step(quality, tmp_path):
-    sets = {"split": {"num_prompts": 16, "ngram_tau": 2.5, "ngram_tau_interval": [2.0, 3.0]}}
+    sets = {"split": {"num_prompts": 16, "ngram": 1.1, "ngram_interval": [1.05, 1.15]}}
     rows = [
         {"epochs": 1, "trained_tokens": n, "val_acc": [0.2, None, 0.1],
-         "vllm": {"split": {"tau": 1.2, "tau_interval": [1.1, 1.3]}}}
+         "vllm": {"split": {"tokens_per_forward": 1.2, "tokens_per_forward_interval": [1.1, 1.3]}}}
         for n in (1000, 2000)
     ] + [{"epochs": 1, "trained_tokens": 500, "val_acc": [0.1, 0.1, 0.1], "vllm": None}]  # fmt: skip
     quality.plot(rows, sets, tmp_path / "q.png")
@@ -68,15 +73,17 @@ def test_run_row_takes_the_runs_trained_drafter_from_vllm_rows(quality):
                      "val_acc": [0.3, 0.2, 0.1], "train_acc": [0.4, 0.3, 0.2], "wall_s": 61.23}  # fmt: skip
     eval_summary = {
         "rows": [
-            {"heldout": "split", "engine": "offline", "key": "eagle3", "tau": 9.0},
-            {"heldout": "split", "engine": "vLLM", "key": "eagle3", "tau": 1.5, "tau_interval": [1.4, 1.6],
+            {"heldout": "split", "measured_by": "offline", "key": "eagle3", "tau": 9.0},
+            {"heldout": "split", "measured_by": "vLLM", "key": "eagle3", "tokens_per_forward": 1.45,
+             "tokens_per_forward_interval": [1.35, 1.55], "tau": 1.5, "tau_interval": [1.4, 1.6],
              "acceptance_per_position": [0.3, 0.1, 0.1]},
-            {"heldout": "split", "engine": "vLLM", "key": "ngram", "tau": 2.0},
+            {"heldout": "split", "measured_by": "vLLM", "key": "ngram", "tau": 2.0},
         ]
     }  # fmt: skip
     row = quality.run_row(train_summary, eval_summary)
     assert (row["fraction"], row["epochs"], row["trained_tokens"]) == (1.0, 3, 900)
     assert row["vllm"] == {
-        "split": {"tau": 1.5, "tau_interval": [1.4, 1.6], "acceptance_per_position": [0.3, 0.1, 0.1]}
-    }
+        "split": {"tokens_per_forward": 1.45, "tokens_per_forward_interval": [1.35, 1.55], "tau": 1.5,
+                  "tau_interval": [1.4, 1.6], "acceptance_per_position": [0.3, 0.1, 0.1]}
+    }  # fmt: skip
     assert quality.run_row(train_summary, {"rows": []})["vllm"] is None

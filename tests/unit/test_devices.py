@@ -204,3 +204,27 @@ def test_default_lock_dir_is_beside_the_workflow(tmp_path):
     subprocess.run(cmd, env=env, cwd=tmp_path, check=True, capture_output=True)
     names = {p.name for p in (tmp_path / ".snakemake" / "draftsmith-gpus").iterdir()}
     assert any(name.endswith("-gpu0.lock") for name in names), names
+
+
+def test_a_lock_file_planted_as_a_link_is_refused_and_its_target_untouched(tmp_path):
+    """In a shared temporary folder another user could link a lock name to a file of ours."""
+    import socket
+
+    victim = tmp_path / "victim"
+    locks = tmp_path / "locks"
+    locks.mkdir()
+    (locks / f"{lock_namespace({}, socket.gethostname())}-gpu0.lock").symlink_to(victim)
+    kw = {"env": {}, "lock_dir": locks, "count": lambda: 1, "say": lambda msg: None}
+    with pytest.raises(DeviceError, match="is a symbolic link, not a lock file"):
+        acquire(1, **kw)
+    assert not victim.exists()
+
+
+def test_a_lock_folder_that_is_a_link_is_refused_unless_named_as_shared(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    kw = {"lock_dir": tmp_path / "link", "count": lambda: 1, "say": lambda msg: None}
+    with pytest.raises(DeviceError, match="is a link or another user's folder"):
+        acquire(1, env={}, **kw)
+    acquire(1, env={"DRAFTSMITH_GPU_LOCK_DIR": str(tmp_path / "link")}, **kw).release()

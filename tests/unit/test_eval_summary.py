@@ -1,5 +1,6 @@
-"""The evaluation summary as pure functions: intervals in every row, the table, set loading, and the
-TensorBoard event files read back with TensorBoard's own reader."""
+"""The evaluation summary as pure functions: tokens per target forward and vLLM's tau with intervals in
+every row, the projection, the table, set loading, and the TensorBoard event files read back with
+TensorBoard's own reader."""
 
 from __future__ import annotations
 
@@ -7,29 +8,35 @@ import json
 
 import pytest
 
-from draftsmith.eval_summary import (
-    format_table,
-    format_tsv,
-    intervals,
-    load_sets,
-    summary_rows,
-    write_tensorboard,
-)
+from draftsmith.cost import memory_bound_speedup
+from draftsmith.eval_summary import headline, intervals, load_sets, summary_rows
 from draftsmith.gate import GateSettings
+from draftsmith.report import format_table, format_tsv, write_tensorboard
 
 
 def method(accepted: list[int], drafts: list[int], per_pos: list[list[int]], **kw) -> dict:
     total_a, total_d = sum(accepted), sum(drafts)
+    tokens, forwards = 64 * len(accepted), 64 * len(accepted) - total_a
     return {
         "tau": 1 + total_a / total_d,
         "acceptance_rate_per_position": [sum(col) / total_d for col in zip(*per_pos, strict=True)],
-        "tokens": 64 * len(accepted),
+        "tokens": tokens,
+        "forwards": forwards,
+        "tokens_per_forward": tokens / forwards,
+        "draft_share": total_d / forwards,
         "tokens_per_s": 10.0,
         "speedup": 0.7,
         "lossless": True,
         "outputs_equal_plain": len(accepted),
         "per_prompt": [
-            {"id": f"p{i}", "accepted": a, "drafts": d, "accepted_per_pos": pp}
+            {
+                "id": f"p{i}",
+                "tokens": 64,
+                "forwards": 64 - a,
+                "accepted": a,
+                "drafts": d,
+                "accepted_per_pos": pp,
+            }
             for i, (a, d, pp) in enumerate(zip(accepted, drafts, per_pos, strict=True))
         ],
         **kw,
@@ -38,18 +45,20 @@ def method(accepted: list[int], drafts: list[int], per_pos: list[list[int]], **k
 
 N = 12
 TRAINED = method([10 + i for i in range(N)], [40] * N, [[6 + i, 3, 1] for i in range(N)])
-NGRAM = method([30] * N, [20] * N, [[12, 10, 8]] * N)
+NGRAM = method([30] * N, [20] * N, [[12, 10, 8]] * N, kind="ngram")
 
 
 def results(engine_methods: dict) -> dict:
     return {"num_prompts": N, "prompt_ids": [f"p{i}" for i in range(N)], "methods": engine_methods,
-            "plain": {"tokens": 64 * N, "tokens_per_s": 14.0}}  # fmt: skip
+            "plain": {"tokens": 64 * N, "tokens_per_s": 14.0}, "num_draft_tokens": 3}  # fmt: skip
 
 
 def test_rows_carry_intervals():
     iv = intervals(TRAINED, [f"p{i}" for i in range(N)], GateSettings())
     lo, hi = iv["tau_interval"]
     assert lo < TRAINED["tau"] < hi and hi - lo < 0.2
+    lo, hi = iv["tokens_per_forward_interval"]
+    assert lo < TRAINED["tokens_per_forward"] < hi
     for rate, (plo, phi) in zip(
         TRAINED["acceptance_rate_per_position"], iv["acceptance_intervals"], strict=True
     ):
@@ -61,18 +70,29 @@ def test_rows_carry_intervals():
             "vllm": results({"eagle3": TRAINED}),
         }
     }
-    rows = summary_rows(sets, GateSettings())
-    assert [(r["method"], r["engine"]) for r in rows] == [
+    rows = summary_rows(sets, GateSettings(), cost_ratio=0.05)
+    assert [(r["method"], r["measured_by"]) for r in rows] == [
         ("plain decoding", "offline"),
         ("plain decoding", "vLLM"),
         ("trained drafter", "offline"),
         ("trained drafter", "vLLM"),
         ("n-gram lookup", "offline"),
     ]
-    summary = {"rows": rows}
+    plain, trained, ngram = rows[0], rows[2], rows[4]
+    assert plain["tokens_per_forward"] == 1.0 and plain["projected_speedup"] == 1.0
+    # the projection charges the drafter its reads (k = 3 draft steps at 5% of a target forward each) and
+    # n-gram lookup nothing
+    assert trained["projected_speedup"] == pytest.approx(TRAINED["tokens_per_forward"] / 1.15)
+    assert ngram["projected_speedup"] == pytest.approx(NGRAM["tokens_per_forward"])
+    assert memory_bound_speedup(1.3, 3, 0.0) == 1.3
+    summary = {"rows": rows, "level": 0.95}
     text = format_table(summary)
-    assert f"{TRAINED['tau']:.3f} ± " in text and "split" in text
+    assert f"{TRAINED['tokens_per_forward']:.3f} ± " in text and f"{TRAINED['tau']:.3f} ± " in text
+    assert "every step counted" in text and "draft steps only" in text
     assert format_tsv(summary).count("\n") == len(rows) + 1
+    # the headline reads vLLM where it measured the set
+    head = headline(rows, sets)["split"]
+    assert head["measured_by"] == "vLLM" and list(head["methods"]) == ["eagle3"]
 
 
 def test_load_sets_checks_the_prompts_match(tmp_path):
@@ -126,3 +146,22 @@ def test_tensorboard_events_read_back(tmp_path):
         and "eval_split/eagle3_offline/acceptance_position_3" in scalars
     )
     assert all(f.stat().st_mode & 0o777 == 0o644 for f in run.iterdir())
+
+
+def test_without_the_offline_decoder_vllm_alone_fills_the_summary(tmp_path):
+    """evaluate.offline: false (a target only vLLM can hold): the summary has vLLM's rows only, and the
+    offline-vs-vLLM contract check says it could not be made instead of comparing vLLM with itself."""
+    from draftsmith.gate import diagnose
+
+    served = tmp_path / "vllm.json"
+    vllm = {**results({"eagle3": {**TRAINED, "kind": "eagle3"}}), "temperature": 0.0}
+    vllm["methods"]["eagle3"]["outputs_equal_plain"] = N
+    served.write_text(json.dumps(vllm))
+    sets = load_sets({}, {"split": served})
+    assert sets["split"]["offline_measured"] is False
+    rows = summary_rows(sets, GateSettings())
+    assert {r["measured_by"] for r in rows} == {"vLLM"}
+    manifest = {"teacher_agreement": 0.99, "min_teacher_agreement": 0.9}
+    checks = {c.name: c for c in diagnose(sets, manifest, {}, [], None, [], GateSettings())}
+    gap = checks["tau_gap (eagle3, split)"]
+    assert gap.status == "skip" and "offline decoder" in gap.value

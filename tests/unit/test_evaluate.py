@@ -20,7 +20,9 @@ from draftsmith.evaluate import (
     evaluate_offline,
     evaluate_vllm,
     histogram_positions,
+    offline_device,
     outputs_agree,
+    vllm_eval_dtype,
     vllm_method_summary,
     vllm_prompt_counts,
 )
@@ -291,12 +293,16 @@ def vllm_result(offline_method: dict, plain_tokens: int, seconds: float, outputs
 def test_vllm_bookkeeping():
     r = {"spec_decode": {"drafts": 40, "draft_tokens": 120, "accepted_tokens": 30, "accepted_per_pos": [18, 8, 4]},
          "generated_tokens": 100, "seconds": 2.0, "load_seconds": 25.0, "outputs": []}  # fmt: skip
+    r["outputs"] = [[0] * 50, [0] * 50]
     m = vllm_method_summary(r, plain_tps=100.0, num_draft_tokens=3)
     assert m["tau"] == pytest.approx(1.75) and m["acceptance_rate_per_position"] == pytest.approx(
         [0.45, 0.2, 0.1]
     )
+    assert m["forwards"] == 70 and m["tokens_per_forward"] == pytest.approx(100 / 70)
     assert m["draft_acceptance_rate"] == pytest.approx(0.25) and m["speedup"] == pytest.approx(0.5)
-    plain = vllm_method_summary({"spec_decode": None, "generated_tokens": 10, "seconds": 1.0}, 10.0, 3)
+    plain = vllm_method_summary(
+        {"spec_decode": None, "generated_tokens": 10, "seconds": 1.0, "outputs": [[0] * 10]}, 10.0, 3
+    )
     assert plain["tau"] == 1.0 and plain["drafts"] == 0
     assert outputs_agree([[1, 2], [3]], [[1, 2], [4]]) == 1
 
@@ -312,19 +318,24 @@ def test_vllm_per_request_histograms_to_prompt_counts():
     result = {"per_request_histograms": [[5, 3, 2, 1], [4, 0, 0, 0]], "outputs": [[1] * 20, [2] * 5]}
     rows = vllm_prompt_counts(["a", "b"], result)
     assert rows == [
-        {"id": "a", "accepted": 3 + 4 + 3, "drafts": 11, "accepted_per_pos": [6, 3, 1], "tokens": 20},
-        {"id": "b", "accepted": 0, "drafts": 4, "accepted_per_pos": [0, 0, 0], "tokens": 5},
-    ]
+        {"id": "a", "tokens": 20, "forwards": 10, "accepted": 3 + 4 + 3, "drafts": 11,
+         "accepted_per_pos": [6, 3, 1]},
+        {"id": "b", "tokens": 5, "forwards": 5, "accepted": 0, "drafts": 4, "accepted_per_pos": [0, 0, 0]},
+    ]  # fmt: skip
     assert vllm_prompt_counts(["a", "b"], {"per_request_histograms": None, "outputs": []}) is None
-    # the counters of one held-out set of a batch
+    # the counters of one held-out set of a batch: every forward counted, tau over drafting steps only
     assert counts_summary(rows[1:], 3) == {
+        "forwards": 5,
+        "tokens_per_forward": 1.0,
+        "draft_share": 0.8,
         "drafts": 4,
         "accepted_tokens": 0,
         "accepted_per_pos": [0, 0, 0],
         "tau": 1.0,
         "acceptance_rate_per_position": [0.0, 0.0, 0.0],
     }
-    assert counts_summary(rows, 3)["tau"] == pytest.approx(1 + 10 / 15)
+    both = counts_summary(rows, 3)
+    assert both["tau"] == pytest.approx(1 + 10 / 15) and both["tokens_per_forward"] == pytest.approx(25 / 15)
 
 
 def test_vllm_missing_says_how_to_skip(pipeline, monkeypatch, tmp_path):
@@ -351,7 +362,7 @@ def fake_vllm(offline: dict) -> dict:
 
 
 def test_summary_report_and_gate(pipeline, offline, untrained, tmp_path):
-    from draftsmith.eval_summary import write_tensorboard
+    from draftsmith.report import write_tensorboard
 
     hand = tmp_path / "hand-offline.json"
     handwritten = Path(__file__).parents[2] / "draftsmith" / "data" / "heldout_handwritten.jsonl"
@@ -367,19 +378,27 @@ def test_summary_report_and_gate(pipeline, offline, untrained, tmp_path):
     relaxed = ["--check", "beats_ngram=warn", "--check", "beats_untrained=warn", "--max-acc-gap", 1.0]
     printed = cli("eval-summary", *common, *relaxed, "--tensorboard", tmp_path / "tb" / "run-a")
     assert printed.startswith("VERDICT: ")
-    for name in ("training.png", "acceptance.png", "tau_speedup.png"):
+    for name in ("training.png", "acceptance.png", "per_forward.png"):
         assert (out / name).read_bytes()[:8] == PNG, name
     summary = json.loads((out / "summary.json").read_text())
     assert summary["gate_passed"], summary["checks"]
     assert list(summary["heldout_sets"]) == ["split", "handwritten"]
     assert summary["heldout_sets"]["handwritten"]["prompts"] == str(handwritten)
-    assert summary["headline"]["vllm_tau"] == pytest.approx(summary["headline"]["offline_tau"])
+    head = summary["headline"]
+    assert head["split"]["measured_by"] == "vLLM" and head["handwritten"]["measured_by"] == "offline"
     trained = [r for r in summary["rows"] if r.get("key") == "eagle3"]
-    assert {(r["heldout"], r["engine"]) for r in trained} == {("split", "offline"), ("split", "vLLM"),
-                                                              ("handwritten", "offline")}  # fmt: skip
+    assert {(r["heldout"], r["measured_by"]) for r in trained} == {("split", "offline"), ("split", "vLLM"),
+                                                                   ("handwritten", "offline")}  # fmt: skip
+    by = {(r["heldout"], r["measured_by"]): r for r in trained}
+    assert by["split", "vLLM"]["tokens_per_forward"] == pytest.approx(
+        by["split", "offline"]["tokens_per_forward"]
+    )
     for r in trained:
         lo, hi = r["tau_interval"]
         assert lo <= r["tau"] <= hi and len(r["acceptance_intervals"]) == 3
+        lo, hi = r["tokens_per_forward_interval"]
+        assert lo <= r["tokens_per_forward"] <= hi and r["projected_speedup"] < r["tokens_per_forward"]
+    assert summary["projection"]["ratio"] > 0 and "projected speedup" in summary["projection"]["formula"]
     names = [c["name"] for c in summary["checks"]]
     assert {
         "beats_ngram (split)",
@@ -392,19 +411,22 @@ def test_summary_report_and_gate(pipeline, offline, untrained, tmp_path):
     html = (out / "summary.html").read_text()
     assert "<table>" in html and "Gate: PASSED" in html and html.index("Verdict") < html.index("<table>")
     assert (
-        (out / "summary.tsv").read_text().splitlines()[0].startswith("held-out set\tmethod\tengine\tprompts")
+        (out / "summary.tsv")
+        .read_text()
+        .splitlines()[0]
+        .startswith("held-out set\tmethod\tmeasured by\tprompts")
     )
     assert " ± " in (out / "summary.tsv").read_text()
     printed = cli("gate", out / "summary.json", "--out", out / "gate.json")
     assert printed.startswith("VERDICT: ") and "trained drafter" in printed and "gate passed" in printed
     assert json.loads((out / "gate.json").read_text())["passed"]
 
-    # n-gram lookup accepted far more in vLLM: blocking by default, the gate fails naming it first
+    # n-gram lookup yields far more per target forward in vLLM: blocking by default, the gate fails
+    # naming it first
     strong = json.loads(vllm_path.read_text())
     ngram = strong["methods"]["ngram"]
     ngram["tau"] = 4.0
-    ngram["per_prompt"] = [{**r, "accepted": 3 * max(r["drafts"], 1), "drafts": max(r["drafts"], 1)}
-                           for r in ngram["per_prompt"]]  # fmt: skip
+    ngram["per_prompt"] = [{**r, "forwards": max(r["tokens"] // 4, 1)} for r in ngram["per_prompt"]]
     (tmp_path / "vllm-ngram.json").write_text(json.dumps(strong))
     args = [f"split={tmp_path / 'vllm-ngram.json'}" if a == f"split={vllm_path}" else a for a in common]
     cli("eval-summary", *args, "--check", "beats_untrained=warn", "--max-acc-gap", 1.0)
@@ -446,3 +468,77 @@ def test_summary_report_and_gate(pipeline, offline, untrained, tmp_path):
         files = list((tmp_path / "tb" / "run-a").iterdir())
         assert files and all(f.name.startswith("events.out.tfevents") for f in files)
         assert all(f.stat().st_mode & 0o777 == 0o644 for f in files)
+
+
+# ------------------------------------------------------------------------ the device it runs on
+
+
+def test_vllm_evaluates_in_the_targets_dtype_on_gpus_and_float32_on_a_cpu():
+    assert vllm_eval_dtype("bfloat16", gpus=8) == "bfloat16"
+    assert vllm_eval_dtype("float32", gpus=1) == "float32"
+    assert vllm_eval_dtype("bfloat16", gpus=0) == "float32"  # tokens equal the offline decoder's
+    assert vllm_eval_dtype("auto", gpus=0) == "float32"
+
+
+def test_offline_decoding_runs_on_the_jobs_gpu(monkeypatch):
+    assert offline_device(0) == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="--gpus 1, but torch sees no CUDA device"):
+        offline_device(1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert offline_device(1) == "cuda"
+
+
+def evaluate_vllm_call(monkeypatch, tmp_path, *options: str) -> dict:
+    """What `draftsmith evaluate-vllm ... OPTIONS` passes to evaluate_vllm (recorded, not run)."""
+    import draftsmith.cli as cli
+    import draftsmith.evaluate as ev
+
+    calls = []
+    monkeypatch.setattr(ev, "evaluate_vllm", lambda *a, **kw: calls.append(kw))
+    monkeypatch.setattr(cli, "_drafters", lambda drafter, untrained, target: {"eagle3": drafter})
+    monkeypatch.setattr(cli, "_warn_untrained_positions", lambda *a: None)
+    (tmp_path / "p.jsonl").touch()
+    args = ["evaluate-vllm", "--target", str(tmp_path), "--drafter", str(tmp_path), "--prompts",
+            f"s={tmp_path / 'p.jsonl'}", "--out", f"s={tmp_path / 'v.json'}", *options]  # fmt: skip
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return calls[0]
+
+
+def test_vllm_evaluation_on_a_cpu_is_eager_float32_in_one_process(monkeypatch, tmp_path):
+    kw = evaluate_vllm_call(monkeypatch, tmp_path, "--gpus", "0", "--dtype", "auto")
+    assert (kw["dtype"], kw["enforce_eager"], kw["tensor_parallel_size"]) == ("float32", True, 1)
+    assert kw["gpu_memory_utilization"] is None and kw["timeout_s"] == 900
+
+
+def test_vllm_evaluation_on_gpus_compiles_unless_told_otherwise(monkeypatch, tmp_path):
+    kw = evaluate_vllm_call(monkeypatch, tmp_path, "--gpus", "2", "--dtype", "bfloat16", "--timeout-s", "60")
+    assert (kw["dtype"], kw["enforce_eager"], kw["tensor_parallel_size"]) == ("bfloat16", False, 2)
+    assert (kw["gpu_memory_utilization"], kw["timeout_s"]) == (0.9, 60)
+    assert evaluate_vllm_call(monkeypatch, tmp_path, "--gpus", "2", "--vllm-eager")["enforce_eager"] is True
+
+
+def test_a_vllm_run_past_its_time_limit_fails_in_one_line(monkeypatch, tmp_path):
+    import draftsmith.cli as cli
+    import draftsmith.engines.vllm_spec as spec
+
+    monkeypatch.setattr(spec, "run_with_timeout", lambda cmd, env, log, timeout: None)
+    with pytest.raises(spec.VllmTimeout) as err:
+        spec.run_vllm_subprocess("t", None, None, [[1]], 4, 3, timeout=60, log_path=tmp_path / "plain.log",
+                                 run_name="plain")  # fmt: skip
+    assert str(err.value) == (
+        "vLLM run 'plain' did not finish within 60 s, engine load included (raise "
+        f"resources.evaluate.vllm_timeout_s for a target that loads slowly); its log: {tmp_path / 'plain.log'}"
+    )
+    monkeypatch.setattr(
+        "draftsmith.evaluate.evaluate_vllm", lambda *a, **kw: (_ for _ in ()).throw(err.value)
+    )
+    monkeypatch.setattr(cli, "_drafters", lambda drafter, untrained, target: {"eagle3": drafter})
+    monkeypatch.setattr(cli, "_warn_untrained_positions", lambda *a: None)
+    (tmp_path / "p.jsonl").touch()
+    args = ["evaluate-vllm", "--target", str(tmp_path), "--drafter", str(tmp_path), "--prompts",
+            f"s={tmp_path / 'p.jsonl'}", "--out", f"s={tmp_path / 'v.json'}"]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [f"error: the vLLM measurement failed: {err.value}"]

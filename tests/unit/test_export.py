@@ -439,11 +439,11 @@ def test_draft_vocabulary_larger_than_target_is_refused(tmp_path: Path) -> None:
         save_drafter(model, tmp_path / "d", AUX_IDS, "t")
 
 
-def test_untrained_positions_warning() -> None:
-    from draftsmith.export import trained_ttt_steps, untrained_positions_warning
+def test_draft_positions_warning() -> None:
+    from draftsmith.export import draft_positions_warning, trained_ttt_steps
 
-    assert untrained_positions_warning(3, 3) is None and untrained_positions_warning(5, None) is None
-    assert "draft positions 4..5 were never trained" in untrained_positions_warning(5, 3)
+    assert draft_positions_warning(3, 3) is None and draft_positions_warning(5, None) is None
+    assert "draft positions 4..5 were never trained" in draft_positions_warning(5, 3)
     assert trained_ttt_steps({"draftsmith": {"training": {"settings": {"ttt_steps": 7}}}}) == 7
     assert trained_ttt_steps({}) is None
 

@@ -9,7 +9,14 @@ from conftest import fp_tolerance
 from draftsmith.atomic import write_json
 from draftsmith.chat import training_sequence
 from draftsmith.engines.hf import capture_states, stop_at_eos
-from draftsmith.estimate import NotEnoughDisk, check_free_disk, predict_seconds, probe_batches
+from draftsmith.estimate import (
+    NotEnoughDisk,
+    check_free_disk,
+    estimate_lines,
+    predict_seconds,
+    probe_batches,
+    raw_state_bytes,
+)
 from draftsmith.extract import disk_full, teacher_agreement, token_batches
 from draftsmith.layers import convert_layer_ids, default_aux_layers, validate_aux_layers
 from draftsmith.manifest import build_manifest
@@ -152,11 +159,65 @@ def test_disk_check_gives_numbers_and_the_right_advice(tmp_path, monkeypatch):
     with pytest.raises(NotEnoughDisk) as err:
         check_free_disk(tmp_path, 8e6, "zstd-planes")
     message = str(err.value)
-    assert "5.0 MB free" in message and "about 8.0 MB with codec zstd-planes" in message
+    assert "5.0 MB free" in message and "about 8.0 MB with codec zstd-planes, bfloat16" in message
     assert "extract.codec" not in message  # the codec already in use is not advice
-    with pytest.raises(NotEnoughDisk, match="extract.codec: zstd-planes"):
-        check_free_disk(tmp_path, 8e6, "none")
+    assert "extract.storage_dtype: float8_e4m3fn" in message
+    with pytest.raises(NotEnoughDisk, match="extract.codec: zstd-planes") as err:
+        check_free_disk(tmp_path, 8e6, "none", "float8_e4m3fn")
+    assert "storage_dtype" not in str(err.value)  # nor is the dtype already in use
     check_free_disk(tmp_path, 4e6, "none")  # fits, with its 10% margin
+
+
+def test_estimate_gives_exact_raw_bytes_for_both_storage_dtypes():
+    """The motivating run: 17.3 M tokens x 4 layers x 7,168. bf16 is 2 bytes a value; float8 one byte a
+    value plus a float32 scale per token and layer."""
+    assert raw_state_bytes(17_300_000, 4, 7168) == 17_300_000 * 4 * 7168 * 2 == 992_051_200_000
+    assert raw_state_bytes(17_300_000, 4, 7168, "float8_e4m3fn") == 17_300_000 * 4 * (7168 + 4)
+    lines, record = estimate_lines(17_300_000, 4, 7168, None, "float8_e4m3fn")
+    text = "\n".join(lines)
+    assert "bfloat16:        992.1 GB raw" in text and "float8_e4m3fn:   496.3 GB raw" in text
+    assert record["raw_bytes"] == 496_302_400_000 and "compressed_bytes" not in record
+    measured = {
+        "tokens": 1000,
+        "codec": "zstd-planes",
+        "codec_ratio": {"bfloat16": 0.5, "float8_e4m3fn": 0.8},
+    }
+    lines, record = estimate_lines(17_300_000, 4, 7168, measured, "bfloat16", ratios_source="shard-0")
+    assert record["compressed_bytes_by_dtype"] == {
+        "bfloat16": 496_025_600_000,
+        "float8_e4m3fn": 397_041_920_000,
+    }
+    assert record["compressed_bytes"] == 496_025_600_000  # the stored dtype's
+    assert "x 0.800 -> about 397.0 GB with zstd-planes" in "\n".join(lines)
+    assert lines[-1] == "codec ratios measured on 1,000 tokens of shard-0"
+
+
+def test_estimate_by_hand_takes_codec_ratios_from_a_bf16_shard(tmp_path):
+    from click.testing import CliRunner
+
+    from draftsmith.cli import main
+    from draftsmith.shards import Sample, write_shard
+
+    g = torch.Generator().manual_seed(0)
+    samples = [
+        Sample(f"s{i}", torch.arange(40), torch.ones(40, dtype=torch.bool),
+               torch.randn(40, 3, 64, generator=g).bfloat16(), torch.randn(40, 64, generator=g).bfloat16())
+        for i in range(3)
+    ]  # fmt: skip
+    bf16, fp8 = tmp_path / "bf16.safetensors", tmp_path / "fp8.safetensors"
+    write_shard(bf16, samples, {}, codec="zstd-planes")
+    write_shard(fp8, samples, {}, codec="zstd-planes", dtype="float8_e4m3fn")
+    args = ["estimate", "--num-tokens", "17.3e6", "--hidden-size", "7168", "--layers", "4"]
+    result = CliRunner().invoke(main, [*args, "--ratios-from", str(bf16)])
+    assert result.exit_code == 0, result.output
+    assert "992.1 GB raw" in result.output and "496.3 GB raw" in result.output
+    assert f"codec ratios measured on 120 tokens of {bf16}" in result.output
+    assert result.output.count("with zstd-planes") == 2
+    refused = CliRunner().invoke(main, [*args, "--ratios-from", str(fp8)])
+    assert (
+        refused.exit_code == 2
+        and "stores float8_e4m3fn: the ratios need the states as computed" in refused.output
+    )
 
 
 def test_disk_full_is_recognised_through_the_writers_error():
@@ -217,6 +278,55 @@ def test_extract_shard_reuses_the_probed_batches(tmp_path, tiny_llama):
         )  # bf16 storage
         torch.testing.assert_close(s.final.float(), final[0].bfloat16().float(), rtol=2**-7, atol=0)
     assert len(verify_shard(out)) == 64
+
+
+def test_extract_shard_stores_float8_as_the_bf16_states_round_trip(tmp_path, tiny_llama):
+    """The same shard extracted in both storage dtypes: the float8 shard holds exactly the float8 round
+    trip of the bf16 shard's states, in half the state bytes (plus scales), and both estimates give
+    bytes for both dtypes."""
+    from safetensors.torch import save_file
+
+    from draftsmith.engines.hf import HfExtractor
+    from draftsmith.extract import extract_shard
+    from draftsmith.shards import as_stored, iter_samples, read_header, read_shard_meta
+
+    target = tmp_path / "target"
+    tiny_llama.save_pretrained(target)
+    lengths = [9, 21, 14]
+    g = torch.Generator().manual_seed(1)
+    meta = {"sample_ids": ["a", "b", "c"], "template": "t", "shards": [[0, 3]]}
+    save_file(
+        {
+            "input_ids": torch.randint(0, 256, (sum(lengths),), generator=g),
+            "loss_mask": torch.ones(sum(lengths), dtype=torch.uint8),
+            "offsets": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]),
+        },
+        str(tmp_path / "tokens.safetensors"),
+        metadata={"draftsmith_tokens": json.dumps(meta)},
+    )
+    extractor = HfExtractor(tiny_llama, [1, 3])
+    stats, shards = {}, {}
+    for dtype in ("bfloat16", "float8_e4m3fn"):
+        shards[dtype] = tmp_path / dtype / "shard-0.safetensors"
+        stats[dtype] = extract_shard(
+            str(target), str(tmp_path / "tokens.safetensors"), 0, str(shards[dtype]), [1, 3], "float32", 30,
+            storage_dtype=dtype, extractor=extractor,
+        )  # fmt: skip
+    extractor.close()
+    assert read_shard_meta(shards["float8_e4m3fn"])["dtype"] == "float8_e4m3fn"
+    for exact, stored in zip(
+        iter_samples(shards["bfloat16"]), iter_samples(shards["float8_e4m3fn"]), strict=True
+    ):
+        assert torch.equal(as_stored(exact.aux, "float8_e4m3fn"), stored.aux)
+        assert torch.equal(as_stored(exact.final, "float8_e4m3fn"), stored.final)
+    for dtype, estimate in ((d, stats[d]["estimate"]) for d in stats):
+        assert estimate["storage_dtype"] == dtype
+        assert estimate["raw_bytes_by_dtype"] == {
+            "bfloat16": 44 * 3 * 64 * 2, "float8_e4m3fn": 44 * 3 * (64 + 4)
+        }  # fmt: skip
+        assert set(estimate["compressed_bytes_by_dtype"]) == {"bfloat16", "float8_e4m3fn"}
+    blob = {d: read_header(path)[1]["blob"]["shape"][0] for d, path in shards.items()}  # state bytes
+    assert blob["float8_e4m3fn"] < 0.75 * blob["bfloat16"]
 
 
 def test_teacher_agreement_is_split_by_source_and_gated_on_regenerated_only(tiny_llama, tmp_path):
@@ -299,3 +409,54 @@ def test_sample_source_travels_from_traces_to_the_manifest(tmp_path):
     assert stats["teacher_checked"] == stats["teacher_by_source"]["regenerated"]["checked"] > 0
     manifest = build_manifest([str(shard)], str(tmp_path / "data_config.json"), str(target), 0.0)
     assert set(manifest["teacher_agreement_by_source"]) == {"regenerated", "original"}
+
+
+# ------------------------------------------------------------------ on the job's device (GPU path)
+
+
+def test_teacher_check_runs_on_the_jobs_gpu():
+    from draftsmith.engines.vllm_extract import teacher_device
+
+    assert teacher_device(gpus=8, cuda_available=True) == "cuda"
+    assert teacher_device(gpus=0, cuda_available=True) == "cpu"  # a CPU job on a GPU node
+    assert teacher_device(gpus=1, cuda_available=False) == "cpu"
+
+
+def test_teacher_check_moves_the_states_to_the_heads_device_and_dtype():
+    """States (bf16, read from vLLM's files on the host) go to lm_head's device and dtype; the count is
+    the same in either dtype where the winner is clear (a margin beyond bf16's rounding of logits of up
+    to ~16: 2^-8 x 16 x a few)."""
+    from draftsmith.extract import count_agreeing
+
+    torch.manual_seed(0)
+    head = torch.randn(50, 16)
+    states = torch.randn(1100, 16).to(torch.bfloat16)  # more rows than one 512-row chunk
+    top = (states.float() @ head.T).max(-1).indices
+    next_ids = top.clone()
+    next_ids[::3] = (next_ids[::3] + 1) % 50
+    margin = (states.float() @ head.T).topk(2).values.diff().abs().squeeze(-1) > 0.5
+    expected = int(((next_ids == top) & margin).sum())
+    assert count_agreeing(head, states[margin], next_ids[margin]) == expected
+    assert count_agreeing(head.to(torch.bfloat16), states[margin], next_ids[margin]) == expected
+
+
+def test_vllm_engine_gets_the_jobs_gpus_eager_setting_and_memory_share(monkeypatch):
+    import draftsmith.engines.vllm_extract as vx
+    from draftsmith.extract import make_engine
+
+    made = []
+    monkeypatch.setattr(vx, "VllmExtractor", lambda *a, **kw: made.append((a, kw)))
+    make_engine("vllm", "T", [2], "bfloat16", gpus=8, vllm_eager=False, gpu_memory_utilization=0.8)
+    make_engine("vllm", "T", [2], "float32", gpus=0, vllm_eager=True, gpu_memory_utilization=0.8)
+    (gpu_args, gpu), (_, cpu) = made
+    assert gpu_args == ("T", [2], "bfloat16")
+    assert (gpu["tensor_parallel_size"], gpu["enforce_eager"], gpu["gpu_memory_utilization"]) == (
+        8,
+        False,
+        0.8,
+    )
+    assert (cpu["tensor_parallel_size"], cpu["enforce_eager"], cpu["gpu_memory_utilization"]) == (
+        1,
+        True,
+        None,
+    )

@@ -1,5 +1,6 @@
 """The generate stage's bookkeeping and the training sequences it leads to (no model runs, seconds)."""
 
+import importlib.util
 import json
 import logging
 
@@ -9,7 +10,7 @@ from conftest import REPO
 
 from draftsmith.chat import assistant_message, merge_turns, render_prompt, render_with_response
 from draftsmith.config import section_defaults
-from draftsmith.engines import CPU_KV_CACHE_GIB, Answer, oversized, vllm_child_env
+from draftsmith.engines import CPU_KV_CACHE_GIB, Answer, oversized, vllm_child_env, vllm_is_cpu_build
 from draftsmith.engines.hf import length_batches
 from draftsmith.engines.openai import check_served_prompt
 from draftsmith.generate import (
@@ -416,6 +417,38 @@ def test_generate_writes_original_answers_without_generating(tmp_path):
 
 
 def test_vllm_children_get_no_thread_caps_and_a_fixed_cpu_kv_cache():
-    env = vllm_child_env({"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2", "PATH": "/bin"})
+    env = vllm_child_env({"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2", "PATH": "/bin"}, cpu=True)
     assert env == {"PATH": "/bin", "VLLM_CPU_KVCACHE_SPACE": CPU_KV_CACHE_GIB}
-    assert vllm_child_env({"VLLM_CPU_KVCACHE_SPACE": "8"})["VLLM_CPU_KVCACHE_SPACE"] == "8"  # a user's own
+    assert (
+        vllm_child_env({"VLLM_CPU_KVCACHE_SPACE": "8"}, cpu=True)["VLLM_CPU_KVCACHE_SPACE"] == "8"
+    )  # a user's own
+
+
+def test_the_cpu_kv_cache_is_set_only_for_vllms_cpu_build():
+    """CPU-only settings apply only on CPU: the CUDA build gets no VLLM_CPU_KVCACHE_SPACE."""
+    assert vllm_child_env({"OMP_NUM_THREADS": "2"}, cpu=False) == {}
+    assert vllm_is_cpu_build() == (importlib.util.find_spec("vllm") is not None)  # this venv: the cpu extra
+
+
+def test_served_traffic_trains_on_the_served_answer_and_its_reasoning(thinking_tokenizer):
+    """A served request + response (tests/data/shapes/served.jsonl) becomes an original-answer trace
+    whose reasoning is trained in the template's thinking format, as the server generated it."""
+    from draftsmith.prompts import read_jsonl_prompts
+
+    prompts, _ = read_jsonl_prompts(REPO / "tests" / "data" / "shapes" / "served.jsonl")
+    row = json.loads(json.dumps(original_row(prompts[0], "fp")))  # as read back from traces.jsonl
+    assert row["response"] == "144." and row["reasoning"] == "12 * 12 = 144."
+    assert row["messages"] == [{"role": "user", "content": "What is 12 * 12?"}]
+    [(_, ids, mask)] = trace_sequences(thinking_tokenizer, row)
+    trained = thinking_tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])
+    assert trained.startswith("<think>\n12 * 12 = 144.\n</think>\n\n144.")
+    # an earlier served answer keeps its reasoning in its own turn, the context holds its text only
+    turns = [
+        {"role": "user", "content": "Q1"},
+        {"role": "assistant", "content": "A1", "reasoning": "R1"},
+        {"role": "user", "content": "Q2"},
+        {"role": "assistant", "content": "A2", "reasoning": "R2"},
+    ]
+    row = original_row({"id": "two", "messages": turns[:1], "conversation": turns}, "fp")
+    assert row["messages"] == [{k: m[k] for k in ("role", "content")} for m in turns[:3]]
+    assert row["turns"][0]["reasoning"] == "R1" and row["reasoning"] == "R2"

@@ -1,5 +1,6 @@
 """Verified data: the manifest and `draftsmith verify` decode every sample and compare it with the
-digests its writer recorded; `draftsmith train` refuses data that fails, naming the shard."""
+digests its writer recorded; `draftsmith train` refuses data that fails, naming the shard. Every test
+runs on bfloat16 and on float8_e4m3fn shards."""
 
 import json
 
@@ -50,8 +51,14 @@ def _meta(samples: list[Sample], agreement: float) -> dict:
     }
 
 
+@pytest.fixture(params=["bfloat16", "float8_e4m3fn"])
+def dtype(request) -> str:
+    """The storage dtype of the `data` fixture's shards."""
+    return request.param
+
+
 @pytest.fixture
-def data(tmp_path):
+def data(tmp_path, dtype):
     """Two zstd-planes shards, their manifest and a vocabulary map, as the workflow lays them out."""
     target = tmp_path / "target"
     target.mkdir()
@@ -60,7 +67,7 @@ def data(tmp_path):
     for k, agreement in enumerate((1.0, 0.9)):
         samples = _samples(k)
         path = tmp_path / "results" / "hidden" / f"shard-{k}.safetensors"
-        write_shard(path, samples, _meta(samples, agreement), codec="zstd-planes")
+        write_shard(path, samples, _meta(samples, agreement), codec="zstd-planes", dtype=dtype)
         shards.append(path)
     manifest = tmp_path / "results" / "data_config.json"
     build_manifest([str(p) for p in shards], str(manifest), str(target), 0.8)
@@ -122,7 +129,7 @@ def test_rebuilt_manifest_refuses_a_damaged_shard(tmp_path, data):
     assert verify.exit_code == 1 and "shard-0.safetensors: sample 1 (s0-1)" in verify.output
 
 
-def test_content_digests_match_for_identical_data_whatever_the_stats(tmp_path, data):
+def test_content_digests_match_for_identical_data_whatever_the_stats(tmp_path, data, dtype):
     manifest, shards, _ = data
     first = json.loads(manifest.read_text())["shards"]
     again = tmp_path / "again"
@@ -132,7 +139,7 @@ def test_content_digests_match_for_identical_data_whatever_the_stats(tmp_path, d
         meta = _meta(samples, agreement)
         meta["stats"] |= {"seconds": 123.4 + k, "tokens_per_second": 9.9}  # another run's timing
         paths.append(again / "hidden" / f"shard-{k}.safetensors")
-        write_shard(paths[-1], samples, meta, codec="zstd-planes", level=3)
+        write_shard(paths[-1], samples, meta, codec="zstd-planes", level=3, dtype=dtype)
     second = build_manifest(
         [str(p) for p in paths], str(again / "data_config.json"), str(tmp_path / "target"), 0.8
     )
@@ -140,10 +147,10 @@ def test_content_digests_match_for_identical_data_whatever_the_stats(tmp_path, d
     assert paths[1].read_bytes() != shards[1].read_bytes()  # the files differ: stats, zstd level
 
 
-def test_verify_names_a_shard_re_extracted_with_other_data(tmp_path, data):
+def test_verify_names_a_shard_re_extracted_with_other_data(tmp_path, data, dtype):
     manifest, shards, _ = data
     other = _samples(7)  # same shapes, other values: same byte size with codec none
-    write_shard(shards[0], other, _meta(other, 1.0), codec="none")
+    write_shard(shards[0], other, _meta(other, 1.0), codec="none", dtype=dtype)
     record = json.loads(manifest.read_text())
     record["shards"][0]["bytes"] = shards[0].stat().st_size
     manifest.write_text(json.dumps(record))
@@ -182,18 +189,82 @@ def test_train_refuses_low_teacher_agreement_naming_the_shard(tmp_path, data):
     assert "shard-0" not in result.output
 
 
-def test_manifest_records_the_contract(tmp_path, data):
+def test_manifest_records_the_contract(tmp_path, data, dtype):
     manifest, shards, _ = data
     record = json.loads(manifest.read_text())
     assert record["version"] == 2 and record["num_tokens"] == sum(s["num_tokens"] for s in record["shards"])
     assert record["layer_convention"] == "input" and record["codec"] == "zstd-planes"
+    assert record["dtype"] == dtype and record["dtype_note"]
     assert record["shards"][0]["path"] == "hidden/shard-0.safetensors"
     assert all(len(s["content_sha256"]) == 64 for s in record["shards"])
     assert load_manifest(manifest)["shards"][0]["path"] == shards[0].resolve()
     assert verify_manifest(manifest) == []
     samples = _samples(0)
-    write_shard(shards[0], samples, _meta(samples, 0.5), codec="zstd-planes")
+    other_dtype = {"bfloat16": "float8_e4m3fn", "float8_e4m3fn": "bfloat16"}[dtype]
+    write_shard(shards[0], samples, _meta(samples, 1.0), codec="zstd-planes", dtype=other_dtype)
+    with pytest.raises(DataError, match=r"shards disagree on dtype: \[.*bfloat16.*float8_e4m3fn"):
+        build_manifest([str(p) for p in shards], str(tmp_path / "other.json"), str(tmp_path / "target"), 0.8)
+    write_shard(shards[0], samples, _meta(samples, 0.5), codec="zstd-planes", dtype=dtype)
     with pytest.raises(DataError, match="teacher agreement below 0.8 in results/hidden/shard-0.safetensors"):
         build_manifest([str(p) for p in shards], str(tmp_path / "other.json"), str(tmp_path / "target"), 0.8)
     with pytest.raises(DataError, match="missing"):
         load_manifest(tmp_path / "nope.json")
+
+
+# ----------------------------------------------------------------------------- paths a manifest may name
+
+
+def _rewrite(manifest, **changes) -> None:
+    data = json.loads(manifest.read_text())
+    data["shards"][0].update(changes)
+    manifest.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize(
+    "recorded", ["../../../../etc/passwd", "/etc/passwd", "hidden/../../outside.safetensors"]
+)
+def test_a_shard_path_leading_out_of_the_results_folder_is_refused(data, recorded, monkeypatch):
+    monkeypatch.delenv("DRAFTSMITH_SHARD_DIRS", raising=False)
+    manifest, _, _ = data
+    _rewrite(manifest, path=recorded)
+    with pytest.raises(DataError, match=f"^{manifest}: shard path '{recorded}' leads outside"):
+        load_manifest(manifest)
+    result = CliRunner().invoke(main, ["verify", str(manifest)])
+    assert result.exit_code != 0 and "leads outside" in result.output and "root:" not in result.output
+
+
+def test_shards_in_a_folder_named_in_the_setting_are_followed(tmp_path, data, monkeypatch):
+    manifest, shards, _ = data
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    moved = scratch / shards[0].name
+    shards[0].rename(moved)
+    _rewrite(manifest, path=str(moved))
+    monkeypatch.delenv("DRAFTSMITH_SHARD_DIRS", raising=False)
+    with pytest.raises(DataError, match="leads outside"):
+        load_manifest(manifest)
+    monkeypatch.setenv("DRAFTSMITH_SHARD_DIRS", str(scratch))
+    assert load_manifest(manifest)["shards"][0]["path"] == moved
+    assert verify_manifest(manifest) == []
+
+
+def test_a_link_made_inside_the_results_folder_is_followed(tmp_path, data, monkeypatch):
+    """results/hidden as a link to a big disk, the usual set-up: the written path stays inside."""
+    monkeypatch.delenv("DRAFTSMITH_SHARD_DIRS", raising=False)
+    manifest, shards, _ = data
+    disk = tmp_path / "disk"
+    shards[0].parent.rename(disk)
+    shards[0].parent.symlink_to(disk)
+    assert verify_manifest(manifest) == []
+
+
+def test_building_a_manifest_over_shards_outside_its_folder_needs_the_setting(tmp_path, data, monkeypatch):
+    monkeypatch.delenv("DRAFTSMITH_SHARD_DIRS", raising=False)
+    _, shards, _ = data
+    out = tmp_path / "elsewhere" / "data_config.json"
+    with pytest.raises(DataError, match="DRAFTSMITH_SHARD_DIRS"):
+        build_manifest([str(p) for p in shards], str(out), str(tmp_path / "target"), 0.8)
+    monkeypatch.setenv("DRAFTSMITH_SHARD_DIRS", str(shards[0].parent))
+    built = build_manifest([str(p) for p in shards], str(out), str(tmp_path / "target"), 0.8)
+    assert built["shards"][0]["path"] == str(shards[0])  # absolute: it is outside the manifest's folder
+    assert verify_manifest(out) == []

@@ -18,11 +18,12 @@ from draftsmith.prompts import (
     PromptError,
     iter_json_array,
     prepare_prompts,
+    read_dataset_prompts,
     read_jsonl_prompts,
     read_prompt_file,
     read_sharegpt_wheel,
     select,
-    split,
+    split_heldout,
 )
 
 
@@ -104,10 +105,17 @@ def test_jsonl_forms_parse(tmp_path):
         "id": "a",
         "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
     }
-    # a missing id is derived from file stem and line number; the trailing answer is dropped
-    assert prompts[1] == {"id": "mine-3", "messages": [{"role": "user", "content": "Q1"}]}
+    # a missing id is derived from file stem and line number; the trailing answer leaves the prompt and
+    # stays as the original answer
+    q1, a1 = {"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"}
+    assert prompts[1] == {"id": "mine-3", "messages": [q1], "conversation": [q1, a1]}
     assert prompts[2] == {"id": "7", "messages": [{"role": "user", "content": "Tell me a joke"}]}
     assert [m["content"] for m in prompts[3]["messages"]] == ["first", "answer", "second"]
+    assert prompts[3]["conversation"][-1] == {
+        "role": "assistant",
+        "content": "regenerated later",
+        "reasoning": "x",
+    }
     assert read_prompt_file(f) == prompts
 
 
@@ -116,7 +124,10 @@ def test_written_files_read_back(tmp_path):
     train = read_prompt_file(summary["out_train"])
     heldout = read_prompt_file(summary["out_heldout"])
     assert len(train) == summary["train"] and len(heldout) == summary["heldout"] == 5
-    assert all(set(p) == {"id", "messages"} for p in train + heldout)
+    assert all(set(p) <= {"id", "messages", "conversation"} for p in train + heldout)
+    # the built-in multi-turn prompts keep their hand-written answers as original answers
+    with_answers = {p["id"] for p in train + heldout if "conversation" in p}
+    assert with_answers == {"multi-recipe-followup", "multi-travel-plan"}
 
 
 # ----------------------------------------------------------------------------- errors name file and line
@@ -130,7 +141,7 @@ GOOD = {"id": "ok", "prompt": "fine"}
         ('{"id": "x", "prompt": "unterminated', "invalid JSON"),
         (
             {"id": "x", "text": "what shape is this"},
-            "expected one of keys 'messages', 'conversations', 'prompt'",
+            "expected one of keys 'messages', 'conversations', 'prompt', 'request'",
         ),
         ({"id": "x", "prompt": "   "}, "non-empty"),
         ({"id": "x", "messages": [{"role": "user", "content": ""}]}, "non-empty"),
@@ -212,19 +223,19 @@ def test_select_is_deterministic_subset_in_order():
 @pytest.mark.parametrize("n, k, expected", [(50, 10, 10), (5, 10, 4), (1, 3, 0), (10, 0, 0), (0, 3, 0)])
 def test_split_sizes_disjoint_deterministic(n, k, expected):
     prompts = make_prompts(n)
-    train, heldout = split(prompts, k, seed=3)
+    train, heldout = split_heldout(prompts, k, seed=3)
     assert len(heldout) == expected and len(train) == n - expected
     assert not set(ids(train)) & set(ids(heldout))
     assert sorted(ids(train) + ids(heldout)) == sorted(ids(prompts))
-    assert (train, heldout) == split(prompts, k, seed=3)
+    assert (train, heldout) == split_heldout(prompts, k, seed=3)
 
 
 def test_split_depends_on_seed_not_order():
     prompts = make_prompts(200)
-    _, held = split(prompts, 20, seed=0)
-    _, held_reversed = split(prompts[::-1], 20, seed=0)
+    _, held = split_heldout(prompts, 20, seed=0)
+    _, held_reversed = split_heldout(prompts[::-1], 20, seed=0)
     assert set(ids(held)) == set(ids(held_reversed))
-    assert set(ids(held)) != set(ids(split(prompts, 20, seed=1)[1]))
+    assert set(ids(held)) != set(ids(split_heldout(prompts, 20, seed=1)[1]))
 
 
 def test_prepare_is_deterministic(tmp_path):
@@ -398,3 +409,276 @@ def test_a_heldout_set_smaller_than_asked_is_a_warning(tmp_path, caplog):
         summary = prepare(tmp_path, source="jsonl", path=str(f), num_heldout=5)
     assert summary["heldout"] == 2 and summary["train"] == 1
     assert "held-out set has 2 prompt(s), not the 5 asked (prompts.num_heldout)" in caplog.text
+
+
+def test_the_too_long_prompt_is_counted_in_the_heldout_error(tmp_path):
+    f = write_lines(
+        tmp_path / "two.jsonl",
+        [{"id": "short", "prompt": "hello"}, {"id": "huge", "prompt": "x" * 1_000_000}],
+    )
+    with pytest.raises(PromptError) as err:
+        prepare(tmp_path, source="jsonl", path=str(f), num_heldout=1, max_prompt_chars=1500)
+    assert "1 usable prompt(s) leave none for the held-out set" in str(err.value)
+    assert "1 more skipped (1 longer than prompts.max_prompt_chars)" in str(err.value)
+
+
+# ----------------------------------------------------------------------------- every shape a user holds
+
+SHAPES = REPO / "tests" / "data" / "shapes"
+
+
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def assistant(text: str, reasoning: str | None = None) -> dict:
+    return {"role": "assistant", "content": text} | ({"reasoning": reasoning} if reasoning else {})
+
+
+def test_specforge_conversations_with_role_and_content():
+    prompts, counts = read_jsonl_prompts(SHAPES / "specforge.jsonl")
+    assert counts["kept"] == 2
+    system = {"role": "system", "content": "Answer in one line."}
+    assert prompts[1] == {
+        "id": "sf-2",
+        "messages": [system, user("Name a prime above 10."), assistant("11."), user("And one above 20?")],
+        "conversation": [
+            system,
+            user("Name a prime above 10."),
+            assistant("11."),
+            user("And one above 20?"),
+            assistant("23."),
+        ],
+    }
+
+
+def test_openai_messages_keep_their_answers_as_original_answers():
+    """speculators' and OpenAI's fine-tuning shape: the answers were dropped before; now they are the
+    record's original answers, with their reasoning; `developer` is the system role."""
+    prompts, _ = read_jsonl_prompts(SHAPES / "openai_messages.jsonl")
+    system = {"role": "system", "content": "You are terse."}
+    assert prompts[0] == {
+        "id": "oa-1",
+        "messages": [system, user("Capital of France?")],
+        "conversation": [system, user("Capital of France?"), assistant("Paris.")],
+    }
+    assert prompts[1] == {"id": "oa-2", "messages": [user("Say hi.")]}  # a question only: regenerated
+    assert prompts[2]["messages"][0] == {"role": "system", "content": "Reply in French."}
+    assert prompts[2]["conversation"][-1] == assistant("De rien.", reasoning="A polite reply.")
+
+
+def test_content_as_a_list_of_text_parts_is_joined_as_vllm_joins_it(tmp_path):
+    [prompt], _ = read_jsonl_prompts(SHAPES / "content_parts.jsonl")
+    assert prompt["messages"] == [user("Summarise this:\nThe cat sat on the mat.")]
+    assert prompt["conversation"][-1] == assistant("A cat sat.")
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+    bad = write_lines(
+        tmp_path / "image.jsonl",
+        [
+            {
+                "id": "img",
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "What?"}, image]}],
+            }
+        ],
+    )
+    with pytest.raises(
+        PromptError, match=r"image\.jsonl:1: message 0 \(user\): content part 1 is 'image_url'"
+    ):
+        read_jsonl_prompts(bad)
+
+
+def test_sharegpt_from_value_in_a_jsonl_file():
+    prompts, _ = read_jsonl_prompts(SHAPES / "sharegpt.jsonl")
+    assert prompts[0]["messages"] == [user("Write a haiku about rain.")]
+    assert prompts[0]["conversation"][1]["content"].startswith("Soft rain on tin roofs")
+    assert prompts[1] == {
+        "id": "sg-2",
+        "messages": [{"role": "system", "content": "Be brief."}, user("2 + 2?")],
+    }
+
+
+def test_a_json_array_file_is_read_element_by_element_with_lines(tmp_path):
+    prompts, counts = read_jsonl_prompts(SHAPES / "array.json")
+    assert [p["id"] for p in prompts] == ["arr-1", "arr-2", "arr-3"] and counts["read"] == 3
+    assert prompts[1]["conversation"] == [user("Translate 'bonjour'."), assistant("Hello.")]
+    assert read_prompt_file(SHAPES / "array.json") == prompts
+    # errors name the line where the bad element starts, or where the file stops
+    bad = tmp_path / "bad.json"
+    bad.write_text('[\n  {"id": "a", "prompt": "ok"},\n\n  {"id": "b", "text": "?"}\n]\n')
+    with pytest.raises(PromptError, match=r"bad\.json:4: expected one of keys"):
+        read_jsonl_prompts(bad)
+    cut = tmp_path / "cut.json"
+    cut.write_text('[\n  {"id": "a", "prompt": "ok"},\n  {"id": "b", "prompt": "cut o')
+    with pytest.raises(PromptError, match=r"cut\.json:3: invalid JSON: Unterminated string"):
+        read_jsonl_prompts(cut)
+    unclosed = tmp_path / "unclosed.json"
+    unclosed.write_text('[\n  {"id": "a", "prompt": "ok"}\n')
+    with pytest.raises(PromptError, match=r"unclosed\.json:3: the JSON array is not closed"):
+        read_jsonl_prompts(unclosed)
+
+
+def test_prompt_and_completion_pairs():
+    prompts, _ = read_jsonl_prompts(SHAPES / "prompt_completion.jsonl")
+    assert prompts[0]["conversation"] == [user("Give me a word that rhymes with cat."), assistant("Hat.")]
+    assert prompts[1]["conversation"] == [user("Is 7 prime?"), assistant("Yes.")]
+    assert prompts[2] == {"id": "pc-3", "messages": [user("Tell me a fun fact.")]}
+
+
+def test_served_traffic_becomes_conversations_with_the_served_answers():
+    """Request + response lines as an OpenAI-compatible server logs them (and OpenAI batch lines, with
+    `body`): the answer is choices[0].message, with its reasoning; failed requests and tool calls are
+    counted, not trained on."""
+    prompts, counts = read_jsonl_prompts(SHAPES / "served.jsonl")
+    assert [p["id"] for p in prompts] == ["chatcmpl-a1", "chatcmpl-a2", "batch-7"]
+    assert prompts[0] == {
+        "id": "chatcmpl-a1",
+        "messages": [user("What is 12 * 12?")],
+        "conversation": [user("What is 12 * 12?"), assistant("144.", reasoning="12 * 12 = 144.")],
+    }
+    assert prompts[1]["conversation"][-2:] == [user("Name a colour."), assistant("Blue.")]
+    assert prompts[2]["conversation"] == [user("Spell 'cat' backwards."), assistant("tac")]
+    assert counts["skipped"] == {"tool_calls": 1, "failed_request": 1} and counts["read"] == 5
+
+
+@pytest.mark.parametrize(
+    "bad, fragment",
+    [
+        ({"request": {"messages": [user("q")]}}, "needs the 'response' beside its 'request'"),
+        ({"request": {"prompt": "q"}, "response": {"choices": [{"text": "a"}]}}, "a text completion"),
+        ({"request": {"messages": [user("q")]}, "response": {"choices": []}}, "has no choices"),
+        (
+            {"request": {"messages": [user("q")]}, "response": {"choices": [{"text": "a"}]}},
+            "choices[0] has no 'message' (a text completion's choices[0].text)",
+        ),
+    ],
+)
+def test_a_bad_served_line_names_file_line_and_why(tmp_path, bad, fragment):
+    f = write_lines(tmp_path / "log.jsonl", [GOOD, bad])
+    with pytest.raises(PromptError) as err:
+        read_jsonl_prompts(f)
+    assert str(err.value).startswith(f"{f}:2: ") and fragment in str(err.value)
+
+
+def test_columns_rename_a_files_own_keys(tmp_path):
+    f = write_lines(
+        tmp_path / "own.jsonl",
+        [{"uid": "u1", "chat": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hey"}]}],
+    )
+    columns = {"id": "uid", "messages": "chat"}
+    [prompt], _ = read_jsonl_prompts(f, columns=columns)
+    assert prompt == {"id": "u1", "messages": [user("Hi")], "conversation": [user("Hi"), assistant("Hey")]}
+    with pytest.raises(PromptError, match=r"own\.jsonl:1: no key 'dialog' \(prompts.columns.messages\)"):
+        read_jsonl_prompts(f, columns={"messages": "dialog"})
+
+
+# ----------------------------------------------------------------------------- Hugging Face datasets
+
+
+@pytest.fixture
+def datasets_cache(tmp_path, monkeypatch):
+    """datasets' own cache (Arrow files it writes for every load) in the test's folder."""
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets-cache")
+    return tmp_path
+
+
+def test_a_dataset_from_a_local_jsonl_file_with_column_mapping(datasets_cache):
+    src = write_lines(
+        datasets_cache / "chats.jsonl",
+        [
+            {
+                "conv_id": "c1",
+                "dialog": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hey"}],
+            },
+            {"conv_id": "c2", "dialog": [{"role": "user", "content": "Bye"}]},
+        ],
+    )
+    summary = prepare(
+        datasets_cache,
+        source="dataset",
+        path=str(src),
+        num_heldout=1,
+        columns={"id": "conv_id", "messages": "dialog"},
+    )
+    assert summary["read"] == 2 and summary["train"] + summary["heldout"] == 2
+    prompts = read_prompt_file(summary["out_train"]) + read_prompt_file(summary["out_heldout"])
+    assert sorted(p["id"] for p in prompts) == ["c1", "c2"]
+    c1 = next(p for p in prompts if p["id"] == "c1")
+    assert c1["conversation"] == [user("Hi"), assistant("Hey")]
+
+
+def test_a_dataset_from_a_parquet_file_with_a_split(datasets_cache):
+    """A Parquet file (Arrow fills keys a record lacks with null: they are read as absent)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [
+        {"prompt": "Name a river.", "completion": "The Nile."},
+        {"prompt": "Name a mountain.", "completion": None},
+    ]
+    path = datasets_cache / "pairs.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    prompts, counts = read_dataset_prompts(str(path), split="test")
+    assert counts["kept"] == 2
+    assert prompts[0] == {
+        "id": "pairs-1",
+        "messages": [user("Name a river.")],
+        "conversation": [user("Name a river."), assistant("The Nile.")],
+    }
+    assert prompts[1] == {"id": "pairs-2", "messages": [user("Name a mountain.")]}
+
+
+def test_a_bad_dataset_row_names_the_dataset_split_and_row(datasets_cache):
+    src = write_lines(datasets_cache / "rows.jsonl", [GOOD, {"id": "x", "prompt": "  "}])
+    with pytest.raises(
+        PromptError, match=r"rows\.jsonl \(train\) row 2: message 0 \(user\): content must be a non-empty"
+    ):
+        read_dataset_prompts(str(src))
+    with pytest.raises(PromptError, match=r"cannot tell the format from its suffix"):
+        read_dataset_prompts(str(write_lines(datasets_cache / "rows.txt", [GOOD])))
+
+
+def test_a_hub_dataset_is_read_from_the_hub_cache_offline(datasets_cache, monkeypatch):
+    """A Hub id: fetched through the Hub cache like a target (here a prepared cache, HF_HUB_OFFLINE=1),
+    then loaded by `datasets` with its split and subset."""
+    from hubcache import add_repo
+    from huggingface_hub import constants
+
+    hub = datasets_cache / "hub"
+    records = (SHAPES / "specforge.jsonl").read_bytes()
+    add_repo(hub, "someone/chats", {"data/train.jsonl": records, "data/test.jsonl": records}, "dataset")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    prompts, counts = read_dataset_prompts("someone/chats", split="test")
+    assert [p["id"] for p in prompts] == ["sf-1", "sf-2"] and counts["kept"] == 2
+    with pytest.raises(PromptError) as err:  # neither in the cache nor reachable: one line
+        read_dataset_prompts("someone/other")
+    message = str(err.value)
+    assert "someone/other" in message and str(hub) in message and "HF_HUB_OFFLINE=1" in message
+    assert "\n" not in message
+
+
+# ----------------------------------------------------------------------------- the default run's prompts
+
+# sha256 of results/prompts/{train,heldout}.jsonl of the default run (config.yaml: ShareGPT, 176 prompts,
+# 16 held out, max_prompt_chars 1500, seed 0) before issue 25's readers: the ShareGPT path is unchanged.
+DEFAULT_PROMPTS_SHA256 = {
+    "train": "2546e9aa24a741ebfb2f52678ab5ffe535f2dbd460ef811281230b83b6ce4aac",
+    "heldout": "e06902795986e3ca0f4198175183a3ca37957d66b5cb8f8cb7b5acb82ea26010",
+}
+
+
+def test_the_default_runs_prompts_are_byte_identical(tmp_path, sharegpt_wheel):
+    import hashlib
+
+    summary = prepare(
+        tmp_path,
+        source="sharegpt",
+        wheel=str(sharegpt_wheel),
+        max_prompts=176,
+        num_heldout=16,
+        max_prompt_chars=section_defaults("prompts")["max_prompt_chars"],
+    )
+    for name in ("train", "heldout"):
+        digest = hashlib.sha256(Path(summary[f"out_{name}"]).read_bytes()).hexdigest()
+        assert digest == DEFAULT_PROMPTS_SHA256[name], name

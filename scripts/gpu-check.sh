@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# make gpu-check: draftsmith on a CUDA GPU, end to end, in about 10 minutes once installed (not part of CI).
+#
+#   1. installs this checkout with its `gpu` extra (CUDA vLLM and the torch it pins) into a venv of its
+#      own, .venv-gpu (GPU_CHECK_VENV), beside the CPU venv of `make setup`;
+#   2. runs the workflow on the embedded default target (SmolLM2-135M, materialised from its PyPI wheel)
+#      with tests/config.tiny.yaml's sizes on one GPU: vLLM server generation, vLLM extraction, a few
+#      training steps in bf16, acceptance measured in vLLM with CUDA graphs (scripts/gpu_check.py);
+#   3. prints a table: the stack, each stage's wall time and device, tau per method, speedup.
+#
+# Without an NVIDIA GPU it says so in one line and exits 1, before installing anything.
+# Output: .gpu-check/ (GPU_CHECK_DIR): the run's folder, snakemake.log, table.txt.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! listing=$(nvidia-smi -L 2>/dev/null) || ! grep -q '^GPU ' <<<"$listing"; then
+    echo "gpu-check: no NVIDIA GPU here (nvidia-smi -L lists none); run it on a GPU node" >&2
+    exit 1
+fi
+
+VENV=${GPU_CHECK_VENV:-.venv-gpu}
+OUT=${GPU_CHECK_DIR:-.gpu-check}
+mkdir -p "$OUT"
+start=$(date +%s)
+test -x "$VENV/bin/python" || python3 -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -q -e '.[gpu]'
+echo "gpu-check: installed the gpu extra into $VENV in $(( $(date +%s) - start )) s" | tee "$OUT/install.txt"
+
+# The rules call `draftsmith`: the GPU venv's, first on PATH.
+PATH="$(cd "$VENV/bin" && pwd):$PATH" exec "$VENV/bin/python" scripts/gpu_check.py --out "$OUT"

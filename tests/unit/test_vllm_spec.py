@@ -1,0 +1,45 @@
+"""The vLLM child's time limit (draftsmith/engines/vllm_spec.py): past it, the child and every process it
+started (vLLM's engine core, GPU workers) are gone, so none keeps holding the job's GPUs."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from draftsmith.engines.vllm_spec import run_with_timeout
+
+# a parent that starts a long-lived grandchild (as vLLM starts its engine core) and writes its pid
+TREE = (
+    "import subprocess, sys, time\n"
+    "kid = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+    "print(kid.pid, flush=True)\n"
+    "time.sleep(120)\n"
+)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone for our purpose (it holds no devices)
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_a_child_past_its_time_limit_is_killed_with_what_it_started(tmp_path):
+    log = tmp_path / "child.log"
+    start = time.monotonic()
+    assert run_with_timeout([sys.executable, "-c", TREE], dict(os.environ), log, timeout=3) is None
+    assert time.monotonic() - start < 30
+    grandchild = int(log.read_text().split()[0])
+    deadline = time.monotonic() + 10
+    while alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(grandchild)
+
+
+def test_a_child_within_its_limit_returns_its_exit_code(tmp_path):
+    cmd = [sys.executable, "-c", "print('hi'); raise SystemExit(3)"]
+    assert run_with_timeout(cmd, dict(os.environ), tmp_path / "log", timeout=60) == 3
+    assert (tmp_path / "log").read_text() == "hi\n"
