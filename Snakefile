@@ -33,7 +33,7 @@ include: "rules/export.smk"
 rule all:
     default_target: True
     input:
-        "results/drafter",
+        "results/drafter/README.md",
         "results/drafter-sglang",
         "results/drafter-speculators",
         "results/eval/summary.json",

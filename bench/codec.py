@@ -12,10 +12,11 @@ read recomputes.
 Storage dtypes (`extract.storage_dtype`): the same samples written as shards with the shipped codec in
 bfloat16 and in float8_e4m3fn (ShardWriter, as extraction writes them), then read back with
 ShardReader.read, as training reads them (positioned read, zstd with checksums, sha256, float8
-dequantized to bf16), in alternating order over --rounds rounds: each round's float8 / bf16 time ratio
-sees the same spell of a shared machine, and the table gives their mean with a 95% bootstrap interval
-over rounds. Read MB/s counts the bf16 states a read delivers (tokens x layers x hidden x 2 bytes), the
-same for both. Bytes per token are the stored states' (the blob), exact.
+dequantized to bf16), in alternating order over --rounds rounds, timed in the reading thread's CPU
+seconds (wall time swings several-fold on a shared machine): each round's bf16 / float8 time ratio sees
+the same spell of the machine, and the table gives their mean with a 95% bootstrap interval over rounds.
+Read MB/s counts the bf16 states a read delivers (tokens x layers x hidden x 2 bytes) per CPU second,
+the same for both. Bytes per token are the stored states' (the blob), exact.
 """
 
 from __future__ import annotations
@@ -194,12 +195,14 @@ def write_as(samples: list[Sample], path: Path, dtype: str, level: int = 1) -> d
 
 
 def read_all(path: Path) -> float:
-    """Seconds to read every sample of a shard as training does (ShardReader.read, one thread)."""
+    """CPU seconds of the reading thread to read every sample of a shard as training does
+    (ShardReader.read, one thread). CPU time, not wall time: on a shared machine wall time swings
+    several-fold between rounds (other jobs), while the work a read costs does not."""
     with ShardReader(path) as reader:
-        start = time.perf_counter()
+        start = time.thread_time()
         for i in range(len(reader)):
             reader.read(i)
-        return time.perf_counter() - start
+        return time.thread_time() - start
 
 
 def fp8_code_planes(samples: list[Sample]) -> dict[str, float]:
@@ -260,11 +263,13 @@ def compare_storage(samples: list[Sample], rounds: int) -> dict[str, dict]:
 def print_storage(result: dict) -> None:
     tokens = result["tokens"]
     print(f"\nstorage dtypes, shipped codec (zstd-planes), {tokens:,} tokens, read as training reads:")
-    print(f"{'storage':15s} {'B/token':>8s} {'of raw bf16':>11s} {'read MB/s':>10s} {'write CPU MB/s':>15s}")
+    print(
+        f"{'storage':15s} {'B/token':>8s} {'of raw bf16':>11s} {'read MB/CPU s':>14s} {'write MB/CPU s':>15s}"
+    )
     for dtype in STORAGE_DTYPES:
         r = result[dtype]
         print(
-            f"{dtype:15s} {r['bytes_per_token']:8.0f} {r['ratio_to_raw_bf16']:11.3f} {r['read_mb_s']:10.0f} "
+            f"{dtype:15s} {r['bytes_per_token']:8.0f} {r['ratio_to_raw_bf16']:11.3f} {r['read_mb_s']:14.0f} "
             f"{r['write_cpu_mb_s']:15.0f}"
         )
     q = result["float8_over_bf16"]

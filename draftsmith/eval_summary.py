@@ -7,7 +7,8 @@ the speedup projected for hardware where decoding is memory-bound (draftsmith.co
 verdict (draftsmith.gate) come with it.
 
     summarize(...)        offline.json + vllm.json per held-out set, data_config.json, the export,
-                          metrics.jsonl -> the summary dict (rows with intervals, headline, checks, verdict)
+                          metrics.jsonl -> the summary dict (rows with intervals, headline, checks, verdict,
+                          and the provenance the model card shows: target, data, vocabulary, training)
     summarize_files(...)  reads those files, writes summary.{json,tsv,html} and the plots (draftsmith.report)
 """
 
@@ -147,6 +148,95 @@ def headline(rows: list[dict[str, Any]], sets: dict[str, dict[str, Any]]) -> dic
     return out
 
 
+def provenance(
+    manifest: dict[str, Any],
+    export_config: dict[str, Any],
+    by_source: dict[str, dict[str, int]] | None = None,
+    vocab: dict[str, Any] | None = None,
+    prompts: dict[str, Any] | None = None,
+    target: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """What the drafter was made from, as the model card shows it: the target (`target`: the config's
+    target section), the training data (the manifest, samples and tokens per source `by_source`, the
+    prompts stage's summary), the draft vocabulary (vocab_map.pt's counts) and training (the export's
+    draftsmith block)."""
+    training = (export_config.get("draftsmith") or {}).get("training") or {}
+    run = training.get("summary") or {}
+    samples = sum(r["samples"] for r in (by_source or {}).values())
+    tokens = sum(r["tokens"] for r in (by_source or {}).values())
+    original = (by_source or {}).get("original", {"samples": 0, "tokens": 0})
+    return {
+        "target": {
+            **{k: (target or {}).get(k) for k in ("model", "revision", "gguf_wheel", "gguf_file")},
+            "path": manifest.get("target"),
+            "architecture": manifest.get("target_architecture"),
+            "num_layers": manifest.get("num_layers"),
+            "hidden_size": manifest.get("hidden_size"),
+        },
+        "data": {
+            "prompt_source": (prompts or {}).get("source"),
+            "conversations": (prompts or {}).get("train"),
+            "heldout_prompts": (prompts or {}).get("heldout"),
+            "samples": manifest.get("num_samples"),
+            "tokens": manifest.get("num_tokens"),
+            "masked_tokens": manifest.get("num_masked_tokens"),
+            "by_source": by_source,
+            "original_share": original["samples"] / samples if samples else None,
+            "original_token_share": original["tokens"] / tokens if tokens else None,
+            "teacher_agreement_by_source": manifest.get("teacher_agreement_by_source"),
+            "aux_layer_ids": manifest.get("aux_layer_ids"),
+            "storage_dtype": manifest.get("dtype"),
+        },
+        "vocab": {
+            k: vocab[k]
+            for k in (
+                "draft_vocab_size",
+                "target_vocab_size",
+                "coverage",
+                "counted_tokens",
+                "distinct_tokens",
+            )
+            if k in vocab
+        }
+        if vocab
+        else None,
+        "training": {
+            "settings": training.get("settings"),
+            **{
+                k: run.get(k)
+                for k in (
+                    "steps",
+                    "epochs",
+                    "trained_tokens",
+                    "train_samples",
+                    "val_samples",
+                    "val_acc",
+                    "val_agreement",
+                    "device",
+                    "wall_s",
+                )
+            },  # fmt: skip
+        },
+    }
+
+
+def samples_by_source(manifest_path: str | Path) -> dict[str, dict[str, int]]:
+    """Samples and tokens per sample source ("regenerated", "original") over the manifest's shards,
+    from their headers and token offsets only."""
+    from draftsmith.manifest import load_manifest
+    from draftsmith.shards import ShardReader
+
+    out: dict[str, dict[str, int]] = {}
+    for shard in load_manifest(manifest_path)["shards"]:
+        with ShardReader(shard["path"]) as reader:
+            sources = reader.meta.get("sample_sources") or ["regenerated"] * len(reader)
+            for i, source in enumerate(sources):
+                row = out.setdefault(source, {"samples": 0, "tokens": 0})
+                row["samples"] += 1
+                row["tokens"] += reader.num_tokens(i)
+    return dict(sorted(out.items()))
+
+
 def summarize(
     sets: dict[str, dict[str, Any]],
     manifest: dict[str, Any],
@@ -156,9 +246,11 @@ def summarize(
     metrics_rows: list[dict[str, Any]],
     settings: GateSettings,
     projection: dict[str, float] | None = None,
+    origin: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Everything the report and the gate need, in one JSON-able dict. sets: held-out set name ->
-    {"offline": offline.json, "vllm": vllm.json or None}; projection: `draftsmith.cost.describe_ratio`."""
+    """Everything the report, the gate and the model card need, in one JSON-able dict. sets: held-out
+    set name -> {"offline": offline.json, "vllm": vllm.json or None}; projection:
+    `draftsmith.cost.describe_ratio`; origin: `provenance` (None: from the manifest and export alone)."""
     checks = diagnose(
         sets, manifest, export_config, export_problems, current_fingerprint, metrics_rows, settings
     )
@@ -195,6 +287,7 @@ def summarize(
             "level": settings.level,
             "resamples": settings.resamples,
         },
+        "provenance": origin if origin is not None else provenance(manifest, export_config),
         "checks": [c.to_dict() for c in checks],
         "verdict": verdict(checks),
         "gate_passed": passed(checks),
@@ -237,9 +330,13 @@ def summarize_files(
     out: str | Path,
     settings: GateSettings,
     tensorboard_dir: str | Path | None = None,
+    vocab_path: str | Path | None = None,
+    prompts_summary: str | Path | None = None,
+    target_source: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Load the evaluation's inputs, summarise, and write summary.{json,tsv,html} and the plots to out
-    (and, with the tensorboard extra, event files to tensorboard_dir)."""
+    (and, with the tensorboard extra, event files to tensorboard_dir). The vocabulary map, the prompts
+    stage's summary and the config's target section (`target_source`) go into the provenance."""
     from draftsmith.chat import template_fingerprint
     from draftsmith.cost import describe_ratio
     from draftsmith.export import check_against_target
@@ -253,7 +350,18 @@ def summarize_files(
     fingerprint = template_fingerprint(load_tokenizer(target_path))
     rows = read_metrics(metrics)
     projection = describe_ratio(drafter, target_path)
-    summary = summarize(sets, manifest, export_config, problems, fingerprint, rows, settings, projection)
+    vocab = None
+    if vocab_path is not None:
+        from draftsmith.vocab import load_vocab_map
+
+        vocab = {k: v for k, v in load_vocab_map(vocab_path).items() if not hasattr(v, "shape")}
+    prompts = json.loads(Path(prompts_summary).read_text(encoding="utf-8")) if prompts_summary else None
+    origin = provenance(
+        manifest, export_config, samples_by_source(manifest_path), vocab, prompts, target_source
+    )
+    summary = summarize(
+        sets, manifest, export_config, problems, fingerprint, rows, settings, projection, origin
+    )
     write_report(out, summary, rows)
     if tensorboard_dir is not None:
         summary["tensorboard"] = (

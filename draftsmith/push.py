@@ -14,8 +14,12 @@ HF_TOKEN only and is never printed; huggingface_hub does the talking (`HfApi.cre
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -154,6 +158,45 @@ def hf_token(environ: dict[str, str] | None = None) -> str:
     return token
 
 
+def hub_card(plan: PushPlan) -> str | None:
+    """The export's model card with the repository as the drafter to serve (its serve command names
+    the Hub id, not the local folder), from the run's summary.json; None without a card or summary."""
+    from draftsmith.export.card import CARD_NAME, render_card, serve_target
+
+    summary_path = plan.folder.parent / "eval" / "summary.json"
+    if CARD_NAME not in plan.files or not summary_path.is_file():
+        return None
+    summary = json.loads(summary_path.read_text(encoding="utf-8"))
+    if "headline" not in summary or "provenance" not in summary:  # a summary from before the card
+        return None
+    folders = {e: str(plan.folder.parent / name) for e, name in ENGINE_FOLDERS.items()}
+    folders[plan.engine] = plan.repo_id
+    return render_card(summary, plan.engine, folders, serve_target(summary))
+
+
+@contextlib.contextmanager
+def staged(plan: PushPlan) -> Iterator[Path]:
+    """The folder to upload: the export itself, or, when its card is re-rendered for the Hub, a
+    hidden staging folder beside it of hard links to its files (copies across file systems) and the
+    new card. The export folder is never changed."""
+    card = hub_card(plan)
+    if card is None:
+        yield plan.folder
+        return
+    with tempfile.TemporaryDirectory(prefix=f".{plan.folder.name}.push-", dir=plan.folder.parent) as tmp:
+        stage = Path(tmp)
+        for name in plan.files:
+            (stage / name).parent.mkdir(parents=True, exist_ok=True)
+            if name == "README.md":
+                (stage / name).write_text(card, encoding="utf-8")
+                continue
+            try:
+                os.link(plan.folder / name, stage / name)
+            except OSError:
+                shutil.copyfile(plan.folder / name, stage / name)
+        yield stage
+
+
 def push(
     plan: PushPlan, api: HubApi | None = None, force: bool = False, environ: dict[str, str] | None = None
 ) -> str:
@@ -176,15 +219,16 @@ def push(
         message += " [pushed with --force: the gate blocked it]"
     try:
         api.create_repo(plan.repo_id, token=token, private=plan.private, repo_type="model", exist_ok=True)
-        commit = api.upload_folder(
-            repo_id=plan.repo_id,
-            folder_path=str(plan.folder),
-            repo_type="model",
-            token=token,
-            commit_message=message,
-            allow_patterns=plan.files,
-            ignore_patterns=HIDDEN,
-        )
+        with staged(plan) as folder:
+            commit = api.upload_folder(
+                repo_id=plan.repo_id,
+                folder_path=str(folder),
+                repo_type="model",
+                token=token,
+                commit_message=message,
+                allow_patterns=plan.files,
+                ignore_patterns=HIDDEN,
+            )
     except Exception as err:  # huggingface_hub's HTTP, validation and connection errors alike
         raise PushFailed(
             f"pushing to {plan.repo_id} failed: {type(err).__name__}: {str(err).replace(token, '***')}"

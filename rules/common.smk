@@ -79,6 +79,14 @@ TARGET = target_folder(config["target"])
 # The workflow materialises the embedded default (from its GGUF wheel) and Hub ids, nothing else.
 MATERIALISE_TARGET = bool(config["target"]["gguf_wheel"]) and is_embedded_target(TARGET)
 HUB_TARGET = is_hub_target(config["target"])
+# The trained drafter as the train rule's files, not a directory output, so that the export rule can
+# add its model card (README.md) beside them once the evaluation has measured it.
+DRAFTER = "results/drafter"
+DRAFTER_FILES = {
+    "drafter_config": "results/drafter/config.json",
+    "drafter_weights": "results/drafter/model.safetensors",
+    "drafter_summary": "results/drafter/train_summary.json",
+}
 
 
 def hidden_shards():

@@ -92,8 +92,8 @@ rule untrained_drafter:
 rule evaluate_offline:
     input:
         **OFFLINE_UNTRAINED,
+        **DRAFTER_FILES,
         target=TARGET,
-        drafter="results/drafter",
         prompts=heldout_prompts,
     output:
         "results/eval/{heldout}/offline.json",
@@ -115,7 +115,7 @@ rule evaluate_offline:
         seed=config["evaluate"]["seed"],
     shell:
         "draftsmith run --gpus {resources.gpu} --"
-        " draftsmith evaluate --target {input.target:q} --drafter {input.drafter:q} {params.untrained:q}"
+        ' draftsmith evaluate --target {input.target:q} --drafter "$(dirname {input.drafter_config:q})" {params.untrained:q}'
         " --prompts {input.prompts:q} --out {output:q} {params.options:q} {params.offline:q}"
         " --seed {params.seed:q} --threads {threads} --gpus {resources.gpu} 2>&1 | tee {log:q}"
 
@@ -124,8 +124,8 @@ rule evaluate_offline:
 rule evaluate_vllm:
     input:
         unpack(heldout_prompt_inputs),
+        **DRAFTER_FILES,
         target=TARGET,
-        drafter="results/drafter",
         untrained="results/eval/untrained_drafter",
     output:
         [f"results/eval/{name}/vllm.json" for name in HELDOUT],
@@ -153,7 +153,7 @@ rule evaluate_vllm:
         eager={True: ["--vllm-eager"], False: ["--vllm-compiled"], None: []}[EVAL["vllm_eager"]],
     shell:
         "draftsmith run --gpus {resources.gpu} --"
-        " draftsmith evaluate-vllm --target {input.target:q} --drafter {input.drafter:q}"
+        ' draftsmith evaluate-vllm --target {input.target:q} --drafter "$(dirname {input.drafter_config:q})"'
         " --untrained {input.untrained:q} {params.sets:q} --num-prompts {params.num_prompts:q}"
         " {params.options:q} {params.ngram:q} --seed {params.seed:q} --gpus {resources.gpu}"
         " --dtype {params.dtype:q} {params.eager:q}"
@@ -165,10 +165,13 @@ rule eval_summary:
     input:
         **OFFLINE_EVAL,
         **VLLM_EVAL,
+        **DRAFTER_FILES,
         data="results/data_config.json",
-        drafter="results/drafter",
         target=TARGET,
         metrics="results/train/metrics.jsonl",
+        # the model card's provenance: the draft vocabulary and where the prompts came from
+        vocab="results/vocab_map.pt",
+        prompts_summary="results/prompts/summary.json",
     output:
         summary="results/eval/summary.json",
         table=report(
@@ -214,12 +217,15 @@ rule eval_summary:
         level=EVAL["interval_level"],
         resamples=EVAL["bootstrap_resamples"],
         tensorboard=f"results/tensorboard/{tensorboard_run()}",
+        # what the model card names as the target
+        target_source=section_json("target", ["model", "revision", "gguf_wheel", "gguf_file"]),
     shell:
-        "draftsmith eval-summary {params.sets:q} --data {input.data:q} --drafter {input.drafter:q}"
+        'draftsmith eval-summary {params.sets:q} --data {input.data:q} --drafter "$(dirname {input.drafter_config:q})"'
         ' --target {input.target:q} --metrics {input.metrics:q} --out "$(dirname {output.summary:q})"'
         " {params.gate:q} {params.max_tau_gap:q} --max-acc-gap {params.max_acc_gap:q}"
         " --min-val-gain {params.min_val_gain:q} --level {params.level:q} --resamples {params.resamples:q}"
-        " --tensorboard {params.tensorboard:q} 2>&1 | tee {log:q}"
+        " --tensorboard {params.tensorboard:q} --vocab {input.vocab:q}"
+        " --prompts-summary {input.prompts_summary:q} --target-source {params.target_source:q} 2>&1 | tee {log:q}"
 
 
 # Last, and apart from the summary: when the gate fails, Snakemake deletes only gate.json; the table,

@@ -1,14 +1,17 @@
 # Exports, one per engine: the trained vLLM export (rule train, results/drafter) rewritten for SGLang's
-# aux-id convention and in speculators' format, each checked against what its engine reads.
+# aux-id convention and in speculators' format, each checked against what its engine reads; and in every
+# one the model card, from the evaluation's summary (so it follows the figures).
 
 
 rule export:
     input:
+        **DRAFTER_FILES,
         target=TARGET,
-        drafter="results/drafter",
+        summary="results/eval/summary.json",
     output:
         sglang=directory("results/drafter-sglang"),
         speculators=directory("results/drafter-speculators"),
+        card=f"{DRAFTER}/README.md",
     log:
         "logs/export.log",
     benchmark:
@@ -22,6 +25,6 @@ rule export:
         # speculators' default draft length: what the evaluation measured
         speculative_tokens=config["evaluate"]["num_draft_tokens"],
     shell:
-        "draftsmith export --drafter {input.drafter:q} --target {input.target:q}"
+        'draftsmith export --drafter "$(dirname {input.drafter_config:q})" --target {input.target:q}'
         " --out-sglang {output.sglang:q} --out-speculators {output.speculators:q}"
-        " --speculative-tokens {params.speculative_tokens:q} 2>&1 | tee {log:q}"
+        " --speculative-tokens {params.speculative_tokens:q} --summary {input.summary:q} 2>&1 | tee {log:q}"

@@ -5,7 +5,7 @@ rule train:
         # read through the manifest; listed so executors without a shared filesystem stage them
         shards=hidden_shards(),
     output:
-        drafter=directory("results/drafter"),
+        **DRAFTER_FILES,
         metrics="results/train/metrics.jsonl",
     # the checkpoints folder is no output: Snakemake deletes a failed job's outputs, wiping what resume needs
     log:
@@ -27,7 +27,7 @@ rule train:
         settings=section_json("train"),
     shell:
         "draftsmith run --gpus {resources.gpu} --"
-        " draftsmith train --data {input.data:q} --vocab {input.vocab:q} --out {output.drafter:q}"
+        ' draftsmith train --data {input.data:q} --vocab {input.vocab:q} --out "$(dirname {output.drafter_config:q})"'
         " --checkpoints results/train/checkpoints --metrics {output.metrics:q}"
         # one data-parallel process per GPU the job was granted (torchrun); on CPU one process
         " --settings {params.settings:q} --threads {threads} --checkpoint-every {resources.checkpoint_every}"

@@ -88,11 +88,14 @@ def export_stage(
     speculators_dir: str | Path,
     target_path: str | Path,
     speculative_tokens: int | None = None,
+    summary_path: str | Path | None = None,
 ) -> dict[str, Path]:
     """The export stage: check the trained vLLM export against the target (layer count and vocabulary
     from its text config, so wrappers such as Kimi-K2.5 keep them under `text_config`), then write the
-    SGLang and speculators forms, each checked against the target as well. Raises ExportError for an
-    export or target that cannot be exported, RuntimeError when a written form fails its checks."""
+    SGLang and speculators forms, each checked against the target as well, and with the evaluation's
+    `summary_path` the model card of every export (README.md, the trained one's included). Raises
+    ExportError for an export or target that cannot be exported, RuntimeError when a written form fails
+    its checks."""
     from draftsmith.target import load_target_head, text_config_dict
 
     target = text_config_dict(target_path)
@@ -118,6 +121,10 @@ def export_stage(
         problems = check_export(path, target_num_layers=layers, target_vocab_size=vocab_size, engine=engine)
         if problems:
             raise RuntimeError(f"the {engine} export {path} fails its checks: " + "; ".join(problems))
+    if summary_path is not None:
+        from draftsmith.export.card import write_cards
+
+        write_cards(summary_path, {"vllm": Path(drafter_dir), **outs}, target_path)
     return outs
 
 

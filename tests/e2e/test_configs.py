@@ -151,7 +151,7 @@ def run_planned(job: dict, workdir, monkeypatch, recorded: str) -> tuple[tuple, 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(gpus)))
     monkeypatch.setenv("DRAFTSMITH_TRUST_REMOTE_CODE", "0")
     monkeypatch.setattr(cli, "_drafters", lambda drafter, untrained, target: {"eagle3": drafter})
-    monkeypatch.setattr(cli, "_warn_untrained_positions", lambda *a: None)
+    monkeypatch.setattr(cli, "_warn_draft_positions", lambda *a: None)
     calls = []
     module, name = recorded.rsplit(".", 1)
     monkeypatch.setattr(importlib.import_module(module), name, lambda *a, **kw: calls.append((a, kw)))

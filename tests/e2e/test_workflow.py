@@ -104,6 +104,21 @@ def test_every_target_exists_and_is_sound(finished_run):
     assert (results / "eval" / "gate.json").is_file()
     for engine in ("sglang", "speculators"):  # one export per engine, each checked by `draftsmith export`
         assert (results / f"drafter-{engine}" / "model.safetensors").is_file(), engine
+    # a model card in every export, from this run's summary.json: its headline figures and its verdict
+    for folder in ("drafter", "drafter-sglang", "drafter-speculators"):
+        card = (results / folder / "README.md").read_text()
+        assert card.startswith("---\n") and "library_name:" in card and "- eagle3" in card, folder
+        for name, head in summary["headline"].items():
+            for m in head["methods"].values():
+                lo, hi = m["tokens_per_forward_interval"]
+                assert f"{m['tokens_per_forward']:.3f} [{lo:.3f}, {hi:.3f}]" in card, (folder, name)
+        assert f"**{summary['verdict']['action'].upper()}** (deploy: {summary['verdict']['deploy']})" in card
+        val = summary["learning"]["val_acc"]
+        assert (
+            "validation accuracy per TTT step (top-1 = the next token): "
+            + " / ".join(f"{a:.3f}" for a in val)
+            in card
+        )
     rules = (
         "generate",
         "extract/shard-0",

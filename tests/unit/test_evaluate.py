@@ -497,7 +497,7 @@ def evaluate_vllm_call(monkeypatch, tmp_path, *options: str) -> dict:
     calls = []
     monkeypatch.setattr(ev, "evaluate_vllm", lambda *a, **kw: calls.append(kw))
     monkeypatch.setattr(cli, "_drafters", lambda drafter, untrained, target: {"eagle3": drafter})
-    monkeypatch.setattr(cli, "_warn_untrained_positions", lambda *a: None)
+    monkeypatch.setattr(cli, "_warn_draft_positions", lambda *a: None)
     (tmp_path / "p.jsonl").touch()
     args = ["evaluate-vllm", "--target", str(tmp_path), "--drafter", str(tmp_path), "--prompts",
             f"s={tmp_path / 'p.jsonl'}", "--out", f"s={tmp_path / 'v.json'}", *options]  # fmt: skip
@@ -535,7 +535,7 @@ def test_a_vllm_run_past_its_time_limit_fails_in_one_line(monkeypatch, tmp_path)
         "draftsmith.evaluate.evaluate_vllm", lambda *a, **kw: (_ for _ in ()).throw(err.value)
     )
     monkeypatch.setattr(cli, "_drafters", lambda drafter, untrained, target: {"eagle3": drafter})
-    monkeypatch.setattr(cli, "_warn_untrained_positions", lambda *a: None)
+    monkeypatch.setattr(cli, "_warn_draft_positions", lambda *a: None)
     (tmp_path / "p.jsonl").touch()
     args = ["evaluate-vllm", "--target", str(tmp_path), "--drafter", str(tmp_path), "--prompts",
             f"s={tmp_path / 'p.jsonl'}", "--out", f"s={tmp_path / 'v.json'}"]  # fmt: skip

@@ -232,3 +232,28 @@ def test_a_passed_gate_with_a_losing_verdict_is_pushed_with_a_warning(tmp_path):
     plan = plan_push(results, "my-org/drafter")
     assert plan.gate.passed
     assert any("its verdict says deploy n-gram lookup" in w for w in plan.warnings)
+
+
+def test_the_pushed_card_names_the_repository_as_the_drafter_to_serve(tmp_path, hub):
+    """With the run's summary beside it, the card is rendered again for the Hub: its vLLM command names
+    the repository; the local export folder keeps its own card, and every other file goes as it is."""
+    from test_card import tiny_summary
+
+    from draftsmith.export.card import write_cards
+
+    results = _results(tmp_path)
+    summary = {**tiny_summary(), "gate_passed": True}
+    write_json(results / "eval" / "summary.json", summary)
+    write_cards(results / "eval" / "summary.json", {"vllm": results / "drafter"}, "targets/tiny")
+    local_card = (results / "drafter" / "README.md").read_text()
+    plan = plan_push(results, "my-org/smollm2-eagle3")
+    push(plan, api=hub.api(), environ={"HF_TOKEN": TOKEN})
+    _, files = hub.committed()
+    card = files["README.md"].decode()
+    assert '"model": "my-org/smollm2-eagle3"' in card and '"model": "my-org/smollm2-eagle3"' not in local_card
+    assert card.split("## Serve")[0] == local_card.split("## Serve")[0]  # the same figures
+    assert (results / "drafter" / "README.md").read_text() == local_card
+    assert {k: v for k, v in files.items() if k != "README.md"} == {
+        name: (results / "drafter" / name).read_bytes() for name in ("config.json", "model.safetensors")
+    }
+    assert sorted(p.name for p in results.iterdir()) == ["drafter", "eval"]  # the staging folder is gone

