@@ -13,6 +13,7 @@ complete only hidden `.shard-k.safetensors.*` files exist, and the next run of t
 from __future__ import annotations
 
 import errno
+import logging
 import shutil
 import tempfile
 import time
@@ -37,6 +38,8 @@ from draftsmith.precision import compute_dtype
 from draftsmith.shards import Sample, ShardWriter, as_stored, remove_stale_temp_files
 from draftsmith.target import text_config_dict
 from draftsmith.tokenize import load_tokens
+
+log = logging.getLogger(__name__)
 
 
 def disk_full(err: BaseException | None) -> bool:
@@ -192,11 +195,10 @@ def extract_shard(
         # A killed earlier run of this shard may have left its hidden temporary files behind.
         remove_stale_temp_files(out_path)
     scratch = Path(tempfile.mkdtemp(prefix=temp_prefix(out_path or f"shard-{shard}") + "job-", dir=workdir))
-    print(
-        f"extract shard {shard}: samples {start}..{end - 1}, aux layers {layer_ids} (input convention) "
-        f"+ final normed state, {engine} engine, {dtype} compute, {storage_dtype} storage, codec {codec}",
-        flush=True,
-    )
+    log.info(
+        "extract shard %d: samples %d..%d, aux layers %s (input convention) + final normed state, %s engine, "
+        "%s compute, %s storage, codec %s", shard, start, end - 1, layer_ids, engine, dtype, storage_dtype, codec,
+    )  # fmt: skip
     own_engine = extractor is None
     if own_engine:
         extractor = make_engine(
@@ -217,14 +219,14 @@ def extract_shard(
         )
         lines, estimate = estimate_lines(total_tokens, len(layer_ids) + 1, hidden, measured, storage_dtype)
         for line in lines:
-            print(f"extract shard {shard}: estimate: {line}", flush=True)
+            log.info("extract shard %d: estimate: %s", shard, line)
         if out_path:
             check_free_disk(Path(out_path).parent, estimate["compressed_bytes"], codec, storage_dtype)
         compile_seconds = None
         if should_compile(compile, engine, estimate["seconds"]) and not extractor.compiled:
-            print(f"extract shard {shard}: compiling the forward (torch.compile, one-off)...", flush=True)
+            log.info("extract shard %d: compiling the forward (torch.compile, one-off)...", shard)
             compile_seconds = extractor.compile()
-            print(f"extract shard {shard}: compiled in {compile_seconds:.0f}s", flush=True)
+            log.info("extract shard %d: compiled in %.0fs", shard, compile_seconds)
         sources = meta.get("sample_sources") or ["regenerated"] * len(meta["sample_ids"])
         if out_path:
             writer = ShardWriter(
@@ -306,12 +308,11 @@ def extract_shard(
             f"{human_bytes(estimate['compressed_bytes'])})"
         )
     agreement = stats["teacher_agreement"]
-    print(
+    log.info(
         f"extract shard {shard}: {total_tokens:,} tokens in {human_seconds(stats['seconds'])} "
         f"(estimate {human_seconds(estimate['seconds'])}{', eager' if compile_seconds else ''}; "
         f"{stats['tokens_per_second']} tok/s), teacher agreement "
-        f"{'n/a' if agreement is None else f'{agreement:.4f}'} over {stats['teacher_checked']:,} positions{size}",
-        flush=True,
+        f"{'n/a' if agreement is None else f'{agreement:.4f}'} over {stats['teacher_checked']:,} positions{size}"
     )
     return stats
 
