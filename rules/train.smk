@@ -31,4 +31,4 @@ rule train:
         " --checkpoints results/train/checkpoints --metrics {output.metrics:q}"
         # one data-parallel process per GPU the job was granted (torchrun); on CPU one process
         " --settings {params.settings:q} --threads {threads} --checkpoint-every {resources.checkpoint_every}"
-        " --loader-threads {resources.loader_threads} --report-to {resources.report_to:q} --nproc $(( {resources.gpu} > 1 ? {resources.gpu} : 1 )) 2>&1 | tee {log:q}"
+        " --loader-threads {resources.loader_threads} --report-to={resources.report_to:q} --nproc $(( {resources.gpu} > 1 ? {resources.gpu} : 1 )) 2>&1 | tee {log:q}"

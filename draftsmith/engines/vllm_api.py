@@ -157,6 +157,16 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("single process on CPU", ("vllm/platforms/interface.py",), "Platform.is_cpu"),
     *(Internal("environment of a vLLM child (CPU only)", ("vllm/envs.py",), f'"{v}"', "text") for v in CPU_ONLY_ENV),
     Internal("caches of a vLLM child", ("vllm/envs.py",), '"VLLM_CACHE_ROOT"', "text"),
+    Internal(
+        "engines/vllm_cpu_sampling probes the CPU build's expansion kernel",
+        ("vllm/utils/cpu_triton_utils.py",),
+        "_expand_kernel_impl",
+    ),
+    Internal(
+        "engines/vllm_cpu_sampling replaces it on a CPU where it is wrong",
+        ("vllm/v1/sample/rejection_sampler.py",),
+        "expand_batch_to_tokens",
+    ),
     Internal("engines.vllm_on_cpu: vLLM's own CPU/GPU rule", ("vllm/envs.py",), '"VLLM_TARGET_DEVICE"', "text"),
     Internal("the server's API key (engines/server.py)", ("vllm/envs.py",), '"VLLM_API_KEY"', "text"),
     Internal(

@@ -8,7 +8,6 @@ language-model fields as shipped, which the workflow's start-up checks read (lay
 import importlib
 import json
 import re
-import shlex
 import subprocess
 
 import pytest
@@ -136,9 +135,14 @@ def run_planned(job: dict, workdir, monkeypatch, recorded: str) -> tuple[tuple, 
     N devices visible as `draftsmith run` leaves them and the library function `recorded` replaced by a
     recorder: (args, kwargs) the stage would have called it with."""
     gpus = int(re.search(r"draftsmith run --gpus (\d+) --", job["shell"]).group(1))
-    args = shlex.split(job["shell"].split(" -- ", 1)[1].split(" 2>&1 | tee ")[0])
-    assert args[0] == "draftsmith", args
     monkeypatch.chdir(workdir)
+    # the words bash passes the command (quotes removed, $(...) expanded), as the job's shell would
+    command = job["shell"].split(" -- ", 1)[1].split(" 2>&1 | tee ")[0]
+    words = subprocess.run(
+        ["bash", "-c", f'printf "%s\\0" {command}'], capture_output=True, text=True, check=True
+    )
+    args = words.stdout.split("\0")[:-1]
+    assert args[0] == "draftsmith", args
     for path in (
         "results/prompts/train.jsonl",
         "results/prompts/heldout.jsonl",
