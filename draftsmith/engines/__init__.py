@@ -113,6 +113,7 @@ def attention_backend_for(target: str, dtype: str) -> str | None:
 _CAUSE = re.compile(r"\b[\w.]*(?:Error|Exception):|(?i:out of memory|no available memory)")
 _WRAPPER = re.compile(
     r"(?i)engine core initialization failed|see root cause above|EngineCore failed to start"
+    r"|check the stack trace above"
 )
 
 
@@ -121,13 +122,16 @@ def log_cause(tail: str) -> str | None:
     ("Engine core initialization failed. See root cause above."), stripped of its logger prefix; the
     wrapper itself if nothing else; None if no line names an error."""
     wrapper = None
-    for line in reversed(tail.splitlines()):
-        match = _CAUSE.search(line)
+    lines = tail.splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        match = _CAUSE.search(lines[i])
         if not match:
             continue
-        cause = line[match.start() :].strip()
-        if not _WRAPPER.search(line):
-            return cause
+        cause = lines[i][match.start() :].strip()
+        if cause.endswith(":"):  # the message starts on the next line
+            cause += " " + next((line.strip() for line in lines[i + 1 :] if line.strip()), "")
+        if not _WRAPPER.search(lines[i]):
+            return cause.strip()
         wrapper = wrapper or cause
     return wrapper
 
