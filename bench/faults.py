@@ -371,6 +371,39 @@ def probe_target_without_layer_count(p: Probe) -> str:
     return _check_export(p, lambda folder: None, "--target", str(target))
 
 
+def probe_vllm_that_does_not_start(p: Probe) -> str:
+    """`draftsmith extract --engine vllm` on the real default target with a KV cache larger than the
+    machine (VLLM_CPU_KVCACHE_SPACE): vLLM's worker fails at start. A minute or two per checkout."""
+    sys.path.insert(0, str(REPO / "tests" / "e2e"))
+    sys.path.insert(0, str(REPO / "tests"))
+    from test_extract_kill import random_sequences, write_tokens
+
+    target = REPO / "resources" / "SmolLM2-135M-Instruct"
+    if not (target / "config.json").is_file():
+        return "probe skipped: the default target is not materialised (make setup)"
+    ids, masks = random_sequences([40, 60])
+    write_tokens(p.root / "tokens.safetensors", ids, masks, [[0, 2]])
+    cmd = ["draftsmith", "extract", "--target", str(target), "--tokens", str(p.root / "tokens.safetensors")]
+    cmd += [
+        "--shard",
+        "0",
+        "--out",
+        str(p.root / "shard-0.safetensors"),
+        "--engine",
+        "vllm",
+        "--compile",
+        "off",
+    ]
+    env = {**p.env, "VLLM_CPU_KVCACHE_SPACE": "200000", "VLLM_CACHE_ROOT": str(p.root / "vllm-cache")}
+    proc = subprocess.run(cmd, env=env, cwd=p.root, capture_output=True, text=True, timeout=900)
+    # vLLM's own log (its workers' tracebacks included) goes to the rule's log either way; what matters
+    # is the line the command ends with
+    ours = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error: ")]
+    if ours:
+        return f"exit {proc.returncode}: {ours[-1].replace(str(target), 'TARGET')[:150]}"
+    return f"exit {proc.returncode}, ends with a traceback: {said(proc, 90)}"
+
+
 def probe_server_api_key(p: Probe) -> str:
     (p.root / "standin.py").write_text(
         "import argparse, http.server, os\n"
@@ -500,6 +533,7 @@ PROBES = {
     'check-export: hidden_size "48"': probe_hidden_size_as_a_string,
     "check-export --target without config.json": probe_target_without_config,
     "check-export --target without layer counts": probe_target_without_layer_count,
+    "vLLM engine that fails to start (extract --engine vllm)": probe_vllm_that_does_not_start,
     "vllm-server API key": probe_server_api_key,
     "server_args --host 0.0.0.0": probe_server_args_host,
     "openai engine, redirect to another origin": probe_redirect_keeps_key,

@@ -105,6 +105,7 @@ def attention_backend_for(target: str, dtype: str) -> str | None:
 _CAUSE = re.compile(r"\b[\w.]*(?:Error|Exception):|(?i:out of memory|no available memory)")
 _WRAPPER = re.compile(
     r"(?i)engine core initialization failed|see root cause above|EngineCore failed to start"
+    r"|check the stack trace above"
 )
 
 
@@ -113,13 +114,16 @@ def log_cause(tail: str) -> str | None:
     ("Engine core initialization failed. See root cause above."), stripped of its logger prefix; the
     wrapper itself if nothing else; None if no line names an error."""
     wrapper = None
-    for line in reversed(tail.splitlines()):
-        match = _CAUSE.search(line)
+    lines = tail.splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        match = _CAUSE.search(lines[i])
         if not match:
             continue
-        cause = line[match.start() :].strip()
-        if not _WRAPPER.search(line):
-            return cause
+        cause = lines[i][match.start() :].strip()
+        if cause.endswith(":"):  # the message starts on the next line
+            cause += " " + next((line.strip() for line in lines[i + 1 :] if line.strip()), "")
+        if not _WRAPPER.search(lines[i]):
+            return cause.strip()
         wrapper = wrapper or cause
     return wrapper
 
@@ -129,40 +133,47 @@ class VllmStartError(RuntimeError):
 
 
 @contextlib.contextmanager
-def stderr_tail(lines: int = 200) -> Iterator[collections.deque[str]]:
-    """Inside, file descriptor 2 of this process, and of every process started inside (vLLM's engine
-    core), is a pipe that a thread copies to the real stderr, keeping the last `lines` lines: what a
-    failing worker printed, which its parent's exception only points at ("see root cause above").
-    Children keep the pipe after the block; the copying goes on while they live."""
+def output_tail(lines: int = 200) -> Iterator[collections.deque[str]]:
+    """Inside, file descriptors 1 and 2 of this process, and of every process started inside (vLLM's
+    engine core and workers, which log to stdout), are pipes that threads copy to the real ones,
+    keeping the last `lines` lines: what a failing worker printed, which its parent's exception only
+    points at ("see root cause above"). Children keep the pipes after the block; the copying goes on
+    while they live."""
     tail: collections.deque[str] = collections.deque(maxlen=lines)
-    read_fd, write_fd = os.pipe()
-    saved = os.dup(2)
+    readers, saved = [], {}
 
-    def copy() -> None:
+    def copy(read_fd: int, to: int) -> None:
         with os.fdopen(read_fd, "rb") as pipe:
             for raw in pipe:
-                os.write(saved, raw)
+                os.write(to, raw)
                 tail.append(raw.decode("utf-8", errors="replace"))
 
-    reader = threading.Thread(target=copy, daemon=True)
-    reader.start()
+    sys.stdout.flush()
     sys.stderr.flush()
-    os.dup2(write_fd, 2)
-    os.close(write_fd)
+    for fd in (1, 2):
+        read_fd, write_fd = os.pipe()
+        saved[fd] = os.dup(fd)
+        readers.append(threading.Thread(target=copy, args=(read_fd, saved[fd]), daemon=True))
+        readers[-1].start()
+        os.dup2(write_fd, fd)
+        os.close(write_fd)
     try:
         yield tail
     finally:
+        sys.stdout.flush()
         sys.stderr.flush()
-        os.dup2(saved, 2)  # our end closed: the reader ends once the children's ends close too
+        for fd, original in saved.items():
+            os.dup2(original, fd)  # our ends closed: a reader ends once the children's ends close too
         if sys.exc_info()[0] is not None:
-            reader.join(timeout=2.0)  # what a dead worker wrote is in the pipe already
+            for reader in readers:
+                reader.join(timeout=2.0)  # what a dead worker wrote is in the pipe already
 
 
 @contextlib.contextmanager
 def vllm_start(what: str) -> Iterator[None]:
     """Around the construction of a vLLM engine: a failure becomes VllmStartError naming the root
     cause from the output of vLLM's processes (log_cause), not the parent's 'see root cause above'."""
-    with stderr_tail() as tail:
+    with output_tail() as tail:
         try:
             yield
         except Exception as err:

@@ -90,6 +90,18 @@ def test_the_root_cause_is_the_workers_error_not_the_wrapper_pointing_at_it():
         "RuntimeError: Engine core initialization failed"
     )
     assert log_cause("INFO all good\n") is None
+    # measured: vLLM-CPU asked for more KV cache than the node has (VLLM_CPU_KVCACHE_SPACE=200000)
+    worker = (
+        "(Worker pid=1) ERROR [multiproc_executor.py:1063] ValueError: Available memory on node 0 (8.29/23.54 "
+        "GiB) on kv cache allocation is less than requested memory for kv (200000.0 GiB).\n"
+        "(EngineCore pid=2) ERROR [core.py:1510] RuntimeError: Worker failed with error 'Available memory "
+        "...', please check the stack trace above for the root cause\n"
+    )
+    assert log_cause(worker).startswith("ValueError: Available memory on node 0 (8.29/23.54 GiB)")
+    assert (
+        log_cause("RuntimeError: \n        An attempt has been made\n")
+        == "RuntimeError: An attempt has been made"
+    )
 
 
 def test_a_vllm_that_does_not_start_is_one_line_naming_the_workers_cause():
