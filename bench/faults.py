@@ -260,7 +260,7 @@ def probe_jsonl_without_path(p: Probe) -> str:
 
 
 def probe_base_url_not_a_url(p: Probe) -> str:
-    proc = p.snakemake("-n", config=p.config({"generate": {"engine": "openai", "base_url": "not a url"}}))
+    proc = p.snakemake("-n", config=p.config({"generate": {"backend": "openai", "base_url": "not a url"}}))
     return f"refused at start: {said(proc)}" if proc.returncode else "dry run passes"
 
 
@@ -372,7 +372,7 @@ def probe_target_without_layer_count(p: Probe) -> str:
 
 
 def probe_vllm_that_does_not_start(p: Probe) -> str:
-    """`draftsmith extract --engine vllm` on the real default target with a KV cache larger than the
+    """`draftsmith extract --backend vllm` on the real default target with a KV cache larger than the
     machine (VLLM_CPU_KVCACHE_SPACE): vLLM's worker fails at start. A minute or two per checkout."""
     sys.path.insert(0, str(REPO / "tests" / "e2e"))
     sys.path.insert(0, str(REPO / "tests"))
@@ -389,7 +389,7 @@ def probe_vllm_that_does_not_start(p: Probe) -> str:
         "0",
         "--out",
         str(p.root / "shard-0.safetensors"),
-        "--engine",
+        "--backend",
         "vllm",
         "--compile",
         "off",
@@ -418,7 +418,7 @@ def probe_server_api_key(p: Probe) -> str:
     proc = p.python(
         """
         import os, sys
-        from draftsmith.engines.server import VllmServer
+        from draftsmith.backends.server import VllmServer
         srv = VllmServer("m", log_path="s.log", module="standin", startup_timeout_s=60, stop_grace_s=5)
         srv.env = {**os.environ, "PYTHONPATH": os.getcwd()}
         with srv:
@@ -434,13 +434,13 @@ def probe_server_api_key(p: Probe) -> str:
 
 
 def probe_server_args_host(p: Probe) -> str:
-    server = {"engine": "vllm-server", "server_args": ["--enforce-eager", "--host", "0.0.0.0"]}
+    server = {"backend": "vllm-server", "server_args": ["--enforce-eager", "--host", "0.0.0.0"]}
     proc = p.snakemake("-n", "-p", "results/traces.jsonl", config=p.config({"generate": server}))
     if proc.returncode:
         return f"refused at start: {said(proc)}"
     proc = p.python(  # what the planned server would be started with
         """
-        from draftsmith.engines.server import server_command
+        from draftsmith.backends.server import server_command
         cmd = server_command("/m", 8000, extra_args=["--enforce-eager", "--host", "0.0.0.0"])
         print("planned; vLLM listens on", cmd[len(cmd) - 1 - cmd[::-1].index("--host") + 1])
         """
@@ -453,7 +453,7 @@ def probe_redirect_keeps_key(p: Probe) -> str:
         """
         import json, threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-        from draftsmith.engines.openai import OpenAIClient
+        from draftsmith.backends.openai import OpenAIClient
         seen = []
         class Other(BaseHTTPRequestHandler):
             def log_message(self, *a): pass
@@ -500,7 +500,7 @@ def probe_lock_file_link(p: Probe) -> str:
 def probe_mla_fp32_on_amx(p: Probe) -> str:
     proc = p.python(
         """
-        from draftsmith.engines import vllm_attention_backend
+        from draftsmith.backends import vllm_attention_backend
         print(vllm_attention_backend(True, "float32", True, True))
         """
     )
@@ -533,7 +533,7 @@ PROBES = {
     'check-export: hidden_size "48"': probe_hidden_size_as_a_string,
     "check-export --target without config.json": probe_target_without_config,
     "check-export --target without layer counts": probe_target_without_layer_count,
-    "vLLM engine that fails to start (extract --engine vllm)": probe_vllm_that_does_not_start,
+    "vLLM engine that fails to start (extract --backend vllm)": probe_vllm_that_does_not_start,
     "vllm-server API key": probe_server_api_key,
     "server_args --host 0.0.0.0": probe_server_args_host,
     "openai engine, redirect to another origin": probe_redirect_keeps_key,

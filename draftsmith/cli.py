@@ -339,9 +339,10 @@ def fetch_wheel_cmd(requirement: str, out: str, cache: str) -> None:
 @settings_option("generate")
 @setting(
     "generate",
-    "engine",
-    "--engine",
-    help="transformers: in-process, batched. openai: a running OpenAI-compatible server (--base-url). "
+    "backend",
+    "--backend",
+    help="What runs the target. transformers: in-process, batched. openai: a running OpenAI-compatible "
+    "server (--base-url). "
     "vllm-server: start vLLM on 127.0.0.1 for this run, stop it when done.",
 )
 @setting("generate", "max_new_tokens", "--max-new-tokens")
@@ -362,7 +363,7 @@ def fetch_wheel_cmd(requirement: str, out: str, cache: str) -> None:
     type=str,
     help="vllm-server: extra server arguments as a JSON list, e.g. '[\"--enforce-eager\"]'.",
 )
-@setting("resources.generate", "concurrency", "--concurrency", help="Requests in flight (server engines).")
+@setting("resources.generate", "concurrency", "--concurrency", help="Requests in flight (server back-ends).")
 @setting("resources.generate", "timeout_s", "--timeout-s", help="Seconds to wait for one answer.")
 @setting("resources.generate", "max_retries", "--max-retries", help="Retries of a transient failure.")
 @setting("resources.generate", "backoff_s", "--backoff-s", help="First retry delay (doubles per retry).")
@@ -383,7 +384,7 @@ def fetch_wheel_cmd(requirement: str, out: str, cache: str) -> None:
     "resources.generate",
     "gpus",
     "--gpus",
-    help="GPUs of this job: the vllm-server engine is tensor parallel over them (--tensor-parallel-size).",
+    help="GPUs of this job: the vllm-server back-end is tensor parallel over them (--tensor-parallel-size).",
 )
 @setting(
     "resources.generate", "gpu_memory_utilization", "--gpu-memory-utilization", help="vllm-server on GPUs."
@@ -423,8 +424,8 @@ def generate(target_path: str, prompts_path: str, settings_json: str | None, **k
 
     \b
       draftsmith generate --target T --prompts p.jsonl --out traces.jsonl --summary s.json
-      draftsmith generate ... --engine openai --base-url http://127.0.0.1:8000/v1 --concurrency 16
-      draftsmith generate ... --engine vllm-server --server-args '["--max-model-len","4096"]' --devices 0,1
+      draftsmith generate ... --backend openai --base-url http://127.0.0.1:8000/v1 --concurrency 16
+      draftsmith generate ... --backend vllm-server --server-args '["--max-model-len","4096"]' --devices 0,1
     """
     from draftsmith.generate import GenerateError, GenerateSettings, generate_traces
     from draftsmith.prompts import PromptError
@@ -535,9 +536,10 @@ def _aux_layer_ids(text: str | None) -> list[int] | None:
 @click.option("--threads", type=click.IntRange(min=1), help=THREADS_HELP)
 @setting(
     "extract",
-    "engine",
-    "--engine",
-    help="transformers: in-process forward with hooks. vllm: vLLM's extract_hidden_states (needs the vllm extra).",
+    "backend",
+    "--backend",
+    help="What runs the target. transformers: in-process forward with hooks. vllm: vLLM's "
+    "extract_hidden_states (needs the vllm extra).",
 )
 @setting(
     "extract",
@@ -550,7 +552,7 @@ def _aux_layer_ids(text: str | None) -> list[int] | None:
     "resources.extract",
     "gpus",
     "--gpus",
-    help="GPUs of this job; the vllm engine is tensor parallel over them.",
+    help="GPUs of this job; the vllm back-end is tensor parallel over them.",
 )
 @setting(
     "extract",
@@ -559,7 +561,7 @@ def _aux_layer_ids(text: str | None) -> list[int] | None:
     help="vLLM without torch.compile/CUDA graphs (fast start) or with them (faster on GPUs).",
 )
 @setting(
-    "resources.extract", "gpu_memory_utilization", "--gpu-memory-utilization", help="vllm engine on GPUs."
+    "resources.extract", "gpu_memory_utilization", "--gpu-memory-utilization", help="vllm back-end on GPUs."
 )
 def extract(
     target_path: str, tokens: str, shard: int, out: str, settings_json: str | None, **kw: Any
@@ -569,7 +571,7 @@ def extract(
     Writes OUT atomically: until the shard is complete only hidden temporary files (.NAME.*) exist,
     and a rerun after a crash removes them and starts the shard again.
     """
-    from draftsmith.engines import VllmStartError
+    from draftsmith.backends import VllmStartError
     from draftsmith.estimate import NotEnoughDisk
     from draftsmith.extract import extract_shard
 
@@ -579,7 +581,7 @@ def extract(
     values = resolve(settings_json, kw, "extract")
     # YAML reads a bare on/off as a boolean
     compile_mode = {True: "on", False: "off"}.get(values["compile"], values["compile"])
-    keys = ("batch_tokens", "codec", "zstd_level", "storage_dtype", "engine", "vllm_eager")
+    keys = ("batch_tokens", "codec", "zstd_level", "storage_dtype", "backend", "vllm_eager")
     options = {key: values[key] for key in keys}
     options.update(dtype=dtype, compile=compile_mode, threads=ops["threads"], gpus=ops["gpus"] or 0)
     options["gpu_memory_utilization"] = (
@@ -650,7 +652,7 @@ def estimate(
         model, _ = load_target(target_path, getattr(torch, kw["dtype"]))
         num_layers = text_config_dict(target_path)["num_hidden_layers"]  # a wrapper's too (Kimi-K2.5)
         layer_ids = resolve_aux_layers(_aux_layer_ids(aux_layers), num_layers)
-        from draftsmith.engines.hf import HfExtractor
+        from draftsmith.backends.hf import HfExtractor
         from draftsmith.estimate import probe_batches
         from draftsmith.extract import PROBE_SHARE, token_batches
 

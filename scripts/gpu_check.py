@@ -1,6 +1,6 @@
 """The GPU half of `make gpu-check` (scripts/gpu-check.sh installs the `gpu` extra, then runs this with it).
 
-Runs the workflow on one GPU with tests/config.tiny.yaml's sizes and the GPU engines (vLLM server
+Runs the workflow on one GPU with tests/config.tiny.yaml's sizes and the GPU back-ends (vLLM server
 generation, vLLM extraction, bf16 training, vLLM evaluation with CUDA graphs), then prints what ran
 where and what it measured. Exit status: Snakemake's (1 on any failed stage), 1 without CUDA.
 """
@@ -20,11 +20,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 GPU_STAGES = ("generate", "extract", "train", "evaluate")
-# On top of tests/config.tiny.yaml: every GPU stage on one GPU through its vLLM engine, as served.
+# On top of tests/config.tiny.yaml: every GPU stage on one GPU through vLLM, as served.
 OVERLAY = {
     "target": {"dtype": "auto"},  # bfloat16 on a GPU
-    "generate": {"engine": "vllm-server", "server_args": ["--max-model-len", "2048"]},  # CUDA graphs
-    "extract": {"engine": "vllm", "vllm_eager": False, "num_shards": 1},  # one vLLM start
+    "generate": {"backend": "vllm-server", "server_args": ["--max-model-len", "2048"]},  # CUDA graphs
+    "extract": {"backend": "vllm", "vllm_eager": False, "num_shards": 1},  # one vLLM start
     "train": {"precision": "bf16"},
     "evaluate": {"vllm": True, "vllm_eager": None},  # null: CUDA graphs on a GPU
     "resources": {stage: {"gpus": 1} for stage in GPU_STAGES},

@@ -91,7 +91,7 @@ def test_gpu_reservations(plan):
         assert {j["gpu"] for j in jobs[stage]} == {want}, (name, stage, jobs[stage])
         assert all(f"draftsmith run --gpus {want} --" in j["shell"] for j in jobs[stage])
     assert len(jobs["extract"]) == (16 if node else 8)
-    assert all('"engine": "vllm"' in j["shell"] for j in jobs["extract"])
+    assert all('"backend": "vllm"' in j["shell"] for j in jobs["extract"])
     # a job reserving 8 of 8 GPUs runs alone: the shards of a huge target extract one at a time
     assert all(j["gpu"] == 0 for j in jobs["tokenize"] + jobs["vocab"] + jobs["manifest"])
 
@@ -124,7 +124,7 @@ def test_target_specific_settings(plan):
     if name == "qwen3-235b-a22b":
         assert '"--reasoning-parser", "qwen3"' in generate
         assert '"aux_layers": [2, 47, 91]' in extract
-    assert '"engine": "vllm-server"' in generate
+    assert '"backend": "vllm-server"' in generate
 
 
 # ------------------------------------------------------ what each GPU stage's planned command runs
@@ -167,13 +167,13 @@ def run_planned(job: dict, workdir, monkeypatch, recorded: str) -> tuple[tuple, 
 def test_generate_serves_the_target_tensor_parallel_over_the_jobs_gpus(plan, monkeypatch):
     """The vLLM server the planned generate command starts: TP = the job's GPUs (Qwen3-235B's expert
     parallel then has EP = TP), the target's dtype, CUDA graphs (no --enforce-eager), the memory share."""
-    from draftsmith.engines.server import VllmServerEngine
+    from draftsmith.backends.server import VllmServerBackend
 
     name, jobs, workdir = plan
     (job,) = jobs["generate"]
     args, _ = run_planned(job, workdir, monkeypatch, "draftsmith.generate.generate_traces")
     target, settings = args[0], args[4]  # generate_traces(target, prompts, out, summary, settings)
-    cmd = VllmServerEngine.server(settings, target, "server.log").command()
+    cmd = VllmServerBackend.server(settings, target, "server.log").command()
     flags = dict(zip(cmd, cmd[1:], strict=False))
     gpus = 1 if name == "llama-3.1-8b" else 8
     assert flags.get("--tensor-parallel-size") == (str(gpus) if gpus > 1 else None), cmd
@@ -186,7 +186,7 @@ def test_extract_runs_vllm_tensor_parallel_in_bfloat16_with_cuda_graphs(plan, mo
     name, jobs, workdir = plan
     _, kw = run_planned(jobs["extract"][0], workdir, monkeypatch, "draftsmith.extract.extract_shard")
     gpus = 1 if name == "llama-3.1-8b" else 8
-    assert (kw["engine"], kw["gpus"], kw["dtype"], kw["vllm_eager"]) == ("vllm", gpus, "bfloat16", False), kw
+    assert (kw["backend"], kw["gpus"], kw["dtype"], kw["vllm_eager"]) == ("vllm", gpus, "bfloat16", False), kw
     assert kw["gpu_memory_utilization"] == 0.9
 
 

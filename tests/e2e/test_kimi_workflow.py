@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 CONFIG = {
     "target": {"gguf_wheel": None, "dtype": "float32"},  # float32: greedy traces the teacher check reproduces
     "prompts": {"source": "builtin", "max_prompts": 12, "num_heldout": 2},
-    "generate": {"engine": "transformers", "max_new_tokens": 16, "batch_size": 10},
+    "generate": {"backend": "transformers", "max_new_tokens": 16, "batch_size": 10},
     "extract": {"num_shards": 1, "max_seq_len": 128, "aux_layers": [1, 2, 3]},
     "vocab": {"size": 1024},
     "train": {"epochs": 1, "max_steps": 3, "batch_tokens": 1024, "warmup_steps": 1, "ttt_steps": 2,

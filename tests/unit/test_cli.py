@@ -242,7 +242,7 @@ def test_fetch_wheel_refuses_an_option_as_bad_input(tmp_path):
 
 def test_a_vllm_that_did_not_start_is_one_line_exit_1(tmp_path, monkeypatch):
     import draftsmith.extract
-    from draftsmith.engines import VllmStartError
+    from draftsmith.backends import VllmStartError
 
     def fail(*args, **kwargs):
         raise VllmStartError(
@@ -253,7 +253,7 @@ def test_a_vllm_that_did_not_start_is_one_line_exit_1(tmp_path, monkeypatch):
     (tmp_path / "t").mkdir()
     (tmp_path / "tokens").write_bytes(b"")
     args = ["extract", "--target", str(tmp_path / "t"), "--tokens", str(tmp_path / "tokens"), "--shard", "0"]
-    result = invoke(*args, "--out", str(tmp_path / "s"), "--engine", "vllm")
+    result = invoke(*args, "--out", str(tmp_path / "s"), "--backend", "vllm")
     assert result.exit_code == EXIT_FAILED
     assert result.output.strip() == (
         "error: vllm extraction of t: vLLM did not start: RuntimeError: expect weight to be bfloat16"

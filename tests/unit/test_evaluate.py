@@ -512,8 +512,8 @@ def test_vllm_evaluation_on_gpus_compiles_unless_told_otherwise(monkeypatch, tmp
 
 
 def test_a_vllm_run_past_its_time_limit_fails_in_one_line(monkeypatch, tmp_path):
+    import draftsmith.backends.vllm_spec as spec
     import draftsmith.cli as cli
-    import draftsmith.engines.vllm_spec as spec
 
     monkeypatch.setattr(spec, "run_with_timeout", lambda cmd, env, log, timeout: None)
     with pytest.raises(spec.VllmTimeout) as err:

@@ -78,10 +78,10 @@ def test_its_configuration_plans_every_gpu_stage_on_one_gpu_through_vllm(tmp_pat
     assert set(by_command) == {"generate", "extract", "train", "evaluate", "evaluate-vllm"}, by_command
     assert all("draftsmith run --gpus 1 --" in line for line in shells)
     assert (
-        '"engine": "vllm-server"' in by_command["generate"]
+        '"backend": "vllm-server"' in by_command["generate"]
         and "--enforce-eager" not in by_command["generate"]
     )
-    assert '"engine": "vllm"' in by_command["extract"] and '"vllm_eager": false' in by_command["extract"]
+    assert '"backend": "vllm"' in by_command["extract"] and '"vllm_eager": false' in by_command["extract"]
     assert '"precision": "bf16"' in by_command["train"]
     assert (
         "--gpus 1 --dtype auto" in by_command["evaluate-vllm"]

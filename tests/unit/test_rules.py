@@ -193,8 +193,8 @@ def test_a_target_typo_stops_the_workflow_at_start(tmp_path):
             "--config: prompts.path: prompts.source is jsonl but no prompt file is named",
         ),
         (
-            {"generate": {"engine": "openai"}},
-            "--config: generate.base_url: generate.engine is openai but no server is named",
+            {"generate": {"backend": "openai"}},
+            "--config: generate.base_url: generate.backend is openai but no server is named",
         ),
     ],
 )
@@ -348,7 +348,7 @@ def test_config_strings_and_paths_reach_every_command_as_single_arguments(tmp_pa
             "heldout_path": str(_prompt_file(workdir / f"heldout {EVIL}.jsonl")),
         },
         "generate": {
-            "engine": "openai",
+            "backend": "openai",
             "base_url": "http://127.0.0.1:9/v1?q=$(touch%20INJ8)",
             "model": EVIL,
             "api_key_env": "DRAFTSMITH_TEST_KEY",

@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 import torch
 
-from draftsmith.engines.vllm_cpu_sampling import expand_batch_to_tokens
+from draftsmith.backends.vllm_cpu_sampling import expand_batch_to_tokens
 
 
 def test_each_requests_value_spans_its_tokens_and_greedy_zero_becomes_one():
@@ -25,7 +25,7 @@ def test_each_requests_value_spans_its_tokens_and_greedy_zero_becomes_one():
 def test_vllms_rejection_sampler_gets_the_right_temperatures_after_the_fix(monkeypatch):
     from vllm.v1.sample import rejection_sampler
 
-    from draftsmith.engines.vllm_cpu_sampling import cpu_kernel_expands_wrongly, fix_cpu_sampling
+    from draftsmith.backends.vllm_cpu_sampling import cpu_kernel_expands_wrongly, fix_cpu_sampling
 
     monkeypatch.setattr(rejection_sampler, "expand_batch_to_tokens", rejection_sampler.expand_batch_to_tokens)
     assert fix_cpu_sampling() == cpu_kernel_expands_wrongly()  # replaced only where wrong

@@ -1,4 +1,4 @@
-"""draftsmith/engines/__init__.py: what every engine shares. Which attention backend vLLM is asked for
+"""draftsmith/backends/__init__.py: what every engine shares. Which attention backend vLLM is asked for
 (an MLA target in float32 on a CPU with AMX), and the root cause of a vLLM that did not start."""
 
 import json
@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from draftsmith.engines import (
+from draftsmith.backends import (
     VllmStartError,
     attention_backend_for,
     log_cause,
@@ -17,7 +17,7 @@ from draftsmith.engines import (
     vllm_on_cpu,
     vllm_start,
 )
-from draftsmith.engines.server import server_command
+from draftsmith.backends.server import server_command
 
 
 @pytest.mark.parametrize(
@@ -44,7 +44,7 @@ def test_an_mla_target_in_float32_on_an_amx_cpu_gets_cpu_mla_and_the_log_says_so
     )
     monkeypatch.setenv("VLLM_TARGET_DEVICE", "cpu")
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
-    with caplog.at_level(logging.INFO, logger="draftsmith.engines"):
+    with caplog.at_level(logging.INFO, logger="draftsmith.backends"):
         assert attention_backend_for(str(tmp_path), "float32") == "CPU_MLA"
         assert attention_backend_for(str(tmp_path), "auto") == "CPU_MLA"  # the checkpoint's float32
         assert attention_backend_for(str(tmp_path), "bfloat16") is None
@@ -77,7 +77,7 @@ ERROR 05-02 [core.py:1125]   File "vllm/v1/engine/core.py", line 1115, in run_en
 ERROR 05-02 [core.py:1125]   File "vllm/v1/attention/backends/mla/amx_mla.py", line 311, in forward
 ERROR 05-02 [core.py:1125] RuntimeError: expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8
 Traceback (most recent call last):
-  File "draftsmith/engines/vllm_extract.py", line 104, in __init__
+  File "draftsmith/backends/vllm_extract.py", line 104, in __init__
 RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}
 """
 

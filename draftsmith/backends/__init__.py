@@ -1,14 +1,15 @@
-"""Inference engines behind one interface: generate answers, capture hidden states.
+"""Back-ends that run the target for a stage, behind one interface: generate answers, capture hidden
+states. (An "engine" in draftsmith is a serving engine an export is written for: vLLM, SGLang, speculators.)
 
-The generate stage asks `open_engine(settings, target, ...)` for a `ChatEngine` and never branches on
+The generate stage asks `open_backend(settings, target, ...)` for a `ChatBackend` and never branches on
 which one it got:
 
-  transformers  in-process, batched (engines/hf.py; CPU or GPU)
-  openai        any OpenAI-compatible server (engines/openai.py: bounded concurrency, retries, reasoning)
-  vllm-server   the openai engine against a vLLM server it starts and always stops (engines/server.py)
+  transformers  in-process, batched (backends/hf.py; CPU or GPU)
+  openai        any OpenAI-compatible server (backends/openai.py: bounded concurrency, retries, reasoning)
+  vllm-server   the openai back-end against a vLLM server it starts and always stops (backends/server.py)
 
 This module holds only what they share (the answer and failure records, the oversized-prompt rule) so
-that it imports no engine: each engine's dependencies load only when it is opened.
+that it imports no back-end: each one's dependencies load only when it is opened.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
-ENGINES = ("transformers", "openai", "vllm-server")
+BACKENDS = ("transformers", "openai", "vllm-server")
 # Thread caps a job runner sets (Snakemake: the rule's threads) that vLLM must not inherit.
 THREAD_CAPS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
@@ -53,7 +54,7 @@ def vllm_attention_backend(mla: bool, dtype: str, vllm_on_cpu: bool, cpu_has_amx
     For an MLA target (DeepSeek-V3, Kimi) vLLM-CPU picks its AMX_MLA backend wherever the CPU has AMX,
     and that backend refuses float32 weights ("expect weight to be bfloat16, float16, int8, fp8_e4m3 or
     uint8"). A float32 run there gets CPU_MLA, the reference backend vLLM picks on every CPU without AMX:
-    float32 stays float32 (what the engines-agree checks compare), on any CPU. bf16 and fp16 keep AMX.
+    float32 stays float32 (what the back-ends-agree checks compare), on any CPU. bf16 and fp16 keep AMX.
     """
     if vllm_on_cpu and mla and cpu_has_amx and dtype not in ("bfloat16", "float16", "half"):
         return "CPU_MLA"
@@ -199,14 +200,14 @@ def single_process_on_cpu(tensor_parallel_size: int) -> None:
 
 @dataclass
 class Answer:
-    """One assistant turn produced by an engine."""
+    """One assistant turn produced by a back-end."""
 
     text: str  # the answer without the reasoning
     reasoning: str | None  # the thinking text when the server returned it apart, else None
     finish_reason: str  # "stop" or "length" (truncated at max_new_tokens)
     prompt_tokens: int
     completion_tokens: int
-    prompt_ids: list[int] | None = None  # what the engine actually fed the model, when it says
+    prompt_ids: list[int] | None = None  # what the back-end actually fed the model, when it says
     response_ids: list[int] | None = None  # generated ids incl. the stop token, when it says
 
 
@@ -223,7 +224,7 @@ class Failure:
 
 def oversized(n_prompt: int, max_new_tokens: int, max_prompt_tokens: int, context_len: int | None) -> bool:
     """Too long to answer in full: over `max_prompt_tokens` when that is set (> 0), else the prompt plus
-    `max_new_tokens` do not fit the engine's context (a server silently shortens such answers)."""
+    `max_new_tokens` do not fit the back-end's context (a server silently shortens such answers)."""
     if max_prompt_tokens > 0:
         return n_prompt > max_prompt_tokens
     return context_len is not None and n_prompt + max_new_tokens > context_len
@@ -234,9 +235,9 @@ def oversized_failure(turn: int, n_prompt: int, settings: Any, context_len: int 
     return Failure("oversized", f"prompt of turn {turn} has {n_prompt} tokens > {limit}", turn=turn)
 
 
-class ChatEngine(Protocol):
-    """What the generate stage needs from an engine. Conversations (generate.Conversation) give
-    `context()` (the messages of the next turn), `done`, `points` and `answers`; the engine appends each
+class ChatBackend(Protocol):
+    """What the generate stage needs from a back-end. Conversations (generate.Conversation) give
+    `context()` (the messages of the next turn), `done`, `points` and `answers`; the back-end appends each
     turn's Answer and its locally rendered prompt ids (`prompt_ids`) to them."""
 
     model: str  # the model name recorded in every trace
@@ -255,28 +256,28 @@ class ChatEngine(Protocol):
         ...
 
 
-def open_engine(
+def open_backend(
     settings: Any,
     target: str,
     render: Callable[[list[dict]], list[int]],
     fingerprint: str,
     server_log: str,
-) -> ChatEngine:
-    """The engine `settings.engine` names, ready to run (model loaded, endpoint checked, server healthy).
+) -> ChatBackend:
+    """The back-end `settings.backend` names, ready to run (model loaded, endpoint checked, server healthy).
 
     render: the target's chat template (messages -> prompt ids); fingerprint: its short hash, named when
     a server renders prompts differently; server_log: where a started server writes its log.
     Raises EndpointError / ServerError when the endpoint or server cannot be used."""
-    if settings.engine == "transformers":
-        from draftsmith.engines.hf import HfChatEngine
+    if settings.backend == "transformers":
+        from draftsmith.backends.hf import HfChatBackend
 
-        return HfChatEngine.open(settings, target, render)
-    if settings.engine == "openai":
-        from draftsmith.engines.openai import OpenAIChatEngine
+        return HfChatBackend.open(settings, target, render)
+    if settings.backend == "openai":
+        from draftsmith.backends.openai import OpenAIChatBackend
 
-        return OpenAIChatEngine.open(settings, render, fingerprint)
-    if settings.engine == "vllm-server":
-        from draftsmith.engines.server import VllmServerEngine
+        return OpenAIChatBackend.open(settings, render, fingerprint)
+    if settings.backend == "vllm-server":
+        from draftsmith.backends.server import VllmServerBackend
 
-        return VllmServerEngine.open(settings, target, render, fingerprint, server_log)
-    raise ValueError(f"generate.engine: {settings.engine!r} is not one of {list(ENGINES)}")
+        return VllmServerBackend.open(settings, target, render, fingerprint, server_log)
+    raise ValueError(f"generate.backend: {settings.backend!r} is not one of {list(BACKENDS)}")
