@@ -63,6 +63,18 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ttt_prefix_lagged": {"ttt_prefix": "lagged"},
     "ttt_positions_fixed": {"ttt_positions": "fixed"},
     "ttt_specforge_view": {"ttt_prefix": "lagged", "ttt_positions": "fixed"},
+    # speculators' default optimizer (its PR #746): Muon for the weight matrices at 10x the rate, AdamW for
+    # the rest; and Muon at AdamW's rate (its updates are scaled to AdamW's RMS: Moonshot's rule)
+    "muon": {"optimizer": "muon"},
+    "muon_lr_x1": {"optimizer": "muon", "muon_lr_scale": 1.0},
+    # the LK losses (SpecForge lk_loss.py, arXiv 2602.23881): -log(alpha), and the cross-entropy blended
+    # into 1 - alpha as alpha grows (SpecForge's defaults, and the paper's eta = 3)
+    "lk_alpha": {"lk_loss": "alpha"},
+    "lk_lambda": {"lk_loss": "lambda"},
+    "lk_lambda_decay3": {"lk_loss": "lambda", "lk_kl_decay": 3.0},
+    # per-step weights of the TTT loss (the default 0.8**j = 1 / 0.8 / 0.64; ttt_decay_1.0 above is 1 / 1 / 1)
+    "step_weights_1_0.5_0.25": {"ttt_step_weights": [1.0, 0.5, 0.25]},
+    "step_weights_1_1.25_1.5": {"ttt_step_weights": [1.0, 1.25, 1.5]},
 }
 
 

@@ -23,6 +23,7 @@ import sys
 import tempfile
 import textwrap
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -259,7 +260,7 @@ def probe_jsonl_without_path(p: Probe) -> str:
 
 
 def probe_base_url_not_a_url(p: Probe) -> str:
-    proc = p.snakemake("-n", config=p.config({"generate": {"engine": "openai", "base_url": "not a url"}}))
+    proc = p.snakemake("-n", config=p.config({"generate": {"backend": "openai", "base_url": "not a url"}}))
     return f"refused at start: {said(proc)}" if proc.returncode else "dry run passes"
 
 
@@ -278,8 +279,10 @@ def probe_configfile_with_one_set(p: Probe) -> str:
 
 
 def _manifest(p: Probe, manifest: Any) -> str:
+    """`draftsmith verify` on a manifest beside a 1-byte shard file (so a reader gets past its presence)."""
     path = p.root / "results" / "data_config.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    (p.root / "results" / "hidden").mkdir(parents=True, exist_ok=True)
+    (p.root / "results" / "hidden" / "shard-0.safetensors").write_bytes(b"x")
     path.write_text(json.dumps(manifest))
     proc = subprocess.run(
         ["draftsmith", "verify", str(path)], env=p.env, capture_output=True, text=True, timeout=300
@@ -300,6 +303,107 @@ def probe_manifest_is_a_list(p: Probe) -> str:
     return _manifest(p, [1, 2])
 
 
+SHARD = {"path": "hidden/shard-0.safetensors", "bytes": 1, "teacher_agreement": 0.95, "content_sha256": "0"}
+
+
+def probe_manifest_without_bytes(p: Probe) -> str:
+    shard = {k: v for k, v in SHARD.items() if k != "bytes"}
+    return _manifest(p, {"shards": [shard], "min_teacher_agreement": 0.9})
+
+
+def probe_manifest_without_min_teacher_agreement(p: Probe) -> str:
+    return _manifest(p, {"shards": [SHARD]})
+
+
+# A small drafter export written by the checkout's own code (8-layer target, 256 tokens, 96 drafted).
+MAKE_EXPORT = """
+import torch
+from draftsmith.drafter import DrafterConfig, Eagle3Drafter
+from draftsmith.export import save_drafter
+from draftsmith.vocab import vocab_maps
+cfg = DrafterConfig(hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                    intermediate_size=80, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512,
+                    target_hidden_size=48, target_vocab_size=256, draft_vocab_size=96, num_aux=3)
+model = Eagle3Drafter(cfg)
+model.set_vocab_map(*vocab_maps(torch.arange(96) * 2, 256))
+save_drafter(model, "drafter", [2, 4, 5], "target")
+"""
+
+
+def _check_export(p: Probe, damage: Callable[[Path], None], *args: str) -> str:
+    made = p.python(MAKE_EXPORT)
+    if made.returncode:
+        return f"probe failed: {said(made)}"
+    damage(p.root / "drafter")
+    cmd = ["draftsmith", "check-export", str(p.root / "drafter"), *args]
+    proc = subprocess.run(cmd, env=p.env, cwd=p.root, capture_output=True, text=True, timeout=300)
+    lines = len([line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()])
+    return f"exit {proc.returncode}, {lines} lines: {said(proc, 75)}"
+
+
+def probe_truncated_safetensors(p: Probe) -> str:
+    def truncate(folder: Path) -> None:
+        weights = folder / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:-500])
+
+    return _check_export(p, truncate)
+
+
+def probe_export_config_is_a_list(p: Probe) -> str:
+    return _check_export(p, lambda folder: (folder / "config.json").write_text("[1, 2]"))
+
+
+def probe_hidden_size_as_a_string(p: Probe) -> str:
+    def stringify(folder: Path) -> None:
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "hidden_size": "48"}))
+
+    return _check_export(p, stringify)
+
+
+def probe_target_without_config(p: Probe) -> str:
+    (p.root / "empty").mkdir()
+    return _check_export(p, lambda folder: None, "--target", str(p.root / "empty"))
+
+
+def probe_target_without_layer_count(p: Probe) -> str:
+    target = p.folder("counts", {"vocab_size": 256})
+    return _check_export(p, lambda folder: None, "--target", str(target))
+
+
+def probe_vllm_that_does_not_start(p: Probe) -> str:
+    """`draftsmith extract --backend vllm` on the real default target with a KV cache larger than the
+    machine (VLLM_CPU_KVCACHE_SPACE): vLLM's worker fails at start. A minute or two per checkout."""
+    sys.path.insert(0, str(REPO / "tests" / "e2e"))
+    sys.path.insert(0, str(REPO / "tests"))
+    from test_extract_kill import random_sequences, write_tokens
+
+    target = REPO / "resources" / "SmolLM2-135M-Instruct"
+    if not (target / "config.json").is_file():
+        return "probe skipped: the default target is not materialised (make setup)"
+    ids, masks = random_sequences([40, 60])
+    write_tokens(p.root / "tokens.safetensors", ids, masks, [[0, 2]])
+    cmd = ["draftsmith", "extract", "--target", str(target), "--tokens", str(p.root / "tokens.safetensors")]
+    cmd += [
+        "--shard",
+        "0",
+        "--out",
+        str(p.root / "shard-0.safetensors"),
+        "--backend",
+        "vllm",
+        "--compile",
+        "off",
+    ]
+    env = {**p.env, "VLLM_CPU_KVCACHE_SPACE": "200000", "VLLM_CACHE_ROOT": str(p.root / "vllm-cache")}
+    proc = subprocess.run(cmd, env=env, cwd=p.root, capture_output=True, text=True, timeout=900)
+    # vLLM's own log (its workers' tracebacks included) goes to the rule's log either way; what matters
+    # is the line the command ends with
+    ours = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error: ")]
+    if ours:
+        return f"exit {proc.returncode}: {ours[-1].replace(str(target), 'TARGET')[:150]}"
+    return f"exit {proc.returncode}, ends with a traceback: {said(proc, 90)}"
+
+
 def probe_server_api_key(p: Probe) -> str:
     (p.root / "standin.py").write_text(
         "import argparse, http.server, os\n"
@@ -314,7 +418,7 @@ def probe_server_api_key(p: Probe) -> str:
     proc = p.python(
         """
         import os, sys
-        from draftsmith.engines.server import VllmServer
+        from draftsmith.backends.server import VllmServer
         srv = VllmServer("m", log_path="s.log", module="standin", startup_timeout_s=60, stop_grace_s=5)
         srv.env = {**os.environ, "PYTHONPATH": os.getcwd()}
         with srv:
@@ -330,13 +434,13 @@ def probe_server_api_key(p: Probe) -> str:
 
 
 def probe_server_args_host(p: Probe) -> str:
-    server = {"engine": "vllm-server", "server_args": ["--enforce-eager", "--host", "0.0.0.0"]}
+    server = {"backend": "vllm-server", "server_args": ["--enforce-eager", "--host", "0.0.0.0"]}
     proc = p.snakemake("-n", "-p", "results/traces.jsonl", config=p.config({"generate": server}))
     if proc.returncode:
         return f"refused at start: {said(proc)}"
     proc = p.python(  # what the planned server would be started with
         """
-        from draftsmith.engines.server import server_command
+        from draftsmith.backends.server import server_command
         cmd = server_command("/m", 8000, extra_args=["--enforce-eager", "--host", "0.0.0.0"])
         print("planned; vLLM listens on", cmd[len(cmd) - 1 - cmd[::-1].index("--host") + 1])
         """
@@ -349,7 +453,7 @@ def probe_redirect_keeps_key(p: Probe) -> str:
         """
         import json, threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-        from draftsmith.engines.openai import OpenAIClient
+        from draftsmith.backends.openai import OpenAIClient
         seen = []
         class Other(BaseHTTPRequestHandler):
             def log_message(self, *a): pass
@@ -396,7 +500,7 @@ def probe_lock_file_link(p: Probe) -> str:
 def probe_mla_fp32_on_amx(p: Probe) -> str:
     proc = p.python(
         """
-        from draftsmith.engines import vllm_attention_backend
+        from draftsmith.backends import vllm_attention_backend
         print(vllm_attention_backend(True, "float32", True, True))
         """
     )
@@ -422,6 +526,14 @@ PROBES = {
     "manifest shard path ../../etc/passwd (verify)": probe_manifest_path_out_of_results,
     "manifest without shards (verify)": probe_manifest_without_shards,
     "manifest that is a list (verify)": probe_manifest_is_a_list,
+    "manifest shard without bytes (verify)": probe_manifest_without_bytes,
+    "manifest without min_teacher_agreement (verify)": probe_manifest_without_min_teacher_agreement,
+    "check-export: truncated model.safetensors": probe_truncated_safetensors,
+    "check-export: config.json that is a list": probe_export_config_is_a_list,
+    'check-export: hidden_size "48"': probe_hidden_size_as_a_string,
+    "check-export --target without config.json": probe_target_without_config,
+    "check-export --target without layer counts": probe_target_without_layer_count,
+    "vLLM engine that fails to start (extract --backend vllm)": probe_vllm_that_does_not_start,
     "vllm-server API key": probe_server_api_key,
     "server_args --host 0.0.0.0": probe_server_args_host,
     "openai engine, redirect to another origin": probe_redirect_keeps_key,

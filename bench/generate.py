@@ -1,4 +1,4 @@
-"""Generation throughput: the transformers engine (batched) vs a vLLM server (concurrent requests), paired.
+"""Generation throughput: the transformers back-end (batched) vs a vLLM server (concurrent requests), paired.
 
     python bench/generate.py [--prompts results/prompts/train.jsonl] [--num-prompts 32]
                              [--max-new-tokens 64] [--repeats 2] [--json results/bench/generate.json]
@@ -9,7 +9,7 @@ Every variant runs the real generate stage (`generate_traces`) on the same promp
 `--enforce-eager`, stopped before the next round so it takes no CPU from transformers) at each
 concurrency; a busy machine then slows both alike, and the per-round ratio vLLM / transformers is the
 paired comparison. Tokens/s counts the generated tokens over the generation time (model load and server
-start-up are reported apart). Run it on a quiet machine: the two engines use the cores differently.
+start-up are reported apart). Run it on a quiet machine: the two back-ends use the cores differently.
 
 Measured on a 2-core AVX2 EPYC (float32, 32 built-in prompts x 160 tokens, 2 rounds): transformers batch
 32 at 63.6 tok/s, the vLLM server (concurrency 32) at 107.0 tok/s, 1.68x, after a 44 s start-up; the
@@ -56,8 +56,8 @@ def run_variant(target: str, prompts: Path, work: Path, settings: GenerateSettin
 @click.option("--prompts", "prompts_path", default=str(BUILTIN_PROMPTS), show_default=True)
 @click.option("--num-prompts", default=32, show_default=True)
 @click.option("--max-new-tokens", default=64, show_default=True)
-@click.option("--batch-sizes", default="32", show_default=True, help="transformers engine.")
-@click.option("--concurrency", "concurrencies", default="32", show_default=True, help="server engine.")
+@click.option("--batch-sizes", default="32", show_default=True, help="transformers back-end.")
+@click.option("--concurrency", "concurrencies", default="32", show_default=True, help="server back-end.")
 @click.option("--repeats", default=2, show_default=True, help="Rounds; the variants alternate within each.")
 @click.option(
     "--dtype",
@@ -79,7 +79,7 @@ def main(
     server_args: str,
     json_path: str,
 ) -> None:
-    from draftsmith.engines.server import VllmServer
+    from draftsmith.backends.server import VllmServer
     from draftsmith.precision import compute_dtype
 
     dtype = compute_dtype(dtype)
@@ -94,9 +94,9 @@ def main(
     startups = []
     for r in range(repeats):
         for bs in _ints(batch_sizes):
-            settings = GenerateSettings(engine="transformers", batch_size=bs, **common)
+            settings = GenerateSettings(backend="transformers", batch_size=bs, **common)
             runs.append(
-                {"round": r, "engine": "transformers", "setting": f"batch {bs}"}
+                {"round": r, "backend": "transformers", "setting": f"batch {bs}"}
                 | run_variant(target, prompts, tmp / f"r{r}-hf{bs}", settings)
             )
         with VllmServer(
@@ -104,18 +104,18 @@ def main(
         ) as srv:
             startups.append(srv.startup_seconds)
             for c in _ints(concurrencies):
-                settings = GenerateSettings(engine="openai", base_url=srv.base_url, concurrency=c, **common)
+                settings = GenerateSettings(backend="openai", base_url=srv.base_url, concurrency=c, **common)
                 runs.append(
-                    {"round": r, "engine": "vllm server", "setting": f"concurrency {c}"}
+                    {"round": r, "backend": "vllm server", "setting": f"concurrency {c}"}
                     | run_variant(target, prompts, tmp / f"r{r}-srv{c}", settings)
                 )
-    variants = list(dict.fromkeys((x["engine"], x["setting"]) for x in runs))
+    variants = list(dict.fromkeys((x["backend"], x["setting"]) for x in runs))
     rows = []
-    for engine, setting in variants:
-        mine = [x for x in runs if (x["engine"], x["setting"]) == (engine, setting)]
+    for backend, setting in variants:
+        mine = [x for x in runs if (x["backend"], x["setting"]) == (backend, setting)]
         rows.append(
             {
-                "engine": engine,
+                "backend": backend,
                 "setting": setting,
                 "tokens": mine[0]["tokens"],
                 "tokens_per_second": statistics.median(x["tokens_per_second"] for x in mine),
@@ -128,7 +128,7 @@ def main(
         ratios = [
             x["tokens_per_second"] / base[x["round"]]["tokens_per_second"]
             for x in runs
-            if (x["engine"], x["setting"]) == (row["engine"], row["setting"])
+            if (x["backend"], x["setting"]) == (row["backend"], row["setting"])
         ]
         row["ratio_per_round"] = [round(q, 3) for q in ratios]
         row["ratio"] = round(statistics.median(ratios), 3)
@@ -136,10 +136,10 @@ def main(
         f"\n{len(lines[:num_prompts])} prompts x <= {max_new_tokens} new tokens, greedy, {dtype}, {repeats} rounds; "
         f"server start-up {statistics.median(startups):.0f}s"
     )
-    print(f"{'engine':<14}{'setting':<16}{'tokens':>8}{'tok/s':>8}{'ratio':>7}  per round")
+    print(f"{'backend':<14}{'setting':<16}{'tokens':>8}{'tok/s':>8}{'ratio':>7}  per round")
     for r in rows:
         print(
-            f"{r['engine']:<14}{r['setting']:<16}{r['tokens']:>8}{r['tokens_per_second']:>8.1f}{r['ratio']:>7.2f}"
+            f"{r['backend']:<14}{r['setting']:<16}{r['tokens']:>8}{r['tokens_per_second']:>8.1f}{r['ratio']:>7.2f}"
             f"  {r['per_round']}"
         )
     print(f"ratio = median over rounds of tok/s / that round's transformers {base_setting}")

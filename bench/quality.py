@@ -148,7 +148,7 @@ def vllm_figures(
     """The drafter in vLLM's EAGLE-3 decoding (greedy), every held-out set in one batch."""
     from transformers import AutoTokenizer
 
-    from draftsmith.engines.vllm_spec import run_vllm_subprocess
+    from draftsmith.backends.vllm_spec import run_vllm_subprocess
     from draftsmith.evaluate import encode_prompts, read_eval_prompts, vllm_prompt_counts
 
     tokenizer = AutoTokenizer.from_pretrained(target)

@@ -19,7 +19,7 @@ the bottleneck).
 
 `attention`: peak memory of the TTT attention (forward and backward of every TTT step, as training
 runs it) at --tokens tokens for a Kimi-K2.5-shaped drafter layer (head dim 128; 64 heads), the fused
-form (drafter.ttt_attention) against the materialised one it replaced (ttt_attention_reference). Each
+form (drafter.TTTKV / ttt_attention) against the materialised one it replaced (ttt_attention_reference). Each
 measurement runs in a fresh process and reports its peak resident memory above the inputs; on a CPU the
 head count is reduced (--heads) and the 64-head figure extrapolated from the linear fit over heads.
 
@@ -266,10 +266,9 @@ def attention_peak(fused: bool, heads: int, tokens: int, steps: int, threads: in
     128] fp32 inputs -> peak resident memory above the inputs (MiB) and seconds."""
     import resource
 
-    from draftsmith.drafter import ttt_attention, ttt_attention_reference
+    from draftsmith.drafter import TTTKV, ttt_attention_reference
 
     torch.set_num_threads(threads)
-    attend = ttt_attention if fused else ttt_attention_reference
     gen = torch.Generator().manual_seed(0)
 
     def draw() -> torch.Tensor:
@@ -282,7 +281,14 @@ def attention_peak(fused: bool, heads: int, tokens: int, steps: int, threads: in
     )
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
     t0 = time.perf_counter()
-    loss = sum(attend(qs[j], keys[: j + 1], values[: j + 1]).square().mean() for j in range(steps))
+    kv = TTTKV(steps=steps)  # as ttt_loss attends: one shared mask
+    if fused:
+        loss = sum(kv.attend(qs[j], keys[j], values[j]).square().mean() for j in range(steps))
+    else:
+        loss = sum(
+            ttt_attention_reference(qs[j], keys[: j + 1], values[: j + 1]).square().mean()
+            for j in range(steps)
+        )
     loss.backward()
     seconds = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

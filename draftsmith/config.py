@@ -54,7 +54,7 @@ SETTINGS_OPS = {
         "gpus",
         "gpu_memory_utilization",
     ),
-    "train": ("threads", "checkpoint_every", "loader_threads"),
+    "train": ("threads", "checkpoint_every", "loader_threads", "report_to"),
 }
 
 
@@ -148,6 +148,10 @@ def value_errors(config: dict[str, Any], section: str | None = None) -> list[str
     return lines
 
 
+# keys that were renamed: (section, old) -> new, named in the error a config with the old key gets
+RENAMED_KEYS = {("generate", "engine"): "backend", ("extract", "engine"): "backend"}
+
+
 def config_errors(config: dict[str, Any], sources: list[ConfigSource] | None = None) -> list[str]:
     """Every schema violation as one line naming the key path, e.g. "train.lr: 'big' is not of type
     'number'", and with `sources` where the key was set ("configs/x.yaml:12: train.lr: ...")."""
@@ -159,6 +163,10 @@ def config_errors(config: dict[str, Any], sources: list[ConfigSource] | None = N
         path = tuple(str(p) for p in err.absolute_path)
         where = ".".join(path) or "(top level)"
         line = f"{where}: {err.message}"
+        renamed = [f"{where}.{k} is now {where}.{RENAMED_KEYS[where, k]}" for k in err.instance
+                   if (where, k) in RENAMED_KEYS] if isinstance(err.instance, dict) else []  # fmt: skip
+        if renamed:
+            line += " (" + "; ".join(renamed) + ")"
         if sources and err.validator == "additionalProperties" and isinstance(err.instance, dict):
             # the unexpected key is the one whose file matters
             known = err.schema.get("properties", {})
@@ -385,11 +393,13 @@ def combination_errors(config: dict[str, Any]) -> list[str]:
             "prompts.path: prompts.source is dataset but no dataset is named (a local file or folder, or a "
             "Hub id owner/name)"
         )
-    if config["generate"]["engine"] == "openai" and not config["generate"]["base_url"]:
+    if config["generate"]["backend"] == "openai" and not config["generate"]["base_url"]:
         errors.append(
-            "generate.base_url: generate.engine is openai but no server is named "
+            "generate.base_url: generate.backend is openai but no server is named "
             "(e.g. http://127.0.0.1:8000/v1)"
         )
+    if config["prompts"]["code_prompts"] and not config["prompts"]["code_wheels"]:
+        errors.append("prompts.code_wheels: prompts.code_prompts asks for code prompts but names no wheel")
     evaluate = config["evaluate"]
     unknown = sorted(set(evaluate["set_num_prompts"]) - set(evaluate["heldout_sets"]))
     if unknown:

@@ -49,8 +49,9 @@ def read_metrics(path: str | Path | None) -> list[dict[str, Any]]:
 
 
 def _measurements(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """(measured by, results) of one held-out set: offline, then vLLM when it ran."""
-    return [("offline", results["offline"])] + ([("vLLM", results["vllm"])] if results.get("vllm") else [])
+    """(measured by, results) of one held-out set: offline when it ran, then vLLM when it ran."""
+    offline = [("offline", results["offline"])] if results.get("offline_measured", True) else []
+    return offline + ([("vLLM", results["vllm"])] if results.get("vllm") else [])
 
 
 def intervals(results: dict[str, Any], prompt_ids: list[str], settings: GateSettings) -> dict[str, Any]:
@@ -261,7 +262,7 @@ def summarize(
             name: {
                 "prompts": r["offline"]["prompts"],
                 "num_prompts": (r.get("vllm") or r["offline"])["num_prompts"],
-                "offline_prompts": r["offline"]["num_prompts"],
+                "offline_prompts": r["offline"]["num_prompts"] if r.get("offline_measured", True) else 0,
                 "max_new_tokens": r["offline"]["max_new_tokens"],
                 "plain_tokens": (r.get("vllm") or r["offline"])["plain"]["tokens"],
                 "vllm_measured": r.get("vllm") is not None,
@@ -273,7 +274,7 @@ def summarize(
         "temperature": off["temperature"],
         "level": settings.level,
         "vllm_measured": any(r.get("vllm") is not None for r in sets.values()),
-        "lossless": off["methods"]["eagle3"]["lossless"],
+        "lossless": off["methods"]["eagle3"].get("lossless"),
         "headline": headline(rows, sets),
         "projection": {"formula": PROJECTION_FORMULA, **projection} if projection else None,
         "rows": rows,
@@ -299,18 +300,23 @@ def summarize(
 def load_sets(offline: dict[str, str | Path], vllm: dict[str, str | Path]) -> dict[str, dict[str, Any]]:
     """Held-out set name -> {"offline": ..., "vllm": ... or None}, read from the files. With vLLM on, the
     offline run is the contract check on the first `evaluate.offline_num_prompts` of the prompts vLLM
-    decoded: a vLLM result without an offline one, or offline prompt ids that are not the first of
-    vLLM's, is an error."""
-    extra = sorted(set(vllm) - set(offline))
-    if extra:
-        raise ValueError(f"vLLM results for held-out set(s) {extra} without offline results")
+    decoded: offline prompt ids that are not the first of vLLM's are an error. Without any offline
+    measurement (evaluate.offline: false), vLLM's fills both places: the contract columns then compare
+    vLLM with itself, which the summary says (`offline_measured`)."""
+    if offline and set(vllm) - set(offline):
+        raise ValueError(
+            f"vLLM results for held-out set(s) {sorted(set(vllm) - set(offline))} without offline results"
+        )
     sets = {}
-    for name, path in offline.items():
-        off = json.loads(Path(path).read_text(encoding="utf-8"))
+    for name in offline or vllm:
         served = json.loads(Path(vllm[name]).read_text(encoding="utf-8")) if name in vllm else None
+        if not offline:
+            sets[name] = {"offline": served, "vllm": served, "offline_measured": False}
+            continue
+        off = json.loads(Path(offline[name]).read_text(encoding="utf-8"))
         if served is not None and served["prompt_ids"][: len(off["prompt_ids"])] != off["prompt_ids"]:
-            raise ValueError(f"{vllm[name]} and {path} decoded different prompts; rerun both")
-        sets[name] = {"offline": off, "vllm": served}
+            raise ValueError(f"{vllm[name]} and {offline[name]} decoded different prompts; rerun both")
+        sets[name] = {"offline": off, "vllm": served, "offline_measured": True}
     return sets
 
 
@@ -323,18 +329,17 @@ def summarize_files(
     metrics: str | Path | None,
     out: str | Path,
     settings: GateSettings,
-    tensorboard_dir: str | Path | None = None,
     vocab_path: str | Path | None = None,
     prompts_summary: str | Path | None = None,
     target_source: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Load the evaluation's inputs, summarise, and write summary.{json,tsv,html} and the plots to out
-    (and, with the tensorboard extra, event files to tensorboard_dir). The vocabulary map, the prompts
+    (training writes its TensorBoard curves itself, as it goes). The vocabulary map, the prompts
     stage's summary and the config's target section (`target_source`) go into the provenance."""
     from draftsmith.chat import template_fingerprint
     from draftsmith.cost import describe_ratio
     from draftsmith.export import check_against_target
-    from draftsmith.report import write_report, write_tensorboard
+    from draftsmith.report import write_report
     from draftsmith.target import load_tokenizer
 
     sets = load_sets(offline, vllm)
@@ -357,8 +362,4 @@ def summarize_files(
         sets, manifest, export_config, problems, fingerprint, rows, settings, projection, origin
     )
     write_report(out, summary, rows)
-    if tensorboard_dir is not None:
-        summary["tensorboard"] = (
-            str(tensorboard_dir) if write_tensorboard(tensorboard_dir, rows, summary) else None
-        )
     return summary

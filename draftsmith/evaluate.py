@@ -8,7 +8,7 @@
     evaluate_vllm      the same prompts (the same token ids) through vLLM's offline engine: plain, eagle3
                        with the trained and the untrained export, and vLLM's `ngram` method, every
                        held-out set in one batch, reading its spec-decode counters and per-request
-                       acceptance (draftsmith.engines.vllm_spec, one child process per method).
+                       acceptance (draftsmith.backends.vllm_spec, one child process per method).
 
 Both write JSON with the same per-method fields, so the summary (draftsmith.eval_summary) and the gate
 (draftsmith.gate) compare them directly: the headline figure, tokens per target forward with every step
@@ -496,7 +496,7 @@ def evaluate_vllm(
     where it differs from `num_prompts` (0 = all). tensor_parallel_size: the job's GPUs; enforce_eager:
     False = torch.compile and CUDA graphs, as served; gpu_memory_utilization: GPUs only; timeout_s: per
     vLLM run, load included."""
-    from draftsmith.engines.vllm_spec import run_vllm_speculative, run_vllm_subprocess
+    from draftsmith.backends.vllm_spec import run_vllm_speculative, run_vllm_subprocess
     from draftsmith.target import load_tokenizer
 
     if not vllm_available():
@@ -512,7 +512,7 @@ def evaluate_vllm(
     }
     if temperature > 0 and "temperature" not in inspect.signature(run_vllm_speculative).parameters:
         raise VllmUnavailable(
-            "the vLLM runner (draftsmith/engines/vllm_spec.py) decodes greedily only, so it cannot measure "
+            "the vLLM runner (draftsmith/backends/vllm_spec.py) decodes greedily only, so it cannot measure "
             f"temperature {temperature}; set evaluate.temperature: 0, or evaluate.vllm: false to sample "
             "offline only"
         )

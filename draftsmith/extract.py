@@ -4,8 +4,8 @@ No lm_head runs in the capture pass. The teacher-agreement check (does argmax(lm
 equal the trace's next token?) runs afterwards on the masked positions only: it is the check that
 catches wrong layers, a missing final norm or a template mismatch before anyone trains.
 
-Two engines produce the same samples: `transformers` (engines/hf.py: in-process, hooks, length-bucketed
-right-padded batches, optionally compiled) and `vllm` (engines/vllm_extract.py: vLLM's
+Two back-ends produce the same samples: `transformers` (backends/hf.py: in-process, hooks, length-bucketed
+right-padded batches, optionally compiled) and `vllm` (backends/vllm_extract.py: vLLM's
 extract_hidden_states, tensor parallel). The shard streams out through a background writer; until it is
 complete only hidden `.shard-k.safetensors.*` files exist, and the next run of the shard removes them.
 """
@@ -13,6 +13,7 @@ complete only hidden `.shard-k.safetensors.*` files exist, and the next run of t
 from __future__ import annotations
 
 import errno
+import logging
 import shutil
 import tempfile
 import time
@@ -37,6 +38,8 @@ from draftsmith.precision import compute_dtype
 from draftsmith.shards import Sample, ShardWriter, as_stored, remove_stale_temp_files
 from draftsmith.target import text_config_dict
 from draftsmith.tokenize import load_tokens
+
+log = logging.getLogger(__name__)
 
 
 def disk_full(err: BaseException | None) -> bool:
@@ -99,18 +102,18 @@ PROBE_SHARE = 0.25  # the probe times up to this share of a shard (reused: costs
 COMPILE_MIN_SECONDS = 300.0  # "auto" compiles when eager compute would take longer than this
 
 
-def should_compile(mode: str, engine: str, eager_seconds: float) -> bool:
+def should_compile(mode: str, backend: str, eager_seconds: float) -> bool:
     """torch.compile pays off on CPU (fused elementwise kernels) once a shard outlasts its one-off
-    compile time (minutes on 2 cores); "auto" compiles only then, and only the transformers engine."""
+    compile time (minutes on 2 cores); "auto" compiles only then, and only the transformers back-end."""
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"compile must be auto, on or off, not {mode!r}")
-    if engine != "transformers":
+    if backend != "transformers":
         return False
     return mode == "on" or (mode == "auto" and eager_seconds >= COMPILE_MIN_SECONDS)
 
 
-def make_engine(
-    engine: str,
+def make_extractor(
+    backend: str,
     target: str,
     layer_ids: list[int],
     dtype: str,
@@ -120,14 +123,14 @@ def make_engine(
     vllm_eager: bool = True,
     gpu_memory_utilization: float | None = None,
 ):
-    """An extraction engine: `.capture(list of [T] ids) -> [(aux [T, A, H], final [T, H])]`,
+    """An extraction back-end: `.capture(list of [T] ids) -> [(aux [T, A, H], final [T, H])]`,
     `.lm_head_weight`, `.close()`."""
-    if engine == "transformers":
-        from draftsmith.engines.hf import HfExtractor
+    if backend == "transformers":
+        from draftsmith.backends.hf import HfExtractor
 
         return HfExtractor.from_target(target, layer_ids, dtype)
-    if engine == "vllm":
-        from draftsmith.engines.vllm_extract import VllmExtractor
+    if backend == "vllm":
+        from draftsmith.backends.vllm_extract import VllmExtractor
 
         return VllmExtractor(
             target,
@@ -139,7 +142,7 @@ def make_engine(
             enforce_eager=vllm_eager,
             gpu_memory_utilization=gpu_memory_utilization if gpus else None,  # GPUs only
         )
-    raise ValueError(f"unknown extraction engine {engine!r}; expected transformers or vllm")
+    raise ValueError(f"unknown extraction back-end {backend!r}; expected transformers or vllm")
 
 
 def temp_prefix(out_path: str | Path) -> str:
@@ -159,15 +162,15 @@ def extract_shard(
     zstd_level: int = 1,
     threads: int | None = None,
     storage_dtype: str = "bfloat16",
-    engine: str = "transformers",
+    backend: str = "transformers",
     compile: str = "auto",
     gpus: int = 0,
     vllm_eager: bool = True,
     extractor=None,
     gpu_memory_utilization: float | None = None,
 ) -> dict[str, Any]:
-    """Extract one shard. `out_path=None` computes everything but writes nothing, and `extractor` is an
-    engine to reuse (left open), both for benchmarks."""
+    """Extract one shard. `out_path=None` computes everything but writes nothing, and `extractor` is a
+    back-end to reuse (left open), both for benchmarks."""
     if threads:
         torch.set_num_threads(threads)
     dtype = compute_dtype(dtype, "cuda" if gpus else "cpu")
@@ -192,15 +195,14 @@ def extract_shard(
         # A killed earlier run of this shard may have left its hidden temporary files behind.
         remove_stale_temp_files(out_path)
     scratch = Path(tempfile.mkdtemp(prefix=temp_prefix(out_path or f"shard-{shard}") + "job-", dir=workdir))
-    print(
-        f"extract shard {shard}: samples {start}..{end - 1}, aux layers {layer_ids} (input convention) "
-        f"+ final normed state, {engine} engine, {dtype} compute, {storage_dtype} storage, codec {codec}",
-        flush=True,
-    )
-    own_engine = extractor is None
-    if own_engine:
-        extractor = make_engine(
-            engine, target, layer_ids, dtype, gpus, max(lengths) + 1, scratch, vllm_eager=vllm_eager,
+    log.info(
+        "extract shard %d: samples %d..%d, aux layers %s (input convention) + final normed state, %s back-end, "
+        "%s compute, %s storage, codec %s", shard, start, end - 1, layer_ids, backend, dtype, storage_dtype, codec,
+    )  # fmt: skip
+    own_backend = extractor is None
+    if own_backend:
+        extractor = make_extractor(
+            backend, target, layer_ids, dtype, gpus, max(lengths) + 1, scratch, vllm_eager=vllm_eager,
             gpu_memory_utilization=gpu_memory_utilization,
         )  # fmt: skip
     writer, estimate = None, {}
@@ -217,14 +219,14 @@ def extract_shard(
         )
         lines, estimate = estimate_lines(total_tokens, len(layer_ids) + 1, hidden, measured, storage_dtype)
         for line in lines:
-            print(f"extract shard {shard}: estimate: {line}", flush=True)
+            log.info("extract shard %d: estimate: %s", shard, line)
         if out_path:
             check_free_disk(Path(out_path).parent, estimate["compressed_bytes"], codec, storage_dtype)
         compile_seconds = None
-        if should_compile(compile, engine, estimate["seconds"]) and not extractor.compiled:
-            print(f"extract shard {shard}: compiling the forward (torch.compile, one-off)...", flush=True)
+        if should_compile(compile, backend, estimate["seconds"]) and not extractor.compiled:
+            log.info("extract shard %d: compiling the forward (torch.compile, one-off)...", shard)
             compile_seconds = extractor.compile()
-            print(f"extract shard {shard}: compiled in {compile_seconds:.0f}s", flush=True)
+            log.info("extract shard %d: compiled in %.0fs", shard, compile_seconds)
         sources = meta.get("sample_sources") or ["regenerated"] * len(meta["sample_ids"])
         if out_path:
             writer = ShardWriter(
@@ -263,7 +265,7 @@ def extract_shard(
             round(total_tokens / stats["seconds"], 1) if stats["seconds"] > 0 else None
         )
         stats |= {
-            "engine": engine,
+            "backend": backend,
             "compute_dtype": dtype,
             "compile_seconds": compile_seconds,
             "estimate": estimate,
@@ -291,7 +293,7 @@ def extract_shard(
             ) from None
         raise
     finally:
-        if own_engine:
+        if own_backend:
             extractor.close()
         shutil.rmtree(scratch, ignore_errors=True)
     stats["wall_seconds_with_write"] = round(time.perf_counter() - t0 + probe_seconds, 2)
@@ -306,12 +308,11 @@ def extract_shard(
             f"{human_bytes(estimate['compressed_bytes'])})"
         )
     agreement = stats["teacher_agreement"]
-    print(
+    log.info(
         f"extract shard {shard}: {total_tokens:,} tokens in {human_seconds(stats['seconds'])} "
         f"(estimate {human_seconds(estimate['seconds'])}{', eager' if compile_seconds else ''}; "
         f"{stats['tokens_per_second']} tok/s), teacher agreement "
-        f"{'n/a' if agreement is None else f'{agreement:.4f}'} over {stats['teacher_checked']:,} positions{size}",
-        flush=True,
+        f"{'n/a' if agreement is None else f'{agreement:.4f}'} over {stats['teacher_checked']:,} positions{size}"
     )
     return stats
 

@@ -80,7 +80,11 @@ def _status(ok: bool, blocking: bool = True) -> str:
 
 @from_schema(
     "evaluate",
-    paths={"modes": "evaluate.gate", "level": "evaluate.interval_level", "resamples": "evaluate.bootstrap_resamples"},
+    paths={
+        "modes": "evaluate.gate",
+        "level": "evaluate.interval_level",
+        "resamples": "evaluate.bootstrap_resamples",
+    },
 )
 class GateSettings:
     """What the gate judges with: which checks block (evaluate.gate, every check given its mode), the
@@ -340,7 +344,8 @@ def check_tau_gap(
         "results/eval/offline.json and vllm.json per position"
     )
     if not offline or not vllm:
-        return Check(f"tau_gap ({label})", "skip", "vLLM not measured", "-", where, blocking)
+        missing = "vLLM" if offline else "the offline decoder (evaluate.offline)"
+        return Check(f"tau_gap ({label})", "skip", f"{missing} not measured", "-", where, blocking)
     gap = abs(vllm["tau"] - offline["tau"])
     tol = max_gap if max_gap is not None else tau_tolerance(offline["accepted_per_step"], vllm["drafts"])
     return Check(
@@ -572,6 +577,9 @@ def diagnose(
         check_export_convention(export_problems, export_config, manifest, ENGINE_CONVENTIONS[engine]),
     ]
     for heldout, results in sets.items():
+        if not results.get("offline_measured", True):  # evaluate.offline: false: nothing to compare with
+            contract.append(_on_set(check_tau_gap(key, None, None, settings.max_tau_gap), heldout))
+            continue
         off, vllm = results["offline"]["methods"], (results.get("vllm") or {}).get("methods", {})
         ids = results["offline"]["prompt_ids"]
         gap = check_tau_gap(key, off[key], on_prompts(vllm.get(key), ids), settings.max_tau_gap)

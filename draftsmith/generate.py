@@ -1,7 +1,7 @@
 """Generation stage: every prompt answered by the target, appended line by line, resumable.
 
-The engine (transformers in-process, an OpenAI-compatible server, or a vLLM server this stage starts)
-comes from `engines.open_engine`; this module does not depend on which.
+The back-end (transformers in-process, an OpenAI-compatible server, or a vLLM server this stage
+starts) comes from `backends.open_backend`; this module does not depend on which.
 
 Work goes to `<out>.partial`: one JSON line per finished conversation, written whole by one thread,
 flushed and fsynced. A rerun after a crash or kill keeps every complete line (a torn last line is cut)
@@ -38,11 +38,11 @@ from typing import Any
 from tqdm import tqdm
 
 from draftsmith.atomic import atomic_path, write_json, write_jsonl
+from draftsmith.backends import Answer, Failure, open_backend
+from draftsmith.backends.openai import EndpointError
+from draftsmith.backends.server import ServerError
 from draftsmith.chat import render_prompt, template_fingerprint
 from draftsmith.config import SETTINGS_OPS
-from draftsmith.engines import Answer, Failure, open_engine
-from draftsmith.engines.openai import EndpointError
-from draftsmith.engines.server import ServerError
 from draftsmith.prompts import PromptError, conversation_answers, read_prompt_file
 from draftsmith.settings import from_schema
 
@@ -60,12 +60,12 @@ class GenerateSettings:
     """The `generate` config section with its operational knobs (resources.generate) and the target's
     dtype; defaults, choices and meanings in config.schema.yaml."""
 
-    engine: str
+    backend: str
     max_new_tokens: int
     temperature: float
     top_p: float
     seed: int
-    dtype: str  # target.dtype; the engine resolves auto for its device (precision.compute_dtype)
+    dtype: str  # target.dtype; the back-end resolves auto for its device (precision.compute_dtype)
     batch_size: int
     batch_tokens: int
     base_url: str | None
@@ -80,7 +80,9 @@ class GenerateSettings:
     server_args: list[str]
     server_host: str
     server_startup_timeout_s: float
-    gpus: int  # the job's GPUs (resources.generate.gpus): the vllm-server engine is tensor parallel over them
+    gpus: (
+        int  # the job's GPUs (resources.generate.gpus): the vllm-server back-end is tensor parallel over them
+    )
     gpu_memory_utilization: float
     reasoning: str
     multi_turn: str
@@ -91,12 +93,12 @@ class GenerateSettings:
     devices: list[str] | None = None  # vllm-server: the job's GPU ids (not a config key); None = inherited
 
     def check(self) -> None:
-        """What the schema cannot say: the openai engine needs an endpoint."""
-        if self.engine == "openai" and not self.base_url:
-            raise ValueError("generate.base_url is required with engine 'openai' (e.g. http://host:8000/v1)")
+        """What the schema cannot say: the openai back-end needs an endpoint."""
+        if self.backend == "openai" and not self.base_url:
+            raise ValueError("generate.base_url is required with backend 'openai' (e.g. http://host:8000/v1)")
 
     def sampling(self) -> dict[str, Any]:
-        """The request's sampling fields (same meaning as the transformers engine's)."""
+        """The request's sampling fields (same meaning as the transformers back-end's)."""
         return {
             "max_tokens": self.max_new_tokens,
             "temperature": self.temperature,
@@ -235,7 +237,7 @@ def answer_record(answer: Answer, prompt_ids: list[int] | None) -> dict[str, Any
     return rec
 
 
-def trace_row(conv: Conversation, engine: str, model: str, template: str) -> dict[str, Any]:
+def trace_row(conv: Conversation, backend: str, model: str, template: str) -> dict[str, Any]:
     """The traces.jsonl line of a finished conversation."""
     final_ids = conv.prompt_ids[-1] if conv.prompt_ids else None
     row: dict[str, Any] = {"id": conv.id, "messages": conv.context(len(conv.answers) - 1)}
@@ -245,7 +247,7 @@ def trace_row(conv: Conversation, engine: str, model: str, template: str) -> dic
             answer_record(a, ids) for a, ids in zip(conv.answers[:-1], conv.prompt_ids, strict=False)
         ]
     row["source"] = "regenerated"
-    row["engine"], row["model"], row["template"] = engine, model, template
+    row["backend"], row["model"], row["template"] = backend, model, template
     return row
 
 
@@ -277,7 +279,7 @@ def original_row(prompt: dict, template: str) -> dict[str, Any] | None:
     row: dict[str, Any] = {"id": prompt["id"], "messages": context, **record(last)}
     if len(answers) > 1:
         row["turns"] = [record(i) for i in answers[:-1]]
-    row |= {"source": "original", "engine": "dataset", "model": None, "template": template}
+    row |= {"source": "original", "backend": "dataset", "model": None, "template": template}
     return row
 
 
@@ -341,7 +343,7 @@ class Progress:
         )  # fmt: skip
 
     def tokens(self, n: int) -> None:
-        """n more tokens generated (an engine reports them as they come)."""
+        """n more tokens generated (a back-end reports them as they come)."""
         self.n += n
         self.bar.update(n)
 
@@ -431,7 +433,7 @@ def generate_traces(
                 )
     log.info(
         "generate (%s): %d prompts, %d already done, %d with their original answers, %d to go",
-        settings.engine,
+        settings.backend,
         len(prompts),
         len(done),
         len(originals),
@@ -441,14 +443,14 @@ def generate_traces(
     failures: dict[str, Failure] = {}
     by_id = {c.id: c for c in todo}
     generated, new_tokens = 0, 0
-    fatal, engine = None, None
+    fatal, backend = None, None
     sink = TraceSink(partial_path)
-    for pid, row in originals.items():  # the dataset's answers need no engine
+    for pid, row in originals.items():  # the dataset's answers need no back-end
         sink.write(row)
         done[pid] = row
-    if todo:  # everything answered already (or by the dataset): start no engine
+    if todo:  # everything answered already (or by the dataset): start no back-end
         try:
-            engine = open_engine(
+            backend = open_backend(
                 settings, target, render, fingerprint, server_log or str(out.with_name("vllm-server.log"))
             )
         except (EndpointError, ServerError) as err:
@@ -457,27 +459,27 @@ def generate_traces(
     bar = Progress(sum(len(c.points) for c in todo), settings.max_new_tokens, enabled=progress)
     start = time.perf_counter()  # after loading the model or starting the server
     try:
-        for conv, failure in engine.results(todo, bar.tokens) if engine else ():
+        for conv, failure in backend.results(todo, bar.tokens) if backend else ():
             if failure is not None:
                 if failure.kind == "oversized" and settings.oversized_prompts == "error":
                     failure.kind = "error"
                 failures[conv.id] = failure
                 bar.finished(0, 0, dropped=len(conv.points))
             else:
-                row = trace_row(conv, settings.engine, engine.model, fingerprint)
+                row = trace_row(conv, settings.backend, backend.model, fingerprint)
                 sink.write(row)
                 done[conv.id] = row
                 tokens = sum(a.completion_tokens for a in conv.answers)
                 new_tokens, generated = new_tokens + tokens, generated + 1
                 bar.finished(len(conv.answers), tokens)
-        fatal = engine.stopped if engine else None
+        fatal = backend.stopped if backend else None
     except EndpointError as err:
         fatal = str(err)
     finally:
         sink.close()
         bar.close()
-        if engine:
-            engine.close()
+        if backend:
+            backend.close()
     elapsed = time.perf_counter() - start
 
     error_rows = [
@@ -511,13 +513,13 @@ def generate_traces(
     partial_path.unlink(missing_ok=True)
     skipped = Counter(f.kind for f in failures.values() if f.kind != "error")
     summary = {
-        "engine": settings.engine,
-        "model": engine.model if engine else str(target),
+        "backend": settings.backend,
+        "model": backend.model if backend else str(target),
         **summarize(rows, generated, new_tokens, elapsed),
         "errors": n_errors,
         "skipped": dict(skipped),
-        "server_startup_seconds": round(engine.startup_seconds, 1)
-        if engine and engine.startup_seconds
+        "server_startup_seconds": round(backend.startup_seconds, 1)
+        if backend and backend.startup_seconds
         else None,
         "template": fingerprint,
         "errors_file": str(errors_file),

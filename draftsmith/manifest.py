@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -19,6 +20,8 @@ from draftsmith import __version__
 from draftsmith.atomic import write_json
 from draftsmith.shards import ShardError, read_header, read_shard_meta, verify_shard
 from draftsmith.target import text_config_dict
+
+log = logging.getLogger(__name__)
 
 MANIFEST_VERSION = 2  # 2: content_sha256 per shard
 # A manifest is data: the shard paths it lists are followed only inside its own folder and the folders
@@ -168,11 +171,10 @@ def build_manifest(
         )
     write_json(out_path, manifest)
     by_source = manifest["teacher_agreement_by_source"] or {"regenerated": manifest["teacher_agreement"]}
-    print(
+    log.info(
         f"manifest: {manifest['num_samples']} samples, {manifest['num_tokens']} tokens, "
         f"{manifest['bytes'] / 1e6:.1f} MB in {len(shards)} shards, teacher agreement by source "
-        + ", ".join(f"{k} {'n/a' if v is None else f'{v:.4f}'}" for k, v in by_source.items()),
-        flush=True,
+        + ", ".join(f"{k} {'n/a' if v is None else f'{v:.4f}'}" for k, v in by_source.items())
     )
     return manifest
 

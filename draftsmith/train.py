@@ -9,13 +9,15 @@ is softmax(lm_head(f_t))). The drafter learns, for every position t at once:
 
 with teacher softmax(W_d f_{t+1+j}) over the draft vocabulary (W_d = the target's lm_head rows of the
 draft ids). Step j counts only where t+2+j < T and x_{t+2+j} is an assistant token (loss_mask); its
-soft cross-entropy is averaged over those positions and weighted ttt_decay**j. One `TTTKV` per forward
-gives step j at t the keys a cached drafter would see (drafter.py).
+soft cross-entropy (or an LK loss of the expected acceptance) is averaged over those positions and
+weighted ttt_decay**j (or ttt_step_weights[j]). One `TTTKV` per forward gives step j at t the keys a
+cached drafter would see (drafter.py).
 
 References: EAGLE `eagle/traineagle3/cnets.py` (7 steps, 0.8**j, soft CE to the target softmax, position
 ids + j, AdamW betas (0.9, 0.95)); SpecForge `training/strategies/base.py` (ttt_length 7, 0.8**j, cosine
 schedule, grad clip 0.5); speculators `models/eagle3/core.py` + `train/noise_transforms.py` (teacher
-restricted to the draft vocabulary, uniform noise 0.05 on the aux states).
+restricted to the draft vocabulary, uniform noise 0.05 on the aux states; `train/optimizers.py`: Muon
+for the weight matrices); SpecForge `core/lk_loss.py` and arXiv 2602.23881 (the LK losses).
 
 Around this file: loader.py streams the batches, distributed.py holds the data-parallel process group,
 checkpoints.py decides what to resume and saves. Layout here: settings -> the objective (`Objective`,
@@ -31,7 +33,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,7 @@ from torch import Tensor
 
 from draftsmith.atomic import atomic_dir, write_json, write_jsonl
 from draftsmith.checkpoints import Run, open_run, resume_key
+from draftsmith.config import SETTINGS_OPS
 from draftsmith.distributed import Dist, init_distributed, launch_rank
 from draftsmith.drafter import TTTKV, DrafterConfig, Eagle3Drafter, describe, param_count
 from draftsmith.export import check_export, save_drafter
@@ -51,6 +54,7 @@ from draftsmith.manifest import DataError, load_manifest
 from draftsmith.precision import train_precision
 from draftsmith.settings import from_schema
 from draftsmith.target import TargetHead, load_target_head
+from draftsmith.tracking import Curves, missing_trackers
 from draftsmith.vocab import load_vocab_map
 
 log = logging.getLogger(__name__)
@@ -73,7 +77,7 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
     return contextlib.nullcontext()
 
 
-@from_schema("train", ops=("threads", "checkpoint_every", "loader_threads"), unset=("threads",))
+@from_schema("train", ops=SETTINGS_OPS["train"], unset=("threads",))
 class TrainSettings:
     """The `train` config section and the train job's operational knobs; defaults, choices and meanings
     in config.schema.yaml (the objective and optimiser choices were picked by bench/ablate.py)."""
@@ -87,7 +91,11 @@ class TrainSettings:
     batch_tokens: int  # token budget per optimizer step (padded size of a batch of whole samples)
     max_seq_len: int  # longer samples are truncated
     ttt_steps: int
-    ttt_decay: float  # step j weighs ttt_decay**j
+    ttt_decay: float  # step j weighs ttt_decay**j ...
+    ttt_step_weights: list[float] | None  # ... unless given here, one per step
+    lk_loss: str  # none | alpha | lambda: train on the expected acceptance too (LK losses)
+    lk_kl_scale: float
+    lk_kl_decay: float
     noise_std: float  # uniform noise U(-std, std) on the aux states
     val_fraction: float  # held-out samples, chosen by a hash of the sample id
     seed: int
@@ -96,6 +104,9 @@ class TrainSettings:
     loss_norm: str
     mask_offset: int
     adam_beta2: float
+    optimizer: str  # adamw | muon (Muon for the weight matrices, AdamW for the rest)
+    muon_lr_scale: float
+    muon_weight_decay: float
     loss_positions: str
     layer_init: str
     ttt_prefix: str
@@ -105,6 +116,16 @@ class TrainSettings:
     threads: int | None  # torch.set_num_threads; None = torch's choice (the rule passes the job's)
     checkpoint_every: int  # also checkpoint every N steps (always at epoch ends); 0 = epoch ends only
     loader_threads: int  # background threads decoding the next batches; 0 = decode in the loop
+    report_to: list[str]  # trackers besides TensorBoard that get the live curves (wandb, mlflow)
+
+    def check(self) -> None:
+        weights = self.ttt_step_weights
+        if weights is not None and len(weights) != self.ttt_steps:
+            raise ValueError(f"train.ttt_step_weights: {len(weights)} weights for ttt_steps {self.ttt_steps}")
+        missing = missing_trackers(self.report_to)
+        if missing:
+            names = ", ".join(missing)
+            raise ValueError(f"resources.train.report_to: {names} not installed (pip install {names})")
 
 
 # --------------------------------------------------------------------------------------------- objective
@@ -200,7 +221,7 @@ class Objective:
     view validation scores: what a cached drafter sees at inference, on answer tokens."""
 
     ttt_steps: int
-    step_weights: tuple[float, ...]  # step j's loss weight: ttt_decay**j
+    step_weights: tuple[float, ...]  # step j's loss weight
     precision: str  # "bf16" (matmuls under autocast) or "fp32"
     mask_offset: int  # see ttt_step_targets
     loss_norm: str  # "position": step mean over valid positions; "sample": per-sample sum / length
@@ -208,12 +229,17 @@ class Objective:
     ttt_prefix: str  # "accepted": step j sees step-0 keys <= t (inference); "lagged": <= t-j (SpecForge)
     ttt_positions: str  # "advance": step j rotates by t+j (vLLM's draft positions); "fixed": by t
     noise_std: float  # uniform noise on the aux states (train_step draws it)
+    lk_loss: str  # "none": soft cross-entropy; "alpha" / "lambda": the LK losses (see `ttt_loss`)
+    lk_kl_scale: float
+    lk_kl_decay: float
 
     @classmethod
     def from_settings(cls, settings: TrainSettings, device: torch.device | str | None = None) -> Objective:
         return cls(
             ttt_steps=settings.ttt_steps,
-            step_weights=tuple(settings.ttt_decay**j for j in range(settings.ttt_steps)),
+            step_weights=tuple(
+                settings.ttt_step_weights or (settings.ttt_decay**j for j in range(settings.ttt_steps))
+            ),
             precision=train_precision(settings.precision, device),
             mask_offset=settings.mask_offset,
             loss_norm=settings.loss_norm,
@@ -221,14 +247,18 @@ class Objective:
             ttt_prefix=settings.ttt_prefix,
             ttt_positions=settings.ttt_positions,
             noise_std=settings.noise_std,
+            lk_loss=settings.lk_loss,
+            lk_kl_scale=settings.lk_kl_scale,
+            lk_kl_decay=settings.lk_kl_decay,
         )
 
     def for_validation(self) -> Objective:
         """The same steps, weights and precision with every training-only option at the inference view:
         no noise, answer positions only (mask offset 2), each valid position alike, the accepted prefix at
-        advancing positions. So validation figures compare across training variants."""
+        advancing positions, the soft cross-entropy. So validation figures compare across variants."""
         return replace(
             self,
+            lk_loss="none",
             mask_offset=EVAL_MASK_OFFSET,
             loss_norm="position",
             loss_positions="assistant",
@@ -257,6 +287,9 @@ def ttt_loss(
     batch: Batch,
     objective: Objective,
     step_counts: list[int] | None = None,
+    *,
+    draft_mass: Tensor | None = None,
+    all_sum: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, StepStats]:
     """The EAGLE-3 TTT objective on a batch -> (weighted loss, stats).
 
@@ -266,6 +299,14 @@ def ttt_loss(
     valid positions, i.e. the mean; "sample": its samples, each position weighted 1/its sample's length,
     as SpecForge). Data-parallel ranks pass the counts summed over all ranks' slices, so their losses add
     up to the whole batch's. The aux states are used as given (train_step adds the noise).
+
+    The LK losses (objective.lk_loss) replace each position's cross-entropy by a term of its expected
+    acceptance alpha = sum_x min(p(x), q(x)), where q is the drafter's distribution and p the target's
+    restricted to the draft vocabulary: the renormalised teacher times `draft_mass` [B, T], the target's
+    probability mass on the draft vocabulary at each position (`draft_mass`; None: 1). "alpha": -log(alpha);
+    "lambda": w * cross-entropy + (1 - w) * (1 - alpha), w = lk_kl_scale * exp(-lk_kl_decay * the step's
+    mean alpha over the whole batch, `all_sum` adding the ranks' sums; not differentiated). The stats
+    keep the cross-entropy, so that its figures compare with and without them.
     """
     B, T = batch.input_ids.shape
     device = batch.input_ids.device
@@ -273,7 +314,7 @@ def ttt_loss(
     loss_mask = objective.trained_mask(batch)
     positions = torch.arange(T, device=device).expand(B, T)
     # one per forward: step j attends to step-0 keys <= t (lagged: <= t-j) and its own earlier steps at t
-    kv = TTTKV(prefix_lag=objective.ttt_prefix == "lagged")
+    kv = TTTKV(prefix_lag=objective.ttt_prefix == "lagged", steps=objective.ttt_steps)
     advance = objective.ttt_positions == "advance"
     stats = StepStats.zeros(objective.ttt_steps)
     stats.tokens = batch.num_tokens
@@ -289,6 +330,8 @@ def ttt_loss(
             hidden = drafter.midlayer(embeds, hidden, step_positions, kv)  # recurrent state for step j+1
         b, t = valid.nonzero(as_tuple=True)
         if b.numel() == 0:
+            if objective.lk_loss == "lambda":
+                batch_acceptance(torch.zeros(0, device=device), all_sum)  # every rank sums as often
             continue
         with amp:
             logits = drafter.lm_head(drafter.norm(hidden[b, t]))  # [N, Vd]
@@ -307,6 +350,9 @@ def ttt_loss(
         per_position = -(p * logp).sum(-1)  # soft cross-entropy
         stats.loss_sum[j] = float(per_position.detach().sum())
         stats.count[j] = int(b.numel())
+        if objective.lk_loss != "none":
+            mass = draft_mass[b, src[t]] if draft_mass is not None else None
+            per_position = lk_terms(per_position, logp, p, mass, objective, all_sum)
         if objective.loss_norm == "sample":
             per_position = per_position / batch.lengths[b].to(per_position.dtype)
         if step_counts is not None:
@@ -315,6 +361,44 @@ def ttt_loss(
             denominator = B if objective.loss_norm == "sample" else b.numel()
         total = total + objective.step_weights[j] * per_position.sum() / denominator
     return total, stats
+
+
+def lk_terms(
+    cross_entropy: Tensor,
+    logp: Tensor,
+    p: Tensor,
+    mass: Tensor | None,
+    objective: Objective,
+    all_sum: Callable[[Tensor], Tensor] | None,
+) -> Tensor:
+    """One TTT step's per-position LK loss terms [N] (see `ttt_loss`) from its cross-entropy [N], the
+    drafter's log-probabilities [N, Vd], the renormalised teacher [N, Vd] and its draft-vocabulary mass [N]."""
+    target = p if mass is None else p * mass[:, None]
+    alpha = torch.minimum(target, logp.exp()).sum(-1)  # expected acceptance of each position
+    if objective.lk_loss == "alpha":
+        return -torch.log(alpha.clamp_min(torch.finfo(alpha.dtype).tiny))
+    weight = objective.lk_kl_scale * torch.exp(-objective.lk_kl_decay * batch_acceptance(alpha, all_sum))
+    return weight * cross_entropy + (1 - weight) * (1 - alpha)
+
+
+def batch_acceptance(alpha: Tensor, all_sum: Callable[[Tensor], Tensor] | None) -> Tensor:
+    """The mean of alpha [N] over every rank's positions, not differentiated (0 without positions)."""
+    sums = torch.stack([alpha.detach().sum(), torch.tensor(float(alpha.numel()), device=alpha.device)])
+    if all_sum is not None:
+        sums = all_sum(sums)
+    return sums[0] / sums[1].clamp_min(1)
+
+
+@torch.no_grad()
+def draft_mass(final: Tensor, teacher_weight: Tensor, lm_head: Tensor, rows: int = 1024) -> Tensor:
+    """final [B, T, Ht] -> [B, T]: the target's probability of the next token falling in the draft
+    vocabulary, exp(logsumexp of the draft rows' logits - logsumexp of all), `rows` positions at a time."""
+    flat = final.reshape(-1, final.shape[-1]).float()
+    parts = [
+        torch.logsumexp(f @ teacher_weight.T, -1) - torch.logsumexp(f @ lm_head.T, -1)
+        for f in flat.split(rows)
+    ]
+    return torch.cat(parts).exp().view(final.shape[:-1])
 
 
 def real_positions(lengths: Tensor, T: int) -> Tensor:
@@ -384,12 +468,26 @@ def build_drafter(
 
 class DraftingLoss(torch.nn.Module):
     """The drafter and the frozen target tensors it learns from: forward = `ttt_loss`, so one module
-    call computes the loss (what a data-parallel wrapper needs to see). embed and teacher are plain
-    attributes, not parameters or buffers: never trained, saved or synchronised."""
+    call computes the loss (what a data-parallel wrapper needs to see). embed, teacher and lm_head (the
+    target's whole head, for the LK losses' draft-vocabulary mass; None: not needed) are plain attributes,
+    not parameters or buffers: never trained, saved or synchronised. all_sum adds a tensor over ranks."""
 
-    def __init__(self, drafter: Eagle3Drafter, embed: Tensor, teacher: Tensor):
+    def __init__(
+        self,
+        drafter: Eagle3Drafter,
+        embed: Tensor,
+        teacher: Tensor,
+        lm_head: Tensor | None = None,
+        all_sum: Callable[[Tensor], Tensor] | None = None,
+    ):
         super().__init__()
-        self.drafter, self.embed, self.teacher = drafter, embed, teacher
+        self.drafter, self.embed, self.teacher, self.lm_head, self.all_sum = (
+            drafter,
+            embed,
+            teacher,
+            lm_head,
+            all_sum,
+        )
 
     def forward(
         self, batch: Batch | None, objective: Objective, step_counts: list[int] | None = None
@@ -397,21 +495,79 @@ class DraftingLoss(torch.nn.Module):
         """batch None (a data-parallel rank without a share of this batch): a loss of 0 whose gradient
         is 0 for every parameter, so that this rank still takes part in the gradient sum."""
         if batch is None:
+            if objective.lk_loss == "lambda":  # the other ranks sum each step's acceptance
+                for _ in range(objective.ttt_steps):
+                    batch_acceptance(torch.zeros(0, device=self.teacher.device), self.all_sum)
             return self.zero(), StepStats.zeros(objective.ttt_steps)
-        loss, stats = ttt_loss(self.drafter, self.embed, self.teacher, batch, objective, step_counts)
+        mass = None
+        if objective.lk_loss != "none" and self.lm_head is not None:
+            mass = draft_mass(batch.final, self.teacher, self.lm_head)
+        loss, stats = ttt_loss(
+            self.drafter,
+            self.embed,
+            self.teacher,
+            batch,
+            objective,
+            step_counts,
+            draft_mass=mass,
+            all_sum=self.all_sum,
+        )
         return (loss if loss.requires_grad else loss + self.zero()), stats
 
     def zero(self) -> Tensor:
         return sum(p.sum() for p in self.parameters()) * 0.0
 
 
-def make_optimizer(drafter: Eagle3Drafter, settings: TrainSettings) -> torch.optim.Optimizer:
-    params = [p for p in drafter.parameters() if p.requires_grad]
+def make_optimizer(drafter: Eagle3Drafter, settings: TrainSettings) -> torch.optim.Optimizer | Chain:
+    """AdamW over every trainable parameter (weight decay on matrices only); with optimizer "muon",
+    torch's Muon over the weight matrices instead and AdamW over the rest (`muon_split`)."""
+    named = [(n, p) for n, p in drafter.named_parameters() if p.requires_grad]
+    muon = muon_split(named) if settings.optimizer == "muon" else set()
+    rest = [p for n, p in named if n not in muon]
     groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": settings.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        {"params": [p for p in rest if p.dim() >= 2], "weight_decay": settings.weight_decay},
+        {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=settings.lr, betas=(0.9, settings.adam_beta2))
+    adamw = torch.optim.AdamW(groups, lr=settings.lr, betas=(0.9, settings.adam_beta2))
+    if not muon:
+        return adamw
+    matrices = [p for n, p in named if n in muon]
+    lr, decay = settings.lr * settings.muon_lr_scale, settings.muon_weight_decay
+    # match_rms_adamw: updates scaled to AdamW's RMS (Moonshot's rule), as speculators configures it
+    return Chain(adamw, torch.optim.Muon(matrices, lr=lr, weight_decay=decay, adjust_lr_fn="match_rms_adamw"))
+
+
+def muon_split(named: list[tuple[str, Tensor]]) -> set[str]:
+    """The parameters Muon trains: matrices with both dimensions > 1 except the output head (speculators'
+    rule, after Keller Jordan's Muon: orthogonalised updates suit the inner weight matrices only)."""
+    return {n for n, p in named if p.dim() == 2 and min(p.shape) > 1 and "lm_head" not in n}
+
+
+class Chain:
+    """Optimizers (AdamW's first: its groups lead `param_groups`) or their LR schedulers, stepped and saved
+    as one, so that the loop and the checkpoints treat Muon + AdamW as one optimizer."""
+
+    def __init__(self, *parts: torch.optim.Optimizer):
+        self.parts = parts
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [group for part in self.parts for group in part.param_groups]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts:
+            part.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        for part in self.parts:
+            part.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"parts": [part.state_dict() for part in self.parts]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for part, saved in zip(self.parts, state["parts"], strict=True):
+            part.load_state_dict(saved)
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, final_ratio: float = 0.1) -> float:
@@ -423,11 +579,18 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, final_ratio: float
 
 
 def make_scheduler(
-    optimizer: torch.optim.Optimizer, settings: TrainSettings, total_steps: int
-) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, settings.warmup_steps, total_steps)
-    )
+    optimizer: torch.optim.Optimizer | Chain, settings: TrainSettings, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR | Chain:
+    """`lr_factor` times each group's own learning rate; a Chain of one LambdaLR per optimizer of a Chain."""
+
+    def schedule(part: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+        return torch.optim.lr_scheduler.LambdaLR(
+            part, lambda s: lr_factor(s, settings.warmup_steps, total_steps)
+        )
+
+    if isinstance(optimizer, Chain):
+        return Chain(*[schedule(part) for part in optimizer.parts])
+    return schedule(optimizer)
 
 
 # -------------------------------------------------------------------------------------- one step
@@ -487,11 +650,18 @@ def validate(model: DraftingLoss, data: StreamingData, objective: Objective, dis
 
 class MetricsLog:
     """Every metrics row of the run so far (a resumed run starts from the rows its checkpoint kept). On
-    rank 0 each new row is also a progress line (train rows at most every PROGRESS_EVERY_S), and the whole
-    file is rewritten at most every METRICS_FLUSH_S."""
+    rank 0 each new row also goes to the live curves (tracking.py) and is a progress line (train rows at
+    most every PROGRESS_EVERY_S); the whole file is rewritten at most every METRICS_FLUSH_S."""
 
-    def __init__(self, path: Path, rows: list[dict[str, Any]], main: bool, progress: bool = True):
-        self.path, self.rows, self.main, self.progress = path, rows, main, progress
+    def __init__(
+        self,
+        path: Path,
+        rows: list[dict[str, Any]],
+        main: bool,
+        progress: bool = True,
+        curves: Curves | None = None,
+    ):
+        self.path, self.rows, self.main, self.progress, self.curves = path, rows, main, progress, curves
         self.last_flush, self.last_line = time.perf_counter(), -math.inf  # the first step is logged
         self.flush(force=True)  # a resumed run's full history, at once
 
@@ -499,6 +669,8 @@ class MetricsLog:
         self.rows.append(row)
         if not self.main:
             return
+        if self.curves is not None:
+            self.curves.log(row)
         now = time.perf_counter()
         if self.progress and (row["kind"] != "train" or now - self.last_line > PROGRESS_EVERY_S):
             log.info("%s", progress_line(row))
@@ -508,7 +680,14 @@ class MetricsLog:
     def flush(self, force: bool = False) -> None:
         if self.main and (force or time.perf_counter() - self.last_flush > METRICS_FLUSH_S):
             write_jsonl(self.path, self.rows)
+            if self.curves is not None:
+                self.curves.flush()
             self.last_flush = time.perf_counter()
+
+    def close(self) -> None:
+        self.flush(force=True)
+        if self.curves is not None:
+            self.curves.close()
 
 
 def progress_line(row: dict[str, Any]) -> str:
@@ -702,13 +881,15 @@ def train(
     device: str | torch.device | None = None,
     progress: bool = True,
     fresh: bool = False,
+    log_dir: str | Path | None = None,
 ) -> dict[str, Any]:
     """Train a drafter on the shards of data_config.json and write it to out_dir -> summary dict.
 
     Resumes from the newest complete checkpoint of this data and these settings (checkpoints.py says
     when); `fresh` discards every checkpoint first. Checkpoints are written at each epoch end, every
     `checkpoint_every` steps and when max_steps stops the run. Under torchrun (WORLD_SIZE > 1) this runs
-    on every rank; rank 0 writes checkpoints, metrics and the drafter. `progress`: log a line as it goes.
+    on every rank; rank 0 writes checkpoints, metrics and the drafter. `progress`: log a line as it goes;
+    `log_dir`: live curves in <log_dir>/run-<key digest>/ (tracking.py).
     """
     throughput = Throughput()
     rank, world = launch_rank()
@@ -732,8 +913,9 @@ def train(
         target, vocab["d2t"], vocab["t2d"], num_aux, settings, dist.device
     )
     target_config = target.config
+    lm_head = target.lm_head.to(dist.device) if settings.lk_loss != "none" else None  # for draft_mass
     del target  # the embedding and teacher rows live on in model; the rest of the head is freed
-    model = DraftingLoss(drafter, embed, teacher)
+    model = DraftingLoss(drafter, embed, teacher, lm_head, dist.all_sum if dist.world > 1 else None)
     trained = dist.wrap(model)
     optimizer = make_optimizer(drafter, settings)
     scheduler = make_scheduler(optimizer, settings, total_steps)
@@ -742,11 +924,19 @@ def train(
     key = resume_key(settings, manifest, vocab, drafter.cfg)
     run = open_run(checkpoint_dir, key, stop_at, drafter, optimizer, scheduler, fresh=fresh, dist=dist)
     pos, resumed_from = resume_position(run, settings, dist)
-    metrics = MetricsLog(Path(metrics_path), run.rows, dist.main, progress)
+    curves = None
+    if dist.main and log_dir is not None:
+        ids = dict((run.state or {}).get("trackers") or {})  # the trackers' runs a resumed run continues
+        config = {**settings.to_dict(), "drafter_shape": drafter.cfg.to_dict()}
+        curves = Curves(Path(log_dir) / run.folder.name, settings.report_to, config, resumed_from, ids)
+    metrics = MetricsLog(Path(metrics_path), run.rows, dist.main, progress, curves)
 
     def checkpoint() -> None:  # reads only: no state of the loop changes here
         metrics.flush(force=True)  # metrics first: they also go into the checkpoint
-        state = pos.to_state(total_steps=total_steps, world_size=dist.world, resume_key=key)
+        trackers = curves.ids if curves is not None else {}
+        state = pos.to_state(
+            total_steps=total_steps, world_size=dist.world, resume_key=key, trackers=trackers
+        )
         run.save(pos.step, drafter, optimizer, scheduler, state, metrics.rows)
 
     last_saved = resumed_from
@@ -785,7 +975,7 @@ def train(
     data.close()
     if last_saved != pos.step:  # stopped since the last checkpoint
         checkpoint()
-    metrics.flush(force=True)
+    metrics.close()
 
     summary = training_summary(
         pos, steps_per_epoch, settings, objective, data, dist, metrics.rows, resumed_from, throughput

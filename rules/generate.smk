@@ -27,7 +27,7 @@ rule generate:
         server_startup_timeout_s=str(config["resources"]["generate"]["server_startup_timeout_s"]),
         gpu_memory_utilization=str(config["resources"]["generate"]["gpu_memory_utilization"]),
     params:
-        # The whole section: engine, sampling, endpoint, batching, server args (see the schema).
+        # The whole section: backend, sampling, endpoint, batching, server args (see the schema).
         settings=section_json("generate"),
         dtype=config["target"]["dtype"],
         # Not an output: Snakemake deletes the outputs of a failed job, and this file says why it failed.

@@ -39,7 +39,7 @@ the input-convention ids, the target path and the full `DrafterConfig`, so `load
 exact module.
 """
 
-from draftsmith.export.check import check_against_target, check_export, expected_shapes
+from draftsmith.export.check import check_against_target, check_export, expected_shapes, unreadable
 from draftsmith.export.common import (
     CONFIG_NAME,
     ENGINE_CONVENTIONS,
@@ -83,4 +83,5 @@ __all__ = [
     "speculators_export_config",
     "speculators_names",
     "trained_ttt_steps",
+    "unreadable",
 ]

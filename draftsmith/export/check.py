@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from draftsmith.drafter import DrafterConfig
 from draftsmith.export.common import (
@@ -172,6 +172,67 @@ def _check_speculators_fields(config: dict[str, Any]) -> list[str]:
     return problems
 
 
+# Config fields an engine sizes the drafter by: a string or float there ("48") would be compared, and
+# printed, as if it were the number.
+INTEGER_FIELDS = (
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "draft_vocab_size",
+    "target_hidden_size",
+    "num_aux_hidden_states",
+    "num_hidden_layers",
+    "max_position_embeddings",
+)
+
+
+def _wrong_types(fields: Any, where: str) -> list[str]:
+    if not isinstance(fields, dict):
+        return []
+    return [
+        f"{where}{key} is {fields[key]!r} ({type(fields[key]).__name__}), expected an integer"
+        for key in INTEGER_FIELDS
+        if fields.get(key) is not None and (not isinstance(fields[key], int) or isinstance(fields[key], bool))
+    ]
+
+
+def unreadable(export_dir: str | Path) -> list[str]:
+    """Why an export's files cannot be read as an export at all, one line each naming the file:
+    config.json not a JSON object or a sizing field not an integer, model.safetensors not a safetensors
+    file (truncated, say). Empty when they can be read (a missing file is check_export's finding): then
+    check_export judges what they hold. `draftsmith check-export` exits 2 on these."""
+    export_dir = Path(export_dir)
+    cfg_path, weights_path = export_dir / CONFIG_NAME, export_dir / WEIGHTS_NAME
+    problems = []
+    if cfg_path.is_file():
+        try:
+            raw = json.loads(cfg_path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raw = None
+            problems.append(f"{cfg_path} is not valid JSON: {e}")
+        else:
+            if not isinstance(raw, dict):
+                problems.append(f"{cfg_path} is not a JSON object of settings (a {type(raw).__name__})")
+            else:
+                problems += _wrong_types(raw, f"{cfg_path}: ")
+                problems += _wrong_types(
+                    raw.get("transformer_layer_config"), f"{cfg_path}: transformer_layer_config."
+                )
+                block = raw.get("draftsmith")
+                drafter = block.get("drafter_config") if isinstance(block, dict) else None
+                problems += _wrong_types(drafter, f"{cfg_path}: draftsmith.drafter_config.")
+    if weights_path.is_file():
+        try:
+            with safe_open(str(weights_path), framework="pt") as f:
+                list(f.keys())  # noqa: SIM118 (opening checks the header against the file's length)
+        except (SafetensorError, OSError) as e:
+            problems.append(f"{weights_path} is not a readable safetensors file ({str(e).splitlines()[0]})")
+    return problems
+
+
 def check_export(
     export_dir: str | Path,
     target_num_layers: int | None = None,
@@ -187,10 +248,10 @@ def check_export(
     problems: list[str] = []
     if not cfg_path.is_file():
         return [f"{cfg_path} is missing"]
-    try:
-        raw = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        return [f"{cfg_path} is not valid JSON: {e}"]
+    damaged = unreadable(export_dir)
+    if damaged:
+        return damaged
+    raw = json.loads(cfg_path.read_text(encoding="utf-8"))
     engine = engine or engine_of(raw)
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; expected one of {list(ENGINES)}")
@@ -244,7 +305,9 @@ def check_export(
     except (KeyError, TypeError, ValueError) as e:
         return [*problems, f"cannot build the drafter config: {e!r}"]
     block_dict = block_cfg.to_dict()
-    differ = [f"{k}: {v} vs {block_dict[k]}" for k, v in cfg.to_dict().items() if block_dict.get(k, v) != v]
+    differ = [
+        f"{k}: {v!r} vs {block_dict[k]!r}" for k, v in cfg.to_dict().items() if block_dict.get(k, v) != v
+    ]
     if differ:
         problems.append(f"engine fields disagree with the draftsmith block (engine vs block): {differ}")
     if target_vocab_size is not None and cfg.target_vocab_size != target_vocab_size:
@@ -328,11 +391,14 @@ def check_against_target(
     export_dir: str | Path, target_path: str | Path | None = None, engine: str | None = None
 ) -> list[str]:
     """`check_export` with the layer count and vocabulary of the target (its text config: wrappers keep
-    them under `text_config`), when a target is given."""
+    them under `text_config`), when a target is given. A target without them is a ValueError naming its
+    config.json: nothing could be checked against it."""
     layers = vocab_size = None
     if target_path is not None:
-        from draftsmith.target import text_config_dict
+        from draftsmith.config import read_target_config
 
-        target = text_config_dict(target_path)
-        layers, vocab_size = target.get("num_hidden_layers"), target.get("vocab_size")
+        if not (Path(target_path) / CONFIG_NAME).is_file():
+            raise ValueError(f"{Path(target_path) / CONFIG_NAME} is missing: not a Hugging Face model folder")
+        target = read_target_config(target_path)  # ValueError naming the file and the missing count
+        layers, vocab_size = target["num_hidden_layers"], target["vocab_size"]
     return check_export(export_dir, target_num_layers=layers, target_vocab_size=vocab_size, engine=engine)

@@ -8,7 +8,6 @@ language-model fields as shipped, which the workflow's start-up checks read (lay
 import importlib
 import json
 import re
-import shlex
 import subprocess
 
 import pytest
@@ -92,7 +91,7 @@ def test_gpu_reservations(plan):
         assert {j["gpu"] for j in jobs[stage]} == {want}, (name, stage, jobs[stage])
         assert all(f"draftsmith run --gpus {want} --" in j["shell"] for j in jobs[stage])
     assert len(jobs["extract"]) == (16 if node else 8)
-    assert all('"engine": "vllm"' in j["shell"] for j in jobs["extract"])
+    assert all('"backend": "vllm"' in j["shell"] for j in jobs["extract"])
     # a job reserving 8 of 8 GPUs runs alone: the shards of a huge target extract one at a time
     assert all(j["gpu"] == 0 for j in jobs["tokenize"] + jobs["vocab"] + jobs["manifest"])
 
@@ -108,7 +107,7 @@ def test_huge_targets_stay_out_of_the_workflow_processes(plan):
         return
     assert "evaluate_offline" not in jobs
     shell = jobs["eval_summary"][0]["shell"]
-    assert "--offline split=results/eval/split/vllm.json" in shell and "offline.json" not in shell
+    assert "--vllm split=results/eval/split/vllm.json" in shell and "--offline" not in shell
 
 
 def test_target_specific_settings(plan):
@@ -125,7 +124,7 @@ def test_target_specific_settings(plan):
     if name == "qwen3-235b-a22b":
         assert '"--reasoning-parser", "qwen3"' in generate
         assert '"aux_layers": [2, 47, 91]' in extract
-    assert '"engine": "vllm-server"' in generate
+    assert '"backend": "vllm-server"' in generate
 
 
 # ------------------------------------------------------ what each GPU stage's planned command runs
@@ -136,9 +135,14 @@ def run_planned(job: dict, workdir, monkeypatch, recorded: str) -> tuple[tuple, 
     N devices visible as `draftsmith run` leaves them and the library function `recorded` replaced by a
     recorder: (args, kwargs) the stage would have called it with."""
     gpus = int(re.search(r"draftsmith run --gpus (\d+) --", job["shell"]).group(1))
-    args = shlex.split(job["shell"].split(" -- ", 1)[1].split(" 2>&1 | tee ")[0])
-    assert args[0] == "draftsmith", args
     monkeypatch.chdir(workdir)
+    # the words bash passes the command (quotes removed, $(...) expanded), as the job's shell would
+    command = job["shell"].split(" -- ", 1)[1].split(" 2>&1 | tee ")[0]
+    words = subprocess.run(
+        ["bash", "-c", f'printf "%s\\0" {command}'], capture_output=True, text=True, check=True
+    )
+    args = words.stdout.split("\0")[:-1]
+    assert args[0] == "draftsmith", args
     for path in (
         "results/prompts/train.jsonl",
         "results/prompts/heldout.jsonl",
@@ -151,7 +155,7 @@ def run_planned(job: dict, workdir, monkeypatch, recorded: str) -> tuple[tuple, 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(gpus)))
     monkeypatch.setenv("DRAFTSMITH_TRUST_REMOTE_CODE", "0")
     monkeypatch.setattr(cli, "_drafters", lambda drafter, untrained, target: {"eagle3": drafter})
-    monkeypatch.setattr(cli, "_warn_untrained_positions", lambda *a: None)
+    monkeypatch.setattr(cli, "_warn_draft_positions", lambda *a: None)
     calls = []
     module, name = recorded.rsplit(".", 1)
     monkeypatch.setattr(importlib.import_module(module), name, lambda *a, **kw: calls.append((a, kw)))
@@ -163,13 +167,13 @@ def run_planned(job: dict, workdir, monkeypatch, recorded: str) -> tuple[tuple, 
 def test_generate_serves_the_target_tensor_parallel_over_the_jobs_gpus(plan, monkeypatch):
     """The vLLM server the planned generate command starts: TP = the job's GPUs (Qwen3-235B's expert
     parallel then has EP = TP), the target's dtype, CUDA graphs (no --enforce-eager), the memory share."""
-    from draftsmith.engines.server import VllmServerEngine
+    from draftsmith.backends.server import VllmServerBackend
 
     name, jobs, workdir = plan
     (job,) = jobs["generate"]
     args, _ = run_planned(job, workdir, monkeypatch, "draftsmith.generate.generate_traces")
     target, settings = args[0], args[4]  # generate_traces(target, prompts, out, summary, settings)
-    cmd = VllmServerEngine.server(settings, target, "server.log").command()
+    cmd = VllmServerBackend.server(settings, target, "server.log").command()
     flags = dict(zip(cmd, cmd[1:], strict=False))
     gpus = 1 if name == "llama-3.1-8b" else 8
     assert flags.get("--tensor-parallel-size") == (str(gpus) if gpus > 1 else None), cmd
@@ -182,7 +186,7 @@ def test_extract_runs_vllm_tensor_parallel_in_bfloat16_with_cuda_graphs(plan, mo
     name, jobs, workdir = plan
     _, kw = run_planned(jobs["extract"][0], workdir, monkeypatch, "draftsmith.extract.extract_shard")
     gpus = 1 if name == "llama-3.1-8b" else 8
-    assert (kw["engine"], kw["gpus"], kw["dtype"], kw["vllm_eager"]) == ("vllm", gpus, "bfloat16", False), kw
+    assert (kw["backend"], kw["gpus"], kw["dtype"], kw["vllm_eager"]) == ("vllm", gpus, "bfloat16", False), kw
     assert kw["gpu_memory_utilization"] == 0.9
 
 

@@ -48,7 +48,7 @@ def test_reasoning_through_vllm_server(tmp_path, target_model, family):
                 "reasoning": "required", "max_new_tokens": 12, "concurrency": 3}  # fmt: skip
     cmd = ["draftsmith", "generate", "--target", str(target), "--prompts", str(prompts),
            "--out", str(tmp_path / "t.jsonl"), "--summary", str(tmp_path / "s.json"),
-           "--server-log", str(tmp_path / "server.log"), "--engine", "vllm-server",
+           "--server-log", str(tmp_path / "server.log"), "--backend", "vllm-server",
            "--dtype", "float32", "--settings", json.dumps(settings)]  # fmt: skip
     proc = subprocess.run(cmd, env=env(tmp_path), capture_output=True, text=True, timeout=900)
     log = (tmp_path / "server.log").read_text() if (tmp_path / "server.log").exists() else ""
@@ -79,13 +79,13 @@ def test_reasoning_through_vllm_server(tmp_path, target_model, family):
     assert ids[mask].tolist() == served
 
 
-# Llama: the real default target (a Llama) in test_extract_engines.py
+# Llama: the real default target (a Llama) in test_extract_backends.py
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "deepseek_v3"])
 def test_both_extraction_engines_agree_on_each_family(tmp_path, target_model, family):
     """The same greedy samples through transformers and vLLM (fp32): every aux layer and the final normed
     state agree, and so does the teacher agreement that gates the data (MLA attention on CPU differs
     most: research/targets-on-cpu.md measured up to 3.6% relative on DeepSeek-V3)."""
-    from test_extract_engines import _greedy_samples, vllm_extract, worst_cosines
+    from test_extract_backends import _greedy_samples, vllm_extract, worst_cosines
     from test_extract_kill import write_tokens
 
     from draftsmith.extract import extract_shard
@@ -104,7 +104,7 @@ def test_both_extraction_engines_agree_on_each_family(tmp_path, target_model, fa
     vllm_extract(target, tokens, vllm_out, env(tmp_path), "--aux-layers", "1,2,3")
     worst = worst_cosines(hf_out, vllm_out, len(ids))
     vllm_stats = read_shard_meta(vllm_out)["stats"]
-    assert (hf_stats["engine"], vllm_stats["engine"]) == ("transformers", "vllm")
+    assert (hf_stats["backend"], vllm_stats["backend"]) == ("transformers", "vllm")
     agreement = (hf_stats["teacher_agreement"], vllm_stats["teacher_agreement"])
     print(f"{family}: worst cosine per layer {[round(c, 5) for c in worst]}, teacher agreement {agreement}")
     assert min(worst) >= 0.99, worst

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from draftsmith.engines.openai import (
+from draftsmith.backends.openai import (
     EndpointError,
     OpenAIClient,
     RequestFailed,
@@ -31,7 +31,7 @@ from draftsmith.engines.openai import (
     parse_completion,
     split_reasoning,
 )
-from draftsmith.engines.server import VllmServer, group_alive, server_command, tensor_parallel_size
+from draftsmith.backends.server import VllmServer, group_alive, server_command, tensor_parallel_size
 from draftsmith.generate import GenerateError, GenerateSettings, generate_traces
 from draftsmith.prompts import PromptError
 
@@ -140,7 +140,7 @@ def write_prompts(path, n=6, extra=()):
 
 
 def run_stage(tmp_path, url, prompts=None, **kw):
-    settings = GenerateSettings(engine="openai", base_url=url, max_new_tokens=16, backoff_s=0.01, **kw)
+    settings = GenerateSettings(backend="openai", base_url=url, max_new_tokens=16, backoff_s=0.01, **kw)
     prompts = prompts or write_prompts(tmp_path / "p.jsonl")
     summary = generate_traces(
         str(TARGET), str(prompts), str(tmp_path / "traces.jsonl"), str(tmp_path / "s.json"), settings
@@ -219,7 +219,7 @@ def test_server_args_cannot_move_the_address_or_set_the_key(args):
 
 def test_the_server_spans_the_jobs_gpus_with_expert_parallel_over_them():
     """resources.generate.gpus -> --tensor-parallel-size; with --enable-expert-parallel vLLM's MoE layers
-    use EP = TP (draftsmith/engines/vllm_api.py checks that in vLLM's source); the memory share on GPUs."""
+    use EP = TP (draftsmith/backends/vllm_api.py checks that in vLLM's source); the memory share on GPUs."""
     args = ["--enable-expert-parallel"]
     cmd = server_command("/m", 1, tensor_parallel=8, gpu_memory_utilization=0.85, extra_args=args)
     flags = dict(zip(cmd, cmd[1:], strict=False))
@@ -356,7 +356,7 @@ def test_stage_writes_traces_summary_and_reasoning(fake, tmp_path):
     summary, rows = run_stage(tmp_path, srv.url, concurrency=3)
     assert [r["id"] for r in rows] == [f"p{i}" for i in range(6)]  # prompt order, whatever finished first
     assert all(r["reasoning"] == "thinking about " + r["messages"][-1]["content"] for r in rows)
-    assert rows[0]["response"] == "answer to Question number 0?" and rows[0]["engine"] == "openai"
+    assert rows[0]["response"] == "answer to Question number 0?" and rows[0]["backend"] == "openai"
     assert summary["reasoning_capture_rate"] == 1.0 and summary["errors"] == 0
     assert json.loads((tmp_path / "s.json").read_text())["done"] == 6
     assert errors(tmp_path) == [] and not (tmp_path / "traces.jsonl.partial").exists()
@@ -415,11 +415,11 @@ def test_a_server_that_fails_to_start_reports_the_cause(tmp_path, monkeypatch):
         "import sys; print('INFO loading'); print('ERROR [core.py:1] ValueError: No available memory for the "
         "cache blocks', flush=True); print('INFO shutting down'); sys.exit(1)"
     )
-    import draftsmith.engines.server as server
+    import draftsmith.backends.server as server
 
     monkeypatch.setattr(server, "API_SERVER_MODULE", "standin")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    settings = GenerateSettings(engine="vllm-server", max_new_tokens=4, server_startup_timeout_s=60)
+    settings = GenerateSettings(backend="vllm-server", max_new_tokens=4, server_startup_timeout_s=60)
     with pytest.raises(GenerateError) as err:
         generate_traces(
             str(TARGET), str(write_prompts(tmp_path / "p.jsonl")), str(tmp_path / "t.jsonl"),
@@ -521,7 +521,7 @@ def test_bad_prompt_file_is_an_error_naming_file_and_line(tmp_path):
 
     args = ["generate", "--target", str(TARGET), "--prompts", str(prompts)]
     args += ["--out", str(tmp_path / "t.jsonl"), "--summary", str(tmp_path / "s.json")]
-    result = CliRunner().invoke(main, [*args, "--engine", "openai", "--base-url", "http://127.0.0.1:9"])
+    result = CliRunner().invoke(main, [*args, "--backend", "openai", "--base-url", "http://127.0.0.1:9"])
     assert result.exit_code == 2 and f"{prompts}:2: invalid JSON" in result.output
 
 
@@ -537,7 +537,7 @@ def test_kill_during_openai_generation_resumes_without_duplicates_or_losses(fake
     prompts = write_prompts(tmp_path / "p.jsonl", n=40)
     args = ["draftsmith", "generate", "--target", str(TARGET), "--prompts", str(prompts)]
     args += ["--out", str(tmp_path / "traces.jsonl"), "--summary", str(tmp_path / "s.json")]
-    args += ["--engine", "openai", "--base-url", srv.url, "--concurrency", "2", "--max-new-tokens", "8"]
+    args += ["--backend", "openai", "--base-url", srv.url, "--concurrency", "2", "--max-new-tokens", "8"]
     proc = subprocess.Popen(args, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     partial = tmp_path / "traces.jsonl.partial"
     deadline = time.time() + 120
@@ -583,7 +583,7 @@ http.server.HTTPServer(("127.0.0.1", a.port), H).serve_forever()
 
 OWNER = """
 import sys, time
-from draftsmith.engines.server import VllmServer
+from draftsmith.backends.server import VllmServer
 srv = VllmServer("model", log_path=sys.argv[1], module="standin", startup_timeout_s=60, stop_grace_s=5).start()
 print(srv.pid, flush=True)
 time.sleep(600)
@@ -671,7 +671,7 @@ def _vllm_env(tmp):
 
 REAL_OWNER = """
 import json, sys, time
-from draftsmith.engines.server import VllmServer
+from draftsmith.backends.server import VllmServer
 srv = VllmServer(sys.argv[1], extra_args=json.loads(sys.argv[2]), log_path=sys.argv[3], dtype="bfloat16", seed=0)
 srv.start()
 print("READY", srv.pid, srv.base_url, srv.api_key, flush=True)
@@ -716,7 +716,7 @@ def test_openai_engine_against_real_vllm(vllm_server, tmp_path, monkeypatch):
     subset.write_text("".join(prompts.read_text().splitlines(keepends=True)[:4]))
     monkeypatch.setenv("DRAFTSMITH_TEST_KEY", api_key)
     settings = GenerateSettings(
-        engine="openai",
+        backend="openai",
         base_url=base_url,
         api_key_env="DRAFTSMITH_TEST_KEY",
         max_new_tokens=24,
@@ -758,7 +758,7 @@ def test_vllm_server_mode_end_to_end_and_stopped(tmp_path):
         "--server-log",
         str(log),
     ]
-    args += ["--engine", "vllm-server", "--max-new-tokens", "16", "--concurrency", "4"]
+    args += ["--backend", "vllm-server", "--max-new-tokens", "16", "--concurrency", "4"]
     args += ["--server-args", json.dumps(VLLM_ARGS)]
     proc = subprocess.run(args, env=_vllm_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + log.read_text()[-3000:]
@@ -768,7 +768,7 @@ def test_vllm_server_mode_end_to_end_and_stopped(tmp_path):
     assert not group_alive(pid)  # the server and its EngineCore are gone when the command returns
     summary = json.loads((tmp_path / "s.json").read_text())
     assert (
-        summary["done"] == 4 and summary["engine"] == "vllm-server" and summary["server_startup_seconds"] > 0
+        summary["done"] == 4 and summary["backend"] == "vllm-server" and summary["server_startup_seconds"] > 0
     )
     rows = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
-    assert all(r["response_token_ids"] and r["engine"] == "vllm-server" for r in rows)
+    assert all(r["response_token_ids"] and r["backend"] == "vllm-server" for r in rows)

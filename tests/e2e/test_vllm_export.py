@@ -18,8 +18,8 @@ import torch
 from click.testing import CliRunner
 from conftest import REPO
 
+from draftsmith.backends.vllm_spec import run_vllm_subprocess, spec_decode_summary
 from draftsmith.cli import main
-from draftsmith.engines.vllm_spec import run_vllm_subprocess, spec_decode_summary
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 TARGET = REPO / "resources" / "SmolLM2-135M-Instruct"

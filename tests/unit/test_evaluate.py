@@ -362,8 +362,6 @@ def fake_vllm(offline: dict) -> dict:
 
 
 def test_summary_report_and_gate(pipeline, offline, untrained, tmp_path):
-    from draftsmith.report import write_tensorboard
-
     hand = tmp_path / "hand-offline.json"
     handwritten = Path(__file__).parents[2] / "draftsmith" / "data" / "heldout_handwritten.jsonl"
     cli("evaluate", "--target", pipeline["target"], "--drafter", pipeline["drafter"], "--untrained", untrained,
@@ -376,7 +374,7 @@ def test_summary_report_and_gate(pipeline, offline, untrained, tmp_path):
               "--data", pipeline["data"], "--drafter", pipeline["drafter"], "--target", pipeline["target"],
               "--metrics", pipeline["metrics"], "--out", out]  # fmt: skip
     relaxed = ["--check", "beats_ngram=warn", "--check", "beats_untrained=warn", "--max-acc-gap", 1.0]
-    printed = cli("eval-summary", *common, *relaxed, "--tensorboard", tmp_path / "tb" / "run-a")
+    printed = cli("eval-summary", *common, *relaxed)
     assert printed.startswith("VERDICT: ")
     for name in ("training.png", "acceptance.png", "per_forward.png"):
         assert (out / name).read_bytes()[:8] == PNG, name
@@ -463,12 +461,6 @@ def test_summary_report_and_gate(pipeline, offline, untrained, tmp_path):
     cli("eval-summary", *common, "--offline", f"split={offline}", code=2)
     cli("eval-summary", *common, "--check", "speedup=sometimes", code=2)
 
-    # TensorBoard event files (with the optional extra): one run folder, readable by others
-    if write_tensorboard(tmp_path / "tb" / "run-b", [], summary):
-        files = list((tmp_path / "tb" / "run-a").iterdir())
-        assert files and all(f.name.startswith("events.out.tfevents") for f in files)
-        assert all(f.stat().st_mode & 0o777 == 0o644 for f in files)
-
 
 # ------------------------------------------------------------------------ the device it runs on
 
@@ -497,7 +489,7 @@ def evaluate_vllm_call(monkeypatch, tmp_path, *options: str) -> dict:
     calls = []
     monkeypatch.setattr(ev, "evaluate_vllm", lambda *a, **kw: calls.append(kw))
     monkeypatch.setattr(cli, "_drafters", lambda drafter, untrained, target: {"eagle3": drafter})
-    monkeypatch.setattr(cli, "_warn_untrained_positions", lambda *a: None)
+    monkeypatch.setattr(cli, "_warn_draft_positions", lambda *a: None)
     (tmp_path / "p.jsonl").touch()
     args = ["evaluate-vllm", "--target", str(tmp_path), "--drafter", str(tmp_path), "--prompts",
             f"s={tmp_path / 'p.jsonl'}", "--out", f"s={tmp_path / 'v.json'}", *options]  # fmt: skip
@@ -520,8 +512,8 @@ def test_vllm_evaluation_on_gpus_compiles_unless_told_otherwise(monkeypatch, tmp
 
 
 def test_a_vllm_run_past_its_time_limit_fails_in_one_line(monkeypatch, tmp_path):
+    import draftsmith.backends.vllm_spec as spec
     import draftsmith.cli as cli
-    import draftsmith.engines.vllm_spec as spec
 
     monkeypatch.setattr(spec, "run_with_timeout", lambda cmd, env, log, timeout: None)
     with pytest.raises(spec.VllmTimeout) as err:
@@ -535,7 +527,7 @@ def test_a_vllm_run_past_its_time_limit_fails_in_one_line(monkeypatch, tmp_path)
         "draftsmith.evaluate.evaluate_vllm", lambda *a, **kw: (_ for _ in ()).throw(err.value)
     )
     monkeypatch.setattr(cli, "_drafters", lambda drafter, untrained, target: {"eagle3": drafter})
-    monkeypatch.setattr(cli, "_warn_untrained_positions", lambda *a: None)
+    monkeypatch.setattr(cli, "_warn_draft_positions", lambda *a: None)
     (tmp_path / "p.jsonl").touch()
     args = ["evaluate-vllm", "--target", str(tmp_path), "--drafter", str(tmp_path), "--prompts",
             f"s={tmp_path / 'p.jsonl'}", "--out", f"s={tmp_path / 'v.json'}"]  # fmt: skip

@@ -491,3 +491,83 @@ def test_cli_export_and_check(tmp_path: Path, engine_export: Path) -> None:
     _edit_weights(engine_export, lambda t: t.pop("fc.weight"))
     result = run(main, [str(a) for a in args])
     assert result.exit_code == 2 and "not a valid vLLM export" in result.output, result.output
+
+
+# ------------------------------------------------------------------------------ check-export on damaged input
+
+
+def _check_export_cli(*args: str):
+    from click.testing import CliRunner
+
+    from draftsmith.cli import main
+
+    return CliRunner().invoke(main, ["check-export", *map(str, args)])
+
+
+def _one_line(result) -> str:
+    """The command's error, asserted to be one line and no traceback."""
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in result.output, result.output
+    return lines[0]
+
+
+def _target(tmp_path: Path, config) -> Path:
+    folder = tmp_path / "target"
+    folder.mkdir(exist_ok=True)
+    if config is not None:
+        (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_check_export_on_a_truncated_safetensors_is_one_line_exit_2(export_dir: Path) -> None:
+    weights = export_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-500])
+    result = _check_export_cli(export_dir)
+    assert result.exit_code == 2
+    assert f"{weights} is not a readable safetensors file (" in _one_line(result)
+
+
+def test_check_export_on_a_config_that_is_a_list_is_one_line_exit_2(export_dir: Path) -> None:
+    (export_dir / "config.json").write_text("[1, 2]")
+    result = _check_export_cli(export_dir)
+    assert result.exit_code == 2
+    assert f"{export_dir / 'config.json'} is not a JSON object of settings (a list)" in _one_line(result)
+
+
+def test_check_export_names_a_size_written_as_a_string(export_dir: Path) -> None:
+    """It once printed "hidden_size: 48 vs 48"."""
+    _edit_config(export_dir, lambda c: c.update(hidden_size="48"))
+    result = _check_export_cli(export_dir)
+    assert result.exit_code == 2
+    assert "config.json: hidden_size is '48' (str), expected an integer" in _one_line(result)
+    assert check_export(export_dir) == [
+        f"{export_dir / 'config.json'}: hidden_size is '48' (str), expected an integer"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("config", "fragment"),
+    [
+        (None, "config.json is missing: not a Hugging Face model folder"),
+        ({"vocab_size": TARGET_VOCAB}, "config.json: no integer 'num_hidden_layers'"),
+        ({"num_hidden_layers": TARGET_LAYERS}, "config.json: no integer 'vocab_size'"),
+        ([1], "not a JSON object of settings (a list)"),
+    ],
+    ids=["no-config", "no-layers", "no-vocab", "a-list"],
+)
+def test_check_export_with_a_target_it_cannot_read_is_one_line_exit_2(
+    tmp_path, export_dir, config, fragment
+) -> None:
+    result = _check_export_cli(export_dir, "--target", _target(tmp_path, config))
+    assert result.exit_code == 2
+    line = _one_line(result)
+    assert line.startswith(f"error: --target: {tmp_path / 'target' / 'config.json'}") and fragment in line, (
+        line
+    )
+
+
+def test_check_export_with_a_good_target_still_passes(tmp_path, export_dir) -> None:
+    target = _target(tmp_path, {"num_hidden_layers": TARGET_LAYERS, "vocab_size": TARGET_VOCAB})
+    result = _check_export_cli(export_dir, "--target", target)
+    assert result.exit_code == 0, result.output

@@ -7,8 +7,8 @@ import torch
 from conftest import fp_tolerance
 
 from draftsmith.atomic import write_json
+from draftsmith.backends.hf import capture_states, stop_at_eos
 from draftsmith.chat import training_sequence
-from draftsmith.engines.hf import capture_states, stop_at_eos
 from draftsmith.estimate import (
     NotEnoughDisk,
     check_free_disk,
@@ -238,7 +238,7 @@ def test_extract_shard_reuses_the_probed_batches(tmp_path, tiny_llama):
 
     from safetensors.torch import save_file
 
-    from draftsmith.engines.hf import HfExtractor
+    from draftsmith.backends.hf import HfExtractor
     from draftsmith.extract import extract_shard
     from draftsmith.shards import iter_samples, verify_shard
 
@@ -286,7 +286,7 @@ def test_extract_shard_stores_float8_as_the_bf16_states_round_trip(tmp_path, tin
     bytes for both dtypes."""
     from safetensors.torch import save_file
 
-    from draftsmith.engines.hf import HfExtractor
+    from draftsmith.backends.hf import HfExtractor
     from draftsmith.extract import extract_shard
     from draftsmith.shards import as_stored, iter_samples, read_header, read_shard_meta
 
@@ -333,7 +333,7 @@ def test_teacher_agreement_is_split_by_source_and_gated_on_regenerated_only(tiny
     """A greedy (regenerated) sample agrees fully, a text the model did not write does not: the
     extract stats keep both, the shard and manifest report both, and only the regenerated figure is
     gated, so a mix with original answers passes a 0.9 gate."""
-    from draftsmith.engines.hf import HfExtractor
+    from draftsmith.backends.hf import HfExtractor
     from draftsmith.extract import _extract_loop
 
     torch.manual_seed(0)
@@ -415,7 +415,7 @@ def test_sample_source_travels_from_traces_to_the_manifest(tmp_path):
 
 
 def test_teacher_check_runs_on_the_jobs_gpu():
-    from draftsmith.engines.vllm_extract import teacher_device
+    from draftsmith.backends.vllm_extract import teacher_device
 
     assert teacher_device(gpus=8, cuda_available=True) == "cuda"
     assert teacher_device(gpus=0, cuda_available=True) == "cpu"  # a CPU job on a GPU node
@@ -441,13 +441,13 @@ def test_teacher_check_moves_the_states_to_the_heads_device_and_dtype():
 
 
 def test_vllm_engine_gets_the_jobs_gpus_eager_setting_and_memory_share(monkeypatch):
-    import draftsmith.engines.vllm_extract as vx
-    from draftsmith.extract import make_engine
+    import draftsmith.backends.vllm_extract as vx
+    from draftsmith.extract import make_extractor
 
     made = []
     monkeypatch.setattr(vx, "VllmExtractor", lambda *a, **kw: made.append((a, kw)))
-    make_engine("vllm", "T", [2], "bfloat16", gpus=8, vllm_eager=False, gpu_memory_utilization=0.8)
-    make_engine("vllm", "T", [2], "float32", gpus=0, vllm_eager=True, gpu_memory_utilization=0.8)
+    make_extractor("vllm", "T", [2], "bfloat16", gpus=8, vllm_eager=False, gpu_memory_utilization=0.8)
+    make_extractor("vllm", "T", [2], "float32", gpus=0, vllm_eager=True, gpu_memory_utilization=0.8)
     (gpu_args, gpu), (_, cpu) = made
     assert gpu_args == ("T", [2], "bfloat16")
     assert (gpu["tensor_parallel_size"], gpu["enforce_eager"], gpu["gpu_memory_utilization"]) == (

@@ -1,6 +1,5 @@
 """The generate stage's bookkeeping and the training sequences it leads to (no model runs, seconds)."""
 
-import importlib.util
 import json
 import logging
 
@@ -8,11 +7,11 @@ import pytest
 from click.testing import CliRunner
 from conftest import REPO
 
+from draftsmith.backends import CPU_KV_CACHE_GIB, Answer, oversized, vllm_child_env
+from draftsmith.backends.hf import length_batches
+from draftsmith.backends.openai import check_served_prompt
 from draftsmith.chat import assistant_message, merge_turns, render_prompt, render_with_response
 from draftsmith.config import section_defaults
-from draftsmith.engines import CPU_KV_CACHE_GIB, Answer, oversized, vllm_child_env, vllm_is_cpu_build
-from draftsmith.engines.hf import length_batches
-from draftsmith.engines.openai import check_served_prompt
 from draftsmith.generate import (
     Conversation,
     GenerateSettings,
@@ -124,7 +123,7 @@ def test_trace_row_keeps_earlier_turns_and_reasoning():
             "finish_reason": "stop",
         }
     ]
-    assert (row["engine"], row["model"], row["template"]) == ("openai", "m", "fp")
+    assert (row["backend"], row["model"], row["template"]) == ("openai", "m", "fp")
     # a text-only server: no token ids stored, tokenize re-renders the text
     text = Conversation({"id": "t", "messages": [{"role": "user", "content": "hi"}]})
     text.answers, text.prompt_ids = [answer("hello")], [[1, 2]]
@@ -225,7 +224,7 @@ def test_truncation_warning_and_summary_line(caplog):
 
 def test_token_ticker_counts_tokens_before_eos(tiny_llama):
     """generate_batch reports each decoding step's kept tokens: their sum is the responses' length."""
-    from draftsmith.engines.hf import generate_batch
+    from draftsmith.backends.hf import generate_batch
 
     ticks = []
     gens = generate_batch(tiny_llama, [[5, 6, 7], [8, 9]], 12, {3, 4}, 0, on_tokens=ticks.append)
@@ -239,9 +238,9 @@ def test_prompt_line_numbers_skip_blank_lines(tmp_path):
 
 
 def test_settings_validation_names_the_key():
-    assert GenerateSettings.from_dict(section_defaults("generate")).engine == "transformers"
+    assert GenerateSettings.from_dict(section_defaults("generate")).backend == "transformers"
     with pytest.raises(ValueError, match="base_url is required"):
-        GenerateSettings.from_dict({"engine": "openai"})
+        GenerateSettings.from_dict({"backend": "openai"})
     with pytest.raises(ValueError, match="generate.reasoning"):
         GenerateSettings.from_dict({"reasoning": "sometimes"})
     with pytest.raises(ValueError, match="unknown generate settings: concurency"):
@@ -427,7 +426,7 @@ def test_vllm_children_get_no_thread_caps_and_a_fixed_cpu_kv_cache():
 def test_the_cpu_kv_cache_is_set_only_for_vllms_cpu_build():
     """CPU-only settings apply only on CPU: the CUDA build gets no VLLM_CPU_KVCACHE_SPACE."""
     assert vllm_child_env({"OMP_NUM_THREADS": "2"}, cpu=False) == {}
-    assert vllm_is_cpu_build() == (importlib.util.find_spec("vllm") is not None)  # this venv: the cpu extra
+    assert vllm_child_env({"VLLM_TARGET_DEVICE": "cuda"}) == {"VLLM_TARGET_DEVICE": "cuda"}  # vLLM's own rule
 
 
 def test_served_traffic_trains_on_the_served_answer_and_its_reasoning(thinking_tokenizer):

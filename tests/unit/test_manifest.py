@@ -268,3 +268,33 @@ def test_building_a_manifest_over_shards_outside_its_folder_needs_the_setting(tm
     built = build_manifest([str(p) for p in shards], str(out), str(tmp_path / "target"), 0.8)
     assert built["shards"][0]["path"] == str(shards[0])  # absolute: it is outside the manifest's folder
     assert verify_manifest(out) == []
+
+
+# ----------------------------------------------------------------------------- verify on a damaged manifest
+
+
+def _without(mapping: dict, key: str) -> dict:
+    return {k: v for k, v in mapping.items() if k != key}
+
+
+@pytest.mark.parametrize(
+    ("edit", "fragment"),
+    [
+        (lambda m: _without(m, "shards"), "no 'shards' list"),
+        (
+            lambda m: {**m, "shards": [m["shards"][0], _without(m["shards"][1], "bytes")]},
+            "shards[1] (hidden/shard-1.safetensors) has no integer 'bytes'",
+        ),
+        (lambda m: _without(m, "min_teacher_agreement"), "no numeric 'min_teacher_agreement'"),
+        (lambda m: [m], "not a JSON object (a list)"),
+    ],
+    ids=["no-shards", "no-bytes", "no-min-teacher-agreement", "a-list"],
+)
+def test_verify_on_a_damaged_manifest_is_one_line_exit_2(data, edit, fragment):
+    manifest, _, _ = data
+    manifest.write_text(json.dumps(edit(json.loads(manifest.read_text()))))
+    result = CliRunner().invoke(main, ["verify", str(manifest)])
+    assert result.exit_code == 2
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in result.output, result.output
+    assert lines[0].startswith(f"error: {manifest}: ") and fragment in lines[0], lines[0]

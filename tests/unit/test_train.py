@@ -744,3 +744,136 @@ def test_real_positions_hand_example(data: dict) -> None:
     answers = ttt_step_counts(batch.loss_mask, batch.lengths, 3)
     assert all(e > a for e, a in zip(everywhere, answers, strict=True)), (everywhere, answers)
     assert everywhere == [int((batch.lengths - 2 - j).clamp(min=0).sum()) for j in range(3)]
+
+
+# ---------------------------------------------------------------------------------- levers (ablated)
+
+
+def test_per_step_weights_replace_the_decay(data: dict) -> None:
+    drafter, embed, teacher = build(data)
+    batch = collate(data["samples"][:4])
+    weights = (1.0, 0.3, 2.0)
+    assert Objective.from_settings(settings(ttt_step_weights=list(weights))).step_weights == weights
+    loss, stats = ttt_loss(drafter, embed, teacher, batch, objective(step_weights=weights))
+    expected = sum(w * s / n for w, s, n in zip(weights, stats.loss_sum, stats.count, strict=True))
+    torch.testing.assert_close(loss, torch.tensor(expected), rtol=1e-5, atol=0)
+    with pytest.raises(ValueError, match="train.ttt_step_weights: 2 weights for ttt_steps 3"):
+        settings(ttt_step_weights=[1.0, 0.5])
+
+
+def test_draft_mass_is_the_targets_probability_of_the_draft_vocabulary(data: dict) -> None:
+    from draftsmith.train import draft_mass
+    from draftsmith.vocab import load_vocab_map
+
+    head = load_target_head(data["target"])
+    _, _, teacher = build(data)
+    final = collate(data["samples"][:3]).final.float()
+    full = torch.softmax(final @ head.lm_head.T, -1)  # [B, T, V]
+    draft_ids = torch.arange(DRAFT_VOCAB) + load_vocab_map(data["vocab"])["d2t"]
+    expected = full[..., draft_ids].sum(-1)
+    mass = draft_mass(final, teacher, head.lm_head, rows=7)  # several chunks
+    torch.testing.assert_close(mass, expected, rtol=1e-5, atol=1e-6)
+    assert 0 < float(mass.min()) <= float(mass.max()) < 1
+
+
+def reference_lk(
+    drafter, embed, teacher, batch, mass: torch.Tensor, kind: str, scale=1.0, decay=1.0
+) -> torch.Tensor:
+    """The LK losses written out per step over the valid positions (3 steps, weights 0.8**j)."""
+    B, T = batch.input_ids.shape
+    kv, hidden, total = TTTKV(), drafter.fuse(batch.aux.float()), 0.0
+    for j in range(3):
+        valid, src, _ = ttt_step_targets(batch.loss_mask, batch.lengths, j)
+        positions = torch.arange(T).expand(B, T) + j
+        hidden = drafter.midlayer(F.embedding(batch.input_ids[:, src], embed), hidden, positions, kv)
+        b, t = valid.nonzero(as_tuple=True)
+        q = torch.softmax(drafter.lm_head(drafter.norm(hidden[b, t])), -1)
+        p = torch.softmax(batch.final[b, src[t]].float() @ teacher.T, -1)
+        alpha = torch.minimum(p * mass[b, src[t], None], q).sum(-1)
+        if kind == "alpha":
+            step = (-alpha.log()).mean()
+        else:
+            weight = scale * torch.exp(-decay * alpha.detach().mean())
+            step = weight * (-(p * q.log()).sum(-1)).mean() + (1 - weight) * (1 - alpha.mean())
+        total = total + 0.8**j * step
+    return total
+
+
+@pytest.mark.parametrize(
+    ("kind", "scale", "decay"), [("alpha", 1.0, 1.0), ("lambda", 1.0, 1.0), ("lambda", 0.7, 3.0)]
+)
+def test_lk_losses_match_their_formulas(data: dict, kind: str, scale: float, decay: float) -> None:
+    from draftsmith.train import draft_mass
+
+    drafter, embed, teacher = build(data)
+    batch = collate(data["samples"][:4])
+    mass = draft_mass(batch.final, teacher, load_target_head(data["target"]).lm_head)
+    view = objective(lk_loss=kind, lk_kl_scale=scale, lk_kl_decay=decay)
+    loss, stats = ttt_loss(drafter, embed, teacher, batch, view, draft_mass=mass)
+    expected = reference_lk(drafter, embed, teacher, batch, mass, kind, scale, decay)
+    # fp32, two formulations: 3 TTT steps of fc -> decoder layer -> lm_head (6 matmuls), longest sum 3H
+    torch.testing.assert_close(loss, expected, **fp_tolerance(torch.float32, 3 * 6, 3 * HIDDEN, scale=1.0))
+    _, plain = ttt_loss(drafter, embed, teacher, batch, objective())
+    assert stats.loss_sum == plain.loss_sum  # the stats keep the cross-entropy
+    loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in drafter.parameters())
+
+
+def test_lk_lambda_split_batch_with_global_sums_adds_up(data: dict) -> None:
+    """Data parallel: with the whole batch's counts and acceptance sums (what all_sum gives each rank),
+    two slices' LK-lambda losses add up to the whole batch's."""
+    drafter, embed, teacher = build(data)
+    samples = data["samples"][:6]
+    whole, view = collate(samples), objective(lk_loss="lambda")
+    sums: list[torch.Tensor] = []
+
+    def record(t: torch.Tensor) -> torch.Tensor:
+        sums.append(t.clone())
+        return t
+
+    full, _ = ttt_loss(drafter, embed, teacher, whole, view, all_sum=record)
+    counts = view.step_counts(whole)
+    parts = []
+    for half in (samples[:2], samples[2:]):
+        steps = iter(sums)
+        parts.append(
+            ttt_loss(
+                drafter, embed, teacher, collate(half), view, counts, all_sum=lambda t, s=steps: next(s)
+            )[0]
+        )
+    torch.testing.assert_close(parts[0] + parts[1], full, rtol=1e-5, atol=1e-6)
+
+
+def test_muon_trains_the_weight_matrices_and_adamw_the_rest(data: dict) -> None:
+    from draftsmith.train import Chain
+
+    drafter, _, _ = build(data)
+    optimizer = make_optimizer(drafter, settings(optimizer="muon", lr=1e-3, muon_lr_scale=10.0))
+    assert isinstance(optimizer, Chain)
+    adamw, muon = optimizer.parts
+    assert isinstance(adamw, torch.optim.AdamW) and isinstance(muon, torch.optim.Muon)
+    names = {id(p): n for n, p in drafter.named_parameters()}
+    in_muon = {names[id(p)] for g in muon.param_groups for p in g["params"]}
+    assert in_muon == {
+        "fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
+        "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight",
+        "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
+    }  # fmt: skip
+    in_adamw = {names[id(p)] for g in adamw.param_groups for p in g["params"]}
+    assert in_adamw == set(names.values()) - in_muon and "lm_head.weight" in in_adamw
+    assert muon.param_groups[0]["lr"] == pytest.approx(1e-2) and optimizer.param_groups[0]["lr"] == 1e-3
+
+
+def test_muon_run_resumes_to_identical_weights(data: dict, tmp_path: Path) -> None:
+    """Both optimizers' states and both schedules go into the checkpoint: a resumed Muon run ends where
+    an uninterrupted one does, bit for bit, and trains."""
+    s = settings(optimizer="muon", epochs=2)
+    full = run(data, tmp_path / "full", s)
+    run(data, tmp_path / "resumed", replace(s, max_steps=3))
+    second = run(data, tmp_path / "resumed", s)
+    assert second["resumed_from_step"] == 3
+    a = load_file(str(run_folder(tmp_path / "full") / f"step-{full['steps']}" / "model.safetensors"))
+    b = load_file(str(run_folder(tmp_path / "resumed") / f"step-{full['steps']}" / "model.safetensors"))
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    train_rows = [r for r in rows(tmp_path / "full") if r["kind"] == "train"]
+    assert train_rows[-1]["loss"] < train_rows[0]["loss"]

