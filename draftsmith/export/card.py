@@ -194,6 +194,10 @@ def training_section(summary: dict[str, Any]) -> list[str]:
             "- validation accuracy per TTT step (top-1 = the next token): "
             + " / ".join(_num(a) for a in learning["val_acc"])
         )
+    else:  # said, not left out: a card without it would look like one that forgot it
+        lines.append(
+            "- validation accuracy per TTT step: not measured (no validation samples or no epoch end)"
+        )
     if learning.get("train_acc"):
         lines.append(
             "- training accuracy per TTT step: " + " / ".join(_num(a) for a in learning["train_acc"])

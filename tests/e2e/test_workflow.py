@@ -113,12 +113,14 @@ def test_every_target_exists_and_is_sound(finished_run):
                 lo, hi = m["tokens_per_forward_interval"]
                 assert f"{m['tokens_per_forward']:.3f} [{lo:.3f}, {hi:.3f}]" in card, (folder, name)
         assert "## Verdict" in card and summary["verdict"]["per_set"][0]["action"] in card
-        val = summary["learning"]["val_acc"]
-        assert (
+        val = summary["learning"]["val_acc"]  # None when the tiny split held out no sample
+        said = (
             "validation accuracy per TTT step (top-1 = the next token): "
             + " / ".join(f"{a:.3f}" for a in val)
-            in card
+            if val
+            else "validation accuracy per TTT step: not measured"
         )
+        assert said in card, folder
     rules = (
         "generate",
         "extract/shard-0",

@@ -173,6 +173,10 @@ def test_the_card_says_whether_the_gate_blocked():
     assert not summary["gate_passed"]  # the trained drafter loses to n-gram lookup (blocking by default)
     card = render_card(summary, "vllm", {"vllm": "results/drafter"}, "t")
     assert "**TRAIN LONGER (deploy: n-gram lookup)**; the gate BLOCKED this drafter." in card
+    summary["learning"]["val_acc"] = None
+    assert "validation accuracy per TTT step: not measured" in render_card(
+        summary, "vllm", {"vllm": "d"}, "t"
+    )
     summary["gate_passed"] = True
     summary["settings"]["gate"]["beats_ngram"] = "warn"
     assert "the gate passed this drafter (checks that only warn: beats_ngram)." in render_card(
