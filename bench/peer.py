@@ -1095,9 +1095,7 @@ def main(
     data_path, vocab_path = Path(data).resolve(), Path(vocab).resolve()
     work_dir, venv_dir = Path(work).resolve(), Path(venv).expanduser().resolve()
     config = Path(config_path) if config_path else None
-    settings = base_settings(
-        config, {**json.loads(settings_json), "threads": threads, "checkpoint_every": None}
-    )
+    settings = base_settings(config, {**json.loads(settings_json), "threads": threads, "checkpoint_every": 0})
     result: dict[str, Any] = {"data": str(data_path), "vocab": str(vocab_path), "settings": settings,
                               "load_avg_start": load_start, "nproc": os.cpu_count()}  # fmt: skip
     result["install"] = install(venv_dir, torch_spec or local_torch_spec())
