@@ -529,32 +529,19 @@ def import_specforge(
     state_path: Path, manifest_path: Path, vocab_path: Path, settings: dict[str, Any], out_dir: Path
 ) -> Path:
     """SpecForge's trained weights in draftsmith's drafter, exported as draftsmith exports its own."""
-    from draftsmith.train import TrainSettings, build_drafter, export, load_inputs
+    from draftsmith.train import TrainSettings, build_drafter, load_inputs, write_drafter
 
     manifest, vocab, target = load_inputs(manifest_path, vocab_path)
     s = TrainSettings.from_dict(settings)
-    drafter, _, _ = build_drafter(
-        target,
-        vocab["d2t"],
-        vocab["t2d"],
-        int(manifest["num_aux"]),
-        s.seed,
-        "cpu",
-        s.drafter,
-        s.head_init,
-        s.layer_init,
-    )
+    drafter, _, _ = build_drafter(target, vocab["d2t"], vocab["t2d"], int(manifest["num_aux"]), s, "cpu")
     weights = specforge_weights(torch.load(state_path, map_location="cpu", weights_only=False))
     drafter.load_state_dict(
         {k: v.to(torch.float32) if v.is_floating_point() else v for k, v in weights.items()}
     )
     if not torch.equal(drafter.d2t, vocab["d2t"]) or not torch.equal(drafter.t2d, vocab["t2d"]):
         raise click.ClickException(f"{state_path}: its d2t/t2d are not {vocab_path}'s")
-    aux = convert_layer_ids(
-        [int(i) for i in manifest["aux_layer_ids"]], manifest.get("layer_convention", "input"), "input"
-    )
     summary = {"trainer": "SpecForge 0.2.0", "state": str(state_path)}
-    export(drafter, out_dir, aux, str(manifest["target"]), target.config, s, summary)
+    write_drafter(drafter, out_dir, manifest, target.config, s, summary)
     return out_dir
 
 
@@ -564,22 +551,23 @@ def import_specforge(
 def validation(
     export_dir: Path, manifest_path: Path, vocab_path: Path, settings: dict[str, Any]
 ) -> dict[str, Any]:
-    """draftsmith's evaluator on the validation split, sample by sample: `ttt_loss`'s stats as
-    `train.evaluate` takes them (float32; the positions whose predicted token is an assistant token) ->
-    accuracy and agreement per TTT step, and each sample's counts for the paired interval."""
+    """draftsmith's evaluator on the validation split, sample by sample: `ttt_loss`'s stats in the view
+    `train.validate` scores (`Objective.for_validation`: the inference view, the positions whose predicted
+    token is an assistant token; float32) -> accuracy and agreement per TTT step, and each sample's counts
+    for the paired interval."""
     from draftsmith.export import load_drafter
-    from draftsmith.train import StepStats, TrainSettings, load_inputs, ttt_loss
+    from draftsmith.train import Objective, StepStats, TrainSettings, load_inputs, ttt_loss
 
     manifest, vocab, target = load_inputs(manifest_path, vocab_path)
-    s = replace(TrainSettings.from_dict(settings), precision="fp32")
+    s = TrainSettings.from_dict(settings)
+    view = replace(Objective.from_settings(s, "cpu"), precision="fp32").for_validation()
     drafter, _ = load_drafter(export_dir)
     teacher = target.lm_head[torch.arange(vocab["d2t"].numel()) + vocab["d2t"]]
     data = StreamingData.from_manifest(manifest, s)
     total, per_sample = StepStats.zeros(s.ttt_steps), []
     with torch.no_grad():
         for i in range(len(data.val)):
-            _, st = ttt_loss(drafter, target.embed, teacher, collate([data.sample("val", i)]), s.ttt_steps,
-                             s.ttt_decay, precision="fp32")  # fmt: skip
+            _, st = ttt_loss(drafter, target.embed, teacher, collate([data.sample("val", i)]), view)
             total.add(st)
             per_sample.append({"correct": st.correct, "agree": st.agree, "count": st.count})
     data.close()
@@ -611,7 +599,8 @@ def paired_acc_interval(a: list[dict[str, Any]], b: list[dict[str, Any]], key: s
 
 
 def heldout_sets(config_path: Path | None, manifest_path: Path) -> dict[str, Path]:
-    """The run's held-out prompt files as the workflow resolves them (rules/common.smk)."""
+    """The run's held-out prompt files as the workflow resolves them (rules/common.smk), relative to the
+    run's folder (the parent of results/); a set whose file is missing is left out, with a line."""
     import draftsmith
 
     cfg = (
@@ -620,14 +609,21 @@ def heldout_sets(config_path: Path | None, manifest_path: Path) -> dict[str, Pat
         else {}
     )
     sets = ((cfg or {}).get("evaluate") or {}).get("heldout_sets") or {"split": "split"}
+    run_dir = manifest_path.parent.parent
     out = {}
     for name, source in sets.items():
         if source == "split":
-            out[name] = manifest_path.parent / "prompts" / "heldout.jsonl"
+            path = manifest_path.parent / "prompts" / "heldout.jsonl"
         elif source == "handwritten":
-            out[name] = Path(draftsmith.__file__).parent / "data" / "heldout_handwritten.jsonl"
+            path = Path(draftsmith.__file__).parent / "data" / "heldout_handwritten.jsonl"
+        elif source == "humaneval":
+            path = run_dir / "resources" / "data" / "humaneval.jsonl"
         else:
-            out[name] = Path(source)
+            path = Path(source) if Path(source).is_absolute() else run_dir / source
+        if path.is_file():
+            out[name] = path
+        else:
+            log(f"held-out set {name}: {path} is missing, left out of the vLLM measurement")
     return out
 
 
@@ -681,8 +677,9 @@ def vllm_measure(
     out/ or a `reuse` folder is read back: greedy decoding of the same prompts is deterministic."""
     from draftsmith.evaluate import evaluate_vllm
 
-    keys = {"num_prompts": ev["num_prompts"], "max_new_tokens": ev["max_new_tokens"],
-            "num_draft_tokens": ev["num_draft_tokens"], "sets": {k: str(v) for k, v in sets.items()}}  # fmt: skip
+    keys = {"num_prompts": ev["num_prompts"], "set_num_prompts": ev.get("set_num_prompts"),
+            "max_new_tokens": ev["max_new_tokens"], "num_draft_tokens": ev["num_draft_tokens"],
+            "sets": {k: str(v) for k, v in sets.items()}}  # fmt: skip
     results: dict[str, dict[str, Any]] = {}
     for label, export in exports.items():
         for folder in [out, *reuse]:
@@ -700,7 +697,7 @@ def vllm_measure(
         summaries = evaluate_vllm(
             target, {k: str(v) for k, v in missing.items()}, {k: str(v) for k, v in sets.items()},
             {k: str(v) for k, v in outs.items()}, ev["num_prompts"], ev["max_new_tokens"], ev["num_draft_tokens"],
-            ngram=False, log_dir=out / "logs",
+            ngram=False, log_dir=out / "logs", set_num_prompts=ev.get("set_num_prompts") or None,
         )  # fmt: skip
         wall = time.perf_counter() - t0
         for label in missing:
@@ -766,16 +763,18 @@ def teacher_in_vocab_mask(batch: Any, teacher_full: Tensor, t2d: Tensor, mask_of
     return batch.loss_mask & keep
 
 
-def per_depth_grads(drafter: Any, embed: Tensor, teacher: Tensor, batch: Any, ttt: int, decay: float, **kw: Any
-                    ) -> tuple[list[dict[str, Tensor]], list[float]]:  # fmt: skip
-    """draftsmith's ttt_loss at depth 1..ttt -> (the gradient of each depth's weighted loss, the per-step
-    loss sums of the full depth)."""
+def per_depth_grads(
+    drafter: Any, embed: Tensor, teacher: Tensor, batch: Any, objective: Any
+) -> tuple[list[dict[str, Tensor]], list[float]]:
+    """draftsmith's ttt_loss at depth 1..ttt_steps -> (the gradient of each depth's weighted loss, the
+    per-step loss sums of the full depth)."""
     from draftsmith.train import ttt_loss
 
     grads, sums = [], []
-    for depth in range(1, ttt + 1):
+    for depth in range(1, objective.ttt_steps + 1):
         drafter.zero_grad(set_to_none=True)
-        loss, stats = ttt_loss(drafter, embed, teacher, batch, depth, decay, precision="fp32", **kw)
+        obj = replace(objective, ttt_steps=depth, step_weights=objective.step_weights[:depth])
+        loss, stats = ttt_loss(drafter, embed, teacher, batch, obj)
         loss.backward()
         grads.append(
             {n: p.grad.detach().clone() for n, p in drafter.named_parameters() if p.grad is not None}
@@ -813,7 +812,7 @@ def run_diff(
     samples: int, max_len: int, threads: int | None, out: Path,
 ) -> dict[str, Any]:  # fmt: skip
     """The differential check (module docstring)."""
-    from draftsmith.train import TrainSettings, build_drafter, load_inputs
+    from draftsmith.train import Objective, TrainSettings, build_drafter, load_inputs, ttt_loss
 
     out.mkdir(parents=True, exist_ok=True)
     s = TrainSettings.from_dict(settings)
@@ -850,17 +849,17 @@ def run_diff(
         raise click.ClickException(f"SpecForge's side of the diff failed:\n{proc.stderr[-4000:]}")
     specforge_side_s = time.perf_counter() - t0
     sf = torch.load(out / "diff_out.pt", map_location="cpu", weights_only=False)
-    ttt, decay = int(sf["ttt_steps"]), float(s.ttt_decay)
+    ttt = int(sf["ttt_steps"])
     drafter, embed, teacher = build_drafter(
-        target,
-        vocab["d2t"],
-        vocab["t2d"],
-        int(manifest["num_aux"]),
-        s.seed,
-        "cpu",
-        s.drafter,
-        s.head_init,
-        s.layer_init,
+        target, vocab["d2t"], vocab["t2d"], int(manifest["num_aux"]), s, "cpu"
+    )
+    # draftsmith's objective in float32 on the loss mask given (each sample's own, as SpecForge gets it)
+    base = replace(
+        Objective.from_settings(s, "cpu"),
+        precision="fp32",
+        loss_positions="assistant",
+        noise_std=0.0,
+        lk_loss="none",
     )
     own_init = init_stats({n: p.detach() for n, p in drafter.named_parameters()})
     drafter.load_state_dict({**drafter.state_dict(), **sf["initial"]})
@@ -897,7 +896,7 @@ def run_diff(
                     loss_mask=teacher_in_vocab_mask(batch, teacher_full, vocab["t2d"], v["mask_offset"]),
                 )
             kw = {k: v[k] for k in ("mask_offset", "loss_norm", "ttt_prefix", "ttt_positions") if k in v}
-            cum, sums = per_depth_grads(drafter, embed, teacher, batch, ttt, decay, **kw)
+            cum, sums = per_depth_grads(drafter, embed, teacher, batch, replace(base, **kw))
             steps = step_grads(cum)
             rows[name].append({
                 "sample": i, "tokens": T,
@@ -923,9 +922,7 @@ def run_diff(
             )
         kw = {k: v[k] for k in ("mask_offset", "loss_norm", "ttt_prefix", "ttt_positions") if k in v}
         drafter.zero_grad(set_to_none=True)
-        from draftsmith.train import ttt_loss
-
-        loss, _ = ttt_loss(drafter, embed, teacher, batch, ttt, decay, precision="fp32", **kw)
+        loss, _ = ttt_loss(drafter, embed, teacher, batch, replace(base, **kw))
         loss.backward()
         grads = {n: p.grad.detach().clone() for n, p in drafter.named_parameters() if p.grad is not None}
         batch_rows[name] = compare_grads(grads, ref_batch)
@@ -1098,9 +1095,7 @@ def main(
     data_path, vocab_path = Path(data).resolve(), Path(vocab).resolve()
     work_dir, venv_dir = Path(work).resolve(), Path(venv).expanduser().resolve()
     config = Path(config_path) if config_path else None
-    settings = base_settings(
-        config, {**json.loads(settings_json), "threads": threads, "checkpoint_every": None}
-    )
+    settings = base_settings(config, {**json.loads(settings_json), "threads": threads, "checkpoint_every": 0})
     result: dict[str, Any] = {"data": str(data_path), "vocab": str(vocab_path), "settings": settings,
                               "load_avg_start": load_start, "nproc": os.cpu_count()}  # fmt: skip
     result["install"] = install(venv_dir, torch_spec or local_torch_spec())
@@ -1168,7 +1163,7 @@ def main(
         log("every drafter in vLLM")
         ev = eval_settings(config)
         if vllm_prompts is not None:
-            ev["num_prompts"] = vllm_prompts
+            ev["num_prompts"], ev["set_num_prompts"] = vllm_prompts, None
         result["vllm_settings"] = {k: ev[k] for k in ("num_prompts", "max_new_tokens", "num_draft_tokens")}
         exports = {n: Path(r["export"]) for n, r in result["trainers"].items()}
         reuse = [Path(specforge_from).resolve() / "vllm"] if specforge_from else []
