@@ -231,7 +231,7 @@ def train_setting_as_written(p: Probe, key: str, written: str) -> str:
     """A train setting written into a config file as given (YAML text): refused, or what train gets."""
     config = p.root / "train.yaml"
     config.write_text(p.config({}).read_text() + f"train:\n  {key}: {written}\n")
-    proc = p.snakemake("-n", "-p", "results/drafter", config=config)
+    proc = p.snakemake("-n", "-p", "results/drafter/model.safetensors", config=config)
     if proc.returncode:
         return f"refused: {said(proc)}"
     return f"accepted: {key} {settings_of(proc.stdout + proc.stderr, 'train')[key]!r}"

@@ -91,6 +91,13 @@ def validate_repo_id(repo_id: str) -> str:
     return repo_id
 
 
+def verdict_head(verdict: dict[str, Any]) -> str:
+    """The verdict's first line as the report prints it (what to deploy, per held-out set when they differ)."""
+    from draftsmith.report import format_verdict
+
+    return format_verdict(verdict).splitlines()[0].removeprefix("VERDICT: ")
+
+
 def gate_status(results: Path) -> GateStatus:
     """Whether the evaluation let this drafter through: summary.json's gate_passed and gate.json both."""
     summary_path, gate_path = results / "eval" / "summary.json", results / "eval" / "gate.json"
@@ -101,7 +108,7 @@ def gate_status(results: Path) -> GateStatus:
     except json.JSONDecodeError as err:
         return GateStatus(False, f"{summary_path} is not valid JSON ({err})")
     verdict = summary.get("verdict")
-    said = f" (verdict: {verdict['action']}, deploy: {verdict['deploy']})" if verdict else ""
+    said = f" (verdict: {verdict_head(verdict)})" if verdict else ""
     if summary.get("gate_passed") is not True:
         return GateStatus(False, f"the gate blocked this drafter{said}; see {summary_path}", verdict)
     if not gate_path.is_file():
@@ -140,7 +147,7 @@ def plan_push(results: str | Path, repo_id: str, engine: str = "vllm", private: 
     verdict = plan.gate.verdict
     if plan.gate.passed and verdict and verdict.get("deploy") != "trained drafter":
         plan.warnings.append(
-            f"the gate passed, but its verdict says deploy {verdict['deploy']}: a check it judges was "
+            f"the gate passed, but its verdict says {verdict_head(verdict)}: a check it judges was "
             "configured as a warning (evaluate.gate)"
         )
     return plan

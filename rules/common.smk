@@ -90,6 +90,16 @@ DRAFTER_FILES = {
 }
 
 
+def drafter_dir(wildcards, input):
+    """The trained drafter's folder, from its files among a job's inputs (what --drafter takes)."""
+    return os.path.dirname(input.drafter_config)
+
+
+def trained_drafter_dir(wildcards, output):
+    """The folder the train job writes the drafter's files into (what its --out takes)."""
+    return os.path.dirname(output.drafter_config)
+
+
 def hidden_shards():
     """One extraction output per shard; the count comes from config so a dry-run shows every job."""
     return expand(

@@ -113,9 +113,10 @@ rule evaluate_offline:
         offline=offline_options,
         untrained=untrained_option,
         seed=config["evaluate"]["seed"],
+        drafter=drafter_dir,
     shell:
         "draftsmith run --gpus {resources.gpu} --"
-        ' draftsmith evaluate --target {input.target:q} --drafter "$(dirname {input.drafter_config:q})" {params.untrained:q}'
+        " draftsmith evaluate --target {input.target:q} --drafter {params.drafter:q} {params.untrained:q}"
         " --prompts {input.prompts:q} --out {output:q} {params.options:q} {params.offline:q}"
         " --seed {params.seed:q} --threads {threads} --gpus {resources.gpu} 2>&1 | tee {log:q}"
 
@@ -151,9 +152,10 @@ rule evaluate_vllm:
         # the target's dtype on GPUs (float32 on a CPU); eager or CUDA graphs (null: by device)
         dtype=config["target"]["dtype"],
         eager={True: ["--vllm-eager"], False: ["--vllm-compiled"], None: []}[EVAL["vllm_eager"]],
+        drafter=drafter_dir,
     shell:
         "draftsmith run --gpus {resources.gpu} --"
-        ' draftsmith evaluate-vllm --target {input.target:q} --drafter "$(dirname {input.drafter_config:q})"'
+        " draftsmith evaluate-vllm --target {input.target:q} --drafter {params.drafter:q}"
         " --untrained {input.untrained:q} {params.sets:q} --num-prompts {params.num_prompts:q}"
         " {params.options:q} {params.ngram:q} --seed {params.seed:q} --gpus {resources.gpu}"
         " --dtype {params.dtype:q} {params.eager:q}"
@@ -218,8 +220,9 @@ rule eval_summary:
         resamples=EVAL["bootstrap_resamples"],
         # what the model card names as the target
         target_source=section_json("target", ["model", "revision", "gguf_wheel", "gguf_file"]),
+        drafter=drafter_dir,
     shell:
-        'draftsmith eval-summary {params.sets:q} --data {input.data:q} --drafter "$(dirname {input.drafter_config:q})"'
+        "draftsmith eval-summary {params.sets:q} --data {input.data:q} --drafter {params.drafter:q}"
         ' --target {input.target:q} --metrics {input.metrics:q} --out "$(dirname {output.summary:q})"'
         " {params.gate:q} {params.max_tau_gap:q} --max-acc-gap {params.max_acc_gap:q}"
         " --min-val-gain {params.min_val_gain:q} --level {params.level:q} --resamples {params.resamples:q}"

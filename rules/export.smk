@@ -24,7 +24,8 @@ rule export:
     params:
         # speculators' default draft length: what the evaluation measured
         speculative_tokens=config["evaluate"]["num_draft_tokens"],
+        drafter=drafter_dir,
     shell:
-        'draftsmith export --drafter "$(dirname {input.drafter_config:q})" --target {input.target:q}'
+        "draftsmith export --drafter {params.drafter:q} --target {input.target:q}"
         " --out-sglang {output.sglang:q} --out-speculators {output.speculators:q}"
         " --speculative-tokens {params.speculative_tokens:q} --summary {input.summary:q} 2>&1 | tee {log:q}"

@@ -25,9 +25,10 @@ rule train:
         report_to=",".join(config["resources"]["train"]["report_to"]),
     params:
         settings=section_json("train"),
+        drafter=trained_drafter_dir,
     shell:
         "draftsmith run --gpus {resources.gpu} --"
-        ' draftsmith train --data {input.data:q} --vocab {input.vocab:q} --out "$(dirname {output.drafter_config:q})"'
+        " draftsmith train --data {input.data:q} --vocab {input.vocab:q} --out {params.drafter:q}"
         " --checkpoints results/train/checkpoints --metrics {output.metrics:q}"
         # one data-parallel process per GPU the job was granted (torchrun); on CPU one process
         " --settings {params.settings:q} --threads {threads} --checkpoint-every {resources.checkpoint_every}"

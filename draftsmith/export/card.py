@@ -69,12 +69,19 @@ def metadata(summary: dict[str, Any], engine: str) -> str:
 
 
 def verdict_section(summary: dict[str, Any]) -> list[str]:
+    from draftsmith.report import format_verdict
+
     v = summary["verdict"]
+    head = format_verdict(v).splitlines()[0].removeprefix("VERDICT: ")  # the report's own first line
     gate = "passed" if summary.get("gate_passed") else "BLOCKED"
+    warn_only = sorted(
+        k for k, mode in ((summary.get("settings") or {}).get("gate") or {}).items() if mode == "warn"
+    )
     lines = [
         "## Verdict",
         "",
-        f"**{v['action'].upper()}** (deploy: {v['deploy']}); the gate {gate} this drafter.",
+        f"**{head}**; the gate {gate} this drafter"
+        + (f" (checks that only warn: {', '.join(warn_only)})." if warn_only else "."),
         "",
     ]
     for s in v.get("per_set", []):
@@ -124,8 +131,8 @@ def training_section(summary: dict[str, Any]) -> list[str]:
         f"- target: `{where}`" + (f" at revision `{rev}`" if rev else " (revision not pinned)")
         if not target.get("gguf_wheel")
         else f"- target: `{target.get('path')}`, the GGUF `{target.get('gguf_file')}` of PyPI wheel "
-        f"`{target['gguf_wheel']}` dequantised to float32 (the original of {EMBEDDED_BASE_MODEL}, quantised: "
-        "serve with this target for the figures below)"
+        f"`{target['gguf_wheel']}` (a Q4_1 quantisation of {EMBEDDED_BASE_MODEL}) dequantised to float32: "
+        "the figures below were measured with it"
     )
     if target.get("architecture"):
         lines.append(
@@ -243,7 +250,7 @@ def render_card(summary: dict[str, Any], engine: str, folders: dict[str, str], t
     intro = [
         f"# EAGLE-3 drafter for {name} ({ENGINE_NAMES[engine]} export)",
         "",
-        f"A speculative-decoding drafter trained by [draftsmith](https://github.com/) for `{name}`, in the form "
+        f"A speculative-decoding (EAGLE-3) drafter trained by draftsmith for `{name}`, in the form "
         f"{ENGINE_NAMES[engine]} loads. Before anyone deploys it, it was measured on held-out prompts against "
         "what costs nothing: n-gram prompt lookup and the untrained drafter.",
         "",

@@ -99,7 +99,7 @@ def test_card_shows_every_figure_of_the_summary(tmp_path):
     # the verdict, per set with its reasons, and the gate's word
     v = summary["verdict"]
     gate = "passed" if summary["gate_passed"] else "BLOCKED"
-    assert f"**{v['action'].upper()}** (deploy: {v['deploy']}); the gate {gate} this drafter." in card
+    assert f"**{v['action'].upper()} (deploy: {v['deploy']})**; the gate {gate} this drafter." in card
     for s in v["per_set"]:
         assert f"- {s['heldout']}: {s['action']} (deploy: {s['deploy']})" in card
         assert all(f"  - {r}" in card for r in s["reasons"])
@@ -172,6 +172,15 @@ def test_the_card_says_whether_the_gate_blocked():
     summary = tiny_summary()
     assert not summary["gate_passed"]  # the trained drafter loses to n-gram lookup (blocking by default)
     card = render_card(summary, "vllm", {"vllm": "results/drafter"}, "t")
-    assert "**TRAIN LONGER** (deploy: n-gram lookup); the gate BLOCKED this drafter." in card
+    assert "**TRAIN LONGER (deploy: n-gram lookup)**; the gate BLOCKED this drafter." in card
     summary["gate_passed"] = True
-    assert "the gate passed this drafter." in render_card(summary, "vllm", {"vllm": "results/drafter"}, "t")
+    summary["settings"]["gate"]["beats_ngram"] = "warn"
+    assert "the gate passed this drafter (checks that only warn: beats_ngram)." in render_card(
+        summary, "vllm", {"vllm": "results/drafter"}, "t"
+    )
+    summary["verdict"] |= {"deploy": "per held-out set", "per_set": [
+        {"heldout": "split", "action": "train longer", "deploy": "n-gram lookup", "reasons": []},
+        {"heldout": "handwritten", "action": "deploy drafter", "deploy": "trained drafter", "reasons": []},
+    ]}  # fmt: skip
+    card = render_card(summary, "vllm", {"vllm": "results/drafter"}, "t")
+    assert "**deploy n-gram lookup on split; trained drafter on handwritten**" in card
