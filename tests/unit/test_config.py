@@ -324,6 +324,11 @@ def test_settings_that_need_another_one_are_named():
         "prompts.path: prompts.source is jsonl but no prompt file is named (set prompts.path)",
         "generate.base_url: generate.engine is openai but no server is named (e.g. http://127.0.0.1:8000/v1)",
     ]
+    code = filled({"prompts": {"code_prompts": 50}, "evaluate": {"set_num_prompts": {"other": 3}}})
+    assert combination_errors(code) == [
+        "prompts.code_wheels: prompts.code_prompts asks for code prompts but names no wheel",
+        "evaluate.set_num_prompts: ['other'] are not held-out sets (evaluate.heldout_sets)",
+    ]
 
 
 @pytest.mark.parametrize(

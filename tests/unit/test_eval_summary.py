@@ -1,6 +1,5 @@
 """The evaluation summary as pure functions: tokens per target forward and vLLM's tau with intervals in
-every row, the projection, the table, set loading, and the TensorBoard event files read back with
-TensorBoard's own reader."""
+every row, the projection, the table and set loading."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import pytest
 from draftsmith.cost import memory_bound_speedup
 from draftsmith.eval_summary import headline, intervals, load_sets, summary_rows
 from draftsmith.gate import GateSettings
-from draftsmith.report import format_table, format_tsv, write_tensorboard
+from draftsmith.report import format_table, format_tsv
 
 
 def method(accepted: list[int], drafts: list[int], per_pos: list[list[int]], **kw) -> dict:
@@ -111,41 +110,6 @@ def test_load_sets_checks_the_prompts_match(tmp_path):
     served.write_text(json.dumps({**more, "prompt_ids": ["extra"] + results({})["prompt_ids"]}))
     with pytest.raises(ValueError, match="decoded different prompts"):
         load_sets({"split": off}, {"split": served})
-
-
-def test_tensorboard_events_read_back(tmp_path):
-    pytest.importorskip("tensorboard")
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    sets = {"split": {"offline": results({"eagle3": TRAINED, "ngram": NGRAM}), "vllm": None}}
-    rows = summary_rows(sets, GateSettings())
-    summary = {"rows": rows, "verdict": {"action": "deploy n-gram", "deploy": "n-gram lookup", "per_set": []}}
-    metrics = [
-        {"kind": "train", "step": 1, "loss": 5.0, "acc": [0.1, 0.05]},
-        {"kind": "train", "step": 2, "loss": 4.0, "acc": [0.2, None]},
-        {"kind": "resume", "step": 2},
-        {"kind": "val", "step": 2, "loss": 4.5, "acc": [0.15, 0.1], "agreement": [0.25, 0.2]},
-    ]
-    run = tmp_path / "tensorboard" / "run-x"
-    (run).mkdir(parents=True)
-    (run / "stale").write_text("from an earlier run")
-    assert write_tensorboard(run, metrics, summary)
-    assert not (run / "stale").exists()  # the run folder is replaced whole
-    acc = EventAccumulator(str(run))
-    acc.Reload()
-    scalars = acc.Tags()["scalars"]
-    assert [e.value for e in acc.Scalars("train/loss")] == [5.0, 4.0]
-    assert [e.step for e in acc.Scalars("train/accuracy_ttt_step_1")] == [1]
-    assert acc.Scalars("val/accuracy_ttt_step_0")[0].value == pytest.approx(0.15)
-    assert acc.Scalars("val/agreement_ttt_step_1")[0].value == pytest.approx(0.2)
-    assert "train/agreement_ttt_step_0" not in scalars  # rows written before it was measured
-    tau = acc.Scalars("eval_split/eagle3_offline/tau")[0]
-    assert tau.step == 2 and tau.value == pytest.approx(TRAINED["tau"])
-    assert (
-        "eval_split/ngram_offline/tau_low" in scalars
-        and "eval_split/eagle3_offline/acceptance_position_3" in scalars
-    )
-    assert all(f.stat().st_mode & 0o777 == 0o644 for f in run.iterdir())
 
 
 def test_without_the_offline_decoder_vllm_alone_fills_the_summary(tmp_path):

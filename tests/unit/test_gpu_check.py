@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 
 import pytest
@@ -103,13 +104,18 @@ def test_the_table_reports_stages_devices_and_acceptance(tmp_path):
             {"device": "cuda", "engine": "vLLM offline LLM (bfloat16, compiled, tensor parallel 1, ...)"}
         )
     )
-    rows = [{"method": "trained drafter", "engine": "vLLM", "tau": 1.42, "tau_interval": [1.3, 1.5], "speedup": 1.31},
-            {"method": "plain decoding", "engine": "vLLM", "tau": None, "speedup": 1.0}]  # fmt: skip
+    rows = [{"method": "trained drafter", "measured_by": "vLLM", "tokens_per_forward": 1.38,
+             "tokens_per_forward_interval": [1.3, 1.45], "tau": 1.42, "speedup": 1.31},
+            {"method": "plain decoding", "measured_by": "vLLM", "tokens_per_forward": 1.0, "tau": None,
+             "speedup": 1.0}]  # fmt: skip
     summary = {"rows": rows, "verdict": {"action": "train longer", "deploy": "n-gram lookup"}}
     (run / "results" / "eval" / "summary.json").write_text(json.dumps(summary))
     text = gpu_check_module().table(run, "installed in 200 s", 412.0, 0)
     assert "workflow     finished in 412 s" in text
     assert "device cuda, vLLM offline LLM (bfloat16, compiled" in text
     assert "  generate                      61  CUDA_VISIBLE_DEVICES=0" in text
-    assert "  trained drafter           vLLM       1.420  [1.300, 1.500]       1.31" in text
+    assert (
+        "  trained drafter           vLLM                   1.380  [1.300, 1.450]     1.420     1.31" in text
+    )
+    assert re.search(r"\n  plain decoding +vLLM +1\.000 +- +1\.00\n", text), text
     assert "verdict      train longer (deploy: n-gram lookup)" in text
