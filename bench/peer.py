@@ -34,7 +34,7 @@ Stages, each kept in --work and reused by a rerun with the same inputs (--fresh 
              t2d) and exported exactly like draftsmith's own.
   evaluate   validation accuracy (the drafter's top-1 = the data's next token) and agreement (= the
              target's top-1 over the draft vocabulary) per TTT step of both exports, scored by draftsmith's
-             evaluator (`ttt_loss`'s stats, as `train.evaluate` scores validation; float32) on the same
+             evaluator (`ttt_loss`'s stats, as `train.validate` scores validation; float32) on the same
              validation samples and positions, with 95% paired bootstrap intervals of the differences.
   vllm       every export in real vLLM through `draftsmith evaluate-vllm`'s library call (plain decoding
              once, then one engine per drafter, the run's held-out sets in one batch, greedy, k as the run
@@ -529,32 +529,19 @@ def import_specforge(
     state_path: Path, manifest_path: Path, vocab_path: Path, settings: dict[str, Any], out_dir: Path
 ) -> Path:
     """SpecForge's trained weights in draftsmith's drafter, exported as draftsmith exports its own."""
-    from draftsmith.train import TrainSettings, build_drafter, export, load_inputs
+    from draftsmith.train import TrainSettings, build_drafter, load_inputs, write_drafter
 
     manifest, vocab, target = load_inputs(manifest_path, vocab_path)
     s = TrainSettings.from_dict(settings)
-    drafter, _, _ = build_drafter(
-        target,
-        vocab["d2t"],
-        vocab["t2d"],
-        int(manifest["num_aux"]),
-        s.seed,
-        "cpu",
-        s.drafter,
-        s.head_init,
-        s.layer_init,
-    )
+    drafter, _, _ = build_drafter(target, vocab["d2t"], vocab["t2d"], int(manifest["num_aux"]), s, "cpu")
     weights = specforge_weights(torch.load(state_path, map_location="cpu", weights_only=False))
     drafter.load_state_dict(
         {k: v.to(torch.float32) if v.is_floating_point() else v for k, v in weights.items()}
     )
     if not torch.equal(drafter.d2t, vocab["d2t"]) or not torch.equal(drafter.t2d, vocab["t2d"]):
         raise click.ClickException(f"{state_path}: its d2t/t2d are not {vocab_path}'s")
-    aux = convert_layer_ids(
-        [int(i) for i in manifest["aux_layer_ids"]], manifest.get("layer_convention", "input"), "input"
-    )
     summary = {"trainer": "SpecForge 0.2.0", "state": str(state_path)}
-    export(drafter, out_dir, aux, str(manifest["target"]), target.config, s, summary)
+    write_drafter(drafter, out_dir, manifest, target.config, s, summary)
     return out_dir
 
 
@@ -565,21 +552,21 @@ def validation(
     export_dir: Path, manifest_path: Path, vocab_path: Path, settings: dict[str, Any]
 ) -> dict[str, Any]:
     """draftsmith's evaluator on the validation split, sample by sample: `ttt_loss`'s stats as
-    `train.evaluate` takes them (float32; the positions whose predicted token is an assistant token) ->
+    `train.validate` takes them (float32; the positions whose predicted token is an assistant token) ->
     accuracy and agreement per TTT step, and each sample's counts for the paired interval."""
     from draftsmith.export import load_drafter
-    from draftsmith.train import StepStats, TrainSettings, load_inputs, ttt_loss
+    from draftsmith.train import Objective, StepStats, TrainSettings, load_inputs, ttt_loss
 
     manifest, vocab, target = load_inputs(manifest_path, vocab_path)
     s = replace(TrainSettings.from_dict(settings), precision="fp32")
+    view = Objective.from_settings(s).for_validation()  # what training's validation scores
     drafter, _ = load_drafter(export_dir)
     teacher = target.lm_head[torch.arange(vocab["d2t"].numel()) + vocab["d2t"]]
     data = StreamingData.from_manifest(manifest, s)
     total, per_sample = StepStats.zeros(s.ttt_steps), []
     with torch.no_grad():
         for i in range(len(data.val)):
-            _, st = ttt_loss(drafter, target.embed, teacher, collate([data.sample("val", i)]), s.ttt_steps,
-                             s.ttt_decay, precision="fp32")  # fmt: skip
+            _, st = ttt_loss(drafter, target.embed, teacher, collate([data.sample("val", i)]), view)
             total.add(st)
             per_sample.append({"correct": st.correct, "agree": st.agree, "count": st.count})
     data.close()
@@ -766,6 +753,14 @@ def teacher_in_vocab_mask(batch: Any, teacher_full: Tensor, t2d: Tensor, mask_of
     return batch.loss_mask & keep
 
 
+def objective(ttt: int, decay: float, **kw: Any) -> Any:
+    """draftsmith's TTT objective over `ttt` steps weighted decay**j in float32, with the options `kw`
+    (mask_offset, loss_norm, ttt_prefix, ttt_positions) and the schema's defaults for the rest."""
+    from draftsmith.train import Objective, TrainSettings
+
+    return Objective.from_settings(TrainSettings(ttt_steps=ttt, ttt_decay=decay, precision="fp32", **kw))
+
+
 def per_depth_grads(drafter: Any, embed: Tensor, teacher: Tensor, batch: Any, ttt: int, decay: float, **kw: Any
                     ) -> tuple[list[dict[str, Tensor]], list[float]]:  # fmt: skip
     """draftsmith's ttt_loss at depth 1..ttt -> (the gradient of each depth's weighted loss, the per-step
@@ -775,7 +770,7 @@ def per_depth_grads(drafter: Any, embed: Tensor, teacher: Tensor, batch: Any, tt
     grads, sums = [], []
     for depth in range(1, ttt + 1):
         drafter.zero_grad(set_to_none=True)
-        loss, stats = ttt_loss(drafter, embed, teacher, batch, depth, decay, precision="fp32", **kw)
+        loss, stats = ttt_loss(drafter, embed, teacher, batch, objective(depth, decay, **kw))
         loss.backward()
         grads.append(
             {n: p.grad.detach().clone() for n, p in drafter.named_parameters() if p.grad is not None}
@@ -852,15 +847,7 @@ def run_diff(
     sf = torch.load(out / "diff_out.pt", map_location="cpu", weights_only=False)
     ttt, decay = int(sf["ttt_steps"]), float(s.ttt_decay)
     drafter, embed, teacher = build_drafter(
-        target,
-        vocab["d2t"],
-        vocab["t2d"],
-        int(manifest["num_aux"]),
-        s.seed,
-        "cpu",
-        s.drafter,
-        s.head_init,
-        s.layer_init,
+        target, vocab["d2t"], vocab["t2d"], int(manifest["num_aux"]), s, "cpu"
     )
     own_init = init_stats({n: p.detach() for n, p in drafter.named_parameters()})
     drafter.load_state_dict({**drafter.state_dict(), **sf["initial"]})
@@ -925,7 +912,7 @@ def run_diff(
         drafter.zero_grad(set_to_none=True)
         from draftsmith.train import ttt_loss
 
-        loss, _ = ttt_loss(drafter, embed, teacher, batch, ttt, decay, precision="fp32", **kw)
+        loss, _ = ttt_loss(drafter, embed, teacher, batch, objective(ttt, decay, **kw))
         loss.backward()
         grads = {n: p.grad.detach().clone() for n, p in drafter.named_parameters() if p.grad is not None}
         batch_rows[name] = compare_grads(grads, ref_batch)
