@@ -71,16 +71,19 @@ from pathlib import Path
 from typing import Any
 
 import click
+import numpy as np
 import torch
 import yaml
 from torch import Tensor
 
 from draftsmith.atomic import atomic_path, write_json
-from draftsmith.config import settings_defaults
+from draftsmith.config import section_from_file
 from draftsmith.layers import convert_layer_ids
 from draftsmith.loader import StreamingData, collate
 from draftsmith.manifest import load_manifest
 from draftsmith.shards import Sample
+from draftsmith.speculate import target_forwards
+from draftsmith.stats import paired_difference, ratio_of_sums
 
 SPECFORGE = "specforge==0.2.0"
 # What SpecForge 0.2.0's offline EAGLE-3 training imports. Its other requirements serve online capture
@@ -340,12 +343,7 @@ def convert(
 
 def base_settings(config_path: Path | None, overrides: dict[str, Any]) -> dict[str, Any]:
     """draftsmith's train settings as the workflow merges them: schema < config's `train` < overrides."""
-    values = settings_defaults("train")
-    if config_path is not None and config_path.is_file():
-        values.update((yaml.safe_load(config_path.read_text(encoding="utf-8")) or {}).get("train") or {})
-    values.update(overrides)
-    values.pop("gpus", None)
-    return values
+    return section_from_file("train", config_path, overrides)
 
 
 def draftsmith_steps(manifest_path: Path, settings: dict[str, Any]) -> tuple[int, int]:
@@ -628,17 +626,17 @@ def heldout_sets(config_path: Path | None, manifest_path: Path) -> dict[str, Pat
 
 
 def eval_settings(config_path: Path | None) -> dict[str, Any]:
-    values = settings_defaults("evaluate")
-    if config_path is not None and config_path.is_file():
-        values.update((yaml.safe_load(config_path.read_text(encoding="utf-8")) or {}).get("evaluate") or {})
-    return values
+    return section_from_file("evaluate", config_path)
+
+
+def forward_counts(tokens: list[int], accepted: list[int]) -> tuple[list[int], list[int]]:
+    """(tokens, target forwards) per prompt: the counts tokens per target forward is the ratio of."""
+    return tokens, [target_forwards(t, a) for t, a in zip(tokens, accepted, strict=True)]
 
 
 def tokens_per_forward(tokens: list[int], accepted: list[int]) -> float:
-    """Output tokens per target forward over some prompts: every decode step is one target forward and
-    yields 1 + its accepted drafts, so forwards = tokens - accepted."""
-    t, a = sum(tokens), sum(accepted)
-    return t / (t - a) if t > a else float("nan")
+    """Output tokens per target forward over some prompts (draftsmith.speculate's count)."""
+    return ratio_of_sums(*(np.asarray(x, dtype=float) for x in forward_counts(tokens, accepted))).item()
 
 
 def paired_interval(
@@ -649,18 +647,11 @@ def paired_interval(
     resamples: int = 2000,
     seed: int = 0,
 ) -> list[float]:
-    """95% percentile bootstrap interval of tokens_per_forward(a) - tokens_per_forward(b) over the same
-    prompts, resampled in pairs."""
-    rng = random.Random(seed)
-    n = len(tokens_a)
-    diffs = []
-    for _ in range(resamples):
-        idx = [rng.randrange(n) for _ in range(n)]
-        a = tokens_per_forward([tokens_a[i] for i in idx], [acc_a[i] for i in idx])
-        b = tokens_per_forward([tokens_b[i] for i in idx], [acc_b[i] for i in idx])
-        diffs.append(a - b)
-    diffs.sort()
-    return [diffs[int(0.025 * resamples)], diffs[int(0.975 * resamples) - 1]]
+    """95% paired bootstrap interval of tokens_per_forward(a) - tokens_per_forward(b) over the same prompts
+    (draftsmith.stats, as the gate computes it)."""
+    _, lo, hi = paired_difference(forward_counts(tokens_a, acc_a), forward_counts(tokens_b, acc_b),
+                                  0.95, resamples, seed)  # fmt: skip
+    return [lo, hi]
 
 
 def export_digest(export: Path) -> str:
