@@ -26,10 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import click
-import yaml
 
 from draftsmith.atomic import write_json
-from draftsmith.config import settings_defaults
+from draftsmith.config import section_from_file
 
 REFERENCE = {"name": "SpecForge 0.2.0 (same shards and budget)", "val_acc": [0.240, 0.195, 0.175]}
 
@@ -80,12 +79,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 def base_settings(config_path: Path | None, overrides: dict[str, Any]) -> dict[str, Any]:
     """Schema defaults < the config file's `train` section < overrides (as the workflow merges them)."""
-    values = settings_defaults("train")
-    if config_path is not None and config_path.is_file():
-        values.update((yaml.safe_load(config_path.read_text(encoding="utf-8")) or {}).get("train") or {})
-    values.update(overrides)
-    values.pop("gpus", None)
-    return values
+    return section_from_file("train", config_path, overrides)
 
 
 def run_variant(name: str, values: dict[str, Any], data: str, vocab: str, workdir: str) -> dict[str, Any]:

@@ -71,16 +71,19 @@ from pathlib import Path
 from typing import Any
 
 import click
+import numpy as np
 import torch
 import yaml
 from torch import Tensor
 
 from draftsmith.atomic import atomic_path, write_json
-from draftsmith.config import settings_defaults
+from draftsmith.config import section_from_file
 from draftsmith.layers import convert_layer_ids
 from draftsmith.loader import StreamingData, collate
 from draftsmith.manifest import load_manifest
 from draftsmith.shards import Sample
+from draftsmith.speculate import target_forwards
+from draftsmith.stats import paired_difference, ratio_of_sums
 
 SPECFORGE = "specforge==0.2.0"
 # What SpecForge 0.2.0's offline EAGLE-3 training imports. Its other requirements serve online capture
@@ -340,12 +343,7 @@ def convert(
 
 def base_settings(config_path: Path | None, overrides: dict[str, Any]) -> dict[str, Any]:
     """draftsmith's train settings as the workflow merges them: schema < config's `train` < overrides."""
-    values = settings_defaults("train")
-    if config_path is not None and config_path.is_file():
-        values.update((yaml.safe_load(config_path.read_text(encoding="utf-8")) or {}).get("train") or {})
-    values.update(overrides)
-    values.pop("gpus", None)
-    return values
+    return section_from_file("train", config_path, overrides)
 
 
 def draftsmith_steps(manifest_path: Path, settings: dict[str, Any]) -> tuple[int, int]:
@@ -529,32 +527,19 @@ def import_specforge(
     state_path: Path, manifest_path: Path, vocab_path: Path, settings: dict[str, Any], out_dir: Path
 ) -> Path:
     """SpecForge's trained weights in draftsmith's drafter, exported as draftsmith exports its own."""
-    from draftsmith.train import TrainSettings, build_drafter, export, load_inputs
+    from draftsmith.train import TrainSettings, build_drafter, load_inputs, write_drafter
 
     manifest, vocab, target = load_inputs(manifest_path, vocab_path)
     s = TrainSettings.from_dict(settings)
-    drafter, _, _ = build_drafter(
-        target,
-        vocab["d2t"],
-        vocab["t2d"],
-        int(manifest["num_aux"]),
-        s.seed,
-        "cpu",
-        s.drafter,
-        s.head_init,
-        s.layer_init,
-    )
+    drafter, _, _ = build_drafter(target, vocab["d2t"], vocab["t2d"], int(manifest["num_aux"]), s, "cpu")
     weights = specforge_weights(torch.load(state_path, map_location="cpu", weights_only=False))
     drafter.load_state_dict(
         {k: v.to(torch.float32) if v.is_floating_point() else v for k, v in weights.items()}
     )
     if not torch.equal(drafter.d2t, vocab["d2t"]) or not torch.equal(drafter.t2d, vocab["t2d"]):
         raise click.ClickException(f"{state_path}: its d2t/t2d are not {vocab_path}'s")
-    aux = convert_layer_ids(
-        [int(i) for i in manifest["aux_layer_ids"]], manifest.get("layer_convention", "input"), "input"
-    )
     summary = {"trainer": "SpecForge 0.2.0", "state": str(state_path)}
-    export(drafter, out_dir, aux, str(manifest["target"]), target.config, s, summary)
+    write_drafter(drafter, out_dir, manifest, target.config, s, summary)
     return out_dir
 
 
@@ -564,22 +549,23 @@ def import_specforge(
 def validation(
     export_dir: Path, manifest_path: Path, vocab_path: Path, settings: dict[str, Any]
 ) -> dict[str, Any]:
-    """draftsmith's evaluator on the validation split, sample by sample: `ttt_loss`'s stats as
-    `train.evaluate` takes them (float32; the positions whose predicted token is an assistant token) ->
-    accuracy and agreement per TTT step, and each sample's counts for the paired interval."""
+    """draftsmith's evaluator on the validation split, sample by sample: `ttt_loss`'s stats in the view
+    `train.validate` scores (`Objective.for_validation`: the inference view, the positions whose predicted
+    token is an assistant token; float32) -> accuracy and agreement per TTT step, and each sample's counts
+    for the paired interval."""
     from draftsmith.export import load_drafter
-    from draftsmith.train import StepStats, TrainSettings, load_inputs, ttt_loss
+    from draftsmith.train import Objective, StepStats, TrainSettings, load_inputs, ttt_loss
 
     manifest, vocab, target = load_inputs(manifest_path, vocab_path)
-    s = replace(TrainSettings.from_dict(settings), precision="fp32")
+    s = TrainSettings.from_dict(settings)
+    view = replace(Objective.from_settings(s, "cpu"), precision="fp32").for_validation()
     drafter, _ = load_drafter(export_dir)
     teacher = target.lm_head[torch.arange(vocab["d2t"].numel()) + vocab["d2t"]]
     data = StreamingData.from_manifest(manifest, s)
     total, per_sample = StepStats.zeros(s.ttt_steps), []
     with torch.no_grad():
         for i in range(len(data.val)):
-            _, st = ttt_loss(drafter, target.embed, teacher, collate([data.sample("val", i)]), s.ttt_steps,
-                             s.ttt_decay, precision="fp32")  # fmt: skip
+            _, st = ttt_loss(drafter, target.embed, teacher, collate([data.sample("val", i)]), view)
             total.add(st)
             per_sample.append({"correct": st.correct, "agree": st.agree, "count": st.count})
     data.close()
@@ -611,7 +597,8 @@ def paired_acc_interval(a: list[dict[str, Any]], b: list[dict[str, Any]], key: s
 
 
 def heldout_sets(config_path: Path | None, manifest_path: Path) -> dict[str, Path]:
-    """The run's held-out prompt files as the workflow resolves them (rules/common.smk)."""
+    """The run's held-out prompt files as the workflow resolves them (rules/common.smk), relative to the
+    run's folder (the parent of results/); a set whose file is missing is left out, with a line."""
     import draftsmith
 
     cfg = (
@@ -620,29 +607,36 @@ def heldout_sets(config_path: Path | None, manifest_path: Path) -> dict[str, Pat
         else {}
     )
     sets = ((cfg or {}).get("evaluate") or {}).get("heldout_sets") or {"split": "split"}
+    run_dir = manifest_path.parent.parent
     out = {}
     for name, source in sets.items():
         if source == "split":
-            out[name] = manifest_path.parent / "prompts" / "heldout.jsonl"
+            path = manifest_path.parent / "prompts" / "heldout.jsonl"
         elif source == "handwritten":
-            out[name] = Path(draftsmith.__file__).parent / "data" / "heldout_handwritten.jsonl"
+            path = Path(draftsmith.__file__).parent / "data" / "heldout_handwritten.jsonl"
+        elif source == "humaneval":
+            path = run_dir / "resources" / "data" / "humaneval.jsonl"
         else:
-            out[name] = Path(source)
+            path = Path(source) if Path(source).is_absolute() else run_dir / source
+        if path.is_file():
+            out[name] = path
+        else:
+            log(f"held-out set {name}: {path} is missing, left out of the vLLM measurement")
     return out
 
 
 def eval_settings(config_path: Path | None) -> dict[str, Any]:
-    values = settings_defaults("evaluate")
-    if config_path is not None and config_path.is_file():
-        values.update((yaml.safe_load(config_path.read_text(encoding="utf-8")) or {}).get("evaluate") or {})
-    return values
+    return section_from_file("evaluate", config_path)
+
+
+def forward_counts(tokens: list[int], accepted: list[int]) -> tuple[list[int], list[int]]:
+    """(tokens, target forwards) per prompt: the counts tokens per target forward is the ratio of."""
+    return tokens, [target_forwards(t, a) for t, a in zip(tokens, accepted, strict=True)]
 
 
 def tokens_per_forward(tokens: list[int], accepted: list[int]) -> float:
-    """Output tokens per target forward over some prompts: every decode step is one target forward and
-    yields 1 + its accepted drafts, so forwards = tokens - accepted."""
-    t, a = sum(tokens), sum(accepted)
-    return t / (t - a) if t > a else float("nan")
+    """Output tokens per target forward over some prompts (draftsmith.speculate's count)."""
+    return ratio_of_sums(*(np.asarray(x, dtype=float) for x in forward_counts(tokens, accepted))).item()
 
 
 def paired_interval(
@@ -653,18 +647,11 @@ def paired_interval(
     resamples: int = 2000,
     seed: int = 0,
 ) -> list[float]:
-    """95% percentile bootstrap interval of tokens_per_forward(a) - tokens_per_forward(b) over the same
-    prompts, resampled in pairs."""
-    rng = random.Random(seed)
-    n = len(tokens_a)
-    diffs = []
-    for _ in range(resamples):
-        idx = [rng.randrange(n) for _ in range(n)]
-        a = tokens_per_forward([tokens_a[i] for i in idx], [acc_a[i] for i in idx])
-        b = tokens_per_forward([tokens_b[i] for i in idx], [acc_b[i] for i in idx])
-        diffs.append(a - b)
-    diffs.sort()
-    return [diffs[int(0.025 * resamples)], diffs[int(0.975 * resamples) - 1]]
+    """95% paired bootstrap interval of tokens_per_forward(a) - tokens_per_forward(b) over the same prompts
+    (draftsmith.stats, as the gate computes it)."""
+    _, lo, hi = paired_difference(forward_counts(tokens_a, acc_a), forward_counts(tokens_b, acc_b),
+                                  0.95, resamples, seed)  # fmt: skip
+    return [lo, hi]
 
 
 def export_digest(export: Path) -> str:
@@ -681,8 +668,9 @@ def vllm_measure(
     out/ or a `reuse` folder is read back: greedy decoding of the same prompts is deterministic."""
     from draftsmith.evaluate import evaluate_vllm
 
-    keys = {"num_prompts": ev["num_prompts"], "max_new_tokens": ev["max_new_tokens"],
-            "num_draft_tokens": ev["num_draft_tokens"], "sets": {k: str(v) for k, v in sets.items()}}  # fmt: skip
+    keys = {"num_prompts": ev["num_prompts"], "set_num_prompts": ev.get("set_num_prompts"),
+            "max_new_tokens": ev["max_new_tokens"], "num_draft_tokens": ev["num_draft_tokens"],
+            "sets": {k: str(v) for k, v in sets.items()}}  # fmt: skip
     results: dict[str, dict[str, Any]] = {}
     for label, export in exports.items():
         for folder in [out, *reuse]:
@@ -700,7 +688,7 @@ def vllm_measure(
         summaries = evaluate_vllm(
             target, {k: str(v) for k, v in missing.items()}, {k: str(v) for k, v in sets.items()},
             {k: str(v) for k, v in outs.items()}, ev["num_prompts"], ev["max_new_tokens"], ev["num_draft_tokens"],
-            ngram=False, log_dir=out / "logs",
+            ngram=False, log_dir=out / "logs", set_num_prompts=ev.get("set_num_prompts") or None,
         )  # fmt: skip
         wall = time.perf_counter() - t0
         for label in missing:
@@ -766,16 +754,18 @@ def teacher_in_vocab_mask(batch: Any, teacher_full: Tensor, t2d: Tensor, mask_of
     return batch.loss_mask & keep
 
 
-def per_depth_grads(drafter: Any, embed: Tensor, teacher: Tensor, batch: Any, ttt: int, decay: float, **kw: Any
-                    ) -> tuple[list[dict[str, Tensor]], list[float]]:  # fmt: skip
-    """draftsmith's ttt_loss at depth 1..ttt -> (the gradient of each depth's weighted loss, the per-step
-    loss sums of the full depth)."""
+def per_depth_grads(
+    drafter: Any, embed: Tensor, teacher: Tensor, batch: Any, objective: Any
+) -> tuple[list[dict[str, Tensor]], list[float]]:
+    """draftsmith's ttt_loss at depth 1..ttt_steps -> (the gradient of each depth's weighted loss, the
+    per-step loss sums of the full depth)."""
     from draftsmith.train import ttt_loss
 
     grads, sums = [], []
-    for depth in range(1, ttt + 1):
+    for depth in range(1, objective.ttt_steps + 1):
         drafter.zero_grad(set_to_none=True)
-        loss, stats = ttt_loss(drafter, embed, teacher, batch, depth, decay, precision="fp32", **kw)
+        obj = replace(objective, ttt_steps=depth, step_weights=objective.step_weights[:depth])
+        loss, stats = ttt_loss(drafter, embed, teacher, batch, obj)
         loss.backward()
         grads.append(
             {n: p.grad.detach().clone() for n, p in drafter.named_parameters() if p.grad is not None}
@@ -813,7 +803,7 @@ def run_diff(
     samples: int, max_len: int, threads: int | None, out: Path,
 ) -> dict[str, Any]:  # fmt: skip
     """The differential check (module docstring)."""
-    from draftsmith.train import TrainSettings, build_drafter, load_inputs
+    from draftsmith.train import Objective, TrainSettings, build_drafter, load_inputs, ttt_loss
 
     out.mkdir(parents=True, exist_ok=True)
     s = TrainSettings.from_dict(settings)
@@ -850,17 +840,17 @@ def run_diff(
         raise click.ClickException(f"SpecForge's side of the diff failed:\n{proc.stderr[-4000:]}")
     specforge_side_s = time.perf_counter() - t0
     sf = torch.load(out / "diff_out.pt", map_location="cpu", weights_only=False)
-    ttt, decay = int(sf["ttt_steps"]), float(s.ttt_decay)
+    ttt = int(sf["ttt_steps"])
     drafter, embed, teacher = build_drafter(
-        target,
-        vocab["d2t"],
-        vocab["t2d"],
-        int(manifest["num_aux"]),
-        s.seed,
-        "cpu",
-        s.drafter,
-        s.head_init,
-        s.layer_init,
+        target, vocab["d2t"], vocab["t2d"], int(manifest["num_aux"]), s, "cpu"
+    )
+    # draftsmith's objective in float32 on the loss mask given (each sample's own, as SpecForge gets it)
+    base = replace(
+        Objective.from_settings(s, "cpu"),
+        precision="fp32",
+        loss_positions="assistant",
+        noise_std=0.0,
+        lk_loss="none",
     )
     own_init = init_stats({n: p.detach() for n, p in drafter.named_parameters()})
     drafter.load_state_dict({**drafter.state_dict(), **sf["initial"]})
@@ -897,7 +887,7 @@ def run_diff(
                     loss_mask=teacher_in_vocab_mask(batch, teacher_full, vocab["t2d"], v["mask_offset"]),
                 )
             kw = {k: v[k] for k in ("mask_offset", "loss_norm", "ttt_prefix", "ttt_positions") if k in v}
-            cum, sums = per_depth_grads(drafter, embed, teacher, batch, ttt, decay, **kw)
+            cum, sums = per_depth_grads(drafter, embed, teacher, batch, replace(base, **kw))
             steps = step_grads(cum)
             rows[name].append({
                 "sample": i, "tokens": T,
@@ -923,9 +913,7 @@ def run_diff(
             )
         kw = {k: v[k] for k in ("mask_offset", "loss_norm", "ttt_prefix", "ttt_positions") if k in v}
         drafter.zero_grad(set_to_none=True)
-        from draftsmith.train import ttt_loss
-
-        loss, _ = ttt_loss(drafter, embed, teacher, batch, ttt, decay, precision="fp32", **kw)
+        loss, _ = ttt_loss(drafter, embed, teacher, batch, replace(base, **kw))
         loss.backward()
         grads = {n: p.grad.detach().clone() for n, p in drafter.named_parameters() if p.grad is not None}
         batch_rows[name] = compare_grads(grads, ref_batch)
@@ -1098,9 +1086,7 @@ def main(
     data_path, vocab_path = Path(data).resolve(), Path(vocab).resolve()
     work_dir, venv_dir = Path(work).resolve(), Path(venv).expanduser().resolve()
     config = Path(config_path) if config_path else None
-    settings = base_settings(
-        config, {**json.loads(settings_json), "threads": threads, "checkpoint_every": None}
-    )
+    settings = base_settings(config, {**json.loads(settings_json), "threads": threads, "checkpoint_every": 0})
     result: dict[str, Any] = {"data": str(data_path), "vocab": str(vocab_path), "settings": settings,
                               "load_avg_start": load_start, "nproc": os.cpu_count()}  # fmt: skip
     result["install"] = install(venv_dir, torch_spec or local_torch_spec())
@@ -1168,7 +1154,7 @@ def main(
         log("every drafter in vLLM")
         ev = eval_settings(config)
         if vllm_prompts is not None:
-            ev["num_prompts"] = vllm_prompts
+            ev["num_prompts"], ev["set_num_prompts"] = vllm_prompts, None
         result["vllm_settings"] = {k: ev[k] for k in ("num_prompts", "max_new_tokens", "num_draft_tokens")}
         exports = {n: Path(r["export"]) for n, r in result["trainers"].items()}
         reuse = [Path(specforge_from).resolve() / "vllm"] if specforge_from else []

@@ -25,10 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import click
-import yaml
 
 from draftsmith.atomic import atomic_path, write_json
-from draftsmith.config import settings_defaults
+from draftsmith.config import section_from_file
 
 
 def _floats(text: str) -> list[float]:
@@ -242,12 +241,7 @@ def plot(rows: list[dict[str, Any]], sets: dict[str, dict[str, Any]], path: Path
 def main(**kw: Any) -> None:
     from draftsmith.train import TrainSettings, train
 
-    values = settings_defaults("train")
-    config_path = Path(kw["config_path"])
-    if config_path.is_file():
-        values.update((yaml.safe_load(config_path.read_text(encoding="utf-8")) or {}).get("train") or {})
-    values.update(json.loads(kw["settings_json"]))
-    values.pop("gpus", None)
+    values = section_from_file("train", kw["config_path"], json.loads(kw["settings_json"]))
     values["checkpoint_every"] = 0
     out = Path(kw["out"])
     target = json.loads(Path(kw["data"]).read_text(encoding="utf-8"))["target"]

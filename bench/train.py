@@ -21,7 +21,8 @@ the bottleneck).
 runs it) at --tokens tokens for a Kimi-K2.5-shaped drafter layer (head dim 128; 64 heads), the fused
 form (drafter.TTTKV / ttt_attention) against the materialised one it replaced (ttt_attention_reference). Each
 measurement runs in a fresh process and reports its peak resident memory above the inputs; on a CPU the
-head count is reduced (--heads) and the 64-head figure extrapolated from the linear fit over heads.
+head count is reduced (--heads, --fused-heads) and the 64-head figure extrapolated from the line through
+the two head counts (at least 8 for the fused form, whose peak at 1-2 heads is its mask alone).
 
 On a CPU shared with other work, pass --threads 1: with more torch threads than free cores every small
 op waits for the whole thread team, and the training-thread numbers become noise (measured on 2 busy
@@ -297,19 +298,25 @@ def attention_peak(fused: bool, heads: int, tokens: int, steps: int, threads: in
 
 @main.command()
 @click.option("--tokens", default=8192, show_default=True, help="Sequence length (one sample).")
-@click.option("--heads", default="1,2", show_default=True, help="Head counts measured (comma-separated).")
+@click.option("--heads", default="1,2", show_default=True, help="Head counts of the materialised form.")
+@click.option(
+    "--fused-heads",
+    default="1,8",
+    show_default=True,
+    help="Head counts of the fused form (more: its per-head share is small beside the mask).",
+)
 @click.option("--steps", default=3, show_default=True, help="TTT steps.")
 @click.option("--threads", default=1, show_default=True, help="torch threads per measurement.")
 @click.option("--json", "json_path", default="results/bench/attention.json", show_default=True)
-def attention(tokens: int, heads: str, steps: int, threads: int, json_path: str) -> None:
+def attention(tokens: int, heads: str, fused_heads: str, steps: int, threads: int, json_path: str) -> None:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    counts = [int(h) for h in heads.split(",")]
+    counts = {False: [int(h) for h in heads.split(",")], True: [int(h) for h in fused_heads.split(",")]}
     rows = []
     ctx = multiprocessing.get_context("spawn")
     for fused in (False, True):
-        for h in counts:
+        for h in counts[fused]:
             with ProcessPoolExecutor(1, mp_context=ctx) as pool:  # one at a time: peaks do not mix
                 r = pool.submit(attention_peak, fused, h, tokens, steps, threads).result()
             rows.append({"implementation": "fused" if fused else "materialised", "heads": h, **r})

@@ -960,8 +960,9 @@ def evaluate(target_path: str, drafter: str, untrained: str | None, prompts_path
     """Offline speculative decoding on held-out prompts (target in float32, batch 1).
 
     For the trained drafter, the untrained baseline and n-gram lookup: the lossless check (greedy output
-    must equal plain decoding token for token; exit 1 otherwise), tau, acceptance per draft position and
-    wall-clock speedup over plain decoding. Writes --out (JSON); `draftsmith eval-summary` and
+    must equal plain decoding token for token; exit 1 otherwise), tokens per target forward (every step
+    counted), tau and acceptance per draft position (over the steps that drafted) and wall-clock speedup
+    over plain decoding. Writes --out (JSON); `draftsmith eval-summary` and
     `draftsmith gate` turn it into the report and the verdict.
     """
     from draftsmith.evaluate import NotLossless, evaluate_offline, offline_device
@@ -1058,8 +1059,9 @@ def evaluate_vllm_cmd(
 
     Runs plain decoding, eagle3 with the drafter (and the untrained baseline) and vLLM's ngram method,
     each in its own child process over the prompts of every held-out set in one batch, and reads vLLM's
-    spec-decode counters and per-request acceptance histograms: drafts, accepted tokens per position per
-    prompt; tau = 1 + accepted / drafts; throughput with and without speculation.
+    spec-decode counters and per-request acceptance histograms: per prompt, tokens and target forwards
+    (tokens - accepted drafts: the figure that compares methods), drafts and accepted tokens per position
+    (tau = 1 + accepted / drafts, over the steps that drafted); throughput with and without speculation.
     """
     from draftsmith.evaluate import VllmUnavailable, evaluate_vllm, vllm_eval_dtype
 
@@ -1246,8 +1248,10 @@ def eval_summary(settings_json: str | None, **kw: Any) -> None:
 def gate(summary_path: str, out: str | None) -> None:
     """Print the verdict, the evaluation table and the diagnosis; exit 3 when a blocking check fails.
 
-    Checks: the trained drafter beats n-gram lookup and the untrained drafter on every held-out set
-    (tau difference, 95% paired bootstrap interval over prompts, above 0); speedup over plain decoding
+    The verdict names what to deploy per held-out set (chat and code can differ). Checks: the trained
+    drafter beats n-gram lookup and the untrained drafter on every held-out set in tokens per target
+    forward, every decode step counted (95% paired bootstrap interval over prompts above 0; vLLM's tau,
+    which counts only steps that drafted, is shown, not compared); speedup over plain decoding
     (judged on a GPU, reported on a CPU); the contract (teacher agreement, chat-template fingerprint, the
     export's aux ids/convention/norm flags, vLLM vs offline tau); the learning curves (generalisation,
     still learning: warnings that choose the next action). Which checks block: evaluate.gate.

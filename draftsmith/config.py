@@ -58,6 +58,21 @@ SETTINGS_OPS = {
 }
 
 
+def section_from_file(
+    section: str, config_path: str | Path | None, overrides: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A stage's settings as the workflow merges them for a run of `config_path` (benchmarks replay
+    runs): the schema's defaults and the stage's operational knobs < the file's `section` < overrides.
+    A missing or absent file leaves the defaults."""
+    values = settings_defaults(section)
+    if config_path is not None and Path(config_path).is_file():
+        loaded = yaml.safe_load(Path(config_path).read_text(encoding="utf-8")) or {}
+        values.update(loaded.get(section) or {})
+    values.update(overrides or {})
+    values.pop("gpus", None)  # a job's GPUs, not a setting of the library call
+    return values
+
+
 def settings_defaults(stage: str) -> dict[str, Any]:
     """Defaults of a stage's library settings: its section plus its operational knobs. Threads are
     torch's choice (None) outside Snakemake, which passes the job's."""
