@@ -61,7 +61,7 @@ def train_and_measure(target, r, control_of=None) -> dict:
     cli("vocab", "--tokens", r / "tokens.safetensors", "--target", target, "--size", 1024,
         "--out", r / "vocab_map.pt")  # fmt: skip
     settings = {"epochs": 20, "lr": 3e-3, "warmup_steps": 3, "batch_tokens": 4096, "ttt_steps": 3,
-                "val_fraction": 0.0, "threads": 1, "checkpoint_every": None, "precision": "fp32"}  # fmt: skip
+                "val_fraction": 0.0, "threads": 1, "checkpoint_every": 0, "precision": "fp32"}  # fmt: skip
     cli("train", "--data", r / "data_config.json", "--vocab", r / "vocab_map.pt", "--out", r / "drafter",
         "--checkpoints", r / "checkpoints", "--metrics", r / "metrics.jsonl",
         "--settings", json.dumps(settings))  # fmt: skip

@@ -55,7 +55,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict:
     cli("vocab", "--tokens", r / "tokens.safetensors", "--target", TARGET, "--size", 1024,
         "--out", r / "vocab_map.pt")  # fmt: skip
     settings = {"epochs": 18, "lr": 2e-3, "warmup_steps": 3, "batch_tokens": 4096, "ttt_steps": 3,
-                "val_fraction": 0.0, "threads": 1, "checkpoint_every": None}  # fmt: skip
+                "val_fraction": 0.0, "threads": 1, "checkpoint_every": 0}  # fmt: skip
     out = cli("train", "--data", r / "data_config.json", "--vocab", r / "vocab_map.pt",
               "--out", r / "drafter", "--checkpoints", r / "checkpoints", "--metrics", r / "metrics.jsonl",
               "--settings", json.dumps(settings))  # fmt: skip
