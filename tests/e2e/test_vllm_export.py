@@ -74,14 +74,20 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"root": r, "drafter": r / "drafter", "prompts": prompts, "summary": summary}
 
 
-def test_vllm_loads_and_accepts_the_exported_drafter(trained: dict) -> None:
-    assert len(trained["prompts"]) == NUM_PROMPTS
-    assert trained["summary"]["train_acc"][0] > 0.3, trained["summary"]  # it learnt these traces
+@pytest.fixture(scope="module")
+def greedy(trained: dict) -> dict:
+    """The exported drafter in vLLM, greedy, on the prompts it was trained on."""
     root = trained["root"]
-    result = run_vllm_subprocess(
+    return run_vllm_subprocess(
         str(TARGET), str(trained["drafter"]), "eagle3", trained["prompts"], MAX_NEW_TOKENS, SPEC_TOKENS,
         "float32", cache_dir=root / "vllm-cache", log_path=root / "vllm.log",
     )  # fmt: skip
+
+
+def test_vllm_loads_and_accepts_the_exported_drafter(trained: dict, greedy: dict) -> None:
+    assert len(trained["prompts"]) == NUM_PROMPTS
+    assert trained["summary"]["train_acc"][0] > 0.3, trained["summary"]  # it learnt these traces
+    root, result = trained["root"], greedy
     log = (root / "vllm.log").read_text()
     assert "LlamaForCausalLMEagle3" in log or "Eagle3" in log  # the drafter's architecture was resolved
     spec = result["spec_decode"]
@@ -113,3 +119,21 @@ def test_vllm_loads_the_speculators_export_and_drafts_the_same(trained: dict) ->
     if native.is_file():
         # same weights, fp32 greedy: the same drafts accepted at every position
         assert spec["accepted_per_pos"] == json.loads(native.read_text())["accepted_per_pos"], spec
+
+
+def test_vllm_accepts_drafts_when_it_samples(trained: dict, greedy: dict) -> None:
+    """At temperature 0.7 vLLM verifies by rejection sampling, accepting a draft with the target's
+    probability of it. The target's answers to these prompts are confident, so the drafter that greedy
+    decoding accepts is still accepted often. vLLM's CPU build mis-expands the temperatures there
+    (draftsmith/backends/vllm_cpu_sampling.py): without draftsmith's fix this run accepted 0 drafts."""
+    root = trained["root"]
+    sampled = run_vllm_subprocess(
+        str(TARGET), str(trained["drafter"]), "eagle3", trained["prompts"], MAX_NEW_TOKENS, SPEC_TOKENS,
+        "float32", cache_dir=root / "vllm-cache", log_path=root / "vllm-sampled.log", temperature=0.7, seed=0,
+    )  # fmt: skip
+    accepted = {
+        "greedy": greedy["spec_decode"]["accepted_tokens"],
+        "T=0.7": sampled["spec_decode"]["accepted_tokens"],
+    }
+    print(f"vLLM accepted drafts: {accepted}")
+    assert accepted["T=0.7"] >= 0.1 * accepted["greedy"] > 0, accepted  # measured: 35 of greedy 133
