@@ -180,8 +180,8 @@ def training_section(summary: dict[str, Any]) -> list[str]:
     lines += ["", "## Training", ""]
     settings = training.get("settings") or {}
     if settings:
-        shown = ("epochs", "lr", "batch_tokens", "ttt_steps", "ttt_decay", "warmup_steps", "loss_positions",
-                 "max_seq_len", "seed")  # fmt: skip
+        shown = ("optimizer", "epochs", "lr", "batch_tokens", "ttt_steps", "ttt_decay", "warmup_steps",
+                 "loss_positions", "max_seq_len", "seed")  # fmt: skip
         lines.append("- " + ", ".join(f"{k} {settings[k]}" for k in shown if k in settings))
     if training.get("steps") is not None:
         lines.append(
