@@ -82,7 +82,9 @@ def tiny_llama():
     return LlamaForCausalLM(cfg).eval()
 
 
-def snakemake(workdir: Path, *args: str, check: bool = True, timeout: float = 1800) -> subprocess.CompletedProcess:
+def snakemake(
+    workdir: Path, *args: str, check: bool = True, timeout: float = 1800
+) -> subprocess.CompletedProcess:
     """This checkout's workflow in `workdir` with the tiny configuration on 2 cores; a failure (with
     check) raises AssertionError with the tail of Snakemake's output."""
     cmd = ["snakemake", "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
@@ -109,7 +111,9 @@ class TinyRun:
     def results(self) -> Path:
         return self.workdir / "results"
 
-    def snakemake(self, *args: str, extra: tuple[str, ...] = (), check: bool = True) -> subprocess.CompletedProcess:
+    def snakemake(
+        self, *args: str, extra: tuple[str, ...] = (), check: bool = True
+    ) -> subprocess.CompletedProcess:
         """Snakemake on this run: `args` (targets, -n, ...), then `--config` with this run's values and
         `extra` ones (last: --config takes every argument after it)."""
         return snakemake(self.workdir, *args, "--config", *self.config, *extra, check=check)

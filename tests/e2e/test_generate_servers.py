@@ -755,7 +755,9 @@ def test_vllm_server_mode_end_to_end_and_stopped(tiny_run):
     summary = json.loads((results / "generate_summary.json").read_text())
     prompts = (results / "prompts" / "train.jsonl").read_text().splitlines()
     assert (
-        summary["done"] == len(prompts) and summary["backend"] == "vllm-server" and summary["server_startup_seconds"] > 0
+        summary["done"] == len(prompts)
+        and summary["backend"] == "vllm-server"
+        and summary["server_startup_seconds"] > 0
     )
     rows = [json.loads(line) for line in (results / "traces.jsonl").read_text().splitlines()]
     assert len(rows) == len(prompts)
