@@ -167,7 +167,7 @@ def test_vllm_and_transformers_engines_agree_on_the_real_target(tmp_path, target
     env |= {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")}
     env |= {"HF_HOME": str(tmp_path / "hf-home")}
     proc = vllm_extract(target_model, tokens, vllm_out, env)
-    assert "vllm back-end" in proc.stdout
+    assert "vllm back-end" in proc.stderr  # the CLI logs to stderr
     worst = worst_cosines(hf_out, vllm_out, len(ids))  # aux layers 2, 15, 27, then the final (normed) state
     assert min(worst) >= 0.99, worst
     assert all(s.aux.shape == (s.num_tokens, 3, 576) for s in iter_samples(vllm_out))
