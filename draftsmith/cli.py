@@ -630,7 +630,7 @@ def estimate(
     For any model, by hand:   draftsmith estimate --num-tokens 17.3e6 --hidden-size 7168 --layers 4
     ... compressed as a shard:  add --ratios-from results/hidden/shard-0.safetensors
     """
-    from draftsmith.estimate import estimate_lines, probe
+    from draftsmith.estimate import estimate_lines
 
     kw["codec"] = kw["codec"] or section_defaults("extract")["codec"]
     kw["zstd_level"] = kw["zstd_level"] or section_defaults("extract")["zstd_level"]
@@ -641,45 +641,13 @@ def estimate(
     kw["batch_tokens"] = kw["batch_tokens"] or section_defaults("extract")["batch_tokens"]
 
     if tokens and target_path:
-        import torch
+        from draftsmith.estimate import measure_on_tokens
 
-        from draftsmith.extract import resolve_aux_layers
-        from draftsmith.target import load_target, text_config_dict
-        from draftsmith.tokenize import load_tokens
-
-        tensors, _ = load_tokens(tokens)
-        offsets = tensors["offsets"].tolist()
-        model, _ = load_target(target_path, getattr(torch, kw["dtype"]))
-        num_layers = text_config_dict(target_path)["num_hidden_layers"]  # a wrapper's too (Kimi-K2.5)
-        layer_ids = resolve_aux_layers(_aux_layer_ids(aux_layers), num_layers)
-        from draftsmith.backends.hf import HfExtractor
-        from draftsmith.estimate import probe_batches
-        from draftsmith.extract import PROBE_SHARE, token_batches
-
-        lengths = [offsets[i + 1] - offsets[i] for i in range(len(offsets) - 1)]
-        plan = token_batches(lengths, kw["batch_tokens"])
-        plan_lengths = [[lengths[i] for i in b] for b in plan]
-        picks = probe_batches(plan_lengths, PROBE_SHARE * sum(lengths))
-        batches = [
-            [
-                (
-                    tensors["input_ids"][offsets[i] : offsets[i + 1]],
-                    tensors["loss_mask"][offsets[i] : offsets[i + 1]],
-                )
-                for i in plan[k]
-            ]
-            for k in picks
-        ]
-        extractor = HfExtractor(model, layer_ids)
-        try:
-            measured, _ = probe(
-                batches, extractor.capture, plan_lengths, kw["codec"], kw["zstd_level"], Path(tokens).parent
-            )
-        finally:
-            extractor.close()
-        lines, _ = estimate_lines(
-            int(offsets[-1]), len(layer_ids) + 1, model.config.hidden_size, measured, storage_dtype
-        )
+        measured, num_tokens, stored_layers, hidden_size = measure_on_tokens(
+            tokens, target_path, _aux_layer_ids(aux_layers), kw["dtype"], kw["batch_tokens"], kw["codec"],
+            kw["zstd_level"],
+        )  # fmt: skip
+        lines, _ = estimate_lines(num_tokens, stored_layers, hidden_size, measured, storage_dtype)
     elif kw["num_tokens"] and kw["hidden_size"]:
         from draftsmith.estimate import shard_codec_ratios
         from draftsmith.shards import ShardError
