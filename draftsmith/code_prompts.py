@@ -25,16 +25,19 @@ class CodePromptError(ValueError):
     """A code wheel that cannot be read (bad input)."""
 
 
+def _first_line(node: ast.FunctionDef) -> int:
+    """0-based index of the function's first line, its decorators included."""
+    return min([d.lineno for d in node.decorator_list] + [node.lineno]) - 1
+
+
 def function_stub(lines: list[str], node: ast.FunctionDef) -> str:
     """The function's decorators, signature and docstring: what a completion request shows."""
-    start = min([d.lineno for d in node.decorator_list] + [node.lineno]) - 1
     doc_end = node.body[0].end_lineno  # the docstring is the body's first statement
-    return "\n".join(lines[start:doc_end]) + "\n"
+    return "\n".join(lines[_first_line(node) : doc_end]) + "\n"
 
 
 def function_source(lines: list[str], node: ast.FunctionDef) -> str:
-    start = min([d.lineno for d in node.decorator_list] + [node.lineno]) - 1
-    return "\n".join(lines[start : node.end_lineno]) + "\n"
+    return "\n".join(lines[_first_line(node) : node.end_lineno]) + "\n"
 
 
 def documented_functions(source: str) -> list[ast.FunctionDef]:

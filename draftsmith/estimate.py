@@ -178,7 +178,7 @@ def measure_on_tokens(
     """`probe` on a tokens file the way its extraction job would run it (the transformers back-end, the
     job's length-bucketed batches) -> (measured, tokens, stored layers (aux + final), hidden size)."""
     from draftsmith.backends.hf import HfExtractor
-    from draftsmith.extract import PROBE_SHARE, resolve_aux_layers, token_batches
+    from draftsmith.extract import probe_plan, resolve_aux_layers
     from draftsmith.target import load_target, text_config_dict
     from draftsmith.tokenize import load_tokens
 
@@ -187,16 +187,14 @@ def measure_on_tokens(
     model, _ = load_target(target_path, getattr(torch, dtype))
     num_layers = text_config_dict(target_path)["num_hidden_layers"]  # a wrapper's too (Kimi-K2.5)
     layer_ids = resolve_aux_layers(aux_layer_ids, num_layers)
-    lengths = [offsets[i + 1] - offsets[i] for i in range(len(offsets) - 1)]
-    plan = token_batches(lengths, batch_tokens)
-    plan_lengths = [[lengths[i] for i in b] for b in plan]
-    picks = probe_batches(plan_lengths, PROBE_SHARE * sum(lengths))
     ids, mask = tensors["input_ids"], tensors["loss_mask"]
     rows = [(ids[a:b], mask[a:b]) for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
-    batches = [[rows[i] for i in plan[k]] for k in picks]
     extractor = HfExtractor(model, layer_ids)
     try:
-        measured, _ = probe(batches, extractor.capture, plan_lengths, codec, level, Path(tokens_path).parent)
+        lengths = [len(row_ids) for row_ids, _ in rows]
+        _, _, measured, _ = probe_plan(
+            lengths, batch_tokens, rows.__getitem__, extractor.capture, codec, level, Path(tokens_path).parent
+        )
     finally:
         extractor.close()
     return measured, int(offsets[-1]), len(layer_ids) + 1, model.config.hidden_size

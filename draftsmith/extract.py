@@ -17,6 +17,7 @@ import logging
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,28 @@ def teacher_agreement(
 
 
 PROBE_SHARE = 0.25  # the probe times up to this share of a shard (reused: costs only its warm-up)
+
+
+def probe_plan(
+    lengths: list[int],
+    batch_tokens: int,
+    sample_tokens: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    capture: Callable[[list[torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]],
+    codec: str,
+    zstd_level: int,
+    workdir: Path,
+) -> tuple[list[list[int]], list[int], dict[str, Any], list[Any]]:
+    """A shard's batch plan (token_batches) and the probe of a few of its batches (estimate.probe):
+    (plan, the probed batches' indices, measured, their captured states). sample_tokens(i) -> (ids [T],
+    loss_mask [T]) of the shard's i-th sample."""
+    plan = token_batches(lengths, batch_tokens)
+    plan_lengths = [[lengths[i] for i in b] for b in plan]
+    picks = probe_batches(plan_lengths, PROBE_SHARE * sum(lengths))
+    batches = [[sample_tokens(i) for i in plan[k]] for k in picks]
+    measured, probed = probe(batches, capture, plan_lengths, codec, zstd_level, workdir)
+    return plan, picks, measured, probed
+
+
 COMPILE_MIN_SECONDS = 300.0  # "auto" compiles when eager compute would take longer than this
 
 
@@ -207,15 +230,8 @@ def extract_shard(
         )  # fmt: skip
     writer, estimate = None, {}
     try:
-        plan = token_batches(lengths, batch_tokens)
-        picks = probe_batches([[lengths[i] for i in b] for b in plan], PROBE_SHARE * total_tokens)
-        measured, probed = probe(
-            [[sample_tokens(i) for i in plan[k]] for k in picks],
-            extractor.capture,
-            [[lengths[i] for i in b] for b in plan],
-            codec,
-            zstd_level,
-            scratch,
+        plan, picks, measured, probed = probe_plan(
+            lengths, batch_tokens, sample_tokens, extractor.capture, codec, zstd_level, scratch
         )
         lines, estimate = estimate_lines(total_tokens, len(layer_ids) + 1, hidden, measured, storage_dtype)
         for line in lines:

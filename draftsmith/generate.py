@@ -80,9 +80,7 @@ class GenerateSettings:
     server_args: list[str]
     server_host: str
     server_startup_timeout_s: float
-    gpus: (
-        int  # the job's GPUs (resources.generate.gpus): the vllm-server back-end is tensor parallel over them
-    )
+    gpus: int  # the job's GPUs (resources.generate.gpus): the vllm-server back-end is tensor parallel
     gpu_memory_utilization: float
     reasoning: str
     multi_turn: str

@@ -146,6 +146,7 @@ def run_vllm_speculative(
     is how vLLM serves (torch.compile + CUDA graphs). gpu_memory_utilization: vLLM's default when None.
     """
     from vllm import LLM, SamplingParams
+    from vllm.platforms import current_platform
 
     from draftsmith.backends import attention_backend_for, single_process_on_cpu
     from draftsmith.backends.vllm_cpu_sampling import fix_cpu_sampling
@@ -175,8 +176,6 @@ def run_vllm_speculative(
         **({"attention_backend": backend} if backend else {}),
     )
     load_seconds = time.perf_counter() - t0
-    from vllm.platforms import current_platform
-
     params = SamplingParams(
         temperature=temperature,
         max_tokens=max_new_tokens,
