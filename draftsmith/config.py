@@ -164,7 +164,11 @@ def value_errors(config: dict[str, Any], section: str | None = None) -> list[str
 
 
 # keys that were renamed: (section, old) -> new, named in the error a config with the old key gets
-RENAMED_KEYS = {("generate", "engine"): "backend", ("extract", "engine"): "backend"}
+RENAMED_KEYS = {
+    ("generate", "engine"): "backend",
+    ("extract", "engine"): "backend",
+    ("evaluate.gate", "beats_ngram"): "beats_free",  # the free methods are n-gram lookup and suffix decoding
+}
 
 
 def config_errors(config: dict[str, Any], sources: list[ConfigSource] | None = None) -> list[str]:

@@ -32,6 +32,7 @@ import inspect
 import logging
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -486,16 +487,24 @@ def evaluate_vllm(
     enforce_eager: bool = True,
     gpu_memory_utilization: float | None = None,
     timeout_s: float = 900.0,
+    suffix: bool = False,
+    ngram_lookup: dict[str, int] | None = None,
+    suffix_decoding: dict[str, Any] | None = None,
+    serving: dict[str, Any] | None = None,
+    remeasure_chosen_k: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """The prompts of every held-out set (`prompt_sets`: name -> prompt file) through vLLM in one batch
-    per method: plain, then eagle3 with each export in `drafters` and, with `ngram`, vLLM's ngram method;
+    per method: plain, then eagle3 with each export in `drafters`, with `ngram` vLLM's ngram method
+    (`ngram_lookup`: its min and max n-gram) and with `suffix` its suffix method (`suffix_decoding`);
     one child process per method (vLLM never enters this process), so each engine starts once however
     many sets there are. Acceptance per set comes from vLLM's per-request histograms; tokens/s is the
     whole batch's. Writes one JSON per set (`out_paths`) and returns them. temperature > 0 samples
     (vLLM's rejection sampler, every request seeded with `seed`). `set_num_prompts` caps a set's prompts
     where it differs from `num_prompts` (0 = all). tensor_parallel_size: the job's GPUs; enforce_eager:
     False = torch.compile and CUDA graphs, as served; gpu_memory_utilization: GPUs only; timeout_s: per
-    vLLM run, load included."""
+    vLLM run, load included. With `serving` (evaluate.serving) and `remeasure_chosen_k`, each method but
+    the untrained drafter whose best draft length at the serving point (draftsmith.cost) is shorter than
+    num_draft_tokens on some set runs again at that length: its counts there are under "at_k"."""
     from draftsmith.backends.vllm_spec import run_vllm_speculative, run_vllm_subprocess
     from draftsmith.target import load_tokenizer
 
@@ -529,34 +538,163 @@ def evaluate_vllm(
     for name, prompts in sets.items():
         spans[name] = (len(encoded), len(encoded) + len(prompts))
         encoded += encode_prompts(tokenizer, prompts)
-    runs: list[tuple[str, str | None, str | None]] = [("plain", None, None)]
-    runs += [(name, str(path), "eagle3") for name, path in drafters.items()]
-    if ngram:
-        runs.append(("ngram", None, "ngram"))
+    runs = method_runs(drafters, ngram, suffix, ngram_lookup, suffix_decoding)
     log_dir = Path(log_dir) if log_dir else None
-    raw: dict[str, dict[str, Any]] = {}
     started = time.perf_counter()
+
+    def measure(i: int, total: int, run: MethodRun, k: int, tag: str = "") -> dict[str, Any]:
+        logger.info("vllm %s%s (engine %d of %d): %d prompts of %s", run.name, tag, i + 1, total,
+                    len(encoded), ", ".join(sets))  # fmt: skip
+        t0 = time.perf_counter()
+        result = run_vllm_subprocess(
+            str(target_path), run.drafter, run.kind, encoded, max_new_tokens, k, dtype,
+            cache_dir=cache, log_path=(log_dir / f"vllm-{run.name}{tag}.log") if log_dir else None,
+            timeout=timeout_s, run_name=run.name + tag, **engine,
+            **({"temperature": temperature, "seed": seed} if temperature > 0 else {}),
+            **({"method_settings": run.settings} if run.settings else {}),
+        )  # fmt: skip
+        elapsed = time.perf_counter() - started
+        logger.info(
+            "vllm %s%s: %d tokens in %.1f s (engine start %.0f s, process %.0f s); about %.0f s to go",
+            run.name, tag, result["generated_tokens"], result["seconds"], result["load_seconds"],
+            time.perf_counter() - t0, elapsed / (i + 1) * (total - i - 1),
+        )  # fmt: skip
+        return result
+
+    raw: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="draftsmith-vllm-cache-") as cache:
-        for i, (name, drafter, method) in enumerate(runs):
-            logger.info("vllm %s (engine %d of %d): %d prompts of %s", name, i + 1, len(runs), len(encoded),
-                        ", ".join(sets))  # fmt: skip
-            t0 = time.perf_counter()
-            raw[name] = run_vllm_subprocess(
-                str(target_path), drafter, method, encoded, max_new_tokens, num_draft_tokens, dtype,
-                cache_dir=cache, log_path=(log_dir / f"vllm-{name}.log") if log_dir else None,
-                timeout=timeout_s, run_name=name, **engine,
-                **({"temperature": temperature, "seed": seed} if temperature > 0 else {}),
-            )  # fmt: skip
-            elapsed = time.perf_counter() - started
-            logger.info(
-                "vllm %s: %d tokens in %.1f s (engine start %.0f s, process %.0f s); about %.0f s to go",
-                name, raw[name]["generated_tokens"], raw[name]["seconds"], raw[name]["load_seconds"],
-                time.perf_counter() - t0, elapsed / (i + 1) * (len(runs) - i - 1),
-            )  # fmt: skip
+        for i, run in enumerate(runs):
+            raw[run.name] = measure(i, len(runs), run, num_draft_tokens)
+        summaries = _vllm_set_summaries(raw, runs, sets, spans, prompt_sets, num_draft_tokens, **{
+            "engine": engine, "dtype": dtype, "max_new_tokens": max_new_tokens, "temperature": temperature,
+            "encoded": encoded, "target": str(target_path),
+        })  # fmt: skip
+        if serving and remeasure_chosen_k:
+            again = chosen_lengths(summaries, runs, num_draft_tokens, serving, target_path)
+            todo = [(run, k) for run in runs[1:] for k in sorted(again.get(run.name, ()))]
+            for j, (run, k) in enumerate(todo):
+                result = measure(j, len(todo), run, k, tag=f"@k{k}")
+                _add_at_k(summaries, run, k, result, raw["plain"], spans)
+    for set_name, summary in summaries.items():
+        write_json(out_paths[set_name], summary)
+    return summaries
+
+
+@dataclass(frozen=True)
+class MethodRun:
+    """One method as vLLM runs it: its name in the results, vLLM's method, a drafter folder, settings."""
+
+    name: str
+    kind: str | None  # None: plain decoding
+    drafter: str | None = None
+    settings: dict[str, Any] | None = None
+
+
+def method_runs(
+    drafters: dict[str, str | Path],
+    ngram: bool,
+    suffix: bool,
+    ngram_lookup: dict[str, int] | None = None,
+    suffix_decoding: dict[str, Any] | None = None,
+) -> list[MethodRun]:
+    """Plain decoding first, then each drafter export (eagle3), then the free methods asked for."""
+    runs = [MethodRun("plain", None)]
+    runs += [MethodRun(name, "eagle3", str(path)) for name, path in drafters.items()]
+    if ngram:
+        runs.append(MethodRun("ngram", "ngram", settings=dict(ngram_lookup or {"min": 2, "max": 4})))
+    if suffix:
+        runs.append(MethodRun("suffix", "suffix", settings=dict(suffix_decoding or {})))
+    return runs
+
+
+def context_tokens(encoded: list[list[int]], outputs: list[list[int]]) -> float:
+    """Mean tokens in a request's KV cache while it decodes: its prompt plus half its output."""
+    if not encoded:
+        return 0.0
+    return sum(len(p) + len(o) / 2 for p, o in zip(encoded, outputs, strict=True)) / len(encoded)
+
+
+def chosen_lengths(
+    summaries: dict[str, dict[str, Any]],
+    runs: list[MethodRun],
+    max_k: int,
+    serving: dict[str, Any],
+    target_path: str | Path,
+) -> dict[str, set[int]]:
+    """Per method (not the untrained drafter), the best draft lengths at the serving point's first
+    concurrency over the sets where it is shorter than max_k: what to re-measure."""
+    from draftsmith.cost import (
+        best_draft_length,
+        draft_length_options,
+        drafter_cost,
+        serving_points,
+        target_cost,
+    )
+
+    bytes_per = float(serving.get("bytes_per_parameter") or 2.0)
+    target = target_cost(target_path, bytes_per)
+    out: dict[str, set[int]] = {}
+    for run in runs[1:]:
+        if run.name == "untrained":
+            continue
+        drafter = drafter_cost(run.drafter, bytes_per) if run.drafter else None
+        for summary in summaries.values():
+            rows = summary["methods"][run.name].get("per_prompt")
+            if not rows:
+                continue
+            points = serving_points(serving, summary["context_tokens"])
+            k = best_draft_length(draft_length_options(rows, max_k, run.kind, target, points[:1], drafter))
+            if k < max_k:
+                out.setdefault(run.name, set()).add(k)
+    return out
+
+
+def _add_at_k(
+    summaries: dict[str, dict[str, Any]],
+    run: MethodRun,
+    k: int,
+    result: dict[str, Any],
+    plain: dict[str, Any],
+    spans: dict[str, tuple[int, int]],
+) -> None:
+    """One method's re-measurement at draft length k, per set, under methods[name]["at_k"][k]."""
+    for set_name, (a, b) in spans.items():
+        summary = summaries[set_name]
+        rows = vllm_prompt_counts(summary["prompt_ids"], {
+            **result, "per_request_histograms": (result.get("per_request_histograms") or [])[a:b] or None,
+            "outputs": result["outputs"][a:b],
+        })  # fmt: skip
+        if rows is None:
+            continue
+        summary["methods"][run.name].setdefault("at_k", {})[str(k)] = {
+            **counts_summary(rows, k),
+            "per_prompt": rows,
+            "outputs_equal_plain": outputs_agree(result["outputs"][a:b], plain["outputs"][a:b]),
+            "seconds": float(result["seconds"]),
+        }
+
+
+def _vllm_set_summaries(
+    raw: dict[str, dict[str, Any]],
+    runs: list[MethodRun],
+    sets: dict[str, list[dict]],
+    spans: dict[str, tuple[int, int]],
+    prompt_sets: dict[str, str | Path],
+    num_draft_tokens: int,
+    *,
+    engine: dict[str, Any],
+    dtype: str,
+    max_new_tokens: int,
+    temperature: float,
+    encoded: list[list[int]],
+    target: str,
+) -> dict[str, dict[str, Any]]:
+    """vllm.json of every set from the runs at num_draft_tokens."""
+    tensor_parallel_size, enforce_eager = engine["tensor_parallel_size"], engine["enforce_eager"]
     plain = raw["plain"]
     plain_tps = throughput(int(plain["generated_tokens"]), float(plain["seconds"]))
     all_ids = [p["id"] for prompts in sets.values() for p in prompts]
-    counts = {name: vllm_prompt_counts(all_ids, raw[name]) for name, _, _ in runs[1:]}
+    counts = {run.name: vllm_prompt_counts(all_ids, raw[run.name]) for run in runs[1:]}
     for name, rows in counts.items():
         total = vllm_method_summary(raw[name], plain_tps, num_draft_tokens)
         if rows is None and len(sets) > 1:
@@ -571,12 +709,14 @@ def evaluate_vllm(
     summaries = {}
     for set_name, (a, b) in spans.items():
         methods = {}
-        for name, drafter, method in runs[1:]:
+        for run in runs[1:]:
+            name = run.name
             total = vllm_method_summary(raw[name], plain_tps, num_draft_tokens)
             rows = counts[name][a:b] if counts[name] is not None else None
             methods[name] = {
-                "kind": method,
-                "drafter": drafter,
+                "kind": run.kind,
+                "drafter": run.drafter,
+                **({"settings": run.settings} if run.settings else {}),
                 **total,  # tokens/s and speedup: the whole batch's
                 **({"draft_tokens": None, "draft_acceptance_rate": None} if len(sets) > 1 else {}),
                 **(counts_summary(rows, num_draft_tokens) if rows is not None else {}),
@@ -591,7 +731,7 @@ def evaluate_vllm(
             ),
             "enforce_eager": enforce_eager,
             "tensor_parallel_size": tensor_parallel_size,
-            "target": str(target_path),
+            "target": target,
             "prompts": str(prompt_sets[set_name]),
             "num_prompts": b - a,
             "prompt_ids": all_ids[a:b],
@@ -601,6 +741,7 @@ def evaluate_vllm(
             "temperature": temperature,
             "dtype": dtype,
             "device": plain.get("device"),
+            "context_tokens": context_tokens(encoded[a:b], plain["outputs"][a:b]),
             "plain": {
                 "tokens": sum(len(o) for o in plain["outputs"][a:b]),
                 "batch_tokens": int(plain["generated_tokens"]),
@@ -611,7 +752,6 @@ def evaluate_vllm(
             },
             "methods": methods,
         }
-        write_json(out_paths[set_name], summaries[set_name])
     return summaries
 
 

@@ -49,6 +49,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -417,6 +418,65 @@ class NgramProposer:
 
     def propose(self, k: int) -> list[int]:
         return ngram_propose(self.tokens, self.min_n, self.max_n, k)
+
+
+class SuffixProposer:
+    """Suffix decoding (vLLM's `suffix` method) as a Proposer, through the same Arctic Inference
+    `SuffixDecodingCache` calls vLLM's proposer makes: a request starts with its prompt, each step adds
+    the newly generated tokens to its response, and the drafts continue the sequence's last
+    `max_tree_depth` tokens. With `max_cached_requests` > 0 earlier prompts' responses stay in a global
+    tree, so results depend on the order prompts are decoded in (vLLM batches them; here one by one)."""
+
+    def __init__(
+        self,
+        max_tree_depth: int = 24,
+        max_spec_factor: float = 1.0,
+        min_token_prob: float = 0.1,
+        max_cached_requests: int = 0,
+    ):
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+        self.cache = SuffixDecodingCache(
+            max_tree_depth=max_tree_depth, max_cached_requests=max_cached_requests
+        )
+        self.max_tree_depth, self.max_spec_factor, self.min_token_prob = (
+            max_tree_depth,
+            max_spec_factor,
+            min_token_prob,
+        )
+        self.tokens: list[int] = []
+        self.prompt_len = 0
+        self.request = 0
+
+    def reset(self, prompt_ids: Sequence[int] = ()) -> None:
+        if self.request in self.cache.active_requests:
+            self.cache.stop_request(self.request)  # its response joins the global tree (if it keeps any)
+        self.request += 1
+        self.tokens = [int(t) for t in prompt_ids]
+        self.prompt_len = len(self.tokens)
+        self.cache.start_request(self.request, np.asarray(self.tokens, dtype=np.int32))
+
+    def catch_up(self, aux: Tensor, next_ids: Tensor, positions: Tensor) -> None:
+        start = int(positions[0, 0]) + 1
+        new = [int(t) for t in next_ids[0].tolist()]
+        if start > len(self.tokens):
+            raise RuntimeError(f"suffix proposer knows {len(self.tokens)} tokens, catch-up starts at {start}")
+        known = len(self.tokens)
+        self.tokens[start:] = new
+        fresh = self.tokens[max(known, self.prompt_len) :]  # tokens generated since the last step
+        if fresh:
+            self.cache.add_active_response(self.request, fresh)
+
+    def propose(self, k: int) -> list[int]:
+        pattern = np.asarray(self.tokens[-self.max_tree_depth :], dtype=np.int32)
+        draft = self.cache.speculate(
+            self.request,
+            pattern,
+            max_spec_tokens=k,
+            max_spec_factor=self.max_spec_factor,
+            min_token_prob=self.min_token_prob,
+        )
+        return [int(t) for t in draft.token_ids][:k]
 
 
 # ----------------------------------------------------------------------------- decoding

@@ -78,9 +78,15 @@ def spec_decode_summary(metrics: dict[str, Any], num_speculative_tokens: int) ->
 
 
 def speculative_config(
-    method: str | None, drafter: str | None, num_speculative_tokens: int
+    method: str | None,
+    drafter: str | None,
+    num_speculative_tokens: int,
+    method_settings: dict[str, Any] | None = None,
 ) -> dict[str, Any] | None:
-    """vLLM's speculative_config for a method: eagle3 (needs a drafter folder), ngram, or None (plain)."""
+    """vLLM's speculative_config for a method: eagle3 (needs a drafter folder), ngram (method_settings:
+    the lookup's min and max n-gram length), suffix (method_settings: evaluate.suffix_decoding's keys,
+    written as vLLM's suffix_decoding_* fields), or None (plain)."""
+    settings = method_settings or {}
     if method is None:
         return None
     if method == "eagle3":
@@ -91,10 +97,16 @@ def speculative_config(
         return {
             "method": "ngram",
             "num_speculative_tokens": num_speculative_tokens,
-            "prompt_lookup_max": 4,
-            "prompt_lookup_min": 2,
+            "prompt_lookup_min": int(settings.get("min", 2)),
+            "prompt_lookup_max": int(settings.get("max", 4)),
         }
-    raise ValueError(f"unknown speculative method {method!r}; expected eagle3, ngram or None")
+    if method == "suffix":
+        return {
+            "method": "suffix",
+            "num_speculative_tokens": num_speculative_tokens,  # a maximum: it drafts what its tree supports
+            **{f"suffix_decoding_{key}": value for key, value in sorted(settings.items())},
+        }
+    raise ValueError(f"unknown speculative method {method!r}; expected eagle3, ngram, suffix or None")
 
 
 def request_histogram(output: Any) -> list[int] | None:
@@ -127,6 +139,7 @@ def run_vllm_speculative(
     tensor_parallel_size: int | None = None,
     enforce_eager: bool = True,
     gpu_memory_utilization: float | None = None,
+    method_settings: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Generation with vLLM's offline `LLM` (greedy unless temperature > 0: then vLLM's rejection
     sampler, seeded), speculative when `method` is given -> dict:
@@ -144,6 +157,7 @@ def run_vllm_speculative(
     tensor_parallel_size: default, the GPUs `draftsmith run --gpus N` made visible (1 on a CPU).
     enforce_eager: True on a CPU (compiling costs ~100 s of start-up there for no gain); False on GPUs
     is how vLLM serves (torch.compile + CUDA graphs). gpu_memory_utilization: vLLM's default when None.
+    method_settings: the method's own settings (speculative_config).
     """
     from vllm import LLM, SamplingParams
     from vllm.platforms import current_platform
@@ -169,7 +183,9 @@ def run_vllm_speculative(
         enforce_eager=enforce_eager,
         **({"gpu_memory_utilization": gpu_memory_utilization} if gpu_memory_utilization else {}),
         disable_log_stats=False,  # else get_metrics() asserts "Stat logging disabled"
-        speculative_config=speculative_config(method, drafter_or_None, num_speculative_tokens),
+        speculative_config=speculative_config(
+            method, drafter_or_None, num_speculative_tokens, method_settings
+        ),
         trust_remote_code=trust_remote_code(),
         # per-request acceptance histograms; vLLM refuses the option without speculation
         **({"per_request_spec_decode_metrics": "summary"} if method else {}),
@@ -325,7 +341,7 @@ def run_with_timeout(cmd: list[str], env: dict[str, str], log_file: Path, timeou
     required=True,
     type=click.Path(dir_okay=False, exists=True),
     help="JSON object of run_vllm_speculative's arguments: target, drafter_or_None, method "
-    "(eagle3 | ngram | null), prompts_token_ids, max_new_tokens, num_speculative_tokens, dtype.",
+    "(eagle3 | ngram | suffix | null), prompts_token_ids, max_new_tokens, num_speculative_tokens, dtype.",
 )
 @click.option("--out", type=click.Path(dir_okay=False), help="Also write the result JSON here.")
 def main(request_path: str, out: str | None) -> None:

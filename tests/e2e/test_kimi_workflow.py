@@ -29,7 +29,7 @@ CONFIG = {
     "train": {"epochs": 1, "max_steps": 3, "batch_tokens": 1024, "warmup_steps": 1, "ttt_steps": 2,
               "val_fraction": 0.1, "precision": "fp32"},
     "evaluate": {"vllm": False, "num_prompts": 2, "max_new_tokens": 8, "num_draft_tokens": 2,
-                 "heldout_sets": {"split": "split"}, "gate": {"beats_ngram": "warn", "beats_untrained": "warn"}},
+                 "heldout_sets": {"split": "split"}, "gate": {"beats_free": "warn", "beats_untrained": "warn"}},
     "resources": {"default": {"mem_mb": 1000}, "train": {"threads": 2, "loader_threads": 0}},
 }  # fmt: skip
 STAGES = ("generate", "extract/shard-0", "manifest", "vocab", "train", "untrained_drafter",
