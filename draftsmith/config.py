@@ -36,8 +36,30 @@ def section_schema(section: str) -> dict[str, Any]:
 
 
 def section_defaults(section: str) -> dict[str, Any]:
-    """Defaults of one config section, e.g. section_defaults("train")["lr"], section_defaults("resources.train")."""
-    return {key: spec.get("default") for key, spec in section_schema(section).items()}
+    """Defaults of one config section, e.g. section_defaults("train")["lr"], section_defaults("resources.train");
+    an object-valued key's default holds its own keys' defaults (as validate() fills them in a workflow)."""
+    return {key: spec_default(spec) for key, spec in section_schema(section).items()}
+
+
+def spec_default(spec: dict[str, Any]) -> Any:
+    """A schema property's default; for an object with properties, its properties' defaults filled in."""
+    default = copy.deepcopy(spec.get("default"))
+    if isinstance(default, dict) and "properties" in spec:
+        filled = {k: spec_default(sub) for k, sub in spec["properties"].items() if "default" in sub}
+        return {**filled, **default}
+    return default
+
+
+def deep_merge(base: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """base with given's keys on top; where both hold an object, merged key by key."""
+    out = dict(base)
+    for key, value in given.items():
+        out[key] = (
+            deep_merge(out[key], value)
+            if isinstance(value, dict) and isinstance(out.get(key), dict)
+            else value
+        )
+    return out
 
 
 # The operational knobs a stage's library settings (GenerateSettings, TrainSettings) carry; the rest of
@@ -171,6 +193,16 @@ RENAMED_KEYS = {
 }
 
 
+def renamed_hint(where: str, instance: Any) -> str:
+    """ " (section.old is now section.new)" for each renamed key an object still uses, else ""."""
+    if not isinstance(instance, dict):
+        return ""
+    renamed = [
+        f"{where}.{k} is now {where}.{RENAMED_KEYS[where, k]}" for k in instance if (where, k) in RENAMED_KEYS
+    ]
+    return " (" + "; ".join(renamed) + ")" if renamed else ""
+
+
 def config_errors(config: dict[str, Any], sources: list[ConfigSource] | None = None) -> list[str]:
     """Every schema violation as one line naming the key path, e.g. "train.lr: 'big' is not of type
     'number'", and with `sources` where the key was set ("configs/x.yaml:12: train.lr: ...")."""
@@ -182,10 +214,7 @@ def config_errors(config: dict[str, Any], sources: list[ConfigSource] | None = N
         path = tuple(str(p) for p in err.absolute_path)
         where = ".".join(path) or "(top level)"
         line = f"{where}: {err.message}"
-        renamed = [f"{where}.{k} is now {where}.{RENAMED_KEYS[where, k]}" for k in err.instance
-                   if (where, k) in RENAMED_KEYS] if isinstance(err.instance, dict) else []  # fmt: skip
-        if renamed:
-            line += " (" + "; ".join(renamed) + ")"
+        line += renamed_hint(where, err.instance)
         if sources and err.validator == "additionalProperties" and isinstance(err.instance, dict):
             # the unexpected key is the one whose file matters
             known = err.schema.get("properties", {})
@@ -208,7 +237,10 @@ def section_errors(section: str, values: dict[str, Any]) -> list[str]:
     spec = {"type": "object", "properties": {k: props[k] for k in values if k in props}}
     validator = jsonschema.Draft202012Validator(spec)
     errors = sorted(validator.iter_errors(values), key=lambda e: list(map(str, e.absolute_path)))
-    lines = [f"{section}.{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in errors]
+    lines = []
+    for e in errors:
+        where = ".".join([section, *map(str, e.absolute_path)])
+        lines.append(f"{where}: {e.message}{renamed_hint(where, e.instance)}")
     return lines + value_errors(values, section)
 
 

@@ -161,11 +161,12 @@ def accepted_at(accepted_per_pos: Sequence[int], k: int) -> int:
 
 def forwards_at(tokens: int, forwards: int, accepted_per_pos: Sequence[int], k: int) -> float:
     """Target forwards one prompt would take at draft length k, from its counts at K >= k: the same
-    tokens at the mean tokens per step that truncating every step's acceptance to k gives (exact at K,
-    where tokens = forwards + accepted)."""
+    tokens at the mean tokens per step that truncating every step's acceptance to k gives. Exact at K;
+    tokens = forwards + accepted there, which `tokens` checks nothing against (it is the same output)."""
     if forwards <= 0:
         return float(forwards)
-    return tokens * forwards / (forwards + accepted_at(accepted_per_pos, k))
+    full = accepted_at(accepted_per_pos, len(accepted_per_pos))
+    return forwards * (forwards + full) / (forwards + accepted_at(accepted_per_pos, k))
 
 
 # ------------------------------------------------------------------------------------ model shapes

@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from draftsmith.cost import PROJECTION_FORMULA, memory_bound_speedup
+from draftsmith.cost import FORMULA
 from draftsmith.gate import (
     FIGURE,
     PER_DRAFT,
@@ -31,6 +31,7 @@ from draftsmith.gate import (
     verdict,
 )
 from draftsmith.methods import PLAIN, method, ordered
+from draftsmith.projection import set_projection, summary_of
 from draftsmith.stats import bootstrap_ratio
 
 
@@ -60,19 +61,22 @@ def intervals(results: dict[str, Any], prompt_ids: list[str], settings: GateSett
     per_forward = per_prompt_counts(results, prompt_ids, PER_FORWARD)
     per_draft = per_prompt_counts(results, prompt_ids, PER_DRAFT)
     if per_forward is None or per_draft is None:
-        return {"tokens_per_forward_interval": None, "tau_interval": None, "acceptance_intervals": None}
+        return {"tokens_per_forward_interval": None, "tau_interval": None, "acceptance_intervals": None,
+                "per_step_intervals": None}  # fmt: skip
     _, lo, hi = bootstrap_ratio(*per_forward, *settings.bootstrap)
     _, tau_lo, tau_hi = bootstrap_ratio(*per_draft, *settings.bootstrap)
     rows = {r["id"]: r for r in results["per_prompt"]}
     k = len(results["acceptance_rate_per_position"])
-    per_pos = []
+    per_pos, per_step = [], []
     for i in range(k):
         num = [(rows[p].get("accepted_per_pos") or [0] * k)[i] for p in prompt_ids]
         per_pos.append(list(bootstrap_ratio(num, per_draft[1], *settings.bootstrap)[1:]))
+        per_step.append(list(bootstrap_ratio(num, per_forward[1], *settings.bootstrap)[1:]))
     return {
         "tokens_per_forward_interval": [lo, hi],
         "tau_interval": [1.0 + tau_lo, 1.0 + tau_hi],
         "acceptance_intervals": per_pos,
+        "per_step_intervals": per_step,
     }
 
 
@@ -86,22 +90,32 @@ def _outputs(by: str, results: dict[str, Any], data: dict[str, Any]) -> str:
     return f"= plain on {results['outputs_equal_plain']}/{data['num_prompts']}"
 
 
+def judged_by(results: dict[str, Any]) -> str:
+    """Which measurement of a set is judged: vLLM's where it ran (what serving sees), else offline."""
+    return "vLLM" if results.get("vllm") else "offline"
+
+
 def summary_rows(
-    sets: dict[str, dict[str, Any]], settings: GateSettings, cost_ratio: float | None = None
+    sets: dict[str, dict[str, Any]],
+    settings: GateSettings,
+    projections: dict[str, dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    """The summary table: per held-out set, plain decoding and each method, offline and in vLLM. With
-    `cost_ratio` (drafter parameters per draft step / target's per forward) each row carries the speedup
-    projected for memory-bound decoding."""
+    """The summary table: per held-out set, plain decoding and each method, offline and in vLLM. The
+    judged measurement's rows carry the method's serving projection (draftsmith.projection): its chosen
+    draft length, tokens per target forward there and the projected speedup at each concurrency."""
     rows = []
     for heldout, results in sets.items():
-        k = results["offline"]["num_draft_tokens"]
+        projected = (projections or {}).get(heldout) or {}
+        judged = judged_by(results)
+        concurrencies = projected.get("concurrency") or []
         for by, data in _measurements(results):
             rows.append({
                 "heldout": heldout, "method": PLAIN.label, "key": None, "measured_by": by,
                 "prompts": data["num_prompts"], "tokens": data["plain"]["tokens"],
                 "forwards": data["plain"]["tokens"], "tokens_per_forward": 1.0,
-                "tokens_per_forward_interval": None, "draft_share": 0.0,
-                "projected_speedup": 1.0 if cost_ratio is not None else None, "tau": None, "tau_interval": None,
+                "tokens_per_forward_interval": None, "draft_share": 0.0, "k": 0,
+                "projected_speedup": [1.0] * len(concurrencies) if by == judged and concurrencies else None,
+                "projected_intervals": None, "tau": None, "tau_interval": None,
                 "acceptance_per_position": None, "acceptance_intervals": None,
                 "tokens_per_s": data["plain"]["tokens_per_s"], "speedup": 1.0, "outputs": "reference",
             })  # fmt: skip
@@ -113,39 +127,87 @@ def summary_rows(
                 m = data["methods"].get(key)
                 if m is None:
                     continue
-                ratio = 0.0 if m.get("kind") == "ngram" else cost_ratio
+                serving = summary_of(projected.get("methods", {}).get(key)) if by == judged else None
                 rows.append({
                     "heldout": heldout, "method": method(key).label, "key": key, "measured_by": by,
                     "prompts": data["num_prompts"], "tokens": m["tokens"], "forwards": m["forwards"],
                     "tokens_per_forward": m["tokens_per_forward"],
                     **intervals(m, data["prompt_ids"], settings),
                     "draft_share": m["draft_share"],
-                    "projected_speedup": (
-                        memory_bound_speedup(m["tokens_per_forward"], k, ratio) if ratio is not None else None
-                    ),
+                    "k": serving["k"] if serving else data["num_draft_tokens"],
+                    "serving": serving,
+                    "projected_speedup": serving["projected_speedup"] if serving else None,
+                    "projected_intervals": serving["projected_intervals"] if serving else None,
                     "tau": m["tau"], "acceptance_per_position": m["acceptance_rate_per_position"],
+                    "per_step_acceptance": _per_step(m),
                     "tokens_per_s": m["tokens_per_s"], "speedup": m["speedup"],
                     "outputs": _outputs(by, m, data),
                 })  # fmt: skip
     return rows
 
 
+def _per_step(m: dict[str, Any]) -> list[float] | None:
+    """Acceptance at each draft position over every decode step (the steps that did not draft count as
+    rejections): what a position buys per step, comparable across methods that draft on few steps."""
+    rows = m.get("per_prompt")
+    if rows and all(r.get("accepted_per_pos") is not None for r in rows):
+        per_pos = [sum(col) for col in zip(*(r["accepted_per_pos"] for r in rows), strict=True)]
+        forwards = sum(r["forwards"] for r in rows)
+    else:
+        per_pos, forwards = m.get("accepted_per_pos"), m.get("forwards")
+    if not per_pos or not forwards:
+        return None
+    return [a / forwards for a in per_pos]
+
+
 def headline(rows: list[dict[str, Any]], sets: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Per held-out set, each method's tokens per target forward (with interval and the share of steps
-    that drafted), tau beside it, from vLLM where it measured the set (what serving sees), else offline."""
+    that drafted), its draft length and projected speedup at the serving point, tau beside it, from vLLM
+    where it measured the set (what serving sees), else offline."""
     out: dict[str, Any] = {}
     for heldout, results in sets.items():
-        by = "vLLM" if results.get("vllm") else "offline"
+        by = judged_by(results)
         methods = {}
         for r in rows:
             if r["heldout"] == heldout and r["measured_by"] == by and r["key"]:
                 methods[r["key"]] = {
                     name: r[name]
-                    for name in ("tokens_per_forward", "tokens_per_forward_interval", "draft_share",
-                                 "projected_speedup", "tau", "tau_interval", "speedup")
+                    for name in ("tokens_per_forward", "tokens_per_forward_interval", "draft_share", "k",
+                                 "projected_speedup", "projected_intervals", "tau", "tau_interval", "speedup")
                 }  # fmt: skip
         out[heldout] = {"measured_by": by, "prompts": results[by.lower()]["num_prompts"], "methods": methods}
     return out
+
+
+def project_sets(
+    sets: dict[str, dict[str, Any]],
+    serving: dict[str, Any],
+    target_path: str | Path,
+    drafters: dict[str, str | Path],
+    settings: GateSettings,
+) -> dict[str, dict[str, Any]]:
+    """Every set's judged measurement projected to the serving point (evaluate.serving)."""
+    from draftsmith.cost import drafter_cost, serving_points, target_cost
+
+    bytes_per = float(serving.get("bytes_per_parameter") or 2.0)
+    target = target_cost(target_path, bytes_per)
+    costs = {key: drafter_cost(path, bytes_per) for key, path in drafters.items()}
+    out = {}
+    for heldout, results in sets.items():
+        data = results["vllm"] if results.get("vllm") else results["offline"]
+        context = data.get("context_tokens") or _offline_context(results["offline"])
+        out[heldout] = set_projection(
+            data, target, costs, serving_points(serving, context), settings.bootstrap
+        )
+    return out
+
+
+def _offline_context(offline: dict[str, Any]) -> float:
+    """Mean prompt plus half the output, from the offline measurement's per-prompt rows."""
+    rows = offline.get("per_prompt") or []
+    if not rows:
+        return 512.0
+    return sum(r.get("prompt_tokens", 0) + r.get("plain_tokens", 0) / 2 for r in rows) / len(rows)
 
 
 def provenance(
@@ -245,16 +307,19 @@ def summarize(
     current_fingerprint: str | None,
     metrics_rows: list[dict[str, Any]],
     settings: GateSettings,
-    projection: dict[str, float] | None = None,
+    projections: dict[str, dict[str, Any]] | None = None,
     origin: dict[str, Any] | None = None,
+    serving: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Everything the report, the gate and the model card need, in one JSON-able dict. sets: held-out
-    set name -> {"offline": offline.json, "vllm": vllm.json or None}; projection:
-    `draftsmith.cost.describe_ratio`; origin: `provenance` (None: from the manifest and export alone)."""
+    set name -> {"offline": offline.json, "vllm": vllm.json or None}; projections: `project_sets` (the
+    serving point's figures); origin: `provenance` (None: from the manifest and export alone); serving:
+    evaluate.serving, as projected."""
     checks = diagnose(
-        sets, manifest, export_config, export_problems, current_fingerprint, metrics_rows, settings
-    )
-    rows = summary_rows(sets, settings, projection["ratio"] if projection else None)
+        sets, manifest, export_config, export_problems, current_fingerprint, metrics_rows, settings,
+        projections=projections,
+    )  # fmt: skip
+    rows = summary_rows(sets, settings, projections)
     off = next(iter(sets.values()))["offline"]
     return {
         "figure": FIGURE,
@@ -276,7 +341,16 @@ def summarize(
         "vllm_measured": any(r.get("vllm") is not None for r in sets.values()),
         "lossless": off["methods"]["eagle3"].get("lossless"),
         "headline": headline(rows, sets),
-        "projection": {"formula": PROJECTION_FORMULA, **projection} if projection else None,
+        "method_settings": _method_settings(sets),
+        "projection": {
+            "formula": FORMULA,
+            "serving": serving,
+            "points": next(iter(projections.values()))["points"] if projections else None,
+            "concurrency": next(iter(projections.values()))["concurrency"] if projections else None,
+            "ranking": {name: p["ranking"] for name, p in projections.items()},
+        }
+        if projections
+        else None,
         "rows": rows,
         "learning": learning_curve(metrics_rows),
         "settings": {
@@ -289,7 +363,7 @@ def summarize(
         },
         "provenance": origin if origin is not None else provenance(manifest, export_config),
         "checks": [c.to_dict() for c in checks],
-        "verdict": verdict(checks),
+        "verdict": verdict(checks, projections),
         "gate_passed": passed(checks),
     }
 
@@ -332,12 +406,12 @@ def summarize_files(
     vocab_path: str | Path | None = None,
     prompts_summary: str | Path | None = None,
     target_source: dict[str, Any] | None = None,
+    serving: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Load the evaluation's inputs, summarise, and write summary.{json,tsv,html} and the plots to out
     (training writes its TensorBoard curves itself, as it goes). The vocabulary map, the prompts
     stage's summary and the config's target section (`target_source`) go into the provenance."""
     from draftsmith.chat import template_fingerprint
-    from draftsmith.cost import describe_ratio
     from draftsmith.export import check_against_target
     from draftsmith.report import write_report
     from draftsmith.target import load_tokenizer
@@ -348,7 +422,11 @@ def summarize_files(
     problems = check_against_target(drafter, target_path)
     fingerprint = template_fingerprint(load_tokenizer(target_path))
     rows = read_metrics(metrics)
-    projection = describe_ratio(drafter, target_path)
+    drafters = {"eagle3": drafter}
+    untrained = _untrained_export(sets)
+    if untrained:
+        drafters["untrained"] = untrained
+    projections = project_sets(sets, serving, target_path, drafters, settings) if serving else None
     vocab = None
     if vocab_path is not None:
         from draftsmith.vocab import load_vocab_map
@@ -359,7 +437,28 @@ def summarize_files(
         manifest, export_config, samples_by_source(manifest_path), vocab, prompts, target_source
     )
     summary = summarize(
-        sets, manifest, export_config, problems, fingerprint, rows, settings, projection, origin
+        sets, manifest, export_config, problems, fingerprint, rows, settings, projections, origin, serving
     )
     write_report(out, summary, rows)
     return summary
+
+
+def _untrained_export(sets: dict[str, dict[str, Any]]) -> str | None:
+    """The untrained drafter's export folder as the measurement recorded it, if it still exists."""
+    for results in sets.values():
+        for data in (results.get("vllm"), results.get("offline")):
+            path = ((data or {}).get("methods", {}).get("untrained") or {}).get("drafter")
+            if path and Path(path).is_dir():
+                return path
+    return None
+
+
+def _method_settings(sets: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The free methods' settings as measured (what their serve commands must repeat)."""
+    out: dict[str, Any] = {}
+    for results in sets.values():
+        data = results.get("vllm") or results.get("offline") or {}
+        for key, m in data.get("methods", {}).items():
+            if m.get("settings"):
+                out.setdefault(key, m["settings"])
+    return out

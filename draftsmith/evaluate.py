@@ -43,6 +43,7 @@ from draftsmith.chat import eos_token_ids
 from draftsmith.speculate import (
     NgramProposer,
     SpecResult,
+    SuffixProposer,
     acceptance_stats,
     first_difference,
     sample_decode,
@@ -55,7 +56,7 @@ logger = logging.getLogger(__name__)
 
 # method name -> what proposes the drafts; "eagle3"/"untrained" take a drafter export folder
 EAGLE_METHODS = ("eagle3", "untrained")
-NGRAM = {"min_n": 2, "max_n": 4}  # vLLM's prompt_lookup_min / prompt_lookup_max used for the baseline
+NGRAM_DEFAULT = {"min": 2, "max": 4}  # evaluate.ngram_lookup's, when a caller gives none (tests)
 
 
 class NotLossless(RuntimeError):
@@ -246,10 +247,15 @@ def evaluate_offline(
     seed: int = 0,
     threads: int = 0,
     device: str = "cpu",
+    suffix: bool = False,
+    ngram_lookup: dict[str, int] | None = None,
+    suffix_decoding: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Plain vs speculative decoding of the held-out prompts with each drafter export in `drafters`
-    ({"eagle3": trained, "untrained": ...}) and, with `ngram`, n-gram prompt lookup. Writes out_path
-    (JSON) and returns it; then raises NotLossless when a greedy output differs from plain decoding.
+    ({"eagle3": trained, "untrained": ...}), with `ngram` n-gram prompt lookup (`ngram_lookup`: min and
+    max) and with `suffix` suffix decoding (`suffix_decoding`: evaluate.suffix_decoding, through the
+    same Arctic Inference calls as vLLM). Writes out_path (JSON) and returns it; then raises NotLossless
+    when a greedy output differs from plain decoding.
 
     temperature > 0 samples instead (speculative sampling, lossless in distribution, not token for
     token); each prompt and method gets its own seeded generator, so reruns repeat exactly.
@@ -275,9 +281,13 @@ def evaluate_offline(
         aux_ids[name] = aux_ids_from_export(export_config)
         _check_pair(target, drafter, aux_ids[name])
         proposers[name] = drafter.to(device).eval()
+    lookup = {**NGRAM_DEFAULT, **(ngram_lookup or {})}
     if ngram:
-        proposers["ngram"] = NgramProposer(NGRAM["min_n"], NGRAM["max_n"])
+        proposers["ngram"] = NgramProposer(lookup["min"], lookup["max"])
         aux_ids["ngram"] = []
+    if suffix:
+        proposers["suffix"] = SuffixProposer(**(suffix_decoding or {}))
+        aux_ids["suffix"] = []
     eos = eos_token_ids(tokenizer, getattr(target, "generation_config", None))
     prompts = read_eval_prompts(prompts_path, num_prompts)
     encoded = encode_prompts(tokenizer, prompts)
@@ -330,9 +340,11 @@ def evaluate_offline(
     methods = {}
     for name in proposers:
         methods[name] = {
-            "kind": "ngram" if name == "ngram" else "eagle3",
+            "kind": name if name in ("ngram", "suffix") else "eagle3",
             "drafter": str(drafters[name]) if name in drafters else None,
-            **({"ngram": dict(NGRAM)} if name == "ngram" else {"aux_layer_ids": aux_ids[name]}),
+            **({"aux_layer_ids": aux_ids[name]} if name in drafters else {}),
+            **({"settings": dict(lookup)} if name == "ngram" else {}),
+            **({"settings": dict(suffix_decoding or {})} if name == "suffix" else {}),
             **method_summary(results[name], seconds[name], plain_tps, num_draft_tokens),
             "per_prompt": [prompt_counts(p["id"], r) for p, r in zip(prompts, results[name], strict=True)],
             "lossless": (not mismatches[name]) if greedy else None,

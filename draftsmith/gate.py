@@ -1,28 +1,27 @@
 """The acceptance gate: is the trained drafter worth deploying, compared with what costs nothing?
 
-A drafter is judged against the free alternatives on the same held-out prompts, not against a constant:
-n-gram prompt lookup (vLLM's `ngram` method) and the untrained drafter (training's starting point). The
-figure is **tokens per target forward**, every decode step counted: speculation saves target forwards,
-and a step costs one whether or not it drafted. vLLM's mean acceptance length (tau) counts only the steps
-that had a draft; n-gram lookup drafts where the output repeats text it has seen, on chat about one step
-in ten, so its tau leaves out the steps it had nothing to say on. tau is reported beside, never compared.
+A drafter is judged by what the user pays: its **projected wall-clock speedup at the serving point**
+(evaluate.serving: device, tensor parallel, concurrency; draftsmith.cost, draftsmith.projection), at its
+best draft length, against the best free method the engine serves (n-gram lookup, suffix decoding) on
+the same held-out prompts, and against the untrained drafter on tokens per target forward (what training
+bought; both cost the same per step). vLLM's tau counts only the steps that had a draft and is shown
+beside, never compared. The motivating run deployed a drafter at 0.66x throughput; here such a drafter
+fails `beats_free`, and the verdict names what to serve instead, per held-out set: chat and code differ.
+Every check is printed; the workflow fails (exit 3) when a blocking one fails (`evaluate.gate`).
 
-The motivating run deployed a drafter at ~15% acceptance and 0.66x throughput; here such a drafter fails
-`beats_ngram`, and the verdict says what to do instead, per held-out set: chat and code can differ. Every
-check is printed; the workflow fails (exit 3) when a blocking one fails (`evaluate.gate`).
-
-    alternatives   beats_ngram, beats_untrained (per held-out set): the trained drafter's tokens per target
-                   forward minus the baseline's, with a paired bootstrap interval over prompts; passes
-                   when the interval lies above 0 (more than the noise of these prompts).
-    speed          speedup: speculative vs plain tokens/s. On a CPU, verifying k+1 tokens costs about k+1
-                   single steps, so speed is reported, not judged (`auto`); on a GPU it blocks.
+    alternatives   beats_free (per held-out set): the trained drafter's projected speedup minus the best
+                   free method's, each at its best k, paired bootstrap over prompts, passes when the
+                   interval lies above 0; beats_untrained: the same on tokens per target forward.
+    speed          speedup: speculative vs plain tokens/s measured here. On a CPU, verifying k+1 tokens
+                   costs about k+1 single steps, so speed is reported, not judged (`auto`).
     contract       teacher_agreement, chat_template, export, tau_gap: the data, the template, the export
                    and vLLM's use of it agree with what training assumed.
     learning       generalisation (train vs validation accuracy) and still_learning (validation accuracy
                    rising at the end): warnings that choose the next action.
 
-The verdict names, per held-out set, what to deploy and the next action: "deploy drafter", "deploy
-n-gram", "more data", "train longer" or "contract broken".
+The verdict names, per held-out set, the method and draft length to serve with its projected speedup
+at each concurrency and the runner-up, and the next action: "deploy drafter", "deploy suffix decoding",
+"deploy n-gram", "no speculation", "more data", "train longer" or "contract broken".
 """
 
 from __future__ import annotations
@@ -34,12 +33,23 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.methods import method
+from draftsmith.projection import chosen, method_counts
 from draftsmith.settings import from_schema, schema_spec
 from draftsmith.stats import bootstrap_ratio, paired_difference
 
 # every check that evaluate.gate can make blocking, with its default mode (the schema's)
 DEFAULT_MODES = {name: spec["default"] for name, spec in schema_spec("evaluate.gate")["properties"].items()}
-ACTIONS = ("deploy drafter", "deploy n-gram", "more data", "train longer", "contract broken")
+ACTIONS = (
+    "deploy drafter",
+    "deploy suffix decoding",
+    "deploy n-gram",
+    "no speculation",
+    "more data",
+    "train longer",
+    "contract broken",
+)
+DEPLOY_ACTION = {"eagle3": "deploy drafter", "suffix": "deploy suffix decoding", "ngram": "deploy n-gram",
+                 "plain": "no speculation"}  # fmt: skip
 FIGURE = "tokens per target forward"
 # per-prompt counts (numerator, denominator) of the judged figure and of vLLM's tau - 1
 PER_FORWARD = ("tokens", "forwards")
@@ -143,9 +153,9 @@ def per_prompt_counts(
 # --------------------------------------------------------------------------------------- alternatives
 
 BASELINE_WHERE = {
-    "ngram": "n-gram lookup yields more tokens per target forward on these prompts (it drafts where the "
-    "output repeats the prompt or itself, and is then usually right): more and more varied training data "
-    "first (the learning checks say which), or deploy n-gram lookup for this kind of traffic",
+    "free": "a free method (suffix decoding, n-gram lookup) is as fast or faster at the serving point once "
+    "the drafter's own passes are paid for: more and more varied training data first (the learning checks "
+    "say which), a shorter draft, or serve the free method the verdict names for this kind of traffic",
     "untrained": "a drafter that is no better than its random start learned nothing usable: a broken "
     "contract (see the contract checks), a learning rate or step count far off, or a target whose "
     "held-out text the training data does not resemble",
@@ -182,6 +192,36 @@ def check_beats(
         f"prompts): difference {diff:+.3f} [{lo:+.3f}, {hi:+.3f}]"
     )
     return Check(name, _status(lo > 0, blocking), value, threshold, where, blocking, "alternatives", heldout)
+
+
+def check_beats_free(
+    heldout: str, projection: dict[str, Any] | None, mode: str, settings: GateSettings
+) -> Check:
+    """beats_free on one held-out set: the trained drafter's projected speedup at the serving point's first
+    concurrency, at its best k, minus the best free method's at its best k, paired over prompts."""
+    name = f"beats_free ({heldout})"
+    blocking = mode == "block"
+    point = (projection or {}).get("points", ["the serving point"])[0]
+    threshold = (
+        f"{settings.level:.0%} interval of the difference in projected speedup ({point}) above 0 "
+        f"(evaluate.gate.beats_free: {mode})"
+    )
+    methods = (projection or {}).get("methods", {})
+    free = {k: p for k, p in methods.items() if p["kind"] in ("ngram", "suffix")}
+    if "eagle3" not in methods or not free:
+        missing = "the trained drafter" if "eagle3" not in methods else "no free method"
+        return Check(name, "skip", f"{missing} measured with per-prompt counts", threshold,
+                     BASELINE_WHERE["free"], blocking, "alternatives", heldout)  # fmt: skip
+    best = max(free, key=lambda k: chosen(free[k])["projected_speedup"][0])
+    ours, theirs = methods["eagle3"], free[best]
+    diff, lo, hi = paired_difference(method_counts(ours), method_counts(theirs), *settings.bootstrap)
+    value = (
+        f"trained k={ours['chosen_k']} {chosen(ours)['projected_speedup'][0]:.2f}x vs {method(best).short} "
+        f"k={theirs['chosen_k']} {chosen(theirs)['projected_speedup'][0]:.2f}x projected ({point}, "
+        f"{len(method_counts(ours)[0])} prompts): difference {diff:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+    )
+    return Check(name, _status(lo > 0, blocking), value, threshold, BASELINE_WHERE["free"], blocking,
+                 "alternatives", heldout)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- speed
@@ -462,56 +502,118 @@ def _one(checks: list[Check], prefix: str, heldout: str | None = None) -> Check 
     return next((c for c in checks if c.name.startswith(prefix) and c.heldout == heldout), None)
 
 
-def set_verdict(checks: list[Check], heldout: str) -> dict[str, Any]:
-    """What to deploy for the traffic one held-out set stands for, and what to do next, from that set's
-    comparisons and the shared contract and learning checks:
+def serving_choice(projection: dict[str, Any] | None, level: float = 0.95) -> dict[str, Any]:
+    """The fastest method at the serving point's first concurrency and the runner-up, from one set's
+    projection: its draft length and projected speedup at every concurrency with intervals. Plain
+    decoding wins when nothing beats 1.0x beyond the interval."""
+    if not projection or not projection.get("methods"):
+        return {"method": "plain", "k": 0, "projected_speedup": None, "runner_up": None}
 
-        contract broken   a blocking contract check failed: nothing measured downstream can be trusted
-        deploy drafter    the drafter beats n-gram lookup and the untrained drafter beyond the noise
-        more data         it does not, and validation accuracy is far below training (data-bound)
-        train longer      it does not, and validation accuracy was still rising at the end
-        deploy n-gram     it does not, and the curves show neither: the free method wins here
+    def entry(key: str) -> dict[str, Any]:
+        if key == "plain":
+            n = len(projection["concurrency"])
+            return {"method": "plain", "k": 0, "projected_speedup": [1.0] * n,
+                    "projected_intervals": [[1.0, 1.0]] * n}  # fmt: skip
+        p = projection["methods"][key]
+        best = chosen(p)
+        return {"method": key, "k": p["chosen_k"], "projected_speedup": best["projected_speedup"],
+                "projected_intervals": best["projected_intervals"], "measured_at_k": best["measured"]}  # fmt: skip
+
+    ranking = projection["ranking"]
+    first = entry(ranking[0])
+    if first["method"] != "plain" and first["projected_intervals"][0][0] <= 1.0:
+        # not faster than plain decoding beyond the noise of these prompts
+        return {**entry("plain"), "runner_up": first, "points": projection["points"]}
+    runner = next((entry(k) for k in ranking[1:]), None)
+    return {**first, "runner_up": runner, "points": projection["points"]}
+
+
+def set_verdict(
+    checks: list[Check], heldout: str, projection: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """What to deploy for the traffic one held-out set stands for, and what to do next, from that set's
+    projection at the serving point, its comparisons and the shared contract and learning checks:
+
+        contract broken   a blocking contract check failed: nothing measured downstream can be trusted,
+                          serve the fastest free method (or nothing)
+        deploy drafter    the drafter is the fastest at the serving point, beyond the noise of the free
+                          methods (beats_free) and of its untrained start (beats_untrained)
+        more data         it is not, and validation accuracy is far below training (data-bound)
+        train longer      it is not, and validation accuracy was still rising at the end
+        deploy suffix decoding / deploy n-gram / no speculation
+                          it is not, and the curves show neither: the fastest other choice wins here
     """
     contract = [c for c in checks if c.group == "contract" and c.failed]
-    ngram, untrained = _one(checks, "beats_ngram", heldout), _one(checks, "beats_untrained", heldout)
-    loses = [c for c in (ngram, untrained) if c is not None and c.missed]
-    has_ngram = ngram is not None and ngram.status != "skip"
-    fallback = "n-gram lookup" if has_ngram else "plain decoding"
+    free, untrained = _one(checks, "beats_free", heldout), _one(checks, "beats_untrained", heldout)
+    loses = [c for c in (free, untrained) if c is not None and c.missed]
     overfit, rising = _one(checks, "generalisation"), _one(checks, "still_learning")
+    fastest = serving_choice(projection)
+    if fastest["method"] == "eagle3" and (loses or contract):  # not trusted: the next fastest other choice
+        alternative = _without_drafter(projection)
+        fastest = {**alternative, "runner_up": fastest}
     reasons = [f"{c.name}: {c.value}" for c in contract + loses]
     if contract:
-        deploy, action = fallback, "contract broken"
-    elif not loses:
-        deploy, action = "trained drafter", "deploy drafter"
-        reasons = [f"{c.name}: {c.value}" for c in (ngram, untrained) if c is not None]
+        action = "contract broken"
+    elif fastest["method"] == "eagle3":
+        action = "deploy drafter"
+        reasons = [f"{c.name}: {c.value}" for c in (free, untrained) if c is not None]
+    elif free is not None and free.status == "pass" and untrained is not None and untrained.missed:
+        action = "contract broken"  # faster than the free methods, not than its own random start: off
+    elif free is not None and free.status == "skip" and untrained is not None and not untrained.missed:
+        action = DEPLOY_ACTION[fastest["method"]]  # nothing free measured: the drafter was not ranked
     elif overfit is not None and overfit.missed:
-        deploy, action = fallback, "more data"
+        action = "more data"
         reasons.append(f"generalisation: {overfit.value}")
     elif rising is not None and rising.missed:
-        deploy, action = fallback, "train longer"
+        action = "train longer"
         reasons.append(f"still_learning: {rising.value}")
-    elif ngram is not None and ngram.missed:
-        deploy, action = "n-gram lookup", "deploy n-gram"
-    else:  # beats n-gram but not its own random start, with healthy curves: something is off
-        deploy, action = fallback, "contract broken"
-    return {"heldout": heldout, "deploy": deploy, "action": action, "reasons": reasons}
+    else:
+        action = DEPLOY_ACTION[fastest["method"]]
+    return {
+        "heldout": heldout,
+        "deploy": method(fastest["method"]).label if fastest["method"] != "plain" else "plain decoding",
+        "method": fastest["method"],
+        "k": fastest.get("k", 0),
+        "projected_speedup": fastest.get("projected_speedup"),
+        "projected_intervals": fastest.get("projected_intervals"),
+        "points": (projection or {}).get("points"),
+        "concurrency": (projection or {}).get("concurrency"),
+        "runner_up": _brief(fastest.get("runner_up")),
+        "action": action,
+        "reasons": reasons,
+    }
 
 
-def verdict(checks: list[Check]) -> dict[str, Any]:
+def _without_drafter(projection: dict[str, Any] | None) -> dict[str, Any]:
+    """serving_choice with the trained drafter left out."""
+    if not projection:
+        return serving_choice(None)
+    rest = {k: v for k, v in projection["methods"].items() if k != "eagle3"}
+    ranking = [k for k in projection["ranking"] if k != "eagle3"]
+    return serving_choice({**projection, "methods": rest, "ranking": ranking})
+
+
+def _brief(entry: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not entry:
+        return None
+    return {k: entry.get(k) for k in ("method", "k", "projected_speedup", "projected_intervals")}
+
+
+def verdict(checks: list[Check], projections: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The verdict on every held-out set (`per_set`: what to deploy for that kind of traffic) and overall:
     `deploy` is the one method every set agrees on, or "per held-out set"; `action` is the first set's
     that does not deploy the drafter (what to do next), else "deploy drafter"."""
     sets = list(dict.fromkeys(c.heldout for c in checks if c.heldout))
-    per_set = [set_verdict(checks, s) for s in sets]
+    per_set = [set_verdict(checks, s, (projections or {}).get(s)) for s in sets]
     if not per_set:
         return {"heldout": None, "deploy": "plain decoding", "action": "contract broken",
                 "reasons": ["nothing measured"], "per_set": []}  # fmt: skip
     losing = [v for v in per_set if v["action"] != "deploy drafter"]
     first = losing[0] if losing else per_set[0]
-    methods = {v["deploy"] for v in per_set}
+    methods = {(v["deploy"], v["k"]) for v in per_set}
     return {
         "heldout": first["heldout"],
-        "deploy": methods.pop() if len(methods) == 1 else "per held-out set",
+        "deploy": per_set[0]["deploy"] if len(methods) == 1 else "per held-out set",
         "action": first["action"],
         "reasons": first["reasons"],
         "per_set": per_set,
@@ -547,18 +649,22 @@ def diagnose(
     settings: GateSettings,
     key: str = "eagle3",
     engine: str = "vllm",
+    projections: dict[str, dict[str, Any]] | None = None,
 ) -> list[Check]:
     """Every check, in a fixed order. sets: held-out set name -> {"offline": offline.json,
     "vllm": vllm.json or None}; the first set's speed is the one judged. `engine` is the serving engine
-    whose aux-id convention the export must use."""
+    whose aux-id convention the export must use. projections: set name -> draftsmith.projection's
+    set_projection (the serving point's figures that beats_free compares)."""
     from draftsmith.export import ENGINE_CONVENTIONS, trained_ttt_steps
 
     checks: list[Check] = []
     for heldout, results in sets.items():
         if key not in results["offline"]["methods"]:
             raise KeyError(f"{heldout}: offline results have no method {key!r}")
+        projection = (projections or {}).get(heldout)
+        checks.append(check_beats_free(heldout, projection, settings.mode("beats_free"), settings))
         trained = judged_counts(results, key)
-        for baseline in ("ngram", "untrained"):
+        for baseline in ("untrained",):
             other, ours = judged_counts(results, baseline), trained
             if ours and other and ours[0] != other[0]:  # two engines: pair on the prompts both decoded
                 ids = results["offline"]["prompt_ids"]

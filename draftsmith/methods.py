@@ -21,6 +21,7 @@ METHODS = {
         Method("eagle3", "trained drafter", "trained", "tab:green"),
         Method("untrained", "untrained drafter", "untrained", "tab:gray"),
         Method("ngram", "n-gram lookup", "n-gram", "tab:purple"),
+        Method("suffix", "suffix decoding", "suffix", "tab:orange"),
     )
 }
 ORDER = tuple(METHODS)

@@ -4,9 +4,9 @@ HTML, and the plots `snakemake --report` embeds. Nothing here decides anything (
     format_verdict, format_checks    the gate's words, verdict first
     format_table, format_tsv, format_html, write_report
     plot_training       loss and per-TTT-step accuracy during training, validation points
-    plot_acceptance     acceptance per draft position with intervals, per held-out set (vLLM's tau terms)
+    plot_acceptance     acceptance per draft position over every decode step, with intervals, per set
     plot_per_forward    tokens per target forward with intervals per method and held-out set; measured and
-                        projected speedup
+                        projected speedup (serving point, chosen k)
 
 Plots use matplotlib's Agg canvas directly: no display, no global pyplot state.
 """
@@ -24,19 +24,48 @@ from draftsmith.methods import method
 # ---------------------------------------------------------------------------------------------- verdict
 
 
+def format_speedups(entry: dict[str, Any] | None, concurrency: list[int] | None) -> str:
+    """A method's projected speedup at each concurrency with its interval: "1.19x [1.12, 1.26] at 1, ..."."""
+    if not entry or not entry.get("projected_speedup"):
+        return "not projected"
+    ivs = entry.get("projected_intervals") or [None] * len(entry["projected_speedup"])
+    parts = []
+    for value, iv, b in zip(entry["projected_speedup"], ivs, concurrency or [], strict=False):
+        parts.append(f"{value:.2f}x" + (f" [{iv[0]:.2f}, {iv[1]:.2f}]" if iv else "") + f" at {b}")
+    return ", ".join(parts)
+
+
+def _named(entry: dict[str, Any] | None) -> str:
+    if not entry:
+        return "-"
+    name = "plain decoding" if entry["method"] == "plain" else method(entry["method"]).label
+    return name + (f" k={entry['k']}" if entry.get("k") else "")
+
+
 def format_verdict(v: dict[str, Any]) -> str:
-    """The verdict per held-out set, first line overall."""
+    """The verdict per held-out set, first line overall; each set's line names the method and draft
+    length to serve, its projected speedup at every concurrency of the serving point, and the runner-up."""
     per_set = v.get("per_set", [])
     if per_set and v["deploy"] == "per held-out set":
         by_method: dict[str, list[str]] = {}
         for s in per_set:
-            by_method.setdefault(s["deploy"], []).append(s["heldout"])
+            by_method.setdefault(_named(s) if s.get("method") else s["deploy"], []).append(s["heldout"])
         head = "VERDICT: deploy " + "; ".join(f"{m} on {', '.join(sets)}" for m, sets in by_method.items())
     else:
-        head = f"VERDICT: {v['action'].upper()} (deploy: {v['deploy']})"
+        first = per_set[0] if per_set else None
+        deploy = _named(first) if first and first.get("method") else v["deploy"]
+        head = f"VERDICT: {v['action'].upper()} (deploy: {deploy})"
     lines = [head]
     for s in per_set:
-        lines.append(f"  {s['heldout']}: {s['action']} (deploy: {s['deploy']})")
+        where = (s.get("points") or ["?"])[0].split(", concurrency")[0]
+        lines.append(
+            f"  {s['heldout']}: {s['action']} (deploy: {_named(s) if s.get('method') else s['deploy']})"
+        )
+        if s.get("projected_speedup"):
+            lines.append(f"    projected on {where}: {format_speedups(s, s.get('concurrency'))}")
+        if s.get("runner_up"):
+            runner = s["runner_up"]
+            lines.append(f"    runner-up: {_named(runner)}, {format_speedups(runner, s.get('concurrency'))}")
         lines += [f"    - {r}" for r in s["reasons"]]
     return "\n".join(lines)
 
@@ -80,12 +109,22 @@ def _cell(row: dict[str, Any], key: str) -> str:
         return " ".join(
             f"{v:.2f}" + (f"±{_half(iv):.2f}" if iv else "") for v, iv in zip(value, ivs, strict=True)
         )
+    if key == "per_step_acceptance":
+        return " ".join(f"{v:.2f}" for v in value)
     if key == "draft_share":
         return f"{value:.0%}"
     if key == "tokens_per_s":
         return f"{value:.1f}"
-    if key in ("speedup", "projected_speedup"):
+    if key == "speedup":
         return f"{value:.2f}x"
+    if key == "projected_speedup":
+        ivs = row.get("projected_intervals") or [None] * len(value)
+        return " / ".join(
+            f"{v:.2f}x" + (f" [{iv[0]:.2f}, {iv[1]:.2f}]" if iv else "")
+            for v, iv in zip(value, ivs, strict=True)
+        )
+    if key == "k" and row.get("serving") and not row["serving"].get("measured_at_k"):
+        return f"{value} (est.)"
     return str(value)
 
 
@@ -96,11 +135,13 @@ COLUMNS = [
     ("prompts", "prompts"),
     ("tokens", "tokens"),
     ("forwards", "target forwards"),
-    ("tokens_per_forward", "tokens per target forward [interval]"),
+    ("tokens_per_forward", "tokens per target forward at K [interval]"),
     ("draft_share", "steps with a draft"),
-    ("projected_speedup", "projected speedup (memory-bound)"),
+    ("k", "chosen k"),
+    ("projected_speedup", "projected speedup at k, per concurrency [interval]"),
     ("tau", "tau, draft steps only [interval]"),
-    ("acceptance_per_position", "acceptance per position"),
+    ("per_step_acceptance", "acceptance per position, every step"),
+    ("acceptance_per_position", "acceptance per position, draft steps only"),
     ("tokens_per_s", "tokens/s here"),
     ("speedup", "speedup here"),
     ("outputs", "outputs"),
@@ -132,9 +173,10 @@ def _footnote(summary: dict[str, Any]) -> str:
     if summary.get("projection"):
         p = summary["projection"]
         lines.append(
-            f"{p['formula']}; here drafter {p['drafter_parameters_per_step'] / 1e6:.1f} M vs target "
-            f"{p['target_parameters_per_forward'] / 1e6:.1f} M parameters per forward (ratio {p['ratio']:.4f}). "
-            "Speed measured here on a CPU is not that hardware."
+            f"projected at the serving point ({'; '.join(p['points'] or [])}), the verdict deciding at the "
+            f"first: {p['formula']}. k: the draft length with the highest projected speedup there, from the "
+            "acceptance at K (est.) or re-measured in vLLM at k. Speed measured here on a CPU is not that "
+            "hardware."
         )
     return "\n".join(lines)
 
@@ -144,9 +186,9 @@ def format_tsv(summary: dict[str, Any]) -> str:
     return "\n".join([header, *("\t".join(row) for row in _body(summary))]) + "\n"
 
 
-def format_html(summary: dict[str, Any]) -> str:
-    """A self-contained HTML page: the verdict, the summary table and the diagnosis (Snakemake's report
-    embeds it)."""
+def format_html(summary: dict[str, Any], plots: dict[str, str] | None = None) -> str:
+    """A self-contained HTML page: the verdict, the summary table, the diagnosis and the plots (`plots`:
+    title -> base64 PNG), which Snakemake's report embeds too."""
     from draftsmith.gate import checks_of, order_checks
 
     def table(header: list[str], rows: list[list[str]]) -> str:
@@ -170,25 +212,39 @@ def format_html(summary: dict[str, Any]) -> str:
         for name, s in summary["heldout_sets"].items()
     )
     notes = "".join(f"<p>{html.escape(line)}</p>" for line in _footnote(summary).splitlines())
+    figures = "".join(
+        f"<h2>{html.escape(title)}</h2><img style='max-width:100%' src='data:image/png;base64,{data}'>"
+        for title, data in (plots or {}).items()
+    )
     return (
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>draftsmith evaluation</title>"
         f"<style>{style}</style></head><body>"
         f"<h2>Verdict</h2><pre>{html.escape(format_verdict(summary['verdict']))}</pre>"
         f"<h2>Evaluation: {html.escape(sets)}; up to {summary['max_new_tokens']} new tokens, "
         f"{summary['num_draft_tokens']} draft tokens, temperature {summary['temperature']}</h2>{results}{notes}"
-        f"<h2>Gate: {gate}</h2>{diagnosis}</body></html>\n"
+        f"<h2>Gate: {gate}</h2>{diagnosis}{figures}</body></html>\n"
     )
 
 
 def write_report(out_dir: str | Path, summary: dict[str, Any], metrics_rows: list[dict[str, Any]]) -> None:
     """summary.{json,tsv,html} and the plots into out_dir."""
+    import base64
+
     out_dir = Path(out_dir)
     write_json(out_dir / "summary.json", summary)
     write_text(out_dir / "summary.tsv", format_tsv(summary))
-    write_text(out_dir / "summary.html", format_html(summary))
     plot_training(out_dir / "training.png", metrics_rows)
     plot_acceptance(out_dir / "acceptance.png", summary)
     plot_per_forward(out_dir / "per_forward.png", summary)
+    plots = {
+        title: base64.b64encode((out_dir / name).read_bytes()).decode("ascii")
+        for title, name in (
+            ("Tokens per target forward and speedup", "per_forward.png"),
+            ("Acceptance per draft position", "acceptance.png"),
+            ("Training", "training.png"),
+        )
+    }
+    write_text(out_dir / "summary.html", format_html(summary, plots))
 
 
 # ----------------------------------------------------------------------------------------------- plots
@@ -273,8 +329,9 @@ def _err(value: float, interval: list[float] | None) -> tuple[float, float]:
 
 
 def plot_acceptance(path: str | Path, summary: dict[str, Any]) -> None:
-    """vLLM's acceptance rate per draft position (accepted there / steps that drafted) with its interval,
-    per method and measurement, one panel per held-out set."""
+    """Acceptance per draft position over every decode step (accepted there / target forwards: a step
+    without a draft counts as a rejection, so methods that draft on few steps compare fairly) with its
+    interval, per method and measurement, one panel per held-out set."""
     sets = list(summary["heldout_sets"])
     fig = _figure(10, 3.8 * len(sets))
     axes = fig.subplots(len(sets), 1, squeeze=False)[:, 0]
@@ -284,15 +341,17 @@ def plot_acceptance(path: str | Path, summary: dict[str, Any]) -> None:
         width = 0.8 / max(len(series), 1)
         for s, r in enumerate(series):
             xs = [i + 1 - 0.4 + width * (s + 0.5) for i in range(k)]
-            rates = r["acceptance_per_position"]
-            ivs = r.get("acceptance_intervals") or [None] * k
+            rates = (r.get("per_step_acceptance") or [0.0] * k)[:k]
+            rates += [0.0] * (k - len(rates))
+            ivs = (r.get("per_step_intervals") or [None] * k)[:k]
+            ivs += [None] * (k - len(ivs))
             errs = [_err(v, iv) for v, iv in zip(rates, ivs, strict=True)]
             ax.bar(xs, rates, width, yerr=list(zip(*errs, strict=True)), capsize=2,
                    color=method(r["key"]).color, hatch="" if r["measured_by"] == "offline" else "//",
                    edgecolor="black", lw=0.5, label=f"{r['method']} ({r['measured_by']})")  # fmt: skip
         ax.set_xticks(range(1, k + 1))
         ax.set_xlabel("draft position")
-        ax.set_ylabel("acceptance rate (steps that drafted)")
+        ax.set_ylabel("accepted per decode step (every step)")
         ax.set_ylim(0, 1.1)
         info = summary["heldout_sets"][heldout]
         ax.set_title(f"{heldout}: acceptance per position, {info['num_prompts']} prompts "
@@ -317,9 +376,13 @@ def plot_per_forward(path: str | Path, summary: dict[str, Any]) -> None:
                      edgecolor="black", lw=0.5)  # fmt: skip
             left.text(x, value + above, f"{value:.2f}", ha="center", va="bottom", fontsize=7)
             right.bar(x - 0.2, r["speedup"], 0.4, color=color, hatch=hatch, edgecolor="black", lw=0.5)
-            if r.get("projected_speedup") is not None:
-                right.bar(x + 0.2, r["projected_speedup"], 0.4, color="white", edgecolor=color, lw=1.5)
-                right.text(x + 0.2, r["projected_speedup"], f"{r['projected_speedup']:.2f}", ha="center",
+            if r.get("projected_speedup"):
+                projected = r["projected_speedup"][0]
+                iv = (r.get("projected_intervals") or [None])[0]
+                below, above = _err(projected, iv)
+                right.bar(x + 0.2, projected, 0.4, yerr=[[below], [above]], capsize=2, color="white",
+                          edgecolor=color, lw=1.5)  # fmt: skip
+                right.text(x + 0.2, projected + above, f"{projected:.2f}\nk={r['k']}", ha="center",
                            va="bottom", fontsize=6)  # fmt: skip
             ticks.append(x)
             labels.append(f"{method(r['key']).short}\n{r['measured_by']}\n{heldout}")
@@ -330,7 +393,11 @@ def plot_per_forward(path: str | Path, summary: dict[str, Any]) -> None:
             left,
             f"tokens per target forward, every step counted ({summary['level']:.0%} interval over prompts)",
         ),
-        (right, "speedup over plain decoding: measured here (filled), projected memory-bound (outline)"),
+        (
+            right,
+            "speedup over plain decoding: measured here (filled), projected at the serving point's first "
+            f"concurrency at the chosen k (outline; {((summary.get('projection') or {}).get('points') or ['-'])[0]})",
+        ),
     ]
     for ax, title in titles:
         ax.axhline(1.0, color="black", lw=0.8)

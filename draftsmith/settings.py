@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import cache
 from typing import Any, TypeVar
 
-from draftsmith.config import schema
+from draftsmith.config import renamed_hint, schema
 
 T = TypeVar("T")
 
@@ -134,7 +134,8 @@ def settings_errors(obj: Any) -> list[str]:
     lines = []
     for err in errors:
         name, *inner = [str(p) for p in err.absolute_path]
-        lines.append(f"{'.'.join([paths[name], *inner])}: {err.message}")
+        where = ".".join([paths[name], *inner])
+        lines.append(f"{where}: {err.message}{renamed_hint(where, err.instance)}")
     return lines
 
 

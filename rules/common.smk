@@ -258,9 +258,10 @@ def offline_options(wildcards):
     vLLM, the offline run measures everything."""
     evaluate = config["evaluate"]
     if evaluate["vllm"]:
-        return ["--num-prompts", str(offline_num_prompts(wildcards.heldout)), "--no-ngram"]
+        return ["--num-prompts", str(offline_num_prompts(wildcards.heldout)), "--no-ngram", "--no-suffix"]
     ngram = "--ngram" if evaluate["ngram"] else "--no-ngram"
-    return ["--num-prompts", str(set_num_prompts(wildcards.heldout)), ngram]
+    suffix = "--suffix" if evaluate["suffix"] else "--no-suffix"
+    return ["--num-prompts", str(set_num_prompts(wildcards.heldout)), ngram, suffix]
 
 
 def gate_modes():

@@ -1,5 +1,6 @@
-# Evaluation: the drafter and two baselines (untrained drafter, n-gram lookup) measured offline and in
-# real vLLM on the same prompts of each held-out set; a summary with intervals and plots; the gate.
+# Evaluation: the drafter, the untrained drafter and the free methods (n-gram lookup, suffix decoding)
+# measured offline and in real vLLM on the same prompts of each held-out set; each projected to the
+# serving point; a summary with intervals and plots; the gate.
 
 EVAL = config["evaluate"]
 HELDOUT = EVAL["heldout_sets"]
@@ -17,6 +18,11 @@ EVAL_OPTIONS = [
     *("--temperature", str(EVAL["temperature"])),
 ]
 NGRAM = "--ngram" if EVAL["ngram"] else "--no-ngram"
+SUFFIX = "--suffix" if EVAL["suffix"] else "--no-suffix"
+# the free methods' own settings (both engines) and, for vLLM, the serving point whose best draft lengths
+# it re-measures
+FREE_SETTINGS = section_json("evaluate", ["ngram_lookup", "suffix_decoding"])
+VLLM_SETTINGS = section_json("evaluate", ["ngram_lookup", "suffix_decoding", "serving", "remeasure_chosen_k"])
 OFFLINE_UNTRAINED = {} if EVAL["vllm"] else {"untrained": "results/eval/untrained_drafter"}
 # Each measurement joins the summary when it is on. evaluate.offline: false keeps a huge target out of the
 # workflow's processes: vLLM's measurement alone fills the summary (no contract columns to compare).
@@ -114,10 +120,12 @@ rule evaluate_offline:
         untrained=untrained_option,
         seed=config["evaluate"]["seed"],
         drafter=drafter_dir,
+        settings=FREE_SETTINGS,
     shell:
         "draftsmith run --gpus {resources.gpu} --"
         " draftsmith evaluate --target {input.target:q} --drafter {params.drafter:q} {params.untrained:q}"
-        " --prompts {input.prompts:q} --out {output:q} {params.options:q} {params.offline:q}"
+        " --prompts {input.prompts:q} --out {output:q} --settings {params.settings:q} {params.options:q}"
+        " {params.offline:q}"
         " --seed {params.seed:q} --threads {threads} --gpus {resources.gpu} 2>&1 | tee {log:q}"
 
 
@@ -147,6 +155,8 @@ rule evaluate_vllm:
         options=EVAL_OPTIONS,
         num_prompts=EVAL["num_prompts"],
         ngram=NGRAM,
+        suffix=SUFFIX,
+        settings=VLLM_SETTINGS,
         sets=vllm_set_options(),
         seed=EVAL["seed"],
         # the target's dtype on GPUs (float32 on a CPU); eager or CUDA graphs (null: by device)
@@ -157,7 +167,8 @@ rule evaluate_vllm:
         "draftsmith run --gpus {resources.gpu} --"
         " draftsmith evaluate-vllm --target {input.target:q} --drafter {params.drafter:q}"
         " --untrained {input.untrained:q} {params.sets:q} --num-prompts {params.num_prompts:q}"
-        " {params.options:q} {params.ngram:q} --seed {params.seed:q} --gpus {resources.gpu}"
+        " --settings {params.settings:q} {params.options:q} {params.ngram:q} {params.suffix:q}"
+        " --seed {params.seed:q} --gpus {resources.gpu}"
         " --dtype {params.dtype:q} {params.eager:q}"
         " --gpu-memory-utilization {resources.gpu_memory_utilization} --timeout-s {resources.vllm_timeout_s}"
         " --log-dir logs/vllm 2>&1 | tee {log:q}"
@@ -218,6 +229,8 @@ rule eval_summary:
         min_val_gain=EVAL["min_val_gain"],
         level=EVAL["interval_level"],
         resamples=EVAL["bootstrap_resamples"],
+        # the serving point the verdict projects to
+        settings=section_json("evaluate", ["serving"]),
         # what the model card names as the target
         target_source=section_json("target", ["model", "revision", "gguf_wheel", "gguf_file"]),
         drafter=drafter_dir,
@@ -226,6 +239,7 @@ rule eval_summary:
         ' --target {input.target:q} --metrics {input.metrics:q} --out "$(dirname {output.summary:q})"'
         " {params.gate:q} {params.max_tau_gap:q} --max-acc-gap {params.max_acc_gap:q}"
         " --min-val-gain {params.min_val_gain:q} --level {params.level:q} --resamples {params.resamples:q}"
+        " --settings {params.settings:q}"
         " --vocab {input.vocab:q}"
         " --prompts-summary {input.prompts_summary:q} --target-source {params.target_source:q} 2>&1 | tee {log:q}"
 

@@ -84,10 +84,63 @@ def verdict_section(summary: dict[str, Any]) -> list[str]:
         + (f" (checks that only warn: {', '.join(warn_only)})." if warn_only else "."),
         "",
     ]
+    from draftsmith.report import format_speedups
+
     for s in v.get("per_set", []):
-        lines.append(f"- {s['heldout']}: {s['action']} (deploy: {s['deploy']})")
+        named = s["deploy"] + (f" k={s['k']}" if s.get("k") else "")
+        lines.append(f"- {s['heldout']}: {s['action']} (deploy: {named})")
+        if s.get("projected_speedup"):
+            lines.append(f"  - projected ({(s.get('points') or ['?'])[0].split(', concurrency')[0]}): "
+                         f"{format_speedups(s, s.get('concurrency'))}")  # fmt: skip
+        if s.get("runner_up"):
+            r = s["runner_up"]
+            label = "plain decoding" if r["method"] == "plain" else method(r["method"]).label
+            lines.append(f"  - runner-up: {label}" + (f" k={r['k']}" if r.get("k") else "")
+                         + f", {format_speedups(r, s.get('concurrency'))}")  # fmt: skip
         lines += [f"  - {r}" for r in s.get("reasons", [])]
     return lines
+
+
+def speed_section(summary: dict[str, Any]) -> list[str]:
+    """Projected speedup at the serving point per set and method, at its chosen draft length."""
+    projection = summary.get("projection")
+    if not projection:
+        return []
+    concurrency = projection.get("concurrency") or []
+    where = (projection.get("points") or ["?"])[0].split(", concurrency")[0]
+    lines = [
+        f"## Speed at the serving point ({where})",
+        "",
+        "Projected wall-clock speedup over plain decoding at each concurrency (the verdict decides at the "
+        f"first), each method at its best draft length k, with its {summary.get('level', 0.95):.0%} interval "
+        "over prompts: measured tokens per target forward times the cost model's plain-step / method-step "
+        "time (the drafter's own passes, the verify step, the free methods' lookup; draftsmith/cost.py). "
+        "Speed measured on the evaluation machine beside it.",
+        "",
+        "| held-out set | method | k | tokens per target forward at k | "
+        + " | ".join(f"concurrency {b}" for b in concurrency)
+        + " | measured here |",
+        "|---|---|---|---|" + "---|" * len(concurrency) + "---|",
+    ]
+    for name, h in summary["headline"].items():
+        for key in ordered(list(h["methods"])):
+            m = h["methods"][key]
+            if not m.get("projected_speedup"):
+                continue
+            serving = next((r.get("serving") for r in summary.get("rows", []) if r.get("heldout") == name
+                            and r.get("key") == key and r.get("serving")), None)  # fmt: skip
+            at_k = (
+                _num(serving["tokens_per_forward"]) + _interval(serving["tokens_per_forward_interval"])
+                if serving
+                else "-"
+            )
+            ivs = m.get("projected_intervals") or [None] * len(m["projected_speedup"])
+            cells = [f"{v:.2f}x" + (f" [{iv[0]:.2f}, {iv[1]:.2f}]" if iv else "")
+                     for v, iv in zip(m["projected_speedup"], ivs, strict=False)]  # fmt: skip
+            measured = f"{m['speedup']:.2f}x" if m.get("speedup") is not None else "-"
+            lines.append(f"| {name} | {method(key).label} | {m.get('k')} | {at_k} | " + " | ".join(cells)
+                         + f" | {measured} |")  # fmt: skip
+    return lines + [""]
 
 
 def evaluation_section(summary: dict[str, Any]) -> list[str]:
@@ -205,13 +258,59 @@ def training_section(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def verdict_config(
+    choice: dict[str, Any], drafter: str, settings: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """vLLM's speculative_config for what a set's verdict deploys (None: no speculation)."""
+    from draftsmith.backends.vllm_spec import speculative_config
+
+    if choice.get("method") in (None, "plain") or not choice.get("k"):
+        return None
+    kind = "eagle3" if choice["method"] == "eagle3" else choice["method"]
+    return speculative_config(kind, drafter, choice["k"], (settings or {}).get(choice["method"]))
+
+
+def verdict_serve_lines(summary: dict[str, Any], folders: dict[str, str], target: str) -> list[str]:
+    """The serve command of what each held-out set's verdict names; where sets differ, how to route."""
+    per_set = (summary.get("verdict") or {}).get("per_set") or []
+    if not per_set or not per_set[0].get("method"):
+        return []
+    settings = summary.get("method_settings") or {}
+    by_choice: dict[str, list[str]] = {}
+    for s in per_set:
+        config = verdict_config(s, folders.get("vllm", "DRAFTER"), settings)
+        by_choice.setdefault(json.dumps(config) if config else "", []).append(s["heldout"])
+    lines = ["What the verdict names (vLLM):", ""]
+    for config, sets in by_choice.items():
+        lines += [f"For {', '.join(sets)}:", "", "```bash"]
+        lines.append(
+            f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(config)}"
+            if config
+            else f"vllm serve {shlex.quote(target)}  # no speculation"
+        )
+        lines += ["```", ""]
+    if len(by_choice) > 1:
+        lines += [
+            "The held-out sets call for different methods: serve each kind of traffic from its own vLLM "
+            "deployment (one engine takes one speculative config) and route requests by kind at your gateway "
+            "(e.g. code completions to one, chat to the other), or serve the method of the traffic that "
+            "dominates.",
+            "",
+        ]
+    return lines
+
+
 def serve_section(summary: dict[str, Any], folders: dict[str, str], target: str) -> list[str]:
     k = summary.get("num_draft_tokens") or 3
+    for s in (summary.get("verdict") or {}).get("per_set") or []:
+        if s.get("method") == "eagle3" and s.get("k"):
+            k = s["k"]  # the drafter's best draft length at the serving point
+            break
     spec = json.dumps({"method": "eagle3", "model": folders["vllm"], "num_speculative_tokens": k})
-    lines = ["## Serve", ""]
+    lines = ["## Serve", "", *verdict_serve_lines(summary, folders, target)]
     if "vllm" in folders:
         lines += [
-            "vLLM (this drafter's native form):",
+            "This drafter in vLLM (its native form):",
             "",
             "```bash",
             f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}",
@@ -262,6 +361,7 @@ def render_card(summary: dict[str, Any], engine: str, folders: dict[str, str], t
     body = [
         *intro,
         *verdict_section(summary),
+        *speed_section(summary),
         "",
         *evaluation_section(summary),
         "",

@@ -10,10 +10,12 @@ from huggingface_hub import ModelCard
 from test_eval_summary import NGRAM, TRAINED, N, method, results
 
 from draftsmith.atomic import write_json
+from draftsmith.cost import DEVICES, ModelCost, ServingPoint
 from draftsmith.eval_summary import provenance, summarize
 from draftsmith.export.card import CARD_NAME, EMBEDDED_BASE_MODEL, base_model, render_card, write_cards
 from draftsmith.gate import GateSettings
 from draftsmith.methods import method as method_of
+from draftsmith.projection import set_projection
 
 UNTRAINED = method([1] * N, [40] * N, [[1, 0, 0]] * N)
 MANIFEST = {
@@ -57,16 +59,34 @@ def tiny_summary() -> dict:
             "offline": {**off, "prompts": f"{name}.jsonl", "max_new_tokens": 64, "temperature": 0.0}
         }
     origin = provenance(MANIFEST, EXPORT_CONFIG, BY_SOURCE, VOCAB, PROMPTS, TARGET)
-    return summarize(sets, MANIFEST, EXPORT_CONFIG, [], "fp", METRICS, GateSettings(), None, origin)
+    target, drafter = ModelCost(1e9, 0.0, 1.0, 1e5, 24), ModelCost(5e7, 0.0, 1.0, 4e3, 1)
+    points = [ServingPoint(DEVICES["h100"], b, 600) for b in (1, 32)]
+    projections = {
+        name: set_projection(r["offline"], target, {"eagle3": drafter}, points, GateSettings().bootstrap)
+        for name, r in sets.items()
+    }
+    return summarize(sets, MANIFEST, EXPORT_CONFIG, [], "fp", METRICS, GateSettings(), projections, origin)
 
 
 def table_rows(card: str) -> dict[tuple[str, str], list[str]]:
     """The evaluation table: (held-out set, method label) -> its cells."""
     rows = {}
-    for line in card.splitlines():
+    section = card.split("## Evaluation", 1)[1].split("\n## ", 1)[0]
+    for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 7 and cells[0] not in ("held-out set", "---"):
             rows[(cells[0], cells[3])] = cells
+    return rows
+
+
+def speed_rows(card: str) -> dict[tuple[str, str], list[str]]:
+    """The serving point's table: (held-out set, method label) -> its cells."""
+    section = card.split("## Speed at the serving point", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cells[0] not in ("held-out set", "---"):
+            rows[(cells[0], cells[1])] = cells
     return rows
 
 
@@ -96,13 +116,30 @@ def test_card_shows_every_figure_of_the_summary(tmp_path):
             assert cells[6] == fmt(m["tau"], m["tau_interval"])
             expected += 1
     assert len(rows) == expected == 6  # two sets x trained, n-gram, untrained
+    # the projected speedup at each concurrency of the serving point, each method at its chosen k
+    speed = speed_rows(card)
+    for heldout, head in summary["headline"].items():
+        for key, m in head["methods"].items():
+            if not m.get("projected_speedup"):
+                continue
+            cells = speed[(heldout, method_of(key).label)]
+            lo, hi = m["projected_intervals"][0]
+            assert (
+                cells[2] == str(m["k"])
+                and cells[4] == f"{m['projected_speedup'][0]:.2f}x [{lo:.2f}, {hi:.2f}]"
+            )
+    assert "## Speed at the serving point (h100)" in card
     # the verdict, per set with its reasons, and the gate's word
     v = summary["verdict"]
     gate = "passed" if summary["gate_passed"] else "BLOCKED"
-    assert f"**{v['action'].upper()} (deploy: {v['deploy']})**; the gate {gate} this drafter." in card
+    first = v["per_set"][0]
+    assert f"**{v['action'].upper()} (deploy: {first['deploy']} k={first['k']})**; the gate {gate}" in card
     for s in v["per_set"]:
-        assert f"- {s['heldout']}: {s['action']} (deploy: {s['deploy']})" in card
+        assert f"- {s['heldout']}: {s['action']} (deploy: {s['deploy']} k={s['k']})" in card
+        assert "  - projected (h100): " in card and "  - runner-up: " in card
         assert all(f"  - {r}" in card for r in s["reasons"])
+    # the serve command of what the verdict names
+    assert """--speculative-config '{"method": "ngram", "num_speculative_tokens": 3""" in card
     # validation (and training) accuracy per TTT step
     learning = summary["learning"]
     assert " / ".join(f"{a:.3f}" for a in learning["val_acc"]) in card
@@ -172,14 +209,14 @@ def test_the_card_says_whether_the_gate_blocked():
     summary = tiny_summary()
     assert not summary["gate_passed"]  # the trained drafter loses to n-gram lookup (blocking by default)
     card = render_card(summary, "vllm", {"vllm": "results/drafter"}, "t")
-    assert "**TRAIN LONGER (deploy: n-gram lookup)**; the gate BLOCKED this drafter." in card
+    assert "**TRAIN LONGER (deploy: n-gram lookup k=3)**; the gate BLOCKED this drafter." in card
     summary["learning"]["val_acc"] = None
     assert "validation accuracy per TTT step: not measured" in render_card(
         summary, "vllm", {"vllm": "d"}, "t"
     )
     summary["gate_passed"] = True
-    summary["settings"]["gate"]["beats_ngram"] = "warn"
-    assert "the gate passed this drafter (checks that only warn: beats_ngram)." in render_card(
+    summary["settings"]["gate"]["beats_free"] = "warn"
+    assert "the gate passed this drafter (checks that only warn: beats_free)." in render_card(
         summary, "vllm", {"vllm": "results/drafter"}, "t"
     )
     summary["verdict"] |= {"deploy": "per held-out set", "per_set": [

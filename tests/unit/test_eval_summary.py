@@ -1,5 +1,5 @@
 """The evaluation summary as pure functions: tokens per target forward and vLLM's tau with intervals in
-every row, the projection, the table and set loading."""
+every row, the serving projection, the table and set loading."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from draftsmith.cost import memory_bound_speedup
+from draftsmith.cost import DEVICES, ModelCost, ServingPoint, projected_speedup
 from draftsmith.eval_summary import headline, intervals, load_sets, summary_rows
+from draftsmith.projection import set_projection
 from draftsmith.gate import GateSettings
 from draftsmith.report import format_table, format_tsv
 
@@ -69,7 +70,12 @@ def test_rows_carry_intervals():
             "vllm": results({"eagle3": TRAINED}),
         }
     }
-    rows = summary_rows(sets, GateSettings(), cost_ratio=0.05)
+    target = ModelCost(1e9, 0.0, 1.0, 1e5, 24)
+    drafter = ModelCost(5e7, 0.0, 1.0, 4e3, 1)
+    points = [ServingPoint(DEVICES["h100"], b, 600) for b in (1, 32)]
+    projections = {"split": set_projection(sets["split"]["vllm"], target, {"eagle3": drafter}, points,
+                                           GateSettings().bootstrap)}  # fmt: skip
+    rows = summary_rows(sets, GateSettings(), projections)
     assert [(r["method"], r["measured_by"]) for r in rows] == [
         ("plain decoding", "offline"),
         ("plain decoding", "vLLM"),
@@ -77,13 +83,22 @@ def test_rows_carry_intervals():
         ("trained drafter", "vLLM"),
         ("n-gram lookup", "offline"),
     ]
-    plain, trained, ngram = rows[0], rows[2], rows[4]
-    assert plain["tokens_per_forward"] == 1.0 and plain["projected_speedup"] == 1.0
-    # the projection charges the drafter its reads (k = 3 draft steps at 5% of a target forward each) and
-    # n-gram lookup nothing
-    assert trained["projected_speedup"] == pytest.approx(TRAINED["tokens_per_forward"] / 1.15)
-    assert ngram["projected_speedup"] == pytest.approx(NGRAM["tokens_per_forward"])
-    assert memory_bound_speedup(1.3, 3, 0.0) == 1.3
+    plain, trained, served, ngram = rows[1], rows[2], rows[3], rows[4]
+    assert plain["tokens_per_forward"] == 1.0 and plain["projected_speedup"] == [1.0, 1.0]
+    # only the judged measurement (vLLM's) is projected: at its chosen k, at each concurrency
+    assert trained["projected_speedup"] is None and ngram["projected_speedup"] is None
+    k = served["k"]
+    option = projections["split"]["methods"]["eagle3"]["options"][k - 1]
+    assert served["projected_speedup"] == [
+        pytest.approx(projected_speedup(option["tokens_per_forward"], "eagle3", k, target, p, drafter))
+        for p in points
+    ]
+    lo, hi = served["projected_intervals"][0]
+    assert lo < served["projected_speedup"][0] < hi
+    # acceptance per position over every decode step: accepted there / target forwards
+    assert served["per_step_acceptance"][0] == pytest.approx(
+        sum(r["accepted_per_pos"][0] for r in TRAINED["per_prompt"]) / TRAINED["forwards"]
+    )
     summary = {"rows": rows, "level": 0.95}
     text = format_table(summary)
     assert f"{TRAINED['tokens_per_forward']:.3f} ± " in text and f"{TRAINED['tau']:.3f} ± " in text

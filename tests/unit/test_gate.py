@@ -1,6 +1,7 @@
 """The gate's checks as pure functions: each passes and fails where it should, with its numbers; the
-comparisons are on tokens per target forward, every step counted; the verdict names, per held-out set,
-what to deploy and what to do next."""
+drafter is compared with the free methods on projected speedup at the serving point (its own passes
+counted), with its untrained start on tokens per target forward; the verdict names, per held-out set, the
+method and draft length to deploy and what to do next."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from draftsmith.gate import (
     GateFailed,
     GateSettings,
     check_beats,
+    check_beats_free,
     check_chat_template,
     check_export_convention,
     check_generalisation,
@@ -32,7 +34,14 @@ from draftsmith.gate import (
     training_accuracy,
     verdict,
 )
+from draftsmith.cost import DEVICES, ModelCost, ServingPoint
+from draftsmith.projection import set_projection
 from draftsmith.report import format_checks, format_verdict
+
+# a Llama-3.1-8B-like target and its EAGLE-3 drafter (~5% of its bytes per pass), served on an H100
+TARGET = ModelCost(7.5e9, 0.0, 1.0, 131072, 32)
+DRAFTER = ModelCost(4e8, 0.0, 1.0, 4096, 1)
+POINTS = [ServingPoint(DEVICES["h100"], b, 700) for b in (1, 32)]
 
 EXPORT = {
     "eagle_aux_hidden_state_layer_ids": [2, 15, 27],
@@ -107,20 +116,59 @@ def per_forward(accepted: list[int], tokens: list[int] = TOKENS) -> tuple[list[i
     return tokens, [t - a for t, a in zip(tokens, accepted, strict=True)]
 
 
-def test_beats_ngram_passes_fails_warns_and_skips():
+def counted(accepted: list[list[int]], drafted: bool | list[bool] = True, k: int = 3) -> dict:
+    """A method's vLLM results from each prompt's accepted drafts per step (64 tokens a prompt); a step
+    that did not draft (`drafted` False) accepts nothing."""
+    rows = []
+    for i, steps in enumerate(accepted):
+        flags = drafted if isinstance(drafted, list) else [drafted] * len(steps)
+        rows.append({"id": f"p{i}", "tokens": len(steps) + sum(steps), "forwards": len(steps),
+                     "accepted": sum(steps), "drafts": sum(flags),
+                     "accepted_per_pos": [sum(1 for a in steps if a > j) for j in range(k)]})  # fmt: skip
+    return {"per_prompt": rows}
+
+
+def projected(methods: dict[str, dict], k: int = 3) -> dict:
+    results = {"num_draft_tokens": k, "methods": methods}
+    return set_projection(results, TARGET, {"eagle3": DRAFTER}, POINTS, SETTINGS.bootstrap)
+
+
+def steps(pattern: list[int], n: int = 40) -> list[int]:
+    return [pattern[i % len(pattern)] for i in range(n)]
+
+
+def test_beats_free_counts_the_drafters_passes():
+    # the drafter accepts more per step than suffix decoding, but pays k passes of ~5% of the target each
+    # (plus a forward's overhead): a small lead in tokens per forward does not pay for them
+    trained = {**counted([steps([1, 0, 1, 2, 0, i % 2]) for i in range(16)]), "kind": "eagle3"}
+    suffix = {**counted([steps([1, 0, 1, 0, 0, i % 2]) for i in range(16)], drafted=False), "kind": "suffix"}
+    p = projected({"eagle3": trained, "suffix": suffix})
+    ours, theirs = p["methods"]["eagle3"], p["methods"]["suffix"]
+    per_forward = [o["tokens_per_forward"] for o in (ours["options"][2], theirs["options"][2])]
+    assert per_forward[0] > per_forward[1]  # more tokens per target forward at k = 3 ...
+    c = check_beats_free("chat", p, "block", SETTINGS)
+    assert c.failed and "suffix" in c.value and "projected" in c.value and c.group == "alternatives"
+    assert "concurrency 1" in c.threshold and c.heldout == "chat"
+    assert check_beats_free("chat", p, "warn", SETTINGS).status == "warn"
+    # ... the drafter's best k is shorter than 3: positions 2-3 rarely pay for their passes
+    assert ours["chosen_k"] < 3
+    # a drafter far ahead passes
+    strong = {**counted([steps([3, 2, 3, 1]) for _ in range(16)]), "kind": "eagle3"}
+    assert (
+        check_beats_free("chat", projected({"eagle3": strong, "suffix": suffix}), "block", SETTINGS).status
+        == "pass"
+    )
+    # nothing free measured: not computable
+    assert check_beats_free("chat", projected({"eagle3": strong}), "block", SETTINGS).status == "skip"
+    assert check_beats_free("chat", None, "block", SETTINGS).status == "skip"
+
+
+def test_beats_untrained_on_tokens_per_forward():
     good = ("vLLM", per_forward([24 + i % 5 for i in range(16)]))  # ~1.6 tokens per forward
-    weak = ("vLLM", per_forward([8 + i % 3 for i in range(16)]))  # ~1.15
-    ngram = ("vLLM", per_forward([30 + i % 7 for i in range(16)]))  # ~1.9: answers that repeat the prompt
-    c = check_beats("ngram", "split", good, ("vLLM", per_forward([4] * 16)), "block", SETTINGS)
+    c = check_beats("untrained", "split", good, ("vLLM", per_forward([4] * 16)), "block", SETTINGS)
     assert c.status == "pass" and c.blocking and "16 prompts" in c.value and "vLLM" in c.value
     assert "tokens per target forward" in c.value and "tokens per target forward" in c.threshold
-    c = check_beats("ngram", "split", weak, ngram, "block", SETTINGS)
-    assert c.failed and "n-gram" in c.value and c.heldout == "split" and c.group == "alternatives"
-    lo = float(c.value.split("[")[1].split(",")[0])
-    assert lo < 0
-    c = check_beats("ngram", "split", weak, ngram, "warn", SETTINGS)
-    assert c.status == "warn" and not c.failed and not c.blocking
-    assert check_beats("ngram", "split", weak, None, "block", SETTINGS).status == "skip"
+    assert check_beats("untrained", "split", good, None, "block", SETTINGS).status == "skip"
     # a difference inside the noise does not pass: 1 accepted draft more on one prompt of 16
     tie = ("vLLM", per_forward([10] * 16))
     nudged = ("vLLM", per_forward([10] * 15 + [11]))
@@ -128,24 +176,6 @@ def test_beats_ngram_passes_fails_warns_and_skips():
     noisy = ("vLLM", per_forward([0, 20] * 8))
     noisy_plus = ("vLLM", per_forward([20, 1] * 8))  # same total + 1, prompt order swapped
     assert check_beats("untrained", "split", noisy_plus, noisy, "block", SETTINGS).failed
-
-
-def test_a_rare_drafter_with_a_high_tau_loses_on_tokens_per_forward():
-    # The issue's chat measurement in vLLM: the drafter drafts on every step (tau 1.268), n-gram lookup on
-    # 1 step in 10 (tau 2.066). Per prompt of 64 tokens: the drafter accepts ~13 drafts in ~50 steps that
-    # all drafted; n-gram ~6 drafts in ~6 of ~58 steps.
-    drafter = [13 + i % 3 - 1 for i in range(16)]
-    ngram = [6 + i % 5 - 2 for i in range(16)]
-    ngram_drafts = list(ngram)  # one accepted draft per step that drafted: tau 2.0
-    tau_drafter = 1 + sum(drafter) / sum(64 - a for a in drafter)
-    tau_ngram = 1 + sum(ngram) / sum(ngram_drafts)
-    assert tau_ngram > 1.9 > 1.3 > tau_drafter  # tau would call n-gram lookup the winner ...
-    c = check_beats(
-        "ngram", "chat", ("vLLM", per_forward(drafter)), ("vLLM", per_forward(ngram)), "block", SETTINGS
-    )
-    assert c.status == "pass"  # ... every forward counted, the drafter yields more per forward
-    ours, theirs = c.value.split(" vs ")
-    assert float(ours.split()[-1]) > float(theirs.split()[1])
 
 
 def test_speedup_blocks_on_gpu_only_in_auto():
@@ -162,13 +192,15 @@ def test_speedup_blocks_on_gpu_only_in_auto():
 
 
 def test_settings_reject_unknown_checks_and_modes():
-    assert GateSettings(modes={"beats_ngram": "warn"}).all_modes == {
-        "beats_ngram": "warn",
+    assert GateSettings(modes={"beats_free": "warn"}).all_modes == {
+        "beats_free": "warn",
         "beats_untrained": "block",
         "speedup": "auto",
     }
-    with pytest.raises(ValueError, match="evaluate.gate.beats_ngram"):
-        GateSettings(modes={"beats_ngram": "auto"})
+    with pytest.raises(ValueError, match="evaluate.gate.beats_free"):
+        GateSettings(modes={"beats_free": "auto"})
+    with pytest.raises(ValueError, match="beats_ngram is now evaluate.gate.beats_free"):
+        GateSettings(modes={"beats_ngram": "warn"})
     with pytest.raises(ValueError, match=r"evaluate.gate: Additional properties .*'min_tau'"):
         GateSettings(modes={"min_tau": "block"})
 
@@ -281,54 +313,87 @@ def test_order_format_and_enforce():
 
 
 def _checks(
-    ngram: str, untrained: str = "pass", overfit: str = "pass", rising: str = "pass", contract: str = "pass"
-):
+    free: str, untrained: str = "pass", overfit: str = "pass", rising: str = "pass", contract: str = "pass",
+    heldout: str = "split",
+):  # fmt: skip
     return [
-        Check("beats_ngram (split)", ngram, "v", "t", "w", ngram != "warn", "alternatives", "split"),
-        Check("beats_untrained (split)", untrained, "v", "t", "w", True, "alternatives", "split"),
+        Check(f"beats_free ({heldout})", free, "v", "t", "w", free != "warn", "alternatives", heldout),
+        Check(f"beats_untrained ({heldout})", untrained, "v", "t", "w", True, "alternatives", heldout),
         Check("export", contract, "v", "t", "w", True, "contract"),
         Check("generalisation", overfit, "gap", "t", "w", False, "learning"),
         Check("still_learning", rising, "gain", "t", "w", False, "learning"),
     ]
 
 
+def fake_projection(speeds: dict[str, tuple[float, float, float]]) -> dict:
+    """A set's projection with each method's chosen option at k = 2: (speedup, low, high) at concurrency 1
+    (and 0.8x of it at 32)."""
+    methods = {
+        key: {"kind": key if key != "eagle3" else "eagle3", "chosen_k": 2, "options": [
+            {}, {"projected_speedup": [v, 0.8 * v], "projected_intervals": [[lo, hi], [0.8 * lo, 0.8 * hi]],
+                 "measured": True}]}
+        for key, (v, lo, hi) in speeds.items()
+    }  # fmt: skip
+    values = {**{k: v[0] for k, v in speeds.items()}, "plain": 1.0}
+    return {"methods": methods, "ranking": sorted(values, key=lambda k: -values[k]),
+            "points": ["h100, concurrency 1, context 700 tokens", "h100, concurrency 32, context 700 tokens"],
+            "concurrency": [1, 32]}  # fmt: skip
+
+
+DRAFTER_WINS = fake_projection(
+    {"eagle3": (1.6, 1.5, 1.7), "suffix": (1.2, 1.1, 1.3), "ngram": (1.1, 1.0, 1.2)}
+)
+SUFFIX_WINS = fake_projection(
+    {"eagle3": (1.1, 1.0, 1.2), "suffix": (1.3, 1.2, 1.4), "ngram": (1.1, 1.0, 1.2)}
+)
+NOTHING_PAYS = fake_projection({"eagle3": (0.9, 0.8, 1.0), "suffix": (1.02, 0.97, 1.08)})
+
+
 @pytest.mark.parametrize(
-    "kw, deploy, action",
+    "kw, projection, deploy, action",
     [
-        ({"ngram": "pass"}, "trained drafter", "deploy drafter"),
-        ({"ngram": "fail"}, "n-gram lookup", "deploy n-gram"),
-        ({"ngram": "warn"}, "n-gram lookup", "deploy n-gram"),  # a warning still loses
-        ({"ngram": "fail", "overfit": "warn"}, "n-gram lookup", "more data"),
-        ({"ngram": "fail", "rising": "warn"}, "n-gram lookup", "train longer"),
-        ({"ngram": "fail", "overfit": "warn", "rising": "warn"}, "n-gram lookup", "more data"),
-        ({"ngram": "pass", "contract": "fail"}, "n-gram lookup", "contract broken"),
-        ({"ngram": "skip", "untrained": "fail", "rising": "warn"}, "plain decoding", "train longer"),
-        ({"ngram": "pass", "untrained": "fail"}, "n-gram lookup", "contract broken"),
+        ({"free": "pass"}, DRAFTER_WINS, "trained drafter", "deploy drafter"),
+        ({"free": "fail"}, SUFFIX_WINS, "suffix decoding", "deploy suffix decoding"),
+        ({"free": "warn"}, SUFFIX_WINS, "suffix decoding", "deploy suffix decoding"),  # a warning still loses
+        ({"free": "fail", "overfit": "warn"}, SUFFIX_WINS, "suffix decoding", "more data"),
+        ({"free": "fail", "rising": "warn"}, SUFFIX_WINS, "suffix decoding", "train longer"),
+        ({"free": "fail", "overfit": "warn", "rising": "warn"}, SUFFIX_WINS, "suffix decoding", "more data"),
+        ({"free": "pass", "contract": "fail"}, DRAFTER_WINS, "suffix decoding", "contract broken"),
+        ({"free": "skip", "untrained": "fail", "rising": "warn"}, None, "plain decoding", "train longer"),
+        ({"free": "pass", "untrained": "fail"}, DRAFTER_WINS, "suffix decoding", "contract broken"),
+        ({"free": "fail"}, NOTHING_PAYS, "plain decoding", "no speculation"),
     ],
 )
-def test_set_verdict(kw, deploy, action):
-    v = set_verdict(_checks(**kw), "split")
+def test_set_verdict(kw, projection, deploy, action):
+    v = set_verdict(_checks(**kw), "split", projection)
     assert (v["deploy"], v["action"]) == (deploy, action)
+    if projection is DRAFTER_WINS and action == "deploy drafter":
+        assert v["k"] == 2 and v["projected_speedup"] == [1.6, pytest.approx(1.28)]
+        assert v["runner_up"]["method"] == "suffix"
+    if action == "no speculation":
+        assert v["runner_up"]["method"] == "suffix"  # 1.02x, but its interval reaches below 1.0
 
 
 def test_verdict_names_the_better_method_per_set():
-    checks = _checks("pass") + [
-        Check("beats_ngram (humaneval)", "fail", "trained 1.2 vs n-gram 1.6", "t", "w", True, "alternatives",
-              "humaneval"),
-    ]  # fmt: skip
-    v = verdict(checks)
-    assert v["heldout"] == "humaneval" and v["action"] == "deploy n-gram"  # the next action: the losing set's
+    checks = _checks("pass") + _checks("fail", heldout="humaneval")[:2]
+    v = verdict(checks, {"split": DRAFTER_WINS, "humaneval": SUFFIX_WINS})
+    assert v["heldout"] == "humaneval" and v["action"] == "deploy suffix decoding"  # the losing set's
     assert v["deploy"] == "per held-out set"
-    assert [(s["heldout"], s["deploy"]) for s in v["per_set"]] == [
-        ("split", "trained drafter"),
-        ("humaneval", "n-gram lookup"),
+    assert [(s["heldout"], s["deploy"], s["k"]) for s in v["per_set"]] == [
+        ("split", "trained drafter", 2),
+        ("humaneval", "suffix decoding", 2),
     ]
     text = format_verdict(v)
-    assert text.splitlines()[0] == "VERDICT: deploy trained drafter on split; n-gram lookup on humaneval"
-    assert "trained 1.2 vs n-gram 1.6" in text
+    assert (
+        text.splitlines()[0]
+        == "VERDICT: deploy trained drafter k=2 on split; suffix decoding k=2 on humaneval"
+    )
+    assert "1.60x [1.50, 1.70] at 1, 1.28x [1.20, 1.36] at 32" in text
+    assert "runner-up: suffix decoding k=2" in text
     # every set agreeing: one answer
-    same = verdict(_checks("fail"))
-    assert same["deploy"] == "n-gram lookup" and format_verdict(same).startswith("VERDICT: DEPLOY N-GRAM")
+    same = verdict(_checks("fail"), {"split": SUFFIX_WINS})
+    assert same["deploy"] == "suffix decoding"
+    assert format_verdict(same).startswith("VERDICT: DEPLOY SUFFIX DECODING (deploy: suffix decoding k=2)")
 
 
 # ------------------------------------------------------------------------------------------ diagnosis
@@ -363,14 +428,23 @@ def test_diagnose_judges_vllm_per_prompt_counts_on_every_set():
         "vllm": None,
     }
     rows = RISING
-    checks = diagnose(
-        {"split": split, "handwritten": hand}, MANIFEST, EXPORT, [], FINGERPRINT, rows, SETTINGS
-    )
+    # the serving projections: the drafter far ahead of n-gram lookup on split, behind suffix decoding on
+    # the hand-written set
+    weak_free = {**counted([steps([0, 0, 1, 0]) for _ in range(16)], drafted=False), "kind": "ngram"}
+    strong_free = {**counted([steps([3, 0, 2, 0]) for _ in range(16)], drafted=False), "kind": "suffix"}
+    drafter = {**counted([steps([3, 2, 3, 1]) for _ in range(16)]), "kind": "eagle3"}
+    weak_drafter = {**counted([steps([1, 0, 0, 1]) for _ in range(16)]), "kind": "eagle3"}
+    projections = {
+        "split": projected({"eagle3": drafter, "ngram": weak_free}),
+        "handwritten": projected({"eagle3": weak_drafter, "suffix": strong_free}),
+    }
+    sets = {"split": split, "handwritten": hand}
+    checks = diagnose(sets, MANIFEST, EXPORT, [], FINGERPRINT, rows, SETTINGS, projections=projections)
     by = {c.name: c for c in checks}
     assert list(by) == [
-        "beats_ngram (split)",
+        "beats_free (split)",
         "beats_untrained (split)",
-        "beats_ngram (handwritten)",
+        "beats_free (handwritten)",
         "beats_untrained (handwritten)",
         "speedup",
         "teacher_agreement",
@@ -381,21 +455,22 @@ def test_diagnose_judges_vllm_per_prompt_counts_on_every_set():
         "generalisation",
         "still_learning",
     ]
-    assert by["beats_ngram (split)"].status == "pass" and "(vLLM," in by["beats_ngram (split)"].value
-    assert "tokens per target forward" in by["beats_ngram (split)"].value
+    assert by["beats_free (split)"].status == "pass" and "n-gram" in by["beats_free (split)"].value
+    assert "projected" in by["beats_free (split)"].value
     assert "vLLM vs offline" in by["beats_untrained (split)"].value  # untrained only measured offline
-    assert by["beats_ngram (handwritten)"].failed and "(offline," in by["beats_ngram (handwritten)"].value
+    assert by["beats_free (handwritten)"].failed and "suffix" in by["beats_free (handwritten)"].value
     assert by["speedup"].status == "info" and "0.60x plain (vLLM)" in by["speedup"].value
     assert by["tau_gap (eagle3, handwritten)"].status == "skip"
-    v = verdict(checks)
+    v = verdict(checks, projections)
     assert v["heldout"] == "handwritten" and v["action"] == "more data"  # gap 0.19 > 0.15
-    with pytest.raises(GateFailed, match=r"beats_ngram \(handwritten\)"):
+    assert v["per_set"][1]["deploy"] == "suffix decoding"  # meanwhile, serve the free method
+    with pytest.raises(GateFailed, match=r"beats_free \(handwritten\)"):
         enforce(checks)
-    # beats_ngram as a warning (the default run's setting): the gate passes, the verdict still says it
-    relaxed = GateSettings(modes={"beats_ngram": "warn"})
-    checks = diagnose({"split": split, "handwritten": hand}, MANIFEST, EXPORT, [], FINGERPRINT, rows, relaxed)
+    # beats_free as a warning (the default run's setting): the gate passes, the verdict still says it
+    relaxed = GateSettings(modes={"beats_free": "warn"})
+    checks = diagnose(sets, MANIFEST, EXPORT, [], FINGERPRINT, rows, relaxed, projections=projections)
     enforce(checks)
-    assert verdict(checks)["action"] == "more data"
+    assert verdict(checks, projections)["action"] == "more data"
     # on a GPU the slow drafter blocks
     gpu = {**split, "vllm": {**split["vllm"], "device": "cuda"}}
     checks = diagnose({"split": gpu}, MANIFEST, EXPORT, [], FINGERPRINT, rows, relaxed)
