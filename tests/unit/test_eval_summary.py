@@ -9,8 +9,8 @@ import pytest
 
 from draftsmith.cost import DEVICES, ModelCost, ServingPoint, projected_speedup
 from draftsmith.eval_summary import headline, intervals, load_sets, summary_rows
-from draftsmith.projection import set_projection
 from draftsmith.gate import GateSettings
+from draftsmith.projection import set_projection
 from draftsmith.report import format_table, format_tsv
 
 

@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+from draftsmith.cost import DEVICES, ModelCost, ServingPoint
 from draftsmith.gate import (
     PER_DRAFT,
     Check,
@@ -34,7 +35,6 @@ from draftsmith.gate import (
     training_accuracy,
     verdict,
 )
-from draftsmith.cost import DEVICES, ModelCost, ServingPoint
 from draftsmith.projection import set_projection
 from draftsmith.report import format_checks, format_verdict
 
