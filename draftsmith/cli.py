@@ -766,6 +766,8 @@ def vocab(tokens: str, target_path: str, settings_json: str | None, size: int | 
     help="Also checkpoint every N optimizer steps; 0 = at epoch ends only.",
 )
 @setting("resources.train", "loader_threads", "--loader-threads", type=click.IntRange(min=0))
+@setting("resources.train", "micro_batch_tokens", "--micro-batch-tokens", type=click.IntRange(min=0))
+@setting("resources.train", "checkpoint_ttt", "--checkpoint-ttt/--no-checkpoint-ttt")
 @setting(
     "resources.train",
     "report_to",

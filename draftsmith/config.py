@@ -54,7 +54,14 @@ SETTINGS_OPS = {
         "gpus",
         "gpu_memory_utilization",
     ),
-    "train": ("threads", "checkpoint_every", "loader_threads", "report_to"),
+    "train": (
+        "threads",
+        "checkpoint_every",
+        "loader_threads",
+        "report_to",
+        "micro_batch_tokens",
+        "checkpoint_ttt",
+    ),
 }
 
 
