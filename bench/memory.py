@@ -1,0 +1,155 @@
+"""Bytes the TTT loss keeps for the backward pass, measured, and the per-token coefficients of
+draftsmith/memory.py fitted to them.
+
+    python bench/memory.py            # measure scaled-down drafters, fit, print the coefficients
+
+What is counted: every tensor autograd saves during `ttt_loss` (torch.autograd.graph.saved_tensors_hooks)
+plus, with activation checkpointing, the tensors the checkpoints hold alive (found through the garbage
+collector after the forward), each storage once; the drafter's own fp32 parameters, the batch and the
+frozen target tensors are not activations and are left out (memory.py counts them apart). The bf16
+copies of the weights that autocast makes are counted: memory.py's `weight_copies` term.
+
+Everything here runs on the CPU in seconds: bf16 autocast, every position valid.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from draftsmith.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
+from draftsmith.loader import Batch  # noqa: E402
+from draftsmith.memory import DrafterShape, activation_bytes  # noqa: E402
+from draftsmith.train import Objective, ttt_loss  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Case:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    draft_vocab: int
+    tokens: int  # one sample of this length
+    steps: int = 7
+
+    def shape(self) -> DrafterShape:
+        return DrafterShape(
+            hidden_size=self.hidden,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            intermediate_size=self.intermediate,
+            draft_vocab_size=self.draft_vocab,
+            target_hidden_size=self.hidden,
+            num_aux=3,
+        )
+
+
+def objective(steps: int, checkpoint_ttt: bool) -> Objective:
+    return Objective(
+        ttt_steps=steps,
+        step_weights=tuple(0.8**j for j in range(steps)),
+        precision="bf16",
+        mask_offset=2,
+        loss_norm="position",
+        loss_positions="all",
+        ttt_prefix="accepted",
+        ttt_positions="advance",
+        noise_std=0.0,
+        lk_loss="none",
+        lk_kl_scale=1.0,
+        lk_kl_decay=0.0,
+        checkpoint_ttt=checkpoint_ttt,
+    )
+
+
+def measure(case: Case, checkpoint_ttt: bool = False, seed: int = 0) -> int:
+    """Bytes held for the backward pass after one `ttt_loss` forward on `case`."""
+    torch.manual_seed(seed)
+    H, V = case.hidden, 4 * case.draft_vocab
+    cfg = DrafterConfig(
+        hidden_size=H,
+        num_attention_heads=case.heads,
+        num_key_value_heads=case.kv_heads,
+        head_dim=case.head_dim,
+        intermediate_size=case.intermediate,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=4 * case.tokens,
+        target_hidden_size=H,
+        target_vocab_size=V,
+        draft_vocab_size=case.draft_vocab,
+    )
+    drafter = Eagle3Drafter(cfg).train()
+    embed, teacher = torch.randn(V, H), torch.randn(case.draft_vocab, H)
+    T = case.tokens
+    batch = Batch(
+        input_ids=torch.randint(0, V, (1, T)),
+        loss_mask=torch.ones(1, T, dtype=torch.bool),
+        lengths=torch.tensor([T]),
+        aux=torch.randn(1, T, 3 * H).bfloat16(),
+        final=torch.randn(1, T, H).bfloat16(),
+    )
+    own = {
+        t.untyped_storage().data_ptr() for t in [*drafter.parameters(), *drafter.buffers(), embed, teacher]
+    }
+    own |= {t.untyped_storage().data_ptr() for t in vars(batch).values()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in own:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    gc.collect()
+    before = {id(o) for o in gc.get_objects() if isinstance(o, torch.Tensor)}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss, _ = ttt_loss(drafter, embed, teacher, batch, objective(case.steps, checkpoint_ttt))
+    if checkpoint_ttt:  # what the checkpoints keep alive is held in Python, not through the hooks
+        for o in gc.get_objects():
+            if isinstance(o, torch.Tensor) and id(o) not in before and o.layout == torch.strided:
+                storage = o.untyped_storage()
+                if storage.data_ptr() not in own and storage.nbytes():
+                    saved[storage.data_ptr()] = storage.nbytes()
+    loss.backward()  # the forward's graph is complete and usable
+    return sum(saved.values())
+
+
+CASES = [  # 1/64-scale drafters (Llama-3.1-8B: H 4096 -> 64, I 14336 -> 224, Vd 32000 -> 500)
+    Case(64, 4, 2, 16, 224, 500, 96),
+    Case(64, 4, 2, 16, 224, 500, 192),
+    Case(64, 4, 2, 16, 224, 500, 384),
+    Case(128, 4, 2, 16, 224, 500, 192),
+    Case(64, 8, 2, 16, 224, 500, 192),
+    Case(64, 4, 4, 16, 224, 500, 192),
+    Case(64, 4, 2, 16, 448, 500, 192),
+    Case(64, 4, 2, 16, 224, 1000, 192),
+    Case(64, 4, 2, 16, 224, 500, 192, steps=3),
+    Case(112, 8, 8, 16, 192, 500, 128),  # Kimi-K2.5-like proportions
+]
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    for checkpoint_ttt in (False, True):
+        print(f"checkpoint_ttt={checkpoint_ttt}")
+        for case in CASES:
+            got = measure(case, checkpoint_ttt)
+            model = activation_bytes(case.shape(), case.tokens, 1, case.steps, checkpoint_ttt, p_bytes=4)
+            print(
+                f"  {case}: measured {got / case.tokens:9.1f} B/token, model {model / case.tokens:9.1f} "
+                f"({model / got - 1:+.1%})"
+            )
+
+
+if __name__ == "__main__":
+    main()
