@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from draftsmith.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
 from draftsmith.loader import Batch  # noqa: E402
-from draftsmith.memory import DrafterShape, activation_bytes  # noqa: E402
+from draftsmith.memory import CHECKPOINTED, CURRENT, DrafterShape, activation_bytes  # noqa: E402
 from draftsmith.train import Objective, ttt_loss  # noqa: E402
 
 
@@ -111,17 +112,23 @@ def measure(case: Case, checkpoint_ttt: bool = False, seed: int = 0) -> int:
         return t
 
     gc.collect()
-    before = {id(o) for o in gc.get_objects() if isinstance(o, torch.Tensor)}
+    before = {id(o) for o in live_tensors()}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss, _ = ttt_loss(drafter, embed, teacher, batch, objective(case.steps, checkpoint_ttt))
     if checkpoint_ttt:  # what the checkpoints keep alive is held in Python, not through the hooks
-        for o in gc.get_objects():
-            if isinstance(o, torch.Tensor) and id(o) not in before and o.layout == torch.strided:
+        for o in live_tensors():
+            if id(o) not in before and o.layout == torch.strided:
                 storage = o.untyped_storage()
                 if storage.data_ptr() not in own and storage.nbytes():
                     saved[storage.data_ptr()] = storage.nbytes()
     loss.backward()  # the forward's graph is complete and usable
     return sum(saved.values())
+
+
+def live_tensors() -> list[torch.Tensor]:
+    with warnings.catch_warnings():  # isinstance on some torch objects warns of deprecations
+        warnings.simplefilter("ignore")
+        return [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
 
 
 CASES = [  # 1/64-scale drafters (Llama-3.1-8B: H 4096 -> 64, I 14336 -> 224, Vd 32000 -> 500)
@@ -141,13 +148,20 @@ CASES = [  # 1/64-scale drafters (Llama-3.1-8B: H 4096 -> 64, I 14336 -> 224, Vd
 def main() -> None:
     torch.set_num_threads(1)
     for checkpoint_ttt in (False, True):
-        print(f"checkpoint_ttt={checkpoint_ttt}")
+        print(
+            f"checkpoint_ttt={checkpoint_ttt}"
+            + (" (what the checkpoints keep; one step recomputed comes on top)" if checkpoint_ttt else "")
+        )
         for case in CASES:
             got = measure(case, checkpoint_ttt)
-            model = activation_bytes(case.shape(), case.tokens, 1, case.steps, checkpoint_ttt, p_bytes=4)
+            coefficients = CHECKPOINTED if checkpoint_ttt else CURRENT
+            model = activation_bytes(
+                case.shape(), case.tokens, case.tokens, case.steps, p_bytes=4, coefficients=coefficients
+            )
             print(
-                f"  {case}: measured {got / case.tokens:9.1f} B/token, model {model / case.tokens:9.1f} "
-                f"({model / got - 1:+.1%})"
+                f"  H {case.hidden} heads {case.heads}x{case.head_dim} kv {case.kv_heads} I {case.intermediate} "
+                f"Vd {case.draft_vocab} T {case.tokens} steps {case.steps}: measured {got / case.tokens:8.0f} "
+                f"B/token, model {model / case.tokens:8.0f} ({model / got - 1:+.1%})"
             )
 
 

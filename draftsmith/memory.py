@@ -121,7 +121,7 @@ CURRENT = Coefficients(
     per_step=0.0,
     mask_per_step=2.0,
     weight_copies_per_step=0.0,
-    weight_copies=1.0,
+    weight_copies=0.5,  # fitted: not every weight's bf16 copy is kept
 )
 # With checkpoint_ttt: what the checkpoints keep (each step's input state, its keys and values, index
 # tensors); the recomputation of one step in the backward pass comes on top (`activation_bytes`).

@@ -24,7 +24,9 @@ rule train:
         loader_threads=config["resources"]["train"]["loader_threads"],
         # operational: the same optimizer steps in smaller passes, or with activations recomputed
         micro_batch_tokens=config["resources"]["train"]["micro_batch_tokens"],
-        checkpoint_ttt="--checkpoint-ttt" if config["resources"]["train"]["checkpoint_ttt"] else "--no-checkpoint-ttt",
+        checkpoint_ttt=(
+            "--checkpoint-ttt" if config["resources"]["train"]["checkpoint_ttt"] else "--no-checkpoint-ttt"
+        ),
         report_to=",".join(config["resources"]["train"]["report_to"]),
     params:
         settings=section_json("train"),
