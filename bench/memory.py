@@ -14,6 +14,7 @@ Everything here runs on the CPU in seconds: bf16 autocast, every position valid.
 
 from __future__ import annotations
 
+import copy
 import gc
 import sys
 import warnings
@@ -165,5 +166,59 @@ def main() -> None:
             )
 
 
+SHIPPED = {  # config -> the folder of its target's config.json under tests/data/target-configs
+    "llama-3.1-8b": "llama-3.1-8b",
+    "qwen3-235b-a22b": "qwen3-235b-a22b",
+    "kimi-k2.5-8gpu": "kimi-k2.5",
+    "quality": None,  # the embedded SmolLM2 target on a CPU: no GPU stage
+}
+
+
+def tables() -> str:
+    """docs/gpu.md's tables: each shipped config's memory per GPU and stage on an H100 and an H200, before
+    issue 32 (the loss as it was, no micro-batches, shares by sample count at their nominal batch_tokens /
+    world) and now."""
+    from draftsmith.config import merged_config_files, with_defaults
+    from draftsmith.memory import BEFORE, GB, GIB, GPU_PRESETS, plan_config
+
+    root = Path(__file__).resolve().parents[1]
+    out = []
+    for name, target in SHIPPED.items():
+        config = with_defaults(merged_config_files([root / "config.yaml", root / "configs" / f"{name}.yaml"]))
+        out.append(f"**configs/{name}.yaml**")
+        if target is None:
+            out.append("\nNo stage asks for GPUs (`resources.<stage>.gpus` are 0): nothing to plan.\n")
+            continue
+        config["target"]["model"] = str(root / "tests" / "data" / "target-configs" / target)
+        before = copy.deepcopy(config)
+        before["resources"]["train"]["micro_batch_tokens"] = 0
+        before["resources"]["train"]["checkpoint_ttt"] = False
+        world = before["resources"]["train"]["gpus"]
+        share = before["train"]["batch_tokens"] // world
+        rows: dict[str, dict[str, str]] = {}
+        gpus = ["H100-80GB", "H200-141GB"]
+        for gpu in gpus:
+            memory = GPU_PRESETS[gpu] * GIB
+            for when, cfg, kw in (
+                ("before", before, {"coefficients": BEFORE, "share_tokens": share}),
+                ("now", config, {}),
+            ):
+                for need in plan_config(cfg, memory, **kw):
+                    mark = "" if need.fits else " ✗"
+                    cell = f"{need.total / GB:.1f} / {need.budget / GB:.1f}{mark}"
+                    rows.setdefault(need.stage, {})[f"{gpu} {when}"] = cell
+        cols = [f"{g} {w}" for g in gpus for w in ("before", "now")]
+        out.append("")
+        out.append("| stage (GB per GPU / budget) | " + " | ".join(cols) + " |")
+        out.append("|---|" + "---|" * len(cols))
+        for stage, cells in rows.items():
+            out.append(f"| {stage} | " + " | ".join(cells.get(c, "") for c in cols) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
 if __name__ == "__main__":
-    main()
+    if "--tables" in sys.argv:
+        print(tables())
+    else:
+        main()

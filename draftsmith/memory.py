@@ -270,6 +270,7 @@ class TargetSize:
     kv_bytes_per_head_token: float  # per layer and token: per kv head, or the latent's for MLA
     max_position_embeddings: int
     tied: bool
+    dtype_bytes: float = 2.0  # of the config's dtype (what the weights would take unquantized per parameter)
 
     def kv_bytes_per_token(self, tp: int) -> float:
         """KV cache bytes of one token on each of `tp` tensor-parallel GPUs (vLLM: kv heads split over
@@ -338,6 +339,7 @@ def target_size(
         kv_bytes_per_head_token=kv_unit,
         max_position_embeddings=_int(config, "max_position_embeddings", default=4096),
         tied=tied,
+        dtype_bytes=dtype_bytes,
     )
 
 
@@ -614,9 +616,9 @@ def plan(
                 )
             )
         if ev.get("offline"):
-            parts = {
-                "target weights (first GPU)": size.weight_bytes,
-                "drafter (bf16)": drafter,
+            parts = {  # draftsmith's decoder runs in float32
+                "target weights, float32 (first GPU)": size.weight_bytes * 4 / size.dtype_bytes,
+                "drafter (float32)": 2 * drafter,
                 "activations, KV, CUDA context": VLLM_RESERVE,
             }
             needs.append(
