@@ -310,6 +310,13 @@ def target_size(
     config.text_config_json gives it); with `folder` holding safetensors shards, the weights' bytes
     come from their headers instead (exact, quantized formats included; a multi-token-prediction layer
     past num_hidden_layers, which vLLM loads only for its own speculation, left out)."""
+    missing = [
+        k
+        for k in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads")
+        if not config.get(k)
+    ]
+    if missing:
+        raise ValueError(f"target config.json has no {', '.join(missing)}: no GPU memory plan")
     H = _int(config, "hidden_size")
     L = _int(config, "num_hidden_layers")
     V = _int(config, "vocab_size")

@@ -328,7 +328,7 @@ def ttt_loss(
     found = torch.stack([valid for valid, _, _ in targets]).nonzero()  # [K, 3]: step, b, t
     counts = torch.bincount(found[:, 0], minlength=steps).tolist()
     rows = found[:, 1:].split(counts)
-    # on CUDA the teacher's head runs in bf16 (fp32 accumulation) and p is kept in the teacher's dtype;
+    # on CUDA the teacher's head runs in bf16 (fp32 accumulation) and p is kept in bf16 (the states' dtype);
     # elsewhere in fp32 as before (CPU results unchanged)
     fast_teacher = device.type == "cuda" and objective.precision == "bf16"
 
@@ -343,7 +343,7 @@ def ttt_loss(
             p = torch.softmax(teacher_logits.float(), dim=-1)
             drafted, wanted = logits.argmax(-1), teacher_logits.argmax(-1)
         if plain_ce:  # saves the logits and p, not fp32 log-probabilities as well
-            return soft_cross_entropy(logits, p.to(final_rows.dtype) if fast_teacher else p), drafted, wanted
+            return soft_cross_entropy(logits, p.bfloat16() if fast_teacher else p), drafted, wanted
         logp = torch.log_softmax(logits.float(), dim=-1)
         return -(p * logp).sum(-1), drafted, wanted, logp, p
 
