@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from draftsmith import train  # noqa: E402
 from draftsmith.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
 from draftsmith.loader import Batch  # noqa: E402
 from draftsmith.memory import CHECKPOINTED, CURRENT, DrafterShape, activation_bytes  # noqa: E402
@@ -74,7 +75,16 @@ def objective(steps: int, checkpoint_ttt: bool) -> Objective:
 
 
 def measure(case: Case, checkpoint_ttt: bool = False, seed: int = 0) -> int:
-    """Bytes held for the backward pass after one `ttt_loss` forward on `case`."""
+    """Bytes held for the backward pass after one `ttt_loss` forward on `case`, with autocast's weight
+    cache on as on a GPU (train.CPU_AUTOCAST_CACHE)."""
+    train.CPU_AUTOCAST_CACHE = True
+    try:
+        return _measure(case, checkpoint_ttt, seed)
+    finally:
+        train.CPU_AUTOCAST_CACHE = False
+
+
+def _measure(case: Case, checkpoint_ttt: bool, seed: int) -> int:
     torch.manual_seed(seed)
     H, V = case.hidden, 4 * case.draft_vocab
     cfg = DrafterConfig(

@@ -70,11 +70,19 @@ PROGRESS_EVERY_S = 10.0  # log a training progress line at most this often (vali
 EVAL_MASK_OFFSET = 2  # validation always scores the positions whose predicted token is an assistant token
 
 
+# One autocast region per forward: on a GPU its cache keeps one bf16 copy of each weight for all TTT steps
+# (their weight gradients then add up in bf16, as for any layer used twice under autocast). On a CPU, where
+# memory is no concern, each use casts afresh and the gradients add up in fp32, as when autocast was entered
+# per step: CPU runs train bit for bit as before. bench/memory.py turns the cache on to measure a GPU's.
+CPU_AUTOCAST_CACHE = False
+
+
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
     """bf16 autocast (as the EAGLE-3 reference and SpecForge train; on a CPU only worth it where bf16 is
     native: precision.py); fp32 = no autocast."""
     if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
+        cache = device.type != "cpu" or CPU_AUTOCAST_CACHE
+        return torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=cache)
     return contextlib.nullcontext()
 
 
@@ -439,9 +447,10 @@ class SoftCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         logits, p = ctx.saved_tensors
-        p = p.float()
-        q = torch.softmax(logits.float(), dim=-1)
-        return ((q * p.sum(-1, keepdim=True) - p) * grad[:, None]).to(logits.dtype), None
+        logp = torch.log_softmax(logits.float(), dim=-1)  # what the forward computed, bit for bit
+        # autograd's own steps for -(p * logp).sum(-1), in its order: the same gradient to the last bit
+        grad_logp = (-grad)[:, None].expand_as(logp) * p
+        return torch._log_softmax_backward_data(grad_logp, logp, -1, torch.float32).to(logits.dtype), None
 
 
 def soft_cross_entropy(logits: Tensor, p: Tensor) -> Tensor:
