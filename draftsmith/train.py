@@ -957,6 +957,10 @@ def training_summary(
         "data_wait_s": t.wait_s,
         "data_wait_fraction": t.wait_s / (t.wait_s + t.train_s) if t.train_s > 0 else None,
         "wall_s": time.perf_counter() - t.started,
+        # this rank's peak, to hold against `draftsmith plan`'s train figure (memory.py)
+        "max_memory_allocated": (
+            torch.cuda.max_memory_allocated(dist.device) if dist.device.type == "cuda" else None
+        ),
     }
 
 
