@@ -44,7 +44,7 @@ import click
 import torch
 
 from draftsmith.atomic import write_json
-from draftsmith.loader import Batch, InMemoryData, StreamingData
+from draftsmith.loader import Batch, InMemoryData, StreamingData, step_plan
 from draftsmith.manifest import load_manifest
 from draftsmith.shards import ShardWriter, iter_samples, read_shard_meta
 from draftsmith.train import (
@@ -387,7 +387,9 @@ def ddp_worker(rank: int, world: int, port: int, args: dict[str, Any], out: str)
     objective = Objective.from_settings(settings)
     plan = data.epoch_batches(0)[: args["steps"] + 1]  # the first is a warm-up
     times, tokens, counted = [], 0, 0
-    for step, batch in enumerate(data.batches([b[rank::world] for b in plan], "train")):
+    lengths = data.train_lengths()
+    shares = [step_plan(b, lengths, rank, world, 0)[0] for b in plan]  # as train() shares them
+    for step, batch in enumerate(data.batches(shares, "train")):
         t0 = time.perf_counter()
         stats, _, _ = train_step(trained, batch, objective, optimizer, scheduler, settings, dist, step)
         if step == 0:

@@ -36,7 +36,15 @@ COMPLETE_MARKER = "COMPLETE"  # written last: a step folder without it is partia
 KEY_FILE = "resume_key.json"  # in each run folder: the key, to log what differs
 METRICS_FILE = "metrics.jsonl"  # in each checkpoint: the metrics rows up to its step
 # settings that do not change the trajectory: a run may resume under different values
-RESUME_FREE_SETTINGS = ("max_steps", "threads", "checkpoint_every", "loader_threads", "report_to")
+RESUME_FREE_SETTINGS = (
+    "max_steps",
+    "threads",
+    "checkpoint_every",
+    "loader_threads",
+    "report_to",
+    "micro_batch_tokens",  # the same optimizer steps in fewer or more passes
+    "checkpoint_ttt",
+)
 
 
 # ---------------------------------------------------------------------------------------------- the key

@@ -16,6 +16,7 @@ from typing import Any
 import click
 
 from draftsmith.config import deep_merge, section_defaults, section_errors, section_schema, settings_defaults
+from draftsmith.memory import GPU_PRESETS
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_GATE = 1, 2, 3
 
@@ -672,6 +673,63 @@ def estimate(
         click.echo(line)
 
 
+@main.command("plan")
+@click.option(
+    "--configfile",
+    "configfiles",
+    multiple=True,
+    type=click.Path(dir_okay=False, exists=True),
+    help="Config files in the order Snakemake gets them (config.yaml first; later ones win).",
+)
+@click.option(
+    "--target-config",
+    type=click.Path(file_okay=False, exists=True),
+    help="A folder with the target's config.json (and its safetensors, if any) instead of target.model's.",
+)
+@click.option("--gpu-model", type=click.Choice(sorted(GPU_PRESETS)), help="[resources.gpu_model]")
+@click.option(
+    "--gpu-memory-gib", type=click.FloatRange(min=0, min_open=True), help="[resources.gpu_memory_gib]"
+)
+def plan_cmd(
+    configfiles: tuple[str, ...],
+    target_config: str | None,
+    gpu_model: str | None,
+    gpu_memory_gib: float | None,
+) -> None:
+    """GPU memory per GPU of each GPU stage (generate, extract, train, evaluate) against the device's;
+    exits 2 with one line naming the stage, its figure and the setting to change when one cannot fit.
+    The workflow runs the same check when it starts with any resources.<stage>.gpus > 0.
+
+    \b
+      draftsmith plan --configfile config.yaml --configfile configs/kimi-k2.5-8gpu.yaml --gpu-model H200-141GB
+    """
+    from draftsmith.config import config_errors, merged_config_files, text_config_json, with_defaults
+    from draftsmith.memory import device_memory, plan_config, refusal, table
+
+    config = with_defaults(merged_config_files(list(configfiles or ["config.yaml"])))
+    errors = config_errors(config)
+    if errors:
+        _fail("invalid configuration: " + "; ".join(errors), EXIT_BAD_INPUT)
+    if gpu_model:
+        config["resources"]["gpu_model"] = gpu_model
+    if gpu_memory_gib:
+        config["resources"]["gpu_memory_gib"] = gpu_memory_gib
+    memory, device = device_memory(config["resources"])
+    try:
+        if target_config:
+            config["target"]["model"] = target_config
+        needs = plan_config(config, memory, text_config_json(target_config) if target_config else None)
+    except ValueError as err:
+        _fail(str(err), EXIT_BAD_INPUT)
+    if not needs:
+        click.echo("no stage asks for GPUs (resources.<stage>.gpus): nothing to plan")
+        return
+    click.echo(table(needs, device))
+    stop = refusal(needs, device)
+    if stop:
+        _fail(stop, EXIT_BAD_INPUT)
+
+
 @main.command()
 @click.option("--target", "target_path", required=True, type=click.Path(file_okay=False, exists=True))
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="data_config.json to write.")
@@ -766,6 +824,8 @@ def vocab(tokens: str, target_path: str, settings_json: str | None, size: int | 
     help="Also checkpoint every N optimizer steps; 0 = at epoch ends only.",
 )
 @setting("resources.train", "loader_threads", "--loader-threads", type=click.IntRange(min=0))
+@setting("resources.train", "micro_batch_tokens", "--micro-batch-tokens", type=click.IntRange(min=0))
+@setting("resources.train", "checkpoint_ttt", "--checkpoint-ttt/--no-checkpoint-ttt")
 @setting(
     "resources.train",
     "report_to",

@@ -76,7 +76,14 @@ SETTINGS_OPS = {
         "gpus",
         "gpu_memory_utilization",
     ),
-    "train": ("threads", "checkpoint_every", "loader_threads", "report_to"),
+    "train": (
+        "threads",
+        "checkpoint_every",
+        "loader_threads",
+        "report_to",
+        "micro_batch_tokens",
+        "checkpoint_ttt",
+    ),
 }
 
 
@@ -648,3 +655,33 @@ def target_checks(config: dict[str, Any]) -> tuple[list[str], list[str]]:
             f"draft {untrained} never trained"
         )
     return errors, warnings
+
+
+def with_defaults(values: dict[str, Any], spec: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A config with the schema's defaults filled in wherever a key is absent (what Snakemake's
+    validate() does to the workflow's config), for commands that read config files themselves."""
+    spec = schema() if spec is None else spec
+    out = copy.deepcopy(values)
+    for key, sub in spec.get("properties", {}).items():
+        if key not in out and "default" in sub:
+            out[key] = copy.deepcopy(sub["default"])
+        if sub.get("type") == "object" and isinstance(out.get(key), dict) and "properties" in sub:
+            out[key] = with_defaults(out[key], sub)
+    return out
+
+
+def merged_config_files(paths: list[str | Path]) -> dict[str, Any]:
+    """Config files merged key by key in order (later ones win), as `snakemake --configfile` does."""
+
+    def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+        for key, value in over.items():
+            if isinstance(value, dict) and isinstance(base.get(key), dict):
+                merge(base[key], value)
+            else:
+                base[key] = copy.deepcopy(value)
+        return base
+
+    merged: dict[str, Any] = {}
+    for path in paths:
+        merge(merged, yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {})
+    return merged

@@ -1,14 +1,16 @@
 """Data-parallel process groups for training: under `torchrun` (or `draftsmith train --nproc N`) every
-rank takes a disjoint slice of every batch; each rank's loss is normalised by the *global* count of
+rank takes a share of every batch, balanced by tokens (loader.rank_shares); each rank's loss is normalised by the *global* count of
 trained positions, and torch's DistributedDataParallel sums the gradients across ranks (bucketed,
 overlapped with the backward pass), so N processes compute the gradient one process computes on the whole
 batch. gloo on CPU, nccl on CUDA; rank 0 writes checkpoints, metrics and the drafter.
 
 Every rank trains a full copy of the drafter and its optimizer state: 16 bytes per parameter in fp32
 (weights, gradients, AdamW's two moments; Kimi-K2.5's 1.06 B-parameter drafter: 17 GB), beside the frozen
-target embedding and teacher rows. That fits one GPU for every shipped config (configs/*.yaml); a drafter
-several times larger would need its parameters sharded (FSDP2's `fully_shard`), which draftsmith does
-not do.
+target embedding and teacher rows. Those are not what decides whether training fits: the activations
+kept for the backward pass are (megabytes per token: draftsmith/memory.py), which
+resources.train.micro_batch_tokens and checkpoint_ttt bound; `draftsmith plan` adds it all up per rank. A
+drafter several times larger would need its parameters sharded (FSDP2's `fully_shard`), which draftsmith
+does not do.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ cached inference: see `TTTKV` and `CacheKV`.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -294,17 +295,26 @@ class TTTKV:
         self.prefix_lag, self.steps = prefix_lag, steps
         self.bias: Tensor | None = None  # [T, steps * T] additive: 0 where seen, -inf where masked
 
+    def ensure_bias(self, T: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Build the accepted view's mask now (attend builds it at step 1 otherwise)."""
+        if self.bias is None and not self.prefix_lag and self.steps is not None:
+            full = ttt_mask(T, self.steps, 0, device)
+            self.bias = torch.zeros(full.shape, dtype=dtype, device=device).masked_fill_(~full, float("-inf"))
+
+    def with_past(self, keys: Sequence[Tensor], values: Sequence[Tensor]) -> TTTKV:
+        """A new view holding these earlier steps' keys and values and this one's mask: a TTT step as a
+        function of its inputs (activation checkpointing runs it again in the backward pass)."""
+        view = TTTKV(self.prefix_lag, self.steps)
+        view.keys, view.values, view.bias = list(keys), list(values), self.bias
+        return view
+
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         self.keys.append(k)
         self.values.append(v)
         n, T = len(self.keys), q.shape[2]
         if self.prefix_lag or self.steps is None or n == 1:
             return ttt_attention(q, self.keys, self.values, n - 1 if self.prefix_lag else 0)
-        if self.bias is None:
-            full = ttt_mask(T, self.steps, 0, q.device)
-            self.bias = torch.zeros(full.shape, dtype=q.dtype, device=q.device).masked_fill_(
-                ~full, float("-inf")
-            )
+        self.ensure_bias(T, q.dtype, q.device)
         return ttt_attention(q, self.keys, self.values, mask=self.bias[:, : n * T])
 
 

@@ -108,6 +108,40 @@ def plan_batches(
     return batches
 
 
+def rank_shares(batch: list[int], lengths: list[int], world: int) -> list[list[int]]:
+    """A batch's samples split over `world` data-parallel ranks by tokens, not by count: longest first,
+    each to the rank holding the fewest tokens so far (LPT), so no rank gets more than
+    tokens / world + one sample. Each share keeps the batch's order; one rank gets the batch as it is."""
+    if world == 1:
+        return [list(batch)]
+    loads = [0] * world
+    shares: list[list[int]] = [[] for _ in range(world)]
+    for pos in sorted(range(len(batch)), key=lambda p: (-lengths[batch[p]], p)):
+        r = min(range(world), key=lambda r: (loads[r], r))
+        loads[r] += lengths[batch[pos]]
+        shares[r].append(pos)
+    return [[batch[p] for p in sorted(share)] for share in shares]
+
+
+def micro_batches(share: list[int], lengths: list[int], micro_tokens: int) -> list[list[int]]:
+    """A rank's share in micro-batches of at most `micro_tokens` padded tokens (0: the share in one),
+    packed longest first so that little is padding; a longer sample is a micro-batch of its own."""
+    if micro_tokens <= 0 or len(share) * max((lengths[i] for i in share), default=0) <= micro_tokens:
+        return [list(share)]
+    return pack_batches(sorted(share, key=lambda i: -lengths[i]), lengths, micro_tokens)
+
+
+def step_plan(
+    batch: list[int], lengths: list[int], rank: int, world: int, micro_tokens: int
+) -> list[list[int]]:
+    """This rank's micro-batches of one optimizer step: its `rank_shares` share in `micro_batches`,
+    padded with empty ones (no share) to the most any rank has, so every rank runs as many forwards."""
+    per_rank = [micro_batches(s, lengths, micro_tokens) for s in rank_shares(batch, lengths, world)]
+    most = max(len(m) for m in per_rank)
+    mine = [m for m in per_rank[rank] if m]
+    return mine + [[] for _ in range(most - len(mine))]
+
+
 @dataclass
 class Batch:
     input_ids: Tensor  # [B, T] int64, right-padded with 0
@@ -211,6 +245,10 @@ class StreamingData:
         """The batches of an epoch: a pure function of (seed, epoch), so a resumed run sees the same ones."""
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return plan_batches([r.num_tokens for r in self.train], self.batch_tokens, g, self.pack_window)
+
+    def train_lengths(self) -> list[int]:
+        """Tokens of each training sample (what the data-parallel shares balance)."""
+        return [r.num_tokens for r in self.train]
 
     def val_batches(self) -> list[list[int]]:
         """Validation batches, sorted by length for the least padding."""

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from draftsmith.atomic import atomic_dir, write_json, write_jsonl
 from draftsmith.checkpoints import Run, open_run, resume_key
@@ -49,7 +50,7 @@ from draftsmith.distributed import Dist, init_distributed, launch_rank
 from draftsmith.drafter import TTTKV, DrafterConfig, Eagle3Drafter, describe, param_count
 from draftsmith.export import check_export, save_drafter
 from draftsmith.layers import convert_layer_ids
-from draftsmith.loader import Batch, StreamingData, verify_share
+from draftsmith.loader import Batch, StreamingData, step_plan, verify_share
 from draftsmith.manifest import DataError, load_manifest
 from draftsmith.precision import train_precision
 from draftsmith.settings import from_schema
@@ -69,11 +70,19 @@ PROGRESS_EVERY_S = 10.0  # log a training progress line at most this often (vali
 EVAL_MASK_OFFSET = 2  # validation always scores the positions whose predicted token is an assistant token
 
 
+# One autocast region per forward: on a GPU its cache keeps one bf16 copy of each weight for all TTT steps
+# (their weight gradients then add up in bf16, as for any layer used twice under autocast). On a CPU, where
+# memory is no concern, each use casts afresh and the gradients add up in fp32, as when autocast was entered
+# per step: CPU runs train bit for bit as before. bench/memory.py turns the cache on to measure a GPU's.
+CPU_AUTOCAST_CACHE = False
+
+
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
     """bf16 autocast (as the EAGLE-3 reference and SpecForge train; on a CPU only worth it where bf16 is
     native: precision.py); fp32 = no autocast."""
     if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
+        cache = device.type != "cpu" or CPU_AUTOCAST_CACHE
+        return torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=cache)
     return contextlib.nullcontext()
 
 
@@ -116,6 +125,8 @@ class TrainSettings:
     threads: int | None  # torch.set_num_threads; None = torch's choice (the rule passes the job's)
     checkpoint_every: int  # also checkpoint every N steps (always at epoch ends); 0 = epoch ends only
     loader_threads: int  # background threads decoding the next batches; 0 = decode in the loop
+    micro_batch_tokens: int  # a rank's share of a batch in passes of at most this many tokens; 0 = one pass
+    checkpoint_ttt: bool  # recompute each TTT step's activations in the backward pass (less memory)
     report_to: list[str]  # trackers besides TensorBoard that get the live curves (wandb, mlflow)
 
     def check(self) -> None:
@@ -232,6 +243,7 @@ class Objective:
     lk_loss: str  # "none": soft cross-entropy; "alpha" / "lambda": the LK losses (see `ttt_loss`)
     lk_kl_scale: float
     lk_kl_decay: float
+    checkpoint_ttt: bool = False  # activation checkpointing per TTT step (memory, not results)
 
     @classmethod
     def from_settings(cls, settings: TrainSettings, device: torch.device | str | None = None) -> Objective:
@@ -250,6 +262,7 @@ class Objective:
             lk_loss=settings.lk_loss,
             lk_kl_scale=settings.lk_kl_scale,
             lk_kl_decay=settings.lk_kl_decay,
+            checkpoint_ttt=settings.checkpoint_ttt,
         )
 
     def for_validation(self) -> Objective:
@@ -310,57 +323,139 @@ def ttt_loss(
     """
     B, T = batch.input_ids.shape
     device = batch.input_ids.device
-    amp = autocast(device, objective.precision)
+    steps = objective.ttt_steps
     loss_mask = objective.trained_mask(batch)
     positions = torch.arange(T, device=device).expand(B, T)
     # one per forward: step j attends to step-0 keys <= t (lagged: <= t-j) and its own earlier steps at t
-    kv = TTTKV(prefix_lag=objective.ttt_prefix == "lagged", steps=objective.ttt_steps)
+    kv = TTTKV(prefix_lag=objective.ttt_prefix == "lagged", steps=steps)
     advance = objective.ttt_positions == "advance"
-    stats = StepStats.zeros(objective.ttt_steps)
-    stats.tokens = batch.num_tokens
-    total = torch.zeros((), device=device)
-    with amp:
-        hidden = drafter.fuse(batch.aux.float())  # [B, T, H]
-    for j in range(objective.ttt_steps):
-        valid, src, tgt = ttt_step_targets(loss_mask, batch.lengths, j, objective.mask_offset)
-        with amp:
-            embeds = F.embedding(batch.input_ids[:, src], embed_weight)  # e(x_{t+1+j})
-            # = drafter.forward(...), with norm + lm_head (the costliest matmul) only on the valid rows
-            step_positions = positions + j if advance else positions
-            hidden = drafter.midlayer(embeds, hidden, step_positions, kv)  # recurrent state for step j+1
-        b, t = valid.nonzero(as_tuple=True)
-        if b.numel() == 0:
-            if objective.lk_loss == "lambda":
-                batch_acceptance(torch.zeros(0, device=device), all_sum)  # every rank sums as often
-            continue
-        with amp:
-            logits = drafter.lm_head(drafter.norm(hidden[b, t]))  # [N, Vd]
-        logp = torch.log_softmax(logits.float(), dim=-1)
+    plain_ce = objective.lk_loss == "none"
+    checkpointed = objective.checkpoint_ttt and torch.is_grad_enabled()
+    # every step's trained positions with two host syncs per forward, not several per step
+    targets = [ttt_step_targets(loss_mask, batch.lengths, j, objective.mask_offset) for j in range(steps)]
+    found = torch.stack([valid for valid, _, _ in targets]).nonzero()  # [K, 3]: step, b, t
+    counts = torch.bincount(found[:, 0], minlength=steps).tolist()
+    rows = found[:, 1:].split(counts)
+    # on CUDA the teacher's head runs in bf16 (fp32 accumulation) and p is kept in bf16 (the states' dtype);
+    # elsewhere in fp32 as before (CPU results unchanged)
+    fast_teacher = device.type == "cuda" and objective.precision == "bf16"
+
+    def head(hidden_rows: Tensor, final_rows: Tensor) -> tuple[Tensor, ...]:
+        """Step j's loss terms on its trained rows -> (per-position loss [N], drafted, wanted[, logp, p])."""
+        logits = drafter.lm_head(drafter.norm(hidden_rows))  # [N, Vd]
         with torch.no_grad():
             # teacher: the target's distribution restricted to (renormalised over) the draft vocabulary
             # (EAGLE cnets.py target_p, SpecForge, speculators' verifier_lm_head)
-            teacher_logits = batch.final[b, src[t]].float() @ teacher_weight.T
-            p = torch.softmax(teacher_logits, dim=-1)
-            real = batch.input_ids[b, tgt[t]]  # x_{t+2+j}
+            with contextlib.nullcontext() if fast_teacher else torch.autocast(device.type, enabled=False):
+                teacher_logits = final_rows.float() @ teacher_weight.T
+            p = torch.softmax(teacher_logits.float(), dim=-1)
             drafted, wanted = logits.argmax(-1), teacher_logits.argmax(-1)
-            stats.correct[j] = int((drafter.draft_to_target(drafted) == real).sum())
-            stats.agree[j] = int((drafted == wanted).sum())
-            if j == 0:
-                stats.teacher_correct = int((drafter.draft_to_target(wanted) == real).sum())
-        per_position = -(p * logp).sum(-1)  # soft cross-entropy
-        stats.loss_sum[j] = float(per_position.detach().sum())
-        stats.count[j] = int(b.numel())
-        if objective.lk_loss != "none":
-            mass = draft_mass[b, src[t]] if draft_mass is not None else None
-            per_position = lk_terms(per_position, logp, p, mass, objective, all_sum)
-        if objective.loss_norm == "sample":
-            per_position = per_position / batch.lengths[b].to(per_position.dtype)
-        if step_counts is not None:
-            denominator = step_counts[j]
-        else:
-            denominator = B if objective.loss_norm == "sample" else b.numel()
-        total = total + objective.step_weights[j] * per_position.sum() / denominator
+        if plain_ce:  # saves the logits and p, not fp32 log-probabilities as well
+            return soft_cross_entropy(logits, p.bfloat16() if fast_teacher else p), drafted, wanted
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        return -(p * logp).sum(-1), drafted, wanted, logp, p
+
+    def layer(view: TTTKV, src_ids: Tensor, step_positions: Tensor, hidden: Tensor) -> Tensor:
+        embeds = F.embedding(src_ids, embed_weight)  # e(x_{t+1+j})
+        return drafter.midlayer(embeds, hidden, step_positions, view)  # recurrent state for step j+1
+
+    def layer_again(
+        src_ids: Tensor, step_positions: Tensor, hidden: Tensor, *past: Tensor
+    ) -> tuple[Tensor, ...]:
+        """`layer` as a function of its inputs (checkpointed: run again in the backward pass) -> (its
+        output, its keys, its values)."""
+        view = kv.with_past(past[: len(past) // 2], past[len(past) // 2 :])
+        return layer(view, src_ids, step_positions, hidden), view.keys[-1], view.values[-1]
+
+    sums: list[Tensor] = []  # per step: loss sum, correct, agree (summed on the device, read once)
+    teacher_correct = torch.zeros((), dtype=torch.int64, device=device)
+    total = torch.zeros((), device=device)
+    # one autocast region per forward: the bf16 copies of the weights are made (and saved) once, not per step
+    with autocast(device, objective.precision):
+        hidden = drafter.fuse(batch.aux.float())  # [B, T, H]
+        if checkpointed and steps > 1:
+            kv.ensure_bias(T, hidden.dtype, device)  # shared by every step's recomputation
+        for j in range(steps):
+            _, src, tgt = targets[j]
+            step_positions = positions + j if advance else positions
+            # = drafter.forward(...), with norm + lm_head (the costliest matmul) only on the valid rows
+            if checkpointed:  # keep the step's inputs, recompute its activations in the backward pass
+                hidden, k, v = checkpoint(
+                    layer_again,
+                    batch.input_ids[:, src],
+                    step_positions,
+                    hidden,
+                    *kv.keys,
+                    *kv.values,
+                    use_reentrant=False,
+                )
+                kv.keys.append(k)
+                kv.values.append(v)
+            else:
+                hidden = layer(kv, batch.input_ids[:, src], step_positions, hidden)
+            b, t = rows[j].unbind(1)
+            if b.numel() == 0:
+                if objective.lk_loss == "lambda":
+                    batch_acceptance(torch.zeros(0, device=device), all_sum)  # every rank sums as often
+                sums.append(torch.zeros(3, device=device, dtype=torch.float64))
+                continue
+            final_rows = batch.final[b, src[t]]
+            if checkpointed and plain_ce:
+                per_position, drafted, wanted = checkpoint(
+                    head, hidden[b, t], final_rows, use_reentrant=False
+                )
+            else:
+                per_position, drafted, wanted, *lk = head(hidden[b, t], final_rows)
+            with torch.no_grad():
+                real = batch.input_ids[b, tgt[t]]  # x_{t+2+j}
+                correct = (drafter.draft_to_target(drafted) == real).sum()
+                sums.append(
+                    torch.stack([per_position.detach().sum().double(), correct, (drafted == wanted).sum()])
+                )
+                if j == 0:
+                    teacher_correct = (drafter.draft_to_target(wanted) == real).sum()
+            if objective.lk_loss != "none":
+                mass = draft_mass[b, src[t]] if draft_mass is not None else None
+                per_position = lk_terms(per_position, *lk, mass, objective, all_sum)
+            if objective.loss_norm == "sample":
+                per_position = per_position / batch.lengths[b].to(per_position.dtype)
+            if step_counts is not None:
+                denominator = step_counts[j]
+            else:
+                denominator = B if objective.loss_norm == "sample" else counts[j]
+            total = total + objective.step_weights[j] * per_position.sum() / denominator
+    stats = StepStats.zeros(steps)
+    stats.tokens = batch.num_tokens
+    read = torch.stack(sums).tolist() if sums else []
+    for j, (loss_sum, correct, agree) in enumerate(read):
+        stats.loss_sum[j], stats.correct[j], stats.agree[j] = loss_sum, int(correct), int(agree)
+    stats.count = list(counts)
+    stats.teacher_correct = int(teacher_correct)
     return total, stats
+
+
+class SoftCrossEntropy(torch.autograd.Function):
+    """-(p * log_softmax(logits)).sum(-1) in fp32, saving only the logits (in their compute dtype) and p:
+    the backward recomputes the softmax instead of keeping fp32 log-probabilities (the largest tensors
+    of a step: draft vocabulary wide)."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, p: Tensor) -> Tensor:
+        ctx.save_for_backward(logits, p)
+        return -(p * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        logits, p = ctx.saved_tensors
+        logp = torch.log_softmax(logits.float(), dim=-1)  # what the forward computed, bit for bit
+        # autograd's own steps for -(p * logp).sum(-1), in its order: the same gradient to the last bit
+        grad_logp = (-grad)[:, None].expand_as(logp) * p
+        return torch._log_softmax_backward_data(grad_logp, logp, -1, torch.float32).to(logits.dtype), None
+
+
+def soft_cross_entropy(logits: Tensor, p: Tensor) -> Tensor:
+    """logits [N, V], p [N, V] (rows summing to 1, not differentiated) -> [N] soft cross-entropy."""
+    return SoftCrossEntropy.apply(logits, p)
 
 
 def lk_terms(
@@ -426,10 +521,11 @@ def with_noise(aux: Tensor, std: float, generator: torch.Generator) -> Tensor:
     return aux + 2 * (torch.rand(aux.shape, generator=generator, device=aux.device) - 0.5) * std
 
 
-def noise_seed(seed: int, step: int, rank: int) -> int:
-    """Seed of the aux-state noise of one step on one rank: reproducible without saving any generator
-    state, so a resumed run draws the same noise."""
-    return int.from_bytes(hashlib.sha256(f"{seed}/{step}/{rank}".encode()).digest()[:7], "big")
+def noise_seed(seed: int, step: int, rank: int, part: int = 0) -> int:
+    """Seed of the aux-state noise of one step on one rank (of its micro-batch `part`): reproducible
+    without saving any generator state, so a resumed run draws the same noise."""
+    key = f"{seed}/{step}/{rank}" + (f"/{part}" if part else "")
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:7], "big")
 
 
 # ------------------------------------------------------------------------------ model and optimizer
@@ -598,7 +694,7 @@ def make_scheduler(
 
 def train_step(
     model: torch.nn.Module,
-    batch: Batch | None,
+    batch: Batch | None | list[Batch | None],
     objective: Objective,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
@@ -606,23 +702,36 @@ def train_step(
     dist: Dist,
     step: int,
 ) -> tuple[StepStats, float, float]:
-    """One optimizer step on this rank's share of a batch (None: no share) -> (stats summed over
-    ranks, grad norm, the lr it used). Every rank runs forward and backward, share or not: the backward
-    is where DistributedDataParallel sums the gradients."""
+    """One optimizer step on this rank's share of a batch (None: no share), or on its micro-batches (a
+    list: as many on every rank, None where a rank has none left), their gradients accumulated ->
+    (stats summed over ranks, grad norm, the lr it used). Every rank runs every forward and backward,
+    share or not: the last backward is where DistributedDataParallel sums the gradients."""
+    parts = batch if isinstance(batch, list) else [batch]
     counts = torch.zeros(objective.ttt_steps, dtype=torch.int64)
-    if batch is not None:
-        batch = batch.to(dist.device)
-        counts = torch.tensor(objective.step_counts(batch))
-        if objective.noise_std > 0:
-            generator = torch.Generator(device=dist.device)
-            generator.manual_seed(noise_seed(settings.seed, step, dist.rank))
-            batch = replace(batch, aux=with_noise(batch.aux, objective.noise_std, generator))
+    moved: list[Batch | None] = []
+    for m, part in enumerate(parts):
+        if part is not None:
+            part = part.to(dist.device)
+            counts += torch.tensor(objective.step_counts(part))
+            if objective.noise_std > 0:
+                generator = torch.Generator(device=dist.device)
+                generator.manual_seed(noise_seed(settings.seed, step, dist.rank, m))
+                part = replace(part, aux=with_noise(part.aux, objective.noise_std, generator))
+        moved.append(part)
     counts = dist.all_sum(counts.to(dist.device)).tolist()  # the whole batch's, over all ranks
     optimizer.zero_grad(set_to_none=True)
-    loss, stats = model(batch, objective, counts)
-    if dist.world > 1:
-        loss = loss * dist.world  # a share of the whole batch's loss; DDP averages the gradients
-    loss.backward()
+    stats = StepStats.zeros(objective.ttt_steps)
+    for m, part in enumerate(moved):
+        last = m == len(moved) - 1
+        # DistributedDataParallel sums the gradients in the last backward only
+        sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
+        with sync:
+            loss, part_stats = model(part, objective, counts)
+            if dist.world > 1:
+                loss = loss * dist.world  # a share of the whole batch's loss; DDP averages the gradients
+            loss.backward()
+        del loss
+        stats.add(part_stats)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
@@ -631,13 +740,21 @@ def train_step(
 
 
 @torch.no_grad()
-def validate(model: DraftingLoss, data: StreamingData, objective: Objective, dist: Dist) -> StepStats:
-    """Validation stats in the inference view, over every rank's slice of the validation batches."""
+def validate(
+    model: DraftingLoss, data: StreamingData, objective: Objective, dist: Dist, micro_batch_tokens: int = 0
+) -> StepStats:
+    """Validation stats in the inference view, over every rank's share of the validation batches (in
+    micro-batches of at most micro_batch_tokens, as training)."""
     view = objective.for_validation()
     was_training = model.training
     model.eval()
     stats = StepStats.zeros(view.ttt_steps)
-    plan = [b[dist.rank :: dist.world] for b in data.val_batches()]
+    lengths = [r.num_tokens for r in data.val]
+    plan = [
+        m
+        for b in data.val_batches()
+        for m in step_plan(b, lengths, dist.rank, dist.world, micro_batch_tokens)
+    ]
     for batch in data.batches(plan, "val"):
         if batch is not None:
             stats.add(ttt_loss(model.drafter, model.embed, model.teacher, batch.to(dist.device), view)[1])
@@ -840,6 +957,10 @@ def training_summary(
         "data_wait_s": t.wait_s,
         "data_wait_fraction": t.wait_s / (t.wait_s + t.train_s) if t.train_s > 0 else None,
         "wall_s": time.perf_counter() - t.started,
+        # this rank's peak, to hold against `draftsmith plan`'s train figure (memory.py)
+        "max_memory_allocated": (
+            torch.cuda.max_memory_allocated(dist.device) if dist.device.type == "cuda" else None
+        ),
     }
 
 
@@ -943,10 +1064,14 @@ def train(
     while pos.epoch < settings.epochs and pos.step < stop_at:
         plan = data.epoch_batches(pos.epoch)
         todo = plan[pos.batch_in_epoch : pos.batch_in_epoch + stop_at - pos.step]  # none past max_steps
-        for batch, waited in timed(data.batches([b[dist.rank :: dist.world] for b in todo], "train")):
+        # this rank's micro-batches of each step: shares balanced by tokens, as many on every rank
+        lengths = data.train_lengths()
+        steps = [step_plan(b, lengths, dist.rank, dist.world, settings.micro_batch_tokens) for b in todo]
+        flat = data.batches([m for parts in steps for m in parts], "train")
+        for parts, waited in timed(grouped(flat, [len(parts) for parts in steps])):
             t0 = time.perf_counter()
             stats, grad_norm, lr = train_step(
-                trained, batch, objective, optimizer, scheduler, settings, dist, pos.step
+                trained, parts, objective, optimizer, scheduler, settings, dist, pos.step
             )
             dt = time.perf_counter() - t0
             pos.advance(stats)
@@ -965,7 +1090,7 @@ def train(
             break  # stopped by max_steps
         # epoch end: validation, then a checkpoint positioned at the next epoch
         if data.val:
-            v = validate(model, data, objective, dist)
+            v = validate(model, data, objective, dist, settings.micro_batch_tokens)
             metrics.append(
                 stats_row("val", v, objective, step=pos.step, epoch=pos.epoch + 1, samples=len(data.val))
             )
@@ -1022,7 +1147,13 @@ def resume_position(run: Run, settings: TrainSettings, dist: Dist) -> tuple[Posi
     return pos, pos.step
 
 
-def timed(batches: Iterator[Batch | None]) -> Iterator[tuple[Batch | None, float]]:
+def grouped(items: Iterator[Any], sizes: list[int]) -> Iterator[list[Any]]:
+    """Consecutive groups of `sizes` items (a step's micro-batches from the loader's one stream)."""
+    for n in sizes:
+        yield [next(items) for _ in range(n)]
+
+
+def timed(batches: Iterator[Any]) -> Iterator[tuple[Any, float]]:
     """(batch, seconds waited for it): ~0 while the loader's background threads keep ahead."""
     while True:
         t0 = time.perf_counter()

@@ -20,6 +20,9 @@ from draftsmith.config import (
     target_checks,
     target_folder,
 )
+from draftsmith.memory import device_memory, plan_config, uses_gpus
+from draftsmith.memory import refusal as memory_refusal
+from draftsmith.memory import table as memory_table
 
 
 def config_layers():
@@ -52,6 +55,18 @@ INPUT_ERRORS, INPUT_WARNINGS = input_file_errors(config) if workflow.is_main_pro
 stop_if_invalid(INPUT_ERRORS)
 for warning in TARGET_WARNINGS + INPUT_WARNINGS:
     print(f"warning: {warning}", file=sys.stderr)
+# The pre-flight GPU memory plan (`draftsmith plan`): a GPU stage that cannot fit its device stops the
+# workflow here, before any job runs, instead of after a 25-minute weight load.
+if workflow.is_main_process and uses_gpus(config):
+    try:
+        GPU_MEMORY, GPU_DEVICE = device_memory(config["resources"])
+        GPU_PLAN = plan_config(config, GPU_MEMORY)
+    except ValueError as err:
+        print(f"warning: {err}", file=sys.stderr)
+    else:
+        print(memory_table(GPU_PLAN, GPU_DEVICE), file=sys.stderr)
+        if memory_refusal(GPU_PLAN, GPU_DEVICE):
+            sys.exit(f"GPU memory plan: {memory_refusal(GPU_PLAN, GPU_DEVICE)}")
 # Jobs inherit this process's environment: every transformers / vLLM load of the target honours it
 # (draftsmith.target.TRUST_REMOTE_CODE_ENV; not imported here, torch would slow every parse).
 TRUST_REMOTE_CODE = "1" if config["target"]["trust_remote_code"] else "0"

@@ -22,6 +22,11 @@ rule train:
         # operational: checkpoints and loading change neither the batches nor their order
         checkpoint_every=config["resources"]["train"]["checkpoint_every"],
         loader_threads=config["resources"]["train"]["loader_threads"],
+        # operational: the same optimizer steps in smaller passes, or with activations recomputed
+        micro_batch_tokens=config["resources"]["train"]["micro_batch_tokens"],
+        checkpoint_ttt=(
+            "--checkpoint-ttt" if config["resources"]["train"]["checkpoint_ttt"] else "--no-checkpoint-ttt"
+        ),
         report_to=",".join(config["resources"]["train"]["report_to"]),
     params:
         settings=section_json("train"),
@@ -32,4 +37,5 @@ rule train:
         " --checkpoints results/train/checkpoints --metrics {output.metrics:q}"
         # one data-parallel process per GPU the job was granted (torchrun); on CPU one process
         " --settings {params.settings:q} --threads {threads} --checkpoint-every {resources.checkpoint_every}"
-        " --loader-threads {resources.loader_threads} --report-to={resources.report_to:q} --nproc $(( {resources.gpu} > 1 ? {resources.gpu} : 1 )) 2>&1 | tee {log:q}"
+        " --loader-threads {resources.loader_threads} --micro-batch-tokens {resources.micro_batch_tokens}"
+        " {resources.checkpoint_ttt} --report-to={resources.report_to:q} --nproc $(( {resources.gpu} > 1 ? {resources.gpu} : 1 )) 2>&1 | tee {log:q}"

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -256,3 +257,17 @@ def test_a_rank_without_a_share_gives_zero_gradients(data: dict) -> None:
     assert all(p.grad is not None and not p.grad.any() for p in drafter.parameters())
     model(None, objective(lk_loss="lambda"))  # the other ranks sum each step's acceptance: so does it
     assert [t.tolist() for t in sums] == [[0.0, 0.0]] * 3
+
+
+def test_two_processes_in_micro_batches_train_the_single_process_weights(data: dict, tmp_path: Path) -> None:
+    """Shares by tokens, each in micro-batches of ~one sample (gradients accumulated, DDP's sum in the
+    last backward only): the weights of one process training each batch in one pass."""
+    whole = _settings(epochs=2, checkpoint_every=0)
+    one_summary = run(data, tmp_path / "one", whole)
+    torchrun_train(data, tmp_path / "two", replace(whole, micro_batch_tokens=20))
+    assert_same_curve(curve(tmp_path / "one"), curve(tmp_path / "two"))
+    a = final_weights(tmp_path / "one", one_summary["steps"])
+    b = final_weights(tmp_path / "two", one_summary["steps"])
+    for name in a:
+        if a[name].is_floating_point():
+            torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5)

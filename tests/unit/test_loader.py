@@ -96,3 +96,43 @@ def test_prefetch_keeps_order_and_stops_early() -> None:
     assert [next(it) for _ in range(3)] == [0, 1, 4]
     it.close()
     assert len(started) <= 3 + 4  # nothing is decoded far beyond what was consumed
+
+
+def test_rank_shares_balance_tokens_not_sample_count() -> None:
+    """Data-parallel shares by tokens (LPT): no rank above the batch's tokens / world + one sample; each
+    sample once; one rank gets the batch as it is. Two long samples no longer land on one rank."""
+    from draftsmith.loader import rank_shares
+
+    assert rank_shares([3, 1, 2], [5, 6, 7, 8], 1) == [[3, 1, 2]]
+    lengths = [7000, 300, 7000, 200, 100, 250]
+    shares = rank_shares(list(range(6)), lengths, 2)
+    assert sorted(sum(shares, [])) == list(range(6))
+    assert not any({0, 2} <= set(s) for s in shares)  # count-based b[rank::world] gave both to rank 0
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        n, world = int(torch.randint(1, 40, (1,), generator=g)), int(torch.randint(2, 9, (1,), generator=g))
+        lengths = torch.randint(1, 8192, (n,), generator=g).tolist()
+        batch = torch.randperm(n, generator=g).tolist()
+        shares = rank_shares(batch, lengths, world)
+        assert sorted(sum(shares, [])) == sorted(batch)
+        assert all(s == [i for i in batch if i in s] for s in shares)  # the batch's order kept
+        bound = sum(lengths) / world + max(lengths)
+        assert max(sum(lengths[i] for i in s) for s in shares) <= bound
+
+
+def test_step_plan_gives_every_rank_as_many_micro_batches_within_budget() -> None:
+    from draftsmith.loader import micro_batches, step_plan
+
+    lengths = [40, 10, 30, 20, 50, 5, 5, 60]
+    batch = list(range(8))
+    assert micro_batches(batch, lengths, 0) == [batch]
+    assert micro_batches([1, 5], lengths, 100) == [[1, 5]]  # fits: as it is
+    for world in (1, 2, 3):
+        plans = [step_plan(batch, lengths, r, world, 64) for r in range(world)]
+        assert len({len(p) for p in plans}) == 1
+        got = [i for p in plans for m in p for i in m]
+        assert sorted(got) == batch
+        for p in plans:
+            for m in p:
+                assert not m or len(m) == 1 or len(m) * max(lengths[i] for i in m) <= 64
+    assert step_plan(batch, lengths, 0, 1, 0) == [batch]  # defaults: the batch in one pass, as before

@@ -50,6 +50,8 @@ OPERATIONAL = {
         "checkpoint_every": 3,
         "loader_threads": 0,
         "report_to": ["wandb"],
+        "micro_batch_tokens": 64,
+        "checkpoint_ttt": True,
     },
     "evaluate": {
         "threads": 3,

@@ -877,3 +877,70 @@ def test_muon_run_resumes_to_identical_weights(data: dict, tmp_path: Path) -> No
     assert all(torch.equal(a[n], b[n]) for n in a)
     train_rows = [r for r in rows(tmp_path / "full") if r["kind"] == "train"]
     assert train_rows[-1]["loss"] < train_rows[0]["loss"]
+
+
+def _one_step(data: dict, parts: list, **over) -> list[torch.Tensor]:
+    """The drafter's weights after one optimizer step on `parts` (a batch's micro-batches)."""
+    from draftsmith.distributed import Dist
+    from draftsmith.train import DraftingLoss, make_scheduler, train_step
+
+    s = settings(noise_std=0.0, precision="fp32", **over)
+    drafter, embed, teacher = build(data)
+    optimizer = make_optimizer(drafter, s)
+    scheduler = make_scheduler(optimizer, s, 10)
+    obj = Objective.from_settings(s)
+    train_step(DraftingLoss(drafter, embed, teacher), parts, obj, optimizer, scheduler, s, Dist(), 0)
+    return [p.detach().clone() for p in drafter.parameters()]
+
+
+def test_micro_batches_accumulate_to_the_single_batch_step(data: dict) -> None:
+    """One optimizer step over a batch's micro-batches (gradients accumulated, each loss divided by the
+    whole batch's counts) gives the weights of the same step over the batch in one pass."""
+    from draftsmith.loader import micro_batches
+
+    samples = data["samples"][:6]
+    lengths = [s.num_tokens for s in samples]
+    parts = micro_batches(list(range(6)), lengths, 2 * max(lengths))
+    assert len(parts) == 3 and sorted(i for p in parts for i in p) == list(range(6))
+    whole = _one_step(data, [collate(samples)])
+    split = _one_step(data, [collate([samples[i] for i in p]) for p in parts])
+    for a, b in zip(whole, split, strict=True):
+        torch.testing.assert_close(
+            a, b, **fp_tolerance(torch.float32, 3 * 6, 3 * HIDDEN, scale=a.abs().max())
+        )
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_activation_checkpointing_per_ttt_step_changes_no_gradient(data: dict, precision: str) -> None:
+    """checkpoint_ttt recomputes each TTT step in the backward pass: the same loss, stats and gradients."""
+    batch = collate(data["samples"][:4])
+    results = []
+    for checkpointed in (False, True):
+        drafter, embed, teacher = build(data)
+        loss, stats = ttt_loss(
+            drafter, embed, teacher, batch, objective(precision=precision, checkpoint_ttt=checkpointed)
+        )
+        loss.backward()
+        results.append((loss.detach(), stats, [p.grad.clone() for p in drafter.parameters()]))
+    (loss0, stats0, grads0), (loss1, stats1, grads1) = results
+    assert stats0 == stats1
+    torch.testing.assert_close(loss0, loss1, rtol=0, atol=0)
+    for a, b in zip(grads0, grads1, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * float(a.abs().max()))
+
+
+def test_soft_cross_entropy_gradient_is_log_softmaxs() -> None:
+    """The soft cross-entropy that saves logits and p (not fp32 log-probabilities) has autograd's
+    gradient of -(p * log_softmax(logits)).sum(-1), exactly (fp32 and bf16 logits)."""
+    from draftsmith.train import soft_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(5, 40, generator=g), -1)
+    weights = torch.rand(5, generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(5, 40, generator=g).to(dtype).requires_grad_()
+        (soft_cross_entropy(logits, p) * weights).sum().backward()
+        mine = logits.grad.clone()
+        logits.grad = None
+        (-(p * torch.log_softmax(logits.float(), -1)).sum(-1) * weights).sum().backward()
+        torch.testing.assert_close(mine, logits.grad, rtol=0, atol=0)  # bit for bit: CPU runs train as before

@@ -1,0 +1,120 @@
+"""memory.py: the activation model against bytes measured with saved_tensors_hooks, the target's weights
+from config.json and safetensors headers, and the pre-flight plan of every shipped config."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftsmith.config import merged_config_files, text_config_json, with_defaults
+from draftsmith.memory import (
+    CHECKPOINTED,
+    GB,
+    GIB,
+    activation_bytes,
+    device_memory,
+    plan_config,
+    refusal,
+    safetensors_bytes,
+    target_size,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+TARGETS = ROOT / "tests" / "data" / "target-configs"  # the real targets' config.json files
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_memory", ROOT / "bench" / "memory.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("index", [0, 2, 9])  # 96 and 384 tokens, Kimi-like proportions
+def test_activation_model_matches_saved_tensors(bench, index: int) -> None:
+    """The per-token model predicts the bytes autograd saves for `ttt_loss` (bf16 autocast, every position
+    valid, measured with saved_tensors_hooks on a 1/64-scale drafter) within 10%; on the CPU p is fp32."""
+    case = bench.CASES[index]
+    measured = bench.measure(case)
+    predicted = activation_bytes(case.shape(), case.tokens, case.tokens, case.steps, p_bytes=4)
+    assert abs(predicted / measured - 1) < 0.10, (case, measured, predicted)
+
+
+@pytest.mark.parametrize("index", [1])
+def test_checkpointed_model_matches_what_the_checkpoints_keep(bench, index: int) -> None:
+    case = bench.CASES[index]
+    measured = bench.measure(case, checkpoint_ttt=True)
+    predicted = activation_bytes(
+        case.shape(), case.tokens, case.tokens, case.steps, p_bytes=4, coefficients=CHECKPOINTED
+    )
+    assert abs(predicted / measured - 1) < 0.10, (case, measured, predicted)
+    assert measured < bench.measure(case) / 3  # what checkpointing is for
+
+
+def test_target_weights_from_config_json() -> None:
+    """Parameter counts of the shipped targets from their config.json: Llama-3.1-8B 8.03 B, Qwen3-235B-A22B
+    235 B (bf16), Kimi-K2.5 ~594 GB (routed experts int4 in groups of 32, the rest bf16)."""
+    sizes = {
+        name: target_size(text_config_json(TARGETS / name))
+        for name in ("llama-3.1-8b", "qwen3-235b-a22b", "kimi-k2.5")
+    }
+    assert sizes["llama-3.1-8b"].weight_bytes / 2 == pytest.approx(8.03e9, rel=0.01)
+    assert sizes["qwen3-235b-a22b"].weight_bytes / 2 == pytest.approx(235.1e9, rel=0.01)
+    assert sizes["kimi-k2.5"].weight_bytes == pytest.approx(594e9, rel=0.02)
+    # KV per token per GPU at TP 8: Llama 8 kv heads -> 1 each; latent attention replicated
+    assert sizes["llama-3.1-8b"].kv_bytes_per_token(8) == 32 * 1 * 2 * 128 * 2
+    assert sizes["kimi-k2.5"].kv_bytes_per_token(8) == 61 * (512 + 64) * 2
+
+
+def test_safetensors_headers_give_the_weights_bytes(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(
+        {"model.layers.0.w": torch.zeros(3, 4), "lm_head.weight": torch.zeros(5, dtype=torch.bfloat16)},
+        tmp_path / "a.safetensors",
+    )
+    save_file({"model.layers.1.w": torch.zeros(7, dtype=torch.float16)}, tmp_path / "b.safetensors")  # MTP
+    assert safetensors_bytes(tmp_path, num_layers=1) == 3 * 4 * 4 + 5 * 2
+    assert safetensors_bytes(tmp_path / "none", 1) is None
+
+
+def test_device_memory_setting_preset_then_unknown() -> None:
+    assert device_memory({"gpu_memory_gib": 10, "gpu_model": "H100-80GB"}, detect=False)[0] == 10 * GIB
+    assert device_memory({"gpu_model": "H200-141GB"}, detect=False)[0] == pytest.approx(139.8 * GIB)
+    assert device_memory({}, detect=False)[0] is None
+
+
+def shipped(name: str, target: str, gpu: str) -> list:
+    config = with_defaults(merged_config_files([ROOT / "config.yaml", ROOT / "configs" / f"{name}.yaml"]))
+    config["target"]["model"] = str(TARGETS / target)
+    return plan_config(config, device_memory({"gpu_model": gpu}, detect=False)[0])
+
+
+@pytest.mark.parametrize(
+    ("name", "target", "gpu"),
+    [
+        ("llama-3.1-8b", "llama-3.1-8b", "H100-80GB"),
+        ("qwen3-235b-a22b", "qwen3-235b-a22b", "H100-80GB"),
+        ("kimi-k2.5-8gpu", "kimi-k2.5", "H200-141GB"),  # its weights need H200s: the config says so
+    ],
+)
+def test_every_shipped_gpu_config_fits_its_node(name: str, target: str, gpu: str) -> None:
+    needs = shipped(name, target, gpu)
+    assert {n.stage for n in needs} >= {"generate", "extract", "train"}
+    assert refusal(needs, gpu) is None, refusal(needs, gpu)
+    if gpu != "H100-80GB":
+        assert "H200" in (ROOT / "configs" / f"{name}.yaml").read_text()
+
+
+def test_a_stage_that_cannot_fit_stops_in_one_line_naming_it_and_the_setting() -> None:
+    needs = shipped("kimi-k2.5-8gpu", "kimi-k2.5", "H100-80GB")
+    line = refusal(needs, "H100-80GB")
+    assert line.startswith("generate needs") and "GB per GPU" in line and "resources.generate.gpus" in line
+    train = next(n for n in needs if n.stage == "train")
+    assert train.fits and train.total < 80 * GB
