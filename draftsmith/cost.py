@@ -58,14 +58,17 @@ class Device:
     allreduce_us: float = 10.0  # per all-reduce of one decode step's activations (NVLink)
 
 
+# Peaks: the vendors' data sheets (SXM parts, dense bf16). memory_gib: what torch reports as the card's
+# total memory (the memory plan's budget, resources.gpu_model); None where not measured here.
 DEVICES = {
     d.name: d
     for d in (
-        Device("h100", 3350, 989, 1.0, 80),
-        Device("h200", 4800, 989, 1.0, 141),
-        Device("a100-80gb", 2039, 312, 1.0, 80),
-        Device("b200", 8000, 2250, 1.0, 180),
-        Device("l40s", 864, 362, 1.0, 48),
+        Device("H100-80GB", 3350, 989, 1.0, 79.19),
+        Device("H200-141GB", 4800, 989, 1.0, 139.8),
+        Device("A100-80GB", 2039, 312, 1.0, 79.15),
+        Device("A100-40GB", 1555, 312, 1.0, 39.39),
+        Device("B200", 8000, 2250, 1.0),
+        Device("L40S", 864, 362, 1.0),
     )
 }
 

@@ -27,16 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from draftsmith.cost import DEVICES
+
 GB = 1e9  # what the tables print (the figures the issue and vendors quote)
 GIB = 2**30
 
-# What torch.cuda reports as total memory (GiB), per GPU model; resources.gpu_memory_gib overrides.
-GPU_PRESETS: dict[str, float] = {
-    "H100-80GB": 79.19,
-    "H200-141GB": 139.8,
-    "A100-80GB": 79.15,
-    "A100-40GB": 39.39,
-}
+# What torch.cuda reports as total memory (GiB), per GPU model (draftsmith.cost's device table);
+# resources.gpu_memory_gib overrides.
+GPU_PRESETS: dict[str, float] = {name: d.memory_gib for name, d in DEVICES.items() if d.memory_gib}
 VLLM_RESERVE = 4 * GB  # vLLM's activation peak, CUDA graphs, NCCL buffers per GPU (beside weights + KV)
 CUDA_CONTEXT = 1 * GB  # the CUDA context and kernels of a training process
 ALLOCATOR_SLACK = 0.05  # fragmentation of torch's caching allocator, over the training figure

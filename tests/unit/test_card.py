@@ -60,7 +60,7 @@ def tiny_summary() -> dict:
         }
     origin = provenance(MANIFEST, EXPORT_CONFIG, BY_SOURCE, VOCAB, PROMPTS, TARGET)
     target, drafter = ModelCost(1e9, 0.0, 1.0, 1e5, 24), ModelCost(5e7, 0.0, 1.0, 4e3, 1)
-    points = [ServingPoint(DEVICES["h100"], b, 600) for b in (1, 32)]
+    points = [ServingPoint(DEVICES["H100-80GB"], b, 600) for b in (1, 32)]
     projections = {
         name: set_projection(r["offline"], target, {"eagle3": drafter}, points, GateSettings().bootstrap)
         for name, r in sets.items()
@@ -128,7 +128,7 @@ def test_card_shows_every_figure_of_the_summary(tmp_path):
                 cells[2] == str(m["k"])
                 and cells[4] == f"{m['projected_speedup'][0]:.2f}x [{lo:.2f}, {hi:.2f}]"
             )
-    assert "## Speed at the serving point (h100)" in card
+    assert "## Speed at the serving point (H100-80GB)" in card
     # the verdict, per set with its reasons, and the gate's word
     v = summary["verdict"]
     gate = "passed" if summary["gate_passed"] else "BLOCKED"
@@ -136,7 +136,7 @@ def test_card_shows_every_figure_of_the_summary(tmp_path):
     assert f"**{v['action'].upper()} (deploy: {first['deploy']} k={first['k']})**; the gate {gate}" in card
     for s in v["per_set"]:
         assert f"- {s['heldout']}: {s['action']} (deploy: {s['deploy']} k={s['k']})" in card
-        assert "  - projected (h100): " in card and "  - runner-up: " in card
+        assert "  - projected (H100-80GB): " in card and "  - runner-up: " in card
         assert all(f"  - {r}" in card for r in s["reasons"])
     # the serve command of what the verdict names
     assert """--speculative-config '{"method": "ngram", "num_speculative_tokens": 3""" in card

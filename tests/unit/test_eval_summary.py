@@ -72,7 +72,7 @@ def test_rows_carry_intervals():
     }
     target = ModelCost(1e9, 0.0, 1.0, 1e5, 24)
     drafter = ModelCost(5e7, 0.0, 1.0, 4e3, 1)
-    points = [ServingPoint(DEVICES["h100"], b, 600) for b in (1, 32)]
+    points = [ServingPoint(DEVICES["H100-80GB"], b, 600) for b in (1, 32)]
     projections = {"split": set_projection(sets["split"]["vllm"], target, {"eagle3": drafter}, points,
                                            GateSettings().bootstrap)}  # fmt: skip
     rows = summary_rows(sets, GateSettings(), projections)

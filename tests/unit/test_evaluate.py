@@ -401,7 +401,10 @@ def test_summary_report_and_gate(pipeline, offline, untrained, tmp_path):
     served = by["split", "vLLM"]
     assert len(served["projected_speedup"]) == 3 and 1 <= served["k"] <= 3
     assert by["split", "offline"]["projected_speedup"] is None
-    assert summary["projection"]["concurrency"] == [1, 8, 32] and "h100" in summary["projection"]["points"][0]
+    assert (
+        summary["projection"]["concurrency"] == [1, 8, 32]
+        and "H100-80GB" in summary["projection"]["points"][0]
+    )
     assert "projected speedup" in summary["projection"]["formula"]
     names = [c["name"] for c in summary["checks"]]
     assert {

