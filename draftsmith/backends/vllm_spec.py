@@ -140,6 +140,7 @@ def run_vllm_speculative(
     enforce_eager: bool = True,
     gpu_memory_utilization: float | None = None,
     method_settings: dict[str, Any] | None = None,
+    max_num_seqs: int | None = None,
 ) -> dict[str, Any]:
     """Generation with vLLM's offline `LLM` (greedy unless temperature > 0: then vLLM's rejection
     sampler, seeded), speculative when `method` is given -> dict:
@@ -157,7 +158,8 @@ def run_vllm_speculative(
     tensor_parallel_size: default, the GPUs `draftsmith run --gpus N` made visible (1 on a CPU).
     enforce_eager: True on a CPU (compiling costs ~100 s of start-up there for no gain); False on GPUs
     is how vLLM serves (torch.compile + CUDA graphs). gpu_memory_utilization: vLLM's default when None.
-    method_settings: the method's own settings (speculative_config).
+    method_settings: the method's own settings (speculative_config). max_num_seqs: requests decoded at
+    once (the serving concurrency; vLLM's default when None).
     """
     from vllm import LLM, SamplingParams
     from vllm.platforms import current_platform
@@ -182,6 +184,7 @@ def run_vllm_speculative(
         seed=seed,
         enforce_eager=enforce_eager,
         **({"gpu_memory_utilization": gpu_memory_utilization} if gpu_memory_utilization else {}),
+        **({"max_num_seqs": max_num_seqs} if max_num_seqs else {}),
         disable_log_stats=False,  # else get_metrics() asserts "Stat logging disabled"
         speculative_config=speculative_config(
             method, drafter_or_None, num_speculative_tokens, method_settings

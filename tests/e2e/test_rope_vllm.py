@@ -73,7 +73,8 @@ def train_and_measure(target, r, control_of=None) -> dict:
     torch.set_num_threads(threads)
     # evaluate-vllm decodes named held-out sets (SET=PATH); one set here
     cli("evaluate-vllm", *common, "--drafter", r / "drafter", "--prompts", f"twin={r / 'train.jsonl'}",
-        "--out", f"twin={r / 'vllm.json'}", "--log-dir", r / "logs")  # fmt: skip
+        "--out", f"twin={r / 'vllm.json'}", "--log-dir", r / "logs",
+        "--settings", json.dumps({"remeasure_chosen_k": False}))  # fmt: skip
     return {
         "root": r,
         "export": json.loads((r / "drafter" / "config.json").read_text()),
@@ -133,3 +134,17 @@ def test_plain_rope_drafts_differently(run):
         trained["drafts"],
         trained["accepted_per_pos"],
     )
+
+
+def test_suffix_decoding_offline_equals_vllm(run):
+    """Suffix decoding (evaluate.suffix, on by default) through Arctic Inference's tree: draftsmith's
+    offline twin drafts and accepts as vLLM's `suffix` method does, prompt by prompt, position by
+    position (no cross-request cache: each prompt stands alone in both)."""
+    off, served = run["offline"]["methods"]["suffix"], run["vllm"]["methods"]["suffix"]
+    assert off["lossless"] is True and served["outputs_equal_plain"] == NUM_PROMPTS
+    print(f"suffix offline tau {off['tau']:.4f} {off['accepted_per_pos']}/{off['drafts']}, "
+          f"vLLM tau {served['tau']:.4f} {served['accepted_per_pos']}/{served['drafts']}")  # fmt: skip
+    assert served["drafts"] > 0  # the twin's answers repeat their prompts: there is something to draft
+    assert [(r["tokens"], r["forwards"], r["accepted_per_pos"]) for r in served["per_prompt"]] == [
+        (r["tokens"], r["forwards"], r["accepted_per_pos"]) for r in off["per_prompt"]
+    ]

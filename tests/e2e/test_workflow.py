@@ -56,7 +56,27 @@ def test_every_target_exists_and_is_sound(tiny_run):
     summary = json.loads((results / "eval" / "summary.json").read_text())
     assert summary["figure"] == "tokens per target forward"
     head = summary["headline"]["split"]
-    assert head["measured_by"] == "vLLM" and {"eagle3", "untrained", "ngram"} <= set(head["methods"])
+    assert head["measured_by"] == "vLLM" and {"eagle3", "untrained", "ngram", "suffix"} <= set(
+        head["methods"]
+    )
+    # every method projected to the serving point (the schema's: an H100 at concurrency 1, 8, 32), each at
+    # its best draft length, re-measured in vLLM there where shorter than evaluate.num_draft_tokens
+    vllm = json.loads((results / "eval" / "split" / "vllm.json").read_text())
+    for key in ("eagle3", "ngram", "suffix"):
+        m = head["methods"][key]
+        assert 1 <= m["k"] <= 3 and len(m["projected_speedup"]) == 3, key
+        row = next(r for r in summary["rows"] if r["key"] == key and r["measured_by"] == "vLLM")
+        if m["k"] < 3:
+            at_k = vllm["methods"][key]["at_k"][str(m["k"])]
+            assert at_k["outputs_equal_plain"] == vllm["num_prompts"], key  # lossless at k too
+            assert row["serving"]["measured_at_k"] and row["serving"]["tokens_per_forward"] == pytest.approx(
+                at_k["tokens_per_forward"]
+            ), key
+    choice = summary["verdict"]["per_set"][0]
+    assert (
+        choice["method"] in ("eagle3", "ngram", "suffix", "plain") and len(choice["projected_speedup"]) == 3
+    )
+    assert choice["runner_up"] is not None
     for row in summary["rows"]:  # tau = 1 + mean accepted length = 1 + sum of per-position acceptance
         if row["tau"] is not None and row["acceptance_per_position"]:
             assert row["tau"] == pytest.approx(1 + sum(row["acceptance_per_position"]), abs=1e-6), row
@@ -79,6 +99,7 @@ def test_every_target_exists_and_is_sound(tiny_run):
                 lo, hi = m["tokens_per_forward_interval"]
                 assert f"{m['tokens_per_forward']:.3f} [{lo:.3f}, {hi:.3f}]" in card, (folder, name)
         assert "## Verdict" in card and summary["verdict"]["per_set"][0]["action"] in card
+        assert "## Speed at the serving point (H100-80GB)" in card, folder
         val = summary["learning"]["val_acc"]  # None when the tiny split held out no sample
         said = (
             "validation accuracy per TTT step (top-1 = the next token): "
