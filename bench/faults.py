@@ -94,7 +94,9 @@ class Probe:
         path.write_text(yaml.safe_dump(base))
         return path
 
-    def snakemake(self, *args: str, config: Path | tuple[Path, ...] | None = None) -> subprocess.CompletedProcess:
+    def snakemake(
+        self, *args: str, config: Path | tuple[Path, ...] | None = None
+    ) -> subprocess.CompletedProcess:
         """Snakemake in the probe's folder with `config` (one file, or several in order), else config.yaml."""
         cmd = ["snakemake", "--snakefile", str(self.checkout / "Snakefile"), "--directory", str(self.root)]
         configs = [config] if isinstance(config, Path) else list(config or ())
@@ -268,7 +270,9 @@ def probe_base_url_not_a_url(p: Probe) -> str:
 
 
 def probe_configfile_with_one_set(p: Probe) -> str:
-    base = p.config({"evaluate": {"heldout_sets": {"split": "split", "handwritten": "handwritten"}}}, "base.yaml")
+    base = p.config(
+        {"evaluate": {"heldout_sets": {"split": "split", "handwritten": "handwritten"}}}, "base.yaml"
+    )
     own = p.prompts("mine.jsonl")
     mine = p.config({"evaluate": {"heldout_sets": {"mine": str(own)}, "vllm": False}})
     proc = p.snakemake("-n", config=(base, mine))
