@@ -100,13 +100,22 @@ def dry_run_args(command: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory) -> Path:
-    """A fresh clone's layout: the tracked files as this checkout has them, and nothing else."""
+    """A fresh clone's layout: the tracked files as this checkout has them, and nothing else (without
+    git, e.g. an unpacked archive: every file but what .gitignore names)."""
     root = tmp_path_factory.mktemp("clone")
-    listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, check=True)
-    for name in filter(None, listed.stdout.split("\0")):
-        if (REPO / name).is_file():
-            (root / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / name, root / name)
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, check=True
+        )
+        names = [name for name in listed.stdout.split("\0") if name and (REPO / name).is_file()]
+    except (OSError, subprocess.CalledProcessError):
+        names = None
+    if names is None:
+        ignored = [p.strip().strip("/") for p in (REPO / ".gitignore").read_text().splitlines() if p.strip()]
+        shutil.copytree(REPO, root, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".git", *ignored))
+    for name in names or ():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, root / name)
     assert (root / "config.yaml").is_file() and (root / "profiles" / "default").is_dir()
     return root
 
