@@ -10,13 +10,17 @@ from draftsmith.config import config_file_error
 
 min_version("9.20")
 
-# Snakemake's own reader says only "not valid JSON or YAML"; this names the file and line (files given
-# with --configfile are read by Snakemake before this file is).
-if error := config_file_error("config.yaml"):
-    sys.exit(f"invalid configuration:\n  {error}")
+# config.yaml is the demo's configuration (`make run` = `snakemake --cores all`), read only when no
+# --configfile is given: a shipped config (configs/*.yaml), tests/config.tiny.yaml or yours gets the
+# schema's defaults plus what it sets, never the demo's choices (`--configfile config.yaml mine.yaml`
+# builds on the demo on purpose). Jobs on a cluster re-parse this file with the same --configfile list.
+if not workflow.overwrite_configfiles:
+    # Snakemake's own reader says only "not valid JSON or YAML"; this names the file and line (files
+    # given with --configfile are read by Snakemake before this file is).
+    if error := config_file_error("config.yaml"):
+        sys.exit(f"invalid configuration:\n  {error}")
 
-
-configfile: "config.yaml"
+    configfile: "config.yaml"
 
 
 include: "rules/common.smk"

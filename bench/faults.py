@@ -94,10 +94,14 @@ class Probe:
         path.write_text(yaml.safe_dump(base))
         return path
 
-    def snakemake(self, *args: str, config: Path | None = None) -> subprocess.CompletedProcess:
+    def snakemake(
+        self, *args: str, config: Path | tuple[Path, ...] | None = None
+    ) -> subprocess.CompletedProcess:
+        """Snakemake in the probe's folder with `config` (one file, or several in order), else config.yaml."""
         cmd = ["snakemake", "--snakefile", str(self.checkout / "Snakefile"), "--directory", str(self.root)]
+        configs = [config] if isinstance(config, Path) else list(config or ())
         # targets before --configfile, which takes every word after it
-        cmd += ["--cores", "1", *args, *(["--configfile", str(config)] if config else [])]
+        cmd += ["--cores", "1", *args, *(["--configfile", *map(str, configs)] if configs else [])]
         return subprocess.run(cmd, env=self.env, cwd=self.root, capture_output=True, text=True, timeout=600)
 
     def python(self, code: str, *args: str) -> subprocess.CompletedProcess:
@@ -246,8 +250,9 @@ def probe_quoted_integer(p: Probe) -> str:
 
 
 def probe_yaml_syntax_error(p: Probe) -> str:
+    # config.yaml is read only without --configfile
     (p.root / "config.yaml").write_text("train:\n  lr: 0.1\n   epochs: 2\n")
-    return said(p.snakemake("-n", config=p.config({})))
+    return said(p.snakemake("-n"))
 
 
 def probe_target_config_is_a_list(p: Probe) -> str:
@@ -265,13 +270,12 @@ def probe_base_url_not_a_url(p: Probe) -> str:
 
 
 def probe_configfile_with_one_set(p: Probe) -> str:
-    (p.root / "config.yaml").write_text(
-        yaml.safe_dump({"evaluate": {"heldout_sets": {"split": "split", "handwritten": "handwritten"}}})
+    base = p.config(
+        {"evaluate": {"heldout_sets": {"split": "split", "handwritten": "handwritten"}}}, "base.yaml"
     )
     own = p.prompts("mine.jsonl")
-    proc = p.snakemake(
-        "-n", config=p.config({"evaluate": {"heldout_sets": {"mine": str(own)}, "vllm": False}})
-    )
+    mine = p.config({"evaluate": {"heldout_sets": {"mine": str(own)}, "vllm": False}})
+    proc = p.snakemake("-n", config=(base, mine))
     if proc.returncode:
         return f"failed: {said(proc)}"
     sets = re.findall(r"results/eval/(\w+)/offline\.json", proc.stdout)

@@ -1,51 +1,193 @@
-"""The shipped configs for real targets plan as intended on an 8-GPU node (Snakemake dry runs only). The
-real weights are not here: each target is stood in for by a folder holding only its config.json, the
-language-model fields as shipped, which the workflow's start-up checks read (layers, vocabulary).
+"""The shipped configurations and every Snakemake command the documentation gives, planned as written
+(Snakemake dry runs only).
 
-    snakemake -n --configfile configs/<name>.yaml --cores all --resources gpu=8
+The working folder is a fresh clone's layout (a copy of the tracked files, config.yaml included): each
+`snakemake` command of README.md, docs/ and the config files' headers runs there as written, with `-n -p`
+added. The real weights are not here: a Hub cache holding only each Hub target's config.json (the
+language-model fields as shipped, which the start-up checks read: layers, vocabulary) stands in for a
+machine that has fetched it, as `HF_HUB_OFFLINE=1` would read it.
+
+Each planned stage's settings (its `--settings` JSON, the gate's modes, the held-out sets) must be the
+config file's own values over the schema's defaults: config.yaml (the CPU demo's choices) is read only
+when no --configfile is given.
 """
 
+import copy
 import importlib
 import json
 import re
+import shlex
+import shutil
 import subprocess
+from functools import cache
+from pathlib import Path
 
 import pytest
 import yaml
 from click.testing import CliRunner
 from conftest import REPO, cli_env
+from hubcache import add_repo
 
 from draftsmith import cli
+from draftsmith.config import read_numbers, replaced_mappings, schema
 
 pytestmark = pytest.mark.slow
 
-
-# The fields of each target's config.json the start-up checks read, as the model folders ship them.
+# The fields of each Hub target's config.json the start-up checks read, as the model folders ship them.
 TARGET_CONFIGS = {
-    "kimi-k2.5-8gpu": {
+    "moonshotai/Kimi-K2.5": {
         "architectures": ["KimiK25ForConditionalGeneration"],
         "text_config": {"model_type": "deepseek_v3", "num_hidden_layers": 61, "vocab_size": 163840,
                         "hidden_size": 7168, "kv_lora_rank": 512},
     },
-    "llama-3.1-8b": {"model_type": "llama", "num_hidden_layers": 32, "vocab_size": 128256, "hidden_size": 4096},
-    "qwen3-235b-a22b": {"model_type": "qwen3_moe", "num_hidden_layers": 94, "vocab_size": 151936,
-                        "hidden_size": 4096},
+    "meta-llama/Llama-3.1-8B-Instruct": {"model_type": "llama", "num_hidden_layers": 32, "vocab_size": 128256,
+                                         "hidden_size": 4096},
+    "Qwen/Qwen3-235B-A22B": {"model_type": "qwen3_moe", "num_hidden_layers": 94, "vocab_size": 151936,
+                             "hidden_size": 4096},
 }  # fmt: skip
+# Where commands are documented: the pages, and each config file's header (`#   snakemake ...`).
+DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+CONFIG_FILES = ["config.yaml", *(f"configs/{p.name}" for p in sorted((REPO / "configs").glob("*.yaml"))),
+                "tests/config.tiny.yaml"]  # fmt: skip
+# The settings section behind each command's --settings JSON.
+SETTINGS_SECTION = {"target": "target", "prompts": "prompts", "generate": "generate", "tokenize": "extract",
+                    "extract": "extract", "manifest": "extract", "vocab": "vocab", "train": "train",
+                    "untrained-drafter": "train"}  # fmt: skip
 
 
-def dry_run(name: str, workdir) -> list[dict]:
+def _fenced_and_prose(text: str) -> tuple[list[str], str]:
+    """The lines inside ``` fences, and the text outside them."""
+    fenced, prose, inside = [], [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            inside = not inside
+            continue
+        (fenced if inside else prose).append(line)
+    return fenced, "\n".join(prose)
+
+
+@cache
+def documented_commands() -> dict[str, str]:
+    """Every `snakemake` command the documentation gives (a fenced line, an inline code span, a config
+    header's comment): command -> where it is first written (file:line)."""
+    found: dict[str, str] = {}
+    for path in [*DOC_FILES, *(REPO / name for name in CONFIG_FILES)]:
+        text = path.read_text(encoding="utf-8")
+        where = path.relative_to(REPO)
+        if path.suffix == ".md":
+            fenced, prose = _fenced_and_prose(text)
+            lines = [line for line in fenced if line.startswith("snakemake ")]
+            # an inline span may wrap a line; Markdown reads the break as a space
+            lines += [" ".join(m.group(1).split()) for m in re.finditer(r"`(snakemake [^`]+)`", prose)]
+        else:
+            lines = [m.group(1) for m in re.finditer(r"^#\s+(snakemake .*)$", text, re.M)]
+        for line in lines:
+            command = shlex.join(shlex.split(line, comments=True))
+            found.setdefault(command, f"{where}")
+    return found
+
+
+def dry_run_args(command: str) -> list[str]:
+    """The command as a dry run that prints each job's shell command; a report needs a finished run, so
+    `--report FILE` is left out (what the rest plans is still checked)."""
+    words = shlex.split(command)
+    assert words[0] == "snakemake", command
+    if "--report" in words:
+        i = words.index("--report")
+        del words[i : i + 2]
+    return ["snakemake", "-n", "-p", *[w for w in words[1:] if w not in ("-n", "-p")]]
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory) -> Path:
+    """A fresh clone's layout: the tracked files as this checkout has them, and nothing else (without
+    git, e.g. an unpacked archive: every file but what .gitignore names)."""
+    root = tmp_path_factory.mktemp("clone")
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, check=True
+        )
+        names = [name for name in listed.stdout.split("\0") if name and (REPO / name).is_file()]
+    except (OSError, subprocess.CalledProcessError):
+        names = None
+    if names is None:
+        ignored = [p.strip().strip("/") for p in (REPO / ".gitignore").read_text().splitlines() if p.strip()]
+        shutil.copytree(REPO, root, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".git", *ignored))
+    for name in names or ():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, root / name)
+    assert (root / "config.yaml").is_file() and (root / "profiles" / "default").is_dir()
+    return root
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict[str, str]:
+    """cli_env with a Hub cache holding the Hub targets' config.json only, no Hub, and no AWS credentials
+    (the Kubernetes profile's bucket is the placeholder its comment tells you to replace)."""
+    cache = tmp_path_factory.mktemp("hub-cache")
+    for repo_id, config in TARGET_CONFIGS.items():
+        add_repo(cache, repo_id, {"config.json": json.dumps(config).encode()})
+    environ = {k: v for k, v in cli_env().items() if not k.startswith(("AWS_", "HF_"))}
+    missing = str(cache / "none")
+    environ.update(HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1", AWS_EC2_METADATA_DISABLED="true",
+                   AWS_SHARED_CREDENTIALS_FILE=missing, AWS_CONFIG_FILE=missing)  # fmt: skip
+    return environ
+
+
+@pytest.fixture(scope="module")
+def plans(clone, env):
+    """command -> its dry run in the clone (run once, on first use)."""
+    done: dict[str, subprocess.CompletedProcess] = {}
+
+    def plan(command: str) -> subprocess.CompletedProcess:
+        if command not in done:
+            args = dry_run_args(command)
+            done[command] = subprocess.run(
+                args, capture_output=True, text=True, env=env, cwd=clone, timeout=300
+            )
+        return done[command]
+
+    return plan
+
+
+@pytest.mark.parametrize("command", sorted(documented_commands()))
+def test_every_documented_command_plans_as_written(plans, command):
+    proc = plans(command)
+    output = proc.stdout[-3000:] + proc.stderr[-3000:]
+    if "profiles/kubernetes" in command:
+        # Its storage is the placeholder bucket: the plan gets as far as looking there, so the config and
+        # the profile were read and the jobs planned.
+        assert proc.returncode != 0 and "s3://YOUR-BUCKET/draftsmith/" in output, output
+        return
+    if folder := re.search(r"target=\{model: (/models/[^}]+)\}", command):
+        # Weights on disk that this machine lacks: the one complaint is that folder, set by --config.
+        error = f"invalid configuration:\n  --config: target.model: {folder.group(1)} is not a folder"
+        assert proc.returncode != 0 and error in proc.stderr, output
+        assert proc.stderr.count("\n  ") == 1, output
+        return
+    assert proc.returncode == 0, f"{command} ({documented_commands()[command]}):\n{output}"
+
+
+def test_every_config_file_has_a_documented_command():
+    for name in CONFIG_FILES[1:]:
+        assert config_command(name), f"{name}: no documented `snakemake ... --configfile {name}`"
+
+
+def config_command(name: str) -> str | None:
+    """The documented command that runs config file `name` alone (config.yaml: the one without any
+    --configfile), preferring one that names the node's GPUs."""
+    commands = [
+        c for c in documented_commands()
+        if c.startswith("snakemake ") and "--workflow-profile" not in c and "--config " not in c
+        and "--report" not in c and "--forcerun" not in c and "--lint" not in c and "--unlock" not in c
+        and (shlex.split(c)[shlex.split(c).index("--configfile") + 1:] == [name] if "--configfile" in c
+             else name == "config.yaml")
+    ]  # fmt: skip
+    return max(commands, key=lambda c: ("gpu=" in c, "--cores" in c), default=None)
+
+
+def jobs_of(proc: subprocess.CompletedProcess) -> list[dict]:
     """The planned jobs of a dry run: [{rule, gpu, shell}] in the order Snakemake prints them."""
-    config = yaml.safe_load((REPO / "configs" / f"{name}.yaml").read_text())
-    target = workdir / "target"
-    target.mkdir()
-    (target / "config.json").write_text(json.dumps(TARGET_CONFIGS[name]))
-    config["target"]["model"] = str(target)
-    configfile = workdir / "config.yaml"
-    configfile.write_text(yaml.safe_dump(config))
-    cmd = ["snakemake", "-n", "-p", "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
-           "--configfile", str(configfile), "--cores", "all", "--resources", "gpu=8"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), cwd=workdir)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     jobs = []
     for block in re.split(r"\n(?=\[[^\]]+\]\n(?:local)?rule )", proc.stdout + proc.stderr):
         rule = re.search(r"^(?:local)?rule (\w+):", block, re.M)
@@ -63,6 +205,105 @@ def dry_run(name: str, workdir) -> list[dict]:
     return jobs
 
 
+# ------------------------------------------------------ settings: the file's over the schema's defaults
+
+
+def schema_defaults(spec: dict) -> dict:
+    """Every default: a section of settings key by key, anything else (a mapping of entries) whole."""
+    return {
+        key: schema_defaults(sub) if sub.get("additionalProperties", True) is False else copy.deepcopy(
+            sub.get("default"))
+        for key, sub in spec["properties"].items()
+    }  # fmt: skip
+
+
+def file_over_defaults(name: str) -> dict:
+    """What config file `name` says, over the schema's defaults: its settings key by key, its mappings
+    of entries (evaluate.heldout_sets, ...) whole. Written from the schema, not the workflow's code."""
+    entries = set(replaced_mappings())
+
+    def over(base: dict, top: dict, path: tuple = ()) -> None:
+        for key, value in top.items():
+            if isinstance(value, dict) and isinstance(base.get(key), dict) and (*path, key) not in entries:
+                over(base[key], value, (*path, key))
+            else:
+                base[key] = copy.deepcopy(value)
+
+    config = schema_defaults(schema())
+    over(config, yaml.safe_load((REPO / name).read_text(encoding="utf-8")) or {})
+    return read_numbers(config)
+
+
+def planned_settings(shell: str) -> list[tuple[str, dict]]:
+    """(section, values) of each settings JSON a job's command carries."""
+    words = shlex.split(shell)
+    if words[:1] != ["draftsmith"]:
+        return []
+    command = words[words.index("draftsmith", 1) + 1] if words[:2] == ["draftsmith", "run"] else words[1]
+    found = []
+    for i, word in enumerate(words[:-1]):
+        if word == "--settings":
+            assert command in SETTINGS_SECTION, f"which section is `draftsmith {command} --settings`?"
+            found.append((SETTINGS_SECTION[command], json.loads(words[i + 1])))
+        if word == "--target-source":
+            found.append(("target", json.loads(words[i + 1])))
+    return found
+
+
+@pytest.mark.parametrize("name", CONFIG_FILES)
+def test_each_stage_gets_the_files_settings_over_the_schema_defaults(plans, name):
+    """Planned as documented, from the repository root with config.yaml present: every stage's settings,
+    the gate's modes and the held-out sets are the file's over the schema's defaults, nothing of the
+    demo's config.yaml unless it is the file."""
+    command = config_command(name)
+    proc = plans(command)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    want = file_over_defaults(name)
+    jobs = jobs_of(proc)
+    checked = set()
+    for job in jobs:
+        for section, values in planned_settings(job["shell"]):
+            expected = {key: want[section][key] for key in values}
+            assert values == expected, (name, job["rule"], section)
+            checked.add(job["rule"])
+    assert {"prompts", "generate", "tokenize", "extract", "vocab", "train"} <= checked, (name, checked)
+    (summary,) = [job["shell"] for job in jobs if job["rule"] == "eval_summary"]
+    modes = dict(w.split("=", 1) for w in re.findall(r"--check (\S+)", summary))
+    assert modes == want["evaluate"]["gate"], name
+    sets = {m for job in jobs for m in re.findall(r"results/eval/(\w+)/(?:offline|vllm)\.json", job["shell"])}
+    assert sets == set(want["evaluate"]["heldout_sets"]), name
+
+
+def test_a_documented_config_override_reaches_its_stage(plans):
+    """README's `--config 'train={...}'`: those keys over the demo's train section, the rest unchanged."""
+    (command,) = [c for c in documented_commands() if "--config 'train=" in c]
+    proc = plans(command)
+    (train,) = [job["shell"] for job in jobs_of(proc) if job["rule"] == "train"]
+    ((_, values),) = planned_settings(train)
+    override = yaml.safe_load(shlex.split(command)[-1].split("=", 1)[1])
+    assert values == {**file_over_defaults("config.yaml")["train"], **override}
+
+
+def test_the_demo_keeps_its_choices_and_no_other_config_gets_them():
+    """config.yaml's training choices (chosen for a 2-core CPU) are its own; the GPU configs and the
+    tiny one take the schema's."""
+    demo = file_over_defaults("config.yaml")
+    assert (demo["train"]["optimizer"], demo["train"]["loss_positions"]) == ("muon", "all")
+    for name in ("configs/llama-3.1-8b.yaml", "configs/qwen3-235b-a22b.yaml", "configs/kimi-k2.5-8gpu.yaml",
+                 "tests/config.tiny.yaml"):  # fmt: skip
+        config = file_over_defaults(name)
+        assert config["generate"]["original_answers_share"] == 0.0, name
+        assert (config["train"]["optimizer"], config["train"]["loss_positions"]) == ("adamw", "assistant"), (
+            name
+        )
+
+
+# ------------------------------------------------------ the GPU configs: what each stage reserves and runs
+
+GPU_CONFIGS = {"kimi-k2.5-8gpu": "moonshotai/Kimi-K2.5", "llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
+               "qwen3-235b-a22b": "Qwen/Qwen3-235B-A22B"}  # fmt: skip
+
+
 def by_rule(jobs: list[dict]) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {}
     for job in jobs:
@@ -70,17 +311,28 @@ def by_rule(jobs: list[dict]) -> dict[str, list[dict]]:
     return out
 
 
-@pytest.fixture(scope="module", params=["kimi-k2.5-8gpu", "llama-3.1-8b", "qwen3-235b-a22b"])
-def plan(request, tmp_path_factory):
-    workdir = tmp_path_factory.mktemp(request.param)
-    return request.param, by_rule(dry_run(request.param, workdir)), workdir
+@pytest.fixture(scope="module", params=sorted(GPU_CONFIGS))
+def plan(request, plans, tmp_path_factory):
+    """A GPU config planned as documented (on an 8-GPU node), and a folder to run its commands in, where
+    the target's folder is as rule target materialises it (its config.json)."""
+    name = request.param
+    proc = plans(config_command(f"configs/{name}.yaml"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    workdir = tmp_path_factory.mktemp(name)
+    target = workdir / "resources" / "hub" / GPU_CONFIGS[name].replace("/", "--")
+    target.mkdir(parents=True)
+    (target / "config.json").write_text(json.dumps(TARGET_CONFIGS[GPU_CONFIGS[name]]))
+    return name, by_rule(jobs_of(proc)), workdir
 
 
 def test_every_stage_is_planned(plan):
     name, jobs, _ = plan
-    expected = {"prompts", "generate", "tokenize", "extract", "vocab", "manifest", "train",
+    expected = {"target", "prompts", "generate", "tokenize", "extract", "vocab", "manifest", "train",
                 "evaluate_vllm", "eval_summary", "gate"}  # fmt: skip
     assert expected <= set(jobs), (name, sorted(jobs))
+    # the Hub target is downloaded by a job of no GPUs, the id and revision its settings
+    assert [j["gpu"] for j in jobs["target"]] == [0]
+    assert f'"model": "{GPU_CONFIGS[name]}"' in jobs["target"][0]["shell"]
 
 
 def test_gpu_reservations(plan):

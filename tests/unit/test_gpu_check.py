@@ -61,18 +61,27 @@ def test_make_gpu_check_runs_the_script():
     assert "bash scripts/gpu-check.sh" in rule and "setup" not in rule.splitlines()[0]
 
 
-def test_its_configuration_plans_every_gpu_stage_on_one_gpu_through_vllm(tmp_path):
-    """The dry run of what gpu_check.py runs: vLLM server generation, vLLM extraction, training and vLLM
-    evaluation each given one GPU, the target in its GPU dtype."""
-    overlay = tmp_path / "gpu.yaml"
-    overlay.write_text(json.dumps(gpu_check_module().OVERLAY))
-    cmd = ["snakemake", "-n", "-p", "--snakefile", str(REPO / "Snakefile"), "--directory", str(tmp_path),
-           "--workflow-profile", "none", "--configfile", str(REPO / "tests" / "config.tiny.yaml"), str(overlay),
-           "--cores", "2", "--resources", "gpu=1"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), cwd=tmp_path, timeout=300)
+@pytest.fixture(scope="module")
+def gpu_check_plan(tmp_path_factory) -> str:
+    """The dry run of what gpu_check.py runs (its overlay written and its command built as main() does,
+    with -n -p), in an empty folder: the printed plan."""
+    module = gpu_check_module()
+    run = tmp_path_factory.mktemp("gpu-check")
+    cmd = module.workflow_command(run / "run", module.write_overlay(run))
+    (run / "run").mkdir()
+    cmd = [cmd[0], "-n", "-p", *cmd[1:]]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), cwd=run, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_its_configuration_plans_every_gpu_stage_on_one_gpu_through_vllm(gpu_check_plan):
+    """vLLM server generation, vLLM extraction, training and vLLM evaluation each given one GPU, the
+    target in its GPU dtype."""
     shells = [
-        line for line in proc.stdout.splitlines() if line.startswith("Shell command: draftsmith run --gpus")
+        line
+        for line in gpu_check_plan.splitlines()
+        if line.startswith("Shell command: draftsmith run --gpus")
     ]
     by_command = {line.split(" -- draftsmith ")[1].split()[0]: line for line in shells}
     assert set(by_command) == {"generate", "extract", "train", "evaluate", "evaluate-vllm"}, by_command
@@ -82,11 +91,25 @@ def test_its_configuration_plans_every_gpu_stage_on_one_gpu_through_vllm(tmp_pat
         and "--enforce-eager" not in by_command["generate"]
     )
     assert '"backend": "vllm"' in by_command["extract"] and '"vllm_eager": false' in by_command["extract"]
-    assert '"precision": "bf16"' in by_command["train"]
+    assert '"precision": "bf16"' in by_command["train"] and '"max_steps": null' in by_command["train"]
     assert (
         "--gpus 1 --dtype auto" in by_command["evaluate-vllm"]
         and "--vllm-eager" not in by_command["evaluate-vllm"]
     )
+
+
+def test_its_gate_judges_what_a_tiny_target_can_show_not_speed(gpu_check_plan):
+    """The modes the gate runs with (the tiny config, then the overlay): the drafter must beat the
+    untrained one; every other check of evaluate.gate only warns. A check added to the schema without a
+    mode here would take its default (block, for most): this fails until GATE names it."""
+    from draftsmith.config import section_schema
+
+    (summary,) = [line for line in gpu_check_plan.splitlines() if " draftsmith eval-summary " in line
+                  or line.startswith("Shell command: draftsmith eval-summary ")]  # fmt: skip
+    modes = dict(word.split("=", 1) for word in re.findall(r"--check (\S+)", summary))
+    checks = set(section_schema("evaluate.gate"))
+    assert modes == {name: "block" if name == "beats_untrained" else "warn" for name in checks}, modes
+    assert set(gpu_check_module().GATE) == checks
 
 
 def test_the_table_reports_stages_devices_and_acceptance(tmp_path):

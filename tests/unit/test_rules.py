@@ -67,14 +67,22 @@ AFTER_EXTRACT = {"manifest", "train", "untrained_drafter", *AFTER_TRAINING}
 
 
 def _workflow(
-    api: SnakemakeApi, workdir: Path, changes: dict, forceall: bool = False, configfiles: tuple = ()
+    api: SnakemakeApi,
+    workdir: Path,
+    changes: dict,
+    forceall: bool = False,
+    configfiles: tuple = (),
+    tiny: bool = True,
 ):
+    """The workflow with `changes` as --config over --configfile TINY and `configfiles` (without `tiny`,
+    only those: with none, Snakemake reads the working folder's config.yaml)."""
     config = copy.deepcopy({**BASE, **changes})  # validation fills defaults in place
+    files = [TINY, *configfiles] if tiny else list(configfiles)
     wf = api.workflow(
         snakefile=REPO / "Snakefile",
         workdir=workdir,
         resource_settings=ResourceSettings(cores=1),
-        config_settings=ConfigSettings(config=config, configfiles=[TINY, *configfiles]),
+        config_settings=ConfigSettings(config=config, configfiles=files),
     )
     return wf, wf.dag(dag_settings=DAGSettings(forceall=forceall))
 
@@ -161,10 +169,10 @@ def test_a_result_setting_plans_its_stage_and_downstream(finished, changes, expe
 # ----------------------------------------------------------------------------- checked at start
 
 
-def _parse_error(workdir: Path, changes: dict, configfiles: tuple = ()) -> str:
+def _parse_error(workdir: Path, changes: dict, configfiles: tuple = (), tiny: bool = True) -> str:
     """The message the workflow stops with at start (a SystemExit: one line per bad setting)."""
     with SnakemakeApi(OutputSettings(quiet=QUIET)) as api, pytest.raises((Exception, SystemExit)) as err:
-        _workflow(api, workdir, changes, configfiles=configfiles)
+        _workflow(api, workdir, changes, configfiles=configfiles, tiny=tiny)
     return str(err.value)
 
 
@@ -207,10 +215,10 @@ def test_values_the_target_rules_out_stop_the_workflow_at_start(finished, change
 # ----------------------------------------------------------------------------- config files
 
 
-def _config_of(workdir: Path, configfiles: tuple = ()) -> dict:
+def _config_of(workdir: Path, configfiles: tuple = (), tiny: bool = True) -> dict:
     """The configuration the workflow runs with (defaults filled in), after a dry run's parse."""
     with SnakemakeApi(OutputSettings(quiet=QUIET)) as api:
-        wf, _ = _workflow(api, workdir, {}, configfiles=configfiles)
+        wf, _ = _workflow(api, workdir, {}, configfiles=configfiles, tiny=tiny)
         return wf._workflow.config
 
 
@@ -231,8 +239,24 @@ def test_a_config_error_names_the_file_and_line_it_came_from(finished, tmp_path)
 
 def test_a_yaml_syntax_error_in_config_yaml_names_its_line(tmp_path):
     (tmp_path / "config.yaml").write_text("train:\n  lr: 0.1\n  epochs: [1\n")
-    message = _parse_error(tmp_path, {})
+    message = _parse_error(tmp_path, {}, tiny=False)
     assert "config.yaml:4: not valid YAML" in message, message
+
+
+def test_config_yaml_is_read_only_without_a_configfile(finished):
+    """config.yaml is the demo's configuration: read (its errors named by its line) when no --configfile
+    is given, never merged under one: a given file gets the schema's defaults plus what it sets."""
+    (finished / "config.yaml").write_text("vocab:\n  size: 1000\ntrain:\n  optimizer: muon\n  epochs: '3'\n")
+    try:
+        message = _parse_error(finished, {}, tiny=False)
+        assert "config.yaml:5: train.epochs: '3' is not of type 'integer'" in message, message
+        (finished / "config.yaml").write_text("vocab:\n  size: 1000\ntrain:\n  optimizer: muon\n")
+        config = _config_of(finished, tiny=False)
+        assert (config["vocab"]["size"], config["train"]["optimizer"]) == (1000, "muon")
+        config = _config_of(finished)  # --configfile tests/config.tiny.yaml: the schema's optimizer
+        assert config["train"]["optimizer"] == "adamw" and config["vocab"]["size"] == 2048, config
+    finally:
+        (finished / "config.yaml").unlink()
 
 
 def test_a_target_config_json_that_is_no_object_is_named(tmp_path):
@@ -243,16 +267,12 @@ def test_a_target_config_json_that_is_no_object_is_named(tmp_path):
 
 
 def test_a_configfile_naming_one_held_out_set_replaces_the_sets_before_it(finished, tmp_path):
-    """config.yaml names two sets, the tiny config one: the run evaluates that one only (mappings of
+    """The first file names two sets, the tiny config one: the run evaluates that one only (mappings of
     entries are replaced, not merged)."""
-    (finished / "config.yaml").write_text(
-        "evaluate:\n  heldout_sets: {split: split, handwritten: handwritten}\n"
-    )
-    try:
-        assert _config_of(finished)["evaluate"]["heldout_sets"] == {"split": "split"}
-        assert planned(finished, {}) == set()
-    finally:
-        (finished / "config.yaml").unlink()
+    both = tmp_path / "both.yaml"
+    both.write_text("evaluate:\n  heldout_sets: {split: split, handwritten: handwritten}\n")
+    config = _config_of(finished, configfiles=(both, TINY), tiny=False)
+    assert config["evaluate"]["heldout_sets"] == {"split": "split"}
 
 
 # ----------------------------------------------------------------------------- what reaches the shell
