@@ -27,6 +27,8 @@ start=$(date +%s)
 test -x "$VENV/bin/python" || python3 -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q -e '.[gpu]'
+# suffix decoding (vLLM's `suffix` method): arctic-inference from its source distribution, as `make setup`
+bash scripts/install-arctic.sh "$VENV"
 echo "gpu-check: installed the gpu extra into $VENV in $(( $(date +%s) - start )) s" | tee "$OUT/install.txt"
 
 # The rules call `draftsmith`: the GPU venv's, first on PATH.
