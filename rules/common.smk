@@ -267,15 +267,16 @@ def offline_num_prompts(name):
 
 
 def offline_options(wildcards):
-    """What the offline job of a held-out set measures. With vLLM, the judged numbers (trained, untrained,
-    n-gram on every prompt) come from vLLM and the offline run is the contract check: the trained drafter
-    alone, lossless and accepted as in vLLM, on the first evaluate.offline_num_prompts prompts. Without
-    vLLM, the offline run measures everything."""
+    """What the offline job of a held-out set measures. With vLLM, the judged numbers (every method on
+    every prompt) come from vLLM and the offline run is the contract check: the trained drafter (and
+    suffix decoding's offline twin), lossless and accepted as in vLLM, on the first
+    evaluate.offline_num_prompts prompts. Without vLLM, the offline run measures everything."""
     evaluate = config["evaluate"]
-    if evaluate["vllm"]:
-        return ["--num-prompts", str(offline_num_prompts(wildcards.heldout)), "--no-ngram", "--no-suffix"]
-    ngram = "--ngram" if evaluate["ngram"] else "--no-ngram"
+    # suffix decoding's offline twin joins the contract check: its tau gap to vLLM's is a warning
     suffix = "--suffix" if evaluate["suffix"] else "--no-suffix"
+    if evaluate["vllm"]:
+        return ["--num-prompts", str(offline_num_prompts(wildcards.heldout)), "--no-ngram", suffix]
+    ngram = "--ngram" if evaluate["ngram"] else "--no-ngram"
     return ["--num-prompts", str(set_num_prompts(wildcards.heldout)), ngram, suffix]
 
 
