@@ -31,6 +31,8 @@ CONFIG = [
     "prompts={max_prompts: 6, num_heldout: 2}",
     "generate={max_new_tokens: 16}",
     "resources={extract: {threads: 1, gpus: 2}}",
+    # what this test compares is the runs, not the methods: no suffix decoding, no re-measured draft lengths
+    "evaluate={suffix: false, remeasure_chosen_k: false}",
 ]
 DATA = ["results/data_config.json", "results/vocab_map.pt"]
 RUN_TIMEOUT_S = 900
