@@ -52,7 +52,8 @@ CONFIG_FILES = ["config.yaml", *(f"configs/{p.name}" for p in sorted((REPO / "co
 # The settings section behind each command's --settings JSON.
 SETTINGS_SECTION = {"target": "target", "prompts": "prompts", "generate": "generate", "tokenize": "extract",
                     "extract": "extract", "manifest": "extract", "vocab": "vocab", "train": "train",
-                    "untrained-drafter": "train"}  # fmt: skip
+                    "untrained-drafter": "train", "evaluate": "evaluate", "evaluate-vllm": "evaluate",
+                    "eval-summary": "evaluate"}  # fmt: skip
 
 
 def _fenced_and_prose(text: str) -> tuple[list[str], str]:
