@@ -984,6 +984,12 @@ def _eval_settings(kw: dict[str, Any], *keys: str, settings_only: tuple[str, ...
 )
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Result JSON to write.")
 @setting("evaluate", "seed", "--seed", help="Sampling seed (temperature > 0).")
+@setting(
+    "evaluate",
+    "hybrid",
+    "--hybrid/--no-hybrid",
+    help="Also suffix decoding, else the drafter (offline only).",
+)
 @click.option("--threads", type=click.IntRange(min=1), help=THREADS_HELP)
 @setting(
     "resources.evaluate", "gpus", "--gpus", help="GPUs of this job: target and drafters run on the first."
@@ -999,7 +1005,7 @@ def evaluate(target_path: str, drafter: str, untrained: str | None, prompts_path
     """
     from draftsmith.evaluate import NotLossless, evaluate_offline, offline_device
 
-    _eval_settings(kw, "seed")
+    _eval_settings(kw, "seed", "hybrid")
     drafters = _drafters(drafter, untrained, target_path)  # a broken export: one line, before any load
     _warn_draft_positions(drafter, kw["num_draft_tokens"])
     try:

@@ -12,6 +12,8 @@ tensor parallel degree, concurrency B, context length) one decode step of a meth
     plain          t_forward(target, 1)
     EAGLE-3 at k   t_forward(target, 1 + k) + k x t_forward(drafter, 1)      k sequential drafter passes
     n-gram, suffix t_forward(target, 1 + k x draft share) + B x lookup time   no model weights read
+    hybrid at k    t_forward(target, 1 + k x draft share) + B x lookup time + the drafter's passes: k on
+                   the steps it drafts (the tree had nothing), 1 on the others (it catches up every step)
 
     projected speedup = tokens per target forward (at k) x t_plain / t_step(method, k)
 
@@ -126,17 +128,23 @@ def step_seconds(
     point: ServingPoint,
     drafter: ModelCost | None = None,
     draft_share: float = 1.0,
+    drafter_share: float = 1.0,
 ) -> float:
     """One decode step of a method at draft length k (k = 0: plain decoding). kind: eagle3 (a drafter
-    with k sequential passes), or a free method (ngram, suffix) that drafts on `draft_share` of steps."""
+    with k sequential passes), a free method (ngram, suffix) that drafts on `draft_share` of steps, or
+    hybrid (suffix decoding, the drafter on `drafter_share` of steps)."""
     if k == 0 or kind == "plain":
         return forward_seconds(target, point, 1)
+    lookup = point.concurrency * point.lookup_us * 1e-6
     if kind in FREE_METHODS:
-        verify = forward_seconds(target, point, 1 + k * draft_share)
-        return verify + point.concurrency * point.lookup_us * 1e-6
+        return forward_seconds(target, point, 1 + k * draft_share) + lookup
     if drafter is None:
         raise ValueError(f"method {kind!r} drafts with a model: its cost needs the drafter's shape")
-    return forward_seconds(target, point, 1 + k) + k * forward_seconds(drafter, point, 1)
+    one_pass = forward_seconds(drafter, point, 1)
+    if kind == "hybrid":
+        passes = drafter_share * k + (1.0 - drafter_share)
+        return forward_seconds(target, point, 1 + k * draft_share) + lookup + passes * one_pass
+    return forward_seconds(target, point, 1 + k) + k * one_pass
 
 
 def projected_speedup(
@@ -147,10 +155,10 @@ def projected_speedup(
     point: ServingPoint,
     drafter: ModelCost | None = None,
     draft_share: float = 1.0,
+    drafter_share: float = 1.0,
 ) -> float:
     """Tokens per unit of time relative to plain decoding at the serving point."""
-    plain = step_seconds("plain", 0, target, point)
-    return tokens_per_forward * plain / step_seconds(kind, k, target, point, drafter, draft_share)
+    return tokens_per_forward * speedup_factor(kind, k, target, point, drafter, draft_share, drafter_share)
 
 
 # ------------------------------------------------------------------------------------ draft length
@@ -289,11 +297,12 @@ def speedup_factor(
     point: ServingPoint,
     drafter: ModelCost | None = None,
     draft_share: float = 1.0,
+    drafter_share: float = 1.0,
 ) -> float:
     """t_plain / t_step: what one unit of tokens per target forward is worth at the point (so that
     projected speedup = tokens per target forward x this factor, and an interval on the one scales)."""
     plain = step_seconds("plain", 0, target, point)
-    return plain / step_seconds(kind, k, target, point, drafter, draft_share)
+    return plain / step_seconds(kind, k, target, point, drafter, draft_share, drafter_share)
 
 
 def counts_at(rows: Sequence[dict[str, Any]], k: int) -> tuple[list[int], list[float]]:
@@ -318,11 +327,15 @@ def draft_length_options(
     drafts = sum(int(r["drafts"]) for r in rows)
     measured_forwards = sum(int(r["forwards"]) for r in rows)
     share = drafts / measured_forwards if measured_forwards else 0.0
+    # the hybrid's drafter drafts on the steps the suffix tree left empty (per-prompt drafter_steps)
+    drafter_share = (
+        sum(int(r.get("drafter_steps", 0)) for r in rows) / measured_forwards if measured_forwards else 0.0
+    )
     options = []
     for k in range(1, max_k + 1):
         tokens, forwards = counts_at(rows, k)
         per_forward = sum(tokens) / sum(forwards) if sum(forwards) else 1.0
-        factors = [speedup_factor(kind, k, target, p, drafter, share) for p in points]
+        factors = [speedup_factor(kind, k, target, p, drafter, share, drafter_share) for p in points]
         options.append({
             "k": k,
             "tokens_per_forward": per_forward,

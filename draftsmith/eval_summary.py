@@ -31,7 +31,7 @@ from draftsmith.gate import (
     verdict,
 )
 from draftsmith.methods import PLAIN, method, ordered
-from draftsmith.projection import set_projection, summary_of
+from draftsmith.projection import method_projection, set_projection, summary_of
 from draftsmith.stats import bootstrap_ratio
 
 
@@ -127,7 +127,11 @@ def summary_rows(
                 m = data["methods"].get(key)
                 if m is None:
                     continue
-                serving = summary_of(projected.get("methods", {}).get(key)) if by == judged else None
+                p = projected.get("methods", {}).get(key)
+                mine = p is not None and (
+                    p.get("measured_by") == by if p.get("projection_only") else by == judged
+                )
+                serving = summary_of(p) if mine else None
                 rows.append({
                     "heldout": heldout, "method": method(key).label, "key": key, "measured_by": by,
                     "prompts": data["num_prompts"], "tokens": m["tokens"], "forwards": m["forwards"],
@@ -196,9 +200,22 @@ def project_sets(
     for heldout, results in sets.items():
         data = results["vllm"] if results.get("vllm") else results["offline"]
         context = data.get("context_tokens") or _offline_context(results["offline"])
-        out[heldout] = set_projection(
-            data, target, costs, serving_points(serving, context), settings.bootstrap
-        )
+        points = serving_points(serving, context)
+        out[heldout] = set_projection(data, target, costs, points, settings.bootstrap)
+        # the hybrid (suffix decoding, else the drafter) is measured offline only: a projection, never ranked
+        offline = results["offline"] if results.get("offline_measured", True) else {}
+        hybrid = (offline.get("methods") or {}).get("hybrid")
+        if hybrid and "eagle3" in costs:
+            projected = method_projection(
+                "hybrid", hybrid, int(offline["num_draft_tokens"]), target, points, costs["eagle3"],
+                settings.bootstrap,
+            )  # fmt: skip
+            if projected is not None:
+                out[heldout]["methods"]["hybrid"] = {
+                    **projected,
+                    "projection_only": True,
+                    "measured_by": "offline",
+                }
     return out
 
 

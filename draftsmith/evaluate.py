@@ -41,6 +41,8 @@ import torch
 from draftsmith.atomic import write_json
 from draftsmith.chat import eos_token_ids
 from draftsmith.speculate import (
+    Eagle3Proposer,
+    HybridProposer,
     NgramProposer,
     SpecResult,
     SuffixProposer,
@@ -250,12 +252,15 @@ def evaluate_offline(
     suffix: bool = False,
     ngram_lookup: dict[str, int] | None = None,
     suffix_decoding: dict[str, Any] | None = None,
+    hybrid: bool = False,
 ) -> dict[str, Any]:
     """Plain vs speculative decoding of the held-out prompts with each drafter export in `drafters`
     ({"eagle3": trained, "untrained": ...}), with `ngram` n-gram prompt lookup (`ngram_lookup`: min and
-    max) and with `suffix` suffix decoding (`suffix_decoding`: evaluate.suffix_decoding, through the
-    same Arctic Inference calls as vLLM). Writes out_path (JSON) and returns it; then raises NotLossless
-    when a greedy output differs from plain decoding.
+    max), with `suffix` suffix decoding (`suffix_decoding`: evaluate.suffix_decoding, through the
+    same Arctic Inference calls as vLLM) and with `hybrid` the two together (suffix decoding where its
+    tree drafts, the trained drafter elsewhere: no engine serves it from these exports, so it is
+    measured here only). Writes out_path (JSON) and returns it; then raises NotLossless when a greedy
+    output differs from plain decoding.
 
     temperature > 0 samples instead (speculative sampling, lossless in distribution, not token for
     token); each prompt and method gets its own seeded generator, so reruns repeat exactly.
@@ -288,6 +293,11 @@ def evaluate_offline(
     if suffix:
         proposers["suffix"] = SuffixProposer(**(suffix_decoding or {}))
         aux_ids["suffix"] = []
+    if hybrid and "eagle3" in proposers:
+        proposers["hybrid"] = HybridProposer(
+            SuffixProposer(**(suffix_decoding or {})), Eagle3Proposer(proposers["eagle3"], embed)
+        )
+        aux_ids["hybrid"] = aux_ids["eagle3"]
     eos = eos_token_ids(tokenizer, getattr(target, "generation_config", None))
     prompts = read_eval_prompts(prompts_path, num_prompts)
     encoded = encode_prompts(tokenizer, prompts)
@@ -314,6 +324,7 @@ def evaluate_offline(
     seconds: dict[str, list[float]] = {name: [] for name in proposers}
     mismatches: dict[str, list[dict]] = {name: [] for name in proposers}
     per_prompt: list[dict[str, Any]] = []
+    hybrid_steps: list[int] = []  # per prompt: steps the hybrid's drafter drafted
     bar = tqdm(list(enumerate(zip(prompts, encoded, strict=True))), desc="evaluate", unit="prompt")
     for i, (prompt, ids_list) in bar:
         ids = torch.tensor([ids_list], device=device)
@@ -327,6 +338,8 @@ def evaluate_offline(
             res = run(name, ids, max_new_tokens, gen(i, j))
             seconds[name].append(time.perf_counter() - t0)
             results[name].append(res)
+            if name == "hybrid":  # which proposer drafted each step of this prompt
+                hybrid_steps.append(proposers[name].sources.count("drafter"))
             miss = _mismatch(prompt["id"], plain, res.tokens) if greedy else None
             if miss:
                 mismatches[name].append(miss)
@@ -340,13 +353,19 @@ def evaluate_offline(
     methods = {}
     for name in proposers:
         methods[name] = {
-            "kind": name if name in ("ngram", "suffix") else "eagle3",
+            "kind": name if name in ("ngram", "suffix", "hybrid") else "eagle3",
             "drafter": str(drafters[name]) if name in drafters else None,
             **({"aux_layer_ids": aux_ids[name]} if name in drafters else {}),
             **({"settings": dict(lookup)} if name == "ngram" else {}),
             **({"settings": dict(suffix_decoding or {})} if name == "suffix" else {}),
             **method_summary(results[name], seconds[name], plain_tps, num_draft_tokens),
-            "per_prompt": [prompt_counts(p["id"], r) for p, r in zip(prompts, results[name], strict=True)],
+            "per_prompt": [
+                {
+                    **prompt_counts(p["id"], r),
+                    **({"drafter_steps": hybrid_steps[i]} if name == "hybrid" else {}),
+                }
+                for i, (p, r) in enumerate(zip(prompts, results[name], strict=True))
+            ],
             "lossless": (not mismatches[name]) if greedy else None,
             "mismatches": mismatches[name],
         }

@@ -22,6 +22,7 @@ METHODS = {
         Method("untrained", "untrained drafter", "untrained", "tab:gray"),
         Method("ngram", "n-gram lookup", "n-gram", "tab:purple"),
         Method("suffix", "suffix decoding", "suffix", "tab:orange"),
+        Method("hybrid", "hybrid: suffix decoding, else the drafter", "hybrid", "tab:brown"),
     )
 }
 ORDER = tuple(METHODS)

@@ -178,6 +178,12 @@ def _footnote(summary: dict[str, Any]) -> str:
             "acceptance at K (est.) or re-measured in vLLM at k. Speed measured here on a CPU is not that "
             "hardware."
         )
+    if any(r.get("key") == "hybrid" for r in summary.get("rows", [])):
+        lines.append(
+            "hybrid (suffix decoding where its tree drafts, the trained drafter elsewhere, as TensorRT-LLM "
+            "combines EAGLE-3 with a suffix automaton): measured offline on the contract-check prompts only, "
+            "a projection, never ranked; no engine serves it from these exports."
+        )
     return "\n".join(lines)
 
 

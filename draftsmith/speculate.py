@@ -479,6 +479,34 @@ class SuffixProposer:
         return [int(t) for t in draft.token_ids][:k]
 
 
+class HybridProposer:
+    """Suffix decoding where its tree has a draft, the EAGLE-3 drafter where it has none (TensorRT-LLM's
+    `Eagle3DecodingConfig(use_sa_spec=True)` idea, with Arctic Inference's suffix trees): the drafter
+    catches up on every step (its cache must follow the sequence) but drafts only on the steps the tree
+    left empty. `sources` records which drafted each step ("suffix" or "drafter")."""
+
+    def __init__(self, suffix: SuffixProposer, drafter: Eagle3Proposer):
+        self.suffix, self.drafter = suffix, drafter
+        self.sources: list[str] = []
+
+    def reset(self, prompt_ids: Sequence[int] = ()) -> None:
+        self.suffix.reset(prompt_ids)
+        self.drafter.reset(prompt_ids)
+        self.sources = []
+
+    def catch_up(self, aux: Tensor, next_ids: Tensor, positions: Tensor) -> None:
+        self.suffix.catch_up(aux, next_ids, positions)
+        self.drafter.catch_up(aux, next_ids, positions)
+
+    def propose(self, k: int) -> list[int]:
+        drafts = self.suffix.propose(k)
+        if drafts:
+            self.sources.append("suffix")
+            return drafts
+        self.sources.append("drafter")
+        return self.drafter.propose(k)
+
+
 # ----------------------------------------------------------------------------- decoding
 
 

@@ -274,10 +274,11 @@ def offline_options(wildcards):
     evaluate = config["evaluate"]
     # suffix decoding's offline twin joins the contract check: its tau gap to vLLM's is a warning
     suffix = "--suffix" if evaluate["suffix"] else "--no-suffix"
+    hybrid = "--hybrid" if evaluate["hybrid"] else "--no-hybrid"
     if evaluate["vllm"]:
-        return ["--num-prompts", str(offline_num_prompts(wildcards.heldout)), "--no-ngram", suffix]
+        return ["--num-prompts", str(offline_num_prompts(wildcards.heldout)), "--no-ngram", suffix, hybrid]
     ngram = "--ngram" if evaluate["ngram"] else "--no-ngram"
-    return ["--num-prompts", str(set_num_prompts(wildcards.heldout)), ngram, suffix]
+    return ["--num-prompts", str(set_num_prompts(wildcards.heldout)), ngram, suffix, hybrid]
 
 
 def gate_modes():

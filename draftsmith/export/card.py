@@ -140,6 +140,17 @@ def speed_section(summary: dict[str, Any]) -> list[str]:
             measured = f"{m['speedup']:.2f}x" if m.get("speedup") is not None else "-"
             lines.append(f"| {name} | {method(key).label} | {m.get('k')} | {at_k} | " + " | ".join(cells)
                          + f" | {measured} |")  # fmt: skip
+    for r in summary.get("rows", []):  # measured offline only: shown, never ranked
+        if r.get("key") == "hybrid" and r.get("serving"):
+            sv = r["serving"]
+            cells = [f"{v:.2f}x [{iv[0]:.2f}, {iv[1]:.2f}]"
+                     for v, iv in zip(sv["projected_speedup"], sv["projected_intervals"], strict=False)]  # fmt: skip
+            lines.append(
+                f"| {r['heldout']} | {method('hybrid').label} (projection only: offline, {r['prompts']} prompts) | "
+                f"{sv['k']} | {_num(sv['tokens_per_forward'])}{_interval(sv['tokens_per_forward_interval'])} | "
+                + " | ".join(cells)
+                + " | - |"
+            )
     return lines + [""]
 
 

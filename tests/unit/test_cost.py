@@ -151,3 +151,13 @@ def test_serving_points_from_the_settings():
     assert points[0].bytes_per_parameter == 1 and points[0].lookup_us == 5
     with pytest.raises(ValueError, match="evaluate.serving.device: unknown device 'TPU'"):
         serving_points({**serving, "device": "TPU"}, 100)
+
+
+def test_the_hybrid_pays_full_drafter_passes_only_where_the_drafter_drafts():
+    p = point()
+    one_pass = forward_seconds(EAGLE3_8B, p, 1)
+    base = step_seconds("suffix", 3, LLAMA_8B, p, draft_share=1.0)
+    # the drafter drafts on a quarter of the steps (k passes) and catches up on the rest (1 pass)
+    hybrid = step_seconds("hybrid", 3, LLAMA_8B, p, EAGLE3_8B, draft_share=1.0, drafter_share=0.25)
+    assert hybrid == pytest.approx(base + (0.25 * 3 + 0.75) * one_pass)
+    assert base < hybrid < step_seconds("eagle3", 3, LLAMA_8B, p, EAGLE3_8B) + p.lookup_us * 1e-6

@@ -211,7 +211,7 @@ def offline(pipeline, untrained) -> Path:
 
 def test_offline_measures_every_method_losslessly(offline):
     data = json.loads(offline.read_text())
-    assert list(data["methods"]) == ["eagle3", "untrained", "ngram", "suffix"]
+    assert list(data["methods"]) == ["eagle3", "untrained", "ngram", "suffix", "hybrid"]
     assert data["num_prompts"] == 2 and data["prompt_ids"] == ["p0", "p1"]
     assert len(data["plain"]["outputs"]) == 2 and data["plain"]["tokens"] == sum(
         map(len, data["plain"]["outputs"])
@@ -442,7 +442,7 @@ def test_summary_report_and_gate(pipeline, offline, untrained, tmp_path):
     assert not summary["gate_passed"] and "Gate: FAILED" in (out / "summary.html").read_text()
     assert summary["verdict"]["per_set"][0]["deploy"] == "n-gram lookup"
     printed = cli("gate", out / "summary.json", "--out", tmp_path / "never.json", code=EXIT_GATE)
-    diagnosis = printed[printed.index("check ") :].splitlines()
+    diagnosis = printed[printed.index("\ncheck ") + 1 :].splitlines()
     assert diagnosis[1].startswith("beats_free (split)") and "FAIL" in diagnosis[1]
     # on the hand-written prompts the tiny drafter's passes cost more than the free methods save: it fails too
     assert "the acceptance gate failed on 2 check(s): beats_free (split)" in printed

@@ -452,6 +452,19 @@ def test_suffix_speculation_is_lossless_and_drafts_from_the_sequence_itself(targ
     assert fresh.propose(3) == []
 
 
+def test_the_hybrid_drafts_with_the_tree_else_the_drafter_losslessly(target, drafter):
+    from draftsmith.speculate import Eagle3Proposer, HybridProposer
+
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 9, 5, 6]])
+    plain = greedy_decode(target, ids, 30, eos_ids=[])
+    hybrid = HybridProposer(SuffixProposer(), Eagle3Proposer(drafter, target.get_input_embeddings()))
+    res = speculative_decode(target, hybrid, None, AUX, ids, 30, 3, eos_ids=[])
+    assert res.tokens == plain
+    assert len(hybrid.sources) == res.steps and set(hybrid.sources) <= {"suffix", "drafter"}
+    # the drafter drafts every step the tree left empty: every step drafted something
+    assert "drafter" in hybrid.sources and res.drafts == res.steps
+
+
 # ----------------------------------------------------------------------------- speculative sampling
 
 
