@@ -116,24 +116,36 @@ def url_error(value: str) -> str | None:
     return None
 
 
-# vllm-server flags the workflow sets itself: what it serves, where it listens and who may call it.
-RESERVED_SERVER_ARGS = ("--model", "--host", "--port", "--uds", "--api-key", "--served-model-name")
+# vllm-server flags the workflow sets itself: what it serves, under what name, where it listens and who
+# may call it; and --config, a YAML file whose keys vLLM reads as more flags (any of the above).
+RESERVED_SERVER_ARGS = (
+    "--model", "--host", "--port", "--uds", "--api-key", "--served-model-name", "--config",
+)  # fmt: skip
+
+
+def server_flag(arg: str) -> str | None:
+    """The long option vLLM's parser (FlexibleArgumentParser) reads in `arg`, or None for a value or a
+    short option: the name before `=` and before the first `.` (`--api-key.x v` is the JSON form of
+    --api-key), with `_` read as `-` (`--api_key`)."""
+    if not arg.startswith("--") or arg == "--":
+        return None
+    return arg.split("=", 1)[0].split(".", 1)[0].replace("_", "-")
 
 
 def server_args_error(args: list[Any]) -> str | None:
-    """Why `generate.server_args` may not be given to the vllm-server, or None. vLLM's parser takes any
-    unambiguous abbreviation (`--hos`), so a prefix of a reserved flag is one too."""
-    flags = [str(a).split("=", 1)[0] for a in args]
+    """Why `generate.server_args` may not be given to the vllm-server, or None. Read as vLLM reads
+    them (server_flag); argparse takes any unambiguous abbreviation (`--hos`), so a prefix of a reserved
+    flag is refused too."""
     taken = [
         str(a)
-        for a, flag in zip(args, flags, strict=True)
-        if flag.startswith("--") and len(flag) > 2 and any(r.startswith(flag) for r in RESERVED_SERVER_ARGS)
+        for a in args
+        if (flag := server_flag(str(a))) and any(r.startswith(flag) for r in RESERVED_SERVER_ARGS)
     ]
     if not taken:
         return None
     return (
         f"{', '.join(taken)}: set by the workflow (the server listens on generate.server_host, a free "
-        "port, with a new API key per run)"
+        "port, with a new API key per run, and serves the target under its own name; no --config file)"
     )
 
 

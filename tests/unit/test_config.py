@@ -27,6 +27,7 @@ from draftsmith.config import (
     schema,
     section_defaults,
     section_errors,
+    server_args_error,
     target_checks,
     text_config_json,
     url_error,
@@ -348,6 +349,46 @@ def test_server_args_that_move_the_address_or_set_the_key_are_config_errors():
     )
     assert errors == [
         "generate.server_args: --host, --api-key=k: set by the workflow (the server listens on "
-        "generate.server_host, a free port, with a new API key per run)"
+        "generate.server_host, a free port, with a new API key per run, and serves the target under its "
+        "own name; no --config file)"
     ]
     assert config_errors({"generate": {"server_args": ["--enforce-eager"], "server_host": "0.0.0.0"}}) == []
+
+
+# Each form vLLM's FlexibleArgumentParser reads as a reserved flag: `_` for `-`, `=`, the dotted JSON
+# form, argparse abbreviations, and --config (a YAML file of flags).
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--api_key", ""],
+        ["--api_key=k"],
+        ["--api-key.x", "k"],
+        ["--api-k", "k"],
+        ["--served_model_name", "x"],
+        ["--served-model", "x"],
+        ["--model=/other"],
+        ["--mode", "/other"],
+        ["--ho", "0.0.0.0"],
+        ["--port=1"],
+        ["--uds", "/tmp/s"],
+        ["--config", "f.yaml"],
+        ["--config=f.yaml"],
+        ["--conf", "f.yaml"],
+    ],
+)
+def test_every_form_vllm_reads_as_a_reserved_flag_is_refused(args):
+    error = server_args_error(["--enforce-eager", *args])
+    assert error is not None and error.startswith(f"{args[0]}: set by the workflow"), error
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--enforce-eager"],
+        ["--max-model-len", "4096", "--reasoning-parser", "qwen3"],
+        ["--model-impl", "transformers", "-tp", "2", "--hf-overrides.max_position_embeddings", "8"],
+        ["--compilation-config", '{"level": 0}', "--max_num_seqs=4"],
+    ],
+)
+def test_server_args_that_set_nothing_reserved_pass(args):
+    assert server_args_error(args) is None
