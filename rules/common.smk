@@ -20,6 +20,7 @@ from draftsmith.config import (
     target_checks,
     target_folder,
 )
+from draftsmith.digests import damage_under
 
 
 def config_layers():
@@ -50,7 +51,12 @@ stop_if_invalid(TARGET_ERRORS + combination_errors(config))
 # Every prompt file a job will read, read now (cluster jobs re-parse this file: the main process did it).
 INPUT_ERRORS, INPUT_WARNINGS = input_file_errors(config) if workflow.is_main_process else ([], [])
 stop_if_invalid(INPUT_ERRORS)
-for warning in TARGET_WARNINGS + INPUT_WARNINGS:
+# Intermediates changed since their stage wrote them (draftsmith.digests: a stat, a hash where the mtime
+# moved), found before a job that reads one is run and its outputs deleted.
+DAMAGED, DAMAGE_WARNINGS = damage_under("results") if workflow.is_main_process else ([], [])
+if DAMAGED:
+    sys.exit("damaged intermediate files:\n  " + "\n  ".join(DAMAGED))
+for warning in TARGET_WARNINGS + INPUT_WARNINGS + DAMAGE_WARNINGS:
     print(f"warning: {warning}", file=sys.stderr)
 # Jobs inherit this process's environment: every transformers / vLLM load of the target honours it
 # (draftsmith.target.TRUST_REMOTE_CODE_ENV; not imported here, torch would slow every parse).
