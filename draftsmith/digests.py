@@ -107,7 +107,9 @@ def damage(path: str | os.PathLike[str], max_bytes: int = CHECK_MAX_BYTES) -> tu
     if record is None or not path.is_file():
         return None, None
     stat = path.stat()
-    rerun = f"rerun that stage (snakemake --forcerun {record['stage']}) or delete the file"
+    # deleted, the file is made again by its rule, and what reads it reruns (a run that still finds it
+    # here, --forcerun included, stops at this check)
+    rerun = f"delete it and Snakemake reruns rule {record['stage']}"
     if stat.st_size != record["bytes"]:
         why = f"{stat.st_size:,} bytes where rule {record['stage']} wrote {record['bytes']:,}"
         return f"{path}: damaged ({why}); {rerun}", None
