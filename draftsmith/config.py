@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from functools import cache
@@ -13,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from draftsmith.hub import cached_file, hub_target_dir, is_hub_id
+from draftsmith.hub import cached_file, hub_target_dir, is_hub_id, offline
 
 SCHEMA_PATH = Path(__file__).with_name("config.schema.yaml")
 # The embedded default target: the `target` rule materialises it from `target.gguf_wheel`, and only it.
@@ -151,17 +152,37 @@ def server_args_error(args: list[Any]) -> str | None:
 
 # Checks of single values beyond what the schema can say, by key path: (the type checked, the check,
 # which gives the reason or None).
+def requirements_error(values: list[Any]) -> str | None:
+    """requirement_error of the first bad requirement of a list (prompts.code_wheels)."""
+    return next((reason for v in values if isinstance(v, str) and (reason := requirement_error(v))), None)
+
+
 VALUE_CHECKS = {
     ("target", "gguf_wheel"): (str, requirement_error),
     ("prompts", "sharegpt_wheel"): (str, requirement_error),
+    ("prompts", "code_wheels"): (list, requirements_error),
+    ("evaluate", "humaneval_wheel"): (str, requirement_error),
     ("generate", "base_url"): (str, url_error),
     ("generate", "server_args"): (list, server_args_error),
 }
 
 
+def nonfinite_errors(values: Any, prefix: str = "") -> list[str]:
+    """A line per NaN or infinity in `values` (YAML `.nan`, `.inf`): JSON Schema's bounds let them
+    through (nan > 0 is false, so is nan <= 0), and torch refuses them only in the job."""
+    if isinstance(values, dict):
+        return [e for k, v in values.items() for e in nonfinite_errors(v, f"{prefix}{k}.")]
+    if isinstance(values, list):
+        return [e for i, v in enumerate(values) for e in nonfinite_errors(v, f"{prefix.rstrip('.')}[{i}].")]
+    if isinstance(values, float) and not math.isfinite(values):
+        return [f"{prefix.rstrip('.')}: {values} is not a finite number"]
+    return []
+
+
 def value_errors(config: dict[str, Any], section: str | None = None) -> list[str]:
-    """VALUE_CHECKS on the values present in config (the whole config, or one section's values)."""
-    lines = []
+    """VALUE_CHECKS on the values present in config (the whole config, or one section's values), and
+    no NaN or infinity anywhere."""
+    lines = nonfinite_errors(config, f"{section}." if section else "")
     for (where, key), (kind, check) in VALUE_CHECKS.items():
         if section is None:
             values = config.get(where)
@@ -443,17 +464,17 @@ NAMED_HELDOUT_SETS = ("split", "handwritten", "humaneval")
 def input_file_errors(config: dict[str, Any]) -> tuple[list[str], list[str]]:
     """(errors, warnings) of the prompt files a validated config names, each read and validated as its
     job will read it: a bad line is "key: FILE:LINE: reason", at start, before any output is deleted."""
-    from draftsmith.prompts import PromptError, read_jsonl_prompts
+    from draftsmith.prompts import BUILTIN_PROMPTS, PromptError, check_heldout_size, read_jsonl_prompts
 
     prompts = config["prompts"]
     files = {}
     errors, warnings = [], []
     if prompts["source"] == "jsonl" and prompts["path"]:
         files["prompts.path"] = (prompts["path"], prompts["max_prompt_chars"])
-    path = prompts["path"]
-    if prompts["source"] == "dataset" and path and not Path(path).exists() and not is_hub_id(path):
-        # a local dataset is read by `datasets` in its job (seconds to import); a Hub id is fetched there
-        errors.append(f"prompts.path: {path}: no such file or folder, nor a Hub dataset id (owner/name)")
+    if prompts["source"] == "builtin":
+        files["prompts.max_prompt_chars"] = (str(BUILTIN_PROMPTS), prompts["max_prompt_chars"])
+    if prompts["source"] == "dataset" and prompts["path"]:
+        errors += dataset_errors(prompts["path"], prompts["revision"])
     if prompts["heldout_path"]:
         files["prompts.heldout_path"] = (prompts["heldout_path"], 0)
     for name, source in config["evaluate"]["heldout_sets"].items():
@@ -476,7 +497,47 @@ def input_file_errors(config: dict[str, Any]) -> tuple[list[str], list[str]]:
         if not usable:
             skipped = ", ".join(f"{n} {why.replace('_', ' ')}" for why, n in counts["skipped"].items())
             errors.append(f"{key}: {path}: no usable prompts (skipped: {skipped or 'none'})")
+        elif key in ("prompts.path", "prompts.max_prompt_chars") and not prompts["heldout_path"]:
+            # the split as the prompts job makes it: what the too-long filter left, capped by max_prompts
+            cap = prompts["max_prompts"]
+            selected = len(usable) if cap <= 0 else min(len(usable), cap)
+            if min(prompts["num_heldout"], selected - 1) <= 0:
+                try:
+                    check_heldout_size(0, prompts["num_heldout"], selected, path, counts["skipped"])
+                except PromptError as err:
+                    errors.append(f"prompts.num_heldout: {err}")
     return errors, warnings
+
+
+def dataset_errors(path: str, revision: str | None) -> list[str]:
+    """What the prompts job would refuse of `prompts.path` for source dataset, known at start: a local
+    JSON/CSV file that is not UTF-8 (up to INPUT_CHECK_MAX_BYTES), a missing file spelt like a Hub id
+    (`data/my.jsonl`), a Hub dataset not in the cache when HF_HUB_OFFLINE=1 forbids fetching it."""
+    from draftsmith.hub import is_cached, offline
+    from draftsmith.prompts import DATASET_BUILDERS
+
+    local = Path(path)
+    if local.is_file():
+        text_format = DATASET_BUILDERS.get(local.suffix.lower()) in ("json", "csv")
+        if text_format and local.stat().st_size <= INPUT_CHECK_MAX_BYTES:
+            data = local.read_bytes()
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError as err:
+                line = data.count(b"\n", 0, err.start) + 1
+                return [f"prompts.path: {path}:{line}: not valid UTF-8 (save the file as UTF-8)"]
+        return []
+    if local.exists():
+        return []
+    if not is_hub_id(path) or local.suffix.lower() in DATASET_BUILDERS:
+        # `data/prompts.jsonl` is spelt like owner/name, but no Hub dataset id ends in a file suffix
+        return [f"prompts.path: {path}: no such file or folder, nor a Hub dataset id (owner/name)"]
+    if offline() and not is_cached(path, "dataset", revision):
+        return [
+            f"prompts.path: Hugging Face dataset {path} is not in the Hub cache and HF_HUB_OFFLINE=1 forbids "
+            "downloading it"
+        ]
+    return []
 
 
 # ------------------------------------------------------------------------ checks against the target
@@ -587,7 +648,12 @@ def target_checks(config: dict[str, Any]) -> tuple[list[str], list[str]]:
         config_json = folder / "config.json"
         if not config_json.is_file():
             config_json = cached_file(model, "config.json", target.get("revision"))
-        if config_json is None:
+        if config_json is None and offline():
+            errors.append(
+                f"target.model: {model} is not a local folder; as a Hugging Face Hub id it is not in the Hub "
+                "cache and HF_HUB_OFFLINE=1 forbids downloading it"
+            )
+        elif config_json is None:
             warnings.append(
                 f"target.model: {model} is not a local folder; as a Hugging Face Hub id it is not downloaded "
                 f"yet: rule target fetches it into {folder}, and the checks against its config.json "

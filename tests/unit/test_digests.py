@@ -79,4 +79,3 @@ def test_a_stage_seals_only_when_it_returns(tmp_path):
     with pytest.raises(SystemExit):
         stage(out=str(out), fail=True)
     assert not sidecar(out).exists()  # a failed run leaves no digest of what it may have half-written
-
