@@ -851,8 +851,8 @@ def train(
         summary = run_train(
             manifest_path, vocab_path, out, checkpoints, metrics, settings, fresh=fresh, log_dir=log_dir
         )
-    except DataError as err:
-        _fail(str(err))
+    except DataError as err:  # the data given is unusable: bad input, as `draftsmith verify` says it
+        _fail(str(err), EXIT_BAD_INPUT)
     if os.environ.get("RANK", "0") == "0":
         acc = " ".join(f"{a:.3f}" for a in summary["train_acc"] if a is not None)
         agree = " ".join(f"{a:.3f}" for a in summary["train_agreement"] if a is not None)

@@ -7,6 +7,7 @@ import copy
 import json
 import math
 import re
+import sys
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -417,6 +418,26 @@ def locate(line: str, sources: list[ConfigSource]) -> str:
     key = line.split(": ", 1)[0]
     where = origin(tuple(key.split(".")), sources) if re.fullmatch(r"[\w.-]+", key) else ""
     return f"{where}: {line}" if where else line
+
+
+class StoppedAtStart(SystemExit):
+    """The workflow refused at parse time (rules/common.smk): exit status 2, bad input, as every
+    draftsmith command gives it; str() is the message, one line per problem."""
+
+    def __init__(self, head: str, lines: list[str]):
+        super().__init__(2)
+        self.message = f"{head}:\n  " + "\n  ".join(lines)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def stop_at_start(head: str, lines: list[str]) -> None:
+    """Print `lines` under `head` and stop with exit 2 (an int exit status prints nothing itself)."""
+    if lines:
+        error = StoppedAtStart(head, lines)
+        print(error, file=sys.stderr)
+        raise error
 
 
 def config_file_error(path: str | Path) -> str | None:

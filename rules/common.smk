@@ -17,6 +17,7 @@ from draftsmith.config import (
     locate,
     merge_sources,
     read_config_file,
+    stop_at_start,
     target_checks,
     target_folder,
 )
@@ -34,10 +35,9 @@ def config_layers():
 
 
 def stop_if_invalid(errors):
-    """One line per bad setting, each naming where it was set; Snakemake stops before any job runs or
-    any output is deleted."""
-    if errors:
-        sys.exit("invalid configuration:\n  " + "\n  ".join(locate(e, CONFIG_LAYERS) for e in errors))
+    """One line per bad setting, each naming where it was set; Snakemake stops (exit 2) before any job
+    runs or any output is deleted."""
+    stop_at_start("invalid configuration", [locate(e, CONFIG_LAYERS) for e in errors])
 
 
 # A short message naming each bad key and its file first; then validate() fills in the schema's defaults.
@@ -54,8 +54,7 @@ stop_if_invalid(INPUT_ERRORS)
 # Intermediates changed since their stage wrote them (draftsmith.digests: a stat, a hash where the mtime
 # moved), found before a job that reads one is run and its outputs deleted.
 DAMAGED, DAMAGE_WARNINGS = damage_under("results") if workflow.is_main_process else ([], [])
-if DAMAGED:
-    sys.exit("damaged intermediate files:\n  " + "\n  ".join(DAMAGED))
+stop_at_start("damaged intermediate files", DAMAGED)
 for warning in TARGET_WARNINGS + INPUT_WARNINGS + DAMAGE_WARNINGS:
     print(f"warning: {warning}", file=sys.stderr)
 # Jobs inherit this process's environment: every transformers / vLLM load of the target honours it

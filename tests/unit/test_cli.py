@@ -293,3 +293,16 @@ def test_bad_input_files_are_one_line_exit_2(tmp_path, case, said):
     assert result.exit_code == EXIT_BAD_INPUT, result.output
     assert said in result.output and "Traceback" not in result.output
     assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+def test_train_and_verify_give_the_same_exit_on_the_same_bad_manifest(tmp_path):
+    (tmp_path / "m.json").write_text("[1, 2]")
+    (tmp_path / "v.pt").write_bytes(b"x")
+    runner = CliRunner()
+    train = ["train", "--data", str(tmp_path / "m.json"), "--vocab", str(tmp_path / "v.pt")]
+    train += ["--out", str(tmp_path / "d"), "--checkpoints", str(tmp_path / "c")]
+    train += ["--metrics", str(tmp_path / "metrics.jsonl")]
+    for args in (train, ["verify", str(tmp_path / "m.json")]):
+        result = runner.invoke(main, args)
+        assert result.exit_code == EXIT_BAD_INPUT, (args[0], result.output)
+        assert "not a JSON object (a list)" in result.output and "Traceback" not in result.output
