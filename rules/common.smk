@@ -105,6 +105,12 @@ def trained_drafter_dir(wildcards, output):
     return os.path.dirname(output.drafter_config)
 
 
+def data_config(wildcards):
+    """results/data_config.json, through checkpoint manifest (rules/extract.smk): its readers are planned
+    again once it is written, and an identical manifest leaves them be (content decides, not mtime)."""
+    return checkpoints.manifest.get().output[0]
+
+
 def hidden_shards():
     """One extraction output per shard; the count comes from config so a dry-run shows every job."""
     return expand(

@@ -11,6 +11,7 @@ shards) and the outcome it must have. kill -9 during extraction is tests/e2e/tes
 | disk too small for a shard              | one line with the numbers, exit 1, nothing left behind        |
 | bad config values                       | the dry run fails naming the config key                       |
 | corrupt vocab_map.pt, mtime changed     | stopped at start naming it and rule vocab; the drafter kept    |
+| data_config.json deleted                | rebuilt to the same bytes; nothing after it reruns             |
 """
 
 import json
@@ -103,7 +104,7 @@ def test_a_damaged_intermediate_stops_the_run_at_start_and_keeps_what_reads_it(w
     kept = {p: p.read_bytes() for p in (run.results / "drafter").iterdir() if p.is_file()}
     for args in (("-n",), ()):
         result = run.snakemake(*args, check=False)
-        assert result.returncode != 0
+        assert result.returncode == 2
         out = _one_line_error(result)
         assert "results/vocab_map.pt: damaged (its sha256 differs from what rule vocab wrote)" in out, out
         assert "delete it and Snakemake reruns rule vocab" in out
@@ -113,6 +114,21 @@ def test_a_damaged_intermediate_stops_the_run_at_start_and_keeps_what_reads_it(w
     vocab.unlink()
     run.snakemake("results/vocab_map.pt")
     assert vocab.read_bytes() != bytes(data)
+
+
+def test_a_deleted_manifest_is_rebuilt_and_retrains_nothing(workflow):
+    """Content decides, not mtime: data_config.json deleted, the manifest is made again from the same
+    shards to the same bytes, and train, the evaluation and the export do not run again."""
+    run, _, _ = workflow
+    data = run.results / "data_config.json"
+    before = data.read_bytes()
+    later = [run.results / "drafter" / "model.safetensors", run.results / "eval" / "summary.json"]
+    stamps = [p.stat().st_mtime_ns for p in later]
+    data.unlink()
+    result = run.snakemake()
+    assert data.read_bytes() == before
+    assert [p.stat().st_mtime_ns for p in later] == stamps, result.stdout[-3000:]
+    assert "rule train:" not in result.stdout + result.stderr
 
 
 @pytest.mark.parametrize("command", ["evaluate", "evaluate-vllm"])

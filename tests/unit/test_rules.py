@@ -112,6 +112,18 @@ def test_a_finished_run_plans_nothing(finished):
     assert planned(finished, {}) == set()
 
 
+def test_a_deleted_manifest_is_made_again(finished, tmp_path):
+    """data_config.json is a checkpoint's output that rule all asks for: without it, the manifest is
+    planned; what reads it is judged again once it is written (tests/e2e/test_faults.py: identical, so
+    nothing retrains)."""
+    import shutil
+
+    workdir = tmp_path / "run"
+    shutil.copytree(finished, workdir, symlinks=True)
+    (workdir / "results" / "data_config.json").unlink()
+    assert "manifest" in planned(workdir, {})
+
+
 @pytest.mark.parametrize(
     ("stage", "key"), [(stage, key) for stage, knobs in OPERATIONAL.items() for key in knobs]
 )
