@@ -6,6 +6,7 @@ import contextlib
 import copy
 import json
 import math
+import os
 import re
 import sys
 from dataclasses import dataclass, field
@@ -247,6 +248,10 @@ def _types(spec: dict[str, Any]) -> list[str]:
     return [types] if isinstance(types, str) else types
 
 
+# How YAML writes null; `--config` hands a nested one over as this string.
+YAML_NULLS = ("null", "Null", "NULL", "~")
+
+
 def coerce_strings(
     config: dict[str, Any], spec: dict[str, Any] | None = None, only: Any = None
 ) -> dict[str, Any]:
@@ -263,6 +268,8 @@ def coerce_strings(
         if isinstance(value, str) and types and "string" not in types:
             with contextlib.suppress(yaml.YAMLError):
                 return yaml.safe_load(value)
+        if isinstance(value, str) and "null" in types and value in YAML_NULLS:
+            return None  # `target={gguf_wheel: null}` means no wheel, not a package named "null"
         return value
 
     for key, value in config.items():
@@ -469,11 +476,36 @@ def combination_errors(config: dict[str, Any]) -> list[str]:
         )
     if config["prompts"]["code_prompts"] and not config["prompts"]["code_wheels"]:
         errors.append("prompts.code_wheels: prompts.code_prompts asks for code prompts but names no wheel")
+    errors += wildcard_path_errors(config)
     evaluate = config["evaluate"]
     unknown = sorted(set(evaluate["set_num_prompts"]) - set(evaluate["heldout_sets"]))
     if unknown:
         errors.append(f"evaluate.set_num_prompts: {unknown} are not held-out sets (evaluate.heldout_sets)")
     return errors
+
+
+def workdir_path(path: str | Path) -> str:
+    """`path` relative to the working folder when it lies inside it, else absolute: how a packaged file
+    (the hand-written held-out set) enters a rule's input and params, so that a checkout moved or copied
+    with its working folder reruns nothing."""
+    path = Path(path).absolute()
+    return os.path.relpath(path) if path.is_relative_to(Path.cwd()) else str(path)
+
+
+def wildcard_path_errors(config: dict[str, Any]) -> list[str]:
+    """Paths that become a rule's input and hold '{' or '}': Snakemake would read `{x}` as a wildcard
+    and fail naming no setting."""
+    paths = {
+        "target.model": config["target"]["model"],
+        "prompts.path": config["prompts"]["path"],
+        "prompts.heldout_path": config["prompts"]["heldout_path"],
+        **{f"evaluate.heldout_sets.{k}": v for k, v in config["evaluate"]["heldout_sets"].items()},
+    }
+    return [
+        f"{key}: {path!r} holds '{{' or '}}', which Snakemake reads as a wildcard: rename or link the path"
+        for key, path in paths.items()
+        if isinstance(path, str) and ("{" in path or "}" in path)
+    ]
 
 
 # Prompt files up to this size are read at start (~1 s); a larger one is left to the job that reads it.

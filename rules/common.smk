@@ -20,6 +20,7 @@ from draftsmith.config import (
     stop_at_start,
     target_checks,
     target_folder,
+    workdir_path,
 )
 from draftsmith.digests import damage_under
 
@@ -217,7 +218,7 @@ def heldout_prompt_file(name):
     if source == "split":
         return "results/prompts/heldout.jsonl"
     if source == "handwritten":
-        return str(Path(draftsmith.__file__).parent / "data" / "heldout_handwritten.jsonl")
+        return workdir_path(Path(draftsmith.__file__).parent / "data" / "heldout_handwritten.jsonl")
     if source == "humaneval":
         return "resources/data/humaneval.jsonl"
     return source

@@ -94,6 +94,16 @@ def test_coerce_strings_reads_yaml_scalars_where_the_schema_wants_numbers():
     assert bad == {"train": {"lr": "[oops"}}  # left for validation to name
 
 
+def test_null_from_config_means_null_where_the_schema_allows_it():
+    """`--config "target={gguf_wheel: null}"` arrives as the string "null"; a string setting that
+    cannot be null keeps it."""
+    config = {"target": {"gguf_wheel": "null", "model": "null"}, "prompts": {"heldout_path": "~"}}
+    assert coerce_strings(config) == {
+        "target": {"gguf_wheel": None, "model": "null"},
+        "prompts": {"heldout_path": None},
+    }
+
+
 # ----------------------------------------------------------------------------- the target's config.json
 
 
@@ -459,3 +469,28 @@ def test_every_form_vllm_reads_as_a_reserved_flag_is_refused(args):
 )
 def test_server_args_that_set_nothing_reserved_pass(args):
     assert server_args_error(args) is None
+
+
+@pytest.mark.parametrize(
+    ("values", "key"),
+    [
+        ({"target": {"model": "models/{x}", "gguf_wheel": None}}, "target.model"),
+        ({"prompts": {"source": "jsonl", "path": "p{1}.jsonl"}}, "prompts.path"),
+        ({"prompts": {"heldout_path": "held}.jsonl"}}, "prompts.heldout_path"),
+        ({"evaluate": {"heldout_sets": {"mine": "{set}.jsonl"}}}, "evaluate.heldout_sets.mine"),
+    ],
+)
+def test_a_brace_in_a_path_is_named_not_taken_for_a_wildcard(values, key):
+    errors = combination_errors(filled(values))
+    assert any(e.startswith(f"{key}: ") and "Snakemake reads as a wildcard" in e for e in errors), errors
+
+
+def test_the_packaged_held_out_set_is_named_relative_to_a_working_folder_holding_it(tmp_path, monkeypatch):
+    """A moved or copied checkout gives the same params (the hand-written set reruns no evaluation)."""
+    from draftsmith.config import workdir_path
+
+    packaged = REPO / "draftsmith" / "data" / "heldout_handwritten.jsonl"
+    monkeypatch.chdir(REPO)
+    assert workdir_path(packaged) == "draftsmith/data/heldout_handwritten.jsonl"
+    monkeypatch.chdir(tmp_path)
+    assert workdir_path(packaged) == str(packaged)
