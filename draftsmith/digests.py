@@ -79,7 +79,10 @@ def sealed(stage: str, *options: str) -> Callable[[Callable[..., Any]], Callable
     def wrap(command: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(command)
         def run(*args: Any, **kw: Any) -> Any:
-            paths = [kw[name] for name in options if kw.get(name)]
+            # under torchrun only rank 0 writes the results, and only it seals them
+            paths = (
+                [kw[name] for name in options if kw.get(name)] if os.environ.get("RANK", "0") == "0" else []
+            )
             unseal(paths)
             result = command(*args, **kw)
             seal(paths, stage)
