@@ -520,7 +520,9 @@ def refused_or_planned(p: Probe, values: dict, *targets: str) -> str:
     proc = p.snakemake("-n", *targets, config=p.config(values))
     if proc.returncode:
         return f"refused at start, exit {proc.returncode}: {said(proc, 80)}"
-    rules = sorted(set(re.findall(r"^(?:local)?rule (\w+):", proc.stdout + proc.stderr, re.M)) - {"all"})
+    rules = sorted(
+        set(re.findall(r"^(?:local)?(?:rule|checkpoint) (\w+):", proc.stdout + proc.stderr, re.M)) - {"all"}
+    )
     return f"dry run passes (plans {', '.join(rules) or 'nothing'}): fails in its job"
 
 
@@ -766,7 +768,7 @@ def probe_moved_checkout(p: Probe) -> str:
     p.env = env
     if touched.returncode or proc.returncode:
         return f"probe failed: {said(touched if touched.returncode else proc)}"
-    rules = sorted(set(re.findall(r"^(?:local)?rule (\w+):", proc.stdout, re.M)) - {"all"})
+    rules = sorted(set(re.findall(r"^(?:local)?(?:rule|checkpoint) (\w+):", proc.stdout, re.M)) - {"all"})
     return f"reruns {', '.join(rules)}" if rules else "nothing reruns"
 
 

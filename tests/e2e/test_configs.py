@@ -47,8 +47,8 @@ def dry_run(name: str, workdir) -> list[dict]:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), cwd=workdir)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     jobs = []
-    for block in re.split(r"\n(?=\[[^\]]+\]\n(?:local)?rule )", proc.stdout + proc.stderr):
-        rule = re.search(r"^(?:local)?rule (\w+):", block, re.M)
+    for block in re.split(r"\n(?=\[[^\]]+\]\n(?:local)?(?:rule|checkpoint) )", proc.stdout + proc.stderr):
+        rule = re.search(r"^(?:local)?(?:rule|checkpoint) (\w+):", block, re.M)
         if not rule:
             continue
         gpu = re.search(r"resources: .*\bgpu=(\d+)", block)
