@@ -754,7 +754,7 @@ def probe_moved_checkout(p: Probe) -> str:
     p.folder("checkout/target", FAKE_TARGET)
     config = first / "probe.yaml"
     values = {"target": {"model": "target", "gguf_wheel": None}, "prompts": {"source": "builtin"}}
-    values["evaluate"] = {"heldout_sets": {"handwritten": "handwritten"}}
+    values["evaluate"] = {"heldout_sets": {"handwritten": "handwritten"}, "set_num_prompts": {}}
     config.write_text(yaml.safe_dump(values))
     env = dict(p.env)
     p.env = {**env, "PYTHONPATH": str(first)}
