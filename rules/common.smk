@@ -108,7 +108,7 @@ def trained_drafter_dir(wildcards, output):
 
 def data_config(wildcards):
     """results/data_config.json, through checkpoint manifest (rules/extract.smk): its readers are planned
-    again once it is written, and an identical manifest leaves them be (content decides, not mtime)."""
+    again once it is written, and an identical manifest does not retrain (content decides, not mtime)."""
     return checkpoints.manifest.get().output[0]
 
 

@@ -64,7 +64,8 @@ rule extract:
 
 
 # A checkpoint: the jobs that read the manifest are planned again once it is written, so a manifest
-# rebuilt to the same content (Snakemake compares the checksums of small inputs) reruns nothing after it.
+# rebuilt to the same content (Snakemake compares the checksums of small inputs) does not retrain.
+# (Jobs behind train keep the plan made before: the evaluation reruns.)
 checkpoint manifest:
     input:
         target=TARGET,
