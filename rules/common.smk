@@ -17,12 +17,15 @@ from draftsmith.config import (
     locate,
     merge_sources,
     read_config_file,
+    stop_at_start,
     target_checks,
     target_folder,
+    workdir_path,
 )
 from draftsmith.memory import device_memory, plan_config, uses_gpus
 from draftsmith.memory import refusal as memory_refusal
 from draftsmith.memory import table as memory_table
+from draftsmith.digests import damage_under
 
 
 def config_layers():
@@ -36,10 +39,9 @@ def config_layers():
 
 
 def stop_if_invalid(errors):
-    """One line per bad setting, each naming where it was set; Snakemake stops before any job runs or
-    any output is deleted."""
-    if errors:
-        sys.exit("invalid configuration:\n  " + "\n  ".join(locate(e, CONFIG_LAYERS) for e in errors))
+    """One line per bad setting, each naming where it was set; Snakemake stops (exit 2) before any job
+    runs or any output is deleted."""
+    stop_at_start("invalid configuration", [locate(e, CONFIG_LAYERS) for e in errors])
 
 
 # A short message naming each bad key and its file first; then validate() fills in the schema's defaults.
@@ -53,7 +55,11 @@ stop_if_invalid(TARGET_ERRORS + combination_errors(config))
 # Every prompt file a job will read, read now (cluster jobs re-parse this file: the main process did it).
 INPUT_ERRORS, INPUT_WARNINGS = input_file_errors(config) if workflow.is_main_process else ([], [])
 stop_if_invalid(INPUT_ERRORS)
-for warning in TARGET_WARNINGS + INPUT_WARNINGS:
+# Intermediates changed since their stage wrote them (draftsmith.digests: a stat, a hash where the mtime
+# moved), found before a job that reads one is run and its outputs deleted.
+DAMAGED, DAMAGE_WARNINGS = damage_under("results") if workflow.is_main_process else ([], [])
+stop_at_start("damaged intermediate files", DAMAGED)
+for warning in TARGET_WARNINGS + INPUT_WARNINGS + DAMAGE_WARNINGS:
     print(f"warning: {warning}", file=sys.stderr)
 # The pre-flight GPU memory plan (`draftsmith plan`): a GPU stage that cannot fit its device stops the
 # workflow here, before any job runs, instead of after a 25-minute weight load.
@@ -66,7 +72,7 @@ if workflow.is_main_process and uses_gpus(config):
     else:
         print(memory_table(GPU_PLAN, GPU_DEVICE), file=sys.stderr)
         if memory_refusal(GPU_PLAN, GPU_DEVICE):
-            sys.exit(f"GPU memory plan: {memory_refusal(GPU_PLAN, GPU_DEVICE)}")
+            stop_at_start("GPU memory plan", [memory_refusal(GPU_PLAN, GPU_DEVICE)])
 # Jobs inherit this process's environment: every transformers / vLLM load of the target honours it
 # (draftsmith.target.TRUST_REMOTE_CODE_ENV; not imported here, torch would slow every parse).
 TRUST_REMOTE_CODE = "1" if config["target"]["trust_remote_code"] else "0"
@@ -113,6 +119,12 @@ def drafter_dir(wildcards, input):
 def trained_drafter_dir(wildcards, output):
     """The folder the train job writes the drafter's files into (what its --out takes)."""
     return os.path.dirname(output.drafter_config)
+
+
+def data_config(wildcards):
+    """results/data_config.json, through checkpoint manifest (rules/extract.smk): its readers are planned
+    again once it is written, and an identical manifest does not retrain (content decides, not mtime)."""
+    return checkpoints.manifest.get().output[0]
 
 
 def hidden_shards():
@@ -221,7 +233,7 @@ def heldout_prompt_file(name):
     if source == "split":
         return "results/prompts/heldout.jsonl"
     if source == "handwritten":
-        return str(Path(draftsmith.__file__).parent / "data" / "heldout_handwritten.jsonl")
+        return workdir_path(Path(draftsmith.__file__).parent / "data" / "heldout_handwritten.jsonl")
     if source == "humaneval":
         return "resources/data/humaneval.jsonl"
     return source

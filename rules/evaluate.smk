@@ -73,7 +73,7 @@ rule humaneval_prompts:
 
 rule untrained_drafter:
     input:
-        data="results/data_config.json",
+        data=data_config,
         vocab="results/vocab_map.pt",
     output:
         directory("results/eval/untrained_drafter"),
@@ -179,7 +179,7 @@ rule eval_summary:
         **OFFLINE_EVAL,
         **VLLM_EVAL,
         **DRAFTER_FILES,
-        data="results/data_config.json",
+        data=data_config,
         target=TARGET,
         metrics="results/train/metrics.jsonl",
         # the model card's provenance: the draft vocabulary and where the prompts came from

@@ -63,7 +63,10 @@ rule extract:
         " --gpu-memory-utilization {resources.gpu_memory_utilization} 2>&1 | tee {log:q}"
 
 
-rule manifest:
+# A checkpoint: the jobs that read the manifest are planned again once it is written, so a manifest
+# rebuilt to the same content (Snakemake compares the checksums of small inputs) does not retrain.
+# (Jobs behind train keep the plan made before: the evaluation reruns.)
+checkpoint manifest:
     input:
         target=TARGET,
         shards=hidden_shards(),

@@ -1,6 +1,6 @@
 rule train:
     input:
-        data="results/data_config.json",
+        data=data_config,
         vocab="results/vocab_map.pt",
         # read through the manifest; listed so executors without a shared filesystem stage them
         shards=hidden_shards(),

@@ -213,6 +213,9 @@ def unreadable(export_dir: str | Path) -> list[str]:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raw = None
             problems.append(f"{cfg_path} is not valid JSON: {e}")
+        except RecursionError:
+            raw = None
+            problems.append(f"{cfg_path} is not readable JSON: nested too deeply")
         else:
             if not isinstance(raw, dict):
                 problems.append(f"{cfg_path} is not a JSON object of settings (a {type(raw).__name__})")

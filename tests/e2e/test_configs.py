@@ -190,8 +190,8 @@ def config_command(name: str) -> str | None:
 def jobs_of(proc: subprocess.CompletedProcess) -> list[dict]:
     """The planned jobs of a dry run: [{rule, gpu, shell}] in the order Snakemake prints them."""
     jobs = []
-    for block in re.split(r"\n(?=\[[^\]]+\]\n(?:local)?rule )", proc.stdout + proc.stderr):
-        rule = re.search(r"^(?:local)?rule (\w+):", block, re.M)
+    for block in re.split(r"\n(?=\[[^\]]+\]\n(?:local)?(?:rule|checkpoint) )", proc.stdout + proc.stderr):
+        rule = re.search(r"^(?:local)?(?:rule|checkpoint) (\w+):", block, re.M)
         if not rule:
             continue
         gpu = re.search(r"resources: .*\bgpu=(\d+)", block)

@@ -131,7 +131,7 @@ def test_killed_extraction_leaves_no_shard_and_the_rerun_redoes_only_it(tmp_path
         check=True,
     ).stdout
     assert planned_extract_shards(dry) == [1], dry[-3000:]
-    assert "rule manifest" in dry
+    assert "checkpoint manifest:" in dry
 
     # A killed snakemake leaves its lock behind: the documented recovery is --unlock, then rerun.
     subprocess.run(snakemake(tmp_path, target_model, "--unlock"), env=env, check=True, capture_output=True)

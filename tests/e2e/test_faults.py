@@ -10,9 +10,12 @@ shards) and the outcome it must have. kill -9 during extraction is tests/e2e/tes
 | missing drafter config.json             | evaluate / evaluate-vllm: one line, exit 2, before any model  |
 | disk too small for a shard              | one line with the numbers, exit 1, nothing left behind        |
 | bad config values                       | the dry run fails naming the config key                       |
+| corrupt vocab_map.pt, mtime changed     | stopped at start naming it and rule vocab; the drafter kept    |
+| data_config.json deleted                | rebuilt to the same bytes; train does not rerun                |
 """
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -88,6 +91,47 @@ def test_bit_rot_and_truncation_are_caught_and_only_damaged_shards_redone(workfl
     assert digests == [s["content_sha256"] for s in first["shards"]]  # bit-identical tensors
     verify = _run(["draftsmith", "verify", str(root / "results" / "data_config.json")])
     assert verify.returncode == 0, verify.stderr
+
+
+def test_a_damaged_intermediate_stops_the_run_at_start_and_keeps_what_reads_it(workflow):
+    """A corrupt vocab_map.pt with a new mtime: Snakemake would rerun train, deleting the drafter before
+    torch fails on the file. The digest its stage sealed it with stops the run at start, naming the file
+    and the stage to rerun; the drafter and its metrics stay."""
+    run, _, _ = workflow
+    vocab = run.results / "vocab_map.pt"
+    data = bytearray(vocab.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    vocab.write_bytes(bytes(data))  # same size, a new mtime
+    kept = {p: p.read_bytes() for p in (run.results / "drafter").iterdir() if p.is_file()}
+    for args in (("-n",), ()):
+        result = run.snakemake(*args, check=False)
+        assert result.returncode == 2
+        out = _one_line_error(result)
+        assert "results/vocab_map.pt: damaged (its sha256 differs from what rule vocab wrote)" in out, out
+        assert "delete it and Snakemake reruns rule vocab" in out
+    assert {p: p.read_bytes() for p in kept} == kept
+    assert (run.results / "train" / "metrics.jsonl").is_file()
+    # the named fix: without the file, the vocab stage makes it again (same tokens, same map)
+    vocab.unlink()
+    run.snakemake("results/vocab_map.pt")
+    assert vocab.read_bytes() != bytes(data)
+
+
+def test_a_deleted_manifest_is_rebuilt_and_does_not_retrain(workflow):
+    """Content decides, not mtime: data_config.json deleted, the manifest is made again from the same
+    shards to the same bytes and training does not run again. (The evaluation does: Snakemake planned it
+    behind train before the checkpoint was judged again, and keeps that plan.)"""
+    run, _, _ = workflow
+    data = run.results / "data_config.json"
+    before = data.read_bytes()
+    trained = ["drafter/model.safetensors", "drafter/config.json", "train/metrics.jsonl"]
+    stamps = {name: (run.results / name).stat().st_mtime_ns for name in trained}
+    data.unlink()
+    result = run.snakemake()
+    ran = re.findall(r"^(?:local)?(?:rule|checkpoint) (\w+):", result.stdout + result.stderr, re.M)
+    assert data.read_bytes() == before
+    assert "manifest" in ran and "train" not in ran, ran
+    assert {name: (run.results / name).stat().st_mtime_ns for name in trained} == stamps, ran
 
 
 @pytest.mark.parametrize("command", ["evaluate", "evaluate-vllm"])

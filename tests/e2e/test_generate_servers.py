@@ -217,6 +217,43 @@ def test_server_args_cannot_move_the_address_or_set_the_key(args):
     assert server_command("/m", 1234, host="0.0.0.0")[5:7] == ["--host", "0.0.0.0"]  # the explicit setting
 
 
+# What each refused form would have done in vLLM's own parser: (arguments, the setting it changes).
+RESERVED_FORMS = [
+    (["--api_key", ""], "api_key"),
+    (["--api_key=k"], "api_key"),
+    (["--api-key.x", "k"], "api_key"),
+    (["--api-k", "k"], "api_key"),
+    (["--served_model_name", "x"], "served_model_name"),
+    (["--served-model", "x"], "served_model_name"),
+    (["--ho", "0.0.0.0"], "host"),
+    (["--port=1234"], "port"),
+    (["--config=f.yaml"], "config"),
+]
+
+
+@pytest.mark.vllm
+def test_the_refused_server_args_are_what_vllms_parser_reads_as_the_reserved_settings(tmp_path):
+    """The check (draftsmith.config.server_args_error) against vLLM's FlexibleArgumentParser: each form
+    it refuses does set host, port, key, served name or config file there; a --config file sets the key."""
+    pytest.importorskip("vllm")
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from draftsmith.config import server_args_error
+
+    def parsed(args):
+        return vars(make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "/m", *args]))
+
+    plain = parsed([])
+    for args, dest in RESERVED_FORMS:
+        assert parsed(args)[dest] != plain[dest], args
+        assert server_args_error(args) is not None, args
+    config = tmp_path / "f.yaml"
+    config.write_text("api-key: from-a-file\n")
+    assert parsed(["--config", str(config)])["api_key"] == ["from-a-file"]
+    assert server_args_error(["--config", str(config)]) is not None
+
+
 def test_the_server_spans_the_jobs_gpus_with_expert_parallel_over_them():
     """resources.generate.gpus -> --tensor-parallel-size; with --enable-expert-parallel vLLM's MoE layers
     use EP = TP (draftsmith/backends/vllm_api.py checks that in vLLM's source); the memory share on GPUs."""

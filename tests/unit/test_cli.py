@@ -258,3 +258,51 @@ def test_a_vllm_that_did_not_start_is_one_line_exit_1(tmp_path, monkeypatch):
     assert result.output.strip() == (
         "error: vllm extraction of t: vLLM did not start: RuntimeError: expect weight to be bfloat16"
     )
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # deeper than Python's json can decode (RecursionError)
+
+
+def _deep_prompts(tmp_path: Path) -> list[str]:
+    (tmp_path / "deep.jsonl").write_text('{"messages": ' + DEEP + "}\n")
+    out = ["--out-train", str(tmp_path / "t.jsonl"), "--out-heldout", str(tmp_path / "h.jsonl")]
+    return ["prompts", "--source", "jsonl", "--path", str(tmp_path / "deep.jsonl"), *out]
+
+
+def _deep_export(tmp_path: Path) -> list[str]:
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "config.json").write_text('{"a": ' + DEEP + "}")
+    return ["check-export", str(tmp_path / "export")]
+
+
+def _gate_json(tmp_path: Path) -> list[str]:
+    (tmp_path / "gate.json").write_text(json.dumps({"passed": True, "verdict": {}, "checks": []}))
+    return ["gate", str(tmp_path / "gate.json")]
+
+
+@pytest.mark.parametrize(
+    ("case", "said"),
+    [
+        (_deep_prompts, "deep.jsonl:1: JSON nested too deeply to read"),
+        (_deep_export, "config.json is not readable JSON: nested too deeply"),
+        (_gate_json, "gate.json is not an evaluation summary this version reads"),
+    ],
+)
+def test_bad_input_files_are_one_line_exit_2(tmp_path, case, said):
+    result = CliRunner().invoke(main, case(tmp_path))
+    assert result.exit_code == EXIT_BAD_INPUT, result.output
+    assert said in result.output and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+def test_train_and_verify_give_the_same_exit_on_the_same_bad_manifest(tmp_path):
+    (tmp_path / "m.json").write_text("[1, 2]")
+    (tmp_path / "v.pt").write_bytes(b"x")
+    runner = CliRunner()
+    train = ["train", "--data", str(tmp_path / "m.json"), "--vocab", str(tmp_path / "v.pt")]
+    train += ["--out", str(tmp_path / "d"), "--checkpoints", str(tmp_path / "c")]
+    train += ["--metrics", str(tmp_path / "metrics.jsonl")]
+    for args in (train, ["verify", str(tmp_path / "m.json")]):
+        result = runner.invoke(main, args)
+        assert result.exit_code == EXIT_BAD_INPUT, (args[0], result.output)
+        assert "not a JSON object (a list)" in result.output and "Traceback" not in result.output

@@ -27,6 +27,7 @@ from draftsmith.config import (
     schema,
     section_defaults,
     section_errors,
+    server_args_error,
     target_checks,
     text_config_json,
     url_error,
@@ -91,6 +92,16 @@ def test_coerce_strings_reads_yaml_scalars_where_the_schema_wants_numbers():
     assert config == {"train": {"lr": 0.001, "max_steps": None}, "target": {"model": "123"}}
     bad = coerce_strings({"train": {"lr": "[oops"}})
     assert bad == {"train": {"lr": "[oops"}}  # left for validation to name
+
+
+def test_null_from_config_means_null_where_the_schema_allows_it():
+    """`--config "target={gguf_wheel: null}"` arrives as the string "null"; a string setting that
+    cannot be null keeps it."""
+    config = {"target": {"gguf_wheel": "null", "model": "null"}, "prompts": {"heldout_path": "~"}}
+    assert coerce_strings(config) == {
+        "target": {"gguf_wheel": None, "model": "null"},
+        "prompts": {"heldout_path": None},
+    }
 
 
 # ----------------------------------------------------------------------------- the target's config.json
@@ -300,7 +311,8 @@ def test_an_unreadable_config_file_names_its_line(tmp_path, text, fragment):
 
 def test_a_users_prompt_file_is_read_at_start_with_its_column_mapping(tmp_path):
     own = tmp_path / "own.jsonl"
-    own.write_text(json.dumps({"chat": [{"role": "user", "content": "Hi"}]}) + "\n")
+    # two prompts: one for training, one held out
+    own.write_text((json.dumps({"chat": [{"role": "user", "content": "Hi"}]}) + "\n") * 2)
     config = filled({"prompts": {"source": "jsonl", "path": str(own)}})
     errors, _ = input_file_errors(config)
     assert errors and errors[0].startswith(f"prompts.path: {own}:1: expected one of keys")
@@ -316,6 +328,72 @@ def test_a_dataset_is_named_by_a_local_path_or_a_hub_id(tmp_path):
     errors, _ = input_file_errors(filled({"prompts": {"source": "dataset", "path": missing}}))
     assert errors == [f"prompts.path: {missing}: no such file or folder, nor a Hub dataset id (owner/name)"]
     assert input_file_errors(filled({"prompts": {"source": "dataset", "path": "org/chats"}})) == ([], [])
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    """HF_HUB_OFFLINE=1 with an empty Hub cache."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    return tmp_path / "hub"
+
+
+def test_what_the_prompts_job_would_refuse_of_a_dataset_is_refused_at_start(tmp_path, offline_hub):
+    latin1 = tmp_path / "chats.jsonl"
+    latin1.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
+    errors, _ = input_file_errors(filled({"prompts": {"source": "dataset", "path": str(latin1)}}))
+    assert errors == [f"prompts.path: {latin1}:2: not valid UTF-8 (save the file as UTF-8)"]
+    # spelt like owner/name, but a file that is not there: no Hub dataset id ends in .jsonl
+    errors, _ = input_file_errors(filled({"prompts": {"source": "dataset", "path": "data/chats.jsonl"}}))
+    assert errors == [
+        "prompts.path: data/chats.jsonl: no such file or folder, nor a Hub dataset id (owner/name)"
+    ]
+    errors, _ = input_file_errors(filled({"prompts": {"source": "dataset", "path": "org/chats"}}))
+    assert errors == [
+        "prompts.path: Hugging Face dataset org/chats is not in the Hub cache and HF_HUB_OFFLINE=1 forbids "
+        "downloading it"
+    ]
+    (offline_hub / "datasets--org--chats" / "snapshots" / "abc").mkdir(parents=True)
+    assert input_file_errors(filled({"prompts": {"source": "dataset", "path": "org/chats"}})) == ([], [])
+
+
+def test_a_hub_target_missing_from_the_cache_offline_is_an_error_at_start(offline_hub):
+    errors, warnings = target_checks(filled({"target": {"model": "org/model", "gguf_wheel": None}}))
+    assert errors == [
+        "target.model: org/model is not a local folder; as a Hugging Face Hub id it is not in the Hub cache "
+        "and HF_HUB_OFFLINE=1 forbids downloading it"
+    ]
+
+
+def test_too_long_prompts_that_leave_no_held_out_prompt_are_refused_at_start(tmp_path):
+    rows = [{"prompt": "short"}, {"prompt": "x" * 500}, {"prompt": "y" * 500}]
+    own = tmp_path / "own.jsonl"
+    own.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prompts = {"source": "jsonl", "path": str(own), "max_prompt_chars": 100, "num_heldout": 2}
+    errors, _ = input_file_errors(filled({"prompts": prompts}))
+    assert len(errors) == 1 and errors[0].startswith(
+        f"prompts.num_heldout: {own}: 1 usable prompt(s) leave none for the held-out set"
+    )
+    assert "2 longer than prompts.max_prompt_chars" in errors[0]
+    assert input_file_errors(filled({"prompts": {**prompts, "max_prompt_chars": 0}})) == ([], [])
+    errors, _ = input_file_errors(filled({"prompts": {"source": "builtin", "max_prompt_chars": 5}}))
+    assert errors and errors[0].startswith("prompts.max_prompt_chars: ")
+
+
+@pytest.mark.parametrize(
+    ("values", "line"),
+    [
+        ({"train": {"lr": float("nan")}}, "train.lr: nan is not a finite number"),
+        ({"train": {"lr": float("inf")}}, "train.lr: inf is not a finite number"),
+        ({"evaluate": {"humaneval_wheel": "-r x"}}, "evaluate.humaneval_wheel: '-r x' begins with '-'"),
+        ({"prompts": {"code_wheels": ["ok==1", "bad wheel"]}}, "prompts.code_wheels: 'bad wheel' is not"),
+    ],
+)
+def test_values_a_job_would_refuse_are_config_errors(values, line):
+    errors = config_errors(values)
+    assert any(e.startswith(line) for e in errors), errors
 
 
 def test_settings_that_need_another_one_are_named():
@@ -348,6 +426,71 @@ def test_server_args_that_move_the_address_or_set_the_key_are_config_errors():
     )
     assert errors == [
         "generate.server_args: --host, --api-key=k: set by the workflow (the server listens on "
-        "generate.server_host, a free port, with a new API key per run)"
+        "generate.server_host, a free port, with a new API key per run, and serves the target under its "
+        "own name; no --config file)"
     ]
     assert config_errors({"generate": {"server_args": ["--enforce-eager"], "server_host": "0.0.0.0"}}) == []
+
+
+# Each form vLLM's FlexibleArgumentParser reads as a reserved flag: `_` for `-`, `=`, the dotted JSON
+# form, argparse abbreviations, and --config (a YAML file of flags).
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--api_key", ""],
+        ["--api_key=k"],
+        ["--api-key.x", "k"],
+        ["--api-k", "k"],
+        ["--served_model_name", "x"],
+        ["--served-model", "x"],
+        ["--model=/other"],
+        ["--mode", "/other"],
+        ["--ho", "0.0.0.0"],
+        ["--port=1"],
+        ["--uds", "/tmp/s"],
+        ["--config", "f.yaml"],
+        ["--config=f.yaml"],
+        ["--conf", "f.yaml"],
+    ],
+)
+def test_every_form_vllm_reads_as_a_reserved_flag_is_refused(args):
+    error = server_args_error(["--enforce-eager", *args])
+    assert error is not None and error.startswith(f"{args[0]}: set by the workflow"), error
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--enforce-eager"],
+        ["--max-model-len", "4096", "--reasoning-parser", "qwen3"],
+        ["--model-impl", "transformers", "-tp", "2", "--hf-overrides.max_position_embeddings", "8"],
+        ["--compilation-config", '{"level": 0}', "--max_num_seqs=4"],
+    ],
+)
+def test_server_args_that_set_nothing_reserved_pass(args):
+    assert server_args_error(args) is None
+
+
+@pytest.mark.parametrize(
+    ("values", "key"),
+    [
+        ({"target": {"model": "models/{x}", "gguf_wheel": None}}, "target.model"),
+        ({"prompts": {"source": "jsonl", "path": "p{1}.jsonl"}}, "prompts.path"),
+        ({"prompts": {"heldout_path": "held}.jsonl"}}, "prompts.heldout_path"),
+        ({"evaluate": {"heldout_sets": {"mine": "{set}.jsonl"}}}, "evaluate.heldout_sets.mine"),
+    ],
+)
+def test_a_brace_in_a_path_is_named_not_taken_for_a_wildcard(values, key):
+    errors = combination_errors(filled(values))
+    assert any(e.startswith(f"{key}: ") and "Snakemake reads as a wildcard" in e for e in errors), errors
+
+
+def test_the_packaged_held_out_set_is_named_relative_to_a_working_folder_holding_it(tmp_path, monkeypatch):
+    """A moved or copied checkout gives the same params (the hand-written set reruns no evaluation)."""
+    from draftsmith.config import workdir_path
+
+    packaged = REPO / "draftsmith" / "data" / "heldout_handwritten.jsonl"
+    monkeypatch.chdir(REPO)
+    assert workdir_path(packaged) == "draftsmith/data/heldout_handwritten.jsonl"
+    monkeypatch.chdir(tmp_path)
+    assert workdir_path(packaged) == str(packaged)

@@ -257,3 +257,26 @@ def test_the_pushed_card_names_the_repository_as_the_drafter_to_serve(tmp_path, 
         name: (results / "drafter" / name).read_bytes() for name in ("config.json", "model.safetensors")
     }
     assert sorted(p.name for p in results.iterdir()) == ["drafter", "eval"]  # the staging folder is gone
+
+
+def test_a_link_inside_the_export_is_not_uploaded(tmp_path, hub):
+    """Regular files only: notes.txt -> a file outside the export would upload what it points to."""
+    results = _results(tmp_path)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not for the Hub")
+    (results / "drafter" / "notes.txt").symlink_to(secret)
+    (results / "drafter" / "more").symlink_to(tmp_path, target_is_directory=True)
+    plan = plan_push(results, "my-org/drafter")
+    assert plan.files == ["README.md", "config.json", "model.safetensors"]
+    assert any("left out, not regular files of the export: more, notes.txt" in w for w in plan.warnings)
+    push(plan, api=hub.api(), environ={"HF_TOKEN": TOKEN})
+    assert set(hub.committed()[1]) == set(plan.files)
+
+
+@pytest.mark.parametrize("verdict", [{"deploy": "trained drafter"}, "deploy", [1]])
+def test_a_summary_whose_verdict_lacks_its_keys_is_one_line_exit_2(tmp_path, verdict):
+    results = _results(tmp_path)
+    write_json(results / "eval" / "summary.json", {"gate_passed": True, "verdict": verdict})
+    dry = CliRunner().invoke(main, ["push", str(results), "--repo-id", "my-org/drafter", "--dry-run"])
+    assert dry.exit_code == 2 and "Traceback" not in dry.output, dry.output
+    assert "summary.json: its verdict is not one this version reads" in dry.output

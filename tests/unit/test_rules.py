@@ -122,6 +122,18 @@ def test_a_finished_run_plans_nothing(finished):
     assert planned(finished, {}) == set()
 
 
+def test_a_deleted_manifest_is_made_again(finished, tmp_path):
+    """data_config.json is a checkpoint's output that rule all asks for: without it, the manifest is
+    planned; what reads it is judged again once it is written (tests/e2e/test_faults.py: identical, so
+    nothing retrains)."""
+    import shutil
+
+    workdir = tmp_path / "run"
+    shutil.copytree(finished, workdir, symlinks=True)
+    (workdir / "results" / "data_config.json").unlink()
+    assert "manifest" in planned(workdir, {})
+
+
 @pytest.mark.parametrize(
     ("stage", "key"), [(stage, key) for stage, knobs in OPERATIONAL.items() for key in knobs]
 )
@@ -449,3 +461,11 @@ def test_a_bad_held_out_set_stops_the_workflow_before_training(finished, tmp_pat
     assert f"evaluate.heldout_sets.mine: {bad}:2: " in message, message
     missing = _parse_error(finished, {"prompts": {"heldout_path": str(tmp_path / "nowhere.jsonl")}})
     assert f"prompts.heldout_path: {tmp_path / 'nowhere.jsonl'}: no such file" in missing
+
+
+def test_a_workflow_refused_at_start_exits_2_as_bad_input(tmp_path):
+    """README: exit 2 for bad input, from the workflow's start-up checks as from every command."""
+    with SnakemakeApi(OutputSettings(quiet=QUIET)) as api, pytest.raises(SystemExit) as err:
+        _workflow(api, tmp_path, {"train": {"lr": float("nan")}})
+    assert err.value.code == 2
+    assert str(err.value) == "invalid configuration:\n  --config: train.lr: nan is not a finite number"
