@@ -161,5 +161,5 @@ def test_the_conda_env_of_the_rules_is_the_resolved_gpu_install():
     pip = next(d["pip"] for d in deps if isinstance(d, dict))
     assert pip == ["-e ..[gpu]"]  # relative to envs/: the repository root
     text = "".join(p.read_text() for p in sorted((REPO / "rules").glob("*.smk")))
-    rules = re.findall(r"^\s*rule (\w+):", text, re.M)
+    rules = re.findall(r"^\s*(?:rule|checkpoint) (\w+):", text, re.M)
     assert len(re.findall(r'conda:\s*\n\s*"\.\./envs/draftsmith\.yaml"', text)) == len(rules) > 10
