@@ -427,6 +427,44 @@ def test_pipelined_extraction_writes_the_sequential_shard(tmp_path, tiny_llama, 
     assert {k: stats[True][k] for k in keys} == {k: stats[False][k] for k in keys}
 
 
+def test_pipelined_loop_runs_the_cpu_side_work_beside_the_next_forward():
+    """A back-end whose forward and collect each take 50 ms (sleeping, as a GPU forward leaves the CPU
+    free): sequential, 8 batches take 8 x 100 ms; pipelined, the collects hide behind the forwards."""
+    import time
+
+    from draftsmith.extract import _extract_loop
+
+    class Slow:
+        lm_head_weight = torch.eye(8)
+
+        def forward(self, sequences):
+            time.sleep(0.05)
+            return [(torch.zeros(s.numel(), 1, 8), torch.zeros(s.numel(), 8)) for s in sequences]
+
+        def collect(self, sequences, raw):
+            time.sleep(0.05)
+            return raw
+
+    seq, mask = torch.zeros(4, dtype=torch.long), torch.ones(4, dtype=torch.uint8)
+    stats = {
+        pipeline: _extract_loop(
+            Slow(),
+            None,
+            0,
+            [4] * 8,
+            lambda i: (seq, mask),
+            [str(i) for i in range(8)],
+            [[i] for i in range(8)],
+            {},
+            pipeline=pipeline,
+        )  # fmt: skip
+        for pipeline in (False, True)
+    }
+    assert stats[False]["seconds"] >= 0.8 and stats[True]["forward_seconds"] >= 0.4
+    assert stats[True]["seconds"] < 0.75 * stats[False]["seconds"]  # ideally 0.45 s of 0.8 s
+    assert stats[True]["teacher_checked"] == stats[False]["teacher_checked"] == 8 * 3
+
+
 def test_a_failing_write_stops_extraction_with_the_sequential_loops_error(tmp_path, tiny_llama, monkeypatch):
     """An error in the worker's part (the writer's add; a full disk in the writer thread) is raised by
     extract_shard as the sequential loop raises it, at most one forward later, and leaves no file."""
