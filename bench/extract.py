@@ -30,7 +30,9 @@ Pipelined extraction (--pipeline-pairs, alone with --only-pipeline): the extract
 pipelined (that work in a worker thread beside the next forward), in alternating back-to-back pairs,
 writing zstd-planes shards. Hidden share = 1 - (pipelined loop - sequential forwards) / sequential
 CPU-side work: 1 when the CPU-side work vanishes behind the forwards, 0 when nothing is gained. On a
-CPU the forward and the worker share the cores, so this is the floor of what a GPU job gets. Without
+CPU the forward and the worker share the cores, so this is the floor of what a GPU job gets; on a shared
+machine use --threads 1 (a 2-thread OpenMP forward on oversubscribed cores spins and runs many times
+slower, by amounts that swamp the overlap and differ between the loops). Without
 the default target (resources/), --target tiny runs a random 4-layer twin of SmolLM2 on random tokens.
 
 Without --tokens, the tiny workflow run's tokens (/tmp/wf/results/tokens.safetensors) are used if they
