@@ -33,7 +33,7 @@ CPU-side work: 1 when the CPU-side work vanishes behind the forwards, 0 when not
 CPU the forward and the worker share the cores, so this is the floor of what a GPU job gets; on a shared
 machine use --threads 1 (a 2-thread OpenMP forward on oversubscribed cores spins and runs many times
 slower, by amounts that swamp the overlap and differ between the loops). Without
-the default target (resources/), --target tiny runs a random 4-layer twin of SmolLM2 on random tokens.
+the default target (resources/), --target tiny runs a random 8-layer twin of SmolLM2 on random tokens.
 
 Without --tokens, the tiny workflow run's tokens (/tmp/wf/results/tokens.safetensors) are used if they
 exist, else chat sequences made here from the built-in prompts; samples repeat until --min-tokens.
@@ -249,12 +249,12 @@ def draftsmith_run(
 
 
 def tiny_twin(work: Path) -> str:
-    """A random 4-layer Llama shaped like SmolLM2-135M (hidden 576, vocabulary 49,152), saved under work."""
+    """A random 8-layer Llama shaped like SmolLM2-135M (hidden 576, vocabulary 49,152; it has 30 layers)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=4,
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=8,
         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True,
     )  # fmt: skip
     path = work / "tiny-twin"
