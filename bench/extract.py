@@ -25,6 +25,16 @@ what the process did with the time it got (run it with --threads 1 there: waitin
 inflate CPU time). On the CPU clock, write overlap is the extra CPU that writing costs: what compute
 would lose to it on a machine with no core to spare. The ceilings are wall-clock matmuls.
 
+Pipelined extraction (--pipeline-pairs, alone with --only-pipeline): the extraction loop sequential
+(forward, then the batch's CPU-side work: collect, bf16, teacher check, hand-off to the writer) and
+pipelined (that work in a worker thread beside the next forward), in alternating back-to-back pairs,
+writing zstd-planes shards. Hidden share = 1 - (pipelined loop - sequential forwards) / sequential
+CPU-side work: 1 when the CPU-side work vanishes behind the forwards, 0 when nothing is gained. On a
+CPU the forward and the worker share the cores, so this is the floor of what a GPU job gets; on a shared
+machine use --threads 1 (a 2-thread OpenMP forward on oversubscribed cores spins and runs many times
+slower, by amounts that swamp the overlap and differ between the loops). Without
+the default target (resources/), --target tiny runs a random 8-layer twin of SmolLM2 on random tokens.
+
 Without --tokens, the tiny workflow run's tokens (/tmp/wf/results/tokens.safetensors) are used if they
 exist, else chat sequences made here from the built-in prompts; samples repeat until --min-tokens.
 """
@@ -238,6 +248,108 @@ def draftsmith_run(
     return stats["wall_seconds_with_write"], stats["cpu_seconds_with_write"], stats
 
 
+def tiny_twin(work: Path) -> str:
+    """A random 8-layer Llama shaped like SmolLM2-135M (hidden 576, vocabulary 49,152; it has 30 layers)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=8,
+        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True,
+    )  # fmt: skip
+    path = work / "tiny-twin"
+    LlamaForCausalLM(cfg).to(torch.bfloat16).eval().save_pretrained(path)
+    return str(path)
+
+
+def random_tokens(out: Path, min_tokens: int) -> dict[str, Any]:
+    """A one-shard tokens file of random chat-sized sequences (70-470 tokens), answers loss-masked."""
+    g = torch.Generator().manual_seed(0)
+    lengths: list[int] = []
+    while sum(lengths) < min_tokens:
+        lengths.append(int(torch.randint(70, 471, (1,), generator=g)))
+    masks = [torch.arange(n) >= n // 3 for n in lengths]  # the first third is the prompt
+    meta = {
+        "sample_ids": [f"b{i}" for i in range(len(lengths))],
+        "template": "bench",
+        "shards": [[0, len(lengths)]],
+    }
+    with atomic_path(out) as tmp:
+        save_file(
+            {
+                "input_ids": torch.randint(0, 49152, (sum(lengths),), generator=g),
+                "loss_mask": torch.cat(masks).to(torch.uint8),
+                "offsets": torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64),
+            },
+            str(tmp),
+            metadata={"draftsmith_tokens": json.dumps(meta)},
+        )
+    return {"source": "random tokens (tiny twin)", "lengths": lengths}
+
+
+def pipeline_overlap(
+    target: str, work: Path, engine, batch_tokens: int, threads: int, pairs: int
+) -> dict[str, Any]:
+    """Sequential vs pipelined extraction loop (zstd-planes shard written), alternating back-to-back
+    pairs: loop seconds (the probe's batches excluded), the sequential loop's forwards and CPU-side work,
+    and the share of that work the pipelined loop hides behind the forwards (per pair; medians)."""
+    runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+    out = str(work / "pipeline" / "shard-0.safetensors")
+    for i in range(pairs):
+        for pipeline in (False, True) if i % 2 == 0 else (True, False):
+            with contextlib.redirect_stderr(io.StringIO()):
+                stats = extract_shard(
+                    target, str(work / "tokens.safetensors"), 0, out, None, "bfloat16", batch_tokens,
+                    threads=threads, compile="off", extractor=engine, pipeline=pipeline,
+                )  # fmt: skip
+            os.unlink(out)
+            runs[pipeline].append(
+                {
+                    "loop_seconds": stats["seconds"] - stats["probe_seconds"],
+                    "with_write_seconds": stats["wall_seconds_with_write"],
+                    "forward_seconds": stats["forward_seconds"],
+                    "post_seconds": stats["post_seconds"],
+                    "cpu_seconds": stats["cpu_seconds"],
+                }
+            )
+    hidden = [
+        1 - (p["loop_seconds"] - s["forward_seconds"]) / s["post_seconds"]
+        for s, p in zip(runs[False], runs[True], strict=True)
+    ]
+    speedup = [s["loop_seconds"] / p["loop_seconds"] for s, p in zip(runs[False], runs[True], strict=True)]
+
+    def median(pipeline: bool, key: str) -> float:
+        return round(statistics.median(r[key] for r in runs[pipeline]), 3)
+
+    return {
+        "pairs": pairs,
+        "sequential": {k: median(False, k) for k in runs[False][0]},
+        "pipelined": {k: median(True, k) for k in runs[True][0]},
+        "hidden_share": round(statistics.median(hidden), 3),
+        "hidden_share_pairs": [round(h, 3) for h in hidden],
+        "loop_speedup": round(statistics.median(speedup), 3),
+        "runs": runs,
+    }
+
+
+def print_pipeline(p: dict[str, Any]) -> None:
+    print(f"\npipelined extraction loop (zstd-planes written), medians over {p['pairs']} alternating pairs:")
+    print(
+        f"{'loop':12s} {'loop s':>8s} {'+write s':>9s} {'forward s':>10s} {'CPU-side s':>11s} {'CPU s':>7s}"
+    )
+    for name, key in (("sequential", "sequential"), ("pipelined", "pipelined")):
+        r = p[key]
+        print(
+            f"{name:12s} {r['loop_seconds']:8.2f} {r['with_write_seconds']:9.2f} {r['forward_seconds']:10.2f} "
+            f"{r['post_seconds']:11.2f} {r['cpu_seconds']:7.2f}"
+        )
+    pairs = ", ".join(f"{h:.0%}" for h in p["hidden_share_pairs"])
+    print(
+        f"CPU-side work hidden behind the forwards: {p['hidden_share']:.1%} (pairs: {pairs}); "
+        f"loop speed-up x{p['loop_speedup']:.2f}"
+    )
+
+
 def alternating_overlap(run_plain, run_writing, pairs: int) -> list[float]:
     """Write overlap from `pairs` back-to-back pairs in alternating order (plain first, then writing
     first): each pair's ratio of seconds sees the same spell of the machine, and the order cannot
@@ -317,7 +429,10 @@ def print_table(rows: dict[str, dict[str, Any]], title: str) -> None:
     help="A tokens.safetensors to take samples from.",
 )
 @click.option(
-    "--target", default=DEFAULT_TARGET, show_default=True, type=click.Path(file_okay=False, exists=True)
+    "--target",
+    default=DEFAULT_TARGET,
+    show_default=True,
+    help="A target folder, or tiny: a random twin of SmolLM2.",
 )
 @click.option(
     "--made-up", is_flag=True, help="Use the built-in prompts' made-up conversations (70-470 tokens)."
@@ -338,7 +453,18 @@ def print_table(rows: dict[str, dict[str, Any]], title: str) -> None:
     show_default=True,
     help="Alternating no-write/zstd-planes pairs per compile mode for the write overlap (0: skip).",
 )
-@click.option("--json", "json_path", default="results/bench/extract.json", show_default=True)
+@click.option(
+    "--pipeline-pairs",
+    default=6,
+    show_default=True,
+    help="Alternating sequential/pipelined pairs of the extraction loop, compile off (0: skip).",
+)
+@click.option(
+    "--only-pipeline", is_flag=True, help="Only the pipelined-loop comparison (no naive, no compile)."
+)
+@click.option(
+    "--json", "json_path", help="[results/bench/extract.json; with --only-pipeline extract-pipeline.json]"
+)
 def main(
     tokens: str | None,
     target: str,
@@ -350,12 +476,51 @@ def main(
     batch_tokens: int,
     with_compile: bool,
     overlap_pairs: int,
-    json_path: str,
+    pipeline_pairs: int,
+    only_pipeline: bool,
+    json_path: str | None,
 ) -> None:
     torch.set_num_threads(threads)
     load_before = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="bench-extract-"))
-    data = bench_tokens(tokens, target, min_tokens, work / "tokens.safetensors", made_up, max_tokens)
+    json_path = json_path or f"results/bench/extract{'-pipeline' if only_pipeline else ''}.json"
+    if target == "tiny" or not Path(target, "config.json").is_file():
+        if not only_pipeline:
+            raise click.UsageError(f"{target}: no target there (the tiny twin is for --only-pipeline)")
+        print(f"{target}: no target there; a random tiny twin of SmolLM2 on random tokens instead")
+        target = tiny_twin(work)
+        data = random_tokens(work / "tokens.safetensors", min_tokens)
+    else:
+        data = bench_tokens(tokens, target, min_tokens, work / "tokens.safetensors", made_up, max_tokens)
+    if only_pipeline:
+        n_tok = sum(data["lengths"])
+        print(
+            f"{len(data['lengths'])} samples, {n_tok:,} tokens from {data['source']}; {threads} threads, {cpu_name()}"
+        )
+        from transformers import AutoModelForCausalLM  # the twin has no tokenizer for load_target
+
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16).eval()
+        engine = HfExtractor(model, resolve_aux_layers(None, model.config.num_hidden_layers))
+        pipeline = pipeline_overlap(target, work, engine, batch_tokens, threads, pipeline_pairs)
+        print_pipeline(pipeline)
+        print(f"load average during the run: {load_before} -> {os.getloadavg()}")
+        write_json(
+            json_path,
+            {
+                "target": target,
+                "samples": len(data["lengths"]),
+                "tokens": n_tok,
+                "source": data["source"],
+                "threads": threads,
+                "batch_tokens": batch_tokens,
+                "torch": torch.__version__,
+                "cpu": cpu_name(),
+                "pipeline": pipeline,
+                "load_average": {"before": load_before, "after": os.getloadavg()},
+            },
+        )
+        print(f"wrote {json_path}")
+        return
     lengths = data["lengths"]
     tensors, _ = load_tokens(work / "tokens.safetensors")
     offsets = tensors["offsets"].tolist()
@@ -448,6 +613,10 @@ def main(
         quartiles = statistics.quantiles(ratios, n=4)
         overlap[mode] = {"ratios": ratios, "median": statistics.median(ratios), "quartiles": quartiles}
 
+    pipeline = None
+    if pipeline_pairs:
+        pipeline = pipeline_overlap(target, work, engines["off"], batch_tokens, threads, pipeline_pairs)
+
     measured = {key: [c for runs in beside.values() for c in runs] for key, beside in ceilings.items()}
     ceiling = {key: statistics.median(values) for key, values in measured.items()}
     tables = {clock: summarise(times, clock, threads, n_tok, flops, ceilings) for clock in ("wall", "cpu")}
@@ -477,6 +646,8 @@ def main(
             f"write overlap, zstd-planes, compile={mode}: {o['median']:.1%} median over {len(o['ratios'])} "
             f"alternating back-to-back pairs (quartiles {o['quartiles'][0]:.1%}-{o['quartiles'][2]:.1%})"
         )
+    if pipeline:
+        print_pipeline(pipeline)
     linear_best = max(linear_rates)
     print(
         f"upper bound: this model's linear layers alone, {batch_tokens} tokens at a time, reach "
@@ -502,6 +673,7 @@ def main(
             "ceiling_gflops_beside_each_run": ceilings,
             "linear_layers_gflops": {"best": linear_best, "rounds": linear_rates},
             "write_overlap_alternating_pairs": overlap,
+            "pipeline": pipeline,
             "compile_seconds": compile_seconds,
             "load_average": {"before": load_before, "after": os.getloadavg()},
             "variants": tables,

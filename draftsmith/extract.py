@@ -18,6 +18,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -191,9 +192,11 @@ def extract_shard(
     vllm_eager: bool = True,
     extractor=None,
     gpu_memory_utilization: float | None = None,
+    pipeline: bool = True,
 ) -> dict[str, Any]:
     """Extract one shard. `out_path=None` computes everything but writes nothing, and `extractor` is a
-    back-end to reuse (left open), both for benchmarks."""
+    back-end to reuse (left open), both for benchmarks. `pipeline`: overlap each batch's CPU-side work
+    with the next forward (_extract_loop); the shard is the same either way."""
     if threads:
         torch.set_num_threads(threads)
     dtype = compute_dtype(dtype, "cuda" if gpus else "cpu")
@@ -270,6 +273,7 @@ def extract_shard(
             dict(zip(picks, probed, strict=True)),
             sources[start:end],
             storage_dtype,
+            pipeline,
         )
         # the probed batches were computed before the loop: their time belongs to the shard's compute
         probe_seconds = sum(b["seconds"] for b in measured["batches"])
@@ -333,6 +337,20 @@ def extract_shard(
     return stats
 
 
+def forward_batch(extractor, sequences: list[torch.Tensor]) -> Any:
+    """The accelerator's part of a capture (the whole capture for a back-end without forward/collect)."""
+    forward = getattr(extractor, "forward", None)
+    return forward(sequences) if forward else extractor.capture(sequences)
+
+
+def collect_batch(
+    extractor, sequences: list[torch.Tensor], raw: Any
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """forward_batch's result as capture returns it: the CPU-side rest (vLLM: read back, final norm)."""
+    collect = getattr(extractor, "collect", None)
+    return collect(sequences, raw) if collect else raw
+
+
 def _extract_loop(
     extractor,
     writer,
@@ -344,55 +362,90 @@ def _extract_loop(
     done: dict[int, list[tuple[torch.Tensor, torch.Tensor]]],
     sample_sources: list[str] | None = None,
     storage_dtype: str = "bfloat16",
+    pipeline: bool = True,
 ) -> dict[str, Any]:
     """Capture every batch of the plan (taking those in `done` from the probe: the same batch gives the
     same states), check teacher agreement, hand samples to the writer in plan order; returns the stats.
 
     Agreement is counted per sample source; `teacher_agreement` (the gated figure) is over regenerated
     samples only: on a dataset's original answers the target's argmax need not match the text. It is
-    checked on the final states as stored (float8: dequantized), the teacher training will read."""
+    checked on the final states as stored (float8: dequantized), the teacher training will read.
+
+    `pipeline`: one worker thread does batch k's CPU-side part (collect, bf16 conversion, teacher check,
+    handing samples to the writer) while this thread runs batch k+1's forward, so the accelerator does
+    not wait on the CPU. One batch at most waits beside the one in the worker (memory stays bounded);
+    the worker handles batches in order, so the shard is byte for byte the sequential loop's. A worker
+    error is raised here as it was raised there, before the next forward starts or after it ends."""
     total_tokens = sum(lengths)
     sources = sample_sources or ["regenerated"] * len(lengths)
     by_source: dict[str, list[int]] = {}  # source -> [agreeing, checked]
     masked = 0
+    timing = {"forward": 0.0, "post": 0.0}  # wall seconds of each part, summed over batches
     t0, cpu0 = time.perf_counter(), time.process_time()
     bar = tqdm(
         total=total_tokens, desc=f"extract shard {shard}", unit="tok", unit_scale=True, dynamic_ncols=True
     )
+
+    def post(batch: list[int], sequences: list[torch.Tensor], captured, raw) -> None:
+        nonlocal masked
+        start = time.perf_counter()
+        if captured is None:
+            captured = collect_batch(extractor, sequences, raw)
+        states: dict[str, list] = {}
+        next_ids: dict[str, list] = {}
+        for i, (aux, final) in zip(batch, captured, strict=True):
+            input_ids, loss_mask = sample_tokens(i)
+            sample = Sample(
+                sample_ids[i],
+                input_ids,
+                loss_mask.bool(),
+                aux.to(torch.bfloat16),
+                final.to(torch.bfloat16),
+            )
+            final = as_stored(sample.final, storage_dtype)
+            rows, ids = checked_positions(final, sample.input_ids, sample.loss_mask)
+            states.setdefault(sources[i], []).append(rows)
+            next_ids.setdefault(sources[i], []).append(ids)
+            masked += int(sample.loss_mask.sum())
+            if writer:
+                writer.add(sample)
+        # the teacher check of the whole batch at once (per source): one large matmul, not one per sample
+        for source, parts in states.items():
+            next_batch = torch.cat(next_ids[source])
+            counts = by_source.setdefault(source, [0, 0])
+            counts[0] += count_agreeing(extractor.lm_head_weight, torch.cat(parts), next_batch)
+            counts[1] += int(next_batch.numel())
+        bar.update(sum(lengths[i] for i in batch))
+        if writer and writer.tokens_written:  # states encoded so far (the queue holds the rest)
+            bar.set_postfix(
+                states=human_bytes(writer.bytes_written),
+                projected=human_bytes(writer.bytes_written * total_tokens / writer.tokens_written),
+            )
+        timing["post"] += time.perf_counter() - start
+
+    worker = ThreadPoolExecutor(1, thread_name_prefix=f"extract-{shard}") if pipeline else None
+    pending: Future | None = None  # the worker's batch
     try:
         for k, batch in enumerate(plan):
-            captured = done.pop(k, None) or extractor.capture([sample_tokens(i)[0] for i in batch])
-            states: dict[str, list] = {}
-            next_ids: dict[str, list] = {}
-            for i, (aux, final) in zip(batch, captured, strict=True):
-                input_ids, loss_mask = sample_tokens(i)
-                sample = Sample(
-                    sample_ids[i],
-                    input_ids,
-                    loss_mask.bool(),
-                    aux.to(torch.bfloat16),
-                    final.to(torch.bfloat16),
-                )
-                final = as_stored(sample.final, storage_dtype)
-                rows, ids = checked_positions(final, sample.input_ids, sample.loss_mask)
-                states.setdefault(sources[i], []).append(rows)
-                next_ids.setdefault(sources[i], []).append(ids)
-                masked += int(sample.loss_mask.sum())
-                if writer:
-                    writer.add(sample)
-            # the teacher check of the whole batch at once (per source): one large matmul, not one per sample
-            for source, parts in states.items():
-                next_batch = torch.cat(next_ids[source])
-                counts = by_source.setdefault(source, [0, 0])
-                counts[0] += count_agreeing(extractor.lm_head_weight, torch.cat(parts), next_batch)
-                counts[1] += int(next_batch.numel())
-            bar.update(sum(lengths[i] for i in batch))
-            if writer and writer.tokens_written:  # states encoded so far (the queue holds the rest)
-                bar.set_postfix(
-                    states=human_bytes(writer.bytes_written),
-                    projected=human_bytes(writer.bytes_written * total_tokens / writer.tokens_written),
-                )
+            if pending is not None and pending.done():
+                pending.result()  # a failed batch stops the loop before another forward
+            sequences = [sample_tokens(i)[0] for i in batch]
+            captured, raw = done.pop(k, None), None
+            if captured is None:
+                start = time.perf_counter()
+                raw = forward_batch(extractor, sequences)
+                timing["forward"] += time.perf_counter() - start
+            if worker is None:
+                post(batch, sequences, captured, raw)
+                continue
+            if pending is not None:
+                pending.result()  # batch k-1 done (or its error raised) before batch k is handed over
+            pending = worker.submit(post, batch, sequences, captured, raw)
+        if pending is not None:
+            pending.result()
     finally:
+        if worker is not None:  # on an error here, the worker's batch finishes before the writer aborts
+            worker.shutdown(wait=True, cancel_futures=True)
         bar.close()
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
     agree, checked = by_source.get("regenerated", [0, 0])
@@ -408,4 +461,8 @@ def _extract_loop(
         "seconds": round(seconds, 2),
         "cpu_seconds": round(cpu_seconds, 2),  # all threads: cpu / seconds = cores kept busy
         "tokens_per_second": round(total_tokens / seconds, 1) if seconds > 0 else None,
+        "pipeline": pipeline,
+        # forwards (the probed batches' excluded) and CPU-side parts; pipelined, they overlap in `seconds`
+        "forward_seconds": round(timing["forward"], 3),
+        "post_seconds": round(timing["post"], 3),
     }

@@ -145,12 +145,24 @@ class HfExtractor:
             self.capture([torch.arange(length) + 100] * batch)
         return time.perf_counter() - start
 
-    @torch.inference_mode()
     def capture(self, sequences: list[Tensor]) -> list[tuple[Tensor, Tensor]]:
         """Per sequence: (aux [T, A, H], final [T, H]) in the compute dtype; final is after the norm."""
+        return self.collect(sequences, self.forward(sequences))
+
+    @torch.inference_mode()
+    def forward(self, sequences: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+        """The forward pass of a capture: (final [B, W, H], aux [B, W, H] per aux layer); `collect`
+        splits them per sequence (extraction does that in a worker thread while the next forward runs)."""
         self._captured.clear()
         final = self.model.model(input_ids=pad_right(sequences), use_cache=False).last_hidden_state
-        aux = [self._captured[k] for k in self.aux_layer_ids]  # each [B, W, H]
+        return final, [self._captured[k] for k in self.aux_layer_ids]
+
+    @torch.inference_mode()
+    def collect(
+        self, sequences: list[Tensor], raw: tuple[Tensor, list[Tensor]]
+    ) -> list[tuple[Tensor, Tensor]]:
+        """`forward`'s batch as capture returns it."""
+        final, aux = raw
         out = []
         for row, seq in enumerate(sequences):
             n = seq.numel()

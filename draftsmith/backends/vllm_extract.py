@@ -24,6 +24,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -160,15 +161,25 @@ class VllmExtractor:
 
     def capture(self, sequences: list[Tensor]) -> list[tuple[Tensor, Tensor]]:
         """Per sequence: (aux [T, A, H], final [T, H] after the final norm), in the back-end's dtype."""
+        return self.collect(sequences, self.forward(sequences))
+
+    def forward(self, sequences: list[Tensor]) -> list[Any]:
+        """The prefill of a capture (vLLM's outputs, naming one states file per request); `collect` reads
+        the files back and norms the final state on the CPU, which extraction does in a worker thread
+        while the next prefill runs."""
         from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        prompts = [{"prompt_token_ids": [int(t) for t in seq]} for seq in sequences]
+        return self.llm.generate(prompts, params, use_tqdm=False)
+
+    def collect(self, sequences: list[Tensor], outputs: list[Any]) -> list[tuple[Tensor, Tensor]]:
+        """`forward`'s requests as capture returns them; their files are deleted once read."""
         from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
             cleanup_hidden_states,
             load_hidden_states,
         )
 
-        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-        prompts = [{"prompt_token_ids": [int(t) for t in seq]} for seq in sequences]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
         results = []
         for seq, out in zip(sequences, outputs, strict=True):
             path = (out.kv_transfer_params or {}).get("hidden_states_path")

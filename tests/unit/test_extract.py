@@ -372,6 +372,153 @@ def test_teacher_agreement_is_split_by_source_and_gated_on_regenerated_only(tiny
     assert manifest["shards"][0]["teacher_agreement_by_source"] == manifest["teacher_agreement_by_source"]
 
 
+def _tokens_file(tmp_path, lengths: list[int], seed: int = 0) -> str:
+    """A one-shard tokens file of random sequences of these lengths, every token loss-masked."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    meta = {
+        "sample_ids": [f"s{i}" for i in range(len(lengths))],
+        "template": "t",
+        "shards": [[0, len(lengths)]],
+    }
+    path = tmp_path / "tokens.safetensors"
+    save_file(
+        {
+            "input_ids": torch.randint(0, 256, (sum(lengths),), generator=g),
+            "loss_mask": torch.ones(sum(lengths), dtype=torch.uint8),
+            "offsets": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]),
+        },
+        str(path),
+        metadata={"draftsmith_tokens": json.dumps(meta)},
+    )
+    return str(path)
+
+
+@pytest.mark.parametrize("storage_dtype", ["bfloat16", "float8_e4m3fn"])
+def test_pipelined_extraction_writes_the_sequential_shard(tmp_path, tiny_llama, storage_dtype):
+    """Batch k's CPU-side work beside batch k+1's forward changes nothing: the shard's bytes (all but
+    the header's timing stats) and its teacher counts are the sequential loop's."""
+    from draftsmith.backends.hf import HfExtractor
+    from draftsmith.extract import extract_shard
+    from draftsmith.shards import read_header
+
+    target = tmp_path / "target"
+    tiny_llama.save_pretrained(target)
+    tokens = _tokens_file(tmp_path, [7, 30, 12, 25, 9, 18, 40, 15, 22, 5, 33, 11])
+    extractor = HfExtractor(tiny_llama, [1, 3])
+    stats, data, meta = {}, {}, {}
+    for pipeline in (False, True):
+        out = tmp_path / str(pipeline) / "shard-0.safetensors"
+        stats[pipeline] = extract_shard(
+            str(target), tokens, 0, str(out), [1, 3], "float32", 50, storage_dtype=storage_dtype,
+            extractor=extractor, pipeline=pipeline,
+        )  # fmt: skip
+        data_start, entries, meta[pipeline] = read_header(out)
+        data[pipeline] = (entries, out.read_bytes()[data_start:])  # every tensor, states included
+    extractor.close()
+    assert stats[True]["pipeline"] and not stats[False]["pipeline"]
+    assert stats[True]["forward_seconds"] > 0 and stats[True]["post_seconds"] > 0
+    assert data[True] == data[False]
+    for m in meta.values():
+        m.pop("stats")
+    assert meta[True] == meta[False]
+    keys = ("teacher_agree", "teacher_checked", "teacher_by_source", "num_masked_tokens")
+    assert {k: stats[True][k] for k in keys} == {k: stats[False][k] for k in keys}
+
+
+def test_pipelined_loop_runs_the_cpu_side_work_beside_the_next_forward():
+    """A back-end whose forward and collect each take 50 ms (sleeping, as a GPU forward leaves the CPU
+    free): sequential, 8 batches take 8 x 100 ms; pipelined, the collects hide behind the forwards."""
+    import time
+
+    from draftsmith.extract import _extract_loop
+
+    class Slow:
+        lm_head_weight = torch.eye(8)
+
+        def forward(self, sequences):
+            time.sleep(0.05)
+            return [(torch.zeros(s.numel(), 1, 8), torch.zeros(s.numel(), 8)) for s in sequences]
+
+        def collect(self, sequences, raw):
+            time.sleep(0.05)
+            return raw
+
+    seq, mask = torch.zeros(4, dtype=torch.long), torch.ones(4, dtype=torch.uint8)
+    stats = {
+        pipeline: _extract_loop(
+            Slow(),
+            None,
+            0,
+            [4] * 8,
+            lambda i: (seq, mask),
+            [str(i) for i in range(8)],
+            [[i] for i in range(8)],
+            {},
+            pipeline=pipeline,
+        )  # fmt: skip
+        for pipeline in (False, True)
+    }
+    assert stats[False]["seconds"] >= 0.8 and stats[True]["forward_seconds"] >= 0.4
+    assert stats[True]["seconds"] < 0.75 * stats[False]["seconds"]  # ideally 0.45 s of 0.8 s
+    assert stats[True]["teacher_checked"] == stats[False]["teacher_checked"] == 8 * 3
+
+
+def test_a_failing_write_stops_extraction_with_the_sequential_loops_error(tmp_path, tiny_llama, monkeypatch):
+    """An error in the worker's part (the writer's add; a full disk in the writer thread) is raised by
+    extract_shard as the sequential loop raises it, at most one forward later, and leaves no file."""
+    import errno
+
+    from draftsmith.backends.hf import HfExtractor
+    from draftsmith.extract import extract_shard
+    from draftsmith.shards import ShardWriter
+
+    target = tmp_path / "target"
+    tiny_llama.save_pretrained(target)
+    tokens = _tokens_file(tmp_path, [7, 30, 12, 25, 9, 18, 40, 15, 22, 5, 33, 11])
+    extractor = HfExtractor(tiny_llama, [1, 3])
+    forwards = []
+    forward = extractor.forward
+    monkeypatch.setattr(extractor, "forward", lambda seqs: forwards.append(len(seqs)) or forward(seqs))
+    add = ShardWriter.add
+
+    def failing_add(self, sample):
+        if len(self.ids) == 6:
+            raise ValueError("sample s: cannot be written")
+        add(self, sample)
+
+    def full(self, sample, encoder):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    out = tmp_path / "hidden" / "shard-0.safetensors"
+    errors, calls = {}, {}
+    for pipeline in (False, True):
+        forwards.clear()
+        monkeypatch.setattr(ShardWriter, "add", failing_add)
+        with pytest.raises(ValueError) as failed:
+            extract_shard(
+                str(target), tokens, 0, str(out), [1, 3], "float32", 50, extractor=extractor, pipeline=pipeline
+            )  # fmt: skip
+        calls[pipeline] = len(forwards)
+        assert not out.exists() and list(out.parent.iterdir()) == []
+        monkeypatch.setattr(ShardWriter, "add", add)
+        monkeypatch.setattr(ShardWriter, "_write", full)
+        with pytest.raises(NotEnoughDisk) as full_disk:
+            extract_shard(
+                str(target), tokens, 0, str(out), [1, 3], "float32", 50, extractor=extractor, pipeline=pipeline
+            )  # fmt: skip
+        assert not out.exists() and list(out.parent.iterdir()) == []
+        monkeypatch.undo()
+        monkeypatch.setattr(extractor, "forward", lambda seqs: forwards.append(len(seqs)) or forward(seqs))
+        errors[pipeline] = [(type(e.value), str(e.value).split(" free")[0]) for e in (failed, full_disk)]
+    extractor.close()
+    assert errors[True] == errors[False]
+    assert errors[False][0] == (ValueError, "sample s: cannot be written")
+    assert calls[False] < len(token_batches([7, 30, 12, 25, 9, 18, 40, 15, 22, 5, 33, 11], 50))
+    assert calls[False] <= calls[True] <= calls[False] + 1  # the worker's error stops the next forward
+
+
 @pytest.mark.slow
 def test_sample_source_travels_from_traces_to_the_manifest(tmp_path):
     """Real target: a regenerated-looking trace and an original-answer trace -> tokens -> one shard ->
