@@ -405,6 +405,9 @@ def run_planned(job: dict, workdir, monkeypatch, recorded: str) -> tuple[tuple, 
         (workdir / path).touch()
     for folder in ("results/drafter", "results/eval/untrained_drafter"):
         (workdir / folder).mkdir(parents=True, exist_ok=True)
+    # the packaged held-out set is planned relative to the working folder the plan was made in (the clone)
+    if not (workdir / "draftsmith").exists():
+        (workdir / "draftsmith").symlink_to(REPO / "draftsmith")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(gpus)))
     monkeypatch.setenv("DRAFTSMITH_TRUST_REMOTE_CODE", "0")
     monkeypatch.setattr(cli, "_drafters", lambda drafter, untrained, target: {"eagle3": drafter})
