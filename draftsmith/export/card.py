@@ -109,6 +109,7 @@ def speed_section(summary: dict[str, Any]) -> list[str]:
     concurrency = projection.get("concurrency") or []
     where = (projection.get("points") or ["?"])[0].split(", concurrency")[0]
     lines = [
+        "",
         f"## Speed at the serving point ({where})",
         "",
         "Projected wall-clock speedup over plain decoding at each concurrency (the verdict decides at the "
@@ -278,7 +279,11 @@ def verdict_config(
     if choice.get("method") in (None, "plain") or not choice.get("k"):
         return None
     kind = "eagle3" if choice["method"] == "eagle3" else choice["method"]
-    return speculative_config(kind, drafter, choice["k"], (settings or {}).get(choice["method"]))
+    own = dict((settings or {}).get(choice["method"]) or {})
+    # the evaluation measures each prompt on its own; serving keeps vLLM's cross-request cache, which
+    # only adds matches from earlier answers
+    own.pop("max_cached_requests", None)
+    return speculative_config(kind, drafter, choice["k"], own)
 
 
 def verdict_serve_lines(summary: dict[str, Any], folders: dict[str, str], target: str) -> list[str]:
@@ -313,10 +318,9 @@ def verdict_serve_lines(summary: dict[str, Any], folders: dict[str, str], target
 
 def serve_section(summary: dict[str, Any], folders: dict[str, str], target: str) -> list[str]:
     k = summary.get("num_draft_tokens") or 3
-    for s in (summary.get("verdict") or {}).get("per_set") or []:
-        if s.get("method") == "eagle3" and s.get("k"):
-            k = s["k"]  # the drafter's best draft length at the serving point
-            break
+    first = next(iter((summary.get("headline") or {}).values()), {})
+    if (first.get("methods") or {}).get("eagle3", {}).get("k"):
+        k = first["methods"]["eagle3"]["k"]  # the drafter's best draft length at the serving point
     spec = json.dumps({"method": "eagle3", "model": folders["vllm"], "num_speculative_tokens": k})
     lines = ["## Serve", "", *verdict_serve_lines(summary, folders, target)]
     if "vllm" in folders:

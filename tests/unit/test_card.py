@@ -168,6 +168,7 @@ def test_card_metadata_and_serve_commands(tmp_path):
     summary = tiny_summary()
     folders = {"vllm": "results/drafter", "sglang": "results/drafter-sglang",
                "speculators": "results/drafter-speculators"}  # fmt: skip
+    k = summary["headline"]["split"]["methods"]["eagle3"]["k"]  # the drafter's best at the serving point
     for engine in folders:
         card = ModelCard(render_card(summary, engine, folders, "resources/SmolLM2-135M-Instruct"))
         assert card.data.base_model == EMBEDDED_BASE_MODEL and card.data.library_name == engine
@@ -175,12 +176,12 @@ def test_card_metadata_and_serve_commands(tmp_path):
         text = card.text
         assert (
             "vllm serve resources/SmolLM2-135M-Instruct --speculative-config "
-            '\'{"method": "eagle3", "model": "results/drafter", "num_speculative_tokens": 3}\'' in text
+            f'\'{{"method": "eagle3", "model": "results/drafter", "num_speculative_tokens": {k}}}\'' in text
         )
         assert (
             "python -m sglang.launch_server --model-path resources/SmolLM2-135M-Instruct --speculative-algorithm "
-            "EAGLE3 --speculative-draft-model-path results/drafter-sglang --speculative-num-steps 3 "
-            "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4" in text
+            f"EAGLE3 --speculative-draft-model-path results/drafter-sglang --speculative-num-steps {k} "
+            f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}" in text
         )
         assert "vllm serve results/drafter-speculators" in text
         assert "Eagle3DraftModel.from_pretrained('results/drafter-speculators')" in text
