@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import cache
 from typing import Any, TypeVar
 
-from draftsmith.config import renamed_hint, schema
+from draftsmith.config import renamed_hint, schema, spec_default
 
 T = TypeVar("T")
 
@@ -46,8 +46,10 @@ def schema_spec(path: str) -> dict[str, Any]:
 
 
 def schema_default(path: str) -> Any:
-    """The schema's default of a dotted key (a fresh copy: defaults may be lists or dicts)."""
-    return copy.deepcopy(schema_spec(path).get("default"))
+    """The schema's default of a dotted key (a fresh copy: defaults may be lists or dicts); an object's
+    default holds its own keys' defaults, as the workflow's validate() and the CLI fill them in (the same
+    settings, however they were built, key the same checkpoints)."""
+    return spec_default(schema_spec(path))
 
 
 def field_paths(
