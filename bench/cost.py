@@ -72,10 +72,10 @@ def measure_cpu() -> dict[str, float]:
 def measure(target: str, drafter: str, encoded: list[list[int]], max_new: int, k: int, b: int) -> dict:
     """Every method at concurrency b, each on a fresh vLLM engine."""
     from draftsmith.backends.vllm_spec import run_vllm_subprocess
-    from draftsmith.evaluate import vllm_prompt_counts
+    from draftsmith.evaluate import NGRAM_DEFAULT, SUFFIX_DEFAULT, vllm_prompt_counts
 
-    settings = {"ngram": {"min": 2, "max": 4}, "suffix": {"max_tree_depth": 24, "max_spec_factor": 1.0,
-                "min_token_prob": 0.1, "max_cached_requests": 0}}  # fmt: skip
+    # the free methods as the evaluation runs them (the schema's settings)
+    settings = {"ngram": NGRAM_DEFAULT, "suffix": SUFFIX_DEFAULT}
     ids = [f"p{i}" for i in range(len(encoded))]
     out = {}
     with tempfile.TemporaryDirectory(prefix="draftsmith-bench-cost-") as cache:

@@ -40,6 +40,7 @@ import torch
 
 from draftsmith.atomic import write_json
 from draftsmith.chat import eos_token_ids
+from draftsmith.settings import schema_default
 from draftsmith.speculate import (
     Eagle3Proposer,
     HybridProposer,
@@ -58,7 +59,9 @@ logger = logging.getLogger(__name__)
 
 # method name -> what proposes the drafts; "eagle3"/"untrained" take a drafter export folder
 EAGLE_METHODS = ("eagle3", "untrained")
-NGRAM_DEFAULT = {"min": 2, "max": 4}  # evaluate.ngram_lookup's, when a caller gives none (tests)
+# the free methods' settings when a caller gives none (tests, benches): the schema's
+NGRAM_DEFAULT = schema_default("evaluate.ngram_lookup")
+SUFFIX_DEFAULT = schema_default("evaluate.suffix_decoding")
 
 
 class NotLossless(RuntimeError):
@@ -287,15 +290,17 @@ def evaluate_offline(
         _check_pair(target, drafter, aux_ids[name])
         proposers[name] = drafter.to(device).eval()
     lookup = {**NGRAM_DEFAULT, **(ngram_lookup or {})}
+    suffix_settings = {**SUFFIX_DEFAULT, **(suffix_decoding or {})}
     if ngram:
         proposers["ngram"] = NgramProposer(lookup["min"], lookup["max"])
         aux_ids["ngram"] = []
     if suffix:
-        proposers["suffix"] = SuffixProposer(**(suffix_decoding or {}))
+        proposers["suffix"] = SuffixProposer(**suffix_settings)
         aux_ids["suffix"] = []
     if hybrid and "eagle3" in proposers:
         proposers["hybrid"] = HybridProposer(
-            SuffixProposer(**(suffix_decoding or {})), Eagle3Proposer(proposers["eagle3"], embed)
+            SuffixProposer(**suffix_settings),
+            Eagle3Proposer(proposers["eagle3"], embed),
         )
         aux_ids["hybrid"] = aux_ids["eagle3"]
     eos = eos_token_ids(tokenizer, getattr(target, "generation_config", None))
@@ -357,7 +362,7 @@ def evaluate_offline(
             "drafter": str(drafters[name]) if name in drafters else None,
             **({"aux_layer_ids": aux_ids[name]} if name in drafters else {}),
             **({"settings": dict(lookup)} if name == "ngram" else {}),
-            **({"settings": dict(suffix_decoding or {})} if name == "suffix" else {}),
+            **({"settings": suffix_settings} if name == "suffix" else {}),
             **method_summary(results[name], seconds[name], plain_tps, num_draft_tokens),
             "per_prompt": [
                 {
@@ -632,9 +637,9 @@ def method_runs(
     runs = [MethodRun("plain", None)]
     runs += [MethodRun(name, "eagle3", str(path)) for name, path in drafters.items()]
     if ngram:
-        runs.append(MethodRun("ngram", "ngram", settings=dict(ngram_lookup or {"min": 2, "max": 4})))
+        runs.append(MethodRun("ngram", "ngram", settings={**NGRAM_DEFAULT, **(ngram_lookup or {})}))
     if suffix:
-        runs.append(MethodRun("suffix", "suffix", settings=dict(suffix_decoding or {})))
+        runs.append(MethodRun("suffix", "suffix", settings={**SUFFIX_DEFAULT, **(suffix_decoding or {})}))
     return runs
 
 
