@@ -472,6 +472,7 @@ class StageNeed:
     budget: float | None  # bytes this stage may use per GPU (None: the device is unknown)
     setting: str  # what to change when it does not fit
     notes: list[str] = field(default_factory=list)
+    engines: int = 1  # data-parallel copies, each on `gpus` GPUs (vLLM stages)
 
     @property
     def total(self) -> float:
@@ -519,6 +520,37 @@ def _vllm_need(
     return need
 
 
+def engine_layout(
+    size: TargetSize,
+    gpus: int,
+    seq_len: int,
+    utilization: float,
+    memory: float | None,
+    tensor_parallel: int = 0,
+) -> tuple[int, int]:
+    """(GPUs per vLLM engine, engines) for a job with `gpus` GPUs: data parallel over all of them.
+    `tensor_parallel` > 0 is taken as given (it must divide `gpus`); 0 = the fewest GPUs, a power of two
+    dividing `gpus`, whose budget holds the weights' share, vLLM's reserve and one `seq_len`-token
+    sequence's KV cache (`_vllm_need`); all of them when the device's memory is unknown or nothing
+    smaller fits (the plan then says whether that does). No GPUs: one engine on the CPU."""
+    if gpus <= 0:
+        return 1, 1
+    if tensor_parallel:
+        if gpus % tensor_parallel:
+            raise ValueError(
+                f"tensor_parallel {tensor_parallel} does not divide the job's {gpus} GPUs into engines"
+            )
+        return tensor_parallel, gpus // tensor_parallel
+    if memory is None:
+        return gpus, 1
+    tp = 1
+    while tp < gpus:
+        if gpus % tp == 0 and _vllm_need("", size, tp, seq_len, utilization, memory, "").fits:
+            return tp, gpus // tp
+        tp *= 2
+    return gpus, 1
+
+
 def plan(
     config: dict[str, Any],
     size: TargetSize,
@@ -539,31 +571,46 @@ def plan(
             _server_arg(args, "--gpu-memory-utilization") or res["generate"]["gpu_memory_utilization"]
         )
         seq = int(_server_arg(args, "--max-model-len") or size.max_position_embeddings)
-        needs.append(
-            _vllm_need(
-                "generate",
-                size,
-                res["generate"]["gpus"],
-                seq,
-                util,
-                memory,
-                "resources.generate.gpus (tensor parallel) or --max-model-len in generate.server_args",
-            )
+        given = _server_arg(args, "--tensor-parallel-size") or _server_arg(args, "-tp")
+        tp, engines = engine_layout(
+            size,
+            res["generate"]["gpus"],
+            seq,
+            util,
+            memory,
+            int(given or res["generate"]["tensor_parallel"]),
         )
+        need = _vllm_need(
+            "generate",
+            size,
+            tp,
+            seq,
+            util,
+            memory,
+            f"resources.generate.{'gpus' if tp == res['generate']['gpus'] else 'tensor_parallel'} "
+            "(GPUs per engine) or --max-model-len in generate.server_args",
+        )
+        need.engines = engines
+        needs.append(need)
     ext = config["extract"]
     if res["extract"]["gpus"] > 0:
-        tp = res["extract"]["gpus"]
         if ext["backend"] == "vllm":
             util = float(res["extract"]["gpu_memory_utilization"])
+            seq = int(ext["max_seq_len"])
+            tp, engines = engine_layout(
+                size, res["extract"]["gpus"], seq, util, memory, res["extract"]["tensor_parallel"]
+            )
             need = _vllm_need(
                 "extract",
                 size,
                 tp,
-                int(ext["max_seq_len"]),
+                seq,
                 util,
                 memory,
-                "resources.extract.gpus (tensor parallel) or extract.max_seq_len",
+                f"resources.extract.{'gpus' if tp == res['extract']['gpus'] else 'tensor_parallel'} "
+                "(GPUs per engine) or extract.max_seq_len",
             )
+            need.engines = engines
             head = size.vocab_size * size.hidden_size * 2.0
             if memory is not None and head > (1 - util) * memory:
                 need.notes.append(
@@ -573,7 +620,7 @@ def plan(
             needs.append(need)
         else:
             parts = {"target weights (one GPU)": size.weight_bytes, "activations, CUDA context": VLLM_RESERVE}
-            needs.append(StageNeed("extract", tp, parts, memory, "extract.backend vllm (tensor parallel)"))
+            needs.append(StageNeed("extract", 1, parts, memory, "extract.backend vllm (tensor parallel)"))
     tr = config["train"]
     if res["train"]["gpus"] > 0 and shape is not None:
         world = res["train"]["gpus"]
@@ -649,7 +696,8 @@ def table(needs: list[StageNeed], device: str) -> str:
     for need in needs:
         verdict = {True: "fits", False: "DOES NOT FIT", None: "device unknown"}[need.fits]
         budget = f" of {need.budget / GB:.1f} GB" if need.budget is not None else ""
-        lines.append(f"  {need.stage} x{need.gpus}: {need.total / GB:.1f} GB{budget}: {verdict}")
+        layout = f"{need.engines} engines x {need.gpus} GPUs" if need.engines > 1 else f"x{need.gpus}"
+        lines.append(f"  {need.stage} {layout}: {need.total / GB:.1f} GB{budget}: {verdict}")
         for name, value in need.parts.items():
             lines.append(f"      {value / GB:8.1f} GB  {name}")
         lines += [f"      {note}" for note in need.notes]

@@ -17,6 +17,7 @@ from draftsmith.memory import (
     GIB,
     activation_bytes,
     device_memory,
+    engine_layout,
     plan_config,
     refusal,
     safetensors_bytes,
@@ -118,3 +119,23 @@ def test_a_stage_that_cannot_fit_stops_in_one_line_naming_it_and_the_setting() -
     assert line.startswith("generate needs") and "GB per GPU" in line and "resources.generate.gpus" in line
     train = next(n for n in needs if n.stage == "train")
     assert train.fits and train.total < 80 * GB
+
+
+def test_engine_layout_takes_the_fewest_gpus_that_hold_the_target() -> None:
+    """A job's GPUs become data-parallel engines of the fewest GPUs (a power of two) that hold the target:
+    Llama-3.1-8B one per H100 (8 engines), Qwen3-235B-A22B bf16 (470 GB) 8 per H100 and 4 per H200,
+    Kimi-K2.5 all 8 H200s; a given tensor_parallel must divide the GPUs; no GPUs = one CPU engine."""
+    sizes = {
+        name: target_size(text_config_json(TARGETS / name)) for name in ("llama-3.1-8b", "qwen3-235b-a22b")
+    }
+    sizes["kimi-k2.5"] = target_size(text_config_json(TARGETS / "kimi-k2.5"))
+    h100, h200 = (device_memory({"gpu_model": g}, detect=False)[0] for g in ("H100-80GB", "H200-141GB"))
+    assert engine_layout(sizes["llama-3.1-8b"], 8, 8192, 0.9, h100) == (1, 8)
+    assert engine_layout(sizes["qwen3-235b-a22b"], 8, 8192, 0.9, h100) == (8, 1)
+    assert engine_layout(sizes["qwen3-235b-a22b"], 8, 8192, 0.9, h200) == (4, 2)
+    assert engine_layout(sizes["kimi-k2.5"], 8, 8192, 0.92, h200) == (8, 1)
+    assert engine_layout(sizes["llama-3.1-8b"], 8, 8192, 0.9, None) == (8, 1)  # memory unknown: as before
+    assert engine_layout(sizes["llama-3.1-8b"], 8, 8192, 0.9, h100, tensor_parallel=2) == (2, 4)
+    assert engine_layout(sizes["llama-3.1-8b"], 0, 8192, 0.9, h100) == (1, 1)
+    with pytest.raises(ValueError, match="tensor_parallel 3 does not divide the job's 8 GPUs"):
+        engine_layout(sizes["llama-3.1-8b"], 8, 8192, 0.9, h100, tensor_parallel=3)
