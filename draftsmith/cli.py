@@ -387,7 +387,19 @@ def fetch_wheel_cmd(requirement: str, out: str, cache: str) -> None:
     "resources.generate",
     "gpus",
     "--gpus",
-    help="GPUs of this job: the vllm-server back-end is tensor parallel over them (--tensor-parallel-size).",
+    help="GPUs of this job: the vllm-server back-end uses all of them (engines of --tensor-parallel GPUs, "
+    "data parallel).",
+)
+@setting(
+    "resources.generate",
+    "tensor_parallel",
+    "--tensor-parallel",
+    help="GPUs per engine; 0 = the fewest that fit.",
+)
+@click.option(
+    "--gpu-memory-gib",
+    type=click.FloatRange(min=0),
+    help="Each GPU's memory for the engine layout; 0 or unset = nvidia-smi on this machine.",
 )
 @setting(
     "resources.generate", "gpu_memory_utilization", "--gpu-memory-utilization", help="vllm-server on GPUs."
@@ -445,7 +457,8 @@ def generate(target_path: str, prompts_path: str, settings_json: str | None, **k
             kw["devices"] = [d.strip() for d in kw["devices"].split(",") if d.strip()]
     except json.JSONDecodeError as err:
         _fail(f"--server-args: not a JSON list: {err}", EXIT_BAD_INPUT)
-    values = {**resolve(settings_json, kw, "generate"), "dtype": dtype}
+    memory_gib = kw.pop("gpu_memory_gib") or None  # 0: ask nvidia-smi here
+    values = {**resolve(settings_json, kw, "generate"), "dtype": dtype, "gpu_memory_gib": memory_gib}
     try:
         settings = GenerateSettings.from_dict(values)
     except (ValueError, TypeError) as err:

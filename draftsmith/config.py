@@ -77,6 +77,7 @@ SETTINGS_OPS = {
         "max_failed_fraction",
         "server_startup_timeout_s",
         "gpus",
+        "tensor_parallel",
         "gpu_memory_utilization",
     ),
     "train": (

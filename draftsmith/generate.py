@@ -80,7 +80,8 @@ class GenerateSettings:
     server_args: list[str]
     server_host: str
     server_startup_timeout_s: float
-    gpus: int  # the job's GPUs (resources.generate.gpus): the vllm-server back-end is tensor parallel
+    gpus: int  # the job's GPUs (resources.generate.gpus): the vllm-server back-end uses all of them
+    tensor_parallel: int  # GPUs per engine (0: memory.engine_layout decides); the rest data parallel
     gpu_memory_utilization: float
     reasoning: str
     multi_turn: str
@@ -89,6 +90,7 @@ class GenerateSettings:
     max_failed_fraction: float
     original_answers_share: float
     devices: list[str] | None = None  # vllm-server: the job's GPU ids (not a config key); None = inherited
+    gpu_memory_gib: float | None = None  # each GPU's memory for the engine layout (None: detected here)
 
     def check(self) -> None:
         """What the schema cannot say: the openai back-end needs an endpoint."""

@@ -483,7 +483,7 @@ class StageNeed:
         return None if self.budget is None else self.total <= self.budget
 
 
-def _server_arg(args: list[Any], name: str) -> str | None:
+def server_arg(args: list[Any], name: str) -> str | None:
     args = [str(a) for a in args or []]
     for i, a in enumerate(args):
         if a == name and i + 1 < len(args):
@@ -568,10 +568,10 @@ def plan(
     if res["generate"]["gpus"] > 0 and gen["backend"] == "vllm-server":
         args = gen.get("server_args") or []
         util = float(
-            _server_arg(args, "--gpu-memory-utilization") or res["generate"]["gpu_memory_utilization"]
+            server_arg(args, "--gpu-memory-utilization") or res["generate"]["gpu_memory_utilization"]
         )
-        seq = int(_server_arg(args, "--max-model-len") or size.max_position_embeddings)
-        given = _server_arg(args, "--tensor-parallel-size") or _server_arg(args, "-tp")
+        seq = int(server_arg(args, "--max-model-len") or size.max_position_embeddings)
+        given = server_arg(args, "--tensor-parallel-size") or server_arg(args, "-tp")
         tp, engines = engine_layout(
             size,
             res["generate"]["gpus"],

@@ -73,6 +73,9 @@ if workflow.is_main_process and uses_gpus(config):
         print(memory_table(GPU_PLAN, GPU_DEVICE), file=sys.stderr)
         if memory_refusal(GPU_PLAN, GPU_DEVICE):
             stop_at_start("GPU memory plan", [memory_refusal(GPU_PLAN, GPU_DEVICE)])
+# Each GPU's memory as the plan takes it (resources.gpu_memory_gib, gpu_model), for the jobs' engine
+# layout to match the plan's; "0" = unknown here: the job asks nvidia-smi on its own machine.
+GPU_MEMORY_GIB = str(round((device_memory(config["resources"], detect=False)[0] or 0) / 2**30, 3))
 # Jobs inherit this process's environment: every transformers / vLLM load of the target honours it
 # (draftsmith.target.TRUST_REMOTE_CODE_ENV; not imported here, torch would slow every parse).
 TRUST_REMOTE_CODE = "1" if config["target"]["trust_remote_code"] else "0"

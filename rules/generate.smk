@@ -26,6 +26,8 @@ rule generate:
         max_failed_fraction=str(config["resources"]["generate"]["max_failed_fraction"]),
         server_startup_timeout_s=str(config["resources"]["generate"]["server_startup_timeout_s"]),
         gpu_memory_utilization=str(config["resources"]["generate"]["gpu_memory_utilization"]),
+        tensor_parallel=config["resources"]["generate"]["tensor_parallel"],
+        gpu_memory_gib=GPU_MEMORY_GIB,
     params:
         # The whole section: backend, sampling, endpoint, batching, server args (see the schema).
         settings=section_json("generate"),
@@ -42,6 +44,7 @@ rule generate:
         " --max-consecutive-failures {resources.max_consecutive_failures:q}"
         " --max-failed-fraction {resources.max_failed_fraction:q}"
         " --server-startup-timeout-s {resources.server_startup_timeout_s:q}"
-        # the server is tensor parallel over the job's GPUs
+        # one server on all the job's GPUs: engines of --tensor-parallel GPUs, data parallel
         " --gpus {resources.gpu} --gpu-memory-utilization {resources.gpu_memory_utilization}"
+        " --tensor-parallel {resources.tensor_parallel} --gpu-memory-gib {resources.gpu_memory_gib}"
         " 2>&1 | tee {log:q}"

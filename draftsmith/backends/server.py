@@ -59,10 +59,10 @@ def _has_flag(args: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
-def tensor_parallel_size(gpus: int, devices: list[str] | None, visible: str | None) -> int:
-    """How many GPUs one server spans: the devices given, else the job's GPU count (`draftsmith run
-    --gpus N` made exactly N visible). Raises ValueError when the job has fewer visible devices than
-    GPUs (CUDA_VISIBLE_DEVICES, when set, lists them)."""
+def server_gpus(gpus: int, devices: list[str] | None, visible: str | None) -> int:
+    """How many GPUs one server spans (its engines together): the devices given, else the job's GPU
+    count (`draftsmith run --gpus N` made exactly N visible). Raises ValueError when the job has fewer
+    visible devices than GPUs (CUDA_VISIBLE_DEVICES, when set, lists them)."""
     if devices:
         return len(devices)
     shown = parse_visible(visible)
@@ -72,6 +72,24 @@ def tensor_parallel_size(gpus: int, devices: list[str] | None, visible: str | No
             f"(CUDA_VISIBLE_DEVICES={visible!r}); run the stage through `draftsmith run --gpus {gpus} --`"
         )
     return max(1, gpus)
+
+
+def server_layout(settings: Any, target: str | Path, gpus: int) -> tuple[int, int]:
+    """(GPUs per engine, engines) for a server on `gpus` GPUs, as `draftsmith plan` lays it out
+    (memory.engine_layout): --tensor-parallel-size in server_args, else resources.generate.tensor_parallel,
+    else the fewest GPUs that hold the target at --max-model-len (default: the target's context)."""
+    from draftsmith.config import text_config_json
+    from draftsmith.memory import GIB, device_memory, engine_layout, server_arg, target_size
+
+    args = settings.server_args or []
+    given = server_arg(args, "--tensor-parallel-size") or server_arg(args, "-tp")
+    size = target_size(text_config_json(Path(target)), target, settings.dtype)
+    seq = int(server_arg(args, "--max-model-len") or size.max_position_embeddings)
+    util = float(server_arg(args, "--gpu-memory-utilization") or settings.gpu_memory_utilization)
+    memory = settings.gpu_memory_gib * GIB if settings.gpu_memory_gib else device_memory({})[0]
+    tp, engines = engine_layout(size, gpus, seq, util, memory, int(given or settings.tensor_parallel))
+    log.info("generate: %d GPU(s) as %d engine(s) of %d (data parallel x tensor parallel)", gpus, engines, tp)
+    return tp, engines
 
 
 def server_command(
@@ -88,12 +106,14 @@ def server_command(
     attention_backend: str | None = None,
     tensor_parallel: int | None = None,
     gpu_memory_utilization: float | None = None,
+    data_parallel: int = 1,
 ) -> list[str]:
     """The api_server command line. Settings given in `extra_args` win over the derived ones, except
     what the workflow owns (config.RESERVED_SERVER_ARGS: model, address, API key), which they may not set.
 
     tensor_parallel: GPUs the model is split over (default: one per device given); with
-    --enable-expert-parallel in extra_args vLLM's MoE layers then use EP = that size.
+    --enable-expert-parallel in extra_args vLLM's MoE layers then use EP = TP x DP.
+    data_parallel: engines of `tensor_parallel` GPUs each behind the one server (vLLM balances requests).
     gpu_memory_utilization: passed on GPUs only (tensor_parallel or devices given)."""
     extra = list(extra_args)
     if reason := server_args_error(extra):
@@ -110,6 +130,8 @@ def server_command(
     tp = tensor_parallel or (len(devices) if devices else 1)
     if tp > 1 and not (_has_flag(extra, "--tensor-parallel-size") or _has_flag(extra, "-tp")):
         cmd += ["--tensor-parallel-size", str(tp)]
+    if data_parallel > 1 and not (_has_flag(extra, "--data-parallel-size") or _has_flag(extra, "-dp")):
+        cmd += ["--data-parallel-size", str(data_parallel)]
     on_gpu = bool(tensor_parallel or devices)
     if on_gpu and gpu_memory_utilization is not None and not _has_flag(extra, "--gpu-memory-utilization"):
         cmd += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
@@ -213,6 +235,7 @@ class VllmServer:
         host: str = "127.0.0.1",  # generate.server_host
         tensor_parallel: int | None = None,
         gpu_memory_utilization: float | None = None,
+        data_parallel: int = 1,
     ):
         self.model = str(model)
         self.port = port
@@ -229,6 +252,7 @@ class VllmServer:
         self.api_key: str | None = None  # drawn at each start
         self.tensor_parallel = tensor_parallel
         self.gpu_memory_utilization = gpu_memory_utilization
+        self.data_parallel = data_parallel
         self.proc: subprocess.Popen | None = None
         self.startup_seconds: float | None = None
         self._old_handlers: dict[int, Any] = {}
@@ -265,6 +289,7 @@ class VllmServer:
             attention_backend=attention_backend_for(self.model, self.dtype or "auto"),
             tensor_parallel=self.tensor_parallel,
             gpu_memory_utilization=self.gpu_memory_utilization,
+            data_parallel=self.data_parallel,
         )
 
     def start(self) -> VllmServer:
@@ -401,7 +426,10 @@ class VllmServerBackend(OpenAIChatBackend):
 
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         try:
-            gpus = tensor_parallel_size(settings.gpus, settings.devices, visible)
+            gpus = server_gpus(settings.gpus, settings.devices, visible)
+            tp, engines = (
+                server_layout(settings, target, gpus) if settings.gpus or settings.devices else (1, 1)
+            )
         except ValueError as err:
             raise ServerError(str(err)) from None
         return VllmServer(
@@ -413,8 +441,9 @@ class VllmServerBackend(OpenAIChatBackend):
             seed=settings.seed,
             startup_timeout_s=settings.server_startup_timeout_s,
             host=settings.server_host,
-            tensor_parallel=gpus if settings.gpus or settings.devices else None,
+            tensor_parallel=tp if settings.gpus or settings.devices else None,
             gpu_memory_utilization=settings.gpu_memory_utilization,
+            data_parallel=engines,
         )
 
     @classmethod

@@ -183,7 +183,7 @@ INTERNALS: tuple[Internal, ...] = (
         _engine_arg(k, f"server flag --{k.replace('_', '-')}")
         for k in ("model", "served_model_name", "dtype", "seed", "tensor_parallel_size", "enforce_eager",
                   "max_model_len", "gpu_memory_utilization", "trust_remote_code", "enable_expert_parallel",
-                  "reasoning_parser", "attention_backend")
+                  "reasoning_parser", "attention_backend", "data_parallel_size")
     ),  # fmt: skip
     Internal(
         "with --enable-expert-parallel, EP = TP x DP (configs/qwen3-235b-a22b.yaml: EP = TP = the job's GPUs)",

@@ -34,17 +34,10 @@ from draftsmith.config import read_numbers, replaced_mappings, schema
 pytestmark = pytest.mark.slow
 
 # The fields of each Hub target's config.json the start-up checks read, as the model folders ship them.
-TARGET_CONFIGS = {
-    "moonshotai/Kimi-K2.5": {
-        "architectures": ["KimiK25ForConditionalGeneration"],
-        "text_config": {"model_type": "deepseek_v3", "num_hidden_layers": 61, "vocab_size": 163840,
-                        "hidden_size": 7168, "kv_lora_rank": 512},
-    },
-    "meta-llama/Llama-3.1-8B-Instruct": {"model_type": "llama", "num_hidden_layers": 32, "vocab_size": 128256,
-                                         "hidden_size": 4096},
-    "Qwen/Qwen3-235B-A22B": {"model_type": "qwen3_moe", "num_hidden_layers": 94, "vocab_size": 151936,
-                             "hidden_size": 4096},
-}  # fmt: skip
+# The Hub targets of the shipped configs, as their real config.json files (tests/data/target-configs).
+TARGETS = REPO / "tests" / "data" / "target-configs"
+TARGET_DIRS = {"moonshotai/Kimi-K2.5": "kimi-k2.5", "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b",
+               "Qwen/Qwen3-235B-A22B": "qwen3-235b-a22b"}  # fmt: skip
 # Where commands are documented: the pages, and each config file's header (`#   snakemake ...`).
 DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 CONFIG_FILES = ["config.yaml", *(f"configs/{p.name}" for p in sorted((REPO / "configs").glob("*.yaml"))),
@@ -126,8 +119,8 @@ def env(tmp_path_factory) -> dict[str, str]:
     """cli_env with a Hub cache holding the Hub targets' config.json only, no Hub, and no AWS credentials
     (the Kubernetes profile's bucket is the placeholder its comment tells you to replace)."""
     cache = tmp_path_factory.mktemp("hub-cache")
-    for repo_id, config in TARGET_CONFIGS.items():
-        add_repo(cache, repo_id, {"config.json": json.dumps(config).encode()})
+    for repo_id, folder in TARGET_DIRS.items():
+        add_repo(cache, repo_id, {"config.json": (TARGETS / folder / "config.json").read_bytes()})
     environ = {k: v for k, v in cli_env().items() if not k.startswith(("AWS_", "HF_"))}
     missing = str(cache / "none")
     environ.update(HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1", AWS_EC2_METADATA_DISABLED="true",
@@ -322,7 +315,8 @@ def plan(request, plans, tmp_path_factory):
     workdir = tmp_path_factory.mktemp(name)
     target = workdir / "resources" / "hub" / GPU_CONFIGS[name].replace("/", "--")
     target.mkdir(parents=True)
-    (target / "config.json").write_text(json.dumps(TARGET_CONFIGS[GPU_CONFIGS[name]]))
+    # the real target's config.json (the engine layout sizes it)
+    shutil.copy(TARGETS / TARGET_DIRS[GPU_CONFIGS[name]] / "config.json", target / "config.json")
     return name, by_rule(jobs_of(proc)), workdir
 
 
@@ -341,8 +335,9 @@ def test_gpu_reservations(plan):
     node = name != "llama-3.1-8b"  # the huge targets take the whole node per GPU job
     want = 8 if node else 1
     for stage in ("generate", "extract", "train", "evaluate_vllm"):
-        assert {j["gpu"] for j in jobs[stage]} == {want}, (name, stage, jobs[stage])
-        assert all(f"draftsmith run --gpus {want} --" in j["shell"] for j in jobs[stage])
+        gpus = 8 if stage == "generate" else want  # generation: every GPU of the node, whatever the target
+        assert {j["gpu"] for j in jobs[stage]} == {gpus}, (name, stage, jobs[stage])
+        assert all(f"draftsmith run --gpus {gpus} --" in j["shell"] for j in jobs[stage])
     assert len(jobs["extract"]) == (16 if node else 8)
     assert all('"backend": "vllm"' in j["shell"] for j in jobs["extract"])
     # a job reserving 8 of 8 GPUs runs alone: the shards of a huge target extract one at a time
@@ -420,19 +415,22 @@ def run_planned(job: dict, workdir, monkeypatch, recorded: str) -> tuple[tuple, 
     return calls[0]
 
 
-def test_generate_serves_the_target_tensor_parallel_over_the_jobs_gpus(plan, monkeypatch):
-    """The vLLM server the planned generate command starts: TP = the job's GPUs (Qwen3-235B's expert
-    parallel then has EP = TP), the target's dtype, CUDA graphs (no --enforce-eager), the memory share."""
+def test_generate_serves_the_target_on_all_the_jobs_gpus(plan, monkeypatch):
+    """The vLLM server the planned generate command starts on an 8-H100 node (nvidia-smi's answer): all 8
+    GPUs, Llama-3.1-8B as 8 data-parallel engines of 1, the huge targets as one engine of 8 (Qwen3-235B's
+    expert parallel then has EP = TP), the target's dtype, CUDA graphs (no --enforce-eager), the memory share."""
     from draftsmith.backends.server import VllmServerBackend
 
     name, jobs, workdir = plan
     (job,) = jobs["generate"]
     args, _ = run_planned(job, workdir, monkeypatch, "draftsmith.generate.generate_traces")
     target, settings = args[0], args[4]  # generate_traces(target, prompts, out, summary, settings)
+    monkeypatch.setattr("draftsmith.memory.detect_gpu_memory_gib", lambda: 79.2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
     cmd = VllmServerBackend.server(settings, target, "server.log").command()
     flags = dict(zip(cmd, cmd[1:], strict=False))
-    gpus = 1 if name == "llama-3.1-8b" else 8
-    assert flags.get("--tensor-parallel-size") == (str(gpus) if gpus > 1 else None), cmd
+    tp, dp = (None, "8") if name == "llama-3.1-8b" else ("8", None)
+    assert (flags.get("--tensor-parallel-size"), flags.get("--data-parallel-size")) == (tp, dp), cmd
     assert flags["--dtype"] == "bfloat16" and "--enforce-eager" not in cmd, cmd
     assert flags["--gpu-memory-utilization"] == ("0.92" if name == "kimi-k2.5-8gpu" else "0.9"), cmd
     assert ("--enable-expert-parallel" in cmd) == (name == "qwen3-235b-a22b"), cmd

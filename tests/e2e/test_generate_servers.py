@@ -17,6 +17,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from conftest import REPO
@@ -31,7 +32,7 @@ from draftsmith.backends.openai import (
     parse_completion,
     split_reasoning,
 )
-from draftsmith.backends.server import VllmServer, group_alive, server_command, tensor_parallel_size
+from draftsmith.backends.server import VllmServer, group_alive, server_command, server_gpus
 from draftsmith.generate import GenerateError, GenerateSettings, generate_traces
 from draftsmith.prompts import PromptError
 
@@ -264,18 +265,47 @@ def test_the_server_spans_the_jobs_gpus_with_expert_parallel_over_them():
     assert flags["--gpu-memory-utilization"] == "0.85"
     cpu = server_command("/m", 1, gpu_memory_utilization=0.85)  # a CPU job: no GPU-only flags
     assert "--gpu-memory-utilization" not in cpu and "--tensor-parallel-size" not in cpu
-    mine = server_command("/m", 1, tensor_parallel=8, gpu_memory_utilization=0.85,
-                          extra_args=["--gpu-memory-utilization", "0.5", "-tp", "4"])  # fmt: skip
+    mine = server_command("/m", 1, tensor_parallel=8, gpu_memory_utilization=0.85, data_parallel=2,
+                          extra_args=["--gpu-memory-utilization", "0.5", "-tp", "4", "-dp", "1"])  # fmt: skip
     assert mine.count("--gpu-memory-utilization") == 1 and "--tensor-parallel-size" not in mine
+    assert "--data-parallel-size" not in mine
+    dp = server_command("/m", 1, tensor_parallel=2, data_parallel=4)
+    assert dict(zip(dp, dp[1:], strict=False))["--data-parallel-size"] == "4"
 
 
-def test_tensor_parallel_size_is_the_jobs_gpus_and_short_devices_are_named():
-    assert tensor_parallel_size(8, None, "0,1,2,3,4,5,6,7") == 8
-    assert tensor_parallel_size(0, None, "") == 1
-    assert tensor_parallel_size(2, ["4", "5", "6"], None) == 3  # devices given by hand decide
-    assert tensor_parallel_size(4, None, None) == 4  # CUDA_VISIBLE_DEVICES unset: trust the count
+def test_the_server_runs_data_parallel_engines_of_the_fewest_gpus_that_hold_the_target(tmp_path):
+    """resources.generate.gpus 8 for Llama-3.1-8B on H100s: 8 engines of 1 GPU behind one server
+    (--data-parallel-size 8, no --tensor-parallel-size), as `draftsmith plan` lays it out; Qwen3-235B-A22B
+    bf16 spans all 8; --tensor-parallel-size in server_args or resources.generate.tensor_parallel decide."""
+    from draftsmith.backends.server import VllmServerBackend, server_layout
+    from draftsmith.config import section_defaults
+    from draftsmith.generate import GenerateSettings
+
+    targets = Path(__file__).resolve().parents[1] / "data" / "target-configs"
+    values = {**section_defaults("generate"), "backend": "vllm-server", "dtype": "bfloat16"}
+    settings = GenerateSettings.from_dict({**values, "gpus": 8, "gpu_memory_gib": 79.2})
+    assert server_layout(settings, targets / "llama-3.1-8b", 8) == (1, 8)
+    assert server_layout(settings, targets / "qwen3-235b-a22b", 8) == (8, 1)
+    two = GenerateSettings.from_dict({**values, "gpus": 8, "gpu_memory_gib": 79.2, "tensor_parallel": 2})
+    assert server_layout(two, targets / "llama-3.1-8b", 8) == (2, 4)
+    given = GenerateSettings.from_dict(
+        {**values, "gpus": 8, "gpu_memory_gib": 79.2, "server_args": ["-tp", "4"]}
+    )
+    assert server_layout(given, targets / "llama-3.1-8b", 8) == (4, 2)
+    with mock.patch.dict(os.environ, {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}):
+        server = VllmServerBackend.server(settings, str(targets / "llama-3.1-8b"), str(tmp_path / "log"))
+    cmd = server.command()
+    flags = dict(zip(cmd, cmd[1:], strict=False))
+    assert flags["--data-parallel-size"] == "8" and "--tensor-parallel-size" not in cmd
+
+
+def test_server_gpus_is_the_jobs_gpus_and_short_devices_are_named():
+    assert server_gpus(8, None, "0,1,2,3,4,5,6,7") == 8
+    assert server_gpus(0, None, "") == 1
+    assert server_gpus(2, ["4", "5", "6"], None) == 3  # devices given by hand decide
+    assert server_gpus(4, None, None) == 4  # CUDA_VISIBLE_DEVICES unset: trust the count
     with pytest.raises(ValueError, match=r"resources.generate.gpus is 8 but only 2 GPU\(s\) are visible"):
-        tensor_parallel_size(8, None, "0,1")
+        server_gpus(8, None, "0,1")
 
 
 # ----------------------------------------------------------------------------- the client against the double
