@@ -331,7 +331,7 @@ def ttt_loss(
     advance = objective.ttt_positions == "advance"
     plain_ce = objective.lk_loss == "none"
     checkpointed = objective.checkpoint_ttt and torch.is_grad_enabled()
-    # every step's trained positions with two host syncs per forward, not several per step
+    # every step's trained positions read here, before the loop: no host sync inside it (one more after)
     targets = [ttt_step_targets(loss_mask, batch.lengths, j, objective.mask_offset) for j in range(steps)]
     found = torch.stack([valid for valid, _, _ in targets]).nonzero()  # [K, 3]: step, b, t
     counts = torch.bincount(found[:, 0], minlength=steps).tolist()
@@ -425,12 +425,16 @@ def ttt_loss(
                 denominator = B if objective.loss_norm == "sample" else counts[j]
             total = total + objective.step_weights[j] * per_position.sum() / denominator
     stats = StepStats.zeros(steps)
-    stats.tokens = batch.num_tokens
-    read = torch.stack(sums).tolist() if sums else []
+    # one read for every figure: per step (loss sum, correct, agree), then (teacher correct, tokens, 0)
+    last = torch.stack([teacher_correct, batch.lengths.sum(), torch.zeros_like(teacher_correct)])
+    *read, (teacher_read, tokens, _) = torch.stack(
+        [*sums, last.to(device=device, dtype=torch.float64)]
+    ).tolist()
     for j, (loss_sum, correct, agree) in enumerate(read):
         stats.loss_sum[j], stats.correct[j], stats.agree[j] = loss_sum, int(correct), int(agree)
     stats.count = list(counts)
-    stats.teacher_correct = int(teacher_correct)
+    stats.teacher_correct = int(teacher_read)
+    stats.tokens = int(tokens)
     return total, stats
 
 

@@ -944,3 +944,49 @@ def test_soft_cross_entropy_gradient_is_log_softmaxs() -> None:
         logits.grad = None
         (-(p * torch.log_softmax(logits.float(), -1)).sum(-1) * weights).sum().backward()
         torch.testing.assert_close(mine, logits.grad, rtol=0, atol=0)  # bit for bit: CPU runs train as before
+
+
+def host_reads(monkeypatch, fn) -> int:
+    """Calls of `fn` that read a device tensor's values on the host (a sync on a GPU): .tolist(), .item(),
+    bool/int/float of a tensor (aten._local_scalar_dense) and nonzero (its size depends on the values)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    count = 0
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            nonlocal count
+            if func.overloadpacket in (torch.ops.aten._local_scalar_dense, torch.ops.aten.nonzero):
+                count += 1
+            return func(*args, **(kwargs or {}))
+
+    tolist = torch.Tensor.tolist
+
+    def counted(self):
+        nonlocal count
+        count += 1
+        return tolist(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    with Reads():
+        fn()
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    return count
+
+
+@pytest.mark.parametrize("checkpoint_ttt", [False, True])
+def test_host_syncs_stay_out_of_the_ttt_loop(data: dict, monkeypatch, checkpoint_ttt: bool) -> None:
+    """A forward reads the device from the host the same few times at 1, 3 or 7 TTT steps (before and
+    after the loop, none per step): a GPU never waits for the host inside the loop."""
+    drafter, embed, teacher = build(data)
+    batch = collate(data["samples"][:4])
+    reads = {
+        steps: host_reads(
+            monkeypatch,
+            lambda steps=steps: ttt_loss(
+                drafter, embed, teacher, batch, objective(steps, checkpoint_ttt=checkpoint_ttt)
+            ),
+        )
+        for steps in (1, 3, 7)
+    }
+    assert reads[1] == reads[3] == reads[7] <= 3, reads
