@@ -81,13 +81,13 @@ def checked_positions(
 def count_agreeing(lm_head_weight: torch.Tensor, states: torch.Tensor, next_ids: torch.Tensor) -> int:
     """How many rows have argmax(lm_head(state)) == next id, in chunks that bound the [rows, V] logits,
     on lm_head's device (the job's GPU when it has one)."""
-    agree = 0
     device, dtype = lm_head_weight.device, lm_head_weight.dtype
+    agree = torch.zeros((), dtype=torch.int64, device=device)  # summed there, read once (one host sync)
     for i in range(0, states.shape[0], 512):
         logits = states[i : i + 512].to(device, dtype) @ lm_head_weight.T
         # max().indices is argmax (the first maximum); in bf16 on CPU it runs ~5x faster than argmax()
-        agree += int((logits.max(-1).indices == next_ids[i : i + 512].to(device)).sum())
-    return agree
+        agree += (logits.max(-1).indices == next_ids[i : i + 512].to(device)).sum()
+    return int(agree)
 
 
 def teacher_agreement(
