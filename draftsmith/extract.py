@@ -787,7 +787,7 @@ def run_engine_processes(queue: ShardQueue, devices: list[str], kw: dict[str, An
     if errors:
         i = min(errors)
         raise EngineFailed(
-            f"extraction engine {i} of {len(procs)} (CUDA devices {devices[i]}) failed: {errors[i]}"
+            f"extraction engine {i} of {len(procs)} (CUDA devices {devices[i] or 'none'}) failed: {errors[i]}"
             f"{f' ({len(errors) - 1} more engines failed)' if len(errors) > 1 else ''}; the shards finished are "
             "stashed and a rerun reuses them"
         )
