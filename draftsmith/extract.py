@@ -521,6 +521,13 @@ def stashed_path(stash: Path, shard: int) -> Path:
     return stash / f"shard-{shard}.safetensors"
 
 
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def prepare_stash(root: Path, key: str, num_shards: int) -> tuple[Path, list[int]]:
     """(the stash folder of `key`, the shards in it that can be reused): stashes of other keys are removed
     (settings no longer asked for), and in this one everything but intact sealed shards (a killed
@@ -530,12 +537,12 @@ def prepare_stash(root: Path, key: str, num_shards: int) -> tuple[Path, list[int
     for other in root.iterdir():
         if other != stash:
             log.info("extract: removing %s (a stash of other settings)", other)
-            shutil.rmtree(other, ignore_errors=True) if other.is_dir() else other.unlink(missing_ok=True)
+            _remove(other)
     keep = {stashed_path(stash, k) for k in range(num_shards) if intact(stashed_path(stash, k))}
     keep |= {sidecar(p) for p in keep}
     for entry in stash.iterdir():
         if entry not in keep:
-            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+            _remove(entry)
     return stash, sorted(k for k in range(num_shards) if stashed_path(stash, k) in keep)
 
 
@@ -654,8 +661,8 @@ def run_engine(
 
 
 def _engine_process(index: int, devices: str, queue: ShardQueue, results: Any, kw: dict[str, Any]) -> None:
-    """A spawned engine: its own GPUs, its log lines named, the parent told of each shard and of a
-    failure (one line), SIGTERM when the parent dies (no orphan holding GPUs)."""
+    """A spawned engine: its own GPUs, its log lines named, a failure told to the parent in one line
+    (with the shard it was on), SIGTERM when the parent dies (no orphan holding GPUs)."""
     os.environ["CUDA_VISIBLE_DEVICES"] = devices  # before anything initialises CUDA
     from draftsmith.backends.server import _set_parent_death_signal
 
