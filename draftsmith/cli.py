@@ -118,7 +118,7 @@ def main(trust_remote_code: bool) -> None:
     """Train EAGLE-3 drafters for a target LLM and prove they will be accepted.
 
     The usual way is the Snakemake workflow (`snakemake --cores all`), which runs these stages in
-    order: target, prompts, generate, tokenize, extract (one job per shard), manifest, vocab, train,
+    order: target, prompts, generate, tokenize, extract (one job for every shard), manifest, vocab, train,
     evaluate. Each stage is also a command here; run `draftsmith COMMAND --help` for its options.
 
     Settings: each stage command takes its config section as --settings JSON (what the rules pass);
@@ -527,13 +527,15 @@ def _aux_layer_ids(text: str | None) -> list[int] | None:
     type=click.Path(dir_okay=False, exists=True),
     help="tokens.safetensors from tokenize (holds the shard plan).",
 )
-@click.option("--shard", required=True, type=int, help="Which shard of the plan to extract (0-based).")
+@click.option(
+    "--shard", type=click.IntRange(min=0), help="Extract only this shard of the plan (0-based), into --out."
+)
 @click.option(
     "--out",
-    required=True,
     type=click.Path(dir_okay=False),
-    help="The shard file, e.g. results/hidden/shard-0.safetensors.",
+    help="With --shard: the shard file, e.g. results/hidden/shard-0.safetensors.",
 )
+@click.argument("shard_files", nargs=-1, type=click.Path(dir_okay=False))
 @settings_option("extract")
 @aux_layers_option
 @setting("target", "dtype", "--dtype")
@@ -581,19 +583,45 @@ def _aux_layer_ids(text: str | None) -> list[int] | None:
 @setting(
     "resources.extract", "gpu_memory_utilization", "--gpu-memory-utilization", help="vllm back-end on GPUs."
 )
+@setting(
+    "resources.extract",
+    "tensor_parallel",
+    "--tensor-parallel",
+    help="vllm back-end on GPUs: GPUs per engine (0 = the fewest that hold the target, by the memory plan).",
+)
+@click.option(
+    "--gpu-memory-gib",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    help="Memory of each GPU for the engine layout [resources.gpu_memory_gib, else resources.gpu_model's; "
+    "0: nvidia-smi's].",
+)
 def extract(
-    target_path: str, tokens: str, shard: int, out: str, settings_json: str | None, **kw: Any
+    target_path: str,
+    tokens: str,
+    shard: int | None,
+    out: str | None,
+    shard_files: tuple[str, ...],
+    settings_json: str | None,
+    **kw: Any,
 ) -> None:
-    """Capture aux-layer inputs and the final normed state of one shard's samples (no lm_head).
+    """Capture aux-layer inputs and the final normed state of the samples of every shard of the plan,
+    shard k into the k-th SHARD_FILE (or of one shard, with --shard and --out); no lm_head.
 
-    Writes OUT atomically: until the shard is complete only hidden temporary files (.NAME.*) exist,
-    and a rerun after a crash removes them and starts the shard again.
+    The job's GPUs are split into vLLM engines of --tensor-parallel GPUs (the memory plan's layout),
+    each loaded once and fed shards from one queue. Each finished shard is sealed in a hidden stash
+    (.done/ beside the shard files): a rerun of the same settings after a crash reuses it and extracts
+    only the rest. Every file is written atomically: until a shard is complete only hidden temporary
+    files (.NAME.*) exist, and a rerun removes them.
     """
     from draftsmith.backends import VllmStartError
     from draftsmith.estimate import NotEnoughDisk
-    from draftsmith.extract import extract_shard
+    from draftsmith.extract import EngineFailed, extract_shard, extract_shards
 
-    ops = {key: kw.pop(key) for key in ("threads", "gpus", "gpu_memory_utilization")}
+    if (shard is None) != (out is None) or (shard is None) == (not shard_files):
+        _fail("extract: give SHARD_FILE... (every shard), or --shard K with --out FILE (one)", EXIT_BAD_INPUT)
+    device = {"gpu_memory_gib": kw.pop("gpu_memory_gib") or None}
+    ops = {key: kw.pop(key) for key in ("threads", "gpus", "gpu_memory_utilization", "tensor_parallel")}
     dtype = kw.pop("dtype") or section_defaults("target")["dtype"]
     kw["aux_layers"] = _aux_layer_ids(kw["aux_layers"])
     values = resolve(settings_json, kw, "extract")
@@ -606,10 +634,17 @@ def extract(
         ops["gpu_memory_utilization"] or section_defaults("resources.extract")["gpu_memory_utilization"]
     )
     try:
-        extract_shard(target_path, tokens, shard, out, values["aux_layers"], **options)
+        if shard is not None:
+            extract_shard(target_path, tokens, shard, out, values["aux_layers"], **options)
+        else:
+            tp = ops["tensor_parallel"] or section_defaults("resources.extract")["tensor_parallel"]
+            extract_shards(
+                target_path, tokens, list(shard_files), values["aux_layers"], **options, tensor_parallel=tp,
+                device=device,
+            )  # fmt: skip
     except ValueError as err:
         _fail(str(err), EXIT_BAD_INPUT)
-    except (NotEnoughDisk, VllmStartError) as err:
+    except (NotEnoughDisk, VllmStartError, EngineFailed) as err:
         _fail(str(err))
 
 

@@ -125,6 +125,30 @@ def damage(path: str | os.PathLike[str], max_bytes: int = CHECK_MAX_BYTES) -> tu
     return None, None
 
 
+def intact(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` is sealed and still what was sealed: the same size, and the same mtime or else the
+    same sha256 (hashed whatever its size). An unsealed or missing file is not."""
+    path = Path(path)
+    record = _record(sidecar(path))
+    if record is None or not path.is_file():
+        return False
+    stat = path.stat()
+    if stat.st_size != record["bytes"]:
+        return False
+    return stat.st_mtime_ns == record["mtime_ns"] or file_sha256(path) == record["sha256"]
+
+
+def retouch(path: str | os.PathLike[str]) -> None:
+    """Set an intact sealed file's mtime to now and its seal's with it (no rehash): a file reused as a
+    new job's output must not look older than that job's inputs."""
+    path = Path(path)
+    record = _record(sidecar(path))
+    if record is None:
+        raise ValueError(f"{path} is not sealed")
+    os.utime(path)
+    write_json(sidecar(path), {**record, "mtime_ns": path.stat().st_mtime_ns})
+
+
 def damage_under(
     root: str | os.PathLike[str], max_bytes: int = CHECK_MAX_BYTES
 ) -> tuple[list[str], list[str]]:

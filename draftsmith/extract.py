@@ -12,9 +12,16 @@ complete only hidden `.shard-k.safetensors.*` files exist, and the next run of t
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import hashlib
+import json
 import logging
+import multiprocessing
+import os
+import queue as queue_module
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -25,6 +32,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from draftsmith.atomic import atomic_path
+from draftsmith.devices import parse_visible
+from draftsmith.digests import file_sha256, intact, retouch, seal, sidecar
 from draftsmith.estimate import (
     NotEnoughDisk,
     check_free_disk,
@@ -466,3 +476,325 @@ def _extract_loop(
         "forward_seconds": round(timing["forward"], 3),
         "post_seconds": round(timing["post"], 3),
     }
+
+
+# ---- the extraction job: every shard, one engine load per engine, finished shards stashed ---------------
+
+STASH = ".done"  # beside the shards: results/hidden/.done/<key>/shard-k.safetensors (hidden: no shard glob)
+RESULT_KEYS = (
+    "aux_layers",
+    "batch_tokens",
+    "storage_dtype",
+    "codec",
+    "zstd_level",
+    "backend",
+    "compile",
+    "vllm_eager",
+)
+
+
+class EngineFailed(RuntimeError):
+    """An engine process of the extraction job failed (the message names it, its GPUs and its shard)."""
+
+
+def stash_key(tokens_path: str | Path, target: str | Path, dtype: str, settings: dict[str, Any]) -> str:
+    """A digest of what decides a shard's bytes: the tokens file's content, the result settings
+    (RESULT_KEYS of `settings`), the compute dtype and the target (its folder, and the name, size and
+    mtime of each file in it: new weights at the same path are another target). 16 hex digits."""
+    folder = Path(target).resolve()
+    files = sorted(
+        (p.name, p.stat().st_size, p.stat().st_mtime_ns)
+        for p in folder.iterdir()
+        if not p.name.startswith(".") and p.is_file()
+    )
+    record = {
+        "tokens_sha256": file_sha256(tokens_path),
+        "settings": {key: settings[key] for key in RESULT_KEYS},
+        "dtype": dtype,
+        "target": str(folder),
+        "target_files": files,
+    }
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def stashed_path(stash: Path, shard: int) -> Path:
+    return stash / f"shard-{shard}.safetensors"
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def prepare_stash(root: Path, key: str, num_shards: int) -> tuple[Path, list[int]]:
+    """(the stash folder of `key`, the shards in it that can be reused): stashes of other keys are removed
+    (settings no longer asked for), and in this one everything but intact sealed shards (a killed
+    writer's temporary files, an engine's scratch, a shard that died before its seal)."""
+    stash = root / key
+    stash.mkdir(parents=True, exist_ok=True)
+    for other in root.iterdir():
+        if other != stash:
+            log.info("extract: removing %s (a stash of other settings)", other)
+            _remove(other)
+    keep = {stashed_path(stash, k) for k in range(num_shards) if intact(stashed_path(stash, k))}
+    keep |= {sidecar(p) for p in keep}
+    for entry in stash.iterdir():
+        if entry not in keep:
+            _remove(entry)
+    return stash, sorted(k for k in range(num_shards) if stashed_path(stash, k) in keep)
+
+
+def queue_order(shard_tokens: list[int], todo: list[int]) -> list[int]:
+    """The shards still to do, largest first (ties in shard order): engines taking from one queue then
+    finish close together (longest processing time first)."""
+    return sorted(todo, key=lambda k: (-shard_tokens[k], k))
+
+
+def engine_devices(visible: list[str] | None, gpus: int, tp: int, engines: int) -> list[str]:
+    """CUDA_VISIBLE_DEVICES of each engine: consecutive groups of `tp` of the job's visible devices
+    (0..gpus-1 when nothing set it)."""
+    devices = visible if visible is not None else [str(i) for i in range(gpus)]
+    if len(devices) < tp * engines:
+        raise ValueError(
+            f"resources.extract.gpus: {engines} engines of {tp} GPUs need {tp * engines} devices, "
+            f"but CUDA_VISIBLE_DEVICES shows {len(devices)}"
+        )
+    return [",".join(devices[i * tp : (i + 1) * tp]) for i in range(engines)]
+
+
+class ShardQueue:
+    """The shards to extract in queue_order, taken by whichever engine is free next. The position is
+    a shared integer (multiprocessing), so engines in spawned processes take from the same queue."""
+
+    def __init__(self, order: list[int], context: Any = None) -> None:
+        self.order = list(order)
+        self.position = (context or multiprocessing.get_context("spawn")).Value("i", 0)
+
+    def take(self) -> int | None:
+        with self.position.get_lock():
+            i = self.position.value
+            if i >= len(self.order):
+                return None
+            self.position.value = i + 1
+        return self.order[i]
+
+
+def job_layout(
+    target: str,
+    dtype: str,
+    backend: str,
+    gpus: int,
+    max_seq_len: int,
+    gpu_memory_utilization: float | None,
+    tensor_parallel: int,
+    device: dict[str, Any],
+) -> tuple[int, int]:
+    """(GPUs per engine, engines): memory.extract_layout on the inputs the memory plan gives it (the
+    target's size from its folder, the device's memory from resources.gpu_model / gpu_memory_gib or
+    nvidia-smi), so the job runs the layout `draftsmith plan` printed."""
+    if backend != "vllm" or gpus <= 0:
+        return 1, 1
+    from draftsmith.config import section_defaults, text_config_json
+    from draftsmith.memory import device_memory, extract_layout, target_size
+
+    if gpu_memory_utilization is None:
+        gpu_memory_utilization = section_defaults("resources.extract")["gpu_memory_utilization"]
+
+    memory, _ = device_memory(device)
+    size = target_size(text_config_json(target), target, dtype)
+    extract = {"backend": backend, "max_seq_len": max_seq_len}
+    res = {"gpus": gpus, "gpu_memory_utilization": gpu_memory_utilization, "tensor_parallel": tensor_parallel}
+    return extract_layout(extract, res, size, memory)
+
+
+def publish(stashed: Path, out_path: Path) -> None:
+    """The stashed shard as the job's output: a hard link (no copy of hundreds of GB), a copy across
+    file systems; atomic either way. Both get the time of now (outputs newer than the job's inputs)."""
+    retouch(stashed)
+    with atomic_path(out_path) as tmp:
+        tmp.unlink()
+        try:
+            os.link(stashed, tmp)
+        except OSError:
+            shutil.copyfile(stashed, tmp)
+
+
+def run_engine(
+    queue: ShardQueue,
+    target: str,
+    tokens_path: str,
+    stash: Path,
+    aux_layers: list[int] | None,
+    dtype: str,
+    gpus: int,
+    max_model_len: int,
+    options: dict[str, Any],
+    starting: Callable[[int], None] | None = None,
+) -> None:
+    """One engine: load the target once (when the queue has a shard for it), then extract shards from
+    the queue into the stash, each sealed once complete, until the queue is empty. `gpus`: the
+    engine's (tensor parallel); `options`: extract_shard's keyword arguments; `starting(k)` is called
+    as shard k starts."""
+    layer_ids = resolve_aux_layers(aux_layers, text_config_dict(target)["num_hidden_layers"])
+    scratch = Path(tempfile.mkdtemp(prefix=".engine-", dir=stash))  # vLLM's states files
+    extractor = None
+    try:
+        while (shard := queue.take()) is not None:
+            if starting:
+                starting(shard)
+            if extractor is None:
+                extractor = make_extractor(
+                    options["backend"], target, layer_ids, compute_dtype(dtype, "cuda" if gpus else "cpu"),
+                    gpus, max_model_len, scratch, vllm_eager=options["vllm_eager"],
+                    gpu_memory_utilization=options["gpu_memory_utilization"],
+                )  # fmt: skip
+            path = stashed_path(stash, shard)
+            extract_shard(target, tokens_path, shard, str(path), aux_layers, dtype, gpus=gpus,
+                          extractor=extractor, **options)  # fmt: skip
+            seal([path], "extract")
+    finally:
+        if extractor is not None:
+            extractor.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _engine_process(index: int, devices: str, queue: ShardQueue, results: Any, kw: dict[str, Any]) -> None:
+    """A spawned engine: its own GPUs, its log lines named, a failure told to the parent in one line
+    (with the shard it was on), SIGTERM when the parent dies (no orphan holding GPUs)."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = devices  # before anything initialises CUDA
+    from draftsmith.backends.server import _set_parent_death_signal
+
+    _set_parent_death_signal()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter(f"%(asctime)s %(levelname)s engine {index}: %(message)s", "%H:%M:%S")
+    )
+    logging.getLogger("draftsmith").addHandler(handler)
+    logging.getLogger("draftsmith").setLevel(logging.INFO)
+    current: list[int] = []  # the shard being extracted
+
+    try:
+        run_engine(queue, starting=current.append, **kw)
+    except BaseException as err:
+        where = f"shard {current[-1]}: " if current else ""
+        results.put((index, f"{where}{type(err).__name__}: {' '.join(str(err).split())}"))
+        sys.exit(1)
+
+
+def extract_shards(
+    target: str,
+    tokens_path: str,
+    out_paths: list[str],
+    aux_layers: list[int] | None,
+    dtype: str,
+    batch_tokens: int,
+    codec: str = "zstd-planes",
+    zstd_level: int = 1,
+    threads: int | None = None,
+    storage_dtype: str = "bfloat16",
+    backend: str = "transformers",
+    compile: str = "auto",
+    gpus: int = 0,
+    vllm_eager: bool = True,
+    gpu_memory_utilization: float | None = None,
+    tensor_parallel: int = 0,
+    device: dict[str, Any] | None = None,
+) -> list[int]:
+    """Every shard of the tokens file's plan, shard k into out_paths[k]; returns the shards reused.
+
+    The job's GPUs are split into engines (job_layout), each loaded once and fed shards from one queue;
+    one engine runs in this process, more in spawned processes of their own GPUs. Each finished shard is
+    sealed in a stash (results/hidden/.done/<stash_key>/), which outlives Snakemake deleting a failed
+    job's outputs: a rerun of the same settings reuses every intact stashed shard and extracts the rest.
+    At the end every output is a hard link of its stashed shard."""
+    _, meta = load_tokens(tokens_path)
+    plan = meta["shards"]
+    if len(out_paths) != len(plan):
+        raise ValueError(
+            f"extract.num_shards: {len(out_paths)} shard files asked for, but {tokens_path} plans {len(plan)} "
+            "shards (rerun tokenize)"
+        )
+    settings = {
+        "aux_layers": aux_layers, "batch_tokens": batch_tokens, "storage_dtype": storage_dtype, "codec": codec,
+        "zstd_level": zstd_level, "backend": backend, "compile": compile, "vllm_eager": vllm_eager,
+    }  # fmt: skip
+    key = stash_key(tokens_path, target, dtype, settings)
+    for out in out_paths:
+        remove_stale_temp_files(out)  # an earlier job's leftovers beside the outputs
+    stash, reused = prepare_stash(Path(out_paths[0]).parent / STASH, key, len(plan))
+    if reused:
+        log.info(
+            "extract: reusing shards %s, finished by an earlier run (%s)", ", ".join(map(str, reused)), stash
+        )
+    todo = [k for k in range(len(plan)) if k not in reused]
+    if todo:
+        tensors, _ = load_tokens(tokens_path)
+        offsets = tensors["offsets"]
+        lengths = (offsets[1:] - offsets[:-1]).tolist()
+        shard_tokens = [int(offsets[end] - offsets[start]) for start, end in plan]
+        tp, engines = job_layout(
+            target, dtype, backend, gpus, meta["max_seq_len"], gpu_memory_utilization, tensor_parallel,
+            device or {},
+        )  # fmt: skip
+        engines = min(engines, len(todo))  # an engine with no shard to take is not loaded
+        queue = ShardQueue(queue_order(shard_tokens, todo))
+        log.info(
+            "extract: %d shards to extract (%s) by %d engine(s) of %s", len(todo), ", ".join(map(str, queue.order)),
+            engines, f"{tp} GPU(s)" if gpus else "the CPU",
+        )  # fmt: skip
+        kw = {
+            "target": target, "tokens_path": tokens_path, "stash": stash, "aux_layers": aux_layers,
+            "dtype": dtype, "gpus": tp if gpus else 0, "max_model_len": max(lengths) + 1,
+            "options": {
+                "batch_tokens": batch_tokens, "codec": codec, "zstd_level": zstd_level, "storage_dtype": storage_dtype,
+                "backend": backend, "compile": compile, "vllm_eager": vllm_eager,
+                "gpu_memory_utilization": gpu_memory_utilization,
+                "threads": max(1, threads // engines) if threads else None,
+            },
+        }  # fmt: skip
+        if engines == 1:
+            run_engine(queue, **kw)
+        else:
+            devices = engine_devices(parse_visible(os.environ.get("CUDA_VISIBLE_DEVICES")), gpus, tp, engines)
+            run_engine_processes(queue, devices, kw)
+    for k, out in enumerate(out_paths):
+        publish(stashed_path(stash, k), Path(out))
+    return reused
+
+
+def run_engine_processes(queue: ShardQueue, devices: list[str], kw: dict[str, Any]) -> None:
+    """One spawned process per engine (CUDA_VISIBLE_DEVICES = devices[i]), all taking from `queue`;
+    waits for every one (the others go on when one fails: their shards are stashed), then raises
+    EngineFailed naming the first failure."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    procs = [
+        context.Process(target=_engine_process, args=(i, d, queue, results, kw), name=f"extract-engine-{i}")
+        for i, d in enumerate(devices)
+    ]
+    for proc in procs:
+        proc.start()
+    errors: dict[int, str] = {}  # engine -> its failure, one line
+
+    def drain(timeout: float) -> None:
+        with contextlib.suppress(queue_module.Empty):
+            index, error = results.get(timeout=timeout)
+            errors.setdefault(index, error)
+
+    while any(p.is_alive() for p in procs):
+        drain(1.0)
+    while not results.empty():
+        drain(0.1)
+    for i, proc in enumerate(procs):
+        proc.join()
+        if proc.exitcode and i not in errors:
+            errors[i] = f"exited with code {proc.exitcode}"
+    if errors:
+        i = min(errors)
+        raise EngineFailed(
+            f"extraction engine {i} of {len(procs)} (CUDA devices {devices[i] or 'none'}) failed: {errors[i]}"
+            f"{f' ({len(errors) - 1} more engines failed)' if len(errors) > 1 else ''}; the shards finished are "
+            "stashed and a rerun reuses them"
+        )

@@ -551,6 +551,24 @@ def engine_layout(
     return gpus, 1
 
 
+def extract_layout(
+    extract: dict[str, Any], resources: dict[str, Any], size: TargetSize, memory: float | None
+) -> tuple[int, int]:
+    """(GPUs per engine, engines) of the extraction job, from the `extract` config section and
+    `resources.extract`: the plan prints it and the job runs it, so both call this. The vllm back-end
+    is data parallel over the job's GPUs (engine_layout); transformers is one in-process engine."""
+    if extract["backend"] != "vllm":
+        return 1, 1
+    return engine_layout(
+        size,
+        int(resources["gpus"]),
+        int(extract["max_seq_len"]),
+        float(resources["gpu_memory_utilization"]),
+        memory,
+        int(resources["tensor_parallel"]),
+    )
+
+
 def plan(
     config: dict[str, Any],
     size: TargetSize,
@@ -597,9 +615,7 @@ def plan(
         if ext["backend"] == "vllm":
             util = float(res["extract"]["gpu_memory_utilization"])
             seq = int(ext["max_seq_len"])
-            tp, engines = engine_layout(
-                size, res["extract"]["gpus"], seq, util, memory, res["extract"]["tensor_parallel"]
-            )
+            tp, engines = extract_layout(ext, res["extract"], size, memory)
             need = _vllm_need(
                 "extract",
                 size,

@@ -22,7 +22,7 @@ from draftsmith.config import (
     target_folder,
     workdir_path,
 )
-from draftsmith.memory import device_memory, plan_config, uses_gpus
+from draftsmith.memory import GIB, device_memory, plan_config, uses_gpus
 from draftsmith.memory import refusal as memory_refusal
 from draftsmith.memory import table as memory_table
 from draftsmith.digests import damage_under
@@ -73,9 +73,6 @@ if workflow.is_main_process and uses_gpus(config):
         print(memory_table(GPU_PLAN, GPU_DEVICE), file=sys.stderr)
         if memory_refusal(GPU_PLAN, GPU_DEVICE):
             stop_at_start("GPU memory plan", [memory_refusal(GPU_PLAN, GPU_DEVICE)])
-# Each GPU's memory as the plan takes it (resources.gpu_memory_gib, gpu_model), for the jobs' engine
-# layout to match the plan's; "0" = unknown here: the job asks nvidia-smi on its own machine.
-GPU_MEMORY_GIB = str(round((device_memory(config["resources"], detect=False)[0] or 0) / 2**30, 3))
 # Jobs inherit this process's environment: every transformers / vLLM load of the target honours it
 # (draftsmith.target.TRUST_REMOTE_CODE_ENV; not imported here, torch would slow every parse).
 TRUST_REMOTE_CODE = "1" if config["target"]["trust_remote_code"] else "0"
@@ -130,8 +127,16 @@ def data_config(wildcards):
     return checkpoints.manifest.get().output[0]
 
 
+def gpu_memory_gib():
+    """Each GPU's memory in GiB as the config gives it (resources.gpu_memory_gib, else resources.gpu_model's
+    preset) for a job's engine layout, "0" when it does not: the job then asks nvidia-smi, as the memory
+    plan did when the workflow started."""
+    memory, _ = device_memory(config["resources"], detect=False)
+    return str(memory / GIB if memory else 0)
+
+
 def hidden_shards():
-    """One extraction output per shard; the count comes from config so a dry-run shows every job."""
+    """The extraction job's outputs, one per shard; the count comes from config so a dry-run shows them all."""
     return expand(
         "results/hidden/shard-{shard}.safetensors",
         shard=range(config["extract"]["num_shards"]),

@@ -20,16 +20,19 @@ rule tokenize:
         " --settings {params.settings:q} 2>&1 | tee {log:q}"
 
 
+# One job for every shard: its GPUs are split into vLLM engines (memory.extract_layout, the layout the
+# memory plan printed), each loaded once and fed shards from one queue. Finished shards are kept in a
+# stash (results/hidden/.done/) that outlives Snakemake deleting a failed job's outputs: the rerun reuses them.
 rule extract:
     input:
         target=TARGET,
         tokens="results/tokens.safetensors",
     output:
-        "results/hidden/shard-{shard}.safetensors",
+        hidden_shards(),
     log:
-        "logs/extract/shard-{shard}.log",
+        "logs/extract.log",
     benchmark:
-        "benchmarks/extract/shard-{shard}.tsv"
+        "benchmarks/extract.tsv"
     conda:
         "../envs/draftsmith.yaml"
     threads: config["resources"]["extract"]["threads"]
@@ -38,6 +41,8 @@ rule extract:
         runtime=config["resources"]["extract"]["runtime"],
         mem_mb=config["resources"]["extract"]["mem_mb"],
         gpu_memory_utilization=str(config["resources"]["extract"]["gpu_memory_utilization"]),
+        tensor_parallel=config["resources"]["extract"]["tensor_parallel"],
+        gpu_memory_gib=gpu_memory_gib(),
     params:
         # batch_tokens, backend, compile and vllm_eager change the bf16 rounding, storage_dtype the
         # stored values; codec and zstd_level the shard file's bytes (not its tensors)
@@ -57,10 +62,10 @@ rule extract:
         dtype=config["target"]["dtype"],
     shell:
         "draftsmith run --gpus {resources.gpu} --"
-        " draftsmith extract --target {input.target:q} --tokens {input.tokens:q} --shard {wildcards.shard}"
-        " --out {output:q} --settings {params.settings:q} --dtype {params.dtype:q}"
-        " --threads {threads} --gpus {resources.gpu}"
-        " --gpu-memory-utilization {resources.gpu_memory_utilization} 2>&1 | tee {log:q}"
+        " draftsmith extract --target {input.target:q} --tokens {input.tokens:q}"
+        " --settings {params.settings:q} --dtype {params.dtype:q} --threads {threads} --gpus {resources.gpu}"
+        " --gpu-memory-utilization {resources.gpu_memory_utilization} --tensor-parallel {resources.tensor_parallel}"
+        " --gpu-memory-gib {resources.gpu_memory_gib} {output:q} 2>&1 | tee {log:q}"
 
 
 # A checkpoint: the jobs that read the manifest are planned again once it is written, so a manifest

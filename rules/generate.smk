@@ -27,7 +27,7 @@ rule generate:
         server_startup_timeout_s=str(config["resources"]["generate"]["server_startup_timeout_s"]),
         gpu_memory_utilization=str(config["resources"]["generate"]["gpu_memory_utilization"]),
         tensor_parallel=config["resources"]["generate"]["tensor_parallel"],
-        gpu_memory_gib=GPU_MEMORY_GIB,
+        gpu_memory_gib=gpu_memory_gib(),
     params:
         # The whole section: backend, sampling, endpoint, batching, server args (see the schema).
         settings=section_json("generate"),

@@ -55,7 +55,7 @@ OVERLAY = {
     "evaluate": {"vllm": True, "vllm_eager": None, "num_prompts": 0, "max_new_tokens": 48, "gate": GATE},
     "resources": {stage: {"gpus": 1} for stage in GPU_STAGES},
 }
-TIMED = ("target", "prompts", "generate", "tokenize", "extract/shard-0", "extract/shard-1", "manifest", "vocab",
+TIMED = ("target", "prompts", "generate", "tokenize", "extract", "manifest", "vocab",
          "train", "untrained_drafter", "evaluate_offline/split", "evaluate_vllm", "eval_summary", "gate",
          "export")  # fmt: skip
 

@@ -333,14 +333,12 @@ def test_every_stage_is_planned(plan):
 def test_gpu_reservations(plan):
     name, jobs, _ = plan
     node = name != "llama-3.1-8b"  # the huge targets take the whole node per GPU job
-    want = 8 if node else 1
     for stage in ("generate", "extract", "train", "evaluate_vllm"):
-        gpus = 8 if stage == "generate" else want  # generation: every GPU of the node, whatever the target
+        gpus = 8 if node or stage in ("generate", "extract") else 1  # generate, extract: the node's 8
         assert {j["gpu"] for j in jobs[stage]} == {gpus}, (name, stage, jobs[stage])
         assert all(f"draftsmith run --gpus {gpus} --" in j["shell"] for j in jobs[stage])
-    assert len(jobs["extract"]) == (16 if node else 8)
-    assert all('"backend": "vllm"' in j["shell"] for j in jobs["extract"])
-    # a job reserving 8 of 8 GPUs runs alone: the shards of a huge target extract one at a time
+    (extract,) = jobs["extract"]  # one extraction job for every shard
+    assert '"backend": "vllm"' in extract["shell"]
     assert all(j["gpu"] == 0 for j in jobs["tokenize"] + jobs["vocab"] + jobs["manifest"])
 
 
@@ -436,12 +434,16 @@ def test_generate_serves_the_target_on_all_the_jobs_gpus(plan, monkeypatch):
     assert ("--enable-expert-parallel" in cmd) == (name == "qwen3-235b-a22b"), cmd
 
 
-def test_extract_runs_vllm_tensor_parallel_in_bfloat16_with_cuda_graphs(plan, monkeypatch):
+def test_extract_runs_vllm_over_the_nodes_8_gpus_in_bfloat16_with_cuda_graphs(plan, monkeypatch):
+    """One extraction job for every shard, on all 8 GPUs (engines of the memory plan's layout)."""
     name, jobs, workdir = plan
-    _, kw = run_planned(jobs["extract"][0], workdir, monkeypatch, "draftsmith.extract.extract_shard")
-    gpus = 1 if name == "llama-3.1-8b" else 8
-    assert (kw["backend"], kw["gpus"], kw["dtype"], kw["vllm_eager"]) == ("vllm", gpus, "bfloat16", False), kw
-    assert kw["gpu_memory_utilization"] == 0.9
+    (job,) = jobs["extract"]
+    args, kw = run_planned(job, workdir, monkeypatch, "draftsmith.extract.extract_shards")
+    assert args[2] == [
+        f"results/hidden/shard-{k}.safetensors" for k in range(8 if name == "llama-3.1-8b" else 16)
+    ]
+    assert (kw["backend"], kw["gpus"], kw["dtype"], kw["vllm_eager"]) == ("vllm", 8, "bfloat16", False), kw
+    assert kw["gpu_memory_utilization"] == 0.9 and kw["tensor_parallel"] == 0
 
 
 def test_vllm_evaluation_is_the_served_setup(plan, monkeypatch):

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from conftest import fp_tolerance
 from safetensors.torch import save_file
-from test_extract_kill import write_tokens
+from test_extract_kill import random_sequences, write_tokens
 
 from draftsmith.backends.hf import HfExtractor, capture_states, pad_right
 from draftsmith.backends.vllm_extract import read_target_tensor, rms_norm, vllm_layer_ids
@@ -95,6 +95,41 @@ def test_remove_stale_temp_files_only_touches_that_shard(tmp_path):
     removed = remove_stale_temp_files(tmp_path / "shard-1.safetensors")
     assert len(removed) == 3
     assert sorted(tmp_path.iterdir()) == sorted(keep)
+
+
+@pytest.mark.slow
+def test_engines_in_processes_of_their_own_share_one_queue(tmp_path, target_model):
+    """Two spawned engines (on the CPU here: CUDA_VISIBLE_DEVICES "" each) take 3 shards from one queue,
+    each shard once and sealed, with the content one in-process engine gives; an engine that fails is
+    one line naming it, its devices and its shard."""
+    from draftsmith.digests import intact
+    from draftsmith.extract import EngineFailed, ShardQueue, run_engine, run_engine_processes, stashed_path
+    from draftsmith.shards import verify_shard
+
+    tokens = tmp_path / "tokens.safetensors"
+    write_tokens(tokens, *random_sequences([30] * 6), [[0, 2], [2, 4], [4, 6]])
+    options = {"batch_tokens": 300, "codec": "zstd-planes", "zstd_level": 1, "storage_dtype": "bfloat16",
+               "backend": "transformers", "compile": "off", "vllm_eager": True, "gpu_memory_utilization": None,
+               "threads": 1}  # fmt: skip
+    kw = {"target": str(target_model), "tokens_path": str(tokens), "aux_layers": None, "dtype": "float32",
+          "gpus": 0, "max_model_len": 31, "options": options}  # fmt: skip
+    spawned, inline = tmp_path / "spawned", tmp_path / "inline"
+    spawned.mkdir(), inline.mkdir()
+    run_engine_processes(ShardQueue([0, 1, 2]), ["", ""], {**kw, "stash": spawned})
+    run_engine(ShardQueue([0, 1, 2]), **kw, stash=inline)
+    for k in range(3):
+        assert intact(stashed_path(spawned, k)), k
+        assert verify_shard(stashed_path(spawned, k)) == verify_shard(stashed_path(inline, k)), k
+    assert sorted(p.name for p in spawned.iterdir() if not p.name.startswith(".")) == [
+        f"shard-{k}.safetensors" for k in range(3)
+    ]  # the engines' scratch folders are gone
+    with pytest.raises(EngineFailed) as failed:
+        run_engine_processes(ShardQueue([5]), ["", ""], {**kw, "stash": spawned})
+    message = str(failed.value)
+    assert message.startswith(
+        "extraction engine 0 of 2 (CUDA devices none) failed: shard 5: ValueError: shard 5"
+    )
+    assert "\n" not in message and "a rerun reuses them" in message
 
 
 def _greedy_samples(target: Path, n: int = 4, new_tokens: int = 24) -> tuple[list[int], list[list[int]]]:

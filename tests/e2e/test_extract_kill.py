@@ -1,5 +1,6 @@
-"""Crash safety of extraction, with a real SIGKILL: no partial shard is ever taken as complete, and the
-rerun redoes only the missing shard (and cleans up what the killed job left)."""
+"""Crash safety of extraction, with a real SIGKILL: no partial shard is ever taken as complete, a shard
+finished before the kill survives Snakemake deleting the job's outputs (the stash), and the rerun extracts
+only the rest (and cleans up what the killed job left)."""
 
 import json
 import os
@@ -74,27 +75,18 @@ def snakemake(workdir: Path, target: Path, *args: str, **popen) -> list[str]:
     ]
 
 
-def planned_extract_shards(dry_run_output: str) -> list[int]:
-    return sorted(int(s) for s in re.findall(r"draftsmith extract .*?--shard (\d+)", dry_run_output))
-
-
-def test_killed_extraction_leaves_no_shard_and_the_rerun_redoes_only_it(tmp_path, target_model):
+def test_a_killed_extraction_job_keeps_its_finished_shards_and_the_rerun_extracts_only_the_rest(
+    tmp_path, target_model
+):
     hidden = tmp_path / "results" / "hidden"
-    # shard 0: one short sample (done first, must survive untouched); shard 1: 14 forward passes
-    ids, masks = random_sequences([40] + [200] * 14)
-    write_tokens(tmp_path / "results" / "tokens.safetensors", ids, masks, [[0, 1], [1, 15]])
+    # shard 0 (15 forward passes) is extracted first, largest first; the kill lands in shard 1 (14)
+    ids, masks = random_sequences([200] * 29)
+    tokens = tmp_path / "results" / "tokens.safetensors"
+    write_tokens(tokens, ids, masks, [[0, 15], [15, 29]])
     env = cli_env()
-    subprocess.run(
-        snakemake(tmp_path, target_model, "results/hidden/shard-0.safetensors"),
-        check=True,
-        env=env,
-        capture_output=True,
-    )
-    shard0 = hidden / "shard-0.safetensors"
-    before = (shard0.stat().st_mtime_ns, shard0.read_bytes())
 
-    # Run the rest and SIGKILL the whole job tree (snakemake, the extract process, tee) mid-shard:
-    # once the background writer has streamed some samples into its hidden data file.
+    # Run the workflow and SIGKILL the whole job tree (snakemake, the extract process, tee) once shard 0
+    # is stashed and sealed and shard 1 is mid-way: its background writer streaming into its data file.
     proc = subprocess.Popen(
         snakemake(tmp_path, target_model, "results/data_config.json"),
         env=env,
@@ -103,24 +95,30 @@ def test_killed_extraction_leaves_no_shard_and_the_rerun_redoes_only_it(tmp_path
         start_new_session=True,
     )
     deadline = time.time() + 300
+    sealed, streaming = [], []
     try:
         while time.time() < deadline and proc.poll() is None:
-            streaming = [p for p in hidden.glob(".shard-1.safetensors.*.data") if p.stat().st_size > 0]
-            if streaming:
+            sealed = list(hidden.glob(".done/*/.shard-0.safetensors.sha256"))
+            streaming = [
+                p for p in hidden.glob(".done/*/.shard-1.safetensors.*.data") if p.stat().st_size > 0
+            ]
+            if sealed and streaming:
                 break
             time.sleep(0.05)
         assert proc.poll() is None, "the extraction finished before it could be killed"
-        assert streaming, "no streamed data seen within 300 s"
+        assert sealed and streaming, "shard 0 sealed and shard 1 streaming not seen within 300 s"
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
 
-    leftovers = sorted(p.name for p in hidden.iterdir() if p.name.startswith(".shard-1.safetensors."))
-    assert not (hidden / "shard-1.safetensors").exists()
+    stash = sealed[0].parent
+    stashed0 = stash / "shard-0.safetensors"
+    before = (stashed0.stat().st_ino, stashed0.read_bytes())
+    leftovers = sorted(p.name for p in stash.iterdir() if p.name.startswith(".shard-1.safetensors."))
     assert leftovers, "the killed writer left nothing behind? then the kill came too late"
     # Nothing the killed job left looks like a shard: the manifest rule's input pattern, a shard glob
-    # and the extract rule's output pattern (shard=\d+) all skip hidden temporary files.
-    assert sorted(p.name for p in hidden.glob("shard-*.safetensors")) == ["shard-0.safetensors"]
+    # and the extract rule's outputs all skip hidden files and folders.
+    assert sorted(p.name for p in hidden.glob("shard-*.safetensors")) == []
     assert not (tmp_path / "results" / "data_config.json").exists()
 
     dry = subprocess.run(
@@ -130,7 +128,7 @@ def test_killed_extraction_leaves_no_shard_and_the_rerun_redoes_only_it(tmp_path
         text=True,
         check=True,
     ).stdout
-    assert planned_extract_shards(dry) == [1], dry[-3000:]
+    assert re.findall(r"^rule (\w+):", dry, re.M) == ["extract"], dry[-3000:]
     assert "checkpoint manifest:" in dry
 
     # A killed snakemake leaves its lock behind: the documented recovery is --unlock, then rerun.
@@ -141,16 +139,29 @@ def test_killed_extraction_leaves_no_shard_and_the_rerun_redoes_only_it(tmp_path
         check=True,
         capture_output=True,
     )
-    assert (shard0.stat().st_mtime_ns, shard0.read_bytes()) == before  # not redone
-    assert not [p for p in hidden.iterdir() if p.name.startswith(".")], "the rerun left temp files"
+    log = (tmp_path / "logs" / "extract.log").read_text()
+    assert "extract: reusing shards 0, finished by an earlier run" in log, log[-3000:]
+    assert "extract shard 1: samples 15..28" in log and "extract shard 0: samples" not in log, log[-3000:]
+    # shard 0 is the stashed file itself (a hard link), not extracted again
+    shard0 = hidden / "shard-0.safetensors"
+    assert (shard0.stat().st_ino, shard0.read_bytes()) == before
+    assert not [p for p in hidden.iterdir() if p.name.startswith(".") and p.name != ".done"], (
+        "temp files left"
+    )
+    assert sorted(p.name for p in stash.iterdir()) == [
+        ".shard-0.safetensors.sha256",
+        ".shard-1.safetensors.sha256",
+        "shard-0.safetensors",
+        "shard-1.safetensors",
+    ]
     manifest = tmp_path / "results" / "data_config.json"
     assert verify_manifest(manifest) == []
     record = json.loads(manifest.read_text())
-    assert [s["num_samples"] for s in record["shards"]] == [1, 14]
-    assert [s.id for s in iter_samples(hidden / "shard-1.safetensors")] == [f"s{i}" for i in range(1, 15)]
-    # the resumed shard holds exactly what an uninterrupted extraction gives: same content digest
-    clean = tmp_path / "clean" / "shard-1.safetensors"
-    cmd = ["draftsmith", "extract", "--target", str(target_model), "--shard", "1", "--out", str(clean)]
-    cmd += ["--tokens", str(tmp_path / "results" / "tokens.safetensors"), "--batch-tokens", "300"]
-    subprocess.run([*cmd, "--compile", "off", "--threads", "2"], env=env, check=True, capture_output=True)
-    assert record["shards"][1]["content_sha256"] == verify_shard(clean)
+    assert [s["num_samples"] for s in record["shards"]] == [15, 14]
+    assert [s.id for s in iter_samples(hidden / "shard-1.safetensors")] == [f"s{i}" for i in range(15, 29)]
+    # the resumed extraction holds exactly what an uninterrupted one gives: the same content digests
+    clean = [tmp_path / "clean" / f"shard-{k}.safetensors" for k in (0, 1)]
+    cmd = ["draftsmith", "extract", "--target", str(target_model), "--tokens", str(tokens), "--batch-tokens"]
+    cmd += ["300", "--compile", "off", "--threads", "2", *map(str, clean)]
+    subprocess.run(cmd, env=env, check=True, capture_output=True)
+    assert [s["content_sha256"] for s in record["shards"]] == [verify_shard(p) for p in clean]

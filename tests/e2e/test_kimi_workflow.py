@@ -32,7 +32,7 @@ CONFIG = {
                  "heldout_sets": {"split": "split"}, "gate": {"beats_free": "warn", "beats_untrained": "warn"}},
     "resources": {"default": {"mem_mb": 1000}, "train": {"threads": 2, "loader_threads": 0}},
 }  # fmt: skip
-STAGES = ("generate", "extract/shard-0", "manifest", "vocab", "train", "untrained_drafter",
+STAGES = ("generate", "extract", "manifest", "vocab", "train", "untrained_drafter",
           "evaluate_offline/split", "eval_summary", "gate", "export")  # fmt: skip
 
 

@@ -24,8 +24,7 @@ TARGET = REPO / "resources" / "SmolLM2-135M-Instruct"
 TINY = REPO / "tests" / "config.tiny.yaml"
 # The tiny configuration, smaller still (6 prompts, 16 new tokens, float32: twice as fast as bfloat16 on
 # a CPU; shards store bfloat16 either way): this runs twice, through SLURM and locally. Extraction asks
-# for 2 GPUs per shard, so SLURM must hand each shard job 2 (fake) GPUs; with one CPU each, both shards
-# fit side by side on the 2-CPU node (and on 4 GPUs).
+# for 2 GPUs, so SLURM must hand the extraction job (one for every shard) 2 (fake) GPUs of the node's.
 CONFIG = [
     f"target={{model: {TARGET}, gguf_wheel: null, dtype: float32}}",
     "prompts={max_prompts: 6, num_heldout: 2}",
@@ -94,17 +93,15 @@ def _samples(results: Path) -> dict[str, object]:
     }
 
 
-def _assignments(logs: Path, pattern: str) -> dict[str, re.Match]:
-    found = {}
-    for log in sorted((logs / "extract").glob("shard-*.log")):
-        m = re.search(pattern, log.read_text())
-        assert m, f"{log} names no device assignment:\n{log.read_text()[:2000]}"
-        found[log.stem] = m
-    return found
+def _assignment(logs: Path, pattern: str) -> re.Match:
+    log = logs / "extract.log"
+    m = re.search(pattern, log.read_text())
+    assert m, f"{log} names no device assignment:\n{log.read_text()[:2000]}"
+    return m
 
 
 @pytest.mark.slow
-def test_slurm_run_matches_local_run_and_gives_shards_their_gpus(cluster, tmp_path_factory):
+def test_slurm_run_matches_local_run_and_gives_extraction_its_gpus(cluster, tmp_path_factory):
     slurm_dir, local_dir = tmp_path_factory.mktemp("slurm"), tmp_path_factory.mktemp("local")
     _, slurm_s = _snakemake(
         slurm_dir,
@@ -121,7 +118,7 @@ def test_slurm_run_matches_local_run_and_gives_shards_their_gpus(cluster, tmp_pa
         "4",
         env=_env(),
     )
-    # The same work locally, on 4 fake GPUs: the shard jobs take theirs through the lock files.
+    # The same work locally, on 4 fake GPUs: the extraction job takes 2 of them through the lock files.
     _, local_s = _snakemake(
         local_dir, "--cores", "2", "--resources", "gpu=4", env=_env(DRAFTSMITH_NUM_GPUS="4")
     )
@@ -140,21 +137,16 @@ def test_slurm_run_matches_local_run_and_gives_shards_their_gpus(cluster, tmp_pa
     manifest = json.loads((slurm_dir / "results" / "data_config.json").read_text())
     assert manifest["teacher_agreement"] > 0.9
 
-    # Each shard was its own SLURM job, asked for --gpus=2 and was given two devices by SLURM.
-    given = _assignments(
+    # The extraction job (every shard) was one SLURM job, asked for --gpus=2 and was given two devices.
+    given = _assignment(
         slurm_dir / "logs", r"CUDA_VISIBLE_DEVICES=(\d+),(\d+) \(2 of 2 GPUs given by SLURM job (\d+)\)"
     )
-    assert sorted(given) == ["shard-0", "shard-1"]
-    assert given["shard-0"].group(3) != given["shard-1"].group(3)
     assert "CUDA_VISIBLE_DEVICES= (no GPU for this job)" in (slurm_dir / "logs" / "generate.log").read_text()
-    taken = _assignments(local_dir / "logs", r"CUDA_VISIBLE_DEVICES=(\d+),(\d+) \(2 of 4 GPUs on ")
-    assert sorted(taken) == ["shard-0", "shard-1"]
+    taken = _assignment(local_dir / "logs", r"CUDA_VISIBLE_DEVICES=(\d+),(\d+) \(2 of 4 GPUs on ")
 
     print(
-        f"\nSLURM run {slurm_s:.0f} s, local run {local_s:.0f} s (x{slurm_s / local_s:.2f}); devices: "
-        + "; ".join(f"{k} SLURM job {m.group(3)} -> {m.group(1)},{m.group(2)}" for k, m in given.items())
-        + "; locally "
-        + "; ".join(f"{k} -> {m.group(1)},{m.group(2)}" for k, m in taken.items())
+        f"\nSLURM run {slurm_s:.0f} s, local run {local_s:.0f} s (x{slurm_s / local_s:.2f}); extraction devices: "
+        f"SLURM job {given.group(3)} -> {given.group(1)},{given.group(2)}; locally {taken.group(1)},{taken.group(2)}"
     )
 
 
@@ -219,3 +211,6 @@ def test_kubernetes_profile_lints_and_dry_runs_against_s3(tmp_path, s3_endpoint)
     assert "s3://YOUR-BUCKET/draftsmith/results/tokens.safetensors (retrieve from storage)" in job
     assert "gpu=2" in job and "gpu_manufacturer=nvidia" in job and "mem_mb=8000" in job
     assert shell.startswith("draftsmith run --gpus 2 -- draftsmith extract ")
+    # one job for every shard (the tiny config's 2)
+    assert len(re.findall(r"rule extract:", out)) == 1
+    assert all(f"results/hidden/shard-{k}.safetensors" in shell for k in (0, 1)), shell

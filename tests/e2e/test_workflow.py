@@ -110,7 +110,7 @@ def test_every_target_exists_and_is_sound(tiny_run):
         assert said in card, folder
     rules = (
         "generate",
-        "extract/shard-0",
+        "extract",
         "train",
         "evaluate_offline/split",
         "evaluate_vllm",

@@ -260,6 +260,44 @@ def test_a_vllm_that_did_not_start_is_one_line_exit_1(tmp_path, monkeypatch):
     )
 
 
+def test_extract_takes_every_shard_or_one(tmp_path):
+    (tmp_path / "t").mkdir()
+    (tmp_path / "tokens").write_bytes(b"")
+    args = ["extract", "--target", str(tmp_path / "t"), "--tokens", str(tmp_path / "tokens")]
+    usage = "error: extract: give SHARD_FILE... (every shard), or --shard K with --out FILE (one)"
+    for given in ([], ["--shard", "0"], ["--shard", "0", "--out", "s", "shard-0"], ["--out", "s", "shard-0"]):
+        result = invoke(*args, *given)
+        assert result.exit_code == EXIT_BAD_INPUT and result.output.strip() == usage, given
+
+
+def test_a_failed_extraction_engine_is_one_line_exit_1(tmp_path, monkeypatch):
+    """Every shard (SHARD_FILE...): the job's layout inputs reach extract_shards, and an engine process
+    that failed is one line naming it."""
+    import draftsmith.extract
+    from draftsmith.extract import EngineFailed
+
+    calls = []
+
+    def fail(*args, **kwargs):
+        calls.append((args, kwargs))
+        raise EngineFailed(
+            "extraction engine 1 of 2 (CUDA devices 2,3) failed: shard 5: RuntimeError: CUDA error"
+        )
+
+    monkeypatch.setattr(draftsmith.extract, "extract_shards", fail)
+    (tmp_path / "t").mkdir()
+    (tmp_path / "tokens").write_bytes(b"")
+    args = ["extract", "--target", str(tmp_path / "t"), "--tokens", str(tmp_path / "tokens"), "--gpus", "4"]
+    result = invoke(*args, "--tensor-parallel", "2", "--gpu-memory-gib", "80", "a", "b")
+    assert result.exit_code == EXIT_FAILED
+    assert result.output.strip().startswith(
+        "error: extraction engine 1 of 2 (CUDA devices 2,3) failed: shard 5"
+    )
+    ((args, kw),) = calls
+    assert args[2] == ["a", "b"] and (kw["gpus"], kw["tensor_parallel"]) == (4, 2)
+    assert kw["device"] == {"gpu_memory_gib": 80.0}
+
+
 DEEP = "[" * 100_000 + "]" * 100_000  # deeper than Python's json can decode (RecursionError)
 
 

@@ -607,3 +607,206 @@ def test_vllm_engine_gets_the_jobs_gpus_eager_setting_and_memory_share(monkeypat
         True,
         None,
     )
+
+
+# ---- the extraction job: engines, queue, stash ------------------------------------------------------------
+
+
+def test_queue_order_takes_the_largest_shards_first():
+    from draftsmith.extract import queue_order
+
+    assert queue_order([5, 9, 9, 1, 7], [0, 2, 3, 4, 1]) == [
+        1,
+        2,
+        4,
+        0,
+        3,
+    ]
+
+
+def test_shard_queue_hands_each_shard_to_one_engine_once():
+    from draftsmith.extract import ShardQueue
+
+    queue = ShardQueue([3, 0, 2, 1])
+    taken = [queue.take() for _ in range(6)]
+    assert taken == [3, 0, 2, 1, None, None]
+
+
+def test_engine_devices_split_the_jobs_visible_gpus():
+    from draftsmith.extract import engine_devices
+
+    assert engine_devices(["4", "5", "6", "7"], 4, 2, 2) == ["4,5", "6,7"]
+    assert engine_devices(None, 8, 1, 8) == [str(i) for i in range(8)]
+    assert engine_devices(["GPU-a", "GPU-b"], 2, 2, 1) == ["GPU-a,GPU-b"]
+    with pytest.raises(ValueError, match="resources.extract.gpus: 4 engines of 2 GPUs need 8 devices"):
+        engine_devices(["0", "1"], 8, 2, 4)
+
+
+def test_the_job_runs_the_layout_the_memory_plan_prints(tmp_path):
+    """job_layout (what the job runs) against memory.plan (what `draftsmith plan` prints) on one config:
+    the same engines x GPUs, whatever the device's memory."""
+    from draftsmith.config import with_defaults
+    from draftsmith.extract import job_layout
+    from draftsmith.memory import plan_config
+
+    target = tmp_path / "target"
+    target.mkdir()
+    write_json(
+        target / "config.json",
+        {"hidden_size": 4096, "num_hidden_layers": 32, "vocab_size": 128256, "num_attention_heads": 32,
+         "num_key_value_heads": 8, "intermediate_size": 14336, "max_position_embeddings": 8192},
+    )  # fmt: skip
+    for gib, tensor_parallel in ((80, 0), (16, 0), (24, 0), (80, 2)):
+        config = with_defaults(
+            {
+                "target": {"model": str(target), "dtype": "bfloat16", "gguf_wheel": None},
+                "extract": {"backend": "vllm", "max_seq_len": 4096},
+                "resources": {
+                    "gpu_memory_gib": gib,
+                    "extract": {"gpus": 8, "tensor_parallel": tensor_parallel},
+                },
+            }
+        )
+        (need,) = [n for n in plan_config(config, gib * 2**30) if n.stage == "extract"]
+        layout = job_layout(
+            str(target), "bfloat16", "vllm", 8, 4096, 0.9, tensor_parallel, {"gpu_memory_gib": gib}
+        )
+        assert layout == (need.gpus, need.engines), gib
+    assert job_layout(str(target), "bfloat16", "transformers", 8, 4096, 0.9, 0, {}) == (1, 1)
+    assert job_layout(str(target), "bfloat16", "vllm", 0, 4096, 0.9, 0, {}) == (1, 1)
+
+
+def test_stash_key_changes_with_what_decides_the_bytes_only(tmp_path):
+    from draftsmith.extract import RESULT_KEYS, stash_key
+
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    tokens = tmp_path / "tokens.safetensors"
+    tokens.write_bytes(b"tokens")
+    settings = {key: 1 for key in RESULT_KEYS}
+    key = stash_key(tokens, target, "bfloat16", settings)
+    assert key == stash_key(tokens, target, "bfloat16", {**settings, "threads": 9})  # not a result setting
+    assert key != stash_key(tokens, target, "float32", settings)
+    assert key != stash_key(tokens, target, "bfloat16", {**settings, "batch_tokens": 2})
+    tokens.write_bytes(b"tokens 2")
+    assert key != stash_key(tokens, target, "bfloat16", settings)
+    tokens.write_bytes(b"tokens")
+    assert key == stash_key(tokens, target, "bfloat16", settings)  # content, not the file's mtime
+    (target / "model.safetensors").write_bytes(b"w")  # other weights at the same path
+    assert key != stash_key(tokens, target, "bfloat16", settings)
+
+
+def test_prepare_stash_keeps_only_intact_sealed_shards_of_the_key(tmp_path):
+    from draftsmith.digests import seal, sidecar
+    from draftsmith.extract import prepare_stash
+
+    root = tmp_path / ".done"
+    stash = root / "k1"
+    stash.mkdir(parents=True)
+    for k in range(4):
+        (stash / f"shard-{k}.safetensors").write_bytes(b"x" * (k + 1))
+    seal([stash / f"shard-{k}.safetensors" for k in (0, 1, 3)], "extract")  # shard 2 died before its seal
+    (stash / "shard-3.safetensors").write_bytes(b"yyyy")  # same size, other bytes: the seal fails
+    (stash / ".shard-2.safetensors.abc.data").write_bytes(b"partial")
+    (stash / ".engine-x").mkdir()
+    (root / "k0").mkdir()
+    (root / "k0" / "shard-0.safetensors").write_bytes(b"old settings")
+    found, reused = prepare_stash(root, "k1", 4)
+    assert found == stash and reused == [0, 1]
+    assert sorted(p.name for p in root.iterdir()) == ["k1"]
+    kept = {"shard-0.safetensors", "shard-1.safetensors"}
+    assert {p.name for p in stash.iterdir()} == kept | {sidecar(stash / n).name for n in kept}
+
+
+def _tokens_file(path, lengths, shards, seed=0):
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    meta = {
+        "sample_ids": [f"s{i}" for i in range(len(lengths))],
+        "template": "t",
+        "max_seq_len": max(lengths),
+        "shards": shards,
+    }
+    save_file(
+        {
+            "input_ids": torch.randint(0, 256, (sum(lengths),), generator=g),
+            "loss_mask": torch.ones(sum(lengths), dtype=torch.uint8),
+            "offsets": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]),
+        },
+        str(path),
+        metadata={"draftsmith_tokens": json.dumps(meta)},
+    )
+
+
+def test_extract_shards_loads_once_stashes_and_reuses_what_a_killed_run_finished(
+    tmp_path, tiny_llama, monkeypatch
+):
+    """One engine load for every shard; each output a hard link of its sealed stashed shard; a rerun
+    after Snakemake deleted the outputs extracts only the shard whose stash did not survive, with the
+    same content as before."""
+    import draftsmith.extract as ex
+    from draftsmith.atomic import shared_mode
+    from draftsmith.backends.hf import HfExtractor
+    from draftsmith.digests import intact
+    from draftsmith.shards import verify_shard
+
+    target = tmp_path / "target"
+    tiny_llama.save_pretrained(target)
+    tokens = tmp_path / "tokens.safetensors"
+    _tokens_file(tokens, [7, 30, 12, 25, 9, 18], [[0, 2], [2, 4], [4, 6]])
+    loads, extracted = [], []
+    monkeypatch.setattr(  # the tiny target has no tokenizer to load from a folder
+        ex,
+        "make_extractor",
+        lambda backend, target, layer_ids, *a, **k: loads.append(1) or HfExtractor(tiny_llama, layer_ids),
+    )
+    shard = ex.extract_shard
+    monkeypatch.setattr(
+        ex, "extract_shard", lambda t, tok, k, *a, **kw: extracted.append(k) or shard(t, tok, k, *a, **kw)
+    )
+    outs = [tmp_path / "hidden" / f"shard-{k}.safetensors" for k in range(3)]
+
+    def run() -> list[int]:
+        return ex.extract_shards(
+            str(target), str(tokens), [str(p) for p in outs], [1, 3], "float32", 60, compile="off"
+        )
+
+    assert run() == []
+    assert loads == [1] and sorted(extracted) == [0, 1, 2]
+    (stash,) = (tmp_path / "hidden" / ".done").iterdir()
+    digests = [verify_shard(p) for p in outs]
+    for k, out in enumerate(outs):
+        stashed = stash / f"shard-{k}.safetensors"
+        assert out.stat().st_ino == stashed.stat().st_ino and intact(stashed)
+        assert oct(out.stat().st_mode & 0o777) == oct(shared_mode())
+    inode0 = outs[0].stat().st_ino
+    # Snakemake deletes a failed job's outputs; shard 1's stash did not survive the kill
+    for out in outs:
+        out.unlink()
+    (stash / "shard-1.safetensors").unlink()
+    (stash / ".shard-1.safetensors.x.data").write_bytes(b"partial")
+    loads.clear(), extracted.clear()
+    assert run() == [0, 2]
+    assert loads == [1] and extracted == [1]
+    assert outs[0].stat().st_ino == inode0  # reused, not rewritten
+    assert [verify_shard(p) for p in outs] == digests
+    assert not [p for p in stash.iterdir() if p.name.startswith(".shard-1.safetensors.x")]
+    # everything stashed: no engine is loaded at all
+    for out in outs:
+        out.unlink()
+    loads.clear(), extracted.clear()
+    assert run() == [0, 1, 2] and loads == [] and extracted == []
+    assert [verify_shard(p) for p in outs] == digests
+
+
+def test_extract_shards_refuses_a_shard_count_the_tokens_do_not_plan(tmp_path):
+    from draftsmith.extract import extract_shards
+
+    tokens = tmp_path / "tokens.safetensors"
+    _tokens_file(tokens, [5, 6], [[0, 1], [1, 2]])
+    with pytest.raises(
+        ValueError, match=r"extract.num_shards: 3 shard files asked for, but .* plans 2 shards"
+    ):
+        extract_shards(str(tmp_path), str(tokens), ["a", "b", "c"], None, "float32", 60)

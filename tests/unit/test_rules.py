@@ -41,7 +41,14 @@ OPERATIONAL = {
         "server_startup_timeout_s": 60,
         "gpu_memory_utilization": 0.5,
     },
-    "extract": {"threads": 3, "runtime": 7, "mem_mb": 123, "gpus": 1, "gpu_memory_utilization": 0.5},
+    "extract": {
+        "threads": 3,
+        "runtime": 7,
+        "mem_mb": 123,
+        "gpus": 1,
+        "gpu_memory_utilization": 0.5,
+        "tensor_parallel": 1,
+    },
     "train": {
         "threads": 3,
         "runtime": 7,
