@@ -184,17 +184,21 @@ SHIPPED = {  # config -> the folder of its target's config.json under tests/data
 }
 
 
+# GPUs per generate / extract job in each config before issue 32 (each job one engine over all of them)
+BEFORE_JOB_GPUS = {"llama-3.1-8b": 1, "qwen3-235b-a22b": 8, "kimi-k2.5-8gpu": 8}
+
+
 def tables() -> str:
     """docs/gpu.md's tables: each shipped config's memory per GPU and stage on an H100 and an H200, before
     issue 32 (the loss as it was, no micro-batches, shares by sample count at their nominal batch_tokens /
-    world) and now."""
+    world) and now (with the vLLM stages' engines x GPUs each where the job runs several engines)."""
     from draftsmith.config import merged_config_files, with_defaults
     from draftsmith.memory import BEFORE, GB, GIB, GPU_PRESETS, plan_config
 
     root = Path(__file__).resolve().parents[1]
     out = []
     for name, target in SHIPPED.items():
-        config = with_defaults(merged_config_files([root / "config.yaml", root / "configs" / f"{name}.yaml"]))
+        config = with_defaults(merged_config_files([root / "configs" / f"{name}.yaml"]))
         out.append(f"**configs/{name}.yaml**")
         if target is None:
             out.append("\nNo stage asks for GPUs (`resources.<stage>.gpus` are 0): nothing to plan.\n")
@@ -203,6 +207,8 @@ def tables() -> str:
         before = copy.deepcopy(config)
         before["resources"]["train"]["micro_batch_tokens"] = 0
         before["resources"]["train"]["checkpoint_ttt"] = False
+        for stage in ("generate", "extract"):  # one engine per job, tensor parallel over the job's GPUs then
+            before["resources"][stage]["tensor_parallel"] = BEFORE_JOB_GPUS[name]
         world = before["resources"]["train"]["gpus"]
         share = before["train"]["batch_tokens"] // world
         rows: dict[str, dict[str, str]] = {}
@@ -215,7 +221,10 @@ def tables() -> str:
             ):
                 for need in plan_config(cfg, memory, **kw):
                     mark = "" if need.fits else " ✗"
-                    cell = f"{need.total / GB:.1f} / {need.budget / GB:.1f}{mark}"
+                    layout = (
+                        f" ({need.engines}×{need.gpus} GPUs)" if when == "now" and need.engines > 1 else ""
+                    )
+                    cell = f"{need.total / GB:.1f} / {need.budget / GB:.1f}{mark}{layout}"
                     rows.setdefault(need.stage, {})[f"{gpu} {when}"] = cell
         cols = [f"{g} {w}" for g in gpus for w in ("before", "now")]
         out.append("")

@@ -731,7 +731,7 @@ def estimate(
     "configfiles",
     multiple=True,
     type=click.Path(dir_okay=False, exists=True),
-    help="Config files in the order Snakemake gets them (config.yaml first; later ones win).",
+    help="Config files as given to snakemake --configfile (later ones win) [default: config.yaml, as snakemake without --configfile].",
 )
 @click.option(
     "--target-config",
@@ -753,7 +753,7 @@ def plan_cmd(
     The workflow runs the same check when it starts with any resources.<stage>.gpus > 0.
 
     \b
-      draftsmith plan --configfile config.yaml --configfile configs/kimi-k2.5-8gpu.yaml --gpu-model H200-141GB
+      draftsmith plan --configfile configs/kimi-k2.5-8gpu.yaml --gpu-model H200-141GB
     """
     from draftsmith.config import config_errors, merged_config_files, text_config_json, with_defaults
     from draftsmith.memory import device_memory, plan_config, refusal, table

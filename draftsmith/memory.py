@@ -527,12 +527,14 @@ def engine_layout(
     utilization: float,
     memory: float | None,
     tensor_parallel: int = 0,
+    in_flight: int = 1,
 ) -> tuple[int, int]:
     """(GPUs per vLLM engine, engines) for a job with `gpus` GPUs: data parallel over all of them.
     `tensor_parallel` > 0 is taken as given (it must divide `gpus`); 0 = the fewest GPUs, a power of two
-    dividing `gpus`, whose budget holds the weights' share, vLLM's reserve and one `seq_len`-token
-    sequence's KV cache (`_vllm_need`); all of them when the device's memory is unknown or nothing
-    smaller fits (the plan then says whether that does). No GPUs: one engine on the CPU."""
+    dividing `gpus`, whose budget holds the weights' share, vLLM's reserve and the KV cache of the
+    engine's share of the `in_flight` requests at `seq_len` tokens each (a split that would leave each
+    engine too little KV to batch its requests is no gain); all of them when the device's memory is
+    unknown or nothing smaller fits (the plan then says whether that does). No GPUs: one CPU engine."""
     if gpus <= 0:
         return 1, 1
     if tensor_parallel:
@@ -545,7 +547,8 @@ def engine_layout(
         return gpus, 1
     tp = 1
     while tp < gpus:
-        if gpus % tp == 0 and _vllm_need("", size, tp, seq_len, utilization, memory, "").fits:
+        share = math.ceil(in_flight / (gpus // tp))
+        if gpus % tp == 0 and _vllm_need("", size, tp, seq_len * share, utilization, memory, "").fits:
             return tp, gpus // tp
         tp *= 2
     return gpus, 1
@@ -597,6 +600,7 @@ def plan(
             util,
             memory,
             int(given or res["generate"]["tensor_parallel"]),
+            in_flight=int(res["generate"]["concurrency"]),
         )
         need = _vllm_need(
             "generate",

@@ -129,16 +129,7 @@ def tokenize_traces(
         "max_seq_len": max_seq_len,
         "shards": [list(b) for b in bounds],
     }
-    with atomic_path(out_path) as tmp:
-        save_file(
-            {
-                "input_ids": torch.tensor(ids_all, dtype=torch.int64),
-                "loss_mask": torch.tensor(mask_all, dtype=torch.uint8),
-                "offsets": torch.tensor(offsets, dtype=torch.int64),
-            },
-            str(tmp),
-            metadata={"draftsmith_tokens": json.dumps(meta)},
-        )
+    write_tokens(out_path, ids_all, mask_all, offsets, meta)
     summary = {
         "samples": len(sample_ids),
         "tokens": len(ids_all),
@@ -156,6 +147,24 @@ def tokenize_traces(
         ", ".join(str(n) for n in summary["shard_tokens"]),
     )  # fmt: skip
     return summary
+
+
+def write_tokens(
+    out_path: str | Path, input_ids: list[int], loss_mask: list[int], offsets: list[int], meta: dict[str, Any]
+) -> None:
+    """The tokens file (atomically): every sample's ids and loss mask end to end, `offsets` [N + 1] where
+    each starts, and `meta` (sample_ids, template, max_seq_len, shards as [start, end) sample ranges, ...)
+    as JSON in the header; load_tokens reads it back."""
+    with atomic_path(out_path) as tmp:
+        save_file(
+            {
+                "input_ids": torch.tensor(input_ids, dtype=torch.int64),
+                "loss_mask": torch.tensor(loss_mask, dtype=torch.uint8),
+                "offsets": torch.tensor(offsets, dtype=torch.int64),
+            },
+            str(tmp),
+            metadata={"draftsmith_tokens": json.dumps(meta)},
+        )
 
 
 def parse_trace_line(line: str, path: str | Path, line_no: int) -> dict[str, Any]:

@@ -77,7 +77,8 @@ def server_gpus(gpus: int, devices: list[str] | None, visible: str | None) -> in
 def server_layout(settings: Any, target: str | Path, gpus: int) -> tuple[int, int]:
     """(GPUs per engine, engines) for a server on `gpus` GPUs, as `draftsmith plan` lays it out
     (memory.engine_layout): --tensor-parallel-size in server_args, else resources.generate.tensor_parallel,
-    else the fewest GPUs that hold the target at --max-model-len (default: the target's context)."""
+    else the fewest GPUs that hold the target and each engine's share of the requests in flight at
+    --max-model-len (default: the target's context)."""
     from draftsmith.config import text_config_json
     from draftsmith.memory import GIB, device_memory, engine_layout, server_arg, target_size
 
@@ -87,7 +88,9 @@ def server_layout(settings: Any, target: str | Path, gpus: int) -> tuple[int, in
     seq = int(server_arg(args, "--max-model-len") or size.max_position_embeddings)
     util = float(server_arg(args, "--gpu-memory-utilization") or settings.gpu_memory_utilization)
     memory = settings.gpu_memory_gib * GIB if settings.gpu_memory_gib else device_memory({})[0]
-    tp, engines = engine_layout(size, gpus, seq, util, memory, int(given or settings.tensor_parallel))
+    tp, engines = engine_layout(
+        size, gpus, seq, util, memory, int(given or settings.tensor_parallel), in_flight=settings.concurrency
+    )
     log.info("generate: %d GPU(s) as %d engine(s) of %d (data parallel x tensor parallel)", gpus, engines, tp)
     return tp, engines
 

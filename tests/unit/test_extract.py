@@ -1,6 +1,7 @@
 """Capture, shards, token layout, vocab maps: the contracts between stages, on a tiny random Llama."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -372,25 +373,24 @@ def test_teacher_agreement_is_split_by_source_and_gated_on_regenerated_only(tiny
     assert manifest["shards"][0]["teacher_agreement_by_source"] == manifest["teacher_agreement_by_source"]
 
 
-def _tokens_file(tmp_path, lengths: list[int], seed: int = 0) -> str:
-    """A one-shard tokens file of random sequences of these lengths, every token loss-masked."""
-    from safetensors.torch import save_file
+def _tokens_file(
+    where: Path, lengths: list[int], shards: list[list[int]] | None = None, seed: int = 0
+) -> str:
+    """A tokens file of random sequences of these lengths, every token loss-masked: `where` itself, or
+    tokens.safetensors in the folder `where`; one shard unless `shards` ([start, end) sample ranges)."""
+    from draftsmith.tokenize import write_tokens
 
+    path = where / "tokens.safetensors" if where.is_dir() else where
     g = torch.Generator().manual_seed(seed)
     meta = {
         "sample_ids": [f"s{i}" for i in range(len(lengths))],
         "template": "t",
-        "shards": [[0, len(lengths)]],
+        "max_seq_len": max(lengths),
+        "shards": shards or [[0, len(lengths)]],
     }
-    path = tmp_path / "tokens.safetensors"
-    save_file(
-        {
-            "input_ids": torch.randint(0, 256, (sum(lengths),), generator=g),
-            "loss_mask": torch.ones(sum(lengths), dtype=torch.uint8),
-            "offsets": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]),
-        },
-        str(path),
-        metadata={"draftsmith_tokens": json.dumps(meta)},
+    offsets = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    write_tokens(
+        path, torch.randint(0, 256, (sum(lengths),), generator=g).tolist(), [1] * sum(lengths), offsets, meta
     )
     return str(path)
 
@@ -717,27 +717,6 @@ def test_prepare_stash_keeps_only_intact_sealed_shards_of_the_key(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["k1"]
     kept = {"shard-0.safetensors", "shard-1.safetensors"}
     assert {p.name for p in stash.iterdir()} == kept | {sidecar(stash / n).name for n in kept}
-
-
-def _tokens_file(path, lengths, shards, seed=0):
-    from safetensors.torch import save_file
-
-    g = torch.Generator().manual_seed(seed)
-    meta = {
-        "sample_ids": [f"s{i}" for i in range(len(lengths))],
-        "template": "t",
-        "max_seq_len": max(lengths),
-        "shards": shards,
-    }
-    save_file(
-        {
-            "input_ids": torch.randint(0, 256, (sum(lengths),), generator=g),
-            "loss_mask": torch.ones(sum(lengths), dtype=torch.uint8),
-            "offsets": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]),
-        },
-        str(path),
-        metadata={"draftsmith_tokens": json.dumps(meta)},
-    )
 
 
 def test_extract_shards_loads_once_stashes_and_reuses_what_a_killed_run_finished(

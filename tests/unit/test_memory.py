@@ -92,7 +92,7 @@ def test_device_memory_setting_preset_then_unknown() -> None:
 
 
 def shipped(name: str, target: str, gpu: str) -> list:
-    config = with_defaults(merged_config_files([ROOT / "config.yaml", ROOT / "configs" / f"{name}.yaml"]))
+    config = with_defaults(merged_config_files([ROOT / "configs" / f"{name}.yaml"]))
     config["target"]["model"] = str(TARGETS / target)
     return plan_config(config, device_memory({"gpu_model": gpu}, detect=False)[0])
 
@@ -133,6 +133,9 @@ def test_engine_layout_takes_the_fewest_gpus_that_hold_the_target() -> None:
     assert engine_layout(sizes["llama-3.1-8b"], 8, 8192, 0.9, h100) == (1, 8)
     assert engine_layout(sizes["qwen3-235b-a22b"], 8, 8192, 0.9, h100) == (8, 1)
     assert engine_layout(sizes["qwen3-235b-a22b"], 8, 8192, 0.9, h200) == (4, 2)
+    # 128 requests in flight: 64 per engine of 4 would not fit their KV (25 GB in ~12 GB of room)
+    assert engine_layout(sizes["qwen3-235b-a22b"], 8, 8192, 0.9, h200, in_flight=128) == (8, 1)
+    assert engine_layout(sizes["llama-3.1-8b"], 8, 8192, 0.9, h100, in_flight=256) == (1, 8)
     assert engine_layout(sizes["kimi-k2.5"], 8, 8192, 0.92, h200) == (8, 1)
     assert engine_layout(sizes["llama-3.1-8b"], 8, 8192, 0.9, None) == (8, 1)  # memory unknown: as before
     assert engine_layout(sizes["llama-3.1-8b"], 8, 8192, 0.9, h100, tensor_parallel=2) == (2, 4)
