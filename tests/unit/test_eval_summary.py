@@ -6,51 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import NGRAM, TRAINED, N, results
 
 from draftsmith.cost import DEVICES, ModelCost, ServingPoint, projected_speedup
 from draftsmith.eval_summary import headline, intervals, load_sets, summary_rows
 from draftsmith.gate import GateSettings
 from draftsmith.projection import set_projection
 from draftsmith.report import format_table, format_tsv
-
-
-def method(accepted: list[int], drafts: list[int], per_pos: list[list[int]], **kw) -> dict:
-    total_a, total_d = sum(accepted), sum(drafts)
-    tokens, forwards = 64 * len(accepted), 64 * len(accepted) - total_a
-    return {
-        "tau": 1 + total_a / total_d,
-        "acceptance_rate_per_position": [sum(col) / total_d for col in zip(*per_pos, strict=True)],
-        "tokens": tokens,
-        "forwards": forwards,
-        "tokens_per_forward": tokens / forwards,
-        "draft_share": total_d / forwards,
-        "tokens_per_s": 10.0,
-        "speedup": 0.7,
-        "lossless": True,
-        "outputs_equal_plain": len(accepted),
-        "per_prompt": [
-            {
-                "id": f"p{i}",
-                "tokens": 64,
-                "forwards": 64 - a,
-                "accepted": a,
-                "drafts": d,
-                "accepted_per_pos": pp,
-            }
-            for i, (a, d, pp) in enumerate(zip(accepted, drafts, per_pos, strict=True))
-        ],
-        **kw,
-    }
-
-
-N = 12
-TRAINED = method([10 + i for i in range(N)], [40] * N, [[6 + i, 3, 1] for i in range(N)])
-NGRAM = method([30] * N, [20] * N, [[12, 10, 8]] * N, kind="ngram")
-
-
-def results(engine_methods: dict) -> dict:
-    return {"num_prompts": N, "prompt_ids": [f"p{i}" for i in range(N)], "methods": engine_methods,
-            "plain": {"tokens": 64 * N, "tokens_per_s": 14.0}, "num_draft_tokens": 3}  # fmt: skip
 
 
 def test_rows_carry_intervals():

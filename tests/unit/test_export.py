@@ -8,45 +8,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import EXPORT_AUX_IDS, EXPORT_DRAFT_VOCAB, EXPORT_TARGET_VOCAB, make_drafter
 from safetensors.torch import load_file, save_file
 
 from draftsmith.drafter import DrafterConfig, Eagle3Drafter
 from draftsmith.export import check_export, load_drafter, save_drafter
 from draftsmith.vocab import vocab_maps
 
-TARGET_LAYERS, TARGET_VOCAB, DRAFT_VOCAB = 8, 256, 96
-AUX_IDS = [2, 4, 5]  # "input" convention
-
-
-def make_drafter(seed: int = 0, target_hidden_size: int = 40) -> Eagle3Drafter:
-    torch.manual_seed(seed)
-    cfg = DrafterConfig(
-        hidden_size=48,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=12,
-        intermediate_size=80,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position_embeddings=512,
-        target_hidden_size=target_hidden_size,
-        target_vocab_size=TARGET_VOCAB,
-        draft_vocab_size=DRAFT_VOCAB,
-        num_aux=3,
-    )
-    model = Eagle3Drafter(cfg)
-    ids = torch.sort(torch.randperm(TARGET_VOCAB)[:DRAFT_VOCAB]).values
-    model.set_vocab_map(*vocab_maps(ids, TARGET_VOCAB))
-    with torch.no_grad():
-        for p in model.parameters():  # norms away from 1 so a dropped tensor would show
-            p.add_(0.01 * torch.randn_like(p))
-    return model
+TARGET_LAYERS = 8
 
 
 @pytest.fixture
 def export_dir(tmp_path: Path) -> Path:
     out = tmp_path / "drafter"
-    save_drafter(make_drafter(), out, AUX_IDS, "targets/tiny", extra={"note": "test"})
+    save_drafter(make_drafter(), out, EXPORT_AUX_IDS, "targets/tiny", extra={"note": "test"})
     return out
 
 
@@ -86,8 +61,8 @@ def test_weights_file_is_what_vllm_maps(export_dir: Path) -> None:
     assert tensors["fc.weight"].dtype == torch.bfloat16
     assert tensors["fc.weight"].shape == (48, 3 * 40)
     assert tensors["midlayer.self_attn.q_proj.weight"].shape == (4 * 12, 2 * 48)
-    assert tensors["lm_head.weight"].shape == (DRAFT_VOCAB, 48)
-    assert tensors["t2d"].shape == (TARGET_VOCAB,)
+    assert tensors["lm_head.weight"].shape == (EXPORT_DRAFT_VOCAB, 48)
+    assert tensors["t2d"].shape == (EXPORT_TARGET_VOCAB,)
     # every name lands on a vLLM parameter: "model." prefix unless lm_head, midlayer. -> layers.0.
     for name in tensors:
         assert name in ("d2t", "t2d", "lm_head.weight", "fc.weight", "norm.weight") or name.startswith(
@@ -100,12 +75,12 @@ def test_config_fields(export_dir: Path) -> None:
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert config["model_type"] == "llama"
     assert config["num_hidden_layers"] == 1
-    assert config["vocab_size"] == TARGET_VOCAB and config["draft_vocab_size"] == DRAFT_VOCAB
+    assert config["vocab_size"] == EXPORT_TARGET_VOCAB and config["draft_vocab_size"] == EXPORT_DRAFT_VOCAB
     assert config["target_hidden_size"] == 40 and config["hidden_size"] == 48
     assert config["num_aux_hidden_states"] == 3
-    assert config["eagle_aux_hidden_state_layer_ids"] == AUX_IDS
+    assert config["eagle_aux_hidden_state_layer_ids"] == EXPORT_AUX_IDS
     assert config["eagle_config"] == {
-        "eagle_aux_hidden_state_layer_ids": AUX_IDS,
+        "eagle_aux_hidden_state_layer_ids": EXPORT_AUX_IDS,
         "use_aux_hidden_state": True,
     }
     assert config["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "default"}
@@ -119,22 +94,24 @@ def test_config_fields(export_dir: Path) -> None:
     hf = AutoConfig.from_pretrained(export_dir)
     assert type(hf).__name__ == "LlamaConfig"
     assert hf.num_hidden_layers == 1 and hf.head_dim == 12 and hf.num_key_value_heads == 2
-    assert hf.draft_vocab_size == DRAFT_VOCAB and hf.num_aux_hidden_states == 3
-    assert hf.eagle_config["eagle_aux_hidden_state_layer_ids"] == AUX_IDS
+    assert hf.draft_vocab_size == EXPORT_DRAFT_VOCAB and hf.num_aux_hidden_states == 3
+    assert hf.eagle_config["eagle_aux_hidden_state_layer_ids"] == EXPORT_AUX_IDS
 
 
 def test_sglang_convention_ids(tmp_path: Path) -> None:
-    save_drafter(make_drafter(), tmp_path / "d", AUX_IDS, "t", convention_engine="sglang")
+    save_drafter(make_drafter(), tmp_path / "d", EXPORT_AUX_IDS, "t", convention_engine="sglang")
     config = json.loads((tmp_path / "d" / "config.json").read_text())
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
     assert config["draftsmith"]["aux_layer_convention"] == "output"
-    assert config["draftsmith"]["aux_layer_ids_input"] == AUX_IDS
-    assert check_export(tmp_path / "d", TARGET_LAYERS, TARGET_VOCAB) == []
+    assert config["draftsmith"]["aux_layer_ids_input"] == EXPORT_AUX_IDS
+    assert check_export(tmp_path / "d", TARGET_LAYERS, EXPORT_TARGET_VOCAB) == []
 
 
 def test_check_export_passes_good(export_dir: Path) -> None:
     assert check_export(export_dir) == []
-    assert check_export(export_dir, target_num_layers=TARGET_LAYERS, target_vocab_size=TARGET_VOCAB) == []
+    assert (
+        check_export(export_dir, target_num_layers=TARGET_LAYERS, target_vocab_size=EXPORT_TARGET_VOCAB) == []
+    )
 
 
 def _edit_weights(export_dir: Path, edit) -> None:
@@ -173,14 +150,14 @@ BROKEN = {
         "k_proj.weight has shape",
     ),
     "lm_head wrong shape": (
-        lambda t: t.__setitem__("lm_head.weight", torch.zeros(TARGET_VOCAB, 48, dtype=torch.bfloat16)),
+        lambda t: t.__setitem__("lm_head.weight", torch.zeros(EXPORT_TARGET_VOCAB, 48, dtype=torch.bfloat16)),
         None,
         "lm_head.weight has shape",
     ),
     "missing d2t": (lambda t: t.pop("d2t"), None, "tensor d2t is missing"),
     "d2t not increasing": (lambda t: _swap(t, 3, 7), None, "not strictly increasing"),
     "d2t out of range": (
-        lambda t: t["d2t"].__setitem__(-1, TARGET_VOCAB),
+        lambda t: t["d2t"].__setitem__(-1, EXPORT_TARGET_VOCAB),
         None,
         "outside the target vocabulary",
     ),
@@ -209,7 +186,9 @@ def test_check_export_reports_broken(export_dir: Path, case: str) -> None:
         _edit_weights(export_dir, edit_weights)
     if edit_config:
         _edit_config(export_dir, edit_config)
-    problems = check_export(export_dir, target_num_layers=TARGET_LAYERS, target_vocab_size=TARGET_VOCAB)
+    problems = check_export(
+        export_dir, target_num_layers=TARGET_LAYERS, target_vocab_size=EXPORT_TARGET_VOCAB
+    )
     assert any(expected in p for p in problems), problems
 
 
@@ -237,7 +216,9 @@ def test_missing_files(tmp_path: Path, export_dir: Path) -> None:
 def engine_export(tmp_path: Path) -> Path:
     """A vLLM export every engine can take: speculators sizes fc from the drafter's own hidden size."""
     out = tmp_path / "drafter"
-    save_drafter(make_drafter(target_hidden_size=48), out, AUX_IDS, "targets/tiny", extra={"note": "test"})
+    save_drafter(
+        make_drafter(target_hidden_size=48), out, EXPORT_AUX_IDS, "targets/tiny", extra={"note": "test"}
+    )
     return out
 
 
@@ -249,7 +230,7 @@ def test_speculators_refuses_a_narrower_target(tmp_path: Path, export_dir: Path)
 def _export_all(tmp_path: Path, engine_export: Path, **kw) -> tuple[Path, Path]:
     from draftsmith.export import export_engines
 
-    embedding = torch.randn(TARGET_VOCAB, 48, generator=torch.Generator().manual_seed(1))
+    embedding = torch.randn(EXPORT_TARGET_VOCAB, 48, generator=torch.Generator().manual_seed(1))
     outs = export_engines(engine_export, tmp_path / "sglang", tmp_path / "speculators", embedding, **kw)
     return outs["sglang"], outs["speculators"]
 
@@ -263,18 +244,18 @@ def test_engine_exports_hold_the_same_tensors(tmp_path: Path, engine_export: Pat
     spec_tensors = load_file(str(spec / "model.safetensors"))
     assert not any(k.startswith("midlayer.") for k in spec_tensors)
     # speculators' loader fills a missing embed_tokens with zeros, so its form carries the target's
-    assert spec_tensors["embed_tokens.weight"].shape == (TARGET_VOCAB, 48)
+    assert spec_tensors["embed_tokens.weight"].shape == (EXPORT_TARGET_VOCAB, 48)
     assert spec_tensors["embed_tokens.weight"].dtype == torch.bfloat16
     for name, t in native.items():
         spec_name = name.replace("midlayer.", "layers.0.", 1)
         assert torch.equal(spec_tensors[spec_name], t), name
     for path, engine in ((engine_export, "vllm"), (sglang, "sglang"), (spec, "speculators")):
-        assert check_export(path, TARGET_LAYERS, TARGET_VOCAB, engine=engine) == [], engine
-        assert check_export(path, TARGET_LAYERS, TARGET_VOCAB) == [], engine  # the engine it declares
+        assert check_export(path, TARGET_LAYERS, EXPORT_TARGET_VOCAB, engine=engine) == [], engine
+        assert check_export(path, TARGET_LAYERS, EXPORT_TARGET_VOCAB) == [], engine  # the engine it declares
         for name in ("config.json", "model.safetensors"):
             assert (path / name).stat().st_mode & 0o777 == 0o644
     _edit_weights(spec, lambda t: t.pop("embed_tokens.weight"))
-    problems = check_export(spec, TARGET_LAYERS, TARGET_VOCAB)
+    problems = check_export(spec, TARGET_LAYERS, EXPORT_TARGET_VOCAB)
     assert any("speculators' loader would leave it at zeros" in p for p in problems), problems
 
 
@@ -282,10 +263,10 @@ def test_sglang_export_ids_are_one_lower(tmp_path: Path, engine_export: Path) ->
     sglang, _ = _export_all(tmp_path, engine_export)
     config = json.loads((sglang / "config.json").read_text())
     # SGLang reads eagle_config only and adds 1: [1, 3, 4] + 1 = the trained inputs [2, 4, 5]
-    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in AUX_IDS]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in EXPORT_AUX_IDS]
     assert config["draftsmith"]["aux_layer_convention"] == "output"
-    assert config["draftsmith"]["aux_layer_ids_input"] == AUX_IDS
-    assert config["tie_word_embeddings"] is False and config["draft_vocab_size"] == DRAFT_VOCAB
+    assert config["draftsmith"]["aux_layer_ids_input"] == EXPORT_AUX_IDS
+    assert config["tie_word_embeddings"] is False and config["draft_vocab_size"] == EXPORT_DRAFT_VOCAB
 
 
 def test_speculators_config_fields(tmp_path: Path, engine_export: Path) -> None:
@@ -294,10 +275,14 @@ def test_speculators_config_fields(tmp_path: Path, engine_export: Path) -> None:
     )
     config = json.loads((spec / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3"
-    assert config["eagle_aux_hidden_state_layer_ids"] == AUX_IDS  # speculators counts "input to layer k"
+    assert (
+        config["eagle_aux_hidden_state_layer_ids"] == EXPORT_AUX_IDS
+    )  # speculators counts "input to layer k"
     layer = config["transformer_layer_config"]
     assert layer["model_type"] == "llama" and layer["num_hidden_layers"] == 1
-    assert layer["hidden_size"] == 48 and layer["head_dim"] == 12 and layer["vocab_size"] == TARGET_VOCAB
+    assert (
+        layer["hidden_size"] == 48 and layer["head_dim"] == 12 and layer["vocab_size"] == EXPORT_TARGET_VOCAB
+    )
     assert layer["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "default"}
     assert layer["num_aux_hidden_states"] == 3
     for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
@@ -347,7 +332,7 @@ def test_check_export_refuses_unsorted_ids(engine_export: Path, tmp_path: Path, 
     unsorted = [ids[1], ids[0], ids[2]]
     _edit_config(path, lambda c: c.__setitem__("eagle_aux_hidden_state_layer_ids", unsorted))
     _edit_config(path, lambda c: c["eagle_config"].__setitem__("eagle_aux_hidden_state_layer_ids", unsorted))
-    problems = check_export(path, TARGET_LAYERS, TARGET_VOCAB, engine=engine)
+    problems = check_export(path, TARGET_LAYERS, EXPORT_TARGET_VOCAB, engine=engine)
     assert any("not in increasing order" in p for p in problems), problems
     assert any("drafter was trained on [2, 4, 5]" in p for p in problems), problems
 
@@ -355,10 +340,10 @@ def test_check_export_refuses_unsorted_ids(engine_export: Path, tmp_path: Path, 
 def test_check_export_names_the_wrong_engine(tmp_path: Path, engine_export: Path) -> None:
     sglang, spec = _export_all(tmp_path, engine_export)
     # the vLLM export served by SGLang: every layer one off
-    problems = check_export(engine_export, TARGET_LAYERS, TARGET_VOCAB, engine="sglang")
+    problems = check_export(engine_export, TARGET_LAYERS, EXPORT_TARGET_VOCAB, engine="sglang")
     assert any("'input' convention; sglang reads them as 'output'" in p for p in problems), problems
     assert any("captures the inputs of layers [3, 5, 6]" in p for p in problems), problems
-    problems = check_export(sglang, TARGET_LAYERS, TARGET_VOCAB, engine="vllm")
+    problems = check_export(sglang, TARGET_LAYERS, EXPORT_TARGET_VOCAB, engine="vllm")
     assert any("'output' convention; vllm reads them as 'input'" in p for p in problems), problems
     assert any("speculators' format" in p for p in check_export(spec, engine="vllm"))
     assert any("not in speculators' format" in p for p in check_export(engine_export, engine="speculators"))
@@ -371,7 +356,7 @@ def test_check_export_sglang_rules(tmp_path: Path, engine_export: Path) -> None:
     )
     _edit_config(sglang, lambda c: c.__setitem__("tie_word_embeddings", True))
     _edit_config(sglang, lambda c: c.pop("eagle_config"))
-    problems = check_export(sglang, TARGET_LAYERS, TARGET_VOCAB)
+    problems = check_export(sglang, TARGET_LAYERS, EXPORT_TARGET_VOCAB)
     assert any("SGLang silently skips names" in p for p in problems), problems
     assert any("SGLang would use the embedding as lm_head" in p for p in problems), problems
     assert any(
@@ -400,7 +385,7 @@ def test_check_export_speculators_rules(tmp_path: Path, engine_export: Path, cas
     _, spec = _export_all(tmp_path, engine_export)
     edit, expected = SPECULATORS_BROKEN[case]
     _edit_config(spec, edit)
-    problems = check_export(spec, TARGET_LAYERS, TARGET_VOCAB)
+    problems = check_export(spec, TARGET_LAYERS, EXPORT_TARGET_VOCAB)
     if expected is None:
         assert problems == []
     else:
@@ -409,34 +394,34 @@ def test_check_export_speculators_rules(tmp_path: Path, engine_export: Path, cas
 
 def _full_vocab_drafter() -> Eagle3Drafter:
     model = make_drafter(target_hidden_size=48)
-    cfg = DrafterConfig(**{**model.cfg.to_dict(), "draft_vocab_size": TARGET_VOCAB})
+    cfg = DrafterConfig(**{**model.cfg.to_dict(), "draft_vocab_size": EXPORT_TARGET_VOCAB})
     full = Eagle3Drafter(cfg)
-    full.set_vocab_map(*vocab_maps(torch.arange(TARGET_VOCAB), TARGET_VOCAB))
+    full.set_vocab_map(*vocab_maps(torch.arange(EXPORT_TARGET_VOCAB), EXPORT_TARGET_VOCAB))
     return full
 
 
 def test_full_size_draft_vocabulary_has_no_vocab_map(tmp_path: Path) -> None:
     model = _full_vocab_drafter()
-    save_drafter(model, tmp_path / "d", AUX_IDS, "t")
+    save_drafter(model, tmp_path / "d", EXPORT_AUX_IDS, "t")
     assert "d2t" not in load_file(str(tmp_path / "d" / "model.safetensors"))  # vLLM has no parameter for it
-    assert check_export(tmp_path / "d", TARGET_LAYERS, TARGET_VOCAB) == []
+    assert check_export(tmp_path / "d", TARGET_LAYERS, EXPORT_TARGET_VOCAB) == []
     loaded, _ = load_drafter(tmp_path / "d")
     assert torch.equal(loaded.d2t, model.d2t) and torch.equal(loaded.t2d, model.t2d)
     _, spec = _export_all(tmp_path, tmp_path / "d")
     assert "d2t" not in load_file(str(spec / "model.safetensors"))
     # a d2t written anyway fails vLLM's load: reported
     _edit_weights(
-        tmp_path / "d", lambda t: t.__setitem__("d2t", torch.zeros(TARGET_VOCAB, dtype=torch.int64))
+        tmp_path / "d", lambda t: t.__setitem__("d2t", torch.zeros(EXPORT_TARGET_VOCAB, dtype=torch.int64))
     )
-    problems = check_export(tmp_path / "d", TARGET_LAYERS, TARGET_VOCAB)
+    problems = check_export(tmp_path / "d", TARGET_LAYERS, EXPORT_TARGET_VOCAB)
     assert any("allocates no draft-to-target map" in p for p in problems), problems
 
 
 def test_draft_vocabulary_larger_than_target_is_refused(tmp_path: Path) -> None:
     model = make_drafter()
-    model.cfg = DrafterConfig(**{**model.cfg.to_dict(), "draft_vocab_size": TARGET_VOCAB + 1})
+    model.cfg = DrafterConfig(**{**model.cfg.to_dict(), "draft_vocab_size": EXPORT_TARGET_VOCAB + 1})
     with pytest.raises(ValueError, match="exceeds the target vocabulary"):
-        save_drafter(model, tmp_path / "d", AUX_IDS, "t")
+        save_drafter(model, tmp_path / "d", EXPORT_AUX_IDS, "t")
 
 
 def test_draft_positions_warning() -> None:
@@ -456,7 +441,7 @@ def test_cli_export_and_check(tmp_path: Path, engine_export: Path) -> None:
 
     shape = {"hidden_size": 48, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 12}
     target_cfg = LlamaConfig(
-        vocab_size=TARGET_VOCAB, num_hidden_layers=TARGET_LAYERS, intermediate_size=80, **shape
+        vocab_size=EXPORT_TARGET_VOCAB, num_hidden_layers=TARGET_LAYERS, intermediate_size=80, **shape
     )
     LlamaForCausalLM(target_cfg).save_pretrained(tmp_path / "target")
 
@@ -550,7 +535,7 @@ def test_check_export_names_a_size_written_as_a_string(export_dir: Path) -> None
     ("config", "fragment"),
     [
         (None, "config.json is missing: not a Hugging Face model folder"),
-        ({"vocab_size": TARGET_VOCAB}, "config.json: no integer 'num_hidden_layers'"),
+        ({"vocab_size": EXPORT_TARGET_VOCAB}, "config.json: no integer 'num_hidden_layers'"),
         ({"num_hidden_layers": TARGET_LAYERS}, "config.json: no integer 'vocab_size'"),
         ([1], "not a JSON object of settings (a list)"),
     ],
@@ -568,6 +553,6 @@ def test_check_export_with_a_target_it_cannot_read_is_one_line_exit_2(
 
 
 def test_check_export_with_a_good_target_still_passes(tmp_path, export_dir) -> None:
-    target = _target(tmp_path, {"num_hidden_layers": TARGET_LAYERS, "vocab_size": TARGET_VOCAB})
+    target = _target(tmp_path, {"num_hidden_layers": TARGET_LAYERS, "vocab_size": EXPORT_TARGET_VOCAB})
     result = _check_export_cli(export_dir, "--target", target)
     assert result.exit_code == 0, result.output

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_train import make_tiny_data, settings
+from helpers import make_tiny_data, settings
 
 from draftsmith.loader import InMemoryData, StreamingData, is_validation, plan_batches, prefetch
 from draftsmith.manifest import load_manifest

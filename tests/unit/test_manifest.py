@@ -7,11 +7,12 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers import flip_state_bit
 
 from draftsmith.atomic import write_json
 from draftsmith.cli import main
 from draftsmith.manifest import DataError, build_manifest, load_manifest, verify_manifest
-from draftsmith.shards import Sample, read_header, write_shard
+from draftsmith.shards import Sample, write_shard
 from draftsmith.vocab import build_vocab_map, save_vocab_map
 
 
@@ -82,16 +83,6 @@ def _train(tmp_path, manifest, vocab):
     return CliRunner().invoke(main, args)
 
 
-def _flip_state_bit(path) -> None:
-    """Flip one bit in the middle of the encoded states: inside sample 1 of 3 (lengths 6, 7, 8). The file
-    keeps its size and, unlike before content digests, its header."""
-    data_start, entries, _ = read_header(path)
-    start, end = entries["blob"]["data_offsets"]
-    data = bytearray(path.read_bytes())
-    data[data_start + (start + end) // 2] ^= 0x40
-    path.write_bytes(bytes(data))
-
-
 def test_verify_passes_clean_data(data):
     manifest, _, _ = data
     result = CliRunner().invoke(main, ["verify", str(manifest)])
@@ -101,7 +92,7 @@ def test_verify_passes_clean_data(data):
 
 def test_train_refuses_a_corrupted_shard_naming_it(tmp_path, data):
     manifest, shards, vocab = data
-    _flip_state_bit(shards[1])
+    flip_state_bit(shards[1])
     verify = CliRunner().invoke(main, ["verify", str(manifest)])
     assert verify.exit_code == 1
     assert "shard-1.safetensors: sample " in verify.output and "shard-0" not in verify.output
@@ -118,7 +109,7 @@ def test_rebuilt_manifest_refuses_a_damaged_shard(tmp_path, data):
     """The bit-rot path: a copy changes the shard's mtime, Snakemake reruns `manifest`; it must decode,
     not re-hash what is on disk."""
     manifest, shards, _ = data
-    _flip_state_bit(shards[0])
+    flip_state_bit(shards[0])
     target = tmp_path / "target"
     result = CliRunner().invoke(
         main, ["manifest", "--target", str(target), "--out", str(manifest), *map(str, shards)]

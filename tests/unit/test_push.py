@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from helpers import EXPORT_AUX_IDS, make_drafter, tiny_summary
 from huggingface_hub import HfApi
-from test_export import AUX_IDS, make_drafter
 
 from draftsmith.atomic import write_json
 from draftsmith.cli import main
@@ -109,7 +109,7 @@ def _results(tmp_path: Path, gate_passed: bool = True, gate_json: bool = True) -
     crashed writer left beside it, and the evaluation's summary (and gate.json when the gate passed)."""
     results = tmp_path / "results"
     drafter = results / "drafter"
-    save_drafter(make_drafter(), drafter, AUX_IDS, "targets/tiny")
+    save_drafter(make_drafter(), drafter, EXPORT_AUX_IDS, "targets/tiny")
     (drafter / "README.md").write_text("---\nlibrary_name: vllm\n---\n# card\n")
     (drafter / ".model.safetensors.tmp123").write_bytes(b"partial")
     verdict = {"action": "deploy drafter" if gate_passed else "train longer", "deploy": "trained drafter"}
@@ -237,8 +237,6 @@ def test_a_passed_gate_with_a_losing_verdict_is_pushed_with_a_warning(tmp_path):
 def test_the_pushed_card_names_the_repository_as_the_drafter_to_serve(tmp_path, hub):
     """With the run's summary beside it, the card is rendered again for the Hub: its vLLM command names
     the repository; the local export folder keeps its own card, and every other file goes as it is."""
-    from test_card import tiny_summary
-
     from draftsmith.export.card import write_cards
 
     results = _results(tmp_path)

@@ -10,7 +10,7 @@ import struct
 from pathlib import Path
 
 import pytest
-from test_train import make_tiny_data, rows, settings
+from helpers import make_tiny_data, rows, settings
 
 from draftsmith.checkpoints import list_checkpoints
 from draftsmith.tracking import scalars

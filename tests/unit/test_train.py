@@ -14,14 +14,28 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import fp_tolerance
+from helpers import (
+    TINY_AUX_IDS,
+    TINY_DRAFT_VOCAB,
+    TINY_HIDDEN,
+    TINY_LAYERS,
+    TINY_VOCAB,
+    build,
+    checkpoints_of,
+    make_tiny_data,
+    objective,
+    rows,
+    run,
+    run_folder,
+    settings,
+)
 from safetensors.torch import load_file
 
 from draftsmith.checkpoints import list_checkpoints, step_of
-from draftsmith.drafter import TTTKV, DrafterConfig, Eagle3Drafter
+from draftsmith.drafter import TTTKV
 from draftsmith.export import check_export, load_drafter
-from draftsmith.layers import capture_aux, stack_aux
 from draftsmith.loader import collate
-from draftsmith.shards import Sample, iter_samples, verify_shard, write_shard
+from draftsmith.shards import iter_samples, verify_shard, write_shard
 from draftsmith.target import file_sha256
 from draftsmith.train import (
     Objective,
@@ -36,160 +50,11 @@ from draftsmith.train import (
     ttt_step_counts,
     ttt_step_targets,
 )
-from draftsmith.vocab import build_vocab_map, save_vocab_map
-
-AUX_IDS = [1, 2, 3]
-VOCAB, DRAFT_VOCAB, LAYERS, HIDDEN = 256, 128, 4, 64
-
-
-def make_tiny_data(root: Path) -> dict:
-    """A tiny random target, greedy traces of it as shards, the manifest and the vocab map (also used
-    by test_train_ddp.py)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.set_num_threads(1)  # tiny matmuls: more threads only add spin-waiting on a busy machine
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=128,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        initializer_range=0.1,  # peaked next-token distributions, so greedy traces are learnable
-    )
-    model = LlamaForCausalLM(config).eval()
-    target_dir = root / "target"
-    model.save_pretrained(target_dir)
-
-    gen = torch.Generator().manual_seed(1)
-    prompt_len, longest = 5, 35
-    ids = torch.randint(0, VOCAB, (24, prompt_len), generator=gen)
-    with torch.no_grad():
-        for _ in range(longest - prompt_len):  # greedy continuations: the target's own traces
-            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-        with capture_aux(model, AUX_IDS) as captured:
-            final = model.model(ids).last_hidden_state  # after the final norm
-        aux = stack_aux(captured, AUX_IDS)
-    samples = []
-    for i in range(24):
-        n = int(torch.randint(15, longest + 1, (1,), generator=gen))  # causal: a prefix keeps its states
-        mask = torch.arange(n) >= prompt_len
-        samples.append(
-            Sample(
-                f"sample-{i}",
-                ids[i, :n],
-                mask,
-                aux[i, :n].to(torch.bfloat16),
-                final[i, :n].to(torch.bfloat16),
-            )
-        )
-    shards = []
-    for k, part in enumerate((samples[:12], samples[12:])):
-        path = root / "hidden" / f"shard-{k}.safetensors"
-        meta = {"aux_layer_ids": AUX_IDS, "layer_convention": "input", "dtype": "bfloat16"}
-        write_shard(path, part, meta, codec=("none", "zstd-planes")[k])  # both codecs
-        shards.append(
-            {
-                "path": f"hidden/shard-{k}.safetensors",
-                "num_samples": len(part),
-                "num_tokens": sum(s.num_tokens for s in part),
-                "bytes": path.stat().st_size,  # what `draftsmith train` verifies before training
-                "sha256": file_sha256(path),
-                "content_sha256": verify_shard(path),
-                "teacher_agreement": None,
-            }
-        )
-    manifest = {
-        "version": 2,
-        "target": str(target_dir),
-        "hidden_size": HIDDEN,
-        "num_layers": LAYERS,
-        "vocab_size": VOCAB,
-        "aux_layer_ids": AUX_IDS,
-        "layer_convention": "input",
-        "num_aux": len(AUX_IDS),
-        "min_teacher_agreement": 0.9,
-        "shards": shards,
-    }
-    manifest_path = root / "data_config.json"
-    manifest_path.write_text(json.dumps(manifest))
-    masked = torch.cat([s.input_ids[s.loss_mask] for s in samples])
-    vocab_path = root / "vocab_map.pt"
-    save_vocab_map(vocab_path, build_vocab_map(masked, VOCAB, DRAFT_VOCAB))
-    return {
-        "manifest": manifest_path,
-        "vocab": vocab_path,
-        "target": target_dir,
-        "root": root,
-        "samples": samples,
-    }
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return make_tiny_data(tmp_path_factory.mktemp("train-data"))
-
-
-def settings(**over) -> TrainSettings:
-    base = {
-        "epochs": 2,
-        "max_steps": None,
-        "lr": 3e-3,
-        "weight_decay": 0.01,
-        "warmup_steps": 2,
-        "grad_clip": 1.0,
-        "batch_tokens": 128,
-        "max_seq_len": 64,
-        "ttt_steps": 3,
-        "ttt_decay": 0.8,
-        "noise_std": 0.05,
-        "val_fraction": 0.2,
-        "seed": 0,
-        "threads": 1,
-        "checkpoint_every": 0,
-        "pack_window": 8,
-        "loader_threads": 2,
-    }
-    return TrainSettings.from_dict({**base, **over})
-
-
-def objective(steps: int = 3, **over) -> Objective:
-    """The validation view of `steps` TTT steps weighted 0.8**j in fp32, with `over` changed."""
-    view = Objective.from_settings(
-        settings(ttt_steps=steps, ttt_decay=0.8, precision="fp32")
-    ).for_validation()
-    return replace(view, **over)
-
-
-def run(data: dict, root: Path, s: TrainSettings, progress: bool = False) -> dict:
-    return train(
-        data["manifest"],
-        data["vocab"],
-        root / "drafter",
-        root / "checkpoints",
-        root / "metrics.jsonl",
-        s,
-        progress=progress,
-    )
-
-
-def rows(root: Path) -> list[dict]:
-    return [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
-
-
-def run_folder(root: Path) -> Path:
-    """The one run-<key> folder under root/checkpoints."""
-    found = sorted((root / "checkpoints").glob("run-*"))
-    assert len(found) == 1, found
-    return found[0]
-
-
-def checkpoints_of(root: Path) -> list[Path]:
-    """Complete checkpoints in any run folder under root/checkpoints, oldest first."""
-    return [p for folder in sorted((root / "checkpoints").glob("run-*")) for p in list_checkpoints(folder)]
 
 
 # ---------------------------------------------------------------------------------------------- offsets
@@ -255,19 +120,6 @@ def test_validation_view_keeps_steps_weights_precision_and_drops_training_option
     assert view.for_validation() == view
 
 
-def build(data: dict, seed: int = 0) -> tuple[Eagle3Drafter, torch.Tensor, torch.Tensor]:
-    from draftsmith.vocab import load_vocab_map
-
-    torch.manual_seed(seed)
-    head = load_target_head(data["target"])
-    vocab = load_vocab_map(data["vocab"])
-    drafter = Eagle3Drafter(DrafterConfig.from_target(head.config, DRAFT_VOCAB, len(AUX_IDS)))
-    drafter.set_vocab_map(vocab["d2t"], vocab["t2d"])
-    drafter.init_from_target(head.lm_head, head.norm)
-    teacher = head.lm_head[torch.arange(DRAFT_VOCAB) + vocab["d2t"]]
-    return drafter, head.embed, teacher
-
-
 def reference_loss(
     drafter, embed, teacher_weight, batch, steps: int, decay: float, lagged=False, advance=True
 ) -> torch.Tensor:
@@ -298,7 +150,7 @@ def test_ttt_loss_matches_reference_formulation(data: dict) -> None:
     loss, stats = ttt_loss(drafter, embed, teacher, batch, objective())
     ref = reference_loss(drafter, embed, teacher, batch, 3, 0.8)
     # fp32, two formulations: 3 TTT steps of fc -> decoder layer -> lm_head (6 matmuls), longest sum 3H
-    tol = fp_tolerance(torch.float32, 3 * 6, 3 * HIDDEN, scale=ref.abs())
+    tol = fp_tolerance(torch.float32, 3 * 6, 3 * TINY_HIDDEN, scale=ref.abs())
     torch.testing.assert_close(loss, ref, **tol)
     assert stats.count[0] >= stats.count[1] >= stats.count[2] > 0
     # greedy traces: the target's argmax reproduces the next token wherever it lies in the draft vocab
@@ -337,7 +189,7 @@ def test_specforge_ttt_views_change_only_later_steps(data: dict, prefix: str, po
     _, default = ttt_loss(drafter, embed, teacher, batch, objective())
     assert view.loss_sum[0] == pytest.approx(default.loss_sum[0], rel=1e-6)
     # fp32, two formulations: 3 TTT steps of fc -> decoder layer -> lm_head (6 matmuls), longest sum 3H
-    rtol = fp_tolerance(torch.float32, 3 * 6, 3 * HIDDEN)["rtol"]
+    rtol = fp_tolerance(torch.float32, 3 * 6, 3 * TINY_HIDDEN)["rtol"]
     assert all(
         abs(a - b) > rtol * abs(b) for a, b in zip(view.loss_sum[1:], default.loss_sum[1:], strict=True)
     )
@@ -386,13 +238,13 @@ def test_train_writes_export_metrics_checkpoint(data: dict, tmp_path: Path) -> N
 
     out = tmp_path / "drafter"
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
-    assert check_export(out, target_num_layers=LAYERS, target_vocab_size=VOCAB) == []
+    assert check_export(out, target_num_layers=TINY_LAYERS, target_vocab_size=TINY_VOCAB) == []
     config = json.loads((out / "config.json").read_text())
-    assert config["eagle_aux_hidden_state_layer_ids"] == AUX_IDS
+    assert config["eagle_aux_hidden_state_layer_ids"] == TINY_AUX_IDS
     assert config["draftsmith"]["training"]["summary"]["steps"] == 3
     assert json.loads((out / "train_summary.json").read_text())["steps"] == 3
     model, _ = load_drafter(out)
-    assert model.cfg.draft_vocab_size == DRAFT_VOCAB and model.cfg.target_hidden_size == HIDDEN
+    assert model.cfg.draft_vocab_size == TINY_DRAFT_VOCAB and model.cfg.target_hidden_size == TINY_HIDDEN
 
     train_rows = [r for r in rows(tmp_path) if r["kind"] == "train"]
     assert [r["step"] for r in train_rows] == [1, 2, 3]
@@ -507,7 +359,7 @@ def changed_copy(data: dict, root: Path) -> Path:
     for shard in manifest["shards"]:
         src = data["root"] / shard["path"]
         samples = [replace(s, aux=(s.aux.float() + 0.5).to(s.aux.dtype)) for s in iter_samples(str(src))]
-        meta = {"aux_layer_ids": AUX_IDS, "layer_convention": "input", "dtype": "bfloat16"}
+        meta = {"aux_layer_ids": TINY_AUX_IDS, "layer_convention": "input", "dtype": "bfloat16"}
         path = root / shard["path"]
         write_shard(path, samples, meta)
         shard.update(bytes=path.stat().st_size, sha256=file_sha256(path), content_sha256=verify_shard(path))
@@ -542,7 +394,7 @@ def test_target_head_read_directly_equals_model(data: dict, tmp_path: Path) -> N
     torch.manual_seed(0)
     untied = tmp_path / "untied"
     cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=TINY_VOCAB, hidden_size=TINY_HIDDEN, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
     )  # fmt: skip
     LlamaForCausalLM(cfg).save_pretrained(untied)
@@ -552,7 +404,7 @@ def test_target_head_read_directly_equals_model(data: dict, tmp_path: Path) -> N
         assert torch.equal(head.embed, model.get_input_embeddings().weight)
         assert torch.equal(head.lm_head, model.get_output_embeddings().weight)
         assert torch.equal(head.norm, model.model.norm.weight)
-        assert head.config.hidden_size == HIDDEN
+        assert head.config.hidden_size == TINY_HIDDEN
 
 
 # ------------------------------------------------------------------------------------------- real kill
@@ -668,14 +520,14 @@ def test_head_init_target_or_random(data: dict) -> None:
 
     head = load_target_head(data["target"])
     vocab = load_vocab_map(data["vocab"])
-    rows_of_draft = head.lm_head[torch.arange(DRAFT_VOCAB) + vocab["d2t"]]
-    args = (head, vocab["d2t"], vocab["t2d"], len(AUX_IDS))
+    rows_of_draft = head.lm_head[torch.arange(TINY_DRAFT_VOCAB) + vocab["d2t"]]
+    args = (head, vocab["d2t"], vocab["t2d"], len(TINY_AUX_IDS))
     copied, _, teacher = build_drafter(*args, settings(head_init="target", layer_init="normal"), "cpu")
     assert torch.equal(copied.lm_head.weight.detach(), rows_of_draft) and torch.equal(teacher, rows_of_draft)
     assert torch.equal(copied.norm.weight.detach(), head.norm)
     fresh, _, teacher = build_drafter(*args, settings(head_init="random", layer_init="normal"), "cpu")
     assert torch.equal(teacher, rows_of_draft)  # the teacher is the target's either way
-    assert torch.equal(fresh.norm.weight.detach(), torch.ones(HIDDEN))
+    assert torch.equal(fresh.norm.weight.detach(), torch.ones(TINY_HIDDEN))
     w = fresh.lm_head.weight.detach()
     assert not torch.equal(w, rows_of_draft) and abs(float(w.std()) - 0.02) < 0.002
     assert torch.equal(fresh.fc.weight, copied.fc.weight)  # the same seed draws the same rest
@@ -688,7 +540,7 @@ def test_layer_init_normal_or_fan_in(data: dict) -> None:
 
     head = load_target_head(data["target"])
     vocab = load_vocab_map(data["vocab"])
-    args = (head, vocab["d2t"], vocab["t2d"], len(AUX_IDS))
+    args = (head, vocab["d2t"], vocab["t2d"], len(TINY_AUX_IDS))
     normal, _, _ = build_drafter(*args, settings(layer_init="normal"), "cpu")
     fan_in, _, _ = build_drafter(*args, settings(layer_init="fan_in"), "cpu")
     again, _, _ = build_drafter(*args, settings(layer_init="fan_in"), "cpu")
@@ -769,7 +621,7 @@ def test_draft_mass_is_the_targets_probability_of_the_draft_vocabulary(data: dic
     _, _, teacher = build(data)
     final = collate(data["samples"][:3]).final.float()
     full = torch.softmax(final @ head.lm_head.T, -1)  # [B, T, V]
-    draft_ids = torch.arange(DRAFT_VOCAB) + load_vocab_map(data["vocab"])["d2t"]
+    draft_ids = torch.arange(TINY_DRAFT_VOCAB) + load_vocab_map(data["vocab"])["d2t"]
     expected = full[..., draft_ids].sum(-1)
     mass = draft_mass(final, teacher, head.lm_head, rows=7)  # several chunks
     torch.testing.assert_close(mass, expected, rtol=1e-5, atol=1e-6)
@@ -812,7 +664,9 @@ def test_lk_losses_match_their_formulas(data: dict, kind: str, scale: float, dec
     loss, stats = ttt_loss(drafter, embed, teacher, batch, view, draft_mass=mass)
     expected = reference_lk(drafter, embed, teacher, batch, mass, kind, scale, decay)
     # fp32, two formulations: 3 TTT steps of fc -> decoder layer -> lm_head (6 matmuls), longest sum 3H
-    torch.testing.assert_close(loss, expected, **fp_tolerance(torch.float32, 3 * 6, 3 * HIDDEN, scale=1.0))
+    torch.testing.assert_close(
+        loss, expected, **fp_tolerance(torch.float32, 3 * 6, 3 * TINY_HIDDEN, scale=1.0)
+    )
     _, plain = ttt_loss(drafter, embed, teacher, batch, objective())
     assert stats.loss_sum == plain.loss_sum  # the stats keep the cross-entropy
     loss.backward()
@@ -906,7 +760,7 @@ def test_micro_batches_accumulate_to_the_single_batch_step(data: dict) -> None:
     split = _one_step(data, [collate([samples[i] for i in p]) for p in parts])
     for a, b in zip(whole, split, strict=True):
         torch.testing.assert_close(
-            a, b, **fp_tolerance(torch.float32, 3 * 6, 3 * HIDDEN, scale=a.abs().max())
+            a, b, **fp_tolerance(torch.float32, 3 * 6, 3 * TINY_HIDDEN, scale=a.abs().max())
         )
 
 
