@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -27,8 +28,8 @@ from typing import Any
 
 import click
 
-from draftsmith.atomic import write_json
-from draftsmith.config import section_from_file
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
+import harness  # noqa: E402
 
 REFERENCE = {"name": "SpecForge 0.2.0 (same shards and budget)", "val_acc": [0.240, 0.195, 0.175]}
 
@@ -75,11 +76,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "step_weights_1_0.5_0.25": {"ttt_step_weights": [1.0, 0.5, 0.25]},
     "step_weights_1_1.25_1.5": {"ttt_step_weights": [1.0, 1.25, 1.5]},
 }
-
-
-def base_settings(config_path: Path | None, overrides: dict[str, Any]) -> dict[str, Any]:
-    """Schema defaults < the config file's `train` section < overrides (as the workflow merges them)."""
-    return section_from_file("train", config_path, overrides)
 
 
 def run_variant(name: str, values: dict[str, Any], data: str, vocab: str, workdir: str) -> dict[str, Any]:
@@ -143,7 +139,7 @@ def beats_reference(val_acc: list[float | None] | None) -> bool:
 @click.option("--epochs", type=int, default=None, help="Override train.epochs (screening: fewer).")
 @click.option("--jobs", default=1, show_default=True, help="Variants trained at the same time.")
 @click.option("--threads", default=1, show_default=True, help="torch threads per variant.")
-@click.option("--json", "json_path", default="results/bench/ablate.json", show_default=True)
+@click.option("--json", "json_path", default=str(harness.result_path("ablate")), show_default=True)
 def main(
     data: str,
     vocab: str,
@@ -164,7 +160,8 @@ def main(
     overrides = {**json.loads(settings_json), "threads": threads, "checkpoint_every": 0}
     if epochs is not None:
         overrides["epochs"] = epochs
-    base = base_settings(Path(config_path), overrides)
+    load_before = harness.load_average()
+    base = harness.base_settings(config_path, overrides)
     click.echo(f"base settings: {json.dumps(base)}")
     rows: list[dict[str, Any]] = []
     ctx = multiprocessing.get_context("spawn")  # fresh torch per run: no thread-pool state shared
@@ -179,9 +176,9 @@ def main(
     click.echo(table(rows))
     for r in rows:
         r["beats_reference"] = beats_reference(r["val_acc"])
-    out = {"data": data, "vocab": vocab, "base_settings": base, "reference": REFERENCE, "rows": rows}
-    write_json(json_path, out)
-    click.echo(f"wrote {json_path}")
+    out = {"data": data, "vocab": vocab, "base_settings": base, "reference": REFERENCE, "rows": rows,
+           "machine": harness.machine(load_before)}  # fmt: skip
+    harness.write_result(out, json_path, click.echo)
 
 
 if __name__ == "__main__":

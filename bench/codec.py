@@ -12,7 +12,7 @@ read recomputes.
 Storage dtypes (`extract.storage_dtype`): the same samples written as shards with the shipped codec in
 bfloat16 and in float8_e4m3fn (ShardWriter, as extraction writes them), then read back with
 ShardReader.read, as training reads them (positioned read, zstd with checksums, sha256, float8
-dequantized to bf16), in alternating order over --rounds rounds, timed in the reading thread's CPU
+dequantized to bf16), in alternating order over --rounds rounds (bench/harness.py), timed in the reading thread's CPU
 seconds (wall time swings several-fold on a shared machine): each round's bf16 / float8 time ratio sees
 the same spell of the machine, and the table gives their mean with a 95% bootstrap interval over rounds.
 Read MB/s counts the bf16 states a read delivers (tokens x layers x hidden x 2 bytes) per CPU second,
@@ -22,7 +22,7 @@ the same for both. Bytes per token are the stored states' (the blob), exact.
 from __future__ import annotations
 
 import gzip
-import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -33,7 +33,6 @@ import numpy as np
 import torch
 import zstandard
 
-from draftsmith.atomic import write_json
 from draftsmith.shards import (
     MANTISSA_LEVEL,
     STORAGE_DTYPES,
@@ -52,6 +51,9 @@ from draftsmith.shards import (
     split_slots,
     store,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
+import harness  # noqa: E402
 
 
 def _planes_encoder(level: int, per_layer: bool, low_level: int | None = None) -> tuple[Callable, Callable]:
@@ -175,16 +177,6 @@ def measure(
     }
 
 
-def bootstrap_mean(
-    values: list[float], level: float = 0.95, resamples: int = 10_000
-) -> tuple[float, float, float]:
-    """(mean, low, high): the mean of per-round values with a percentile bootstrap interval over rounds."""
-    x = np.asarray(values, dtype=np.float64)
-    means = x[np.random.default_rng(0).integers(0, len(x), (resamples, len(x)))].mean(axis=1)
-    tail = (1 - level) / 2
-    return float(x.mean()), float(np.quantile(means, tail)), float(np.quantile(means, 1 - tail))
-
-
 def write_as(samples: list[Sample], path: Path, dtype: str, level: int = 1) -> dict[str, float]:
     """Write the samples as extraction does (zstd-planes, `dtype`): state bytes and the writer's CPU s."""
     writer = ShardWriter(path, {}, "zstd-planes", level, sample_ids=[s.id for s in samples], dtype=dtype)
@@ -236,20 +228,18 @@ def compare_storage(samples: list[Sample], rounds: int) -> dict[str, dict]:
                 "bytes_per_token": written["state_bytes"] / tokens,
                 "ratio_to_raw_bf16": written["state_bytes"] / delivered,
                 "write_cpu_mb_s": delivered / written["writer_cpu_seconds"] / 1e6,
-                "read_seconds": [],
             }
         for dtype in STORAGE_DTYPES:  # a warm-up read each: page cache, zstd contexts, tables
             read_all(paths[dtype])
-        for r in range(rounds):
-            for dtype in STORAGE_DTYPES if r % 2 == 0 else reversed(STORAGE_DTYPES):
-                out[dtype]["read_seconds"].append(read_all(paths[dtype]))
-    for row in out.values():
-        row["read_mb_s"] = delivered / statistics.median(row["read_seconds"]) / 1e6
+        reads = harness.alternating_rounds(
+            {d: lambda d=d: read_all(paths[d]) for d in STORAGE_DTYPES}, rounds
+        )
+    for dtype, seconds in reads.items():
+        out[dtype]["read_seconds"] = seconds
+        out[dtype]["read_mb_s"] = delivered / harness.median(seconds) / 1e6
     base, fp8 = out["bfloat16"], out["float8_e4m3fn"]
-    speed = [
-        b / f for b, f in zip(base["read_seconds"], fp8["read_seconds"], strict=True)
-    ]  # fp8 MB/s / bf16's
-    mean, low, high = bootstrap_mean(speed)
+    speed = harness.paired_ratios(base["read_seconds"], fp8["read_seconds"])  # fp8 MB/s / bf16's
+    mean, low, high = harness.bootstrap_interval(speed)
     ratios = {
         "bytes": fp8["state_bytes"] / base["state_bytes"],
         "read_speed": mean,
@@ -287,7 +277,7 @@ def print_storage(result: dict) -> None:
 @click.option(
     "--shard", default="results/hidden/shard-0.safetensors", show_default=True, type=click.Path(exists=True)
 )
-@click.option("--json", "json_path", default="results/bench/codec.json", show_default=True)
+@click.option("--json", "json_path", default=str(harness.result_path("codec")), show_default=True)
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--rounds", default=10, show_default=True, help="Paired read rounds of the storage dtypes.")
 @click.option(
@@ -295,6 +285,7 @@ def print_storage(result: dict) -> None:
 )
 def main(shard: str, json_path: str, repeats: int, rounds: int, storage_only: bool) -> None:
     torch.set_num_threads(1)
+    load_before = harness.load_average()
     if read_shard_meta(shard).get("dtype", "bfloat16") != "bfloat16":
         raise click.UsageError(f"{shard} is not a bfloat16 shard: the codecs need the states as computed")
     samples = list(iter_samples(shard))
@@ -316,8 +307,7 @@ def main(shard: str, json_path: str, repeats: int, rounds: int, storage_only: bo
     storage = compare_storage(samples, rounds)
     storage["fp8_code_planes"] = fp8_code_planes(samples)
     print_storage(storage)
-    write_json(
-        json_path,
+    harness.write_result(
         {
             "shard": shard,
             "samples": len(states),
@@ -325,9 +315,10 @@ def main(shard: str, json_path: str, repeats: int, rounds: int, storage_only: bo
             "layers": layers,
             "codecs": rows,
             "storage": storage,
+            "machine": harness.machine(load_before),
         },
+        json_path,
     )
-    print(f"wrote {json_path}")
 
 
 if __name__ == "__main__":

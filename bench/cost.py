@@ -28,7 +28,6 @@ docs/evaluation.md). Run it on a quiet machine.
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -37,31 +36,24 @@ from pathlib import Path
 import click
 import torch
 
-from draftsmith.atomic import write_json
 from draftsmith.cost import Device, ServingPoint, drafter_cost, projected_speedup, step_seconds, target_cost
 from draftsmith.stats import bootstrap_ratio
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
+import harness  # noqa: E402
+from harness import median, median_seconds  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 METHODS = ("plain", "eagle3", "ngram", "suffix")
-
-
-def _median_seconds(fn, repeats: int = 5) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def measure_cpu() -> dict[str, float]:
     """Bandwidth of a float32 GEMV over a 256 MB matrix (GB/s) and the float32 matmul rate (TFLOP/s)."""
     torch.set_num_threads(os.cpu_count() or 1)
     weights, vector = torch.randn(8192, 8192), torch.randn(8192, 1)
-    gemv = _median_seconds(lambda: weights @ vector)
+    gemv = median_seconds(lambda: weights @ vector)
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    gemm = _median_seconds(lambda: a @ b)
+    gemm = median_seconds(lambda: a @ b)
     return {
         "bandwidth_gb_s": weights.numel() * 4 / gemv / 1e9,
         "tflops": 2 * 2048**3 / gemm / 1e12,
@@ -119,7 +111,7 @@ def measure(target: str, drafter: str, encoded: list[list[int]], max_new: int, k
 @click.option("--max-new-tokens", default=64, show_default=True)
 @click.option("--k", default=3, show_default=True, help="Draft length of every speculative method.")
 @click.option("--concurrency", default="1,8", show_default=True)
-@click.option("--json", "json_path", default="results/bench/cost.json", show_default=True)
+@click.option("--json", "json_path", default=str(harness.result_path("cost")), show_default=True)
 def main(
     target: str, drafter: str, prompts_path: str, num_prompts: int, max_new_tokens: int, k: int,
     concurrency: str, json_path: str,
@@ -127,6 +119,7 @@ def main(
     from draftsmith.evaluate import encode_prompts, read_eval_prompts
     from draftsmith.target import load_tokenizer
 
+    load_before = harness.load_average()
     concurrencies = [int(b) for b in concurrency.split(",")]
     cpu = measure_cpu()
     print(f"this CPU: {cpu['bandwidth_gb_s']:.1f} GB/s (fp32 GEMV), {cpu['tflops'] * 1e3:.0f} GFLOP/s (fp32 "
@@ -178,13 +171,13 @@ def main(
     errors = [abs(r["error"]) for r in rows]
     print(
         f"per-forward overhead fitted from plain at B={first}: {device.overhead_ms:.1f} ms; "
-        f"|error| median {statistics.median(errors):.1%}, max {max(errors):.1%}; {wall:.0f} s of vLLM runs"
+        f"|error| median {median(errors):.1%}, max {max(errors):.1%}; {wall:.0f} s of vLLM runs"
     )
-    write_json(json_path, {"cpu": cpu, "device": device.__dict__, "context_tokens": context,
-                           "num_prompts": len(encoded), "max_new_tokens": max_new_tokens, "k": k,
-                           "rows": rows, "measured": {str(b): v for b, v in measured.items()},
-                           "median_abs_error": statistics.median(errors), "max_abs_error": max(errors)})  # fmt: skip
-    print(f"written to {json_path}")
+    harness.write_result({"cpu": cpu, "device": device.__dict__, "context_tokens": context,
+                          "num_prompts": len(encoded), "max_new_tokens": max_new_tokens, "k": k,
+                          "rows": rows, "measured": {str(b): v for b, v in measured.items()},
+                          "median_abs_error": median(errors), "max_abs_error": max(errors),
+                          "machine": harness.machine(load_before)}, json_path)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@ samples in one process, against this machine's measured matmul ceilings.
 
     python bench/extract.py [--tokens results/tokens.safetensors] [--json results/bench/extract.json]
 
-Variants (interleaved over --repeats rounds, so background load hits all alike; rates are medians,
-ratios are medians of each round's paired ratio):
+Variants (interleaved over --repeats rounds in bench/harness.py's alternating order, so background load
+hits all alike; rates are medians, ratios are medians of each round's paired ratio):
 
     naive          fp32, full model with lm_head, `output_hidden_states=True`, one sequence per pass
     draftsmith     `extract_shard` (bf16 base model, hooks on the aux layers, no lm_head, length-bucketed
@@ -44,10 +44,9 @@ from __future__ import annotations
 import contextlib
 import io
 import itertools
-import json
 import os
-import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -55,13 +54,15 @@ from typing import Any
 
 import click
 import torch
-from safetensors.torch import save_file
 
-from draftsmith.atomic import atomic_path, write_json
 from draftsmith.backends.hf import HfExtractor
 from draftsmith.extract import extract_shard, resolve_aux_layers
 from draftsmith.target import load_target
-from draftsmith.tokenize import load_tokens
+from draftsmith.tokenize import load_tokens, write_tokens
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
+import harness  # noqa: E402
+from harness import median  # noqa: E402
 
 TINY_RUN_TOKENS = "/tmp/wf/results/tokens.safetensors"
 DEFAULT_TARGET = "resources/SmolLM2-135M-Instruct"
@@ -81,16 +82,6 @@ def matmul_ceiling(
         a @ b
         best = min(best, time.perf_counter() - t)
     return 2 * m * k * n / best / 1e9
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def non_embedding_params(model) -> int:
@@ -157,27 +148,14 @@ def bench_tokens(
         k = len(ids) % base
         ids.append(ids[k])
         masks.append(masks[k])
-    flat_ids = [t for s in ids for t in s]
-    flat_mask = [m for s in masks for m in s]
-    offsets = [0]
-    for s in ids:
-        offsets.append(offsets[-1] + len(s))
     meta = {
         "sample_ids": [f"b{i}" for i in range(len(ids))],
         "template": template,
         "target": target,
         "shards": [[0, len(ids)]],
     }
-    with atomic_path(out) as tmp:
-        save_file(
-            {
-                "input_ids": torch.tensor(flat_ids, dtype=torch.int64),
-                "loss_mask": torch.tensor(flat_mask, dtype=torch.uint8),
-                "offsets": torch.tensor(offsets, dtype=torch.int64),
-            },
-            str(tmp),
-            metadata={"draftsmith_tokens": json.dumps(meta)},
-        )
+    flat_ids, flat_mask = [t for s in ids for t in s], [m for s in masks for m in s]
+    write_tokens(out, flat_ids, flat_mask, [0, *itertools.accumulate(len(s) for s in ids)], meta)
     return {"source": source or "built-in prompts (made up answers)", "lengths": [len(s) for s in ids]}
 
 
@@ -191,13 +169,6 @@ def naive_pass(model, sequences: list[torch.Tensor], layer_ids: list[int]) -> tu
         states = [out.hidden_states[k] for k in layer_ids] + [out.hidden_states[-1]]
         del out, states
     return time.perf_counter() - start, time.process_time() - cpu
-
-
-def paired_ratio(base: list, other: list, seconds) -> float:
-    """Median over rounds of base seconds / other seconds. Within a round the variants run back to
-    back, so each round's ratio cancels the slow swings of a shared machine that medians of rates
-    taken apart do not."""
-    return statistics.median(seconds(b) / seconds(o) for b, o in zip(base, other, strict=True))
 
 
 @torch.inference_mode()
@@ -274,16 +245,8 @@ def random_tokens(out: Path, min_tokens: int) -> dict[str, Any]:
         "template": "bench",
         "shards": [[0, len(lengths)]],
     }
-    with atomic_path(out) as tmp:
-        save_file(
-            {
-                "input_ids": torch.randint(0, 49152, (sum(lengths),), generator=g),
-                "loss_mask": torch.cat(masks).to(torch.uint8),
-                "offsets": torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64),
-            },
-            str(tmp),
-            metadata={"draftsmith_tokens": json.dumps(meta)},
-        )
+    ids = torch.randint(0, 49152, (sum(lengths),), generator=g)
+    write_tokens(out, ids, torch.cat(masks), [0, *itertools.accumulate(lengths)], meta)
     return {"source": "random tokens (tiny twin)", "lengths": lengths}
 
 
@@ -293,41 +256,40 @@ def pipeline_overlap(
     """Sequential vs pipelined extraction loop (zstd-planes shard written), alternating back-to-back
     pairs: loop seconds (the probe's batches excluded), the sequential loop's forwards and CPU-side work,
     and the share of that work the pipelined loop hides behind the forwards (per pair; medians)."""
-    runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
     out = str(work / "pipeline" / "shard-0.safetensors")
-    for i in range(pairs):
-        for pipeline in (False, True) if i % 2 == 0 else (True, False):
-            with contextlib.redirect_stderr(io.StringIO()):
-                stats = extract_shard(
-                    target, str(work / "tokens.safetensors"), 0, out, None, "bfloat16", batch_tokens,
-                    threads=threads, compile="off", extractor=engine, pipeline=pipeline,
-                )  # fmt: skip
-            os.unlink(out)
-            runs[pipeline].append(
-                {
-                    "loop_seconds": stats["seconds"] - stats["probe_seconds"],
-                    "with_write_seconds": stats["wall_seconds_with_write"],
-                    "forward_seconds": stats["forward_seconds"],
-                    "post_seconds": stats["post_seconds"],
-                    "cpu_seconds": stats["cpu_seconds"],
-                }
-            )
+
+    def run(pipeline: bool) -> dict[str, float]:
+        with contextlib.redirect_stderr(io.StringIO()):
+            stats = extract_shard(
+                target, str(work / "tokens.safetensors"), 0, out, None, "bfloat16", batch_tokens,
+                threads=threads, compile="off", extractor=engine, pipeline=pipeline,
+            )  # fmt: skip
+        os.unlink(out)
+        return {
+            "loop_seconds": stats["seconds"] - stats["probe_seconds"],
+            "with_write_seconds": stats["wall_seconds_with_write"],
+            "forward_seconds": stats["forward_seconds"],
+            "post_seconds": stats["post_seconds"],
+            "cpu_seconds": stats["cpu_seconds"],
+        }
+
+    runs = harness.alternating_rounds({False: lambda: run(False), True: lambda: run(True)}, pairs)
     hidden = [
         1 - (p["loop_seconds"] - s["forward_seconds"]) / s["post_seconds"]
         for s, p in zip(runs[False], runs[True], strict=True)
     ]
-    speedup = [s["loop_seconds"] / p["loop_seconds"] for s, p in zip(runs[False], runs[True], strict=True)]
+    speedup = harness.paired_ratios(runs[False], runs[True], lambda r: r["loop_seconds"])
 
-    def median(pipeline: bool, key: str) -> float:
-        return round(statistics.median(r[key] for r in runs[pipeline]), 3)
+    def medians(pipeline: bool) -> dict[str, float]:
+        return {k: round(median(r[k] for r in runs[pipeline]), 3) for k in runs[pipeline][0]}
 
     return {
         "pairs": pairs,
-        "sequential": {k: median(False, k) for k in runs[False][0]},
-        "pipelined": {k: median(True, k) for k in runs[True][0]},
-        "hidden_share": round(statistics.median(hidden), 3),
+        "sequential": medians(False),
+        "pipelined": medians(True),
+        "hidden_share": round(median(hidden), 3),
         "hidden_share_pairs": [round(h, 3) for h in hidden],
-        "loop_speedup": round(statistics.median(speedup), 3),
+        "loop_speedup": round(median(speedup), 3),
         "runs": runs,
     }
 
@@ -350,20 +312,6 @@ def print_pipeline(p: dict[str, Any]) -> None:
     )
 
 
-def alternating_overlap(run_plain, run_writing, pairs: int) -> list[float]:
-    """Write overlap from `pairs` back-to-back pairs in alternating order (plain first, then writing
-    first): each pair's ratio of seconds sees the same spell of the machine, and the order cannot
-    favour either side."""
-    ratios = []
-    for i in range(pairs):
-        if i % 2 == 0:
-            plain, writing = run_plain(), run_writing()
-        else:
-            writing, plain = run_writing(), run_plain()
-        ratios.append(plain / writing)
-    return ratios
-
-
 def summarise(
     times: dict[str, list[tuple[float, float]]],
     clock: str,
@@ -381,17 +329,15 @@ def summarise(
 
     rows = {}
     for name, runs in times.items():
-        median = statistics.median(seconds(t) for t in runs)
-        rate = flops / median / 1e9
+        typical = median(seconds(t) for t in runs)
+        rate = flops / typical / 1e9
         rows[name] = {
-            "tokens_per_second": round(n_tok / median, 1),
+            "tokens_per_second": round(n_tok / typical, 1),
             "useful_gflops": round(rate, 1),
             **{
                 f"pct_of_{key}_ceiling": round(
                     100
-                    * statistics.median(
-                        flops / seconds(t) / 1e9 / c for t, c in zip(runs, beside[name], strict=True)
-                    ),
+                    * median(flops / seconds(t) / 1e9 / c for t, c in zip(runs, beside[name], strict=True)),
                     1,
                 )
                 for key, beside in ceilings.items()
@@ -399,13 +345,13 @@ def summarise(
             "seconds": [round(seconds(t), 3) for t in runs],
         }
     for name, row in rows.items():
-        row["vs_naive"] = round(paired_ratio(times["naive"], times[name], seconds), 3)
+        row["vs_naive"] = round(median(harness.paired_ratios(times["naive"], times[name], seconds)), 3)
         if " write=" in name and not name.endswith("write=no"):
-            base = times[name.rsplit(" write=", 1)[0] + " write=no"]
-            row["write_overlap"] = round(paired_ratio(base, times[name], seconds), 3)
-            row["write_overlap_rounds"] = [
-                round(seconds(b) / seconds(o), 3) for b, o in zip(base, times[name], strict=True)
-            ]
+            ratios = harness.paired_ratios(
+                times[name.rsplit(" write=", 1)[0] + " write=no"], times[name], seconds
+            )
+            row["write_overlap"] = round(median(ratios), 3)
+            row["write_overlap_rounds"] = [round(r, 3) for r in ratios]
     return rows
 
 
@@ -481,9 +427,9 @@ def main(
     json_path: str | None,
 ) -> None:
     torch.set_num_threads(threads)
-    load_before = os.getloadavg()
+    load_before = harness.load_average()
     work = Path(tempfile.mkdtemp(prefix="bench-extract-"))
-    json_path = json_path or f"results/bench/extract{'-pipeline' if only_pipeline else ''}.json"
+    json_path = json_path or str(harness.result_path("extract-pipeline" if only_pipeline else "extract"))
     if target == "tiny" or not Path(target, "config.json").is_file():
         if not only_pipeline:
             raise click.UsageError(f"{target}: no target there (the tiny twin is for --only-pipeline)")
@@ -495,7 +441,7 @@ def main(
     if only_pipeline:
         n_tok = sum(data["lengths"])
         print(
-            f"{len(data['lengths'])} samples, {n_tok:,} tokens from {data['source']}; {threads} threads, {cpu_name()}"
+            f"{len(data['lengths'])} samples, {n_tok:,} tokens from {data['source']}; {threads} threads, {harness.cpu_name()}"
         )
         from transformers import AutoModelForCausalLM  # the twin has no tokenizer for load_target
 
@@ -503,23 +449,20 @@ def main(
         engine = HfExtractor(model, resolve_aux_layers(None, model.config.num_hidden_layers))
         pipeline = pipeline_overlap(target, work, engine, batch_tokens, threads, pipeline_pairs)
         print_pipeline(pipeline)
-        print(f"load average during the run: {load_before} -> {os.getloadavg()}")
-        write_json(
-            json_path,
+        machine = harness.machine(load_before)
+        print(f"load average during the run: {load_before} -> {machine['load_average']['after']}")
+        harness.write_result(
             {
                 "target": target,
                 "samples": len(data["lengths"]),
                 "tokens": n_tok,
                 "source": data["source"],
-                "threads": threads,
                 "batch_tokens": batch_tokens,
-                "torch": torch.__version__,
-                "cpu": cpu_name(),
                 "pipeline": pipeline,
-                "load_average": {"before": load_before, "after": os.getloadavg()},
+                **machine,  # cpu, threads, nproc, torch, load_average
             },
+            json_path,
         )
-        print(f"wrote {json_path}")
         return
     lengths = data["lengths"]
     tensors, _ = load_tokens(work / "tokens.safetensors")
@@ -528,7 +471,7 @@ def main(
     n_tok = sum(lengths)
     print(
         f"{len(lengths)} samples, {n_tok:,} tokens (lengths {min(lengths)}-{max(lengths)}, "
-        f"mean {n_tok / len(lengths):.0f}) from {data['source']}; {threads} threads, {cpu_name()}"
+        f"mean {n_tok / len(lengths):.0f}) from {data['source']}; {threads} threads, {harness.cpu_name()}"
     )
 
     model, _ = load_target(target, torch.float32)
@@ -565,10 +508,7 @@ def main(
     linear_rates: list[float] = []
     for rnd in range(repeats):
         linear_rates.append(linear_layers_rate(engines["off"].model, batch_tokens))
-        order = (
-            list(variants) if rnd % 2 == 0 else list(reversed(variants))
-        )  # no variant always follows another
-        for name in order:
+        for name in harness.round_order(list(variants), rnd):
             v = variants[name]
             for dtype, key in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
                 ceilings[key][name].append(matmul_ceiling(dtype, rounds=6))
@@ -609,16 +549,18 @@ def main(
             return draftsmith_run(target, work, out, codec, mode, engines[mode], batch_tokens, threads)[0]
 
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            ratios = alternating_overlap(lambda: run(None), lambda: run("zstd-planes"), overlap_pairs)
+            pairs = harness.alternating_rounds({"plain": lambda: run(None), "writing": lambda: run("zstd-planes")},
+                                               overlap_pairs)  # fmt: skip
+        ratios = harness.paired_ratios(pairs["plain"], pairs["writing"])
         quartiles = statistics.quantiles(ratios, n=4)
-        overlap[mode] = {"ratios": ratios, "median": statistics.median(ratios), "quartiles": quartiles}
+        overlap[mode] = {"ratios": ratios, "median": median(ratios), "quartiles": quartiles}
 
     pipeline = None
     if pipeline_pairs:
         pipeline = pipeline_overlap(target, work, engines["off"], batch_tokens, threads, pipeline_pairs)
 
     measured = {key: [c for runs in beside.values() for c in runs] for key, beside in ceilings.items()}
-    ceiling = {key: statistics.median(values) for key, values in measured.items()}
+    ceiling = {key: median(values) for key, values in measured.items()}
     tables = {clock: summarise(times, clock, threads, n_tok, flops, ceilings) for clock in ("wall", "cpu")}
     for clock, rows in tables.items():
         for name, row in rows.items():
@@ -634,7 +576,7 @@ def main(
     print("\nwriting's cost, measured without the machine's noise (CPU time, not throughput):")
     for name, runs in extra.items():
         if runs and runs[0]["writing_core_share"] is not None:
-            share = statistics.median(r["writing_core_share"] for r in runs)
+            share = median(r["writing_core_share"] for r in runs)
             ratios = sorted(tables["wall"][name]["write_overlap_rounds"])
             print(
                 f"  {name}: writer thread + close = {share:.1%} of the cores' time (what writing takes "
@@ -655,18 +597,15 @@ def main(
     )
     if compile_seconds:
         print(f"compile: {compile_seconds:.0f}s once per job (not in the rates)")
-    print(f"load average during the run: {load_before} -> {os.getloadavg()}")
-    write_json(
-        json_path,
+    machine = harness.machine(load_before)
+    print(f"load average during the run: {load_before} -> {machine['load_average']['after']}")
+    harness.write_result(
         {
             "samples": len(lengths),
             "tokens": n_tok,
             "lengths": {"min": min(lengths), "max": max(lengths), "mean": n_tok / len(lengths)},
             "source": data["source"],
-            "threads": threads,
             "batch_tokens": batch_tokens,
-            "torch": torch.__version__,
-            "cpu": cpu_name(),
             "non_embedding_params": params,
             "useful_mflop_per_token": flops / n_tok / 1e6,
             "ceiling_gflops_median": ceiling,
@@ -675,11 +614,11 @@ def main(
             "write_overlap_alternating_pairs": overlap,
             "pipeline": pipeline,
             "compile_seconds": compile_seconds,
-            "load_average": {"before": load_before, "after": os.getloadavg()},
             "variants": tables,
+            **machine,  # cpu, threads, nproc, torch, load_average
         },
+        json_path,
     )
-    print(f"wrote {json_path}")
 
 
 if __name__ == "__main__":

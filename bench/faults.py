@@ -32,7 +32,8 @@ from typing import Any
 import click
 import yaml
 
-from draftsmith.atomic import write_json
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
+import harness  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODULES = ["tests/e2e/test_extract_kill.py", "tests/e2e/test_faults.py"]
@@ -853,12 +854,11 @@ def print_probes(after: dict[str, str], before: dict[str, str] | None, json_path
     else:
         print("| case | before | after |\n|---|---|---|")
         print("\n".join(f"| {r['case']} | {r['before']} | {r['after']} |" for r in rows))
-    write_json(json_path, {"probes": rows})
-    print(f"wrote {json_path}")
+    harness.write_result({"probes": rows}, json_path)
 
 
 @click.command()
-@click.option("--json", "json_path", default="results/bench/faults.json", show_default=True)
+@click.option("--json", "json_path", default=str(harness.result_path("faults")), show_default=True)
 @click.option(
     "-k",
     "select",
@@ -903,8 +903,7 @@ def main(json_path: str, select: str | None, probes: bool, before: Path | None) 
         print(f"{row['fault'][:78]:78s} {row['outcome']:8s} {row['seconds']:8.1f}")
         if row["note"] and row["outcome"] != "passed":
             print(f"    {row['note']}")
-    write_json(json_path, {"pytest_exit": rc, "faults": rows})
-    print(f"wrote {json_path}")
+    harness.write_result({"pytest_exit": rc, "faults": rows}, json_path)
     sys.exit(rc)
 
 

@@ -21,16 +21,19 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import click
 
-from draftsmith.atomic import write_json
 from draftsmith.generate import GenerateSettings, generate_traces
 from draftsmith.prompts import BUILTIN_PROMPTS
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
+import harness  # noqa: E402
+from harness import median  # noqa: E402
 
 
 def _ints(text: str) -> list[int]:
@@ -66,7 +69,7 @@ def run_variant(target: str, prompts: Path, work: Path, settings: GenerateSettin
     help="auto = bfloat16 where the CPU or GPU multiplies it natively, else float32 (as target.dtype).",
 )
 @click.option("--server-args", default='["--enforce-eager", "--max-model-len", "2048"]', show_default=True)
-@click.option("--json", "json_path", default="results/bench/generate.json", show_default=True)
+@click.option("--json", "json_path", default=str(harness.result_path("generate")), show_default=True)
 def main(
     target: str,
     prompts_path: str,
@@ -83,6 +86,7 @@ def main(
     from draftsmith.precision import compute_dtype
 
     dtype = compute_dtype(dtype)
+    load_before = harness.load_average()
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-generate-"))
     os.environ.setdefault("VLLM_CACHE_ROOT", str(tmp / "vllm-cache"))
@@ -118,30 +122,28 @@ def main(
                 "backend": backend,
                 "setting": setting,
                 "tokens": mine[0]["tokens"],
-                "tokens_per_second": statistics.median(x["tokens_per_second"] for x in mine),
+                "tokens_per_second": median(x["tokens_per_second"] for x in mine),
                 "per_round": [x["tokens_per_second"] for x in mine],
             }
         )
     base_setting = f"batch {max(_ints(batch_sizes))}"
     base = {x["round"]: x for x in runs if x["setting"] == base_setting}
     for row in rows:  # paired: each round's ratio to that round's transformers run, then the median
-        ratios = [
-            x["tokens_per_second"] / base[x["round"]]["tokens_per_second"]
-            for x in runs
-            if (x["backend"], x["setting"]) == (row["backend"], row["setting"])
-        ]
+        mine = [x for x in runs if (x["backend"], x["setting"]) == (row["backend"], row["setting"])]
+        ratios = harness.paired_ratios(
+            mine, [base[x["round"]] for x in mine], lambda x: x["tokens_per_second"]
+        )
         row["ratio_per_round"] = [round(q, 3) for q in ratios]
-        row["ratio"] = round(statistics.median(ratios), 3)
+        row["ratio"] = round(median(ratios), 3)
     print(
         f"\n{len(lines[:num_prompts])} prompts x <= {max_new_tokens} new tokens, greedy, {dtype}, {repeats} rounds; "
-        f"server start-up {statistics.median(startups):.0f}s"
+        f"server start-up {median(startups):.0f}s"
     )
-    print(f"{'backend':<14}{'setting':<16}{'tokens':>8}{'tok/s':>8}{'ratio':>7}  per round")
-    for r in rows:
-        print(
-            f"{r['backend']:<14}{r['setting']:<16}{r['tokens']:>8}{r['tokens_per_second']:>8.1f}{r['ratio']:>7.2f}"
-            f"  {r['per_round']}"
-        )
+    columns = [("backend", "<12"), ("setting", "<14"), ("tokens", ">6"), ("tok/s", ">6.1f"), ("ratio", ">5.2f"),
+               ("per round", "<")]  # fmt: skip
+    table = [[r["backend"], r["setting"], r["tokens"], r["tokens_per_second"], r["ratio"], str(r["per_round"])]
+             for r in rows]  # fmt: skip
+    print(harness.format_table(columns, table))
     print(f"ratio = median over rounds of tok/s / that round's transformers {base_setting}")
     result = {
         "prompts": prompts_path,
@@ -155,9 +157,9 @@ def main(
         "baseline": f"transformers {base_setting}",
         "rows": rows,
         "runs": runs,
+        "machine": harness.machine(load_before),
     }
-    write_json(json_path, result)
-    print(f"wrote {json_path}")
+    harness.write_result(result, json_path)
 
 
 if __name__ == "__main__":

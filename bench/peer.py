@@ -52,7 +52,7 @@ conventions (which must agree to float32 rounding: a disagreement there is an un
 each known difference alone, measured as the cosine and norm ratio of its per-step gradient to SpecForge's.
 
 Machine load matters for the wall times: run it `nice`d and read them as the conditions they ran under
-(the JSON records the load averages at start and end).
+(the JSON records the load averages at start and end, and the machine: bench/harness.py).
 """
 
 from __future__ import annotations
@@ -85,6 +85,9 @@ from draftsmith.shards import Sample
 from draftsmith.speculate import target_forwards
 from draftsmith.stats import paired_difference, ratio_of_sums
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
+import harness  # noqa: E402
+
 SPECFORGE = "specforge==0.2.0"
 # What SpecForge 0.2.0's offline EAGLE-3 training imports. Its other requirements serve online capture
 # (sglang), GPUs (its CUDA torch 2.11, triton, flash attention, yunchang) and tracking (wandb, tensorboard).
@@ -110,10 +113,6 @@ HEAD_FILE = "head.safetensors"
 
 def log(msg: str) -> None:
     click.echo(f"[peer {time.strftime('%H:%M:%S')}] {msg}", err=True)
-
-
-def load_avg() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 # --------------------------------------------------------------------------------------------- install
@@ -339,11 +338,6 @@ def convert(
 
 
 # ------------------------------------------------------------------------------------------- settings
-
-
-def base_settings(config_path: Path | None, overrides: dict[str, Any]) -> dict[str, Any]:
-    """draftsmith's train settings as the workflow merges them: schema < config's `train` < overrides."""
-    return section_from_file("train", config_path, overrides)
 
 
 def draftsmith_steps(manifest_path: Path, settings: dict[str, Any]) -> tuple[int, int]:
@@ -1074,19 +1068,21 @@ def table(result: dict[str, Any]) -> str:
     type=click.Path(file_okay=False, exists=True),
     help="A previous --work whose trained SpecForge drafter to reuse (e.g. to compare a changed draftsmith).",
 )
-@click.option("--json", "json_path", default="results/bench/peer.json", show_default=True)
+@click.option("--json", "json_path", default=str(harness.result_path("peer")), show_default=True)
 def main(
     data: str, vocab: str, config_path: str, settings_json: str, work: str, venv: str, torch_spec: str | None,
     specforge_dtype: str, threads: int | None, skip_vllm: bool, diff_only: bool, diff_samples: int,
     diff_max_len: int, vllm_prompts: int | None, also: tuple[str, ...], fresh: bool, specforge_from: str | None,
     json_path: str,
 ) -> None:  # fmt: skip
-    t_start, load_start = time.perf_counter(), load_avg()
+    t_start, load_start = time.perf_counter(), harness.load_average()
     # absolute: SpecForge runs in its own working directory
     data_path, vocab_path = Path(data).resolve(), Path(vocab).resolve()
     work_dir, venv_dir = Path(work).resolve(), Path(venv).expanduser().resolve()
     config = Path(config_path) if config_path else None
-    settings = base_settings(config, {**json.loads(settings_json), "threads": threads, "checkpoint_every": 0})
+    settings = harness.base_settings(
+        config, {**json.loads(settings_json), "threads": threads, "checkpoint_every": 0}
+    )
     result: dict[str, Any] = {"data": str(data_path), "vocab": str(vocab_path), "settings": settings,
                               "load_avg_start": load_start, "nproc": os.cpu_count()}  # fmt: skip
     result["install"] = install(venv_dir, torch_spec or local_torch_spec())
@@ -1096,7 +1092,7 @@ def main(
         d = run_diff(venv_dir, work_dir / "specforge-data", data_path, vocab_path, settings, diff_samples, diff_max_len,
                      threads, work_dir / "diff")  # fmt: skip
         click.echo(diff_table(d))
-        write_json(Path(json_path).with_name(Path(json_path).stem + "-diff.json"), d)
+        harness.write_result(d, Path(json_path).with_name(Path(json_path).stem + "-diff.json"), click.echo)
         return
     steps, n_train = draftsmith_steps(data_path, settings)
     plan = specforge_plan(n_train, int(settings["epochs"]), steps)
@@ -1161,10 +1157,10 @@ def main(
         measured = vllm_measure(str(result["convert"]["target"]), exports, heldout_sets(config, data_path), ev,
                                 work_dir / "vllm", reuse, fresh)  # fmt: skip
         result["vllm"] = vllm_table_rows(measured)
-    result["wall_s"], result["load_avg_end"] = round(time.perf_counter() - t_start, 1), load_avg()
+    result["wall_s"], result["machine"] = round(time.perf_counter() - t_start, 1), harness.machine(load_start)
+    result["load_avg_end"] = result["machine"]["load_average"]["after"]
     click.echo(table(result))
-    write_json(json_path, result)
-    click.echo(f"wrote {json_path}")
+    harness.write_result(result, json_path, click.echo)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,8 +27,10 @@ from typing import Any
 
 import click
 
-from draftsmith.atomic import atomic_path, write_json
-from draftsmith.config import section_from_file
+from draftsmith.atomic import atomic_path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
+import harness  # noqa: E402
 
 
 def _floats(text: str) -> list[float]:
@@ -241,7 +244,8 @@ def plot(rows: list[dict[str, Any]], sets: dict[str, dict[str, Any]], path: Path
 def main(**kw: Any) -> None:
     from draftsmith.train import TrainSettings, train
 
-    values = section_from_file("train", kw["config_path"], json.loads(kw["settings_json"]))
+    load_before = harness.load_average()
+    values = harness.base_settings(kw["config_path"], json.loads(kw["settings_json"]))
     values["checkpoint_every"] = 0
     out = Path(kw["out"])
     target = json.loads(Path(kw["data"]).read_text(encoding="utf-8"))["target"]
@@ -315,9 +319,11 @@ def main(**kw: Any) -> None:
                     f"vLLM tokens per target forward {per_forward or '-'} ({r['wall_s']:.0f} s)"
                 )
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "quality.json", {"data": kw["data"], "settings": values, "heldout": sets, "rows": rows})
+    result = {"data": kw["data"], "settings": values, "heldout": sets, "rows": rows,
+              "machine": harness.machine(load_before)}  # fmt: skip
+    harness.write_result(result, out / "quality.json", click.echo)
     plot(rows, sets, out / "quality.png")
-    click.echo(f"wrote {out / 'quality.json'} and {out / 'quality.png'}")
+    click.echo(f"wrote {out / 'quality.png'}")
 
 
 if __name__ == "__main__":

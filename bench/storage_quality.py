@@ -20,6 +20,7 @@ Prints the table and writes --out/storage_quality.json.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,6 @@ import click
 import torch
 import yaml
 
-from draftsmith.atomic import write_json
 from draftsmith.export import load_drafter
 from draftsmith.loader import StreamingData
 from draftsmith.manifest import load_manifest
@@ -35,6 +35,9 @@ from draftsmith.stats import bootstrap_ratio, bootstrap_tau, paired_difference
 from draftsmith.target import load_target_head
 from draftsmith.train import Objective, StepStats, TrainSettings, ttt_loss
 from draftsmith.vocab import load_vocab_map
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
+import harness  # noqa: E402
 
 DTYPES = ("bf16", "fp8")
 
@@ -136,6 +139,7 @@ def main(
     vocab_path: str | None,
 ) -> None:
     level = 0.95
+    load_before = harness.load_average()
     dirs = {"bf16": Path(bf16_dir), "fp8": Path(fp8_dir)}
     out_dir = Path(out)
     config = yaml.safe_load(Path(config_path).read_text(encoding="utf-8"))
@@ -197,11 +201,10 @@ def main(
             + "; ".join(cells)
             + f"; fp8 - bf16 {fmt(row['fp8 - bf16'], 'tokens_per_forward')}"
         )
-    write_json(
-        out_dir / "storage_quality.json",
-        {"storage": storage, "accuracy": accuracy, "vllm": forwards, "settings": settings.to_dict()},
+    result = {"storage": storage, "accuracy": accuracy, "vllm": forwards, "settings": settings.to_dict()}
+    harness.write_result(
+        {**result, "machine": harness.machine(load_before)}, out_dir / "storage_quality.json"
     )
-    print(f"wrote {out_dir / 'storage_quality.json'}")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ cores: training 152 tokens/s with 2 threads, 409 with 1).
 from __future__ import annotations
 
 import json
-import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable
@@ -56,6 +56,10 @@ from draftsmith.train import (
     ttt_loss,
 )
 from draftsmith.vocab import load_vocab_map
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
+import harness  # noqa: E402
+from harness import median  # noqa: E402
 
 
 def zstd_copy(manifest: dict[str, Any], folder: Path) -> dict[str, Any]:
@@ -84,7 +88,7 @@ def drain(batches: Iterable[Batch | None]) -> tuple[int, int, float]:
 
 
 def median_rate(runs: list[tuple[int, int, float]]) -> dict[str, float]:
-    s = statistics.median(r[2] for r in runs)
+    s = median(r[2] for r in runs)
     return {"samples_per_s": runs[0][0] / s, "tokens_per_s": runs[0][1] / s, "seconds": s}
 
 
@@ -116,7 +120,7 @@ def main() -> None:
 @main.command()
 @click.option("--data", "manifest_path", default="results/data_config.json", show_default=True)
 @click.option("--vocab", "vocab_path", default=None, help="[default: vocab_map.pt beside --data]")
-@click.option("--json", "json_path", default="results/bench/train.json", show_default=True)
+@click.option("--json", "json_path", default=str(harness.result_path("train")), show_default=True)
 @click.option("--repeats", default=3, show_default=True, help="Rounds per measurement (median).")
 @click.option("--epochs", default=8, show_default=True, help="Epoch plans each loader round goes through.")
 @click.option("--train-steps", default=4, show_default=True, help="Optimizer steps per training round.")
@@ -134,6 +138,7 @@ def loader(
 ) -> None:
     if threads:
         torch.set_num_threads(threads)
+    load_before = harness.load_average()
     vocab_path = vocab_path or str(Path(manifest_path).with_name("vocab_map.pt"))
     manifest = load_manifest(manifest_path)
     settings = TrainSettings.from_dict(
@@ -230,31 +235,29 @@ def loader(
     )
     default = f"zstd-planes, streaming, {settings.loader_threads} threads"
     print(f"\nheadroom of the default loader ({default}): {loader_rows[default]['headroom']:.0f}x")
-    write_json(
-        json_path,
-        {
-            "data": manifest_path,
-            "samples": manifest["num_samples"],
-            "tokens": manifest["num_tokens"],
-            "hidden_size": manifest["hidden_size"],
-            "batch_tokens": settings.batch_tokens,
-            "torch_threads": torch.get_num_threads(),
-            "loader_batches_per_round": len(plan),
-            "loader": loader_rows,
-            "precision": settings.precision,
-            "train": train_row,
-            "train_fp32": fp32_row,
-            "precision_speedup": train_row["tokens_per_s"] / fp32_row["tokens_per_s"],
-            "train_fed_by_loader": fed_row,
-            "train_tokens_per_s_for_headroom": consumed,
-            "default_loader": default,
-            "headroom": loader_rows[default]["headroom"],
-        },
-    )
+    result = {
+        "data": manifest_path,
+        "samples": manifest["num_samples"],
+        "tokens": manifest["num_tokens"],
+        "hidden_size": manifest["hidden_size"],
+        "batch_tokens": settings.batch_tokens,
+        "torch_threads": torch.get_num_threads(),
+        "loader_batches_per_round": len(plan),
+        "loader": loader_rows,
+        "precision": settings.precision,
+        "train": train_row,
+        "train_fp32": fp32_row,
+        "precision_speedup": train_row["tokens_per_s"] / fp32_row["tokens_per_s"],
+        "train_fed_by_loader": fed_row,
+        "train_tokens_per_s_for_headroom": consumed,
+        "default_loader": default,
+        "headroom": loader_rows[default]["headroom"],
+        "machine": harness.machine(load_before),
+    }
     for data in loaders.values():
         data.close()
     tmp.cleanup()
-    print(f"wrote {json_path}")
+    harness.write_result(result, json_path)
 
 
 # ------------------------------------------------------------------------------------------- attention
@@ -307,11 +310,12 @@ def attention_peak(fused: bool, heads: int, tokens: int, steps: int, threads: in
 )
 @click.option("--steps", default=3, show_default=True, help="TTT steps.")
 @click.option("--threads", default=1, show_default=True, help="torch threads per measurement.")
-@click.option("--json", "json_path", default="results/bench/attention.json", show_default=True)
+@click.option("--json", "json_path", default=str(harness.result_path("attention")), show_default=True)
 def attention(tokens: int, heads: str, fused_heads: str, steps: int, threads: int, json_path: str) -> None:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
+    load_before = harness.load_average()
     counts = {False: [int(h) for h in heads.split(",")], True: [int(h) for h in fused_heads.split(",")]}
     rows = []
     ctx = multiprocessing.get_context("spawn")
@@ -342,10 +346,8 @@ def attention(tokens: int, heads: str, fused_heads: str, steps: int, threads: in
         )
     print(f"  (one [64, {tokens}, {tokens}] fp32 score tensor alone: {scores_gib:.1f} GiB)")
     shape = {"tokens": tokens, "ttt_steps": steps, "dtype": "float32", "head_dim": KIMI_HEAD_DIM}
-    write_json(
-        json_path, {**shape, "rows": rows, "projected_64_heads": projected, "score_tensor_gib": scores_gib}
-    )
-    print(f"wrote {json_path}")
+    result = {**shape, "rows": rows, "projected_64_heads": projected, "score_tensor_gib": scores_gib}
+    harness.write_result({**result, "machine": harness.machine(load_before)}, json_path)
 
 
 # ------------------------------------------------------------------------------------------------- ddp
@@ -403,7 +405,7 @@ def ddp_worker(rank: int, world: int, port: int, args: dict[str, Any], out: str)
         "rank": rank,
         "world": world,
         "steps": steps,
-        "step_s": statistics.median(times),
+        "step_s": median(times),
         "tokens_per_s": tokens / sum(times),
         "allreduce_bytes_per_step": (sent["bytes"] - counted) / steps,
         "parameters": sum(p.numel() for p in drafter.parameters()),
@@ -418,7 +420,7 @@ def ddp_worker(rank: int, world: int, port: int, args: dict[str, Any], out: str)
 @click.option("--steps", default=20, show_default=True, help="Optimizer steps measured (after 1 warm-up).")
 @click.option("--batch-tokens", default=None, type=int, help="[default: the train section's default]")
 @click.option("--threads", default=1, show_default=True, help="torch threads per process.")
-@click.option("--json", "json_path", default="results/bench/ddp.json", show_default=True)
+@click.option("--json", "json_path", default=str(harness.result_path("ddp")), show_default=True)
 def ddp(
     manifest_path: str,
     vocab_path: str | None,
@@ -432,6 +434,7 @@ def ddp(
     import multiprocessing
     import socket
 
+    load_before = harness.load_average()
     vocab_path = vocab_path or str(Path(manifest_path).with_name("vocab_map.pt"))
     precision = "fp32"  # the same arithmetic in every configuration
     args = {
@@ -478,16 +481,13 @@ def ddp(
     print(
         f"{steps} steps after a warm-up, {precision}, {threads} torch thread(s) per process, gloo on the CPU\n"
     )
-    print(
-        f"{'processes':>9s} {'step s':>8s} {'tokens/s':>9s} {'all-reduce MB/step':>19s} {'sent MB/step (ring)':>20s}"
-    )
-    for r in rows:
-        print(
-            f"{r['processes']:>9d} {r['step_s']:8.3f} {r['tokens_per_s']:9.0f} "
-            f"{r['allreduce_bytes_per_rank_per_step'] / 1e6:19.2f} {r['ring_bytes_sent_per_rank_per_step'] / 1e6:20.2f}"
-        )
-    write_json(json_path, {"data": manifest_path, "steps": steps, "threads": threads, "rows": rows})
-    print(f"wrote {json_path}")
+    columns = [("processes", ">9d"), ("step s", ">8.3f"), ("tokens/s", ">9.0f"), ("all-reduce MB/step", ">19.2f"),
+               ("sent MB/step (ring)", ">20.2f")]  # fmt: skip
+    table = [[r["processes"], r["step_s"], r["tokens_per_s"], r["allreduce_bytes_per_rank_per_step"] / 1e6,
+              r["ring_bytes_sent_per_rank_per_step"] / 1e6] for r in rows]  # fmt: skip
+    print(harness.format_table(columns, table))
+    result = {"data": manifest_path, "steps": steps, "threads": threads, "rows": rows}
+    harness.write_result({**result, "machine": harness.machine(load_before)}, json_path)
 
 
 if __name__ == "__main__":

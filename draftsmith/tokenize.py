@@ -87,6 +87,27 @@ def trace_sequences(tokenizer: Any, row: dict[str, Any]) -> list[tuple[str, list
     return [(row["id"], ids, mask)] + [(f"{row['id']}#turn{k}", *seqs[k]) for k in separate]
 
 
+def write_tokens(
+    out_path: str | Path,
+    input_ids: list[int] | torch.Tensor,
+    loss_mask: list[int] | torch.Tensor,
+    offsets: list[int] | torch.Tensor,
+    meta: dict[str, Any],
+) -> None:
+    """The tokens file, atomically: every sample's ids and loss mask end to end, sample i at
+    offsets[i]:offsets[i + 1], and `meta` (sample_ids, template, shards, ...) as its metadata."""
+    with atomic_path(out_path) as tmp:
+        save_file(
+            {
+                "input_ids": torch.as_tensor(input_ids, dtype=torch.int64),
+                "loss_mask": torch.as_tensor(loss_mask, dtype=torch.uint8),
+                "offsets": torch.as_tensor(offsets, dtype=torch.int64),
+            },
+            str(tmp),
+            metadata={"draftsmith_tokens": json.dumps(meta)},
+        )
+
+
 def tokenize_traces(
     target: str, traces_path: str, out_path: str, num_shards: int, max_seq_len: int
 ) -> dict[str, Any]:
