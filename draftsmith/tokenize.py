@@ -170,24 +170,6 @@ def tokenize_traces(
     return summary
 
 
-def write_tokens(
-    out_path: str | Path, input_ids: list[int], loss_mask: list[int], offsets: list[int], meta: dict[str, Any]
-) -> None:
-    """The tokens file (atomically): every sample's ids and loss mask end to end, `offsets` [N + 1] where
-    each starts, and `meta` (sample_ids, template, max_seq_len, shards as [start, end) sample ranges, ...)
-    as JSON in the header; load_tokens reads it back."""
-    with atomic_path(out_path) as tmp:
-        save_file(
-            {
-                "input_ids": torch.tensor(input_ids, dtype=torch.int64),
-                "loss_mask": torch.tensor(loss_mask, dtype=torch.uint8),
-                "offsets": torch.tensor(offsets, dtype=torch.int64),
-            },
-            str(tmp),
-            metadata={"draftsmith_tokens": json.dumps(meta)},
-        )
-
-
 def parse_trace_line(line: str, path: str | Path, line_no: int) -> dict[str, Any]:
     """One traces.jsonl line; a broken one is an error naming file:line."""
     try:
