@@ -9,11 +9,13 @@ Test modules import shared code from here, never from each other (tests/unit/tes
 from __future__ import annotations
 
 import json
+import subprocess
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from click.testing import CliRunner
 
 from draftsmith.checkpoints import list_checkpoints
@@ -24,7 +26,7 @@ from draftsmith.eval_summary import provenance, summarize
 from draftsmith.gate import GateSettings
 from draftsmith.layers import capture_aux, stack_aux
 from draftsmith.projection import set_projection
-from draftsmith.shards import Sample, read_header, verify_shard, write_shard
+from draftsmith.shards import Sample, iter_samples, read_header, verify_shard, write_shard
 from draftsmith.target import file_sha256
 from draftsmith.train import Objective, TrainSettings, load_target_head, train
 from draftsmith.vocab import build_vocab_map, save_vocab_map, vocab_maps
@@ -411,3 +413,87 @@ def assert_vllm_accepts_as_offline(run: dict, min_tau: float = 1.5) -> None:
         (r["tokens"], r["forwards"]) for r in off["per_prompt"]
     ]
     assert served["tokens_per_forward"] == pytest.approx(off["tokens_per_forward"], abs=1e-12)
+
+
+# ------------------------------------------------------------------ extraction: tokens files, engines compared
+
+
+def random_sequences(lengths: list[int], seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
+    """Random token ids with the second half of each sample loss-masked: crash safety does not depend
+    on the words (but no teacher can agree with them)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in lengths]
+    return ids, [[0] * (n // 2) + [1] * (n - n // 2) for n in lengths]
+
+
+def write_sample_tokens(
+    path: Path, ids: list[list[int]], masks: list[list[int]], shards: list[list[int]]
+) -> None:
+    """A tokens.safetensors of these samples as `draftsmith tokenize` writes it, with the given shard plan."""
+    from conftest import DEFAULT_TARGET
+
+    from draftsmith.tokenize import write_tokens
+
+    lengths = [len(s) for s in ids]
+    meta = {
+        "sample_ids": [f"s{i}" for i in range(len(ids))],
+        "template": "test",
+        "target": str(DEFAULT_TARGET),
+        "max_seq_len": max(lengths),
+        "shards": shards,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    offsets = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    write_tokens(path, [t for s in ids for t in s], [m for s in masks for m in s], offsets, meta)
+
+
+def greedy_samples(target: Path, n: int = 4, new_tokens: int = 24) -> tuple[list[int], list[list[int]]]:
+    """Chat prompts answered greedily by the target (fp32): a real teacher-agreement check."""
+    from draftsmith.chat import render_prompt
+    from draftsmith.target import load_target
+
+    model, tokenizer = load_target(target, torch.float32)
+    questions = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "Explain what a prime number is in two sentences.",
+        "List three uses of a paperclip.",
+    ][:n]
+    ids, masks = [], []
+    for q in questions:
+        prompt = render_prompt(tokenizer, [{"role": "user", "content": q}])
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)[0]
+        ids.append(out.tolist())
+        masks.append([0] * len(prompt) + [1] * (out.numel() - len(prompt)))
+    return ids, masks
+
+
+def vllm_extract(
+    target: Path, tokens: Path, out: Path, env: dict, *options: str
+) -> subprocess.CompletedProcess:
+    """`draftsmith extract --backend vllm` (fp32, uncompressed) of shard 0 in a subprocess; asserts success."""
+    cmd = ["draftsmith", "extract", "--backend", "vllm", "--target", str(target), "--tokens", str(tokens),
+           "--shard", "0", "--out", str(out), "--dtype", "float32", "--codec", "none", *options]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+def worst_cosines(hf_out: Path, vllm_out: Path, num_samples: int) -> list[float]:
+    """The lowest per-token cosine between two shards of the same samples: per aux layer, then the final
+    normed state."""
+    hf = {s.id: s for s in iter_samples(hf_out)}
+    vl = {s.id: s for s in iter_samples(vllm_out)}
+    assert hf.keys() == vl.keys() and len(hf) == num_samples
+    num_aux = next(iter(hf.values())).aux.shape[1]
+    worst = [1.0] * (num_aux + 1)
+    for key, a in hf.items():
+        b = vl[key]
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
+        assert a.aux.shape == b.aux.shape
+        for slot in range(num_aux):
+            cos = F.cosine_similarity(a.aux[:, slot].float(), b.aux[:, slot].float(), dim=-1)
+            worst[slot] = min(worst[slot], cos.min().item())
+        worst[-1] = min(worst[-1], F.cosine_similarity(a.final.float(), b.final.float(), dim=-1).min().item())
+    return worst

@@ -3,16 +3,14 @@ norm, and both engines on the same samples of the real target (vLLM in a subproc
 
 import importlib.util
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import fp_tolerance
+from helpers import greedy_samples, random_sequences, vllm_extract, worst_cosines, write_sample_tokens
 from safetensors.torch import save_file
-from test_extract_kill import random_sequences, write_tokens
 
 from draftsmith.backends.hf import HfExtractor, capture_states, pad_right
 from draftsmith.backends.vllm_extract import read_target_tensor, rms_norm, vllm_layer_ids
@@ -107,7 +105,7 @@ def test_engines_in_processes_of_their_own_share_one_queue(tmp_path, target_mode
     from draftsmith.shards import verify_shard
 
     tokens = tmp_path / "tokens.safetensors"
-    write_tokens(tokens, *random_sequences([30] * 6), [[0, 2], [2, 4], [4, 6]])
+    write_sample_tokens(tokens, *random_sequences([30] * 6), [[0, 2], [2, 4], [4, 6]])
     options = {"batch_tokens": 300, "codec": "zstd-planes", "zstd_level": 1, "storage_dtype": "bfloat16",
                "backend": "transformers", "compile": "off", "vllm_eager": True, "gpu_memory_utilization": None,
                "threads": 1}  # fmt: skip
@@ -132,66 +130,14 @@ def test_engines_in_processes_of_their_own_share_one_queue(tmp_path, target_mode
     assert "\n" not in message and "a rerun reuses them" in message
 
 
-def _greedy_samples(target: Path, n: int = 4, new_tokens: int = 24) -> tuple[list[int], list[list[int]]]:
-    """Chat prompts answered greedily by the target (fp32): a real teacher-agreement check."""
-    from draftsmith.chat import render_prompt
-    from draftsmith.target import load_target
-
-    model, tokenizer = load_target(target, torch.float32)
-    questions = [
-        "What is the capital of France?",
-        "Write a haiku about the sea.",
-        "Explain what a prime number is in two sentences.",
-        "List three uses of a paperclip.",
-    ][:n]
-    ids, masks = [], []
-    for q in questions:
-        prompt = render_prompt(tokenizer, [{"role": "user", "content": q}])
-        with torch.no_grad():
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)[0]
-        ids.append(out.tolist())
-        masks.append([0] * len(prompt) + [1] * (out.numel() - len(prompt)))
-    return ids, masks
-
-
-def vllm_extract(
-    target: Path, tokens: Path, out: Path, env: dict, *options: str
-) -> subprocess.CompletedProcess:
-    """`draftsmith extract --backend vllm` (fp32, uncompressed) of shard 0 in a subprocess; asserts success."""
-    cmd = ["draftsmith", "extract", "--backend", "vllm", "--target", str(target), "--tokens", str(tokens),
-           "--shard", "0", "--out", str(out), "--dtype", "float32", "--codec", "none", *options]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc
-
-
-def worst_cosines(hf_out: Path, vllm_out: Path, num_samples: int) -> list[float]:
-    """The lowest per-token cosine between two shards of the same samples: per aux layer, then the final
-    normed state."""
-    hf = {s.id: s for s in iter_samples(hf_out)}
-    vl = {s.id: s for s in iter_samples(vllm_out)}
-    assert hf.keys() == vl.keys() and len(hf) == num_samples
-    num_aux = next(iter(hf.values())).aux.shape[1]
-    worst = [1.0] * (num_aux + 1)
-    for key, a in hf.items():
-        b = vl[key]
-        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
-        assert a.aux.shape == b.aux.shape
-        for slot in range(num_aux):
-            cos = F.cosine_similarity(a.aux[:, slot].float(), b.aux[:, slot].float(), dim=-1)
-            worst[slot] = min(worst[slot], cos.min().item())
-        worst[-1] = min(worst[-1], F.cosine_similarity(a.final.float(), b.final.float(), dim=-1).min().item())
-    return worst
-
-
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_vllm_and_transformers_engines_agree_on_the_real_target(tmp_path, target_model):
     if importlib.util.find_spec("vllm") is None:  # looked up, not imported: vLLM runs in a subprocess
         pytest.skip("the vllm extra is not installed")
-    ids, masks = _greedy_samples(target_model)
+    ids, masks = greedy_samples(target_model)
     tokens = tmp_path / "tokens.safetensors"
-    write_tokens(tokens, ids, masks, [[0, len(ids)]])
+    write_sample_tokens(tokens, ids, masks, [[0, len(ids)]])
 
     hf_out, vllm_out = tmp_path / "hf" / "shard-0.safetensors", tmp_path / "vllm" / "shard-0.safetensors"
     hf_stats = extract_shard(

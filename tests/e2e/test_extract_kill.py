@@ -11,44 +11,13 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import DEFAULT_TARGET, REPO, cli_env
-from safetensors.torch import save_file
+from conftest import REPO, cli_env
+from helpers import random_sequences, write_sample_tokens
 
 from draftsmith.manifest import verify_manifest
 from draftsmith.shards import iter_samples, verify_shard
 
 pytestmark = pytest.mark.slow
-
-
-def random_sequences(lengths: list[int], seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
-    """Random token ids with the second half of each sample loss-masked: crash safety does not depend
-    on the words (but no teacher can agree with them)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in lengths]
-    return ids, [[0] * (n // 2) + [1] * (n - n // 2) for n in lengths]
-
-
-def write_tokens(path: Path, ids: list[list[int]], masks: list[list[int]], shards: list[list[int]]) -> None:
-    """A tokens.safetensors as `draftsmith tokenize` writes it, with the given shard plan."""
-    lengths = [len(s) for s in ids]
-    meta = {
-        "sample_ids": [f"s{i}" for i in range(len(ids))],
-        "template": "test",
-        "target": str(DEFAULT_TARGET),
-        "max_seq_len": max(lengths),
-        "shards": shards,
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(
-        {
-            "input_ids": torch.tensor([t for s in ids for t in s], dtype=torch.int64),
-            "loss_mask": torch.tensor([m for s in masks for m in s], dtype=torch.uint8),
-            "offsets": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64),
-        },
-        str(path),
-        metadata={"draftsmith_tokens": json.dumps(meta)},
-    )
 
 
 def snakemake(workdir: Path, target: Path, *args: str, **popen) -> list[str]:
@@ -82,7 +51,7 @@ def test_a_killed_extraction_job_keeps_its_finished_shards_and_the_rerun_extract
     # shard 0 (15 forward passes) is extracted first, largest first; the kill lands in shard 1 (14)
     ids, masks = random_sequences([200] * 29)
     tokens = tmp_path / "results" / "tokens.safetensors"
-    write_tokens(tokens, ids, masks, [[0, 15], [15, 29]])
+    write_sample_tokens(tokens, ids, masks, [[0, 15], [15, 29]])
     env = cli_env()
 
     # Run the workflow and SIGKILL the whole job tree (snakemake, the extract process, tee) once shard 0

@@ -86,17 +86,16 @@ def test_both_extraction_engines_agree_on_each_family(tmp_path, target_model, fa
     """The same greedy samples through transformers and vLLM (fp32): every aux layer and the final normed
     state agree, and so does the teacher agreement that gates the data (MLA attention on CPU differs
     most: research/targets-on-cpu.md measured up to 3.6% relative on DeepSeek-V3)."""
-    from test_extract_backends import _greedy_samples, vllm_extract, worst_cosines
-    from test_extract_kill import write_tokens
+    from helpers import greedy_samples, vllm_extract, worst_cosines, write_sample_tokens
 
     from draftsmith.extract import extract_shard
     from draftsmith.shards import read_shard_meta
 
     target = tmp_path / f"{family}-twin"
     twins.save(family, target, vocab_size=49152, initializer_range=0.1, tokenizer_from=DEFAULT_TARGET)
-    ids, masks = _greedy_samples(target, n=3, new_tokens=16)
+    ids, masks = greedy_samples(target, n=3, new_tokens=16)
     tokens = tmp_path / "tokens.safetensors"
-    write_tokens(tokens, ids, masks, [[0, len(ids)]])
+    write_sample_tokens(tokens, ids, masks, [[0, len(ids)]])
     hf_out, vllm_out = tmp_path / "hf" / "shard-0.safetensors", tmp_path / "vllm" / "shard-0.safetensors"
     hf_stats = extract_shard(
         str(target), str(tokens), 0, str(hf_out), [1, 2, 3], "float32", 4096, codec="none", compile="off"

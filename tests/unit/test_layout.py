@@ -10,15 +10,6 @@ from conftest import REPO
 
 TESTS = REPO / "tests"
 
-# (importing module, imported module) pairs allowed for now. test_extract_kill.py and
-# test_extract_backends.py are being changed elsewhere; these move to helpers.py once those files settle.
-ALLOWED = {
-    ("e2e/test_faults.py", "test_extract_kill"),
-    ("e2e/test_extract_backends.py", "test_extract_kill"),
-    ("e2e/test_families.py", "test_extract_kill"),
-    ("e2e/test_families.py", "test_extract_backends"),
-}
-
 
 def imported_modules(path: Path) -> set[str]:
     """The top-level names of every module `path` imports, at module level or inside a function."""
@@ -37,6 +28,4 @@ def test_no_test_module_imports_another() -> None:
     found = {
         (p.relative_to(TESTS).as_posix(), name) for p in modules for name in imported_modules(p) & test_names
     }
-    assert found - ALLOWED == set(), "import shared test code from tests/helpers.py instead"
-    # an allowed import that is gone must leave the list, so the list only ever shrinks
-    assert ALLOWED - found == set()
+    assert found == set(), "import shared test code from tests/helpers.py instead"
