@@ -59,7 +59,8 @@ from safetensors.torch import save_file
 
 from draftsmith.atomic import atomic_path, write_json
 from draftsmith.backends.hf import HfExtractor
-from draftsmith.extract import extract_shard, resolve_aux_layers
+from draftsmith.extract import extract_shard
+from draftsmith.layers import resolve_aux_layers
 from draftsmith.target import load_target
 from draftsmith.tokenize import load_tokens
 
