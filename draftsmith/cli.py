@@ -589,7 +589,7 @@ def extract(
     Writes OUT atomically: until the shard is complete only hidden temporary files (.NAME.*) exist,
     and a rerun after a crash removes them and starts the shard again.
     """
-    from draftsmith.backends import VllmStartError
+    from draftsmith.backends.common import VllmStartError
     from draftsmith.estimate import NotEnoughDisk
     from draftsmith.extract import extract_shard
 
