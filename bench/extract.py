@@ -56,7 +56,8 @@ import click
 import torch
 
 from draftsmith.backends.hf import HfExtractor
-from draftsmith.extract import extract_shard, resolve_aux_layers
+from draftsmith.extract import extract_shard
+from draftsmith.layers import resolve_aux_layers
 from draftsmith.target import load_target
 from draftsmith.tokenize import load_tokens, write_tokens
 

@@ -508,7 +508,7 @@ def probe_lock_file_link(p: Probe) -> str:
 def probe_mla_fp32_on_amx(p: Probe) -> str:
     proc = p.python(
         """
-        from draftsmith.backends import vllm_attention_backend
+        from draftsmith.backends.common import vllm_attention_backend
         print(vllm_attention_backend(True, "float32", True, True))
         """
     )

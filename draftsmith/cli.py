@@ -614,7 +614,7 @@ def extract(
     only the rest. Every file is written atomically: until a shard is complete only hidden temporary
     files (.NAME.*) exist, and a rerun removes them.
     """
-    from draftsmith.backends import VllmStartError
+    from draftsmith.backends.common import VllmStartError
     from draftsmith.estimate import NotEnoughDisk
     from draftsmith.extract import EngineFailed, extract_shard, extract_shards
 

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from draftsmith.batch_plan import token_batches
 from draftsmith.shards import STORAGE_DTYPES, Sample, ShardReader, write_shard
 
 # per storage dtype: (bytes a value, bytes a row: one token's values in one layer)
@@ -166,6 +167,29 @@ def probe(
     return measured, outputs
 
 
+PROBE_SHARE = 0.25  # the probe times up to this share of a shard (reused: costs only its warm-up)
+
+
+def probe_plan(
+    lengths: list[int],
+    batch_tokens: int,
+    sample_tokens: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    capture: Callable[[list[torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]],
+    codec: str,
+    zstd_level: int,
+    workdir: Path,
+) -> tuple[list[list[int]], list[int], dict[str, Any], list[Any]]:
+    """A shard's batch plan (token_batches) and the probe of a few of its batches (estimate.probe):
+    (plan, the probed batches' indices, measured, their captured states). sample_tokens(i) -> (ids [T],
+    loss_mask [T]) of the shard's i-th sample."""
+    plan = token_batches(lengths, batch_tokens)
+    plan_lengths = [[lengths[i] for i in b] for b in plan]
+    picks = probe_batches(plan_lengths, PROBE_SHARE * sum(lengths))
+    batches = [[sample_tokens(i) for i in plan[k]] for k in picks]
+    measured, probed = probe(batches, capture, plan_lengths, codec, zstd_level, workdir)
+    return plan, picks, measured, probed
+
+
 def measure_on_tokens(
     tokens_path: str,
     target_path: str,
@@ -178,7 +202,7 @@ def measure_on_tokens(
     """`probe` on a tokens file the way its extraction job would run it (the transformers back-end, the
     job's length-bucketed batches) -> (measured, tokens, stored layers (aux + final), hidden size)."""
     from draftsmith.backends.hf import HfExtractor
-    from draftsmith.extract import probe_plan, resolve_aux_layers
+    from draftsmith.layers import resolve_aux_layers
     from draftsmith.target import load_target, text_config_dict
     from draftsmith.tokenize import load_tokens
 

@@ -24,7 +24,6 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -42,10 +41,9 @@ from draftsmith.estimate import (
     estimate_lines,
     human_bytes,
     human_seconds,
-    probe,
-    probe_batches,
+    probe_plan,
 )
-from draftsmith.layers import default_aux_layers, validate_aux_layers
+from draftsmith.layers import resolve_aux_layers
 from draftsmith.precision import compute_dtype
 from draftsmith.shards import Sample, ShardWriter, as_stored, remove_stale_temp_files
 from draftsmith.target import text_config_dict
@@ -61,22 +59,6 @@ def disk_full(err: BaseException | None) -> bool:
             return True
         err = err.__cause__ or err.__context__
     return False
-
-
-def resolve_aux_layers(aux_layers: list[int] | None, num_layers: int) -> list[int]:
-    return validate_aux_layers(aux_layers or default_aux_layers(num_layers), num_layers)
-
-
-def token_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
-    """Group sample indices, sorted by length, into batches whose padded size stays within batch_tokens."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    batches: list[list[int]] = []
-    for i in order:
-        if batches and (len(batches[-1]) + 1) * lengths[i] <= batch_tokens:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
-    return batches
 
 
 def checked_positions(
@@ -108,29 +90,6 @@ def teacher_agreement(
     final [T, H] is the stored post-norm state; the target predicts token t+1 from it."""
     states, next_ids = checked_positions(final, input_ids, loss_mask)
     return count_agreeing(lm_head_weight, states, next_ids), int(next_ids.numel())
-
-
-PROBE_SHARE = 0.25  # the probe times up to this share of a shard (reused: costs only its warm-up)
-
-
-def probe_plan(
-    lengths: list[int],
-    batch_tokens: int,
-    sample_tokens: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-    capture: Callable[[list[torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]],
-    codec: str,
-    zstd_level: int,
-    workdir: Path,
-) -> tuple[list[list[int]], list[int], dict[str, Any], list[Any]]:
-    """A shard's batch plan (token_batches) and the probe of a few of its batches (estimate.probe):
-    (plan, the probed batches' indices, measured, their captured states). sample_tokens(i) -> (ids [T],
-    loss_mask [T]) of the shard's i-th sample."""
-    plan = token_batches(lengths, batch_tokens)
-    plan_lengths = [[lengths[i] for i in b] for b in plan]
-    picks = probe_batches(plan_lengths, PROBE_SHARE * sum(lengths))
-    batches = [[sample_tokens(i) for i in plan[k]] for k in picks]
-    measured, probed = probe(batches, capture, plan_lengths, codec, zstd_level, workdir)
-    return plan, picks, measured, probed
 
 
 COMPILE_MIN_SECONDS = 300.0  # "auto" compiles when eager compute would take longer than this

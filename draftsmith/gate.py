@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from draftsmith.checks import Check, checks_of, order_checks
+from draftsmith.engines import ENGINE_CONVENTIONS, draft_positions_warning, trained_ttt_steps
 from draftsmith.methods import method
 from draftsmith.projection import chosen, method_counts
 from draftsmith.settings import from_schema, schema_spec
@@ -58,30 +59,6 @@ PER_DRAFT = ("accepted", "drafts")
 
 class GateFailed(RuntimeError):
     """A blocking check failed: the drafter would not pay for itself, or something upstream is broken."""
-
-
-@dataclass
-class Check:
-    name: str
-    status: str  # pass, fail, warn (failed, not blocking), info (reported, not judged), skip (not computable)
-    value: str  # the measured number(s), formatted
-    threshold: str  # what it is compared against
-    where: str  # where to look when it fails
-    blocking: bool = True
-    group: str = ""  # alternatives | speed | contract | learning
-    heldout: str | None = None  # the held-out set it was measured on
-
-    @property
-    def failed(self) -> bool:
-        return self.status == "fail"
-
-    @property
-    def missed(self) -> bool:
-        """Failed, blocking or not."""
-        return self.status in ("fail", "warn")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _status(ok: bool, blocking: bool = True) -> str:
@@ -329,8 +306,6 @@ def check_export_convention(
 def check_draft_positions(num_draft_tokens: int | None, ttt_steps: int | None) -> Check:
     """Drafting more tokens per step than the TTT steps trained drafts positions the drafter never
     learnt: they are mostly rejected and cost a drafter forward each. Warning only."""
-    from draftsmith.export import draft_positions_warning
-
     if num_draft_tokens is None or ttt_steps is None:
         return Check(
             "draft_positions", "skip", "n/a", "num_draft_tokens <= train.ttt_steps", "", blocking=False
@@ -477,12 +452,6 @@ def _fmt_list(xs: list[float | None]) -> str:
 
 def passed(checks: list[Check]) -> bool:
     return not any(c.failed for c in checks)
-
-
-def order_checks(checks: list[Check]) -> list[Check]:
-    """Failed checks first, then warnings, then the rest (stable within each group)."""
-    rank = {"fail": 0, "warn": 1}
-    return sorted(checks, key=lambda c: rank.get(c.status, 2))
 
 
 def gate_message(checks: list[Check]) -> str:
@@ -655,8 +624,6 @@ def diagnose(
     "vllm": vllm.json or None}; the first set's speed is the one judged. `engine` is the serving engine
     whose aux-id convention the export must use. projections: set name -> draftsmith.projection's
     set_projection (the serving point's figures that beats_free compares)."""
-    from draftsmith.export import ENGINE_CONVENTIONS, trained_ttt_steps
-
     checks: list[Check] = []
     for heldout, results in sets.items():
         if key not in results["offline"]["methods"]:
@@ -728,10 +695,6 @@ def _on_set(check: Check, heldout: str) -> Check:
     check.name = f"{check.name[:-1]}, {heldout})"
     check.heldout = heldout
     return check
-
-
-def checks_of(summary: dict[str, Any]) -> list[Check]:
-    return [Check(**c) for c in summary["checks"]]
 
 
 def read_gate(summary_path: str | Path) -> tuple[str, list[Check], dict[str, Any]]:

@@ -38,7 +38,8 @@ from typing import Any
 from tqdm import tqdm
 
 from draftsmith.atomic import atomic_path, write_json, write_jsonl
-from draftsmith.backends import Answer, Failure, open_backend
+from draftsmith.backends import open_backend
+from draftsmith.backends.common import Answer, Failure
 from draftsmith.backends.openai import EndpointError
 from draftsmith.backends.server import ServerError
 from draftsmith.chat import render_prompt, template_fingerprint

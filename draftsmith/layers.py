@@ -46,6 +46,11 @@ def validate_aux_layers(ids: Sequence[int], num_layers: int) -> list[int]:
     return ids
 
 
+def resolve_aux_layers(aux_layers: list[int] | None, num_layers: int) -> list[int]:
+    """The configured ids (EAGLE-3's default when None or empty), validated against the target's layers."""
+    return validate_aux_layers(aux_layers or default_aux_layers(num_layers), num_layers)
+
+
 def aux_order_problem(ids: Sequence[int]) -> str | None:
     """Why `ids` are not strictly increasing (the order engines capture in), or None."""
     ids = list(ids)

@@ -17,17 +17,26 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from draftsmith.shards import Sample, ShardError, ShardReader, content_digest
 
-if TYPE_CHECKING:
-    from draftsmith.train import TrainSettings
-
 log = logging.getLogger(__name__)
+
+
+class LoaderSettings(Protocol):
+    """The batching settings the loader reads (train.TrainSettings has them): the loader does not
+    import the train stage."""
+
+    batch_tokens: int
+    max_seq_len: int
+    val_fraction: float
+    seed: int
+    pack_window: int
+    loader_threads: int
 
 
 def is_validation(sample_id: str, val_fraction: float) -> bool:
@@ -215,7 +224,7 @@ class StreamingData:
         readers: list[ShardReader],
         train: list[SampleRef],
         val: list[SampleRef],
-        settings: TrainSettings,
+        settings: LoaderSettings,
     ):
         if not train:
             raise ValueError("no training samples (all held out for validation, or none with a target token)")
@@ -224,7 +233,7 @@ class StreamingData:
         self.pack_window, self.threads = settings.pack_window, settings.loader_threads
 
     @classmethod
-    def from_manifest(cls, manifest: dict[str, Any], settings: TrainSettings) -> StreamingData:
+    def from_manifest(cls, manifest: dict[str, Any], settings: LoaderSettings) -> StreamingData:
         readers = [ShardReader(s["path"]) for s in manifest["shards"]]
         refs, skipped = index_samples(
             readers, settings.max_seq_len, int(manifest["num_aux"]), int(manifest["hidden_size"])
@@ -281,7 +290,7 @@ class InMemoryData(StreamingData):
         readers: list[ShardReader],
         train: list[SampleRef],
         val: list[SampleRef],
-        settings: TrainSettings,
+        settings: LoaderSettings,
     ):
         super().__init__(readers, train, val, settings)
         self.loaded = {

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.atomic import atomic_path, write_json, write_text
+from draftsmith.checks import checks_of, order_checks
 from draftsmith.methods import method
 
 # ---------------------------------------------------------------------------------------------- verdict
@@ -72,8 +73,7 @@ def format_verdict(v: dict[str, Any]) -> str:
 
 def format_checks(checks: Iterable[Any]) -> str:
     """The diagnosis as a text table, failed checks first; 'where' lines only under failed/warned ones."""
-    rank = {"fail": 0, "warn": 1}
-    rows = sorted(checks, key=lambda c: rank.get(c.status, 2))
+    rows = order_checks(list(checks))
     name_w = max(len(c.name) for c in rows)
     lines = [f"{'check'.ljust(name_w)}  status  value  [threshold]"]
     for c in rows:
@@ -195,7 +195,6 @@ def format_tsv(summary: dict[str, Any]) -> str:
 def format_html(summary: dict[str, Any], plots: dict[str, str] | None = None) -> str:
     """A self-contained HTML page: the verdict, the summary table, the diagnosis and the plots (`plots`:
     title -> base64 PNG), which Snakemake's report embeds too."""
-    from draftsmith.gate import checks_of, order_checks
 
     def table(header: list[str], rows: list[list[str]]) -> str:
         head = "".join(f"<th>{html.escape(h)}</th>" for h in header)

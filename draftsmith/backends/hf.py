@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from draftsmith.backends import Answer, oversized, oversized_failure
+from draftsmith.backends.common import Answer, oversized, oversized_failure
 from draftsmith.chat import eos_token_ids
 from draftsmith.layers import capture_aux, decoder_layers, stack_aux
 from draftsmith.precision import compute_dtype

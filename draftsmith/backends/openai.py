@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from draftsmith.backends import Answer, Failure, oversized, oversized_failure
+from draftsmith.backends.common import Answer, Failure, oversized, oversized_failure
 
 # Statuses worth another try: the server is busy, restarting or briefly overloaded.
 TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}

@@ -32,7 +32,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from draftsmith.backends import attention_backend_for, log_cause, vllm_child_env
+from draftsmith.backends.common import attention_backend_for, log_cause, vllm_child_env
 from draftsmith.backends.openai import OpenAIChatBackend, OpenAIClient
 from draftsmith.backends.vllm_api import API_SERVER_MODULE
 from draftsmith.config import server_args_error

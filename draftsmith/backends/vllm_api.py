@@ -167,10 +167,10 @@ INTERNALS: tuple[Internal, ...] = (
         ("vllm/v1/sample/rejection_sampler.py",),
         "expand_batch_to_tokens",
     ),
-    Internal("backends.vllm_on_cpu: vLLM's own CPU/GPU rule", ("vllm/envs.py",), '"VLLM_TARGET_DEVICE"', "text"),
+    Internal("backends.common.vllm_on_cpu: vLLM's own CPU/GPU rule", ("vllm/envs.py",), '"VLLM_TARGET_DEVICE"', "text"),
     Internal("the server's API key (backends/server.py)", ("vllm/envs.py",), '"VLLM_API_KEY"', "text"),
     Internal(
-        "attention backend for an MLA target in float32 on a CPU with AMX (backends.vllm_attention_backend)",
+        "attention backend for an MLA target in float32 on a CPU with AMX (backends.common.vllm_attention_backend)",
         ("vllm/v1/attention/backends/registry.py",),
         "CPU_MLA",
         "text",

@@ -35,7 +35,7 @@ from typing import Any
 
 import click
 
-from draftsmith.backends import log_cause
+from draftsmith.backends.common import log_cause
 from draftsmith.backends.vllm_api import SPEC_METRICS
 
 RESULT_MARKER = "DRAFTSMITH_VLLM_RESULT "  # prefix of the result line on stdout
@@ -164,7 +164,7 @@ def run_vllm_speculative(
     from vllm import LLM, SamplingParams
     from vllm.platforms import current_platform
 
-    from draftsmith.backends import attention_backend_for, single_process_on_cpu
+    from draftsmith.backends.common import attention_backend_for, single_process_on_cpu
     from draftsmith.backends.vllm_cpu_sampling import fix_cpu_sampling
     from draftsmith.devices import parse_visible
     from draftsmith.target import trust_remote_code
@@ -227,7 +227,7 @@ def run_vllm_speculative(
 
 def vllm_env(cache_dir: str | Path, base: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for a CPU vLLM child (`vllm_child_env`), caches under cache_dir (not ~/.cache)."""
-    from draftsmith.backends import vllm_child_env
+    from draftsmith.backends.common import vllm_child_env
 
     env = vllm_child_env(dict(os.environ if base is None else base))
     cache_dir = Path(cache_dir)

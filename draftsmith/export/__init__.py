@@ -1,6 +1,7 @@
 """Drafter exports, one per engine, and the checks that catch a broken one before it is served.
 
-    common.py       engines, conventions, file names, the shared layer fields and draftsmith block
+    common.py       file names, the shared layer fields and draftsmith block (the engines and their
+                    conventions: draftsmith/engines.py, which the gate reads without this package)
     vllm.py         the native form (results/drafter/, written by training)
     sglang.py       the native form with SGLang's aux-id convention
     speculators.py  speculators' format
@@ -39,17 +40,14 @@ the input-convention ids, the target path and the full `DrafterConfig`, so `load
 exact module.
 """
 
+from draftsmith.engines import ENGINE_CONVENTIONS, ENGINES, draft_positions_warning, trained_ttt_steps
 from draftsmith.export.check import check_against_target, check_export, expected_shapes, unreadable
 from draftsmith.export.common import (
     CONFIG_NAME,
-    ENGINE_CONVENTIONS,
-    ENGINES,
     NORM_FLAGS,
     WEIGHTS_NAME,
-    draft_positions_warning,
     export_draft_positions_warning,
     needs_vocab_map,
-    trained_ttt_steps,
 )
 from draftsmith.export.load import drafter_config_from_export, engine_of, engine_view, load_drafter
 from draftsmith.export.sglang import sglang_config

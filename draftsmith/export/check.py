@@ -11,11 +11,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from draftsmith.drafter import DrafterConfig
+from draftsmith.engines import ENGINE_CONVENTIONS, ENGINES
 from draftsmith.export.common import (
     ACCEPTED_ARCHITECTURES,
     CONFIG_NAME,
-    ENGINE_CONVENTIONS,
-    ENGINES,
     NORM_FLAGS,
     SGLANG_NUM_AUX,
     VOCAB_TENSORS,

@@ -1,5 +1,5 @@
-"""What every export form shares: the engines and their conventions, file names, the one-layer Llama
-fields, the draftsmith block, the tensors as written, and the trained draft length."""
+"""What every export form shares: file names, the one-layer Llama fields, the draftsmith block, the tensors
+as written, and an export's trained draft length. The engines and their conventions: draftsmith.engines."""
 
 from __future__ import annotations
 
@@ -11,14 +11,12 @@ import torch
 from safetensors.torch import save_file
 
 from draftsmith.drafter import DrafterConfig, Eagle3Drafter
+from draftsmith.engines import ENGINE_CONVENTIONS, ENGINES, draft_positions_warning, trained_ttt_steps
 from draftsmith.layers import aux_order_problem
 
 EXPORT_FORMAT_VERSION = 1
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 ACCEPTED_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
-ENGINES = ("vllm", "sglang", "speculators")
-# the layer-id convention each engine applies to the aux ids it reads
-ENGINE_CONVENTIONS = {"vllm": "input", "sglang": "output", "speculators": "input"}
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 SGLANG_NUM_AUX = 3  # SGLang's LlamaForCausalLMEagle3 builds fc as 3 x target_hidden_size
 SPECULATORS_VERSION = "0.9.0"
@@ -135,24 +133,6 @@ def write_files(out_dir: Path, config: dict[str, Any], tensors: dict[str, torch.
     for name in (WEIGHTS_NAME, CONFIG_NAME):
         (out_dir / name).chmod(0o644)
     return out_dir
-
-
-def trained_ttt_steps(config: dict[str, Any]) -> int | None:
-    """The TTT steps the drafter of an export was trained with (None for a foreign export)."""
-    settings = ((config.get("draftsmith") or {}).get("training") or {}).get("settings") or {}
-    steps = settings.get("ttt_steps")
-    return int(steps) if steps is not None else None
-
-
-def draft_positions_warning(num_draft_tokens: int, ttt_steps: int | None) -> str | None:
-    """Why drafting `num_draft_tokens` per step with a drafter trained for `ttt_steps` wastes positions."""
-    if ttt_steps is None or num_draft_tokens <= ttt_steps:
-        return None
-    return (
-        f"num_draft_tokens {num_draft_tokens} exceeds the {ttt_steps} TTT steps the drafter was trained "
-        f"with: draft positions {ttt_steps + 1}..{num_draft_tokens} were never trained (raise "
-        f"train.ttt_steps or lower evaluate.num_draft_tokens)"
-    )
 
 
 def export_draft_positions_warning(export_dir: str | Path, num_draft_tokens: int) -> str | None:

@@ -12,13 +12,13 @@ from safetensors.torch import load_file
 
 from draftsmith.atomic import atomic_dir
 from draftsmith.drafter import DrafterConfig
+from draftsmith.engines import trained_ttt_steps
 from draftsmith.export.check import check_export
 from draftsmith.export.common import (
     CONFIG_NAME,
     DTYPES,
     WEIGHTS_NAME,
     draftsmith_block,
-    trained_ttt_steps,
     write_files,
 )
 from draftsmith.export.sglang import sglang_config

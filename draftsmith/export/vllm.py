@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 from draftsmith.drafter import DrafterConfig, Eagle3Drafter
+from draftsmith.engines import ENGINE_CONVENTIONS
 from draftsmith.export.common import (
     ARCHITECTURE,
-    ENGINE_CONVENTIONS,
     NORM_FLAGS,
     draftsmith_block,
     dtype_name,

@@ -1,4 +1,4 @@
-"""draftsmith/backends/__init__.py: what every engine shares. Which attention backend vLLM is asked for
+"""draftsmith/backends/common.py: what every back-end shares. Which attention backend vLLM is asked for
 (an MLA target in float32 on a CPU with AMX), and the root cause of a vLLM that did not start."""
 
 import json
@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from draftsmith.backends import (
+from draftsmith.backends.common import (
     VllmStartError,
     attention_backend_for,
     log_cause,

@@ -242,7 +242,7 @@ def test_fetch_wheel_refuses_an_option_as_bad_input(tmp_path):
 
 def test_a_vllm_that_did_not_start_is_one_line_exit_1(tmp_path, monkeypatch):
     import draftsmith.extract
-    from draftsmith.backends import VllmStartError
+    from draftsmith.backends.common import VllmStartError
 
     def fail(*args, **kwargs):
         raise VllmStartError(

@@ -425,7 +425,7 @@ def test_draft_vocabulary_larger_than_target_is_refused(tmp_path: Path) -> None:
 
 
 def test_draft_positions_warning() -> None:
-    from draftsmith.export import draft_positions_warning, trained_ttt_steps
+    from draftsmith.engines import draft_positions_warning, trained_ttt_steps
 
     assert draft_positions_warning(3, 3) is None and draft_positions_warning(5, None) is None
     assert "draft positions 4..5 were never trained" in draft_positions_warning(5, 3)

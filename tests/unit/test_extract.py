@@ -9,6 +9,7 @@ from conftest import fp_tolerance
 
 from draftsmith.atomic import write_json
 from draftsmith.backends.hf import capture_states, stop_at_eos
+from draftsmith.batch_plan import token_batches
 from draftsmith.chat import training_sequence
 from draftsmith.estimate import (
     NotEnoughDisk,
@@ -18,7 +19,7 @@ from draftsmith.estimate import (
     probe_batches,
     raw_state_bytes,
 )
-from draftsmith.extract import disk_full, teacher_agreement, token_batches
+from draftsmith.extract import disk_full, teacher_agreement
 from draftsmith.layers import convert_layer_ids, default_aux_layers, validate_aux_layers
 from draftsmith.manifest import build_manifest
 from draftsmith.shards import ShardWriter

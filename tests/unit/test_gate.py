@@ -9,10 +9,10 @@ import math
 
 import pytest
 
+from draftsmith.checks import Check, order_checks
 from draftsmith.cost import DEVICES, ModelCost, ServingPoint
 from draftsmith.gate import (
     PER_DRAFT,
-    Check,
     GateFailed,
     GateSettings,
     check_beats,
@@ -28,7 +28,6 @@ from draftsmith.gate import (
     enforce,
     learning_curve,
     on_prompts,
-    order_checks,
     per_prompt_counts,
     set_verdict,
     tau_tolerance,

@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import REPO
 
-from draftsmith.backends import CPU_KV_CACHE_GIB, Answer, oversized, vllm_child_env
+from draftsmith.backends.common import CPU_KV_CACHE_GIB, Answer, oversized, vllm_child_env
 from draftsmith.backends.hf import length_batches
 from draftsmith.backends.openai import check_served_prompt
 from draftsmith.chat import assistant_message, merge_turns, render_prompt, render_with_response
