@@ -32,6 +32,8 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/snakefmt --check .
 	$(VENV)/bin/snakemake --lint
+	# the import contract (pyproject.toml [tool.importlinter]): no cycles, back-ends import no stage
+	$(VENV)/bin/lint-imports
 
 # No -x: one failure must not hide the rest.
 test: lint
