@@ -239,11 +239,11 @@ def heldout_prompt_file(name):
     anything else = a prompt file of the user's."""
     source = config["evaluate"]["heldout_sets"][name]
     if source == "split":
-        return "results/prompts/heldout.jsonl"
+        return rules.prompts.output.heldout
     if source == "handwritten":
         return workdir_path(Path(draftsmith.__file__).parent / "data" / "heldout_handwritten.jsonl")
     if source == "humaneval":
-        return "resources/data/humaneval.jsonl"
+        return rules.humaneval_prompts.output[0]
     return source
 
 
