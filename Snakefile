@@ -1,10 +1,10 @@
 # draftsmith: train an EAGLE-3 drafter for a target LLM and measure its acceptance before deploying.
-# Stages: target -> prompts -> generate -> tokenize -> extract (per shard) -> manifest -> vocab -> train -> evaluate, export
+# Stages: target -> prompts -> generate -> tokenize -> extract (every shard) -> manifest -> vocab -> train -> evaluate, export
 
 
 from snakemake.utils import min_version
 
-from draftsmith.config import config_file_error, stop_at_start
+from draftsmith.core.config import config_file_error, stop_at_start
 
 min_version("9.20")
 
@@ -35,11 +35,11 @@ include: "rules/export.smk"
 rule all:
     default_target: True
     input:
-        "results/drafter/README.md",
-        "results/drafter-sglang",
-        "results/drafter-speculators",
-        "results/eval/summary.json",
-        "results/eval/acceptance.png",
-        "results/eval/gate.json",
+        rules.export.output.card,
+        rules.export.output.sglang,
+        rules.export.output.speculators,
+        rules.eval_summary.output.summary,
+        rules.eval_summary.output.acceptance,
+        rules.gate.output[0],
         # asked for, so that a deleted manifest is made again (checkpoint manifest, rules/extract.smk)
-        "results/data_config.json",
+        rules.manifest.output[0],

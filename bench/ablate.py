@@ -80,7 +80,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 def run_variant(name: str, values: dict[str, Any], data: str, vocab: str, workdir: str) -> dict[str, Any]:
     """One training run in this (child) process -> its row."""
-    from draftsmith.train import TrainSettings, train
+    from draftsmith.stages.train import TrainSettings, train
 
     settings = TrainSettings.from_dict(values)
     root = Path(workdir) / name

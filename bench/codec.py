@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import zstandard
 
-from draftsmith.shards import (
+from draftsmith.core.shards import (
     MANTISSA_LEVEL,
     STORAGE_DTYPES,
     PlaneEncoder,

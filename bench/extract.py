@@ -56,10 +56,10 @@ import click
 import torch
 
 from draftsmith.backends.hf import HfExtractor
-from draftsmith.extract import extract_shard
-from draftsmith.layers import resolve_aux_layers
-from draftsmith.target import load_target
-from draftsmith.tokenize import load_tokens, write_tokens
+from draftsmith.core.layers import resolve_aux_layers
+from draftsmith.core.target import load_target
+from draftsmith.stages.extract import extract_shard
+from draftsmith.stages.tokenize import load_tokens, write_tokens
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
 import harness  # noqa: E402
@@ -105,8 +105,8 @@ def made_up_samples(target: str) -> tuple[list[list[int]], list[list[int]]]:
     few prompts (real-looking text, 70-470 tokens a sample). Throughput does not depend on the words."""
     from transformers import AutoTokenizer
 
-    from draftsmith.chat import render_with_response
-    from draftsmith.prompts import read_prompt_file
+    from draftsmith.core.chat import render_with_response
+    from draftsmith.stages.prompts import read_prompt_file
 
     tokenizer = AutoTokenizer.from_pretrained(target)
     records = read_prompt_file(Path(__file__).resolve().parents[1] / "draftsmith" / "data" / "prompts.jsonl")

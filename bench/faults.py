@@ -326,9 +326,9 @@ def probe_manifest_without_min_teacher_agreement(p: Probe) -> str:
 # A small drafter export written by the checkout's own code (8-layer target, 256 tokens, 96 drafted).
 MAKE_EXPORT = """
 import torch
-from draftsmith.drafter import DrafterConfig, Eagle3Drafter
-from draftsmith.export import save_drafter
-from draftsmith.vocab import vocab_maps
+from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter
+from draftsmith.stages.export import save_drafter
+from draftsmith.stages.vocab import vocab_maps
 cfg = DrafterConfig(hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
                     intermediate_size=80, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512,
                     target_hidden_size=48, target_vocab_size=256, draft_vocab_size=96, num_aux=3)
@@ -492,7 +492,7 @@ def probe_lock_file_link(p: Probe) -> str:
         """
         import os, socket
         from pathlib import Path
-        from draftsmith.devices import acquire, lock_namespace
+        from draftsmith.core.devices import acquire, lock_namespace
         Path("locks").mkdir()
         Path("locks", lock_namespace({}, socket.gethostname()) + "-gpu0.lock").symlink_to(Path("victim").absolute())
         try:
@@ -740,7 +740,7 @@ def probe_corrupt_vocab_after_a_run(p: Probe) -> str:
     vocab = p.root / "results" / "vocab_map.pt"
     vocab.write_bytes(b"a good map" * 100)
     p.python(
-        "import sys\ntry:\n    from draftsmith.digests import seal\nexcept ImportError:\n    sys.exit()\nseal(['results/vocab_map.pt'], 'vocab')"
+        "import sys\ntry:\n    from draftsmith.core.digests import seal\nexcept ImportError:\n    sys.exit()\nseal(['results/vocab_map.pt'], 'vocab')"
     )
     time.sleep(0.01)
     vocab.write_bytes(b"a corrupt!" * 100)

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import click
 
-from draftsmith.generate import GenerateSettings, generate_traces
-from draftsmith.prompts import BUILTIN_PROMPTS
+from draftsmith.stages.generate import GenerateSettings, generate_traces
+from draftsmith.stages.prompts import BUILTIN_PROMPTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
 import harness  # noqa: E402
@@ -83,7 +83,7 @@ def main(
     json_path: str,
 ) -> None:
     from draftsmith.backends.server import VllmServer
-    from draftsmith.precision import compute_dtype
+    from draftsmith.core.precision import compute_dtype
 
     dtype = compute_dtype(dtype)
     load_before = harness.load_average()

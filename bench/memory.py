@@ -1,5 +1,5 @@
 """Bytes the TTT loss keeps for the backward pass, measured, and the per-token coefficients of
-draftsmith/memory.py fitted to them.
+draftsmith/core/memory.py fitted to them.
 
     python bench/memory.py            # measure scaled-down drafters, fit, print the coefficients
 
@@ -25,11 +25,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from draftsmith import train  # noqa: E402
-from draftsmith.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
-from draftsmith.loader import Batch  # noqa: E402
-from draftsmith.memory import CHECKPOINTED, CURRENT, DrafterShape, activation_bytes  # noqa: E402
-from draftsmith.train import Objective, ttt_loss  # noqa: E402
+from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
+from draftsmith.core.loader import Batch  # noqa: E402
+from draftsmith.core.memory import CHECKPOINTED, CURRENT, DrafterShape, activation_bytes  # noqa: E402
+from draftsmith.stages import train  # noqa: E402
+from draftsmith.stages.train import Objective, ttt_loss  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -192,8 +192,8 @@ def tables() -> str:
     """docs/gpu.md's tables: each shipped config's memory per GPU and stage on an H100 and an H200, before
     issue 32 (the loss as it was, no micro-batches, shares by sample count at their nominal batch_tokens /
     world) and now (with the vLLM stages' engines x GPUs each where the job runs several engines)."""
-    from draftsmith.config import merged_config_files, with_defaults
-    from draftsmith.memory import BEFORE, GB, GIB, GPU_PRESETS, plan_config
+    from draftsmith.core.config import merged_config_files, with_defaults
+    from draftsmith.core.memory import BEFORE, GB, GIB, GPU_PRESETS, plan_config
 
     root = Path(__file__).resolve().parents[1]
     out = []

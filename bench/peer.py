@@ -28,7 +28,7 @@ Stages, each kept in --work and reused by a rerun with the same inputs (--fresh 
              config and tokenizer plus its lm_head and embedding behind a `*.index.json`, and a draft config
              (LlamaForCausalLMEagle3, draft_vocab_size from the vocab map, aux ids in SpecForge's "output of
              layer k" convention: draftsmith's "input" ids minus one, the same tensors).
-  draftsmith `draftsmith.train.train` with the run's settings.
+  draftsmith `draftsmith.stages.train.train` with the run's settings.
   specforge  `specforge train` (through peer_shim.py) on the converted data, then its checkpoint loaded
              into draftsmith's drafter (the weight names are the same: fc, midlayer.*, norm, lm_head, d2t,
              t2d) and exported exactly like draftsmith's own.
@@ -76,14 +76,14 @@ import torch
 import yaml
 from torch import Tensor
 
-from draftsmith.atomic import atomic_path, write_json
-from draftsmith.config import section_from_file
-from draftsmith.layers import convert_layer_ids
-from draftsmith.loader import StreamingData, collate
-from draftsmith.manifest import load_manifest
-from draftsmith.shards import Sample
-from draftsmith.speculate import target_forwards
-from draftsmith.stats import paired_difference, ratio_of_sums
+from draftsmith.core.atomic import atomic_path, write_json
+from draftsmith.core.config import section_from_file
+from draftsmith.core.layers import convert_layer_ids
+from draftsmith.core.loader import StreamingData, collate
+from draftsmith.core.shards import Sample
+from draftsmith.core.speculate import target_forwards
+from draftsmith.core.stats import paired_difference, ratio_of_sums
+from draftsmith.stages.manifest import load_manifest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
 import harness  # noqa: E402
@@ -232,7 +232,7 @@ def write_target_folder(target_dir: Path, out: Path) -> None:
     out as its own tensor)."""
     from safetensors.torch import save_file
 
-    from draftsmith.target import load_target_head
+    from draftsmith.core.target import load_target_head
 
     out.mkdir(parents=True, exist_ok=True)
     for name in TARGET_FILES:
@@ -289,8 +289,8 @@ def convert(
     manifest_path: Path, vocab_path: Path, settings: dict[str, Any], out: Path, fresh: bool
 ) -> dict[str, Any]:
     """This run's shards and vocabulary in SpecForge's offline format under out/ -> a summary."""
-    from draftsmith.train import TrainSettings
-    from draftsmith.vocab import load_vocab_map
+    from draftsmith.stages.train import TrainSettings
+    from draftsmith.stages.vocab import load_vocab_map
 
     manifest = load_manifest(manifest_path)
     key = data_key(manifest, vocab_path, settings)
@@ -342,7 +342,7 @@ def convert(
 
 def draftsmith_steps(manifest_path: Path, settings: dict[str, Any]) -> tuple[int, int]:
     """(optimizer steps of draftsmith's whole run, training samples)."""
-    from draftsmith.train import TrainSettings
+    from draftsmith.stages.train import TrainSettings
 
     data = StreamingData.from_manifest(load_manifest(manifest_path), TrainSettings.from_dict(settings))
     steps = sum(len(data.epoch_batches(e)) for e in range(settings["epochs"]))
@@ -420,7 +420,7 @@ def draftsmith_code() -> str:
 def train_draftsmith(
     manifest: Path, vocab: Path, settings: dict[str, Any], out: Path, fresh: bool
 ) -> dict[str, Any]:
-    from draftsmith.train import TrainSettings, train
+    from draftsmith.stages.train import TrainSettings, train
 
     summary_path = out / "drafter" / "train_summary.json"
     key_path = out / "settings.json"
@@ -521,7 +521,7 @@ def import_specforge(
     state_path: Path, manifest_path: Path, vocab_path: Path, settings: dict[str, Any], out_dir: Path
 ) -> Path:
     """SpecForge's trained weights in draftsmith's drafter, exported as draftsmith exports its own."""
-    from draftsmith.train import TrainSettings, build_drafter, load_inputs, write_drafter
+    from draftsmith.stages.train import TrainSettings, build_drafter, load_inputs, write_drafter
 
     manifest, vocab, target = load_inputs(manifest_path, vocab_path)
     s = TrainSettings.from_dict(settings)
@@ -547,8 +547,8 @@ def validation(
     `train.validate` scores (`Objective.for_validation`: the inference view, the positions whose predicted
     token is an assistant token; float32) -> accuracy and agreement per TTT step, and each sample's counts
     for the paired interval."""
-    from draftsmith.export import load_drafter
-    from draftsmith.train import Objective, StepStats, TrainSettings, load_inputs, ttt_loss
+    from draftsmith.stages.export import load_drafter
+    from draftsmith.stages.train import Objective, StepStats, TrainSettings, load_inputs, ttt_loss
 
     manifest, vocab, target = load_inputs(manifest_path, vocab_path)
     s = TrainSettings.from_dict(settings)
@@ -629,7 +629,7 @@ def forward_counts(tokens: list[int], accepted: list[int]) -> tuple[list[int], l
 
 
 def tokens_per_forward(tokens: list[int], accepted: list[int]) -> float:
-    """Output tokens per target forward over some prompts (draftsmith.speculate's count)."""
+    """Output tokens per target forward over some prompts (draftsmith.core.speculate's count)."""
     return ratio_of_sums(*(np.asarray(x, dtype=float) for x in forward_counts(tokens, accepted))).item()
 
 
@@ -642,7 +642,7 @@ def paired_interval(
     seed: int = 0,
 ) -> list[float]:
     """95% paired bootstrap interval of tokens_per_forward(a) - tokens_per_forward(b) over the same prompts
-    (draftsmith.stats, as the gate computes it)."""
+    (draftsmith.core.stats, as the gate computes it)."""
     _, lo, hi = paired_difference(forward_counts(tokens_a, acc_a), forward_counts(tokens_b, acc_b),
                                   0.95, resamples, seed)  # fmt: skip
     return [lo, hi]
@@ -660,7 +660,7 @@ def vllm_measure(
     call: plain once, then one engine per drafter, every held-out set in one batch) -> label -> its
     per-set figures and per-prompt counts. A drafter already measured (same weights, same settings) in
     out/ or a `reuse` folder is read back: greedy decoding of the same prompts is deterministic."""
-    from draftsmith.evaluate import evaluate_vllm
+    from draftsmith.stages.evaluate import evaluate_vllm
 
     keys = {"num_prompts": ev["num_prompts"], "set_num_prompts": ev.get("set_num_prompts"),
             "max_new_tokens": ev["max_new_tokens"], "num_draft_tokens": ev["num_draft_tokens"],
@@ -753,7 +753,7 @@ def per_depth_grads(
 ) -> tuple[list[dict[str, Tensor]], list[float]]:
     """draftsmith's ttt_loss at depth 1..ttt_steps -> (the gradient of each depth's weighted loss, the
     per-step loss sums of the full depth)."""
-    from draftsmith.train import ttt_loss
+    from draftsmith.stages.train import ttt_loss
 
     grads, sums = [], []
     for depth in range(1, objective.ttt_steps + 1):
@@ -797,7 +797,7 @@ def run_diff(
     samples: int, max_len: int, threads: int | None, out: Path,
 ) -> dict[str, Any]:  # fmt: skip
     """The differential check (module docstring)."""
-    from draftsmith.train import Objective, TrainSettings, build_drafter, load_inputs, ttt_loss
+    from draftsmith.stages.train import Objective, TrainSettings, build_drafter, load_inputs, ttt_loss
 
     out.mkdir(parents=True, exist_ok=True)
     s = TrainSettings.from_dict(settings)

@@ -27,7 +27,7 @@ from typing import Any
 
 import click
 
-from draftsmith.atomic import atomic_path
+from draftsmith.core.atomic import atomic_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
 import harness  # noqa: E402
@@ -46,9 +46,9 @@ def subset_manifest(manifest_path: Path, fraction: float, val_fraction: float, f
     """A manifest of `fraction` of the training samples and every validation sample, in new shards.
 
     The subset shards' counts are their own; their teacher-agreement figures stay the full shards'."""
-    from draftsmith.loader import is_validation
-    from draftsmith.manifest import build_manifest, load_manifest
-    from draftsmith.shards import ShardWriter, iter_samples, read_shard_meta
+    from draftsmith.core.loader import is_validation
+    from draftsmith.core.shards import ShardWriter, iter_samples, read_shard_meta
+    from draftsmith.stages.manifest import build_manifest, load_manifest
 
     manifest = load_manifest(manifest_path)
     folder.mkdir(parents=True, exist_ok=True)
@@ -124,8 +124,8 @@ def figures_by_set(
     """Tokens per target forward and tau with their bootstrap intervals over prompts, and acceptance per
     position, per held-out set, from the per-prompt counts of one batch holding every set (`spans`: set ->
     [start, end) in the batch)."""
-    from draftsmith.evaluate import counts_summary
-    from draftsmith.stats import bootstrap_ratio, bootstrap_tau
+    from draftsmith.core.stats import bootstrap_ratio, bootstrap_tau
+    from draftsmith.stages.evaluate import counts_summary
 
     out = {}
     for name, (a, b) in spans.items():
@@ -151,7 +151,7 @@ def vllm_figures(
     from transformers import AutoTokenizer
 
     from draftsmith.backends.vllm_spec import run_vllm_subprocess
-    from draftsmith.evaluate import encode_prompts, read_eval_prompts, vllm_prompt_counts
+    from draftsmith.stages.evaluate import encode_prompts, read_eval_prompts, vllm_prompt_counts
 
     tokenizer = AutoTokenizer.from_pretrained(target)
     spans, ids, encoded = {}, [], []
@@ -242,7 +242,7 @@ def plot(rows: list[dict[str, Any]], sets: dict[str, dict[str, Any]], path: Path
 )  # fmt: skip
 @click.option("--out", default="results/bench/quality", show_default=True, type=click.Path(file_okay=False))
 def main(**kw: Any) -> None:
-    from draftsmith.train import TrainSettings, train
+    from draftsmith.stages.train import TrainSettings, train
 
     load_before = harness.load_average()
     values = harness.base_settings(kw["config_path"], json.loads(kw["settings_json"]))

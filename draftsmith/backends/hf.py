@@ -13,9 +13,9 @@ import torch
 from torch import Tensor
 
 from draftsmith.backends.common import Answer, oversized, oversized_failure
-from draftsmith.chat import eos_token_ids
-from draftsmith.layers import capture_aux, decoder_layers, stack_aux
-from draftsmith.precision import compute_dtype
+from draftsmith.core.chat import eos_token_ids
+from draftsmith.core.layers import capture_aux, decoder_layers, stack_aux
+from draftsmith.core.precision import compute_dtype
 
 
 @dataclass
@@ -125,7 +125,7 @@ class HfExtractor:
 
     @classmethod
     def from_target(cls, target: str, aux_layer_ids: list[int], dtype: str = "bfloat16") -> HfExtractor:
-        from draftsmith.target import load_target
+        from draftsmith.core.target import load_target
 
         model, _ = load_target(target, getattr(torch, dtype))
         return cls(model, aux_layer_ids)
@@ -208,7 +208,7 @@ class HfChatBackend:
 
     @classmethod
     def open(cls, settings: Any, target: str, render: Callable[[list[dict]], list[int]]) -> HfChatBackend:
-        from draftsmith.target import load_target
+        from draftsmith.core.target import load_target
 
         model, tokenizer = load_target(target, getattr(torch, compute_dtype(settings.dtype)))
         return cls(model, tokenizer, settings, render, str(target))

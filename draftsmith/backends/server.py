@@ -35,8 +35,8 @@ from typing import Any
 from draftsmith.backends.common import attention_backend_for, log_cause, vllm_child_env
 from draftsmith.backends.openai import OpenAIChatBackend, OpenAIClient
 from draftsmith.backends.vllm_api import API_SERVER_MODULE
-from draftsmith.config import server_args_error
-from draftsmith.devices import parse_visible
+from draftsmith.core.config import server_args_error
+from draftsmith.core.devices import parse_visible
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +79,8 @@ def server_layout(settings: Any, target: str | Path, gpus: int) -> tuple[int, in
     (memory.engine_layout): --tensor-parallel-size in server_args, else resources.generate.tensor_parallel,
     else the fewest GPUs that hold the target and each engine's share of the requests in flight at
     --max-model-len (default: the target's context)."""
-    from draftsmith.config import text_config_json
-    from draftsmith.memory import GIB, device_memory, engine_layout, server_arg, target_size
+    from draftsmith.core.config import text_config_json
+    from draftsmith.core.memory import GIB, device_memory, engine_layout, server_arg, target_size
 
     args = settings.server_args or []
     given = server_arg(args, "--tensor-parallel-size") or server_arg(args, "-tp")
@@ -425,7 +425,7 @@ class VllmServerBackend(OpenAIChatBackend):
     def server(settings: Any, target: str, log_path: str) -> VllmServer:
         """The (not yet started) server for the generate settings: tensor parallel over the job's GPUs
         (settings.gpus, or the devices given), its dtype, seed, memory share, address and server_args."""
-        from draftsmith.precision import compute_dtype
+        from draftsmith.core.precision import compute_dtype
 
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         try:

@@ -114,7 +114,7 @@ class VllmExtractor:
         from vllm import LLM
 
         from draftsmith.backends.common import THREAD_CAPS, attention_backend_for, vllm_start
-        from draftsmith.target import read_head_tensors, text_config_dict, trust_remote_code
+        from draftsmith.core.target import read_head_tensors, text_config_dict, trust_remote_code
 
         config = text_config_dict(target)  # a wrapper's (Kimi-K2.5) text model settings
         self.num_layers = config["num_hidden_layers"]

@@ -166,8 +166,8 @@ def run_vllm_speculative(
 
     from draftsmith.backends.common import attention_backend_for, single_process_on_cpu
     from draftsmith.backends.vllm_cpu_sampling import fix_cpu_sampling
-    from draftsmith.devices import parse_visible
-    from draftsmith.target import trust_remote_code
+    from draftsmith.core.devices import parse_visible
+    from draftsmith.core.target import trust_remote_code
 
     # tensor parallel over the GPUs `draftsmith run --gpus N` gave this job (one process on a CPU)
     if tensor_parallel_size is None:
@@ -349,7 +349,7 @@ def run_with_timeout(cmd: list[str], env: dict[str, str], log_file: Path, timeou
 @click.option("--out", type=click.Path(dir_okay=False), help="Also write the result JSON here.")
 def main(request_path: str, out: str | None) -> None:
     """Run vLLM (greedy, optionally speculative) on token-id prompts; print the result as JSON."""
-    from draftsmith.atomic import write_json
+    from draftsmith.core.atomic import write_json
 
     request = json.loads(Path(request_path).read_text(encoding="utf-8"))
     result = run_vllm_speculative(**request)

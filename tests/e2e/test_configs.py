@@ -29,7 +29,7 @@ from conftest import REPO, cli_env
 from hubcache import add_repo
 
 from draftsmith import cli
-from draftsmith.config import read_numbers, replaced_mappings, schema
+from draftsmith.core.config import read_numbers, replaced_mappings, schema
 
 pytestmark = pytest.mark.slow
 
@@ -421,9 +421,9 @@ def test_generate_serves_the_target_on_all_the_jobs_gpus(plan, monkeypatch):
 
     name, jobs, workdir = plan
     (job,) = jobs["generate"]
-    args, _ = run_planned(job, workdir, monkeypatch, "draftsmith.generate.generate_traces")
+    args, _ = run_planned(job, workdir, monkeypatch, "draftsmith.stages.generate.generate_traces")
     target, settings = args[0], args[4]  # generate_traces(target, prompts, out, summary, settings)
-    monkeypatch.setattr("draftsmith.memory.detect_gpu_memory_gib", lambda: 79.2)
+    monkeypatch.setattr("draftsmith.core.memory.detect_gpu_memory_gib", lambda: 79.2)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
     cmd = VllmServerBackend.server(settings, target, "server.log").command()
     flags = dict(zip(cmd, cmd[1:], strict=False))
@@ -438,7 +438,7 @@ def test_extract_runs_vllm_over_the_nodes_8_gpus_in_bfloat16_with_cuda_graphs(pl
     """One extraction job for every shard, on all 8 GPUs (engines of the memory plan's layout)."""
     name, jobs, workdir = plan
     (job,) = jobs["extract"]
-    args, kw = run_planned(job, workdir, monkeypatch, "draftsmith.extract.extract_shards")
+    args, kw = run_planned(job, workdir, monkeypatch, "draftsmith.stages.extract.extract_shards")
     assert args[2] == [
         f"results/hidden/shard-{k}.safetensors" for k in range(8 if name == "llama-3.1-8b" else 16)
     ]
@@ -449,7 +449,9 @@ def test_extract_runs_vllm_over_the_nodes_8_gpus_in_bfloat16_with_cuda_graphs(pl
 def test_vllm_evaluation_is_the_served_setup(plan, monkeypatch):
     """Target dtype (not float32), CUDA graphs, TP over the job's GPUs, the configured load time limit."""
     name, jobs, workdir = plan
-    _, kw = run_planned(jobs["evaluate_vllm"][0], workdir, monkeypatch, "draftsmith.evaluate.evaluate_vllm")
+    _, kw = run_planned(
+        jobs["evaluate_vllm"][0], workdir, monkeypatch, "draftsmith.stages.evaluate.evaluate_vllm"
+    )
     gpus = 1 if name == "llama-3.1-8b" else 8
     assert (kw["tensor_parallel_size"], kw["dtype"], kw["enforce_eager"]) == (gpus, "bfloat16", False), kw
     assert kw["gpu_memory_utilization"] == 0.9
@@ -464,6 +466,6 @@ def test_offline_evaluation_runs_on_the_jobs_gpu(plan, monkeypatch):
         return
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     _, kw = run_planned(
-        jobs["evaluate_offline"][0], workdir, monkeypatch, "draftsmith.evaluate.evaluate_offline"
+        jobs["evaluate_offline"][0], workdir, monkeypatch, "draftsmith.stages.evaluate.evaluate_offline"
     )
     assert kw["device"] == "cuda"

@@ -14,8 +14,8 @@ from safetensors.torch import save_file
 
 from draftsmith.backends.hf import HfExtractor, capture_states, pad_right
 from draftsmith.backends.vllm_extract import read_target_tensor, rms_norm, vllm_layer_ids
-from draftsmith.extract import extract_shard, should_compile
-from draftsmith.shards import iter_samples, read_shard_meta, remove_stale_temp_files
+from draftsmith.core.shards import iter_samples, read_shard_meta, remove_stale_temp_files
+from draftsmith.stages.extract import extract_shard, should_compile
 
 
 def test_vllm_layer_ids_keep_the_configured_order():
@@ -100,9 +100,15 @@ def test_engines_in_processes_of_their_own_share_one_queue(tmp_path, target_mode
     """Two spawned engines (on the CPU here: CUDA_VISIBLE_DEVICES "" each) take 3 shards from one queue,
     each shard once and sealed, with the content one in-process engine gives; an engine that fails is
     one line naming it, its devices and its shard."""
-    from draftsmith.digests import intact
-    from draftsmith.extract import EngineFailed, ShardQueue, run_engine, run_engine_processes, stashed_path
-    from draftsmith.shards import verify_shard
+    from draftsmith.core.digests import intact
+    from draftsmith.core.shards import verify_shard
+    from draftsmith.stages.extract import (
+        EngineFailed,
+        ShardQueue,
+        run_engine,
+        run_engine_processes,
+        stashed_path,
+    )
 
     tokens = tmp_path / "tokens.safetensors"
     write_sample_tokens(tokens, *random_sequences([30] * 6), [[0, 2], [2, 4], [4, 6]])

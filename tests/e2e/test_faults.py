@@ -26,7 +26,7 @@ import yaml
 from conftest import REPO, cli_env
 from helpers import random_sequences, write_sample_tokens
 
-from draftsmith.shards import read_header
+from draftsmith.core.shards import read_header
 
 pytestmark = pytest.mark.slow
 

@@ -33,8 +33,8 @@ from draftsmith.backends.openai import (
     split_reasoning,
 )
 from draftsmith.backends.server import VllmServer, group_alive, server_command, server_gpus
-from draftsmith.generate import GenerateError, GenerateSettings, generate_traces
-from draftsmith.prompts import PromptError
+from draftsmith.stages.generate import GenerateError, GenerateSettings, generate_traces
+from draftsmith.stages.prompts import PromptError
 
 TARGET = REPO / "resources" / "SmolLM2-135M-Instruct"
 
@@ -234,13 +234,13 @@ RESERVED_FORMS = [
 
 @pytest.mark.vllm
 def test_the_refused_server_args_are_what_vllms_parser_reads_as_the_reserved_settings(tmp_path):
-    """The check (draftsmith.config.server_args_error) against vLLM's FlexibleArgumentParser: each form
+    """The check (draftsmith.core.config.server_args_error) against vLLM's FlexibleArgumentParser: each form
     it refuses does set host, port, key, served name or config file there; a --config file sets the key."""
     pytest.importorskip("vllm")
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from draftsmith.config import server_args_error
+    from draftsmith.core.config import server_args_error
 
     def parsed(args):
         return vars(make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "/m", *args]))
@@ -278,8 +278,8 @@ def test_the_server_runs_data_parallel_engines_of_the_fewest_gpus_that_hold_the_
     (--data-parallel-size 8, no --tensor-parallel-size), as `draftsmith plan` lays it out; Qwen3-235B-A22B
     bf16 spans all 8; --tensor-parallel-size in server_args or resources.generate.tensor_parallel decide."""
     from draftsmith.backends.server import VllmServerBackend, server_layout
-    from draftsmith.config import section_defaults
-    from draftsmith.generate import GenerateSettings
+    from draftsmith.core.config import section_defaults
+    from draftsmith.stages.generate import GenerateSettings
 
     targets = Path(__file__).resolve().parents[1] / "data" / "target-configs"
     values = {**section_defaults("generate"), "backend": "vllm-server", "dtype": "bfloat16"}
@@ -433,7 +433,7 @@ def test_stage_writes_traces_summary_and_reasoning(fake, tmp_path):
 
 def test_truncated_answers_are_flagged(fake, tmp_path, caplog):
     srv = fake(reply=lambda body, n: (200, FakeOpenAI.completion("cut", finish="length")))
-    with caplog.at_level(logging.WARNING, logger="draftsmith.generate"):
+    with caplog.at_level(logging.WARNING, logger="draftsmith.stages.generate"):
         summary, rows = run_stage(tmp_path, srv.url)
     assert summary["truncated"] == 6 and rows[0]["finish_reason"] == "length"
     assert any(
@@ -469,7 +469,7 @@ def test_a_garbled_partial_line_costs_only_its_prompt(fake, tmp_path, caplog):
     partial = tmp_path / "traces.jsonl.partial"
     partial.write_text("".join(lines[:2]) + lines[2][:40] + "\x00garbage\n" + "".join(lines[3:]))
     srv.requests.clear()
-    with caplog.at_level(logging.WARNING, logger="draftsmith.generate"):
+    with caplog.at_level(logging.WARNING, logger="draftsmith.stages.generate"):
         summary, rows = run_stage(tmp_path, srv.url)
     assert [r["messages"][-1]["content"] for r in srv.requests] == ["Question number 2?"]
     assert summary["done"] == 6 and summary["generated_now"] == 1 and [r["id"] for r in rows][2] == "p2"
@@ -796,7 +796,7 @@ def test_openai_engine_against_real_vllm(vllm_server, tmp_path, monkeypatch):
     assert len(rows) == 4 and summary["errors"] == 0 and summary["model"] == "target"
     from transformers import AutoTokenizer
 
-    from draftsmith.chat import render_prompt
+    from draftsmith.core.chat import render_prompt
 
     tok = AutoTokenizer.from_pretrained(TARGET)
     for row in rows:

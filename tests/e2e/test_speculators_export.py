@@ -17,10 +17,10 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from draftsmith.drafter import TTTKV, DrafterConfig, Eagle3Drafter
-from draftsmith.export import check_export, export_engines, load_drafter, save_drafter
-from draftsmith.layers import capture_aux, default_aux_layers, stack_aux
-from draftsmith.vocab import vocab_maps
+from draftsmith.core.drafter import TTTKV, DrafterConfig, Eagle3Drafter
+from draftsmith.core.layers import capture_aux, default_aux_layers, stack_aux
+from draftsmith.stages.export import check_export, export_engines, load_drafter, save_drafter
+from draftsmith.stages.vocab import vocab_maps
 
 pytestmark = pytest.mark.slow
 TTT_STEPS, DRAFT_VOCAB, ATOL = 4, 2048, 1e-4

@@ -21,8 +21,8 @@ SUFFIX = {"max_tree_depth": 24, "max_spec_factor": 1.0, "min_token_prob": 0.1, "
 
 def test_suffix_decoding_offline_equals_vllm(tmp_path, target_model):
     from draftsmith.backends.vllm_spec import run_vllm_subprocess
-    from draftsmith.evaluate import encode_prompts, evaluate_offline, vllm_prompt_counts
-    from draftsmith.target import load_tokenizer
+    from draftsmith.core.target import load_tokenizer
+    from draftsmith.stages.evaluate import encode_prompts, evaluate_offline, vllm_prompt_counts
 
     prompts = tmp_path / "prompts.jsonl"
     records = [{"id": f"p{i}", "messages": [{"role": "user", "content": p}]} for i, p in enumerate(PROMPTS)]

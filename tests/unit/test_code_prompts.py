@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.code_prompts import CodePromptError, code_prompts, wheel_code_prompts
-from draftsmith.prompts import parse_record, prepare_prompts
+from draftsmith.core.code_prompts import CodePromptError, code_prompts, wheel_code_prompts
+from draftsmith.stages.prompts import parse_record, prepare_prompts
 
 MODULE = '''
 import functools

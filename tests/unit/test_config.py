@@ -1,4 +1,4 @@
-"""draftsmith/config.py: the schema's defaults, its error lines, string coercion and the start-up checks
+"""draftsmith/core/config.py: the schema's defaults, its error lines, string coercion and the start-up checks
 against the target's config.json."""
 
 import json
@@ -8,7 +8,7 @@ import pytest
 import yaml
 from conftest import REPO
 
-from draftsmith.config import (
+from draftsmith.core.config import (
     EMBEDDED_TARGET,
     EMBEDDED_TARGET_CONFIG,
     ConfigFileError,
@@ -487,7 +487,7 @@ def test_a_brace_in_a_path_is_named_not_taken_for_a_wildcard(values, key):
 
 def test_the_packaged_held_out_set_is_named_relative_to_a_working_folder_holding_it(tmp_path, monkeypatch):
     """A moved or copied checkout gives the same params (the hand-written set reruns no evaluation)."""
-    from draftsmith.config import workdir_path
+    from draftsmith.core.config import workdir_path
 
     packaged = REPO / "draftsmith" / "data" / "heldout_handwritten.jsonl"
     monkeypatch.chdir(REPO)

@@ -1,11 +1,11 @@
-"""The cost model (draftsmith.cost): step times at a serving point, draft-length estimates from acceptance
+"""The cost model (draftsmith.core.cost): step times at a serving point, draft-length estimates from acceptance
 histograms, and the model against published GPU measurements of EAGLE-3 (docs/evaluation.md names them)."""
 
 from __future__ import annotations
 
 import pytest
 
-from draftsmith.cost import (
+from draftsmith.core.cost import (
     DEVICES,
     ModelCost,
     ServingPoint,

@@ -1,4 +1,4 @@
-"""GPU slots per job (draftsmith/devices.py, `draftsmith run`): disjoint devices, waiting, release on death.
+"""GPU slots per job (draftsmith/core/devices.py, `draftsmith run`): disjoint devices, waiting, release on death.
 
 A fake device count (DRAFTSMITH_NUM_GPUS) stands in for the cards: the locking is the same either way.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.devices import (
+from draftsmith.core.devices import (
     DeviceError,
     acquire,
     choose_slots,

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.digests import damage, damage_under, seal, sealed, sidecar, unseal
+from draftsmith.core.digests import damage, damage_under, seal, sealed, sidecar, unseal
 
 
 def _write(path, data: bytes):

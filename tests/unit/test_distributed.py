@@ -36,11 +36,11 @@ from helpers import (
 )
 from safetensors.torch import load_file
 
-from draftsmith.distributed import Dist
-from draftsmith.loader import StreamingData, verify_share
-from draftsmith.manifest import load_manifest
-from draftsmith.shards import ShardReader
-from draftsmith.train import DraftingLoss, StepStats
+from draftsmith.core.distributed import Dist
+from draftsmith.core.loader import StreamingData, verify_share
+from draftsmith.core.shards import ShardReader
+from draftsmith.stages.manifest import load_manifest
+from draftsmith.stages.train import DraftingLoss, StepStats
 
 # 1 vs 2 processes differ only in how fp32 sums are grouped (one sum over the batch vs two partial sums
 # added). Measured on this data over 30 steps: loss curves agree to 1.2e-7 relative, fp32 weights to
@@ -196,7 +196,7 @@ def test_a_run_resumes_on_another_world_size(data: dict, one, tmp_path: Path, ca
     one_root, one_summary = one
     k = one_summary["steps_per_epoch"][0] + 2  # mid-epoch 2
     torchrun_train(data, tmp_path, _settings(max_steps=k))
-    with caplog.at_level(logging.WARNING, logger="draftsmith.train"):
+    with caplog.at_level(logging.WARNING, logger="draftsmith.stages.train"):
         summary = run(data, tmp_path, _settings())
     assert summary["resumed_from_step"] == k and summary["world_size"] == 1
     assert any("checkpoint of 2 process(es) on 1" in r.getMessage() for r in caplog.records)

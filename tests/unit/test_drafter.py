@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import fp_tolerance
 
-from draftsmith.drafter import (
+from draftsmith.core.drafter import (
     TTTKV,
     CacheKV,
     DrafterConfig,
@@ -18,7 +18,7 @@ from draftsmith.drafter import (
     ttt_mask,
     ttt_prefix_mask,
 )
-from draftsmith.export import drafter_config_from_export, export_config
+from draftsmith.stages.export import drafter_config_from_export, export_config
 
 FP32_ULPS = 8 * torch.finfo(torch.float32).eps
 D = 16  # head dim of the small drafters

@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 
 from draftsmith.cli import EXIT_GATE, main
-from draftsmith.evaluate import (
+from draftsmith.stages.evaluate import (
     NotLossless,
     VllmUnavailable,
     counts_summary,
@@ -60,12 +60,12 @@ def extract_tiny_data(root: Path, target_dir: Path) -> tuple[Path, Path]:
     """Greedy traces of the target on chat prompts -> one shard, data_config.json, vocab_map.pt."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from draftsmith.chat import render_prompt, template_fingerprint
-    from draftsmith.layers import capture_aux, stack_aux
-    from draftsmith.shards import Sample, verify_shard, write_shard
-    from draftsmith.speculate import greedy_decode
-    from draftsmith.target import file_sha256
-    from draftsmith.vocab import build_vocab_map, save_vocab_map
+    from draftsmith.core.chat import render_prompt, template_fingerprint
+    from draftsmith.core.layers import capture_aux, stack_aux
+    from draftsmith.core.shards import Sample, verify_shard, write_shard
+    from draftsmith.core.speculate import greedy_decode
+    from draftsmith.core.target import file_sha256
+    from draftsmith.stages.vocab import build_vocab_map, save_vocab_map
 
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(target_dir)
@@ -117,8 +117,8 @@ def extract_tiny_data(root: Path, target_dir: Path) -> tuple[Path, Path]:
 def pipeline(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """target/, data_config.json, vocab_map.pt, a drafter trained for a few steps, metrics.jsonl,
     held-out prompts."""
-    from draftsmith.config import settings_defaults
-    from draftsmith.train import TrainSettings, train
+    from draftsmith.core.config import settings_defaults
+    from draftsmith.stages.train import TrainSettings, train
 
     root = tmp_path_factory.mktemp("eval")
     before = torch.get_num_threads()
@@ -176,8 +176,8 @@ def untrained(pipeline) -> Path:
 def test_untrained_drafter_is_trainings_starting_point(pipeline, untrained):
     from safetensors.torch import load_file
 
-    from draftsmith.drafter import DrafterConfig, Eagle3Drafter
-    from draftsmith.export import check_export
+    from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter
+    from draftsmith.stages.export import check_export
 
     assert check_export(untrained, target_num_layers=4, target_vocab_size=VOCAB) == []
     config = json.loads((untrained / "config.json").read_text())
@@ -241,7 +241,7 @@ def test_offline_measures_every_method_losslessly(offline):
 
 
 def test_offline_fails_hard_when_not_lossless(pipeline, untrained, monkeypatch, tmp_path):
-    import draftsmith.evaluate as ev
+    import draftsmith.stages.evaluate as ev
 
     real = ev.speculative_decode
 
@@ -339,7 +339,7 @@ def test_vllm_per_request_histograms_to_prompt_counts():
 
 
 def test_vllm_missing_says_how_to_skip(pipeline, monkeypatch, tmp_path):
-    import draftsmith.evaluate as ev
+    import draftsmith.stages.evaluate as ev
 
     monkeypatch.setattr(ev, "vllm_available", lambda: False)
     with pytest.raises(VllmUnavailable, match=r"evaluate\.vllm: false"):
@@ -495,7 +495,7 @@ def test_offline_decoding_runs_on_the_jobs_gpu(monkeypatch):
 def evaluate_vllm_call(monkeypatch, tmp_path, *options: str) -> dict:
     """What `draftsmith evaluate-vllm ... OPTIONS` passes to evaluate_vllm (recorded, not run)."""
     import draftsmith.cli as cli
-    import draftsmith.evaluate as ev
+    import draftsmith.stages.evaluate as ev
 
     calls = []
     monkeypatch.setattr(ev, "evaluate_vllm", lambda *a, **kw: calls.append(kw))
@@ -535,7 +535,7 @@ def test_a_vllm_run_past_its_time_limit_fails_in_one_line(monkeypatch, tmp_path)
         f"resources.evaluate.vllm_timeout_s for a target that loads slowly); its log: {tmp_path / 'plain.log'}"
     )
     monkeypatch.setattr(
-        "draftsmith.evaluate.evaluate_vllm", lambda *a, **kw: (_ for _ in ()).throw(err.value)
+        "draftsmith.stages.evaluate.evaluate_vllm", lambda *a, **kw: (_ for _ in ()).throw(err.value)
     )
     monkeypatch.setattr(cli, "_drafters", lambda drafter, untrained, target: {"eagle3": drafter})
     monkeypatch.setattr(cli, "_warn_draft_positions", lambda *a: None)

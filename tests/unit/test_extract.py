@@ -7,11 +7,13 @@ import pytest
 import torch
 from conftest import fp_tolerance
 
-from draftsmith.atomic import write_json
 from draftsmith.backends.hf import capture_states, stop_at_eos
-from draftsmith.batch_plan import token_batches
-from draftsmith.chat import training_sequence
-from draftsmith.estimate import (
+from draftsmith.core.atomic import write_json
+from draftsmith.core.batch_plan import token_batches
+from draftsmith.core.chat import training_sequence
+from draftsmith.core.layers import convert_layer_ids, default_aux_layers, validate_aux_layers
+from draftsmith.core.shards import ShardWriter
+from draftsmith.stages.estimate import (
     NotEnoughDisk,
     check_free_disk,
     estimate_lines,
@@ -19,12 +21,10 @@ from draftsmith.estimate import (
     probe_batches,
     raw_state_bytes,
 )
-from draftsmith.extract import disk_full, teacher_agreement
-from draftsmith.layers import convert_layer_ids, default_aux_layers, validate_aux_layers
-from draftsmith.manifest import build_manifest
-from draftsmith.shards import ShardWriter
-from draftsmith.tokenize import shard_bounds
-from draftsmith.vocab import build_vocab_map, select_draft_tokens, vocab_maps
+from draftsmith.stages.extract import disk_full, teacher_agreement
+from draftsmith.stages.manifest import build_manifest
+from draftsmith.stages.tokenize import shard_bounds
+from draftsmith.stages.vocab import build_vocab_map, select_draft_tokens, vocab_maps
 
 
 def test_hooks_capture_exactly_hf_hidden_states(tiny_llama):
@@ -198,7 +198,7 @@ def test_estimate_by_hand_takes_codec_ratios_from_a_bf16_shard(tmp_path):
     from click.testing import CliRunner
 
     from draftsmith.cli import main
-    from draftsmith.shards import Sample, write_shard
+    from draftsmith.core.shards import Sample, write_shard
 
     g = torch.Generator().manual_seed(0)
     samples = [
@@ -241,8 +241,8 @@ def test_extract_shard_reuses_the_probed_batches(tmp_path, tiny_llama):
     from safetensors.torch import save_file
 
     from draftsmith.backends.hf import HfExtractor
-    from draftsmith.extract import extract_shard
-    from draftsmith.shards import iter_samples, verify_shard
+    from draftsmith.core.shards import iter_samples, verify_shard
+    from draftsmith.stages.extract import extract_shard
 
     target = tmp_path / "target"
     tiny_llama.save_pretrained(target)
@@ -289,8 +289,8 @@ def test_extract_shard_stores_float8_as_the_bf16_states_round_trip(tmp_path, tin
     from safetensors.torch import save_file
 
     from draftsmith.backends.hf import HfExtractor
-    from draftsmith.extract import extract_shard
-    from draftsmith.shards import as_stored, iter_samples, read_header, read_shard_meta
+    from draftsmith.core.shards import as_stored, iter_samples, read_header, read_shard_meta
+    from draftsmith.stages.extract import extract_shard
 
     target = tmp_path / "target"
     tiny_llama.save_pretrained(target)
@@ -336,7 +336,7 @@ def test_teacher_agreement_is_split_by_source_and_gated_on_regenerated_only(tiny
     extract stats keep both, the shard and manifest report both, and only the regenerated figure is
     gated, so a mix with original answers passes a 0.9 gate."""
     from draftsmith.backends.hf import HfExtractor
-    from draftsmith.extract import _extract_loop
+    from draftsmith.stages.extract import _extract_loop
 
     torch.manual_seed(0)
     prompt = torch.randint(0, 256, (1, 8))
@@ -379,7 +379,7 @@ def _tokens_file(
 ) -> str:
     """A tokens file of random sequences of these lengths, every token loss-masked: `where` itself, or
     tokens.safetensors in the folder `where`; one shard unless `shards` ([start, end) sample ranges)."""
-    from draftsmith.tokenize import write_tokens
+    from draftsmith.stages.tokenize import write_tokens
 
     path = where / "tokens.safetensors" if where.is_dir() else where
     g = torch.Generator().manual_seed(seed)
@@ -401,8 +401,8 @@ def test_pipelined_extraction_writes_the_sequential_shard(tmp_path, tiny_llama, 
     """Batch k's CPU-side work beside batch k+1's forward changes nothing: the shard's bytes (all but
     the header's timing stats) and its teacher counts are the sequential loop's."""
     from draftsmith.backends.hf import HfExtractor
-    from draftsmith.extract import extract_shard
-    from draftsmith.shards import read_header
+    from draftsmith.core.shards import read_header
+    from draftsmith.stages.extract import extract_shard
 
     target = tmp_path / "target"
     tiny_llama.save_pretrained(target)
@@ -433,7 +433,7 @@ def test_pipelined_loop_runs_the_cpu_side_work_beside_the_next_forward():
     free): sequential, 8 batches take 8 x 100 ms; pipelined, the collects hide behind the forwards."""
     import time
 
-    from draftsmith.extract import _extract_loop
+    from draftsmith.stages.extract import _extract_loop
 
     class Slow:
         lm_head_weight = torch.eye(8)
@@ -472,8 +472,8 @@ def test_a_failing_write_stops_extraction_with_the_sequential_loops_error(tmp_pa
     import errno
 
     from draftsmith.backends.hf import HfExtractor
-    from draftsmith.extract import extract_shard
-    from draftsmith.shards import ShardWriter
+    from draftsmith.core.shards import ShardWriter
+    from draftsmith.stages.extract import extract_shard
 
     target = tmp_path / "target"
     tiny_llama.save_pretrained(target)
@@ -527,9 +527,9 @@ def test_sample_source_travels_from_traces_to_the_manifest(tmp_path):
     source and gates on the regenerated sample only."""
     from conftest import REPO
 
-    from draftsmith.extract import extract_shard
-    from draftsmith.shards import read_shard_meta
-    from draftsmith.tokenize import tokenize_traces
+    from draftsmith.core.shards import read_shard_meta
+    from draftsmith.stages.extract import extract_shard
+    from draftsmith.stages.tokenize import tokenize_traces
 
     target = REPO / "resources" / "SmolLM2-135M-Instruct"
     if not (target / "config.json").is_file():
@@ -574,7 +574,7 @@ def test_teacher_check_moves_the_states_to_the_heads_device_and_dtype():
     """States (bf16, read from vLLM's files on the host) go to lm_head's device and dtype; the count is
     the same in either dtype where the winner is clear (a margin beyond bf16's rounding of logits of up
     to ~16: 2^-8 x 16 x a few)."""
-    from draftsmith.extract import count_agreeing
+    from draftsmith.stages.extract import count_agreeing
 
     torch.manual_seed(0)
     head = torch.randn(50, 16)
@@ -590,7 +590,7 @@ def test_teacher_check_moves_the_states_to_the_heads_device_and_dtype():
 
 def test_vllm_engine_gets_the_jobs_gpus_eager_setting_and_memory_share(monkeypatch):
     import draftsmith.backends.vllm_extract as vx
-    from draftsmith.extract import make_extractor
+    from draftsmith.stages.extract import make_extractor
 
     made = []
     monkeypatch.setattr(vx, "VllmExtractor", lambda *a, **kw: made.append((a, kw)))
@@ -614,7 +614,7 @@ def test_vllm_engine_gets_the_jobs_gpus_eager_setting_and_memory_share(monkeypat
 
 
 def test_queue_order_takes_the_largest_shards_first():
-    from draftsmith.extract import queue_order
+    from draftsmith.stages.extract import queue_order
 
     assert queue_order([5, 9, 9, 1, 7], [0, 2, 3, 4, 1]) == [
         1,
@@ -626,7 +626,7 @@ def test_queue_order_takes_the_largest_shards_first():
 
 
 def test_shard_queue_hands_each_shard_to_one_engine_once():
-    from draftsmith.extract import ShardQueue
+    from draftsmith.stages.extract import ShardQueue
 
     queue = ShardQueue([3, 0, 2, 1])
     taken = [queue.take() for _ in range(6)]
@@ -634,7 +634,7 @@ def test_shard_queue_hands_each_shard_to_one_engine_once():
 
 
 def test_engine_devices_split_the_jobs_visible_gpus():
-    from draftsmith.extract import engine_devices
+    from draftsmith.stages.extract import engine_devices
 
     assert engine_devices(["4", "5", "6", "7"], 4, 2, 2) == ["4,5", "6,7"]
     assert engine_devices(None, 8, 1, 8) == [str(i) for i in range(8)]
@@ -646,9 +646,9 @@ def test_engine_devices_split_the_jobs_visible_gpus():
 def test_the_job_runs_the_layout_the_memory_plan_prints(tmp_path):
     """job_layout (what the job runs) against memory.plan (what `draftsmith plan` prints) on one config:
     the same engines x GPUs, whatever the device's memory."""
-    from draftsmith.config import with_defaults
-    from draftsmith.extract import job_layout
-    from draftsmith.memory import plan_config
+    from draftsmith.core.config import with_defaults
+    from draftsmith.core.memory import plan_config
+    from draftsmith.stages.extract import job_layout
 
     target = tmp_path / "target"
     target.mkdir()
@@ -678,7 +678,7 @@ def test_the_job_runs_the_layout_the_memory_plan_prints(tmp_path):
 
 
 def test_stash_key_changes_with_what_decides_the_bytes_only(tmp_path):
-    from draftsmith.extract import RESULT_KEYS, stash_key
+    from draftsmith.stages.extract import RESULT_KEYS, stash_key
 
     target = tmp_path / "target"
     target.mkdir()
@@ -699,8 +699,8 @@ def test_stash_key_changes_with_what_decides_the_bytes_only(tmp_path):
 
 
 def test_prepare_stash_keeps_only_intact_sealed_shards_of_the_key(tmp_path):
-    from draftsmith.digests import seal, sidecar
-    from draftsmith.extract import prepare_stash
+    from draftsmith.core.digests import seal, sidecar
+    from draftsmith.stages.extract import prepare_stash
 
     root = tmp_path / ".done"
     stash = root / "k1"
@@ -726,11 +726,11 @@ def test_extract_shards_loads_once_stashes_and_reuses_what_a_killed_run_finished
     """One engine load for every shard; each output a hard link of its sealed stashed shard; a rerun
     after Snakemake deleted the outputs extracts only the shard whose stash did not survive, with the
     same content as before."""
-    import draftsmith.extract as ex
-    from draftsmith.atomic import shared_mode
+    import draftsmith.stages.extract as ex
     from draftsmith.backends.hf import HfExtractor
-    from draftsmith.digests import intact
-    from draftsmith.shards import verify_shard
+    from draftsmith.core.atomic import shared_mode
+    from draftsmith.core.digests import intact
+    from draftsmith.core.shards import verify_shard
 
     target = tmp_path / "target"
     tiny_llama.save_pretrained(target)
@@ -782,7 +782,7 @@ def test_extract_shards_loads_once_stashes_and_reuses_what_a_killed_run_finished
 
 
 def test_extract_shards_refuses_a_shard_count_the_tokens_do_not_plan(tmp_path):
-    from draftsmith.extract import extract_shards
+    from draftsmith.stages.extract import extract_shards
 
     tokens = tmp_path / "tokens.safetensors"
     _tokens_file(tokens, [5, 6], [[0, 1], [1, 2]])

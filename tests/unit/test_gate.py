@@ -9,9 +9,10 @@ import math
 
 import pytest
 
-from draftsmith.checks import Check, order_checks
-from draftsmith.cost import DEVICES, ModelCost, ServingPoint
-from draftsmith.gate import (
+from draftsmith.core.checks import Check, order_checks
+from draftsmith.core.cost import DEVICES, ModelCost, ServingPoint
+from draftsmith.core.projection import set_projection
+from draftsmith.stages.gate import (
     PER_DRAFT,
     GateFailed,
     GateSettings,
@@ -34,8 +35,7 @@ from draftsmith.gate import (
     training_accuracy,
     verdict,
 )
-from draftsmith.projection import set_projection
-from draftsmith.report import format_checks, format_verdict
+from draftsmith.stages.report import format_checks, format_verdict
 
 # a Llama-3.1-8B-like target and its EAGLE-3 drafter (~5% of its bytes per pass), served on an H100
 TARGET = ModelCost(7.5e9, 0.0, 1.0, 131072, 32)
@@ -503,7 +503,7 @@ def test_two_engines_pair_on_the_prompts_both_decoded():
 
 
 def test_draft_positions_beyond_the_trained_ttt_steps_warn():
-    from draftsmith.gate import check_draft_positions
+    from draftsmith.stages.gate import check_draft_positions
 
     assert check_draft_positions(3, 3).status == "pass"
     warn = check_draft_positions(5, 3)

@@ -10,9 +10,9 @@ from conftest import REPO
 from draftsmith.backends.common import CPU_KV_CACHE_GIB, Answer, oversized, vllm_child_env
 from draftsmith.backends.hf import length_batches
 from draftsmith.backends.openai import check_served_prompt
-from draftsmith.chat import assistant_message, merge_turns, render_prompt, render_with_response
-from draftsmith.config import section_defaults
-from draftsmith.generate import (
+from draftsmith.core.chat import assistant_message, merge_turns, render_prompt, render_with_response
+from draftsmith.core.config import section_defaults
+from draftsmith.stages.generate import (
     Conversation,
     GenerateSettings,
     Progress,
@@ -27,7 +27,7 @@ from draftsmith.generate import (
     uses_original,
     warn_truncated,
 )
-from draftsmith.tokenize import trace_sequences, turn_contexts
+from draftsmith.stages.tokenize import trace_sequences, turn_contexts
 
 TARGET = REPO / "resources" / "SmolLM2-135M-Instruct"
 
@@ -184,7 +184,7 @@ def test_read_partial_keeps_the_lines_after_a_garbled_one(tmp_path, caplog):
     """A garbled line in the middle loses only itself (was: every finished trace after it)."""
     path = tmp_path / "t.jsonl.partial"
     path.write_bytes(b'{"id": "a"}\n{"id": "b", "resp\x00\x00onse"\n{"id": "c"}\n{"no id": 1}\n{"id": "d"}\n')
-    with caplog.at_level(logging.WARNING, logger="draftsmith.generate"):
+    with caplog.at_level(logging.WARNING, logger="draftsmith.stages.generate"):
         assert list(read_partial(path)) == ["a", "c", "d"]
     assert [m for m in caplog.messages if "not a complete trace line" in m] == [
         f"{path}:2: not a complete trace line; dropped, its prompt is generated again",
@@ -216,7 +216,7 @@ def test_truncation_warning_and_summary_line(caplog):
         "generate: 10 traces (4 now), 3 truncated at 160 tokens, 1 errors, 2 skipped; reasoning captured "
         "50%; 1234 new tokens in 12 s (100 tok/s)"
     )
-    with caplog.at_level(logging.WARNING, logger="draftsmith.generate"):
+    with caplog.at_level(logging.WARNING, logger="draftsmith.stages.generate"):
         assert warn_truncated(summary, 160)  # 30% > 20%
         assert not warn_truncated({**summary, "truncated": 2}, 160)  # 20%: not more than the share
     assert len(caplog.records) == 1 and "30% of the traces (3 of 10)" in caplog.messages[0]
@@ -396,7 +396,7 @@ def test_uses_original_is_a_stable_share():
 def test_generate_writes_original_answers_without_generating(tmp_path):
     """Share 1 with only dataset conversations: every trace is an original, no model runs (the
     transformers engine has nothing to do); the summary counts them; the tokens carry the source."""
-    from draftsmith.tokenize import load_tokens, tokenize_traces
+    from draftsmith.stages.tokenize import load_tokens, tokenize_traces
 
     prompts = tmp_path / "p.jsonl"
     rows = [{**ORIGINAL, "id": f"og{i}"} for i in range(3)]
@@ -432,7 +432,7 @@ def test_the_cpu_kv_cache_is_set_only_for_vllms_cpu_build():
 def test_served_traffic_trains_on_the_served_answer_and_its_reasoning(thinking_tokenizer):
     """A served request + response (tests/data/shapes/served.jsonl) becomes an original-answer trace
     whose reasoning is trained in the template's thinking format, as the server generated it."""
-    from draftsmith.prompts import read_jsonl_prompts
+    from draftsmith.stages.prompts import read_jsonl_prompts
 
     prompts, _ = read_jsonl_prompts(REPO / "tests" / "data" / "shapes" / "served.jsonl")
     row = json.loads(json.dumps(original_row(prompts[0], "fp")))  # as read back from traces.jsonl

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftsmith.layers import (
+from draftsmith.core.layers import (
     aux_order_problem,
     capture_aux,
     convert_layer_ids,

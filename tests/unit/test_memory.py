@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith.config import merged_config_files, text_config_json, with_defaults
-from draftsmith.memory import (
+from draftsmith.core.config import merged_config_files, text_config_json, with_defaults
+from draftsmith.core.memory import (
     CHECKPOINTED,
     GB,
     GIB,

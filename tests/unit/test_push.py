@@ -16,10 +16,10 @@ from click.testing import CliRunner
 from helpers import EXPORT_AUX_IDS, make_drafter, tiny_summary
 from huggingface_hub import HfApi
 
-from draftsmith.atomic import write_json
 from draftsmith.cli import main
-from draftsmith.export import save_drafter
-from draftsmith.push import GateRefused, PushFailed, PushInputError, plan_push, push
+from draftsmith.core.atomic import write_json
+from draftsmith.stages.export import save_drafter
+from draftsmith.stages.push import GateRefused, PushFailed, PushInputError, plan_push, push
 
 TOKEN = "hf_test_Secret0123456789"
 
@@ -237,7 +237,7 @@ def test_a_passed_gate_with_a_losing_verdict_is_pushed_with_a_warning(tmp_path):
 def test_the_pushed_card_names_the_repository_as_the_drafter_to_serve(tmp_path, hub):
     """With the run's summary beside it, the card is rendered again for the Hub: its vLLM command names
     the repository; the local export folder keeps its own card, and every other file goes as it is."""
-    from draftsmith.export.card import write_cards
+    from draftsmith.stages.export.card import write_cards
 
     results = _results(tmp_path)
     summary = {**tiny_summary(), "gate_passed": True}

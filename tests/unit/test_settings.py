@@ -1,4 +1,4 @@
-"""draftsmith/settings.py: settings objects take their defaults and checks from the schema alone."""
+"""draftsmith/core/settings.py: settings objects take their defaults and checks from the schema alone."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from dataclasses import replace
 
 import pytest
 
-from draftsmith.config import section_defaults
-from draftsmith.generate import GenerateSettings
-from draftsmith.settings import REGISTRY, from_schema, schema_default
-from draftsmith.train import TrainSettings
+from draftsmith.core.config import section_defaults
+from draftsmith.core.settings import REGISTRY, from_schema, schema_default
+from draftsmith.stages.generate import GenerateSettings
+from draftsmith.stages.train import TrainSettings
 
 # every module that defines a settings class (imported here so that each registers)
-SETTINGS_MODULES = ("draftsmith.train", "draftsmith.generate", "draftsmith.gate")
+SETTINGS_MODULES = ("draftsmith.stages.train", "draftsmith.stages.generate", "draftsmith.stages.gate")
 
 
 def settings_classes() -> list[type]:

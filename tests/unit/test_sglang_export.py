@@ -27,10 +27,10 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from draftsmith.drafter import CacheKV, DrafterConfig, Eagle3Drafter
-from draftsmith.export import export_engines, save_drafter
-from draftsmith.layers import capture_aux, stack_aux
-from draftsmith.vocab import vocab_maps
+from draftsmith.core.drafter import CacheKV, DrafterConfig, Eagle3Drafter
+from draftsmith.core.layers import capture_aux, stack_aux
+from draftsmith.stages.export import export_engines, save_drafter
+from draftsmith.stages.vocab import vocab_maps
 
 AUX_IDS = [1, 3, 4]  # "input" convention, what the drafter is trained on
 DRAFT_VOCAB = 96

@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import fp_tolerance
 
-from draftsmith.drafter import DrafterConfig, Eagle3Drafter
-from draftsmith.speculate import (
+from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter
+from draftsmith.core.speculate import (
     Eagle3Proposer,
     NgramProposer,
     SpecResult,
@@ -27,7 +27,7 @@ from draftsmith.speculate import (
     sample_decode,
     speculative_decode,
 )
-from draftsmith.vocab import vocab_maps
+from draftsmith.stages.vocab import vocab_maps
 
 VOCAB = 96
 AUX = [1, 2, 3]
@@ -338,7 +338,7 @@ def test_bad_arguments(target, drafter):
 def test_chain_step_inputs(drafter, target):
     """Draft step j feeds (embedding of draft j, prenorm of step j-1) at the next position, attending to
     the caught-up cache and the earlier drafts (vLLM's chain: positions += 1 per step)."""
-    from draftsmith.drafter import CacheKV
+    from draftsmith.core.drafter import CacheKV
 
     torch.manual_seed(3)
     embed = target.get_input_embeddings()
@@ -453,7 +453,7 @@ def test_suffix_speculation_is_lossless_and_drafts_from_the_sequence_itself(targ
 
 
 def test_the_hybrid_drafts_with_the_tree_else_the_drafter_losslessly(target, drafter):
-    from draftsmith.speculate import Eagle3Proposer, HybridProposer
+    from draftsmith.core.speculate import Eagle3Proposer, HybridProposer
 
     ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 9, 5, 6]])
     plain = greedy_decode(target, ids, 30, eos_ids=[])

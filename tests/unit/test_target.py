@@ -10,10 +10,10 @@ import pytest
 import torch
 import twins
 
-import draftsmith.target as target_mod
+import draftsmith.core.target as target_mod
 from draftsmith.backends.hf import HfExtractor
-from draftsmith.drafter import DrafterConfig, Eagle3Drafter, param_count
-from draftsmith.target import (
+from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter, param_count
+from draftsmith.core.target import (
     TargetError,
     head_tensor_names,
     load_target_config,
@@ -21,7 +21,7 @@ from draftsmith.target import (
     read_head_tensors,
     text_config_dict,
 )
-from draftsmith.train import TrainSettings, build_drafter
+from draftsmith.stages.train import TrainSettings, build_drafter
 
 FAMILIES = ["llama3", "qwen3", "qwen3_moe", "deepseek_v3"]
 
@@ -126,7 +126,7 @@ def test_kimi_drafter_is_llama_style(tmp_path, caplog):
     head = load_target_head(tmp_path)
     d2t, t2d = torch.zeros(64, dtype=torch.long), torch.zeros(512, dtype=torch.bool)
     t2d[:64] = True
-    with caplog.at_level(logging.INFO, logger="draftsmith.train"):
+    with caplog.at_level(logging.INFO, logger="draftsmith.stages.train"):
         drafter, _, _ = build_drafter(head, d2t, t2d, 3, TrainSettings(), "cpu")
     cfg = drafter.cfg
     assert (cfg.num_attention_heads, cfg.head_dim, cfg.num_key_value_heads, cfg.intermediate_size) == (
@@ -329,7 +329,7 @@ def test_a_wrapper_that_is_no_causal_lm_loads_as_its_language_model(tmp_path, ta
     engines load the class of its text_config with the `language_model.` weights, the same function."""
     from conftest import fp_tolerance
 
-    from draftsmith.target import language_model_keys, load_target
+    from draftsmith.core.target import language_model_keys, load_target
 
     twin, _ = twins.save_kimi(tmp_path, vocab_size=49152, tokenizer_from=target_model)
     assert language_model_keys(tmp_path) == {

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from conftest import REPO
 
 from draftsmith.cli import main
-from draftsmith.tokenize import tokenize_traces
+from draftsmith.stages.tokenize import tokenize_traces
 
 TARGET = REPO / "resources" / "SmolLM2-135M-Instruct"
 
@@ -34,7 +34,7 @@ def test_truncated_trace_line_names_file_and_line(target_model, tmp_path) -> Non
 def test_dropped_and_truncated_samples_are_reported(target_model, tmp_path, caplog) -> None:
     from transformers import AutoTokenizer
 
-    from draftsmith.chat import render_prompt
+    from draftsmith.core.chat import render_prompt
 
     tok = AutoTokenizer.from_pretrained(target_model)
     short = _trace("short", "Hi?")
@@ -42,7 +42,7 @@ def test_dropped_and_truncated_samples_are_reported(target_model, tmp_path, capl
     long = _trace("long", "Tell me everything about the history of the world. " * 4)  # prompt > max_seq_len
     traces = tmp_path / "traces.jsonl"
     traces.write_text("".join(json.dumps(t) + "\n" for t in (short, long)))
-    with caplog.at_level(logging.INFO, logger="draftsmith.tokenize"):
+    with caplog.at_level(logging.INFO, logger="draftsmith.stages.tokenize"):
         summary = tokenize_traces(str(target_model), str(traces), str(tmp_path / "t.st"), 1, n + 3)
     assert summary["samples"] == 1 and summary["dropped"] == 1 and summary["truncated"] == 2
     assert any(f"{traces}:2" in m and "'long' dropped" in m for m in caplog.messages)

@@ -1,4 +1,4 @@
-"""Live training curves (draftsmith/tracking.py): TensorBoard event files written as training goes, W&B
+"""Live training curves (draftsmith/core/tracking.py): TensorBoard event files written as training goes, W&B
 (offline mode, local files) and MLflow (a local file store) on request, a resumed run's curves without
 the steps a killed run logged after its checkpoint."""
 
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from helpers import make_tiny_data, rows, settings
 
-from draftsmith.checkpoints import list_checkpoints
-from draftsmith.tracking import scalars
-from draftsmith.train import TrainSettings, train
+from draftsmith.core.checkpoints import list_checkpoints
+from draftsmith.core.tracking import scalars
+from draftsmith.stages.train import TrainSettings, train
 
 
 @pytest.fixture(scope="module")

@@ -31,13 +31,13 @@ from helpers import (
 )
 from safetensors.torch import load_file
 
-from draftsmith.checkpoints import list_checkpoints, step_of
-from draftsmith.drafter import TTTKV
-from draftsmith.export import check_export, load_drafter
-from draftsmith.loader import collate
-from draftsmith.shards import iter_samples, verify_shard, write_shard
-from draftsmith.target import file_sha256
-from draftsmith.train import (
+from draftsmith.core.checkpoints import list_checkpoints, step_of
+from draftsmith.core.drafter import TTTKV
+from draftsmith.core.loader import collate
+from draftsmith.core.shards import iter_samples, verify_shard, write_shard
+from draftsmith.core.target import file_sha256
+from draftsmith.stages.export import check_export, load_drafter
+from draftsmith.stages.train import (
     Objective,
     TrainSettings,
     build_drafter,
@@ -270,10 +270,10 @@ def test_train_writes_export_metrics_checkpoint(data: dict, tmp_path: Path) -> N
 
 
 def test_training_learns(data: dict, tmp_path: Path, caplog) -> None:
-    with caplog.at_level(logging.INFO, logger="draftsmith.train"):
+    with caplog.at_level(logging.INFO, logger="draftsmith.stages.train"):
         summary = run(data, tmp_path, settings(epochs=4, noise_std=0.0, lr=5e-3), progress=True)
     # progress goes through logging: the first step, then at most every PROGRESS_EVERY_S, every validation
-    lines = [r.getMessage() for r in caplog.records if r.name == "draftsmith.train"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "draftsmith.stages.train"]
     assert any(line.startswith("epoch 1 step 1/") and " train loss " in line for line in lines), lines
     assert sum(" val loss " in line for line in lines) == 4, lines
     val = [r for r in rows(tmp_path) if r["kind"] == "val"]
@@ -294,7 +294,7 @@ def test_resume_gives_identical_weights(data: dict, tmp_path: Path, stop: str, c
 
     first = run(data, tmp_path / "resumed", replace(s, max_steps=k))  # "interrupted" after k steps
     assert first["steps"] == k
-    with caplog.at_level(logging.INFO, logger="draftsmith.train"):
+    with caplog.at_level(logging.INFO, logger="draftsmith.stages.train"):
         second = run(data, tmp_path / "resumed", s)
     assert second["resumed_from_step"] == k and second["steps"] == full["steps"]
     assert any(f"resumed from step {k}" in r.getMessage() for r in caplog.records)
@@ -323,7 +323,7 @@ def test_partial_or_foreign_checkpoints_are_not_resumed(data: dict, tmp_path: Pa
     assert summary["resumed_from_step"] is None and summary["steps"] == 2
     assert not legacy.exists()
 
-    with caplog.at_level(logging.WARNING, logger="draftsmith.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="draftsmith.core.checkpoints"):
         summary = run(data, tmp_path, settings(max_steps=1, lr=1e-3))  # other settings: start fresh
     assert summary["resumed_from_step"] is None and summary["steps"] == 1
     assert any("not resuming" in r.getMessage() and "lr" in r.getMessage() for r in caplog.records)
@@ -339,7 +339,7 @@ def test_finished_run_trains_afresh(data: dict, tmp_path: Path, caplog) -> None:
     checkpoint and re-exporting it; --fresh discards the checkpoints of an unfinished one."""
     s = settings(max_steps=2)
     first = run(data, tmp_path, s)
-    with caplog.at_level(logging.INFO, logger="draftsmith.checkpoints"):
+    with caplog.at_level(logging.INFO, logger="draftsmith.core.checkpoints"):
         again = run(data, tmp_path, s)
     assert again["resumed_from_step"] is None and again["trained_tokens"] == first["trained_tokens"] > 0
     assert any("trains afresh" in r.getMessage() for r in caplog.records)
@@ -373,7 +373,7 @@ def test_changed_data_content_trains_afresh(data: dict, tmp_path: Path, caplog) 
     first = run(data, tmp_path, settings(max_steps=1, epochs=3))
     assert first["steps"] == 1
     other = changed_copy(data, tmp_path / "other")
-    with caplog.at_level(logging.WARNING, logger="draftsmith.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="draftsmith.core.checkpoints"):
         second = train(
             other, data["vocab"], tmp_path / "drafter", tmp_path / "checkpoints", tmp_path / "metrics.jsonl",
             settings(max_steps=2, epochs=3), progress=False,
@@ -516,7 +516,7 @@ def test_split_batch_with_global_counts_adds_up(data: dict, loss_norm: str, offs
 
 
 def test_head_init_target_or_random(data: dict) -> None:
-    from draftsmith.vocab import load_vocab_map
+    from draftsmith.stages.vocab import load_vocab_map
 
     head = load_target_head(data["target"])
     vocab = load_vocab_map(data["vocab"])
@@ -536,7 +536,7 @@ def test_head_init_target_or_random(data: dict) -> None:
 
 
 def test_layer_init_normal_or_fan_in(data: dict) -> None:
-    from draftsmith.vocab import load_vocab_map
+    from draftsmith.stages.vocab import load_vocab_map
 
     head = load_target_head(data["target"])
     vocab = load_vocab_map(data["vocab"])
@@ -614,8 +614,8 @@ def test_per_step_weights_replace_the_decay(data: dict) -> None:
 
 
 def test_draft_mass_is_the_targets_probability_of_the_draft_vocabulary(data: dict) -> None:
-    from draftsmith.train import draft_mass
-    from draftsmith.vocab import load_vocab_map
+    from draftsmith.stages.train import draft_mass
+    from draftsmith.stages.vocab import load_vocab_map
 
     head = load_target_head(data["target"])
     _, _, teacher = build(data)
@@ -655,7 +655,7 @@ def reference_lk(
     ("kind", "scale", "decay"), [("alpha", 1.0, 1.0), ("lambda", 1.0, 1.0), ("lambda", 0.7, 3.0)]
 )
 def test_lk_losses_match_their_formulas(data: dict, kind: str, scale: float, decay: float) -> None:
-    from draftsmith.train import draft_mass
+    from draftsmith.stages.train import draft_mass
 
     drafter, embed, teacher = build(data)
     batch = collate(data["samples"][:4])
@@ -699,7 +699,7 @@ def test_lk_lambda_split_batch_with_global_sums_adds_up(data: dict) -> None:
 
 
 def test_muon_trains_the_weight_matrices_and_adamw_the_rest(data: dict) -> None:
-    from draftsmith.train import Chain
+    from draftsmith.stages.train import Chain
 
     drafter, _, _ = build(data)
     optimizer = make_optimizer(drafter, settings(optimizer="muon", lr=1e-3, muon_lr_scale=10.0))
@@ -735,8 +735,8 @@ def test_muon_run_resumes_to_identical_weights(data: dict, tmp_path: Path) -> No
 
 def _one_step(data: dict, parts: list, **over) -> list[torch.Tensor]:
     """The drafter's weights after one optimizer step on `parts` (a batch's micro-batches)."""
-    from draftsmith.distributed import Dist
-    from draftsmith.train import DraftingLoss, make_scheduler, train_step
+    from draftsmith.core.distributed import Dist
+    from draftsmith.stages.train import DraftingLoss, make_scheduler, train_step
 
     s = settings(noise_std=0.0, precision="fp32", **over)
     drafter, embed, teacher = build(data)
@@ -750,7 +750,7 @@ def _one_step(data: dict, parts: list, **over) -> list[torch.Tensor]:
 def test_micro_batches_accumulate_to_the_single_batch_step(data: dict) -> None:
     """One optimizer step over a batch's micro-batches (gradients accumulated, each loss divided by the
     whole batch's counts) gives the weights of the same step over the batch in one pass."""
-    from draftsmith.loader import micro_batches
+    from draftsmith.core.loader import micro_batches
 
     samples = data["samples"][:6]
     lengths = [s.num_tokens for s in samples]
@@ -786,7 +786,7 @@ def test_activation_checkpointing_per_ttt_step_changes_no_gradient(data: dict, p
 def test_soft_cross_entropy_gradient_is_log_softmaxs() -> None:
     """The soft cross-entropy that saves logits and p (not fp32 log-probabilities) has autograd's
     gradient of -(p * log_softmax(logits)).sum(-1), exactly (fp32 and bf16 logits)."""
-    from draftsmith.train import soft_cross_entropy
+    from draftsmith.stages.train import soft_cross_entropy
 
     g = torch.Generator().manual_seed(0)
     p = torch.softmax(torch.randn(5, 40, generator=g), -1)

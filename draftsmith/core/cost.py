@@ -1,0 +1,351 @@
+"""What a method costs the user: projected wall-clock speedup at a serving point.
+
+Speculation saves target forwards (tokens per target forward, measured) and costs the drafter's own
+passes, a verify step over more tokens, and the free methods' lookup. At a serving point (a device,
+tensor parallel degree, concurrency B, context length) one decode step of a method takes
+
+    t_forward(model, n tokens per sequence) = overhead
+        + bytes read / (bandwidth x bandwidth efficiency)        weights (MoE: the experts B x n tokens
+                                                                 touch) + B x context x KV bytes per token
+        + 2 x active parameters x B x n / (peak FLOP/s x FLOP efficiency)
+        + 2 x layers x all-reduce latency                       with tensor parallel > 1
+    plain          t_forward(target, 1)
+    EAGLE-3 at k   t_forward(target, 1 + k) + k x t_forward(drafter, 1)      k sequential drafter passes
+    n-gram, suffix t_forward(target, 1 + k x draft share) + B x lookup time   no model weights read
+    hybrid at k    t_forward(target, 1 + k x draft share) + B x lookup time + the drafter's passes: k on
+                   the steps it drafts (the tree had nothing), 1 on the others (it catches up every step)
+
+    projected speedup = tokens per target forward (at k) x t_plain / t_step(method, k)
+
+Bytes and FLOPs add (no overlap assumed), which fits decode, where neither saturates. The per-forward
+overhead (launch, scheduling, sampling) is what makes a drafter pass cost more than its bytes on a fast
+GPU: vLLM's measured step times for Llama-3.1-8B with an EAGLE-3 drafter on an H100 put it near 1 ms
+(docs/evaluation.md, "The cost model", validated there and in bench/cost.py against measurements).
+Tokens per target forward at k < K comes from the acceptance histograms measured at K (a chain that
+drafts k tokens accepts min(accepted, k) of them); the chosen k is re-measured in vLLM.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from safetensors import safe_open
+
+EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
+FREE_METHODS = ("ngram", "suffix")  # what the engine serves without a drafter model
+
+FORMULA = (
+    "projected speedup = tokens per target forward at k x t_plain / t_step(method, k); t_forward = overhead + "
+    "bytes / bandwidth + FLOPs / peak (+ tensor-parallel all-reduces); EAGLE-3: target over 1 + k tokens + k "
+    "drafter passes; n-gram, suffix: target over 1 + k x draft share tokens + lookup"
+)
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator's decode-relevant figures. Peaks from the vendors' data sheets (dense bf16);
+    efficiencies and overhead: what decode kernels reach (docs/evaluation.md)."""
+
+    name: str
+    bandwidth_gb_s: float  # HBM (or DRAM) bandwidth, GB/s
+    tflops: float  # dense bf16 peak, TFLOP/s
+    overhead_ms: float  # per model forward: launch, scheduling, sampling
+    memory_gib: float | None = None
+    bandwidth_efficiency: float = 0.8
+    flops_efficiency: float = 0.6
+    allreduce_us: float = 10.0  # per all-reduce of one decode step's activations (NVLink)
+
+
+# Peaks: the vendors' data sheets (SXM parts, dense bf16). memory_gib: what torch reports as the card's
+# total memory (the memory plan's budget, resources.gpu_model); None where not measured here.
+DEVICES = {
+    d.name: d
+    for d in (
+        Device("H100-80GB", 3350, 989, 1.0, 79.19),
+        Device("H200-141GB", 4800, 989, 1.0, 139.8),
+        Device("A100-80GB", 2039, 312, 1.0, 79.15),
+        Device("A100-40GB", 1555, 312, 1.0, 39.39),
+        Device("B200", 8000, 2250, 1.0),
+        Device("L40S", 864, 362, 1.0),
+    )
+}
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What one forward of a model reads and computes, from its weights' shapes."""
+
+    dense_parameters: float  # read whatever the batch: attention, dense MLPs, shared experts, lm_head
+    routed_parameters: float  # all routed experts (0 for a dense model)
+    expert_share: float  # routed experts one token reads (1.0 dense)
+    kv_bytes_per_token: float  # KV cache of one context token over all layers, at bytes_per_parameter
+    layers: int
+
+    def weights_read(self, tokens: float) -> float:
+        """Parameters read by one forward over `tokens` tokens: a routed expert is read when any token
+        picks it (uniform routing assumed)."""
+        if not self.routed_parameters:
+            return self.dense_parameters
+        touched = 1.0 - (1.0 - self.expert_share) ** max(tokens, 1.0)
+        return self.dense_parameters + self.routed_parameters * touched
+
+    @property
+    def active_parameters(self) -> float:
+        """Parameters one token multiplies by (2 FLOPs each)."""
+        return self.dense_parameters + self.routed_parameters * self.expert_share
+
+
+@dataclass(frozen=True)
+class ServingPoint:
+    device: Device
+    concurrency: int
+    context_tokens: float
+    tensor_parallel: int = 1
+    bytes_per_parameter: float = 2.0
+    lookup_us: float = 20.0  # a free method's lookup, per request and step (CPU side)
+
+
+def forward_seconds(model: ModelCost, point: ServingPoint, tokens_per_sequence: float) -> float:
+    """One forward of `model` over `tokens_per_sequence` tokens of each of the point's sequences."""
+    d, tp, b = point.device, point.tensor_parallel, point.concurrency
+    tokens = b * tokens_per_sequence
+    weight_bytes = model.weights_read(tokens) * point.bytes_per_parameter
+    kv_bytes = b * point.context_tokens * model.kv_bytes_per_token
+    memory = (weight_bytes + kv_bytes) / tp / (d.bandwidth_gb_s * 1e9 * d.bandwidth_efficiency)
+    compute = 2 * model.active_parameters * tokens / tp / (d.tflops * 1e12 * d.flops_efficiency)
+    comm = 2 * model.layers * d.allreduce_us * 1e-6 if tp > 1 else 0.0
+    return d.overhead_ms * 1e-3 + memory + compute + comm
+
+
+def step_seconds(
+    kind: str,
+    k: int,
+    target: ModelCost,
+    point: ServingPoint,
+    drafter: ModelCost | None = None,
+    draft_share: float = 1.0,
+    drafter_share: float = 1.0,
+) -> float:
+    """One decode step of a method at draft length k (k = 0: plain decoding). kind: eagle3 (a drafter
+    with k sequential passes), a free method (ngram, suffix) that drafts on `draft_share` of steps, or
+    hybrid (suffix decoding, the drafter on `drafter_share` of steps)."""
+    if k == 0 or kind == "plain":
+        return forward_seconds(target, point, 1)
+    lookup = point.concurrency * point.lookup_us * 1e-6
+    if kind in FREE_METHODS:
+        return forward_seconds(target, point, 1 + k * draft_share) + lookup
+    if drafter is None:
+        raise ValueError(f"method {kind!r} drafts with a model: its cost needs the drafter's shape")
+    one_pass = forward_seconds(drafter, point, 1)
+    if kind == "hybrid":
+        passes = drafter_share * k + (1.0 - drafter_share)
+        return forward_seconds(target, point, 1 + k * draft_share) + lookup + passes * one_pass
+    return forward_seconds(target, point, 1 + k) + k * one_pass
+
+
+def projected_speedup(
+    tokens_per_forward: float,
+    kind: str,
+    k: int,
+    target: ModelCost,
+    point: ServingPoint,
+    drafter: ModelCost | None = None,
+    draft_share: float = 1.0,
+    drafter_share: float = 1.0,
+) -> float:
+    """Tokens per unit of time relative to plain decoding at the serving point."""
+    return tokens_per_forward * speedup_factor(kind, k, target, point, drafter, draft_share, drafter_share)
+
+
+# ------------------------------------------------------------------------------------ draft length
+
+
+def accepted_at(accepted_per_pos: Sequence[int], k: int) -> int:
+    """Drafts accepted had each step drafted only k tokens: a chain accepts min(accepted, k), i.e. the
+    steps that accepted position i, summed over i < k (accepted_per_pos[i] = steps accepting > i)."""
+    return int(sum(accepted_per_pos[:k]))
+
+
+def forwards_at(tokens: int, forwards: int, accepted_per_pos: Sequence[int], k: int) -> float:
+    """Target forwards one prompt would take at draft length k, from its counts at K >= k: the same
+    tokens at the mean tokens per step that truncating every step's acceptance to k gives. Exact at K;
+    tokens = forwards + accepted there, which `tokens` checks nothing against (it is the same output)."""
+    if forwards <= 0:
+        return float(forwards)
+    full = accepted_at(accepted_per_pos, len(accepted_per_pos))
+    return forwards * (forwards + full) / (forwards + accepted_at(accepted_per_pos, k))
+
+
+# ------------------------------------------------------------------------------------ model shapes
+
+
+def tensor_sizes(folder: str | Path) -> dict[str, int]:
+    """name -> element count of every tensor in the folder's safetensors files (headers only)."""
+    sizes: dict[str, int] = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                sizes[name] = math.prod(f.get_slice(name).get_shape())
+    if not sizes:
+        raise ValueError(f"{folder}: no safetensors weights to count")
+    return sizes
+
+
+def active_expert_share(config: dict) -> float:
+    """The share of routed experts one token reads (1.0 for a dense model)."""
+    per_token = config.get("num_experts_per_tok")
+    total = next((config[k] for k in EXPERT_COUNT_KEYS if config.get(k)), None)
+    return per_token / total if per_token and total else 1.0
+
+
+def kv_elements_per_token(config: dict) -> float:
+    """KV-cache elements one context token holds over all layers: MLA caches its compressed latent
+    (kv_lora_rank + qk_rope_head_dim); other attention 2 x kv heads x head dim."""
+    layers = int(config.get("num_hidden_layers") or 0)
+    if config.get("kv_lora_rank"):
+        return layers * (config["kv_lora_rank"] + (config.get("qk_rope_head_dim") or 0))
+    heads = config.get("num_attention_heads") or 1
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    return layers * 2 * kv_heads * head_dim
+
+
+def target_cost(target_path: str | Path, bytes_per_parameter: float = 2.0) -> ModelCost:
+    """The target's forward: its weights by name (the embedding is not read, only a few rows; the
+    lm_head is, or the tied embedding in its place), routed experts apart."""
+    from draftsmith.core.target import text_config_dict
+
+    config = text_config_dict(target_path)
+    sizes = tensor_sizes(target_path)
+    tied = not any("lm_head" in name for name in sizes)
+    dense = routed = 0.0
+    for name, n in sizes.items():
+        if "embed_tokens" in name and not tied:
+            continue
+        if ".experts." in name and "shared_experts" not in name:
+            routed += n
+        else:
+            dense += n
+    return ModelCost(
+        dense_parameters=dense,
+        routed_parameters=routed,
+        expert_share=active_expert_share(config) if routed else 1.0,
+        kv_bytes_per_token=kv_elements_per_token(config) * bytes_per_parameter,
+        layers=int(config.get("num_hidden_layers") or 1),
+    )
+
+
+def drafter_cost(export_dir: str | Path, bytes_per_parameter: float = 2.0) -> ModelCost:
+    """One drafter pass of an export: everything but the vocabulary maps and the target's embedding
+    that speculators' format carries; its one layer's KV cache."""
+    import json
+
+    skip = ("d2t", "t2d", "embed_tokens.weight")
+    params = float(sum(n for name, n in tensor_sizes(export_dir).items() if name not in skip))
+    config = json.loads((Path(export_dir) / "config.json").read_text(encoding="utf-8"))
+    layer = {**config, "num_hidden_layers": 1}
+    kv = kv_elements_per_token(layer) if config.get("hidden_size") else 0.0
+    return ModelCost(params, 0.0, 1.0, kv * bytes_per_parameter, 1)
+
+
+def serving_points(serving: dict[str, Any], context_tokens: float) -> list[ServingPoint]:
+    """evaluate.serving -> one point per concurrency (the first is the one the verdict decides at).
+    A preset device's figures are replaced by those the settings give."""
+    name = serving["device"]
+    if name not in DEVICES:
+        raise ValueError(f"evaluate.serving.device: unknown device {name!r}; known: {', '.join(DEVICES)}")
+    overrides = {
+        field: serving[key]
+        for key, field in (
+            ("bandwidth_gb_s", "bandwidth_gb_s"),
+            ("tflops", "tflops"),
+            ("overhead_ms", "overhead_ms"),
+            ("bandwidth_efficiency", "bandwidth_efficiency"),
+            ("flops_efficiency", "flops_efficiency"),
+        )
+        if serving.get(key) is not None
+    }
+    device = replace(DEVICES[name], **overrides)
+    context = serving.get("context_tokens") or context_tokens
+    return [
+        ServingPoint(
+            device=device,
+            concurrency=int(b),
+            context_tokens=float(context),
+            tensor_parallel=int(serving.get("tensor_parallel") or 1),
+            bytes_per_parameter=float(serving.get("bytes_per_parameter") or 2.0),
+            lookup_us=float(serving.get("lookup_us") or 0.0),
+        )
+        for b in serving["concurrency"]
+    ]
+
+
+def describe_point(point: ServingPoint) -> str:
+    d = point.device
+    tp = f", TP {point.tensor_parallel}" if point.tensor_parallel > 1 else ""
+    return f"{d.name}{tp}, concurrency {point.concurrency}, context {point.context_tokens:.0f} tokens"
+
+
+def speedup_factor(
+    kind: str,
+    k: int,
+    target: ModelCost,
+    point: ServingPoint,
+    drafter: ModelCost | None = None,
+    draft_share: float = 1.0,
+    drafter_share: float = 1.0,
+) -> float:
+    """t_plain / t_step: what one unit of tokens per target forward is worth at the point (so that
+    projected speedup = tokens per target forward x this factor, and an interval on the one scales)."""
+    plain = step_seconds("plain", 0, target, point)
+    return plain / step_seconds(kind, k, target, point, drafter, draft_share, drafter_share)
+
+
+def counts_at(rows: Sequence[dict[str, Any]], k: int) -> tuple[list[int], list[float]]:
+    """Per prompt (tokens, target forwards at draft length k) from per-prompt counts measured at K >= k
+    (each row: tokens, forwards, accepted_per_pos)."""
+    tokens = [int(r["tokens"]) for r in rows]
+    forwards = [forwards_at(r["tokens"], r["forwards"], r["accepted_per_pos"], k) for r in rows]
+    return tokens, forwards
+
+
+def draft_length_options(
+    rows: Sequence[dict[str, Any]],
+    max_k: int,
+    kind: str,
+    target: ModelCost,
+    points: Sequence[ServingPoint],
+    drafter: ModelCost | None = None,
+) -> list[dict[str, Any]]:
+    """Every draft length 1..max_k of one method on some prompts: tokens per target forward (estimated
+    from the acceptance at max_k) and the projected speedup at each point. The share of steps that
+    drafted is taken as measured at max_k."""
+    drafts = sum(int(r["drafts"]) for r in rows)
+    measured_forwards = sum(int(r["forwards"]) for r in rows)
+    share = drafts / measured_forwards if measured_forwards else 0.0
+    # the hybrid's drafter drafts on the steps the suffix tree left empty (per-prompt drafter_steps)
+    drafter_share = (
+        sum(int(r.get("drafter_steps", 0)) for r in rows) / measured_forwards if measured_forwards else 0.0
+    )
+    options = []
+    for k in range(1, max_k + 1):
+        tokens, forwards = counts_at(rows, k)
+        per_forward = sum(tokens) / sum(forwards) if sum(forwards) else 1.0
+        factors = [speedup_factor(kind, k, target, p, drafter, share, drafter_share) for p in points]
+        options.append({
+            "k": k,
+            "tokens_per_forward": per_forward,
+            "draft_share": share,
+            "speedup_factor": factors,
+            "projected_speedup": [per_forward * f for f in factors],
+        })  # fmt: skip
+    return options
+
+
+def best_draft_length(options: Sequence[dict[str, Any]], point_index: int = 0) -> int:
+    """The k with the highest projected speedup at one point (the shortest among equals)."""
+    return max(options, key=lambda o: (o["projected_speedup"][point_index], -o["k"]))["k"]

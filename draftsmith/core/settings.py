@@ -1,0 +1,162 @@
+"""Settings objects built from the schema alone.
+
+A stage's settings class lists its fields with their types and nothing else; `from_schema` turns it
+into a dataclass whose defaults are the schema's (draftsmith/config.schema.yaml) and whose values are
+checked against the schema's types, enums and bounds whenever an object is built (also by
+`dataclasses.replace`). A default, a list of choices or a bound is therefore written once, in the
+schema, and a new setting is one schema entry plus one annotated line:
+
+    @from_schema("train", ops=("checkpoint_every", "loader_threads"), unset=("threads",))
+    class TrainSettings:
+        epochs: int
+        lr: float
+        ...
+
+Where a field's value comes from, in this order: `paths` (a field named differently from its key, e.g.
+"level" -> "evaluate.interval_level"); `ops`, the stage's operational knobs under `resources.<section>`;
+the section's own key of the same name. A field the schema does not have (a run-time value such as the
+devices a job was given) declares its own default in the class. `unset` fields default to None (the
+library decides, e.g. torch's thread count) and are checked against the schema only when given.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from functools import cache
+from typing import Any, TypeVar
+
+from draftsmith.core.config import renamed_hint, schema, spec_default
+
+T = TypeVar("T")
+
+REGISTRY: list[type] = []  # every settings class built here (tests/unit/test_settings.py checks them all)
+
+
+def schema_spec(path: str) -> dict[str, Any]:
+    """The schema entry of a dotted key, e.g. "train.lr" or "resources.train.loader_threads"."""
+    spec = schema()
+    for part in path.split("."):
+        props = spec.get("properties", {})
+        if part not in props:
+            raise KeyError(f"{path}: not a key of draftsmith/config.schema.yaml")
+        spec = props[part]
+    return spec
+
+
+def schema_default(path: str) -> Any:
+    """The schema's default of a dotted key (a fresh copy: defaults may be lists or dicts); an object's
+    default holds its own keys' defaults, as the workflow's validate() and the CLI fill them in (the same
+    settings, however they were built, key the same checkpoints)."""
+    return spec_default(schema_spec(path))
+
+
+def field_paths(
+    cls: type, section: str, ops: Sequence[str] = (), paths: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """field name -> dotted schema key, for the fields of `cls` the schema has."""
+    own = schema_spec(section).get("properties", {})
+    out = {}
+    for name in cls.__dict__.get("__annotations__", {}):
+        if paths and name in paths:
+            out[name] = paths[name]
+        elif name in ops:
+            out[name] = f"resources.{section}.{name}"
+        elif name in own:
+            out[name] = f"{section}.{name}"
+    for path in out.values():
+        schema_spec(path)  # a misspelt path fails at import, not at the first run
+    return out
+
+
+def from_schema(
+    section: str,
+    *,
+    ops: Sequence[str] = (),
+    paths: Mapping[str, str] | None = None,
+    unset: Sequence[str] = (),
+) -> Callable[[type[T]], type[T]]:
+    """Class decorator: a dataclass of `section`'s settings with the schema's defaults and checks (see
+    the module doc). The class may define `check(self)` for rules across fields (run after the schema's);
+    it gains `from_dict`, `to_dict` and `schema_paths`."""
+
+    def build(cls: type[T]) -> type[T]:
+        where = field_paths(cls, section, ops, paths)
+        if set(unset) - set(where):
+            raise TypeError(
+                f"{cls.__name__}: unset fields {sorted(set(unset) - set(where))} are not in the schema"
+            )
+        for name in where:
+            if name in cls.__dict__:
+                raise TypeError(
+                    f"{cls.__name__}.{name}: its default is the schema's ({where[name]}); remove it"
+                )
+            default = None if name in unset else schema_default(where[name])
+            if isinstance(default, (dict, list)):
+                setattr(cls, name, dataclasses.field(default_factory=lambda d=default: copy.deepcopy(d)))
+            else:
+                setattr(cls, name, default)
+        missing = [
+            n for n in cls.__dict__.get("__annotations__", {}) if n not in where and n not in cls.__dict__
+        ]
+        if missing:
+            raise TypeError(f"{cls.__name__}: {missing} are not in the schema and have no default")
+        cls.schema_section = section  # type: ignore[attr-defined]
+        cls.schema_paths = where  # type: ignore[attr-defined]
+        cls.unset_fields = tuple(unset)  # type: ignore[attr-defined]
+        cls.__post_init__ = _post_init  # type: ignore[attr-defined]
+        cls.from_dict = classmethod(_from_dict)  # type: ignore[attr-defined]
+        cls.to_dict = dataclasses.asdict  # type: ignore[attr-defined]
+        out = dataclasses.dataclass(cls)
+        REGISTRY.append(out)
+        return out
+
+    return build
+
+
+@cache
+def _validator(paths: tuple[tuple[str, str], ...]) -> Any:
+    import jsonschema
+
+    spec = {"type": "object", "properties": {name: schema_spec(path) for name, path in paths}}
+    return jsonschema.Draft202012Validator(spec)
+
+
+def settings_errors(obj: Any) -> list[str]:
+    """Every value of a settings object the schema refuses, one line each naming the config key."""
+    paths = obj.schema_paths
+    values = {
+        name: getattr(obj, name)
+        for name in paths
+        if not (name in obj.unset_fields and getattr(obj, name) is None)
+    }
+    validator = _validator(tuple(sorted(paths.items())))
+    errors = sorted(validator.iter_errors(values), key=lambda e: list(map(str, e.absolute_path)))
+    lines = []
+    for err in errors:
+        name, *inner = [str(p) for p in err.absolute_path]
+        where = ".".join([paths[name], *inner])
+        lines.append(f"{where}: {err.message}{renamed_hint(where, err.instance)}")
+    return lines
+
+
+def _post_init(self: Any) -> None:
+    errors = settings_errors(self)
+    if errors:
+        raise ValueError(f"invalid {self.schema_section} settings: " + "; ".join(errors))
+    check = getattr(self, "check", None)
+    if check is not None:
+        check()
+
+
+def _from_dict(cls: type[T], values: Mapping[str, Any]) -> T:
+    """Build from a dict (a config section, a saved to_dict): missing keys take the schema's defaults;
+    a key that is neither a field nor a scheduler knob of resources.<section> (gpus, runtime) is an error."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    section = cls.schema_section  # type: ignore[attr-defined]
+    scheduler = set(schema_spec("resources").get("properties", {}).get(section, {}).get("properties", {}))
+    unknown = sorted(set(values) - names - scheduler)
+    if unknown:
+        raise ValueError(f"unknown {section} settings: {', '.join(unknown)}")
+    return cls(**{k: v for k, v in values.items() if k in names})

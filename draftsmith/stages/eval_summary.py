@@ -1,0 +1,481 @@
+"""The evaluation summary: per held-out set and method, measured offline and in vLLM.
+
+The figure that compares methods is tokens per target forward, every decode step counted, with its
+interval over prompts; beside it the share of steps that had a draft, vLLM's tau and acceptance per draft
+position under their own names (counted over the steps that had a draft), the speed measured here, and
+the speedup projected for hardware where decoding is memory-bound (draftsmith.core.cost). The gate's checks and
+verdict (draftsmith.stages.gate) come with it.
+
+    summarize(...)        offline.json + vllm.json per held-out set, data_config.json, the export,
+                          metrics.jsonl -> the summary dict (rows with intervals, headline, checks, verdict,
+                          and the provenance the model card shows: target, data, vocabulary, training)
+    summarize_files(...)  reads those files, writes summary.{json,tsv,html} and the plots (draftsmith.stages.report)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from draftsmith.core.cost import FORMULA
+from draftsmith.core.methods import PLAIN, method, ordered
+from draftsmith.core.projection import method_projection, set_projection, summary_of
+from draftsmith.core.stats import bootstrap_ratio
+from draftsmith.stages.gate import (
+    FIGURE,
+    PER_DRAFT,
+    PER_FORWARD,
+    GateSettings,
+    diagnose,
+    learning_curve,
+    passed,
+    per_prompt_counts,
+    verdict,
+)
+
+
+def read_metrics(path: str | Path | None) -> list[dict[str, Any]]:
+    """metrics.jsonl rows (train/val/resume); [] when the file is absent."""
+    if path is None or not Path(path).is_file():
+        return []
+    rows = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{n}: not JSON ({err})") from err
+    return rows
+
+
+def _measurements(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(measured by, results) of one held-out set: offline when it ran, then vLLM when it ran."""
+    offline = [("offline", results["offline"])] if results.get("offline_measured", True) else []
+    return offline + ([("vLLM", results["vllm"])] if results.get("vllm") else [])
+
+
+def intervals(results: dict[str, Any], prompt_ids: list[str], settings: GateSettings) -> dict[str, Any]:
+    """Tokens per target forward, tau and acceptance per position of one method with their bootstrap
+    intervals over prompts (None without per-prompt counts)."""
+    per_forward = per_prompt_counts(results, prompt_ids, PER_FORWARD)
+    per_draft = per_prompt_counts(results, prompt_ids, PER_DRAFT)
+    if per_forward is None or per_draft is None:
+        return {"tokens_per_forward_interval": None, "tau_interval": None, "acceptance_intervals": None,
+                "per_step_intervals": None}  # fmt: skip
+    _, lo, hi = bootstrap_ratio(*per_forward, *settings.bootstrap)
+    _, tau_lo, tau_hi = bootstrap_ratio(*per_draft, *settings.bootstrap)
+    rows = {r["id"]: r for r in results["per_prompt"]}
+    k = len(results["acceptance_rate_per_position"])
+    per_pos, per_step = [], []
+    for i in range(k):
+        num = [(rows[p].get("accepted_per_pos") or [0] * k)[i] for p in prompt_ids]
+        per_pos.append(list(bootstrap_ratio(num, per_draft[1], *settings.bootstrap)[1:]))
+        per_step.append(list(bootstrap_ratio(num, per_forward[1], *settings.bootstrap)[1:]))
+    return {
+        "tokens_per_forward_interval": [lo, hi],
+        "tau_interval": [1.0 + tau_lo, 1.0 + tau_hi],
+        "acceptance_intervals": per_pos,
+        "per_step_intervals": per_step,
+    }
+
+
+def _outputs(by: str, results: dict[str, Any], data: dict[str, Any]) -> str:
+    """Whether a method's outputs equal plain decoding's: token for token when greedy (a sampled
+    output is lossless in distribution only, not comparable prompt by prompt)."""
+    if data.get("temperature", 0.0) > 0:
+        return "sampled"
+    if by == "offline":
+        return {True: "= plain (lossless)", False: "DIFFER from plain", None: "sampled"}[results["lossless"]]
+    return f"= plain on {results['outputs_equal_plain']}/{data['num_prompts']}"
+
+
+def judged_by(results: dict[str, Any]) -> str:
+    """Which measurement of a set is judged: vLLM's where it ran (what serving sees), else offline."""
+    return "vLLM" if results.get("vllm") else "offline"
+
+
+def summary_rows(
+    sets: dict[str, dict[str, Any]],
+    settings: GateSettings,
+    projections: dict[str, dict[str, Any]] | None = None,
+) -> list[dict[str, Any]]:
+    """The summary table: per held-out set, plain decoding and each method, offline and in vLLM. The
+    judged measurement's rows carry the method's serving projection (draftsmith.core.projection): its chosen
+    draft length, tokens per target forward there and the projected speedup at each concurrency."""
+    rows = []
+    for heldout, results in sets.items():
+        projected = (projections or {}).get(heldout) or {}
+        judged = judged_by(results)
+        concurrencies = projected.get("concurrency") or []
+        for by, data in _measurements(results):
+            rows.append({
+                "heldout": heldout, "method": PLAIN.label, "key": None, "measured_by": by,
+                "prompts": data["num_prompts"], "tokens": data["plain"]["tokens"],
+                "forwards": data["plain"]["tokens"], "tokens_per_forward": 1.0,
+                "tokens_per_forward_interval": None, "draft_share": 0.0, "k": 0,
+                "projected_speedup": [1.0] * len(concurrencies) if by == judged and concurrencies else None,
+                "projected_intervals": None, "tau": None, "tau_interval": None,
+                "acceptance_per_position": None, "acceptance_intervals": None,
+                "tokens_per_s": data["plain"]["tokens_per_s"], "speedup": 1.0, "outputs": "reference",
+            })  # fmt: skip
+        keys = ordered(
+            set(results["offline"]["methods"]) | set((results.get("vllm") or {}).get("methods", {}))
+        )
+        for key in keys:
+            for by, data in _measurements(results):
+                m = data["methods"].get(key)
+                if m is None:
+                    continue
+                p = projected.get("methods", {}).get(key)
+                mine = p is not None and (
+                    p.get("measured_by") == by if p.get("projection_only") else by == judged
+                )
+                serving = summary_of(p) if mine else None
+                rows.append({
+                    "heldout": heldout, "method": method(key).label, "key": key, "measured_by": by,
+                    "prompts": data["num_prompts"], "tokens": m["tokens"], "forwards": m["forwards"],
+                    "tokens_per_forward": m["tokens_per_forward"],
+                    **intervals(m, data["prompt_ids"], settings),
+                    "draft_share": m["draft_share"],
+                    "k": serving["k"] if serving else data["num_draft_tokens"],
+                    "serving": serving,
+                    "projected_speedup": serving["projected_speedup"] if serving else None,
+                    "projected_intervals": serving["projected_intervals"] if serving else None,
+                    "tau": m["tau"], "acceptance_per_position": m["acceptance_rate_per_position"],
+                    "per_step_acceptance": _per_step(m),
+                    "tokens_per_s": m["tokens_per_s"], "speedup": m["speedup"],
+                    "outputs": _outputs(by, m, data),
+                })  # fmt: skip
+    return rows
+
+
+def _per_step(m: dict[str, Any]) -> list[float] | None:
+    """Acceptance at each draft position over every decode step (the steps that did not draft count as
+    rejections): what a position buys per step, comparable across methods that draft on few steps."""
+    rows = m.get("per_prompt")
+    if rows and all(r.get("accepted_per_pos") is not None for r in rows):
+        per_pos = [sum(col) for col in zip(*(r["accepted_per_pos"] for r in rows), strict=True)]
+        forwards = sum(r["forwards"] for r in rows)
+    else:
+        per_pos, forwards = m.get("accepted_per_pos"), m.get("forwards")
+    if not per_pos or not forwards:
+        return None
+    return [a / forwards for a in per_pos]
+
+
+def headline(rows: list[dict[str, Any]], sets: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per held-out set, each method's tokens per target forward (with interval and the share of steps
+    that drafted), its draft length and projected speedup at the serving point, tau beside it, from vLLM
+    where it measured the set (what serving sees), else offline."""
+    out: dict[str, Any] = {}
+    for heldout, results in sets.items():
+        by = judged_by(results)
+        methods = {}
+        for r in rows:
+            if r["heldout"] == heldout and r["measured_by"] == by and r["key"]:
+                methods[r["key"]] = {
+                    name: r[name]
+                    for name in ("tokens_per_forward", "tokens_per_forward_interval", "draft_share", "k",
+                                 "projected_speedup", "projected_intervals", "tau", "tau_interval", "speedup")
+                }  # fmt: skip
+        out[heldout] = {"measured_by": by, "prompts": results[by.lower()]["num_prompts"], "methods": methods}
+    return out
+
+
+def project_sets(
+    sets: dict[str, dict[str, Any]],
+    serving: dict[str, Any],
+    target_path: str | Path,
+    drafters: dict[str, str | Path],
+    settings: GateSettings,
+) -> dict[str, dict[str, Any]]:
+    """Every set's judged measurement projected to the serving point (evaluate.serving)."""
+    from draftsmith.core.cost import drafter_cost, serving_points, target_cost
+
+    bytes_per = float(serving.get("bytes_per_parameter") or 2.0)
+    target = target_cost(target_path, bytes_per)
+    costs = {key: drafter_cost(path, bytes_per) for key, path in drafters.items()}
+    out = {}
+    for heldout, results in sets.items():
+        data = results["vllm"] if results.get("vllm") else results["offline"]
+        context = data.get("context_tokens") or _offline_context(results["offline"])
+        points = serving_points(serving, context)
+        out[heldout] = set_projection(data, target, costs, points, settings.bootstrap)
+        # the hybrid (suffix decoding, else the drafter) is measured offline only: a projection, never ranked
+        offline = results["offline"] if results.get("offline_measured", True) else {}
+        hybrid = (offline.get("methods") or {}).get("hybrid")
+        if hybrid and "eagle3" in costs:
+            projected = method_projection(
+                "hybrid", hybrid, int(offline["num_draft_tokens"]), target, points, costs["eagle3"],
+                settings.bootstrap,
+            )  # fmt: skip
+            if projected is not None:
+                out[heldout]["methods"]["hybrid"] = {
+                    **projected,
+                    "projection_only": True,
+                    "measured_by": "offline",
+                }
+    return out
+
+
+def _offline_context(offline: dict[str, Any]) -> float:
+    """Mean prompt plus half the output, from the offline measurement's per-prompt rows."""
+    rows = offline.get("per_prompt") or []
+    if not rows:
+        return 512.0
+    return sum(r.get("prompt_tokens", 0) + r.get("plain_tokens", 0) / 2 for r in rows) / len(rows)
+
+
+def provenance(
+    manifest: dict[str, Any],
+    export_config: dict[str, Any],
+    by_source: dict[str, dict[str, int]] | None = None,
+    vocab: dict[str, Any] | None = None,
+    prompts: dict[str, Any] | None = None,
+    target: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """What the drafter was made from, as the model card shows it: the target (`target`: the config's
+    target section), the training data (the manifest, samples and tokens per source `by_source`, the
+    prompts stage's summary), the draft vocabulary (vocab_map.pt's counts) and training (the export's
+    draftsmith block)."""
+    training = (export_config.get("draftsmith") or {}).get("training") or {}
+    run = training.get("summary") or {}
+    samples = sum(r["samples"] for r in (by_source or {}).values())
+    tokens = sum(r["tokens"] for r in (by_source or {}).values())
+    original = (by_source or {}).get("original", {"samples": 0, "tokens": 0})
+    return {
+        "target": {
+            **{k: (target or {}).get(k) for k in ("model", "revision", "gguf_wheel", "gguf_file")},
+            "path": manifest.get("target"),
+            "architecture": manifest.get("target_architecture"),
+            "num_layers": manifest.get("num_layers"),
+            "hidden_size": manifest.get("hidden_size"),
+        },
+        "data": {
+            "prompt_source": (prompts or {}).get("source"),
+            "conversations": (prompts or {}).get("train"),
+            "heldout_prompts": (prompts or {}).get("heldout"),
+            "samples": manifest.get("num_samples"),
+            "tokens": manifest.get("num_tokens"),
+            "masked_tokens": manifest.get("num_masked_tokens"),
+            "by_source": by_source,
+            "original_share": original["samples"] / samples if samples else None,
+            "original_token_share": original["tokens"] / tokens if tokens else None,
+            "teacher_agreement_by_source": manifest.get("teacher_agreement_by_source"),
+            "aux_layer_ids": manifest.get("aux_layer_ids"),
+            "storage_dtype": manifest.get("dtype"),
+        },
+        "vocab": {
+            k: vocab[k]
+            for k in (
+                "draft_vocab_size",
+                "target_vocab_size",
+                "coverage",
+                "counted_tokens",
+                "distinct_tokens",
+            )
+            if k in vocab
+        }
+        if vocab
+        else None,
+        "training": {
+            "settings": training.get("settings"),
+            **{
+                k: run.get(k)
+                for k in (
+                    "steps",
+                    "epochs",
+                    "trained_tokens",
+                    "train_samples",
+                    "val_samples",
+                    "val_acc",
+                    "val_agreement",
+                    "device",
+                    "wall_s",
+                )
+            },  # fmt: skip
+        },
+    }
+
+
+def samples_by_source(manifest_path: str | Path) -> dict[str, dict[str, int]]:
+    """Samples and tokens per sample source ("regenerated", "original") over the manifest's shards,
+    from their headers and token offsets only."""
+    from draftsmith.core.shards import ShardReader
+    from draftsmith.stages.manifest import load_manifest
+
+    out: dict[str, dict[str, int]] = {}
+    for shard in load_manifest(manifest_path)["shards"]:
+        with ShardReader(shard["path"]) as reader:
+            sources = reader.meta.get("sample_sources") or ["regenerated"] * len(reader)
+            for i, source in enumerate(sources):
+                row = out.setdefault(source, {"samples": 0, "tokens": 0})
+                row["samples"] += 1
+                row["tokens"] += reader.num_tokens(i)
+    return dict(sorted(out.items()))
+
+
+def summarize(
+    sets: dict[str, dict[str, Any]],
+    manifest: dict[str, Any],
+    export_config: dict[str, Any],
+    export_problems: list[str],
+    current_fingerprint: str | None,
+    metrics_rows: list[dict[str, Any]],
+    settings: GateSettings,
+    projections: dict[str, dict[str, Any]] | None = None,
+    origin: dict[str, Any] | None = None,
+    serving: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Everything the report, the gate and the model card need, in one JSON-able dict. sets: held-out
+    set name -> {"offline": offline.json, "vllm": vllm.json or None}; projections: `project_sets` (the
+    serving point's figures); origin: `provenance` (None: from the manifest and export alone); serving:
+    evaluate.serving, as projected."""
+    checks = diagnose(
+        sets, manifest, export_config, export_problems, current_fingerprint, metrics_rows, settings,
+        projections=projections,
+    )  # fmt: skip
+    rows = summary_rows(sets, settings, projections)
+    off = next(iter(sets.values()))["offline"]
+    return {
+        "figure": FIGURE,
+        "heldout_sets": {
+            name: {
+                "prompts": r["offline"]["prompts"],
+                "num_prompts": (r.get("vllm") or r["offline"])["num_prompts"],
+                "offline_prompts": r["offline"]["num_prompts"] if r.get("offline_measured", True) else 0,
+                "max_new_tokens": r["offline"]["max_new_tokens"],
+                "plain_tokens": (r.get("vllm") or r["offline"])["plain"]["tokens"],
+                "vllm_measured": r.get("vllm") is not None,
+            }
+            for name, r in sets.items()
+        },
+        "max_new_tokens": off["max_new_tokens"],
+        "num_draft_tokens": off["num_draft_tokens"],
+        "temperature": off["temperature"],
+        "level": settings.level,
+        "vllm_measured": any(r.get("vllm") is not None for r in sets.values()),
+        "lossless": off["methods"]["eagle3"].get("lossless"),
+        "headline": headline(rows, sets),
+        "method_settings": _method_settings(sets),
+        "projection": {
+            "formula": FORMULA,
+            "serving": serving,
+            "points": next(iter(projections.values()))["points"] if projections else None,
+            "concurrency": next(iter(projections.values()))["concurrency"] if projections else None,
+            "ranking": {name: p["ranking"] for name, p in projections.items()},
+        }
+        if projections
+        else None,
+        "rows": rows,
+        "learning": learning_curve(metrics_rows),
+        "settings": {
+            "gate": settings.all_modes,
+            "max_tau_gap": settings.max_tau_gap,
+            "max_acc_gap": settings.max_acc_gap,
+            "min_val_gain": settings.min_val_gain,
+            "level": settings.level,
+            "resamples": settings.resamples,
+        },
+        "provenance": origin if origin is not None else provenance(manifest, export_config),
+        "checks": [c.to_dict() for c in checks],
+        "verdict": verdict(checks, projections),
+        "gate_passed": passed(checks),
+    }
+
+
+# ------------------------------------------------------------------------------------------- from files
+
+
+def load_sets(offline: dict[str, str | Path], vllm: dict[str, str | Path]) -> dict[str, dict[str, Any]]:
+    """Held-out set name -> {"offline": ..., "vllm": ... or None}, read from the files. With vLLM on, the
+    offline run is the contract check on the first `evaluate.offline_num_prompts` of the prompts vLLM
+    decoded: offline prompt ids that are not the first of vLLM's are an error. Without any offline
+    measurement (evaluate.offline: false), vLLM's fills both places: the contract columns then compare
+    vLLM with itself, which the summary says (`offline_measured`)."""
+    if offline and set(vllm) - set(offline):
+        raise ValueError(
+            f"vLLM results for held-out set(s) {sorted(set(vllm) - set(offline))} without offline results"
+        )
+    sets = {}
+    for name in offline or vllm:
+        served = json.loads(Path(vllm[name]).read_text(encoding="utf-8")) if name in vllm else None
+        if not offline:
+            sets[name] = {"offline": served, "vllm": served, "offline_measured": False}
+            continue
+        off = json.loads(Path(offline[name]).read_text(encoding="utf-8"))
+        if served is not None and served["prompt_ids"][: len(off["prompt_ids"])] != off["prompt_ids"]:
+            raise ValueError(f"{vllm[name]} and {offline[name]} decoded different prompts; rerun both")
+        sets[name] = {"offline": off, "vllm": served, "offline_measured": True}
+    return sets
+
+
+def summarize_files(
+    offline: dict[str, str | Path],
+    vllm: dict[str, str | Path],
+    manifest_path: str | Path,
+    drafter: str | Path,
+    target_path: str | Path,
+    metrics: str | Path | None,
+    out: str | Path,
+    settings: GateSettings,
+    vocab_path: str | Path | None = None,
+    prompts_summary: str | Path | None = None,
+    target_source: dict[str, Any] | None = None,
+    serving: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Load the evaluation's inputs, summarise, and write summary.{json,tsv,html} and the plots to out
+    (training writes its TensorBoard curves itself, as it goes). The vocabulary map, the prompts
+    stage's summary and the config's target section (`target_source`) go into the provenance."""
+    from draftsmith.core.chat import template_fingerprint
+    from draftsmith.core.target import load_tokenizer
+    from draftsmith.stages.export import check_against_target
+    from draftsmith.stages.report import write_report
+
+    sets = load_sets(offline, vllm)
+    manifest = json.loads(Path(manifest_path).read_text(encoding="utf-8"))
+    export_config = json.loads((Path(drafter) / "config.json").read_text(encoding="utf-8"))
+    problems = check_against_target(drafter, target_path)
+    fingerprint = template_fingerprint(load_tokenizer(target_path))
+    rows = read_metrics(metrics)
+    drafters = {"eagle3": drafter}
+    untrained = _untrained_export(sets)
+    if untrained:
+        drafters["untrained"] = untrained
+    projections = project_sets(sets, serving, target_path, drafters, settings) if serving else None
+    vocab = None
+    if vocab_path is not None:
+        from draftsmith.stages.vocab import load_vocab_map
+
+        vocab = {k: v for k, v in load_vocab_map(vocab_path).items() if not hasattr(v, "shape")}
+    prompts = json.loads(Path(prompts_summary).read_text(encoding="utf-8")) if prompts_summary else None
+    origin = provenance(
+        manifest, export_config, samples_by_source(manifest_path), vocab, prompts, target_source
+    )
+    summary = summarize(
+        sets, manifest, export_config, problems, fingerprint, rows, settings, projections, origin, serving
+    )
+    write_report(out, summary, rows)
+    return summary
+
+
+def _untrained_export(sets: dict[str, dict[str, Any]]) -> str | None:
+    """The untrained drafter's export folder as the measurement recorded it, if it still exists."""
+    for results in sets.values():
+        for data in (results.get("vllm"), results.get("offline")):
+            path = ((data or {}).get("methods", {}).get("untrained") or {}).get("drafter")
+            if path and Path(path).is_dir():
+                return path
+    return None
+
+
+def _method_settings(sets: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The free methods' settings as measured (what their serve commands must repeat)."""
+    out: dict[str, Any] = {}
+    for results in sets.values():
+        data = results.get("vllm") or results.get("offline") or {}
+        for key, m in data.get("methods", {}).items():
+            if m.get("settings"):
+                out.setdefault(key, m["settings"])
+    return out

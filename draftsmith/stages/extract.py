@@ -1,0 +1,760 @@
+"""Extract stage: one prefill per sample batch, capturing aux-layer inputs and the final normed state.
+
+No lm_head runs in the capture pass. The teacher-agreement check (does argmax(lm_head(final[t]))
+equal the trace's next token?) runs afterwards on the masked positions only: it is the check that
+catches wrong layers, a missing final norm or a template mismatch before anyone trains.
+
+Two back-ends produce the same samples: `transformers` (backends/hf.py: in-process, hooks, length-bucketed
+right-padded batches, optionally compiled) and `vllm` (backends/vllm_extract.py: vLLM's
+extract_hidden_states, tensor parallel). The shard streams out through a background writer; until it is
+complete only hidden `.shard-k.safetensors.*` files exist, and the next run of the shard removes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import queue as queue_module
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from draftsmith.core.atomic import atomic_path
+from draftsmith.core.devices import parse_visible
+from draftsmith.core.digests import file_sha256, intact, retouch, seal, sidecar
+from draftsmith.core.layers import resolve_aux_layers
+from draftsmith.core.precision import compute_dtype
+from draftsmith.core.shards import Sample, ShardWriter, as_stored, remove_stale_temp_files
+from draftsmith.core.target import text_config_dict
+from draftsmith.stages.estimate import (
+    NotEnoughDisk,
+    check_free_disk,
+    disk_advice,
+    estimate_lines,
+    human_bytes,
+    human_seconds,
+    probe_plan,
+)
+from draftsmith.stages.tokenize import load_tokens
+
+log = logging.getLogger(__name__)
+
+
+def disk_full(err: BaseException | None) -> bool:
+    """Whether an error (or what caused it, e.g. the shard writer's) is a full disk."""
+    while err is not None:
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def checked_positions(
+    final: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(final states [P, H], next tokens [P]) at the positions t whose next token t+1 is loss-masked:
+    from final[t] the target predicts token t+1, which the trace says it produced."""
+    positions = torch.nonzero(loss_mask[1:]).squeeze(-1)
+    return final[positions], input_ids[positions + 1]
+
+
+def count_agreeing(lm_head_weight: torch.Tensor, states: torch.Tensor, next_ids: torch.Tensor) -> int:
+    """How many rows have argmax(lm_head(state)) == next id, in chunks that bound the [rows, V] logits,
+    on lm_head's device (the job's GPU when it has one)."""
+    device, dtype = lm_head_weight.device, lm_head_weight.dtype
+    agree = torch.zeros((), dtype=torch.int64, device=device)  # summed there, read once (one host sync)
+    for i in range(0, states.shape[0], 512):
+        logits = states[i : i + 512].to(device, dtype) @ lm_head_weight.T
+        # max().indices is argmax (the first maximum); in bf16 on CPU it runs ~5x faster than argmax()
+        agree += (logits.max(-1).indices == next_ids[i : i + 512].to(device)).sum()
+    return int(agree)
+
+
+def teacher_agreement(
+    lm_head_weight: torch.Tensor, final: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor
+) -> tuple[int, int]:
+    """(agreeing, checked) over positions t whose next token t+1 is loss-masked.
+
+    final [T, H] is the stored post-norm state; the target predicts token t+1 from it."""
+    states, next_ids = checked_positions(final, input_ids, loss_mask)
+    return count_agreeing(lm_head_weight, states, next_ids), int(next_ids.numel())
+
+
+COMPILE_MIN_SECONDS = 300.0  # "auto" compiles when eager compute would take longer than this
+
+
+def should_compile(mode: str, backend: str, eager_seconds: float) -> bool:
+    """torch.compile pays off on CPU (fused elementwise kernels) once a shard outlasts its one-off
+    compile time (minutes on 2 cores); "auto" compiles only then, and only the transformers back-end."""
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"compile must be auto, on or off, not {mode!r}")
+    if backend != "transformers":
+        return False
+    return mode == "on" or (mode == "auto" and eager_seconds >= COMPILE_MIN_SECONDS)
+
+
+def make_extractor(
+    backend: str,
+    target: str,
+    layer_ids: list[int],
+    dtype: str,
+    gpus: int = 0,
+    max_model_len: int = 2048,
+    workdir: Path | None = None,
+    vllm_eager: bool = True,
+    gpu_memory_utilization: float | None = None,
+):
+    """An extraction back-end: `.capture(list of [T] ids) -> [(aux [T, A, H], final [T, H])]`,
+    `.lm_head_weight`, `.close()`."""
+    if backend == "transformers":
+        from draftsmith.backends.hf import HfExtractor
+
+        return HfExtractor.from_target(target, layer_ids, dtype)
+    if backend == "vllm":
+        from draftsmith.backends.vllm_extract import VllmExtractor
+
+        return VllmExtractor(
+            target,
+            layer_ids,
+            dtype,
+            tensor_parallel_size=max(1, gpus),
+            max_model_len=max_model_len,
+            storage_dir=workdir,
+            enforce_eager=vllm_eager,
+            gpu_memory_utilization=gpu_memory_utilization if gpus else None,  # GPUs only
+        )
+    raise ValueError(f"unknown extraction back-end {backend!r}; expected transformers or vllm")
+
+
+def temp_prefix(out_path: str | Path) -> str:
+    """Every temporary file or folder of one shard's job starts with this (hidden, never a shard)."""
+    return f".{Path(out_path).name}."
+
+
+def extract_shard(
+    target: str,
+    tokens_path: str,
+    shard: int,
+    out_path: str | None,
+    aux_layers: list[int] | None,
+    dtype: str,
+    batch_tokens: int,
+    codec: str = "zstd-planes",
+    zstd_level: int = 1,
+    threads: int | None = None,
+    storage_dtype: str = "bfloat16",
+    backend: str = "transformers",
+    compile: str = "auto",
+    gpus: int = 0,
+    vllm_eager: bool = True,
+    extractor=None,
+    gpu_memory_utilization: float | None = None,
+    pipeline: bool = True,
+) -> dict[str, Any]:
+    """Extract one shard. `out_path=None` computes everything but writes nothing, and `extractor` is a
+    back-end to reuse (left open), both for benchmarks. `pipeline`: overlap each batch's CPU-side work
+    with the next forward (_extract_loop); the shard is the same either way."""
+    if threads:
+        torch.set_num_threads(threads)
+    dtype = compute_dtype(dtype, "cuda" if gpus else "cpu")
+    tensors, meta = load_tokens(tokens_path)
+    if shard >= len(meta["shards"]):
+        raise ValueError(f"shard {shard} does not exist: {tokens_path} plans {len(meta['shards'])} shards")
+    start, end = meta["shards"][shard]
+    offsets = tensors["offsets"].tolist()
+    config = text_config_dict(target)  # a wrapper's (Kimi-K2.5) language-model settings
+    layer_ids = resolve_aux_layers(aux_layers, config["num_hidden_layers"])
+    hidden = config["hidden_size"]
+    lengths = [offsets[i + 1] - offsets[i] for i in range(start, end)]
+    total_tokens = sum(lengths)
+
+    def sample_tokens(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = offsets[start + i], offsets[start + i + 1]
+        return tensors["input_ids"][a:b], tensors["loss_mask"][a:b]
+
+    workdir = Path(out_path).parent if out_path else Path(tempfile.gettempdir())
+    workdir.mkdir(parents=True, exist_ok=True)
+    if out_path:
+        # A killed earlier run of this shard may have left its hidden temporary files behind.
+        remove_stale_temp_files(out_path)
+    scratch = Path(tempfile.mkdtemp(prefix=temp_prefix(out_path or f"shard-{shard}") + "job-", dir=workdir))
+    log.info(
+        "extract shard %d: samples %d..%d, aux layers %s (input convention) + final normed state, %s back-end, "
+        "%s compute, %s storage, codec %s", shard, start, end - 1, layer_ids, backend, dtype, storage_dtype, codec,
+    )  # fmt: skip
+    own_backend = extractor is None
+    if own_backend:
+        extractor = make_extractor(
+            backend, target, layer_ids, dtype, gpus, max(lengths) + 1, scratch, vllm_eager=vllm_eager,
+            gpu_memory_utilization=gpu_memory_utilization,
+        )  # fmt: skip
+    writer, estimate = None, {}
+    try:
+        plan, picks, measured, probed = probe_plan(
+            lengths, batch_tokens, sample_tokens, extractor.capture, codec, zstd_level, scratch
+        )
+        lines, estimate = estimate_lines(total_tokens, len(layer_ids) + 1, hidden, measured, storage_dtype)
+        for line in lines:
+            log.info("extract shard %d: estimate: %s", shard, line)
+        if out_path:
+            check_free_disk(Path(out_path).parent, estimate["compressed_bytes"], codec, storage_dtype)
+        compile_seconds = None
+        if should_compile(compile, backend, estimate["seconds"]) and not extractor.compiled:
+            log.info("extract shard %d: compiling the forward (torch.compile, one-off)...", shard)
+            compile_seconds = extractor.compile()
+            log.info("extract shard %d: compiled in %.0fs", shard, compile_seconds)
+        sources = meta.get("sample_sources") or ["regenerated"] * len(meta["sample_ids"])
+        if out_path:
+            writer = ShardWriter(
+                out_path,
+                # sources known up front: the header's room is sized for them (no rewrite at close)
+                {
+                    "aux_layer_ids": layer_ids,
+                    "layer_convention": "input",
+                    "sample_sources": sources[start:end],
+                },
+                codec,
+                zstd_level,
+                sample_ids=meta["sample_ids"][start:end],
+                dtype=storage_dtype,
+            )
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        stats = _extract_loop(
+            extractor,
+            writer,
+            shard,
+            lengths,
+            sample_tokens,
+            meta["sample_ids"][start:end],
+            plan,
+            dict(zip(picks, probed, strict=True)),
+            sources[start:end],
+            storage_dtype,
+            pipeline,
+        )
+        # the probed batches were computed before the loop: their time belongs to the shard's compute
+        probe_seconds = sum(b["seconds"] for b in measured["batches"])
+        probe_cpu = sum(b["cpu_seconds"] for b in measured["batches"])
+        stats["probe_seconds"] = round(probe_seconds, 6)  # a tiny probe can take milliseconds
+        stats["seconds"] = round(stats["seconds"] + probe_seconds, 2)
+        stats["cpu_seconds"] = round(stats["cpu_seconds"] + probe_cpu, 2)
+        stats["tokens_per_second"] = (
+            round(total_tokens / stats["seconds"], 1) if stats["seconds"] > 0 else None
+        )
+        stats |= {
+            "backend": backend,
+            "compute_dtype": dtype,
+            "compile_seconds": compile_seconds,
+            "estimate": estimate,
+        }
+        if writer:
+            closing = time.perf_counter()
+            writer.close(
+                {
+                    "final": "post_final_norm",
+                    "template": meta["template"],
+                    "stats": stats,
+                }
+            )
+            stats["writer_cpu_seconds"] = round(writer.cpu_seconds, 3)
+            stats["close_seconds"] = round(time.perf_counter() - closing, 3)
+    except BaseException as err:
+        if writer:
+            writer.abort()
+        if out_path and disk_full(err):  # the disk filled up after the check (other jobs write too)
+            free = human_bytes(shutil.disk_usage(Path(out_path).parent).free)
+            needed = human_bytes(estimate.get("compressed_bytes", 0))
+            raise NotEnoughDisk(
+                f"{Path(out_path).parent}: disk full while writing shard {shard} ({free} free after removing its "
+                f"partial file; the shard needs about {needed}); {disk_advice(codec, storage_dtype)}"
+            ) from None
+        raise
+    finally:
+        if own_backend:
+            extractor.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+    stats["wall_seconds_with_write"] = round(time.perf_counter() - t0 + probe_seconds, 2)
+    stats["cpu_seconds_with_write"] = round(time.process_time() - cpu0 + probe_cpu, 2)
+    size = ""
+    if out_path:
+        file_bytes = Path(out_path).stat().st_size
+        stats["file_bytes"] = file_bytes
+        size = (
+            f", {human_bytes(file_bytes)} written ({human_bytes(writer.bytes_written)} states + "
+            f"{human_bytes(file_bytes - writer.bytes_written)} tokens, index and header; estimate "
+            f"{human_bytes(estimate['compressed_bytes'])})"
+        )
+    agreement = stats["teacher_agreement"]
+    log.info(
+        f"extract shard {shard}: {total_tokens:,} tokens in {human_seconds(stats['seconds'])} "
+        f"(estimate {human_seconds(estimate['seconds'])}{', eager' if compile_seconds else ''}; "
+        f"{stats['tokens_per_second']} tok/s), teacher agreement "
+        f"{'n/a' if agreement is None else f'{agreement:.4f}'} over {stats['teacher_checked']:,} positions{size}"
+    )
+    return stats
+
+
+def forward_batch(extractor, sequences: list[torch.Tensor]) -> Any:
+    """The accelerator's part of a capture (the whole capture for a back-end without forward/collect)."""
+    forward = getattr(extractor, "forward", None)
+    return forward(sequences) if forward else extractor.capture(sequences)
+
+
+def collect_batch(
+    extractor, sequences: list[torch.Tensor], raw: Any
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """forward_batch's result as capture returns it: the CPU-side rest (vLLM: read back, final norm)."""
+    collect = getattr(extractor, "collect", None)
+    return collect(sequences, raw) if collect else raw
+
+
+def _extract_loop(
+    extractor,
+    writer,
+    shard: int,
+    lengths: list[int],
+    sample_tokens,
+    sample_ids: list[str],
+    plan: list[list[int]],
+    done: dict[int, list[tuple[torch.Tensor, torch.Tensor]]],
+    sample_sources: list[str] | None = None,
+    storage_dtype: str = "bfloat16",
+    pipeline: bool = True,
+) -> dict[str, Any]:
+    """Capture every batch of the plan (taking those in `done` from the probe: the same batch gives the
+    same states), check teacher agreement, hand samples to the writer in plan order; returns the stats.
+
+    Agreement is counted per sample source; `teacher_agreement` (the gated figure) is over regenerated
+    samples only: on a dataset's original answers the target's argmax need not match the text. It is
+    checked on the final states as stored (float8: dequantized), the teacher training will read.
+
+    `pipeline`: one worker thread does batch k's CPU-side part (collect, bf16 conversion, teacher check,
+    handing samples to the writer) while this thread runs batch k+1's forward, so the accelerator does
+    not wait on the CPU. One batch at most waits beside the one in the worker (memory stays bounded);
+    the worker handles batches in order, so the shard is byte for byte the sequential loop's. A worker
+    error is raised here as it was raised there, before the next forward starts or after it ends."""
+    total_tokens = sum(lengths)
+    sources = sample_sources or ["regenerated"] * len(lengths)
+    by_source: dict[str, list[int]] = {}  # source -> [agreeing, checked]
+    masked = 0
+    timing = {"forward": 0.0, "post": 0.0}  # wall seconds of each part, summed over batches
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    bar = tqdm(
+        total=total_tokens, desc=f"extract shard {shard}", unit="tok", unit_scale=True, dynamic_ncols=True
+    )
+
+    def post(batch: list[int], sequences: list[torch.Tensor], captured, raw) -> None:
+        nonlocal masked
+        start = time.perf_counter()
+        if captured is None:
+            captured = collect_batch(extractor, sequences, raw)
+        states: dict[str, list] = {}
+        next_ids: dict[str, list] = {}
+        for i, (aux, final) in zip(batch, captured, strict=True):
+            input_ids, loss_mask = sample_tokens(i)
+            sample = Sample(
+                sample_ids[i],
+                input_ids,
+                loss_mask.bool(),
+                aux.to(torch.bfloat16),
+                final.to(torch.bfloat16),
+            )
+            final = as_stored(sample.final, storage_dtype)
+            rows, ids = checked_positions(final, sample.input_ids, sample.loss_mask)
+            states.setdefault(sources[i], []).append(rows)
+            next_ids.setdefault(sources[i], []).append(ids)
+            masked += int(sample.loss_mask.sum())
+            if writer:
+                writer.add(sample)
+        # the teacher check of the whole batch at once (per source): one large matmul, not one per sample
+        for source, parts in states.items():
+            next_batch = torch.cat(next_ids[source])
+            counts = by_source.setdefault(source, [0, 0])
+            counts[0] += count_agreeing(extractor.lm_head_weight, torch.cat(parts), next_batch)
+            counts[1] += int(next_batch.numel())
+        bar.update(sum(lengths[i] for i in batch))
+        if writer and writer.tokens_written:  # states encoded so far (the queue holds the rest)
+            bar.set_postfix(
+                states=human_bytes(writer.bytes_written),
+                projected=human_bytes(writer.bytes_written * total_tokens / writer.tokens_written),
+            )
+        timing["post"] += time.perf_counter() - start
+
+    worker = ThreadPoolExecutor(1, thread_name_prefix=f"extract-{shard}") if pipeline else None
+    pending: Future | None = None  # the worker's batch
+    try:
+        for k, batch in enumerate(plan):
+            if pending is not None and pending.done():
+                pending.result()  # a failed batch stops the loop before another forward
+            sequences = [sample_tokens(i)[0] for i in batch]
+            captured, raw = done.pop(k, None), None
+            if captured is None:
+                start = time.perf_counter()
+                raw = forward_batch(extractor, sequences)
+                timing["forward"] += time.perf_counter() - start
+            if worker is None:
+                post(batch, sequences, captured, raw)
+                continue
+            if pending is not None:
+                pending.result()  # batch k-1 done (or its error raised) before batch k is handed over
+            pending = worker.submit(post, batch, sequences, captured, raw)
+        if pending is not None:
+            pending.result()
+    finally:
+        if worker is not None:  # on an error here, the worker's batch finishes before the writer aborts
+            worker.shutdown(wait=True, cancel_futures=True)
+        bar.close()
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
+    agree, checked = by_source.get("regenerated", [0, 0])
+    return {
+        "shard": shard,
+        "num_samples": len(lengths),
+        "num_tokens": total_tokens,
+        "num_masked_tokens": masked,
+        "teacher_agree": agree,  # regenerated samples only
+        "teacher_checked": checked,
+        "teacher_agreement": agree / checked if checked else None,
+        "teacher_by_source": {k: {"agree": a, "checked": c} for k, (a, c) in sorted(by_source.items())},
+        "seconds": round(seconds, 2),
+        "cpu_seconds": round(cpu_seconds, 2),  # all threads: cpu / seconds = cores kept busy
+        "tokens_per_second": round(total_tokens / seconds, 1) if seconds > 0 else None,
+        "pipeline": pipeline,
+        # forwards (the probed batches' excluded) and CPU-side parts; pipelined, they overlap in `seconds`
+        "forward_seconds": round(timing["forward"], 3),
+        "post_seconds": round(timing["post"], 3),
+    }
+
+
+# ---- the extraction job: every shard, one engine load per engine, finished shards stashed ---------------
+
+STASH = ".done"  # beside the shards: results/hidden/.done/<key>/shard-k.safetensors (hidden: no shard glob)
+RESULT_KEYS = (
+    "aux_layers",
+    "batch_tokens",
+    "storage_dtype",
+    "codec",
+    "zstd_level",
+    "backend",
+    "compile",
+    "vllm_eager",
+)
+
+
+class EngineFailed(RuntimeError):
+    """An engine process of the extraction job failed (the message names it, its GPUs and its shard)."""
+
+
+def stash_key(tokens_path: str | Path, target: str | Path, dtype: str, settings: dict[str, Any]) -> str:
+    """A digest of what decides a shard's bytes: the tokens file's content, the result settings
+    (RESULT_KEYS of `settings`), the compute dtype and the target (its folder, and the name, size and
+    mtime of each file in it: new weights at the same path are another target). 16 hex digits."""
+    folder = Path(target).resolve()
+    files = sorted(
+        (p.name, p.stat().st_size, p.stat().st_mtime_ns)
+        for p in folder.iterdir()
+        if not p.name.startswith(".") and p.is_file()
+    )
+    record = {
+        "tokens_sha256": file_sha256(tokens_path),
+        "settings": {key: settings[key] for key in RESULT_KEYS},
+        "dtype": dtype,
+        "target": str(folder),
+        "target_files": files,
+    }
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def stashed_path(stash: Path, shard: int) -> Path:
+    return stash / f"shard-{shard}.safetensors"
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def prepare_stash(root: Path, key: str, num_shards: int) -> tuple[Path, list[int]]:
+    """(the stash folder of `key`, the shards in it that can be reused): stashes of other keys are removed
+    (settings no longer asked for), and in this one everything but intact sealed shards (a killed
+    writer's temporary files, an engine's scratch, a shard that died before its seal)."""
+    stash = root / key
+    stash.mkdir(parents=True, exist_ok=True)
+    for other in root.iterdir():
+        if other != stash:
+            log.info("extract: removing %s (a stash of other settings)", other)
+            _remove(other)
+    keep = {stashed_path(stash, k) for k in range(num_shards) if intact(stashed_path(stash, k))}
+    keep |= {sidecar(p) for p in keep}
+    for entry in stash.iterdir():
+        if entry not in keep:
+            _remove(entry)
+    return stash, sorted(k for k in range(num_shards) if stashed_path(stash, k) in keep)
+
+
+def queue_order(shard_tokens: list[int], todo: list[int]) -> list[int]:
+    """The shards still to do, largest first (ties in shard order): engines taking from one queue then
+    finish close together (longest processing time first)."""
+    return sorted(todo, key=lambda k: (-shard_tokens[k], k))
+
+
+def engine_devices(visible: list[str] | None, gpus: int, tp: int, engines: int) -> list[str]:
+    """CUDA_VISIBLE_DEVICES of each engine: consecutive groups of `tp` of the job's visible devices
+    (0..gpus-1 when nothing set it)."""
+    devices = visible if visible is not None else [str(i) for i in range(gpus)]
+    if len(devices) < tp * engines:
+        raise ValueError(
+            f"resources.extract.gpus: {engines} engines of {tp} GPUs need {tp * engines} devices, "
+            f"but CUDA_VISIBLE_DEVICES shows {len(devices)}"
+        )
+    return [",".join(devices[i * tp : (i + 1) * tp]) for i in range(engines)]
+
+
+class ShardQueue:
+    """The shards to extract in queue_order, taken by whichever engine is free next. The position is
+    a shared integer (multiprocessing), so engines in spawned processes take from the same queue."""
+
+    def __init__(self, order: list[int], context: Any = None) -> None:
+        self.order = list(order)
+        self.position = (context or multiprocessing.get_context("spawn")).Value("i", 0)
+
+    def take(self) -> int | None:
+        with self.position.get_lock():
+            i = self.position.value
+            if i >= len(self.order):
+                return None
+            self.position.value = i + 1
+        return self.order[i]
+
+
+def job_layout(
+    target: str,
+    dtype: str,
+    backend: str,
+    gpus: int,
+    max_seq_len: int,
+    gpu_memory_utilization: float | None,
+    tensor_parallel: int,
+    device: dict[str, Any],
+) -> tuple[int, int]:
+    """(GPUs per engine, engines): memory.extract_layout on the inputs the memory plan gives it (the
+    target's size from its folder, the device's memory from resources.gpu_model / gpu_memory_gib or
+    nvidia-smi), so the job runs the layout `draftsmith plan` printed."""
+    if backend != "vllm" or gpus <= 0:
+        return 1, 1
+    from draftsmith.core.config import section_defaults, text_config_json
+    from draftsmith.core.memory import device_memory, extract_layout, target_size
+
+    if gpu_memory_utilization is None:
+        gpu_memory_utilization = section_defaults("resources.extract")["gpu_memory_utilization"]
+
+    memory, _ = device_memory(device)
+    size = target_size(text_config_json(target), target, dtype)
+    extract = {"backend": backend, "max_seq_len": max_seq_len}
+    res = {"gpus": gpus, "gpu_memory_utilization": gpu_memory_utilization, "tensor_parallel": tensor_parallel}
+    return extract_layout(extract, res, size, memory)
+
+
+def publish(stashed: Path, out_path: Path) -> None:
+    """The stashed shard as the job's output: a hard link (no copy of hundreds of GB), a copy across
+    file systems; atomic either way. Both get the time of now (outputs newer than the job's inputs)."""
+    retouch(stashed)
+    with atomic_path(out_path) as tmp:
+        tmp.unlink()
+        try:
+            os.link(stashed, tmp)
+        except OSError:
+            shutil.copyfile(stashed, tmp)
+
+
+def run_engine(
+    queue: ShardQueue,
+    target: str,
+    tokens_path: str,
+    stash: Path,
+    aux_layers: list[int] | None,
+    dtype: str,
+    gpus: int,
+    max_model_len: int,
+    options: dict[str, Any],
+    starting: Callable[[int], None] | None = None,
+) -> None:
+    """One engine: load the target once (when the queue has a shard for it), then extract shards from
+    the queue into the stash, each sealed once complete, until the queue is empty. `gpus`: the
+    engine's (tensor parallel); `options`: extract_shard's keyword arguments; `starting(k)` is called
+    as shard k starts."""
+    layer_ids = resolve_aux_layers(aux_layers, text_config_dict(target)["num_hidden_layers"])
+    scratch = Path(tempfile.mkdtemp(prefix=".engine-", dir=stash))  # vLLM's states files
+    extractor = None
+    try:
+        while (shard := queue.take()) is not None:
+            if starting:
+                starting(shard)
+            if extractor is None:
+                extractor = make_extractor(
+                    options["backend"], target, layer_ids, compute_dtype(dtype, "cuda" if gpus else "cpu"),
+                    gpus, max_model_len, scratch, vllm_eager=options["vllm_eager"],
+                    gpu_memory_utilization=options["gpu_memory_utilization"],
+                )  # fmt: skip
+            path = stashed_path(stash, shard)
+            extract_shard(target, tokens_path, shard, str(path), aux_layers, dtype, gpus=gpus,
+                          extractor=extractor, **options)  # fmt: skip
+            seal([path], "extract")
+    finally:
+        if extractor is not None:
+            extractor.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _engine_process(index: int, devices: str, queue: ShardQueue, results: Any, kw: dict[str, Any]) -> None:
+    """A spawned engine: its own GPUs, its log lines named, a failure told to the parent in one line
+    (with the shard it was on), SIGTERM when the parent dies (no orphan holding GPUs)."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = devices  # before anything initialises CUDA
+    from draftsmith.backends.server import _set_parent_death_signal
+
+    _set_parent_death_signal()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter(f"%(asctime)s %(levelname)s engine {index}: %(message)s", "%H:%M:%S")
+    )
+    logging.getLogger("draftsmith").addHandler(handler)
+    logging.getLogger("draftsmith").setLevel(logging.INFO)
+    current: list[int] = []  # the shard being extracted
+
+    try:
+        run_engine(queue, starting=current.append, **kw)
+    except BaseException as err:
+        where = f"shard {current[-1]}: " if current else ""
+        results.put((index, f"{where}{type(err).__name__}: {' '.join(str(err).split())}"))
+        sys.exit(1)
+
+
+def extract_shards(
+    target: str,
+    tokens_path: str,
+    out_paths: list[str],
+    aux_layers: list[int] | None,
+    dtype: str,
+    batch_tokens: int,
+    codec: str = "zstd-planes",
+    zstd_level: int = 1,
+    threads: int | None = None,
+    storage_dtype: str = "bfloat16",
+    backend: str = "transformers",
+    compile: str = "auto",
+    gpus: int = 0,
+    vllm_eager: bool = True,
+    gpu_memory_utilization: float | None = None,
+    tensor_parallel: int = 0,
+    device: dict[str, Any] | None = None,
+) -> list[int]:
+    """Every shard of the tokens file's plan, shard k into out_paths[k]; returns the shards reused.
+
+    The job's GPUs are split into engines (job_layout), each loaded once and fed shards from one queue;
+    one engine runs in this process, more in spawned processes of their own GPUs. Each finished shard is
+    sealed in a stash (results/hidden/.done/<stash_key>/), which outlives Snakemake deleting a failed
+    job's outputs: a rerun of the same settings reuses every intact stashed shard and extracts the rest.
+    At the end every output is a hard link of its stashed shard."""
+    _, meta = load_tokens(tokens_path)
+    plan = meta["shards"]
+    if len(out_paths) != len(plan):
+        raise ValueError(
+            f"extract.num_shards: {len(out_paths)} shard files asked for, but {tokens_path} plans {len(plan)} "
+            "shards (rerun tokenize)"
+        )
+    settings = {
+        "aux_layers": aux_layers, "batch_tokens": batch_tokens, "storage_dtype": storage_dtype, "codec": codec,
+        "zstd_level": zstd_level, "backend": backend, "compile": compile, "vllm_eager": vllm_eager,
+    }  # fmt: skip
+    key = stash_key(tokens_path, target, dtype, settings)
+    for out in out_paths:
+        remove_stale_temp_files(out)  # an earlier job's leftovers beside the outputs
+    stash, reused = prepare_stash(Path(out_paths[0]).parent / STASH, key, len(plan))
+    if reused:
+        log.info(
+            "extract: reusing shards %s, finished by an earlier run (%s)", ", ".join(map(str, reused)), stash
+        )
+    todo = [k for k in range(len(plan)) if k not in reused]
+    if todo:
+        tensors, _ = load_tokens(tokens_path)
+        offsets = tensors["offsets"]
+        lengths = (offsets[1:] - offsets[:-1]).tolist()
+        shard_tokens = [int(offsets[end] - offsets[start]) for start, end in plan]
+        tp, engines = job_layout(
+            target, dtype, backend, gpus, meta["max_seq_len"], gpu_memory_utilization, tensor_parallel,
+            device or {},
+        )  # fmt: skip
+        engines = min(engines, len(todo))  # an engine with no shard to take is not loaded
+        queue = ShardQueue(queue_order(shard_tokens, todo))
+        log.info(
+            "extract: %d shards to extract (%s) by %d engine(s) of %s", len(todo), ", ".join(map(str, queue.order)),
+            engines, f"{tp} GPU(s)" if gpus else "the CPU",
+        )  # fmt: skip
+        kw = {
+            "target": target, "tokens_path": tokens_path, "stash": stash, "aux_layers": aux_layers,
+            "dtype": dtype, "gpus": tp if gpus else 0, "max_model_len": max(lengths) + 1,
+            "options": {
+                "batch_tokens": batch_tokens, "codec": codec, "zstd_level": zstd_level, "storage_dtype": storage_dtype,
+                "backend": backend, "compile": compile, "vllm_eager": vllm_eager,
+                "gpu_memory_utilization": gpu_memory_utilization,
+                "threads": max(1, threads // engines) if threads else None,
+            },
+        }  # fmt: skip
+        if engines == 1:
+            run_engine(queue, **kw)
+        else:
+            devices = engine_devices(parse_visible(os.environ.get("CUDA_VISIBLE_DEVICES")), gpus, tp, engines)
+            run_engine_processes(queue, devices, kw)
+    for k, out in enumerate(out_paths):
+        publish(stashed_path(stash, k), Path(out))
+    return reused
+
+
+def run_engine_processes(queue: ShardQueue, devices: list[str], kw: dict[str, Any]) -> None:
+    """One spawned process per engine (CUDA_VISIBLE_DEVICES = devices[i]), all taking from `queue`;
+    waits for every one (the others go on when one fails: their shards are stashed), then raises
+    EngineFailed naming the first failure."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    procs = [
+        context.Process(target=_engine_process, args=(i, d, queue, results, kw), name=f"extract-engine-{i}")
+        for i, d in enumerate(devices)
+    ]
+    for proc in procs:
+        proc.start()
+    errors: dict[int, str] = {}  # engine -> its failure, one line
+
+    def drain(timeout: float) -> None:
+        with contextlib.suppress(queue_module.Empty):
+            index, error = results.get(timeout=timeout)
+            errors.setdefault(index, error)
+
+    while any(p.is_alive() for p in procs):
+        drain(1.0)
+    while not results.empty():
+        drain(0.1)
+    for i, proc in enumerate(procs):
+        proc.join()
+        if proc.exitcode and i not in errors:
+            errors[i] = f"exited with code {proc.exitcode}"
+    if errors:
+        i = min(errors)
+        raise EngineFailed(
+            f"extraction engine {i} of {len(procs)} (CUDA devices {devices[i] or 'none'}) failed: {errors[i]}"
+            f"{f' ({len(errors) - 1} more engines failed)' if len(errors) > 1 else ''}; the shards finished are "
+            "stashed and a rerun reuses them"
+        )
