@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,45 @@ def setting(section: str, key: str, *decls: str, help: str = "", **kw: Any):
     shown = {True: "on", False: "off"}.get(default, default) if isinstance(default, bool) else default
     help = f"{help} [{section}.{key}; default: {json.dumps(shown)}]".strip()
     return click.option(*decls, default=None, help=help, **kw)
+
+
+def schema_option(section: str, key: str) -> Callable[[Any], Any] | None:
+    """The option of config key `section.key`, generated from the schema: named after the key
+    (`--batch-tokens`; a boolean `--key/--no-key`), typed by it (an enum is a choice), its description as
+    help, default None so that --settings or the schema's default decides unless it is typed. None for
+    lists and objects: those are given in --settings."""
+    spec = section_schema(section)[key]
+    types = spec.get("type")
+    types = [types] if isinstance(types, str) else list(types or [])
+    scalar = [t for t in types if t != "null"]
+    if len(scalar) != 1 or scalar[0] not in ("integer", "number", "string", "boolean"):
+        return None
+    name = key.replace("_", "-")
+    default = spec.get("default")
+    shown = {True: "on", False: "off"}.get(default, default) if isinstance(default, bool) else default
+    described = " ".join(str(spec.get("description", "")).split())
+    help = f"{described} [{section}.{key}; default: {json.dumps(shown)}]".strip()
+    if scalar[0] == "boolean":
+        return click.option(f"--{name}/--no-{name}", key, default=None, help=help)
+    kind = click.Choice(spec["enum"]) if "enum" in spec else _CLICK_TYPES[scalar[0]]
+    return click.option(f"--{name}", key, type=kind, default=None, help=help)
+
+
+def schema_options(section: str, *, resources: Sequence[str] = (), skip: Sequence[str] = ()):
+    """Decorator: an option for every scalar key of config section `section` and for the named keys of
+    `resources.<section>` (its operational knobs), each as `schema_option` makes it, in the schema's
+    order; `skip` = keys the command declares by hand."""
+
+    def decorate(command: Any) -> Any:
+        keys = [(section, k) for k in section_schema(section) if k not in skip]
+        keys += [(f"resources.{section}", k) for k in resources]
+        for where, key in reversed(keys):
+            option = schema_option(where, key)
+            if option is not None:
+                command = option(command)
+        return command
+
+    return decorate
 
 
 def settings_option(section: str):

@@ -346,3 +346,36 @@ def test_train_and_verify_give_the_same_exit_on_the_same_bad_manifest(tmp_path):
         result = runner.invoke(main, args)
         assert result.exit_code == EXIT_BAD_INPUT, (args[0], result.output)
         assert "not a JSON object (a list)" in result.output and "Traceback" not in result.output
+
+
+def test_schema_options_are_generated_from_the_schema() -> None:
+    """schema_options: one option per scalar key named after it, typed by the schema (enum = choice,
+    boolean = --x/--no-x), the schema's description as help, default None; lists and objects are left
+    to --settings; resources keys only when named; skipped keys left out."""
+    import click
+
+    from draftsmith.cli import schema_options
+    from draftsmith.core.config import section_schema
+
+    @click.command()
+    @schema_options("train", resources=("checkpoint_every", "checkpoint_ttt"), skip=("lr",))
+    def command(**kw):
+        pass
+
+    options = {p.name: p for p in command.params}
+    spec = section_schema("train")
+
+    def kinds(v: dict) -> list[str]:
+        types = [v["type"]] if isinstance(v.get("type"), str) else v.get("type", [])
+        return [t for t in types if t != "null"]
+
+    scalar = {k for k, v in spec.items() if kinds(v) in (["integer"], ["number"], ["string"], ["boolean"])}
+    assert set(options) == (scalar - {"lr"}) | {"checkpoint_every", "checkpoint_ttt"}
+    assert options["epochs"].opts == ["--epochs"] and options["epochs"].default is None
+    assert " ".join(spec["epochs"].get("description", "").split()) in options["epochs"].help
+    precision = options["precision"]
+    assert (
+        isinstance(precision.type, click.Choice) and list(precision.type.choices) == spec["precision"]["enum"]
+    )
+    assert options["checkpoint_ttt"].opts == ["--checkpoint-ttt"]
+    assert options["checkpoint_ttt"].secondary_opts == ["--no-checkpoint-ttt"]
