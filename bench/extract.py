@@ -58,8 +58,8 @@ import torch
 from draftsmith.backends.hf import HfExtractor
 from draftsmith.core.layers import resolve_aux_layers
 from draftsmith.core.target import load_target
+from draftsmith.core.tokens import load_tokens, write_tokens
 from draftsmith.stages.extract import extract_shard
-from draftsmith.stages.tokenize import load_tokens, write_tokens
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
 import harness  # noqa: E402

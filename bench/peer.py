@@ -80,10 +80,10 @@ from draftsmith.core.atomic import atomic_path, write_json
 from draftsmith.core.config import section_from_file
 from draftsmith.core.layers import convert_layer_ids
 from draftsmith.core.loader import StreamingData, collate
+from draftsmith.core.manifest import load_manifest
 from draftsmith.core.shards import Sample
 from draftsmith.core.speculate import target_forwards
 from draftsmith.core.stats import paired_difference, ratio_of_sums
-from draftsmith.stages.manifest import load_manifest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
 import harness  # noqa: E402

@@ -47,8 +47,9 @@ def subset_manifest(manifest_path: Path, fraction: float, val_fraction: float, f
 
     The subset shards' counts are their own; their teacher-agreement figures stay the full shards'."""
     from draftsmith.core.loader import is_validation
+    from draftsmith.core.manifest import load_manifest
     from draftsmith.core.shards import ShardWriter, iter_samples, read_shard_meta
-    from draftsmith.stages.manifest import build_manifest, load_manifest
+    from draftsmith.stages.manifest import build_manifest
 
     manifest = load_manifest(manifest_path)
     folder.mkdir(parents=True, exist_ok=True)

@@ -29,10 +29,10 @@ import torch
 import yaml
 
 from draftsmith.core.loader import StreamingData
+from draftsmith.core.manifest import load_manifest
 from draftsmith.core.stats import bootstrap_ratio, bootstrap_tau, paired_difference
 from draftsmith.core.target import load_target_head
 from draftsmith.stages.export import load_drafter
-from draftsmith.stages.manifest import load_manifest
 from draftsmith.stages.train import Objective, StepStats, TrainSettings, ttt_loss
 from draftsmith.stages.vocab import load_vocab_map
 

@@ -45,8 +45,8 @@ import torch
 
 from draftsmith.core.atomic import write_json
 from draftsmith.core.loader import Batch, InMemoryData, StreamingData, step_plan
+from draftsmith.core.manifest import load_manifest
 from draftsmith.core.shards import ShardWriter, iter_samples, read_shard_meta
-from draftsmith.stages.manifest import load_manifest
 from draftsmith.stages.train import (
     Objective,
     TrainSettings,

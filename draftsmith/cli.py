@@ -661,7 +661,7 @@ def extract(
     files (.NAME.*) exist, and a rerun removes them.
     """
     from draftsmith.backends.common import VllmStartError
-    from draftsmith.stages.estimate import NotEnoughDisk
+    from draftsmith.core.estimate import NotEnoughDisk
     from draftsmith.stages.extract import EngineFailed, extract_shard, extract_shards
 
     if (shard is None) != (out is None) or (shard is None) == (not shard_files):
@@ -729,7 +729,7 @@ def estimate(
     For any model, by hand:   draftsmith estimate --num-tokens 17.3e6 --hidden-size 7168 --layers 4
     ... compressed as a shard:  add --ratios-from results/hidden/shard-0.safetensors
     """
-    from draftsmith.stages.estimate import estimate_lines
+    from draftsmith.core.estimate import estimate_lines
 
     kw["codec"] = kw["codec"] or section_defaults("extract")["codec"]
     kw["zstd_level"] = kw["zstd_level"] or section_defaults("extract")["zstd_level"]
@@ -843,7 +843,8 @@ def manifest(
     shards: tuple[str, ...],
 ) -> None:
     """Check the shards and write data_config.json (last, atomically)."""
-    from draftsmith.stages.manifest import DataError, build_manifest
+    from draftsmith.core.manifest import DataError
+    from draftsmith.stages.manifest import build_manifest
 
     values = resolve(settings_json, {"min_teacher_agreement": min_teacher_agreement}, "extract")
     min_teacher_agreement = values["min_teacher_agreement"]
@@ -860,7 +861,7 @@ def manifest(
 def verify(manifest_path: str, fast: bool) -> None:
     """Re-check extracted data against data_config.json: files, sizes, teacher agreement, and every
     sample decoded and compared with the content digest recorded when it was extracted."""
-    from draftsmith.stages.manifest import DataError, verify_manifest
+    from draftsmith.core.manifest import DataError, verify_manifest
 
     try:
         problems = verify_manifest(manifest_path, decode=not fast)
@@ -883,7 +884,7 @@ def verify(manifest_path: str, fast: bool) -> None:
 def vocab(tokens: str, target_path: str, settings_json: str | None, size: int | None, out: str) -> None:
     """Build the draft vocabulary (d2t/t2d) from loss-masked token counts; prints its coverage."""
     from draftsmith.core.config import read_target_config
-    from draftsmith.stages.tokenize import load_tokens
+    from draftsmith.core.tokens import load_tokens
     from draftsmith.stages.vocab import build_vocab_map, check_draft_vocab_size, save_vocab_map
 
     size = resolve(settings_json, {"size": size}, "vocab")["size"]
@@ -980,7 +981,7 @@ def train(
     """
     import os
 
-    from draftsmith.stages.manifest import DataError
+    from draftsmith.core.manifest import DataError
     from draftsmith.stages.train import TrainSettings
     from draftsmith.stages.train import train as run_train
 

@@ -432,7 +432,7 @@ def write_sample_tokens(
     """A tokens.safetensors of these samples as `draftsmith tokenize` writes it, with the given shard plan."""
     from conftest import DEFAULT_TARGET
 
-    from draftsmith.stages.tokenize import write_tokens
+    from draftsmith.core.tokens import write_tokens
 
     lengths = [len(s) for s in ids]
     meta = {

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from draftsmith.core.manifest import load_manifest, verify_manifest
 from draftsmith.core.shards import Sample, ShardError, ShardReader, content_digest
 
 log = logging.getLogger(__name__)
@@ -312,8 +313,6 @@ def verify_share(manifest_path: str | Path, rank: int, world: int, threads: int 
     once, each about 1/world of them, at the same time, and none waits for another in a collective
     meanwhile (at the motivating run's 828 GB, one rank decoding everything would outlast NCCL's
     timeout). One line per damaged shard."""
-    from draftsmith.stages.manifest import load_manifest, verify_manifest
-
     problems = verify_manifest(manifest_path, decode=False)
     if problems:
         return problems

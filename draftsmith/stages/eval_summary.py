@@ -302,8 +302,8 @@ def provenance(
 def samples_by_source(manifest_path: str | Path) -> dict[str, dict[str, int]]:
     """Samples and tokens per sample source ("regenerated", "original") over the manifest's shards,
     from their headers and token offsets only."""
+    from draftsmith.core.manifest import load_manifest
     from draftsmith.core.shards import ShardReader
-    from draftsmith.stages.manifest import load_manifest
 
     out: dict[str, dict[str, int]] = {}
     for shard in load_manifest(manifest_path)["shards"]:

@@ -35,11 +35,7 @@ from tqdm import tqdm
 from draftsmith.core.atomic import atomic_path
 from draftsmith.core.devices import parse_visible
 from draftsmith.core.digests import file_sha256, intact, retouch, seal, sidecar
-from draftsmith.core.layers import resolve_aux_layers
-from draftsmith.core.precision import compute_dtype
-from draftsmith.core.shards import Sample, ShardWriter, as_stored, remove_stale_temp_files
-from draftsmith.core.target import text_config_dict
-from draftsmith.stages.estimate import (
+from draftsmith.core.estimate import (
     NotEnoughDisk,
     check_free_disk,
     disk_advice,
@@ -48,7 +44,11 @@ from draftsmith.stages.estimate import (
     human_seconds,
     probe_plan,
 )
-from draftsmith.stages.tokenize import load_tokens
+from draftsmith.core.layers import resolve_aux_layers
+from draftsmith.core.precision import compute_dtype
+from draftsmith.core.shards import Sample, ShardWriter, as_stored, remove_stale_temp_files
+from draftsmith.core.target import text_config_dict
+from draftsmith.core.tokens import load_tokens
 
 log = logging.getLogger(__name__)
 

@@ -50,12 +50,12 @@ from draftsmith.core.distributed import Dist, init_distributed, launch_rank
 from draftsmith.core.drafter import TTTKV, DrafterConfig, Eagle3Drafter, describe, param_count
 from draftsmith.core.layers import convert_layer_ids
 from draftsmith.core.loader import Batch, StreamingData, step_plan, verify_share
+from draftsmith.core.manifest import DataError, load_manifest
 from draftsmith.core.precision import train_precision
 from draftsmith.core.settings import from_schema
 from draftsmith.core.target import TargetHead, load_target_head
 from draftsmith.core.tracking import Curves, missing_trackers
 from draftsmith.stages.export import check_export, save_drafter
-from draftsmith.stages.manifest import DataError, load_manifest
 from draftsmith.stages.vocab import load_vocab_map
 
 log = logging.getLogger(__name__)

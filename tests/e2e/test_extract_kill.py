@@ -14,8 +14,8 @@ import pytest
 from conftest import REPO, cli_env
 from helpers import random_sequences, write_sample_tokens
 
+from draftsmith.core.manifest import verify_manifest
 from draftsmith.core.shards import iter_samples, verify_shard
-from draftsmith.stages.manifest import verify_manifest
 
 pytestmark = pytest.mark.slow
 

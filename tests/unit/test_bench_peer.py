@@ -14,8 +14,8 @@ from helpers import make_tiny_data, settings
 from safetensors.torch import load_file
 
 from draftsmith.core.loader import Batch, StreamingData, is_validation
+from draftsmith.core.manifest import load_manifest
 from draftsmith.core.target import load_target_head
-from draftsmith.stages.manifest import load_manifest
 from draftsmith.stages.train import ttt_step_targets
 from draftsmith.stages.vocab import load_vocab_map
 

@@ -38,8 +38,8 @@ from safetensors.torch import load_file
 
 from draftsmith.core.distributed import Dist
 from draftsmith.core.loader import StreamingData, verify_share
+from draftsmith.core.manifest import load_manifest
 from draftsmith.core.shards import ShardReader
-from draftsmith.stages.manifest import load_manifest
 from draftsmith.stages.train import DraftingLoss, StepStats
 
 # 1 vs 2 processes differ only in how fp32 sums are grouped (one sum over the batch vs two partial sums

@@ -11,9 +11,7 @@ from draftsmith.backends.hf import capture_states, stop_at_eos
 from draftsmith.core.atomic import write_json
 from draftsmith.core.batch_plan import token_batches
 from draftsmith.core.chat import training_sequence
-from draftsmith.core.layers import convert_layer_ids, default_aux_layers, validate_aux_layers
-from draftsmith.core.shards import ShardWriter
-from draftsmith.stages.estimate import (
+from draftsmith.core.estimate import (
     NotEnoughDisk,
     check_free_disk,
     estimate_lines,
@@ -21,6 +19,8 @@ from draftsmith.stages.estimate import (
     probe_batches,
     raw_state_bytes,
 )
+from draftsmith.core.layers import convert_layer_ids, default_aux_layers, validate_aux_layers
+from draftsmith.core.shards import ShardWriter
 from draftsmith.stages.extract import disk_full, teacher_agreement
 from draftsmith.stages.manifest import build_manifest
 from draftsmith.stages.tokenize import shard_bounds
@@ -379,7 +379,7 @@ def _tokens_file(
 ) -> str:
     """A tokens file of random sequences of these lengths, every token loss-masked: `where` itself, or
     tokens.safetensors in the folder `where`; one shard unless `shards` ([start, end) sample ranges)."""
-    from draftsmith.stages.tokenize import write_tokens
+    from draftsmith.core.tokens import write_tokens
 
     path = where / "tokens.safetensors" if where.is_dir() else where
     g = torch.Generator().manual_seed(seed)

@@ -396,7 +396,8 @@ def test_uses_original_is_a_stable_share():
 def test_generate_writes_original_answers_without_generating(tmp_path):
     """Share 1 with only dataset conversations: every trace is an original, no model runs (the
     transformers engine has nothing to do); the summary counts them; the tokens carry the source."""
-    from draftsmith.stages.tokenize import load_tokens, tokenize_traces
+    from draftsmith.core.tokens import load_tokens
+    from draftsmith.stages.tokenize import tokenize_traces
 
     prompts = tmp_path / "p.jsonl"
     rows = [{**ORIGINAL, "id": f"og{i}"} for i in range(3)]

@@ -8,8 +8,8 @@ import torch
 from helpers import make_tiny_data, settings
 
 from draftsmith.core.loader import InMemoryData, StreamingData, is_validation, plan_batches, prefetch
+from draftsmith.core.manifest import load_manifest
 from draftsmith.core.shards import ShardReader
-from draftsmith.stages.manifest import load_manifest
 
 
 @pytest.fixture(scope="module")

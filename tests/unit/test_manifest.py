@@ -11,8 +11,9 @@ from helpers import flip_state_bit
 
 from draftsmith.cli import main
 from draftsmith.core.atomic import write_json
+from draftsmith.core.manifest import DataError, load_manifest, verify_manifest
 from draftsmith.core.shards import Sample, write_shard
-from draftsmith.stages.manifest import DataError, build_manifest, load_manifest, verify_manifest
+from draftsmith.stages.manifest import build_manifest
 from draftsmith.stages.vocab import build_vocab_map, save_vocab_map
 
 
