@@ -74,8 +74,8 @@ class VllmUnavailable(RuntimeError):
 
 def read_eval_prompts(path: str | Path, num_prompts: int) -> list[dict]:
     """The first `num_prompts` records {"id", "messages"} of a prompt JSONL file (0 or less: all),
-    validated by `draftsmith.stages.prompts` (which also accepts the `conversations` and `prompt` shapes)."""
-    from draftsmith.stages.prompts import read_prompt_file
+    validated by `draftsmith.core.prompt_sources` (which also accepts the `conversations` and `prompt` shapes)."""
+    from draftsmith.core.prompt_sources import read_prompt_file
 
     prompts = read_prompt_file(path)
     if num_prompts > 0:
