@@ -1223,7 +1223,7 @@ def untrained_drafter(
 ) -> None:
     """Export the untrained baseline: the drafter exactly as training starts it (0 steps, same seed),
     so the evaluation shows what training bought."""
-    from draftsmith.stages.evaluate import export_untrained_drafter
+    from draftsmith.stages.train import export_untrained_drafter
 
     values = resolve(settings_json, {"seed": seed}, "train")
     export_untrained_drafter(manifest_path, vocab_path, out, values, threads)

@@ -23,7 +23,8 @@ Around this file, in draftsmith/core/: objective.py computes the objective above
 `ttt_loss`, `DraftingLoss`), optimizers.py the optimizers and LR schedule, drafter.py builds the drafter
 (`build_drafter`), loader.py streams the batches, distributed.py holds the data-parallel process group,
 checkpoints.py decides what to resume and saves. Layout here: settings -> one step (`train_step`,
-`validate`) -> the record (metrics rows, position, summary) -> `train()` -> `write_drafter`.
+`validate`) -> the record (metrics rows, position, summary) -> `train()` -> `write_drafter` ->
+`export_untrained_drafter` (train with 0 steps: the evaluation's baseline).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -615,3 +617,22 @@ def write_drafter(
             raise RuntimeError(f"the drafter written failed its own checks: {problems}")
         write_json(tmp / "train_summary.json", summary)
     log.info("wrote the drafter to %s", out_dir)
+
+
+def export_untrained_drafter(
+    manifest_path: str | Path,
+    vocab_path: str | Path,
+    out_dir: str | Path,
+    train_settings: dict[str, Any],
+    threads: int | None = None,
+) -> dict[str, Any]:
+    """The untrained baseline: `train` with 0 steps and the training settings (seed, drafter shape,
+    head_init), so it is exactly the trained drafter's starting point (same architecture and vocabulary
+    map; the same initial draw), exported the same way. Returns train's summary."""
+    settings = TrainSettings.from_dict({**train_settings, "max_steps": 0, "threads": threads})
+    with tempfile.TemporaryDirectory(prefix="draftsmith-untrained-") as tmp:
+        work = Path(tmp)
+        checkpoints, metrics = work / "checkpoints", work / "metrics.jsonl"
+        return train(
+            manifest_path, vocab_path, out_dir, checkpoints, metrics, settings, device="cpu", progress=False
+        )
