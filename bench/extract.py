@@ -106,7 +106,7 @@ def made_up_samples(target: str) -> tuple[list[list[int]], list[list[int]]]:
     from transformers import AutoTokenizer
 
     from draftsmith.core.chat import render_with_response
-    from draftsmith.stages.prompts import read_prompt_file
+    from draftsmith.core.prompt_sources import read_prompt_file
 
     tokenizer = AutoTokenizer.from_pretrained(target)
     records = read_prompt_file(Path(__file__).resolve().parents[1] / "draftsmith" / "data" / "prompts.jsonl")

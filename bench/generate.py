@@ -28,8 +28,8 @@ from pathlib import Path
 
 import click
 
+from draftsmith.core.prompt_sources import BUILTIN_PROMPTS
 from draftsmith.stages.generate import GenerateSettings, generate_traces
-from draftsmith.stages.prompts import BUILTIN_PROMPTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
 import harness  # noqa: E402

@@ -25,11 +25,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from draftsmith.core import objective as objective_module  # noqa: E402
 from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
 from draftsmith.core.loader import Batch  # noqa: E402
 from draftsmith.core.memory import CHECKPOINTED, CURRENT, DrafterShape, activation_bytes  # noqa: E402
-from draftsmith.stages import train  # noqa: E402
-from draftsmith.stages.train import Objective, ttt_loss  # noqa: E402
+from draftsmith.core.objective import Objective, ttt_loss  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -76,12 +76,12 @@ def objective(steps: int, checkpoint_ttt: bool) -> Objective:
 
 def measure(case: Case, checkpoint_ttt: bool = False, seed: int = 0) -> int:
     """Bytes held for the backward pass after one `ttt_loss` forward on `case`, with autocast's weight
-    cache on as on a GPU (train.CPU_AUTOCAST_CACHE)."""
-    train.CPU_AUTOCAST_CACHE = True
+    cache on as on a GPU (draftsmith.core.objective.CPU_AUTOCAST_CACHE)."""
+    objective_module.CPU_AUTOCAST_CACHE = True
     try:
         return _measure(case, checkpoint_ttt, seed)
     finally:
-        train.CPU_AUTOCAST_CACHE = False
+        objective_module.CPU_AUTOCAST_CACHE = False
 
 
 def _measure(case: Case, checkpoint_ttt: bool, seed: int) -> int:

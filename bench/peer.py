@@ -412,7 +412,15 @@ def draftsmith_code() -> str:
 
     root = Path(draftsmith.__file__).parent
     h = hashlib.sha256()
-    for name in ("train.py", "drafter.py", "loader.py", "shards.py", "vocab.py"):
+    for name in (
+        "stages/train.py",
+        "core/objective.py",
+        "core/optimizers.py",
+        "core/drafter.py",
+        "core/loader.py",
+        "core/shards.py",
+        "stages/vocab.py",
+    ):
         h.update((root / name).read_bytes())
     return h.hexdigest()[:16]
 
@@ -521,7 +529,8 @@ def import_specforge(
     state_path: Path, manifest_path: Path, vocab_path: Path, settings: dict[str, Any], out_dir: Path
 ) -> Path:
     """SpecForge's trained weights in draftsmith's drafter, exported as draftsmith exports its own."""
-    from draftsmith.stages.train import TrainSettings, build_drafter, load_inputs, write_drafter
+    from draftsmith.core.drafter import build_drafter
+    from draftsmith.stages.train import TrainSettings, load_inputs, write_drafter
 
     manifest, vocab, target = load_inputs(manifest_path, vocab_path)
     s = TrainSettings.from_dict(settings)
@@ -547,8 +556,9 @@ def validation(
     `train.validate` scores (`Objective.for_validation`: the inference view, the positions whose predicted
     token is an assistant token; float32) -> accuracy and agreement per TTT step, and each sample's counts
     for the paired interval."""
+    from draftsmith.core.objective import Objective, StepStats, ttt_loss
     from draftsmith.stages.export import load_drafter
-    from draftsmith.stages.train import Objective, StepStats, TrainSettings, load_inputs, ttt_loss
+    from draftsmith.stages.train import TrainSettings, load_inputs
 
     manifest, vocab, target = load_inputs(manifest_path, vocab_path)
     s = TrainSettings.from_dict(settings)
@@ -753,7 +763,7 @@ def per_depth_grads(
 ) -> tuple[list[dict[str, Tensor]], list[float]]:
     """draftsmith's ttt_loss at depth 1..ttt_steps -> (the gradient of each depth's weighted loss, the
     per-step loss sums of the full depth)."""
-    from draftsmith.stages.train import ttt_loss
+    from draftsmith.core.objective import ttt_loss
 
     grads, sums = [], []
     for depth in range(1, objective.ttt_steps + 1):
@@ -797,7 +807,9 @@ def run_diff(
     samples: int, max_len: int, threads: int | None, out: Path,
 ) -> dict[str, Any]:  # fmt: skip
     """The differential check (module docstring)."""
-    from draftsmith.stages.train import Objective, TrainSettings, build_drafter, load_inputs, ttt_loss
+    from draftsmith.core.drafter import build_drafter
+    from draftsmith.core.objective import Objective, ttt_loss
+    from draftsmith.stages.train import TrainSettings, load_inputs
 
     out.mkdir(parents=True, exist_ok=True)
     s = TrainSettings.from_dict(settings)

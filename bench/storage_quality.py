@@ -30,10 +30,11 @@ import yaml
 
 from draftsmith.core.loader import StreamingData
 from draftsmith.core.manifest import load_manifest
+from draftsmith.core.objective import Objective, StepStats, ttt_loss
 from draftsmith.core.stats import bootstrap_ratio, bootstrap_tau, paired_difference
 from draftsmith.core.target import load_target_head
 from draftsmith.stages.export import load_drafter
-from draftsmith.stages.train import Objective, StepStats, TrainSettings, ttt_loss
+from draftsmith.stages.train import TrainSettings
 from draftsmith.stages.vocab import load_vocab_map
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path

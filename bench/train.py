@@ -44,17 +44,14 @@ import click
 import torch
 
 from draftsmith.core.atomic import write_json
+from draftsmith.core.drafter import build_drafter
 from draftsmith.core.loader import Batch, InMemoryData, StreamingData, step_plan
 from draftsmith.core.manifest import load_manifest
+from draftsmith.core.objective import Objective, ttt_loss
+from draftsmith.core.optimizers import make_optimizer
 from draftsmith.core.shards import ShardWriter, iter_samples, read_shard_meta
-from draftsmith.stages.train import (
-    Objective,
-    TrainSettings,
-    build_drafter,
-    load_target_head,
-    make_optimizer,
-    ttt_loss,
-)
+from draftsmith.core.target import load_target_head
+from draftsmith.stages.train import TrainSettings
 from draftsmith.stages.vocab import load_vocab_map
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
@@ -362,7 +359,9 @@ def ddp_worker(rank: int, world: int, port: int, args: dict[str, Any], out: str)
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     from draftsmith.core.distributed import init_distributed
-    from draftsmith.stages.train import DraftingLoss, load_inputs, make_scheduler, train_step
+    from draftsmith.core.objective import DraftingLoss
+    from draftsmith.core.optimizers import make_scheduler
+    from draftsmith.stages.train import load_inputs, train_step
 
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank)}
     os.environ.update({**env, "WORLD_SIZE": str(world)})

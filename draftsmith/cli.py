@@ -327,7 +327,8 @@ def prompts(settings_json: str | None, **kw: Any) -> None:
     file and line (a dataset: its row). README "Your own data" shows each shape.
     """
     from draftsmith.core.atomic import write_json
-    from draftsmith.stages.prompts import PromptError, prepare_prompts
+    from draftsmith.core.prompt_sources import PromptError
+    from draftsmith.stages.prompts import prepare_prompts
 
     summary_path = kw.pop("summary")
     kw["columns"] = _columns(kw["columns"])
@@ -489,8 +490,8 @@ def generate(target_path: str, prompts_path: str, settings_json: str | None, **k
       draftsmith generate ... --backend openai --base-url http://127.0.0.1:8000/v1 --concurrency 16
       draftsmith generate ... --backend vllm-server --server-args '["--max-model-len","4096"]' --devices 0,1
     """
+    from draftsmith.core.prompt_sources import PromptError
     from draftsmith.stages.generate import GenerateError, GenerateSettings, generate_traces
-    from draftsmith.stages.prompts import PromptError
 
     paths = {k: kw.pop(k) for k in ("out", "summary", "errors", "server_log")}
     from draftsmith.core.precision import compute_dtype
@@ -1263,7 +1264,7 @@ def untrained_drafter(
 ) -> None:
     """Export the untrained baseline: the drafter exactly as training starts it (0 steps, same seed),
     so the evaluation shows what training bought."""
-    from draftsmith.stages.evaluate import export_untrained_drafter
+    from draftsmith.stages.train import export_untrained_drafter
 
     values = resolve(settings_json, {"seed": seed}, "train")
     export_untrained_drafter(manifest_path, vocab_path, out, values, threads)

@@ -23,12 +23,13 @@ from draftsmith.core.checkpoints import list_checkpoints
 from draftsmith.core.cost import DEVICES, ModelCost, ServingPoint
 from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter
 from draftsmith.core.layers import capture_aux, stack_aux
+from draftsmith.core.objective import Objective
 from draftsmith.core.projection import set_projection
 from draftsmith.core.shards import Sample, iter_samples, read_header, verify_shard, write_shard
-from draftsmith.core.target import file_sha256
+from draftsmith.core.target import file_sha256, load_target_head
 from draftsmith.stages.eval_summary import provenance, summarize
 from draftsmith.stages.gate import GateSettings
-from draftsmith.stages.train import Objective, TrainSettings, load_target_head, train
+from draftsmith.stages.train import TrainSettings, train
 from draftsmith.stages.vocab import build_vocab_map, save_vocab_map, vocab_maps
 
 # ------------------------------------------------------------------ tiny training data and training runs

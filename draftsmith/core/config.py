@@ -561,7 +561,12 @@ NAMED_HELDOUT_SETS = ("split", "handwritten", "humaneval")
 def input_file_errors(config: dict[str, Any]) -> tuple[list[str], list[str]]:
     """(errors, warnings) of the prompt files a validated config names, each read and validated as its
     job will read it: a bad line is "key: FILE:LINE: reason", at start, before any output is deleted."""
-    from draftsmith.stages.prompts import BUILTIN_PROMPTS, PromptError, check_heldout_size, read_jsonl_prompts
+    from draftsmith.core.prompt_sources import (
+        BUILTIN_PROMPTS,
+        PromptError,
+        check_heldout_size,
+        read_jsonl_prompts,
+    )
 
     prompts = config["prompts"]
     files = {}
@@ -611,7 +616,7 @@ def dataset_errors(path: str, revision: str | None) -> list[str]:
     JSON/CSV file that is not UTF-8 (up to INPUT_CHECK_MAX_BYTES), a missing file spelt like a Hub id
     (`data/my.jsonl`), a Hub dataset not in the cache when HF_HUB_OFFLINE=1 forbids fetching it."""
     from draftsmith.core.hub import is_cached, offline
-    from draftsmith.stages.prompts import DATASET_BUILDERS
+    from draftsmith.core.prompt_sources import DATASET_BUILDERS
 
     local = Path(path)
     if local.is_file():

@@ -27,7 +27,9 @@ cached inference: see `TTTKV` and `CacheKV`.
 
 from __future__ import annotations
 
+import logging
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
@@ -36,7 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from draftsmith.core.target import text_config
+from draftsmith.core.target import TargetHead, text_config
+
+log = logging.getLogger(__name__)
 
 # Keys of the `train.drafter` config section: each None = derived from the target.
 SHAPE_KEYS = (
@@ -496,3 +500,46 @@ class Eagle3Drafter(nn.Module):
         output), positions [B, T] -> (draft logits [B, T, Vd], recurrent hidden [B, T, H])."""
         prenorm = self.midlayer(embeds, hidden, positions, kv)
         return self.lm_head(self.norm(prenorm)), prenorm
+
+
+# ----------------------------------------------------------------------------- a drafter to train
+
+
+class DrafterInit(Protocol):
+    """The settings a drafter's initial weights follow (train.TrainSettings has them)."""
+
+    seed: int
+    drafter: dict[str, Any]
+    layer_init: str
+    head_init: str
+
+
+def build_drafter(
+    target: TargetHead,
+    d2t: Tensor,
+    t2d: Tensor,
+    num_aux: int,
+    settings: DrafterInit,
+    device: torch.device | str,
+) -> tuple[Eagle3Drafter, Tensor, Tensor]:
+    """-> (the drafter at its initial weights, in train mode; the frozen target embedding [V, Ht]; the
+    teacher weight [Vd, Ht] = the target's lm_head rows of the draft ids), on device.
+
+    The initial weights are a function of settings.seed: every data-parallel rank builds the same
+    drafter. settings.drafter shapes it; layer_init "normal" draws every linear N(0, 0.02), "fan_in" keeps
+    torch's default U(+-1/sqrt(fan_in)); head_init "target" then copies lm_head rows and the final norm
+    from the target, "random" keeps the drafter's own draw (SpecForge)."""
+    cfg = DrafterConfig.from_target(target.config, d2t.numel(), num_aux, settings.drafter)
+    log.info("drafter: %s, %.1f M parameters", describe(cfg), param_count(cfg) / 1e6)
+    random.seed(settings.seed)
+    torch.manual_seed(settings.seed)
+    drafter = Eagle3Drafter(cfg)
+    if settings.layer_init != "normal":  # the constructor's draw is "normal"
+        drafter.init_linears(settings.layer_init)
+    drafter.set_vocab_map(d2t, t2d)
+    if settings.head_init == "target":
+        drafter.init_from_target(target.lm_head, target.norm)
+    drafter.to(device).train()
+    embed = target.embed.to(device)  # frozen, not part of the drafter
+    draft_ids = torch.arange(cfg.draft_vocab_size) + d2t  # target id of each draft id
+    return drafter, embed, target.lm_head[draft_ids].to(device)

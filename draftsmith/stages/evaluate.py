@@ -74,8 +74,8 @@ class VllmUnavailable(RuntimeError):
 
 def read_eval_prompts(path: str | Path, num_prompts: int) -> list[dict]:
     """The first `num_prompts` records {"id", "messages"} of a prompt JSONL file (0 or less: all),
-    validated by `draftsmith.stages.prompts` (which also accepts the `conversations` and `prompt` shapes)."""
-    from draftsmith.stages.prompts import read_prompt_file
+    validated by `draftsmith.core.prompt_sources` (which also accepts the `conversations` and `prompt` shapes)."""
+    from draftsmith.core.prompt_sources import read_prompt_file
 
     prompts = read_prompt_file(path)
     if num_prompts > 0:
@@ -789,24 +789,3 @@ def _vllm_set_summaries(
             "methods": methods,
         }
     return summaries
-
-
-def export_untrained_drafter(
-    manifest_path: str | Path,
-    vocab_path: str | Path,
-    out_dir: str | Path,
-    train_settings: dict[str, Any],
-    threads: int | None = None,
-) -> dict[str, Any]:
-    """The untrained baseline: `train` with 0 steps and the training settings (seed, drafter shape,
-    head_init), so it is exactly the trained drafter's starting point (same architecture and vocabulary
-    map; the same initial draw), exported the same way. Returns train's summary."""
-    from draftsmith.stages.train import TrainSettings, train
-
-    settings = TrainSettings.from_dict({**train_settings, "max_steps": 0, "threads": threads})
-    with tempfile.TemporaryDirectory(prefix="draftsmith-untrained-") as tmp:
-        work = Path(tmp)
-        checkpoints, metrics = work / "checkpoints", work / "metrics.jsonl"
-        return train(
-            manifest_path, vocab_path, out_dir, checkpoints, metrics, settings, device="cpu", progress=False
-        )

@@ -44,8 +44,8 @@ from draftsmith.backends.server import ServerError
 from draftsmith.core.atomic import atomic_path, write_json, write_jsonl
 from draftsmith.core.chat import render_prompt, template_fingerprint
 from draftsmith.core.config import SETTINGS_OPS
+from draftsmith.core.prompt_sources import PromptError, conversation_answers, read_prompt_file
 from draftsmith.core.settings import from_schema
-from draftsmith.stages.prompts import PromptError, conversation_answers, read_prompt_file
 
 log = logging.getLogger(__name__)
 

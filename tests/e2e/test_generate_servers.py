@@ -33,8 +33,8 @@ from draftsmith.backends.openai import (
     split_reasoning,
 )
 from draftsmith.backends.server import VllmServer, group_alive, server_command, server_gpus
+from draftsmith.core.prompt_sources import PromptError
 from draftsmith.stages.generate import GenerateError, GenerateSettings, generate_traces
-from draftsmith.stages.prompts import PromptError
 
 TARGET = REPO / "resources" / "SmolLM2-135M-Instruct"
 

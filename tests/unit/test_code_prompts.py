@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from draftsmith.core.code_prompts import CodePromptError, code_prompts, wheel_code_prompts
-from draftsmith.stages.prompts import parse_record, prepare_prompts
+from draftsmith.core.prompt_sources import parse_record
+from draftsmith.stages.prompts import prepare_prompts
 
 MODULE = '''
 import functools

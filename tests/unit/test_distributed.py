@@ -39,8 +39,8 @@ from safetensors.torch import load_file
 from draftsmith.core.distributed import Dist
 from draftsmith.core.loader import StreamingData, verify_share
 from draftsmith.core.manifest import load_manifest
+from draftsmith.core.objective import DraftingLoss, StepStats
 from draftsmith.core.shards import ShardReader
-from draftsmith.stages.train import DraftingLoss, StepStats
 
 # 1 vs 2 processes differ only in how fp32 sums are grouped (one sum over the batch vs two partial sums
 # added). Measured on this data over 30 steps: loss curves agree to 1.2e-7 relative, fp32 weights to

@@ -433,7 +433,7 @@ def test_the_cpu_kv_cache_is_set_only_for_vllms_cpu_build():
 def test_served_traffic_trains_on_the_served_answer_and_its_reasoning(thinking_tokenizer):
     """A served request + response (tests/data/shapes/served.jsonl) becomes an original-answer trace
     whose reasoning is trained in the template's thinking format, as the server generated it."""
-    from draftsmith.stages.prompts import read_jsonl_prompts
+    from draftsmith.core.prompt_sources import read_jsonl_prompts
 
     prompts, _ = read_jsonl_prompts(REPO / "tests" / "data" / "shapes" / "served.jsonl")
     row = json.loads(json.dumps(original_row(prompts[0], "fp")))  # as read back from traces.jsonl

@@ -1,4 +1,5 @@
-"""Prompt reading, validation, selection and split (draftsmith/stages/prompts.py)."""
+"""Prompt reading and validation (draftsmith/core/prompt_sources.py), selection and split
+(draftsmith/stages/prompts.py)."""
 
 from __future__ import annotations
 
@@ -12,19 +13,17 @@ import pytest
 from conftest import REPO, cli_env
 
 from draftsmith.core.config import section_defaults
-from draftsmith.stages.prompts import (
+from draftsmith.core.prompt_sources import (
     BUILTIN_PROMPTS,
     SHAREGPT_MEMBER,
     PromptError,
     iter_json_array,
-    prepare_prompts,
     read_dataset_prompts,
     read_jsonl_prompts,
     read_prompt_file,
     read_sharegpt_wheel,
-    select,
-    split_heldout,
 )
+from draftsmith.stages.prompts import prepare_prompts, select, split_heldout
 
 
 @pytest.fixture(scope="session")
@@ -405,7 +404,7 @@ def test_a_heldout_set_that_shrinks_to_zero_is_an_error(tmp_path):
 
 def test_a_heldout_set_smaller_than_asked_is_a_warning(tmp_path, caplog):
     f = write_lines(tmp_path / "three.jsonl", [{"id": str(i), "prompt": f"p{i}"} for i in range(3)])
-    with caplog.at_level("WARNING", logger="draftsmith.stages.prompts"):
+    with caplog.at_level("WARNING", logger="draftsmith.core.prompt_sources"):
         summary = prepare(tmp_path, source="jsonl", path=str(f), num_heldout=5)
     assert summary["heldout"] == 2 and summary["train"] == 1
     assert "held-out set has 2 prompt(s), not the 5 asked (prompts.num_heldout)" in caplog.text

@@ -12,7 +12,7 @@ import twins
 
 import draftsmith.core.target as target_mod
 from draftsmith.backends.hf import HfExtractor
-from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter, param_count
+from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter, build_drafter, param_count
 from draftsmith.core.target import (
     TargetError,
     head_tensor_names,
@@ -21,7 +21,7 @@ from draftsmith.core.target import (
     read_head_tensors,
     text_config_dict,
 )
-from draftsmith.stages.train import TrainSettings, build_drafter
+from draftsmith.stages.train import TrainSettings
 
 FAMILIES = ["llama3", "qwen3", "qwen3_moe", "deepseek_v3"]
 
@@ -126,7 +126,7 @@ def test_kimi_drafter_is_llama_style(tmp_path, caplog):
     head = load_target_head(tmp_path)
     d2t, t2d = torch.zeros(64, dtype=torch.long), torch.zeros(512, dtype=torch.bool)
     t2d[:64] = True
-    with caplog.at_level(logging.INFO, logger="draftsmith.stages.train"):
+    with caplog.at_level(logging.INFO, logger="draftsmith.core.drafter"):
         drafter, _, _ = build_drafter(head, d2t, t2d, 3, TrainSettings(), "cpu")
     cfg = drafter.cfg
     assert (cfg.num_attention_heads, cfg.head_dim, cfg.num_key_value_heads, cfg.intermediate_size) == (

@@ -32,24 +32,14 @@ from helpers import (
 from safetensors.torch import load_file
 
 from draftsmith.core.checkpoints import list_checkpoints, step_of
-from draftsmith.core.drafter import TTTKV
+from draftsmith.core.drafter import TTTKV, build_drafter
 from draftsmith.core.loader import collate
+from draftsmith.core.objective import Objective, real_positions, ttt_loss, ttt_step_counts, ttt_step_targets
+from draftsmith.core.optimizers import lr_factor, make_optimizer
 from draftsmith.core.shards import iter_samples, verify_shard, write_shard
-from draftsmith.core.target import file_sha256
+from draftsmith.core.target import file_sha256, load_target_head
 from draftsmith.stages.export import check_export, load_drafter
-from draftsmith.stages.train import (
-    Objective,
-    TrainSettings,
-    build_drafter,
-    load_target_head,
-    lr_factor,
-    make_optimizer,
-    real_positions,
-    train,
-    ttt_loss,
-    ttt_step_counts,
-    ttt_step_targets,
-)
+from draftsmith.stages.train import TrainSettings, train
 
 
 @pytest.fixture(scope="module")
@@ -614,7 +604,7 @@ def test_per_step_weights_replace_the_decay(data: dict) -> None:
 
 
 def test_draft_mass_is_the_targets_probability_of_the_draft_vocabulary(data: dict) -> None:
-    from draftsmith.stages.train import draft_mass
+    from draftsmith.core.objective import draft_mass
     from draftsmith.stages.vocab import load_vocab_map
 
     head = load_target_head(data["target"])
@@ -655,7 +645,7 @@ def reference_lk(
     ("kind", "scale", "decay"), [("alpha", 1.0, 1.0), ("lambda", 1.0, 1.0), ("lambda", 0.7, 3.0)]
 )
 def test_lk_losses_match_their_formulas(data: dict, kind: str, scale: float, decay: float) -> None:
-    from draftsmith.stages.train import draft_mass
+    from draftsmith.core.objective import draft_mass
 
     drafter, embed, teacher = build(data)
     batch = collate(data["samples"][:4])
@@ -699,7 +689,7 @@ def test_lk_lambda_split_batch_with_global_sums_adds_up(data: dict) -> None:
 
 
 def test_muon_trains_the_weight_matrices_and_adamw_the_rest(data: dict) -> None:
-    from draftsmith.stages.train import Chain
+    from draftsmith.core.optimizers import Chain
 
     drafter, _, _ = build(data)
     optimizer = make_optimizer(drafter, settings(optimizer="muon", lr=1e-3, muon_lr_scale=10.0))
@@ -736,7 +726,9 @@ def test_muon_run_resumes_to_identical_weights(data: dict, tmp_path: Path) -> No
 def _one_step(data: dict, parts: list, **over) -> list[torch.Tensor]:
     """The drafter's weights after one optimizer step on `parts` (a batch's micro-batches)."""
     from draftsmith.core.distributed import Dist
-    from draftsmith.stages.train import DraftingLoss, make_scheduler, train_step
+    from draftsmith.core.objective import DraftingLoss
+    from draftsmith.core.optimizers import make_scheduler
+    from draftsmith.stages.train import train_step
 
     s = settings(noise_std=0.0, precision="fp32", **over)
     drafter, embed, teacher = build(data)
@@ -786,7 +778,7 @@ def test_activation_checkpointing_per_ttt_step_changes_no_gradient(data: dict, p
 def test_soft_cross_entropy_gradient_is_log_softmaxs() -> None:
     """The soft cross-entropy that saves logits and p (not fp32 log-probabilities) has autograd's
     gradient of -(p * log_softmax(logits)).sum(-1), exactly (fp32 and bf16 logits)."""
-    from draftsmith.stages.train import soft_cross_entropy
+    from draftsmith.core.objective import soft_cross_entropy
 
     g = torch.Generator().manual_seed(0)
     p = torch.softmax(torch.randn(5, 40, generator=g), -1)
