@@ -46,6 +46,7 @@ import torch
 from draftsmith.core.atomic import write_json
 from draftsmith.core.loader import Batch, InMemoryData, StreamingData, step_plan
 from draftsmith.core.shards import ShardWriter, iter_samples, read_shard_meta
+from draftsmith.core.vocab import load_vocab_map
 from draftsmith.stages.manifest import load_manifest
 from draftsmith.stages.train import (
     Objective,
@@ -55,7 +56,6 @@ from draftsmith.stages.train import (
     make_optimizer,
     ttt_loss,
 )
-from draftsmith.stages.vocab import load_vocab_map
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
 import harness  # noqa: E402

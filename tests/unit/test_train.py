@@ -33,10 +33,10 @@ from safetensors.torch import load_file
 
 from draftsmith.core.checkpoints import list_checkpoints, step_of
 from draftsmith.core.drafter import TTTKV
+from draftsmith.core.export_formats import check_export, load_drafter
 from draftsmith.core.loader import collate
 from draftsmith.core.shards import iter_samples, verify_shard, write_shard
 from draftsmith.core.target import file_sha256
-from draftsmith.stages.export import check_export, load_drafter
 from draftsmith.stages.train import (
     Objective,
     TrainSettings,
@@ -516,7 +516,7 @@ def test_split_batch_with_global_counts_adds_up(data: dict, loss_norm: str, offs
 
 
 def test_head_init_target_or_random(data: dict) -> None:
-    from draftsmith.stages.vocab import load_vocab_map
+    from draftsmith.core.vocab import load_vocab_map
 
     head = load_target_head(data["target"])
     vocab = load_vocab_map(data["vocab"])
@@ -536,7 +536,7 @@ def test_head_init_target_or_random(data: dict) -> None:
 
 
 def test_layer_init_normal_or_fan_in(data: dict) -> None:
-    from draftsmith.stages.vocab import load_vocab_map
+    from draftsmith.core.vocab import load_vocab_map
 
     head = load_target_head(data["target"])
     vocab = load_vocab_map(data["vocab"])
@@ -614,8 +614,8 @@ def test_per_step_weights_replace_the_decay(data: dict) -> None:
 
 
 def test_draft_mass_is_the_targets_probability_of_the_draft_vocabulary(data: dict) -> None:
+    from draftsmith.core.vocab import load_vocab_map
     from draftsmith.stages.train import draft_mass
-    from draftsmith.stages.vocab import load_vocab_map
 
     head = load_target_head(data["target"])
     _, _, teacher = build(data)
