@@ -412,7 +412,14 @@ def draftsmith_code() -> str:
 
     root = Path(draftsmith.__file__).parent
     h = hashlib.sha256()
-    for name in ("train.py", "drafter.py", "loader.py", "shards.py", "vocab.py"):
+    for name in (
+        "stages/train.py",
+        "core/drafter.py",
+        "core/loader.py",
+        "core/shards.py",
+        "stages/vocab.py",
+        "core/vocab.py",
+    ):
         h.update((root / name).read_bytes())
     return h.hexdigest()[:16]
 
