@@ -327,8 +327,8 @@ def probe_manifest_without_min_teacher_agreement(p: Probe) -> str:
 MAKE_EXPORT = """
 import torch
 from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter
-from draftsmith.stages.export import save_drafter
-from draftsmith.stages.vocab import vocab_maps
+from draftsmith.core.export_formats import save_drafter
+from draftsmith.core.vocab import vocab_maps
 cfg = DrafterConfig(hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
                     intermediate_size=80, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512,
                     target_hidden_size=48, target_vocab_size=256, draft_vocab_size=96, num_aux=3)

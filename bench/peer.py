@@ -289,8 +289,8 @@ def convert(
     manifest_path: Path, vocab_path: Path, settings: dict[str, Any], out: Path, fresh: bool
 ) -> dict[str, Any]:
     """This run's shards and vocabulary in SpecForge's offline format under out/ -> a summary."""
+    from draftsmith.core.vocab import load_vocab_map
     from draftsmith.stages.train import TrainSettings
-    from draftsmith.stages.vocab import load_vocab_map
 
     manifest = load_manifest(manifest_path)
     key = data_key(manifest, vocab_path, settings)
@@ -420,6 +420,7 @@ def draftsmith_code() -> str:
         "core/loader.py",
         "core/shards.py",
         "stages/vocab.py",
+        "core/vocab.py",
     ):
         h.update((root / name).read_bytes())
     return h.hexdigest()[:16]
@@ -556,8 +557,8 @@ def validation(
     `train.validate` scores (`Objective.for_validation`: the inference view, the positions whose predicted
     token is an assistant token; float32) -> accuracy and agreement per TTT step, and each sample's counts
     for the paired interval."""
+    from draftsmith.core.export_formats import load_drafter
     from draftsmith.core.objective import Objective, StepStats, ttt_loss
-    from draftsmith.stages.export import load_drafter
     from draftsmith.stages.train import TrainSettings, load_inputs
 
     manifest, vocab, target = load_inputs(manifest_path, vocab_path)

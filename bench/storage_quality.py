@@ -28,14 +28,14 @@ import click
 import torch
 import yaml
 
+from draftsmith.core.export_formats import load_drafter
 from draftsmith.core.loader import StreamingData
 from draftsmith.core.manifest import load_manifest
 from draftsmith.core.objective import Objective, StepStats, ttt_loss
 from draftsmith.core.stats import bootstrap_ratio, bootstrap_tau, paired_difference
 from draftsmith.core.target import load_target_head
-from draftsmith.stages.export import load_drafter
+from draftsmith.core.vocab import load_vocab_map
 from draftsmith.stages.train import TrainSettings
-from draftsmith.stages.vocab import load_vocab_map
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
 import harness  # noqa: E402

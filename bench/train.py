@@ -51,8 +51,8 @@ from draftsmith.core.objective import Objective, ttt_loss
 from draftsmith.core.optimizers import make_optimizer
 from draftsmith.core.shards import ShardWriter, iter_samples, read_shard_meta
 from draftsmith.core.target import load_target_head
+from draftsmith.core.vocab import load_vocab_map
 from draftsmith.stages.train import TrainSettings
-from draftsmith.stages.vocab import load_vocab_map
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
 import harness  # noqa: E402

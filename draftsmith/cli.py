@@ -886,7 +886,8 @@ def vocab(tokens: str, target_path: str, settings_json: str | None, size: int | 
     """Build the draft vocabulary (d2t/t2d) from loss-masked token counts; prints its coverage."""
     from draftsmith.core.config import read_target_config
     from draftsmith.core.tokens import load_tokens
-    from draftsmith.stages.vocab import build_vocab_map, check_draft_vocab_size, save_vocab_map
+    from draftsmith.core.vocab import save_vocab_map
+    from draftsmith.stages.vocab import build_vocab_map, check_draft_vocab_size
 
     size = resolve(settings_json, {"size": size}, "vocab")["size"]
     try:
@@ -1045,7 +1046,7 @@ def _eval_options(f):
 
 
 def _warn_draft_positions(drafter: str, num_draft_tokens: int) -> None:
-    from draftsmith.stages.export import export_draft_positions_warning
+    from draftsmith.core.export_formats import export_draft_positions_warning
 
     warning = export_draft_positions_warning(drafter, num_draft_tokens)
     if warning:
@@ -1361,9 +1362,9 @@ def eval_summary(settings_json: str | None, **kw: Any) -> None:
     """Summary table with intervals, diagnosis, verdict and plots of an evaluation on one or more held-out
     sets: summary.{json,tsv,html}, training.png, acceptance.png, per_forward.png. Never fails on the
     verdict; `draftsmith gate` does."""
+    from draftsmith.core.report import format_verdict
+    from draftsmith.core.verdict import GateSettings
     from draftsmith.stages.eval_summary import summarize_files
-    from draftsmith.stages.gate import GateSettings
-    from draftsmith.stages.report import format_verdict
 
     keys = ("max_tau_gap", "max_acc_gap", "min_val_gain", "interval_level", "bootstrap_resamples")
     values = resolve(settings_json, {k: kw.pop(k) for k in keys}, "evaluate")
@@ -1436,7 +1437,7 @@ def gate(summary_path: str, out: str | None) -> None:
 def check_export_cmd(drafter_dir: str, target_path: str | None, engine: str | None) -> None:
     """Check a drafter export against what its engine reads: tensors present and shaped, vocab mapping
     consistent, aux ids in the engine's convention, sorted and in range, norm flags, rope fields."""
-    from draftsmith.stages.export import check_against_target, unreadable
+    from draftsmith.core.export_formats import check_against_target, unreadable
 
     damaged = unreadable(drafter_dir)  # files that are no export at all: bad input, not a failed check
     if damaged:

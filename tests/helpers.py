@@ -27,10 +27,11 @@ from draftsmith.core.objective import Objective
 from draftsmith.core.projection import set_projection
 from draftsmith.core.shards import Sample, iter_samples, read_header, verify_shard, write_shard
 from draftsmith.core.target import file_sha256, load_target_head
+from draftsmith.core.verdict import GateSettings
+from draftsmith.core.vocab import save_vocab_map, vocab_maps
 from draftsmith.stages.eval_summary import provenance, summarize
-from draftsmith.stages.gate import GateSettings
 from draftsmith.stages.train import TrainSettings, train
-from draftsmith.stages.vocab import build_vocab_map, save_vocab_map, vocab_maps
+from draftsmith.stages.vocab import build_vocab_map
 
 # ------------------------------------------------------------------ tiny training data and training runs
 
@@ -158,7 +159,7 @@ def objective(steps: int = 3, **over) -> Objective:
 def build(data: dict, seed: int = 0) -> tuple[Eagle3Drafter, torch.Tensor, torch.Tensor]:
     """A drafter for make_tiny_data's target, initialised from its head, with the target's embedding
     and the teacher's weights over the draft vocabulary."""
-    from draftsmith.stages.vocab import load_vocab_map
+    from draftsmith.core.vocab import load_vocab_map
 
     torch.manual_seed(seed)
     head = load_target_head(data["target"])

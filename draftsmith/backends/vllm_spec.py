@@ -37,6 +37,7 @@ import click
 
 from draftsmith.backends.common import log_cause
 from draftsmith.backends.vllm_api import SPEC_METRICS
+from draftsmith.core.engines import speculative_config
 
 RESULT_MARKER = "DRAFTSMITH_VLLM_RESULT "  # prefix of the result line on stdout
 
@@ -75,38 +76,6 @@ def spec_decode_summary(metrics: dict[str, Any], num_speculative_tokens: int) ->
         "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
         "per_position_rate": [a / drafts for a in per_pos] if drafts else None,
     }
-
-
-def speculative_config(
-    method: str | None,
-    drafter: str | None,
-    num_speculative_tokens: int,
-    method_settings: dict[str, Any] | None = None,
-) -> dict[str, Any] | None:
-    """vLLM's speculative_config for a method: eagle3 (needs a drafter folder), ngram (method_settings:
-    the lookup's min and max n-gram length), suffix (method_settings: evaluate.suffix_decoding's keys,
-    written as vLLM's suffix_decoding_* fields), or None (plain)."""
-    settings = method_settings or {}
-    if method is None:
-        return None
-    if method == "eagle3":
-        if not drafter:
-            raise ValueError("method 'eagle3' needs a drafter folder")
-        return {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": num_speculative_tokens}
-    if method == "ngram":
-        return {
-            "method": "ngram",
-            "num_speculative_tokens": num_speculative_tokens,
-            "prompt_lookup_min": int(settings.get("min", 2)),
-            "prompt_lookup_max": int(settings.get("max", 4)),
-        }
-    if method == "suffix":
-        return {
-            "method": "suffix",
-            "num_speculative_tokens": num_speculative_tokens,  # a maximum: it drafts what its tree supports
-            **{f"suffix_decoding_{key}": value for key, value in sorted(settings.items())},
-        }
-    raise ValueError(f"unknown speculative method {method!r}; expected eagle3, ngram, suffix or None")
 
 
 def request_histogram(output: Any) -> list[int] | None:

@@ -1,6 +1,7 @@
 """The serving engines an export is written for, and what the gate checks about them without loading the
 export stage: the layer-id convention each applies to the aux ids it reads, and the draft length the
-drafter was trained for."""
+drafter was trained for; and vLLM's speculative_config for each method (what the vLLM measurement runs
+and the model card's serve commands repeat)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,35 @@ def draft_positions_warning(num_draft_tokens: int, ttt_steps: int | None) -> str
         f"with: draft positions {ttt_steps + 1}..{num_draft_tokens} were never trained (raise "
         f"train.ttt_steps or lower evaluate.num_draft_tokens)"
     )
+
+
+def speculative_config(
+    method: str | None,
+    drafter: str | None,
+    num_speculative_tokens: int,
+    method_settings: dict[str, Any] | None = None,
+) -> dict[str, Any] | None:
+    """vLLM's speculative_config for a method: eagle3 (needs a drafter folder), ngram (method_settings:
+    the lookup's min and max n-gram length), suffix (method_settings: evaluate.suffix_decoding's keys,
+    written as vLLM's suffix_decoding_* fields), or None (plain)."""
+    settings = method_settings or {}
+    if method is None:
+        return None
+    if method == "eagle3":
+        if not drafter:
+            raise ValueError("method 'eagle3' needs a drafter folder")
+        return {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": num_speculative_tokens}
+    if method == "ngram":
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": num_speculative_tokens,
+            "prompt_lookup_min": int(settings.get("min", 2)),
+            "prompt_lookup_max": int(settings.get("max", 4)),
+        }
+    if method == "suffix":
+        return {
+            "method": "suffix",
+            "num_speculative_tokens": num_speculative_tokens,  # a maximum: it drafts what its tree supports
+            **{f"suffix_decoding_{key}": value for key, value in sorted(settings.items())},
+        }
+    raise ValueError(f"unknown speculative method {method!r}; expected eagle3, ngram, suffix or None")

@@ -4,12 +4,12 @@ The figure that compares methods is tokens per target forward, every decode step
 interval over prompts; beside it the share of steps that had a draft, vLLM's tau and acceptance per draft
 position under their own names (counted over the steps that had a draft), the speed measured here, and
 the speedup projected for hardware where decoding is memory-bound (draftsmith.core.cost). The gate's checks and
-verdict (draftsmith.stages.gate) come with it.
+verdict (draftsmith.core.verdict) come with it.
 
     summarize(...)        offline.json + vllm.json per held-out set, data_config.json, the export,
                           metrics.jsonl -> the summary dict (rows with intervals, headline, checks, verdict,
                           and the provenance the model card shows: target, data, vocabulary, training)
-    summarize_files(...)  reads those files, writes summary.{json,tsv,html} and the plots (draftsmith.stages.report)
+    summarize_files(...)  reads those files, writes summary.{json,tsv,html} and the plots (draftsmith.core.report)
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from draftsmith.core.cost import FORMULA
 from draftsmith.core.methods import PLAIN, method, ordered
 from draftsmith.core.projection import method_projection, set_projection, summary_of
 from draftsmith.core.stats import bootstrap_ratio
-from draftsmith.stages.gate import (
+from draftsmith.core.verdict import (
     FIGURE,
     PER_DRAFT,
     PER_FORWARD,
@@ -429,9 +429,9 @@ def summarize_files(
     (training writes its TensorBoard curves itself, as it goes). The vocabulary map, the prompts
     stage's summary and the config's target section (`target_source`) go into the provenance."""
     from draftsmith.core.chat import template_fingerprint
+    from draftsmith.core.export_formats import check_against_target
+    from draftsmith.core.report import write_report
     from draftsmith.core.target import load_tokenizer
-    from draftsmith.stages.export import check_against_target
-    from draftsmith.stages.report import write_report
 
     sets = load_sets(offline, vllm)
     manifest = json.loads(Path(manifest_path).read_text(encoding="utf-8"))
@@ -446,7 +446,7 @@ def summarize_files(
     projections = project_sets(sets, serving, target_path, drafters, settings) if serving else None
     vocab = None
     if vocab_path is not None:
-        from draftsmith.stages.vocab import load_vocab_map
+        from draftsmith.core.vocab import load_vocab_map
 
         vocab = {k: v for k, v in load_vocab_map(vocab_path).items() if not hasattr(v, "shape")}
     prompts = json.loads(Path(prompts_summary).read_text(encoding="utf-8")) if prompts_summary else None

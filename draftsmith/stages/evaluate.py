@@ -119,7 +119,7 @@ def checked_drafters(
 ) -> dict[str, str]:
     """{"eagle3": trained, "untrained": baseline} with each export checked against the target first, so a
     missing or broken export is one line (ValueError) before the target or vLLM loads."""
-    from draftsmith.stages.export import check_against_target
+    from draftsmith.core.export_formats import check_against_target
 
     drafters = {"eagle3": str(drafter), **({"untrained": str(untrained)} if untrained else {})}
     for name, path in drafters.items():
@@ -270,8 +270,8 @@ def evaluate_offline(
     """
     from tqdm import tqdm
 
+    from draftsmith.core.export_formats import load_drafter
     from draftsmith.core.target import load_target
-    from draftsmith.stages.export import load_drafter
 
     if threads and threads > 0:
         torch.set_num_threads(threads)

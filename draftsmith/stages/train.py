@@ -46,6 +46,7 @@ from draftsmith.core.checkpoints import Run, open_run, resume_key
 from draftsmith.core.config import SETTINGS_OPS
 from draftsmith.core.distributed import Dist, init_distributed, launch_rank
 from draftsmith.core.drafter import Eagle3Drafter, build_drafter
+from draftsmith.core.export_formats import check_export, save_drafter
 from draftsmith.core.layers import convert_layer_ids
 from draftsmith.core.loader import Batch, StreamingData, step_plan, verify_share
 from draftsmith.core.manifest import DataError, load_manifest
@@ -55,8 +56,7 @@ from draftsmith.core.precision import train_precision
 from draftsmith.core.settings import from_schema
 from draftsmith.core.target import TargetHead, load_target_head
 from draftsmith.core.tracking import Curves, missing_trackers
-from draftsmith.stages.export import check_export, save_drafter
-from draftsmith.stages.vocab import load_vocab_map
+from draftsmith.core.vocab import load_vocab_map
 
 log = logging.getLogger(__name__)
 

@@ -1,20 +1,17 @@
-"""Draft vocabulary: the most frequent target tokens among those the drafter must predict.
-
-`d2t[i]` is an int64 offset, `target_id = i + d2t[i]`; `t2d` is a bool mask over the target vocabulary
-(EAGLE-3 reference, SpecForge and vLLM all use this form). Counts cover loss-masked tokens only, like
-speculators and SpecForge: prompt tokens are never drafted.
+"""The vocab stage: the draft vocabulary, the most frequent target tokens among those the drafter must
+predict, as a vocabulary map (its form, d2t and t2d: draftsmith.core.vocab). Counts cover loss-masked
+tokens only, like speculators and SpecForge: prompt tokens are never drafted.
 """
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from draftsmith.core.atomic import atomic_path
+from draftsmith.core.vocab import vocab_maps
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +36,6 @@ def select_draft_tokens(counts: Tensor, draft_vocab_size: int) -> Tensor:
     return torch.sort(order[:draft_vocab_size]).values
 
 
-def vocab_maps(draft_ids: Tensor, target_vocab_size: int) -> tuple[Tensor, Tensor]:
-    """sorted target ids [Vd] -> (d2t [Vd] int64 offsets, t2d [V] bool)."""
-    d2t = draft_ids.to(torch.int64) - torch.arange(draft_ids.numel(), dtype=torch.int64)
-    t2d = torch.zeros(target_vocab_size, dtype=torch.bool)
-    t2d[draft_ids] = True
-    return d2t, t2d
-
-
 def build_vocab_map(masked_tokens: Tensor, target_vocab_size: int, draft_vocab_size: int) -> dict[str, Any]:
     counts = torch.bincount(masked_tokens.to(torch.int64), minlength=target_vocab_size)
     draft_ids = select_draft_tokens(counts, draft_vocab_size)
@@ -69,16 +58,3 @@ def build_vocab_map(masked_tokens: Tensor, target_vocab_size: int, draft_vocab_s
         "distinct_tokens": int((counts > 0).sum()),
         "coverage": covered / total if total else 0.0,
     }
-
-
-def save_vocab_map(path: str | Path, vocab: dict[str, Any]) -> None:
-    with atomic_path(path) as tmp:
-        torch.save(vocab, tmp)
-
-
-def load_vocab_map(path: str | Path) -> dict[str, Any]:
-    vocab = torch.load(path, map_location="cpu", weights_only=True)
-    d2t, t2d = vocab["d2t"], vocab["t2d"]
-    if int(t2d.sum()) != d2t.numel():
-        raise ValueError(f"{path}: t2d marks {int(t2d.sum())} tokens but d2t has {d2t.numel()}")
-    return vocab

@@ -18,9 +18,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from draftsmith.core.drafter import TTTKV, DrafterConfig, Eagle3Drafter
+from draftsmith.core.export_formats import check_export, load_drafter, save_drafter
 from draftsmith.core.layers import capture_aux, default_aux_layers, stack_aux
-from draftsmith.stages.export import check_export, export_engines, load_drafter, save_drafter
-from draftsmith.stages.vocab import vocab_maps
+from draftsmith.core.vocab import vocab_maps
+from draftsmith.stages.export import export_engines
 
 pytestmark = pytest.mark.slow
 TTT_STEPS, DRAFT_VOCAB, ATOL = 4, 2048, 1e-4

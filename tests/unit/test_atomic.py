@@ -9,7 +9,8 @@ from safetensors.torch import save_file
 
 from draftsmith.core.atomic import atomic_dir, atomic_path, process_umask, write_json, write_jsonl, write_text
 from draftsmith.core.shards import HEADER_ROOM, Sample, ShardWriter, write_shard
-from draftsmith.stages.vocab import build_vocab_map, save_vocab_map
+from draftsmith.core.vocab import save_vocab_map
+from draftsmith.stages.vocab import build_vocab_map
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from draftsmith.core.loader import Batch, StreamingData, is_validation
 from draftsmith.core.manifest import load_manifest
 from draftsmith.core.objective import ttt_step_targets
 from draftsmith.core.target import load_target_head
-from draftsmith.stages.vocab import load_vocab_map
+from draftsmith.core.vocab import load_vocab_map
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "peer.py"
 OFFLINE_KEYS = {"input_ids", "loss_mask", "aux_hidden_state", "hidden_state"}

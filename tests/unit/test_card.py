@@ -11,7 +11,8 @@ from huggingface_hub import ModelCard
 
 from draftsmith.core.atomic import write_json
 from draftsmith.core.methods import method as method_of
-from draftsmith.stages.export.card import CARD_NAME, EMBEDDED_BASE_MODEL, base_model, render_card, write_cards
+from draftsmith.core.model_card import CARD_NAME, EMBEDDED_BASE_MODEL, base_model, render_card
+from draftsmith.stages.export.card import write_cards
 
 
 def table_rows(card: str) -> dict[tuple[str, str], list[str]]:

@@ -18,7 +18,7 @@ from draftsmith.core.drafter import (
     ttt_mask,
     ttt_prefix_mask,
 )
-from draftsmith.stages.export import drafter_config_from_export, export_config
+from draftsmith.core.export_formats import drafter_config_from_export, export_config
 
 FP32_ULPS = 8 * torch.finfo(torch.float32).eps
 D = 16  # head dim of the small drafters

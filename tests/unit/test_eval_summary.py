@@ -10,9 +10,9 @@ from helpers import NGRAM, TRAINED, N, results
 
 from draftsmith.core.cost import DEVICES, ModelCost, ServingPoint, projected_speedup
 from draftsmith.core.projection import set_projection
+from draftsmith.core.report import format_table, format_tsv
+from draftsmith.core.verdict import GateSettings
 from draftsmith.stages.eval_summary import headline, intervals, load_sets, summary_rows
-from draftsmith.stages.gate import GateSettings
-from draftsmith.stages.report import format_table, format_tsv
 
 
 def test_rows_carry_intervals():
@@ -92,7 +92,7 @@ def test_load_sets_checks_the_prompts_match(tmp_path):
 def test_without_the_offline_decoder_vllm_alone_fills_the_summary(tmp_path):
     """evaluate.offline: false (a target only vLLM can hold): the summary has vLLM's rows only, and the
     offline-vs-vLLM contract check says it could not be made instead of comparing vLLM with itself."""
-    from draftsmith.stages.gate import diagnose
+    from draftsmith.core.verdict import diagnose
 
     served = tmp_path / "vllm.json"
     vllm = {**results({"eagle3": {**TRAINED, "kind": "eagle3"}}), "temperature": 0.0}

@@ -65,7 +65,8 @@ def extract_tiny_data(root: Path, target_dir: Path) -> tuple[Path, Path]:
     from draftsmith.core.shards import Sample, verify_shard, write_shard
     from draftsmith.core.speculate import greedy_decode
     from draftsmith.core.target import file_sha256
-    from draftsmith.stages.vocab import build_vocab_map, save_vocab_map
+    from draftsmith.core.vocab import save_vocab_map
+    from draftsmith.stages.vocab import build_vocab_map
 
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(target_dir)
@@ -177,7 +178,7 @@ def test_untrained_drafter_is_trainings_starting_point(pipeline, untrained):
     from safetensors.torch import load_file
 
     from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter
-    from draftsmith.stages.export import check_export
+    from draftsmith.core.export_formats import check_export
 
     assert check_export(untrained, target_num_layers=4, target_vocab_size=VOCAB) == []
     config = json.loads((untrained / "config.json").read_text())

@@ -12,8 +12,8 @@ from helpers import EXPORT_AUX_IDS, EXPORT_DRAFT_VOCAB, EXPORT_TARGET_VOCAB, mak
 from safetensors.torch import load_file, save_file
 
 from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter
-from draftsmith.stages.export import check_export, load_drafter, save_drafter
-from draftsmith.stages.vocab import vocab_maps
+from draftsmith.core.export_formats import check_export, load_drafter, save_drafter
+from draftsmith.core.vocab import vocab_maps
 
 TARGET_LAYERS = 8
 

@@ -21,10 +21,11 @@ from draftsmith.core.estimate import (
 )
 from draftsmith.core.layers import convert_layer_ids, default_aux_layers, validate_aux_layers
 from draftsmith.core.shards import ShardWriter
+from draftsmith.core.vocab import vocab_maps
 from draftsmith.stages.extract import disk_full, teacher_agreement
 from draftsmith.stages.manifest import build_manifest
 from draftsmith.stages.tokenize import shard_bounds
-from draftsmith.stages.vocab import build_vocab_map, select_draft_tokens, vocab_maps
+from draftsmith.stages.vocab import build_vocab_map, select_draft_tokens
 
 
 def test_hooks_capture_exactly_hf_hidden_states(tiny_llama):

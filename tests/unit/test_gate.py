@@ -12,9 +12,9 @@ import pytest
 from draftsmith.core.checks import Check, order_checks
 from draftsmith.core.cost import DEVICES, ModelCost, ServingPoint
 from draftsmith.core.projection import set_projection
-from draftsmith.stages.gate import (
+from draftsmith.core.report import format_checks, format_verdict
+from draftsmith.core.verdict import (
     PER_DRAFT,
-    GateFailed,
     GateSettings,
     check_beats,
     check_beats_free,
@@ -26,7 +26,6 @@ from draftsmith.stages.gate import (
     check_tau_gap,
     check_teacher_agreement,
     diagnose,
-    enforce,
     learning_curve,
     on_prompts,
     per_prompt_counts,
@@ -35,7 +34,7 @@ from draftsmith.stages.gate import (
     training_accuracy,
     verdict,
 )
-from draftsmith.stages.report import format_checks, format_verdict
+from draftsmith.stages.gate import GateFailed, enforce
 
 # a Llama-3.1-8B-like target and its EAGLE-3 drafter (~5% of its bytes per pass), served on an H100
 TARGET = ModelCost(7.5e9, 0.0, 1.0, 131072, 32)
@@ -503,7 +502,7 @@ def test_two_engines_pair_on_the_prompts_both_decoded():
 
 
 def test_draft_positions_beyond_the_trained_ttt_steps_warn():
-    from draftsmith.stages.gate import check_draft_positions
+    from draftsmith.core.verdict import check_draft_positions
 
     assert check_draft_positions(3, 3).status == "pass"
     warn = check_draft_positions(5, 3)

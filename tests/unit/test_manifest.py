@@ -13,8 +13,9 @@ from draftsmith.cli import main
 from draftsmith.core.atomic import write_json
 from draftsmith.core.manifest import DataError, load_manifest, verify_manifest
 from draftsmith.core.shards import Sample, write_shard
+from draftsmith.core.vocab import save_vocab_map
 from draftsmith.stages.manifest import build_manifest
-from draftsmith.stages.vocab import build_vocab_map, save_vocab_map
+from draftsmith.stages.vocab import build_vocab_map
 
 
 def _samples(seed: int, n: int = 3, hidden: int = 16) -> list[Sample]:

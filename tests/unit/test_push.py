@@ -18,7 +18,7 @@ from huggingface_hub import HfApi
 
 from draftsmith.cli import main
 from draftsmith.core.atomic import write_json
-from draftsmith.stages.export import save_drafter
+from draftsmith.core.export_formats import save_drafter
 from draftsmith.stages.push import GateRefused, PushFailed, PushInputError, plan_push, push
 
 TOKEN = "hf_test_Secret0123456789"

@@ -13,7 +13,7 @@ from draftsmith.stages.generate import GenerateSettings
 from draftsmith.stages.train import TrainSettings
 
 # every module that defines a settings class (imported here so that each registers)
-SETTINGS_MODULES = ("draftsmith.stages.train", "draftsmith.stages.generate", "draftsmith.stages.gate")
+SETTINGS_MODULES = ("draftsmith.stages.train", "draftsmith.stages.generate", "draftsmith.core.verdict")
 
 
 def settings_classes() -> list[type]:

@@ -27,7 +27,7 @@ from draftsmith.core.speculate import (
     sample_decode,
     speculative_decode,
 )
-from draftsmith.stages.vocab import vocab_maps
+from draftsmith.core.vocab import vocab_maps
 
 VOCAB = 96
 AUX = [1, 2, 3]

@@ -33,12 +33,12 @@ from safetensors.torch import load_file
 
 from draftsmith.core.checkpoints import list_checkpoints, step_of
 from draftsmith.core.drafter import TTTKV, build_drafter
+from draftsmith.core.export_formats import check_export, load_drafter
 from draftsmith.core.loader import collate
 from draftsmith.core.objective import Objective, real_positions, ttt_loss, ttt_step_counts, ttt_step_targets
 from draftsmith.core.optimizers import lr_factor, make_optimizer
 from draftsmith.core.shards import iter_samples, verify_shard, write_shard
 from draftsmith.core.target import file_sha256, load_target_head
-from draftsmith.stages.export import check_export, load_drafter
 from draftsmith.stages.train import TrainSettings, train
 
 
@@ -506,7 +506,7 @@ def test_split_batch_with_global_counts_adds_up(data: dict, loss_norm: str, offs
 
 
 def test_head_init_target_or_random(data: dict) -> None:
-    from draftsmith.stages.vocab import load_vocab_map
+    from draftsmith.core.vocab import load_vocab_map
 
     head = load_target_head(data["target"])
     vocab = load_vocab_map(data["vocab"])
@@ -526,7 +526,7 @@ def test_head_init_target_or_random(data: dict) -> None:
 
 
 def test_layer_init_normal_or_fan_in(data: dict) -> None:
-    from draftsmith.stages.vocab import load_vocab_map
+    from draftsmith.core.vocab import load_vocab_map
 
     head = load_target_head(data["target"])
     vocab = load_vocab_map(data["vocab"])
@@ -605,7 +605,7 @@ def test_per_step_weights_replace_the_decay(data: dict) -> None:
 
 def test_draft_mass_is_the_targets_probability_of_the_draft_vocabulary(data: dict) -> None:
     from draftsmith.core.objective import draft_mass
-    from draftsmith.stages.vocab import load_vocab_map
+    from draftsmith.core.vocab import load_vocab_map
 
     head = load_target_head(data["target"])
     _, _, teacher = build(data)

@@ -13,16 +13,16 @@ from safetensors.torch import load_file
 from draftsmith.core.atomic import atomic_dir
 from draftsmith.core.drafter import DrafterConfig
 from draftsmith.core.engines import trained_ttt_steps
-from draftsmith.stages.export.check import check_export
-from draftsmith.stages.export.common import (
+from draftsmith.core.export_formats.check import check_export
+from draftsmith.core.export_formats.common import (
     CONFIG_NAME,
     DTYPES,
     WEIGHTS_NAME,
     draftsmith_block,
     write_files,
 )
-from draftsmith.stages.export.sglang import sglang_config
-from draftsmith.stages.export.speculators import speculators_export_config, speculators_names
+from draftsmith.core.export_formats.sglang import sglang_config
+from draftsmith.core.export_formats.speculators import speculators_export_config, speculators_names
 
 
 def export_engines(

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from draftsmith.core.drafter import DrafterConfig
-from draftsmith.stages.export.common import (
+from draftsmith.core.export_formats.common import (
     NORM_FLAGS,
     SPECULATORS_ARCHITECTURE,
     SPECULATORS_VERSION,

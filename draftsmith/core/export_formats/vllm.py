@@ -1,7 +1,7 @@
 """The native form vLLM reads (`vllm/model_executor/models/llama_eagle3.py`), written by training into
 results/drafter/: config.json with LlamaConfig-style fields for the single draft layer plus the EAGLE-3
 fields, and model.safetensors with the drafter state dict as is. SGLang reads the same form with its own
-aux-id convention (`draftsmith.stages.export.sglang`)."""
+aux-id convention (`draftsmith.core.export_formats.sglang`)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ import torch
 
 from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter
 from draftsmith.core.engines import ENGINE_CONVENTIONS
-from draftsmith.core.layers import convert_layer_ids
-from draftsmith.stages.export.common import (
+from draftsmith.core.export_formats.common import (
     ARCHITECTURE,
     NORM_FLAGS,
     draftsmith_block,
@@ -23,6 +22,7 @@ from draftsmith.stages.export.common import (
     validate_for_export,
     write_files,
 )
+from draftsmith.core.layers import convert_layer_ids
 
 
 def export_config(

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter, split_rope
-from draftsmith.stages.export.common import CONFIG_NAME, NORM_FLAGS, WEIGHTS_NAME, needs_vocab_map
-from draftsmith.stages.export.speculators import native_names
+from draftsmith.core.export_formats.common import CONFIG_NAME, NORM_FLAGS, WEIGHTS_NAME, needs_vocab_map
+from draftsmith.core.export_formats.speculators import native_names
 
 
 def engine_of(config: dict[str, Any]) -> str:

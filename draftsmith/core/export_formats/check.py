@@ -12,8 +12,7 @@ from safetensors import SafetensorError, safe_open
 
 from draftsmith.core.drafter import DrafterConfig
 from draftsmith.core.engines import ENGINE_CONVENTIONS, ENGINES
-from draftsmith.core.layers import aux_order_problem, convert_layer_ids
-from draftsmith.stages.export.common import (
+from draftsmith.core.export_formats.common import (
     ACCEPTED_ARCHITECTURES,
     CONFIG_NAME,
     NORM_FLAGS,
@@ -22,8 +21,9 @@ from draftsmith.stages.export.common import (
     WEIGHTS_NAME,
     needs_vocab_map,
 )
-from draftsmith.stages.export.load import drafter_config_from_export, engine_of, engine_view
-from draftsmith.stages.export.speculators import native_names
+from draftsmith.core.export_formats.load import drafter_config_from_export, engine_of, engine_view
+from draftsmith.core.export_formats.speculators import native_names
+from draftsmith.core.layers import aux_order_problem, convert_layer_ids
 
 
 def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:

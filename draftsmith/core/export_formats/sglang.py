@@ -1,4 +1,4 @@
-"""SGLang's form: the native files (`draftsmith.stages.export.vllm`) with SGLang's aux-id convention.
+"""SGLang's form: the native files (`draftsmith.core.export_formats.vllm`) with SGLang's aux-id convention.
 
 SGLang reads only `eagle_config.eagle_aux_hidden_state_layer_ids` and captures id + 1 of each
 (`set_eagle3_layers_to_capture`: it counts "output of layer k"), so the ids are written one lower; its fc
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from draftsmith.core.drafter import DrafterConfig
-from draftsmith.stages.export.vllm import export_config
+from draftsmith.core.export_formats.vllm import export_config
 
 
 def sglang_config(

@@ -1,5 +1,5 @@
 """How the evaluation is shown: the verdict and the checks as text, the summary table as text, TSV and
-HTML, and the plots `snakemake --report` embeds. Nothing here decides anything (draftsmith.stages.gate does).
+HTML, and the plots `snakemake --report` embeds. Nothing here decides anything (draftsmith.core.verdict does).
 
     format_verdict, format_checks    the gate's words, verdict first
     format_table, format_tsv, format_html, write_report
