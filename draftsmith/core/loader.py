@@ -99,7 +99,7 @@ def pack_batches(order: Iterable[int], lengths: list[int], batch_tokens: int) ->
 
 
 def plan_batches(
-    lengths: list[int], batch_tokens: int, generator: torch.Generator | None, pack_window: int = 1
+    lengths: list[int], batch_tokens: int, generator: torch.Generator | None, pack_window: int
 ) -> list[list[int]]:
     """The batches of one pass: a pure function of its arguments (so a resumed run sees the same ones).
 

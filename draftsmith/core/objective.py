@@ -66,7 +66,7 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
 
 
 def ttt_step_targets(
-    loss_mask: Tensor, lengths: Tensor, step: int, mask_offset: int = EVAL_MASK_OFFSET
+    loss_mask: Tensor, lengths: Tensor, step: int, mask_offset: int
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Where TTT step j = `step` is trained, and which tokens it reads and predicts.
 
@@ -434,8 +434,8 @@ def ttt_step_counts(
     loss_mask: Tensor,
     lengths: Tensor,
     ttt_steps: int,
-    mask_offset: int = EVAL_MASK_OFFSET,
-    loss_norm: str = "position",
+    mask_offset: int,
+    loss_norm: str,
 ) -> list[int]:
     """What each TTT step's loss of a batch is divided by, known before the forward (masks only):
     its valid positions ("position") or the batch's samples ("sample")."""

@@ -172,7 +172,7 @@ def train_step(
 
 @torch.no_grad()
 def validate(
-    model: DraftingLoss, data: StreamingData, objective: Objective, dist: Dist, micro_batch_tokens: int = 0
+    model: DraftingLoss, data: StreamingData, objective: Objective, dist: Dist, micro_batch_tokens: int
 ) -> StepStats:
     """Validation stats in the inference view, over every rank's share of the validation batches (in
     micro-batches of at most micro_batch_tokens, as training)."""
@@ -623,13 +623,12 @@ def export_untrained_drafter(
     manifest_path: str | Path,
     vocab_path: str | Path,
     out_dir: str | Path,
-    train_settings: dict[str, Any],
-    threads: int | None = None,
+    settings: TrainSettings,
 ) -> dict[str, Any]:
     """The untrained baseline: `train` with 0 steps and the training settings (seed, drafter shape,
     head_init), so it is exactly the trained drafter's starting point (same architecture and vocabulary
     map; the same initial draw), exported the same way. Returns train's summary."""
-    settings = TrainSettings.from_dict({**train_settings, "max_steps": 0, "threads": threads})
+    settings = replace(settings, max_steps=0)
     with tempfile.TemporaryDirectory(prefix="draftsmith-untrained-") as tmp:
         work = Path(tmp)
         checkpoints, metrics = work / "checkpoints", work / "metrics.jsonl"
