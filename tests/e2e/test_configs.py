@@ -447,10 +447,13 @@ def test_extract_runs_vllm_over_the_nodes_8_gpus_in_bfloat16_with_cuda_graphs(pl
 
 def test_vllm_evaluation_is_the_served_setup(plan, monkeypatch):
     """Target dtype (not float32), CUDA graphs, TP over the job's GPUs, the configured load time limit."""
+    from draftsmith.stages.evaluate import vllm_engine
+
     name, jobs, workdir = plan
-    _, kw = run_planned(
+    args, _ = run_planned(
         jobs["evaluate_vllm"][0], workdir, monkeypatch, "draftsmith.stages.evaluate.evaluate_vllm"
     )
+    kw = vllm_engine(args[4])  # evaluate_vllm(target, drafters, prompts, outs, settings, log_dir)
     gpus = 1 if name == "llama-3.1-8b" else 8
     assert (kw["tensor_parallel_size"], kw["dtype"], kw["enforce_eager"]) == (gpus, "bfloat16", False), kw
     assert kw["gpu_memory_utilization"] == 0.9
@@ -463,8 +466,11 @@ def test_offline_evaluation_runs_on_the_jobs_gpu(plan, monkeypatch):
     if name != "llama-3.1-8b":
         assert "evaluate_offline" not in jobs
         return
+    from draftsmith.stages.evaluate.stage import offline_device
+
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
-    _, kw = run_planned(
+    args, _ = run_planned(
         jobs["evaluate_offline"][0], workdir, monkeypatch, "draftsmith.stages.evaluate.evaluate_offline"
     )
-    assert kw["device"] == "cuda"
+    settings = args[4]  # evaluate_offline(target, drafters, prompts, out, settings)
+    assert offline_device(settings.gpus) == "cuda"
