@@ -70,8 +70,8 @@ def measure_cpu() -> dict[str, float]:
 
 def measure(target: str, drafter: str, encoded: list[list[int]], max_new: int, k: int, b: int) -> dict:
     """Every method at concurrency b, each on a fresh vLLM engine."""
-    from draftsmith.backends.vllm_spec import run_vllm_subprocess
     from draftsmith.stages.evaluate import NGRAM_DEFAULT, SUFFIX_DEFAULT, vllm_prompt_counts
+    from draftsmith.stages.evaluate.vllm_runner import run_vllm_subprocess
 
     # the free methods as the evaluation runs them (the schema's settings)
     settings = {"ngram": NGRAM_DEFAULT, "suffix": SUFFIX_DEFAULT}
@@ -82,7 +82,7 @@ def measure(target: str, drafter: str, encoded: list[list[int]], max_new: int, k
             kind = None if method == "plain" else method
             result = run_vllm_subprocess(
                 target, drafter if method == "eagle3" else None, kind, encoded, max_new, k, "float32",
-                cache_dir=cache, max_num_seqs=b, run_name=f"{method}@{b}",
+                cache_dir=cache, max_num_seqs=b, run_name=f"{method}@{b}", seed=0, temperature=0.0, gpu_memory_utilization=None,
                 **({"method_settings": settings[method]} if method in settings else {}),
             )  # fmt: skip
             rows = vllm_prompt_counts(ids, result) if kind else None

@@ -648,7 +648,7 @@ def probe_train_and_verify_exit(p: Probe) -> str:
     for cmd in (
         [
             "train",
-            "--data",
+            "--manifest",
             "m.json",
             "--vocab",
             "v.pt",

@@ -671,7 +671,7 @@ def vllm_measure(
     call: plain once, then one engine per drafter, every held-out set in one batch) -> label -> its
     per-set figures and per-prompt counts. A drafter already measured (same weights, same settings) in
     out/ or a `reuse` folder is read back: greedy decoding of the same prompts is deterministic."""
-    from draftsmith.stages.evaluate import evaluate_vllm
+    from draftsmith.stages.evaluate import EvaluateSettings, evaluate_vllm
 
     keys = {"num_prompts": ev["num_prompts"], "set_num_prompts": ev.get("set_num_prompts"),
             "max_new_tokens": ev["max_new_tokens"], "num_draft_tokens": ev["num_draft_tokens"],
@@ -692,8 +692,12 @@ def vllm_measure(
         t0 = time.perf_counter()
         summaries = evaluate_vllm(
             target, {k: str(v) for k, v in missing.items()}, {k: str(v) for k, v in sets.items()},
-            {k: str(v) for k, v in outs.items()}, ev["num_prompts"], ev["max_new_tokens"], ev["num_draft_tokens"],
-            ngram=False, log_dir=out / "logs", set_num_prompts=ev.get("set_num_prompts") or None,
+            {k: str(v) for k, v in outs.items()},
+            EvaluateSettings(num_prompts=ev["num_prompts"], max_new_tokens=ev["max_new_tokens"],
+                             num_draft_tokens=ev["num_draft_tokens"], ngram=False, suffix=False,
+                             remeasure_chosen_k=False, set_num_prompts=ev.get("set_num_prompts") or {},
+                             dtype="float32", vllm_eager=True),
+            out / "logs",
         )  # fmt: skip
         wall = time.perf_counter() - t0
         for label in missing:

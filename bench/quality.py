@@ -151,8 +151,8 @@ def vllm_figures(
     """The drafter in vLLM's EAGLE-3 decoding (greedy), every held-out set in one batch."""
     from transformers import AutoTokenizer
 
-    from draftsmith.backends.vllm_spec import run_vllm_subprocess
     from draftsmith.stages.evaluate import encode_prompts, read_eval_prompts, vllm_prompt_counts
+    from draftsmith.stages.evaluate.vllm_runner import run_vllm_subprocess
 
     tokenizer = AutoTokenizer.from_pretrained(target)
     spans, ids, encoded = {}, [], []
@@ -161,7 +161,18 @@ def vllm_figures(
         spans[name] = (len(encoded), len(encoded) + len(prompts))
         ids += [p["id"] for p in prompts]
         encoded += encode_prompts(tokenizer, prompts)
-    result = run_vllm_subprocess(target, str(drafter), "eagle3", encoded, max_new_tokens, k)
+    result = run_vllm_subprocess(
+        target,
+        str(drafter),
+        "eagle3",
+        encoded,
+        max_new_tokens,
+        k,
+        "float32",
+        seed=0,
+        temperature=0.0,
+        gpu_memory_utilization=None,
+    )
     counts = vllm_prompt_counts(ids, result)
     if counts is None:
         raise RuntimeError("vLLM reported no per-request acceptance: cannot split the held-out sets")

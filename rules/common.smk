@@ -258,13 +258,21 @@ def set_num_prompts(name):
 
 
 def vllm_set_options():
-    """--prompts/--out/--set-num-prompts SET=... of every held-out set for the one vLLM job, as arguments."""
+    """--prompts/--out/--set-num-prompts SET=... of every held-out set for the one vLLM job, as arguments
+    (the prompts decoded of each set: evaluate.set_num_prompts, else num_prompts)."""
     options = []
     for name in config["evaluate"]["heldout_sets"]:
         options += ["--prompts", f"{name}={heldout_prompt_file(name)}"]
         options += ["--out", f"{name}=results/eval/{name}/vllm.json"]
         options += ["--set-num-prompts", f"{name}={set_num_prompts(name)}"]
     return options
+
+
+# What both measurements decode: the same lengths, draft count, sampling and free methods' settings.
+MEASURED = ["max_new_tokens", "num_draft_tokens", "temperature", "seed", "ngram_lookup", "suffix_decoding"]
+# what the vLLM job also takes: the prompts, the methods, the serving point whose best draft lengths it
+# re-measures, eager or CUDA graphs (null: by device)
+VLLM_MEASURED = [*MEASURED, "num_prompts", "ngram", "suffix", "serving", "remeasure_chosen_k", "vllm_eager"]
 
 
 def eval_summary_sets():
@@ -286,20 +294,18 @@ def offline_num_prompts(name):
     return n if n > 0 and (n_offline == 0 or n_offline > n) else n_offline
 
 
+# the offline job's settings besides MEASURED: suffix decoding's offline twin joins the contract check
+# (its tau gap to vLLM's is a warning), and the hybrid is measured offline only
+OFFLINE_MEASURED = [*MEASURED, "suffix", "hybrid"]
+
+
 def offline_options(wildcards):
-    """What the offline job of a held-out set measures. With vLLM, the judged numbers (every method on
-    every prompt) come from vLLM and the offline run is the contract check: the trained drafter (and
-    suffix decoding's offline twin), lossless and accepted as in vLLM, on the first
-    evaluate.offline_num_prompts prompts. Without vLLM, the offline run measures everything."""
+    """What the offline job of a held-out set measures beyond its settings, derived from them. With vLLM,
+    the judged numbers (every method on every prompt) come from vLLM and the offline run is the contract
+    check: the trained drafter (and suffix decoding's offline twin), lossless and accepted as in vLLM, on
+    the first evaluate.offline_num_prompts prompts. Without vLLM, the offline run measures everything."""
     evaluate = config["evaluate"]
-    # suffix decoding's offline twin joins the contract check: its tau gap to vLLM's is a warning
-    suffix = "--suffix" if evaluate["suffix"] else "--no-suffix"
-    hybrid = "--hybrid" if evaluate["hybrid"] else "--no-hybrid"
     if evaluate["vllm"]:
-        return ["--num-prompts", str(offline_num_prompts(wildcards.heldout)), "--no-ngram", suffix, hybrid]
+        return ["--num-prompts", str(offline_num_prompts(wildcards.heldout)), "--no-ngram"]
     ngram = "--ngram" if evaluate["ngram"] else "--no-ngram"
-    return ["--num-prompts", str(set_num_prompts(wildcards.heldout)), ngram, suffix, hybrid]
-
-
-def gate_modes():
-    return [arg for name, mode in config["evaluate"]["gate"].items() for arg in ("--check", f"{name}={mode}")]
+    return ["--num-prompts", str(set_num_prompts(wildcards.heldout)), ngram]

@@ -10,21 +10,10 @@ wildcard_constraints:
     heldout=r"[A-Za-z0-9_-]+",
 
 
-# The measurement settings both engines share: the same prompts, lengths and draft count (arguments,
-# quoted by the shell commands' :q like every config value).
-EVAL_OPTIONS = [
-    *("--max-new-tokens", str(EVAL["max_new_tokens"])),
-    *("--num-draft-tokens", str(EVAL["num_draft_tokens"])),
-    *("--temperature", str(EVAL["temperature"])),
-]
-NGRAM = "--ngram" if EVAL["ngram"] else "--no-ngram"
-SUFFIX = "--suffix" if EVAL["suffix"] else "--no-suffix"
-# the free methods' own settings (both engines) and, for vLLM, the serving point whose best draft lengths
-# it re-measures
-FREE_SETTINGS = section_json("evaluate", ["ngram_lookup", "suffix_decoding"])
-VLLM_SETTINGS = section_json("evaluate", ["ngram_lookup", "suffix_decoding", "serving", "remeasure_chosen_k"])
 # Each measurement joins the summary when it is on. evaluate.offline: false keeps a huge target out of the
 # workflow's processes: vLLM's measurement alone fills the summary (no contract columns to compare).
+# the `evaluate` keys eval-summary reads besides gate and serving
+SUMMARY_KEYS = ["max_tau_gap", "max_acc_gap", "min_val_gain", "interval_level", "bootstrap_resamples"]
 OFFLINE_EVAL = (
     {f"offline_{name}": f"results/eval/{name}/offline.json" for name in HELDOUT} if EVAL["offline"] else {}
 )
@@ -72,7 +61,7 @@ rule humaneval_prompts:
 
 rule untrained_drafter:
     input:
-        data=data_config,
+        manifest=data_config,
         vocab=rules.vocab.output[0],
     output:
         directory("results/eval/untrained_drafter"),
@@ -90,12 +79,13 @@ rule untrained_drafter:
         # what decides training's starting point, which the baseline is
         settings=section_json("train", ["seed", "drafter", "head_init", "layer_init"]),
     shell:
-        "draftsmith untrained-drafter --data {input.data:q} --vocab {input.vocab:q} --out {output:q}"
+        "draftsmith untrained-drafter --manifest {input.manifest:q} --vocab {input.vocab:q} --out {output:q}"
         " --settings {params.settings:q} --threads {threads} 2>&1 | tee {log:q}"
 
 
 # the offline decoder measures the untrained drafter when vLLM does not
 OFFLINE_UNTRAINED = {} if EVAL["vllm"] else {"untrained": rules.untrained_drafter.output[0]}
+
 
 rule evaluate_offline:
     input:
@@ -117,18 +107,15 @@ rule evaluate_offline:
         runtime=config["resources"]["evaluate"]["runtime"],
         mem_mb=config["resources"]["evaluate"]["mem_mb"],
     params:
-        options=EVAL_OPTIONS,
+        settings=section_json("evaluate", OFFLINE_MEASURED),
         offline=offline_options,
         untrained=untrained_option,
-        seed=config["evaluate"]["seed"],
         drafter=drafter_dir,
-        settings=FREE_SETTINGS,
     shell:
         "draftsmith run --gpus {resources.gpu} --"
         " draftsmith evaluate --target {input.target:q} --drafter {params.drafter:q} {params.untrained:q}"
-        " --prompts {input.prompts:q} --out {output:q} --settings {params.settings:q} {params.options:q}"
-        " {params.offline:q}"
-        " --seed {params.seed:q} --threads {threads} --gpus {resources.gpu} 2>&1 | tee {log:q}"
+        " --prompts {input.prompts:q} --out {output:q} --settings {params.settings:q} {params.offline:q}"
+        " --threads {threads} --gpus {resources.gpu} 2>&1 | tee {log:q}"
 
 
 # Every held-out set in one batch per method: each vLLM engine starts once (~20-30 s on a CPU).
@@ -154,26 +141,18 @@ rule evaluate_vllm:
         gpu_memory_utilization=str(config["resources"]["evaluate"]["gpu_memory_utilization"]),
         vllm_timeout_s=str(config["resources"]["evaluate"]["vllm_timeout_s"]),
     params:
-        options=EVAL_OPTIONS,
-        num_prompts=EVAL["num_prompts"],
-        ngram=NGRAM,
-        suffix=SUFFIX,
-        settings=VLLM_SETTINGS,
+        settings=section_json("evaluate", VLLM_MEASURED),
         sets=vllm_set_options(),
-        seed=EVAL["seed"],
-        # the target's dtype on GPUs (float32 on a CPU); eager or CUDA graphs (null: by device)
+        # the target's dtype on GPUs (float32 on a CPU)
         dtype=config["target"]["dtype"],
-        eager={True: ["--vllm-eager"], False: ["--vllm-compiled"], None: []}[EVAL["vllm_eager"]],
         drafter=drafter_dir,
     shell:
         "draftsmith run --gpus {resources.gpu} --"
         " draftsmith evaluate-vllm --target {input.target:q} --drafter {params.drafter:q}"
-        " --untrained {input.untrained:q} {params.sets:q} --num-prompts {params.num_prompts:q}"
-        " --settings {params.settings:q} {params.options:q} {params.ngram:q} {params.suffix:q}"
-        " --seed {params.seed:q} --gpus {resources.gpu}"
-        " --dtype {params.dtype:q} {params.eager:q}"
-        " --gpu-memory-utilization {resources.gpu_memory_utilization} --timeout-s {resources.vllm_timeout_s}"
-        " --log-dir logs/vllm 2>&1 | tee {log:q}"
+        " --untrained {input.untrained:q} {params.sets:q} --settings {params.settings:q}"
+        " --dtype {params.dtype:q} --gpus {resources.gpu}"
+        " --gpu-memory-utilization {resources.gpu_memory_utilization}"
+        " --vllm-timeout-s {resources.vllm_timeout_s} --log-dir logs/vllm 2>&1 | tee {log:q}"
 
 
 rule eval_summary:
@@ -181,7 +160,7 @@ rule eval_summary:
         **OFFLINE_EVAL,
         **VLLM_EVAL,
         **DRAFTER_FILES,
-        data=data_config,
+        manifest=data_config,
         target=TARGET,
         metrics=rules.train.output.metrics,
         # the model card's provenance: the draft vocabulary and where the prompts came from
@@ -225,24 +204,16 @@ rule eval_summary:
         mem_mb=config["resources"]["default"]["mem_mb"],
     params:
         sets=eval_summary_sets(),
-        gate=gate_modes(),
-        max_tau_gap=(["--max-tau-gap", str(EVAL["max_tau_gap"])] if EVAL["max_tau_gap"] is not None else []),
-        max_acc_gap=EVAL["max_acc_gap"],
-        min_val_gain=EVAL["min_val_gain"],
-        level=EVAL["interval_level"],
-        resamples=EVAL["bootstrap_resamples"],
-        # the serving point the verdict projects to
-        settings=section_json("evaluate", ["serving"]),
+        # the diagnosis' thresholds, the intervals, which checks block and the serving point the verdict
+        # projects to
+        settings=section_json("evaluate", [*SUMMARY_KEYS, "gate", "serving"]),
         # what the model card names as the target
         target_source=section_json("target", ["model", "revision", "gguf_wheel", "gguf_file"]),
         drafter=drafter_dir,
     shell:
-        "draftsmith eval-summary {params.sets:q} --data {input.data:q} --drafter {params.drafter:q}"
+        "draftsmith eval-summary {params.sets:q} --manifest {input.manifest:q} --drafter {params.drafter:q}"
         ' --target {input.target:q} --metrics {input.metrics:q} --out "$(dirname {output.summary:q})"'
-        " {params.gate:q} {params.max_tau_gap:q} --max-acc-gap {params.max_acc_gap:q}"
-        " --min-val-gain {params.min_val_gain:q} --level {params.level:q} --resamples {params.resamples:q}"
-        " --settings {params.settings:q}"
-        " --vocab {input.vocab:q}"
+        " --settings {params.settings:q} --vocab {input.vocab:q}"
         " --prompts-summary {input.prompts_summary:q} --target-source {params.target_source:q} 2>&1 | tee {log:q}"
 
 

@@ -23,9 +23,9 @@ rule export:
         mem_mb=config["resources"]["default"]["mem_mb"],
     params:
         # speculators' default draft length: what the evaluation measured
-        speculative_tokens=config["evaluate"]["num_draft_tokens"],
+        num_draft_tokens=config["evaluate"]["num_draft_tokens"],
         drafter=drafter_dir,
     shell:
         "draftsmith export --drafter {params.drafter:q} --target {input.target:q}"
         " --out-sglang {output.sglang:q} --out-speculators {output.speculators:q}"
-        " --speculative-tokens {params.speculative_tokens:q} --summary {input.summary:q} 2>&1 | tee {log:q}"
+        " --num-draft-tokens {params.num_draft_tokens:q} --summary {input.summary:q} 2>&1 | tee {log:q}"

@@ -1,6 +1,6 @@
 rule train:
     input:
-        data=data_config,
+        manifest=data_config,
         vocab=rules.vocab.output[0],
         # read through the manifest; listed so executors without a shared filesystem stage them
         shards=hidden_shards(),
@@ -33,7 +33,7 @@ rule train:
         drafter=trained_drafter_dir,
     shell:
         "draftsmith run --gpus {resources.gpu} --"
-        " draftsmith train --data {input.data:q} --vocab {input.vocab:q} --out {params.drafter:q}"
+        " draftsmith train --manifest {input.manifest:q} --vocab {input.vocab:q} --out {params.drafter:q}"
         " --checkpoints results/train/checkpoints --metrics {output.metrics:q}"
         # one data-parallel process per GPU the job was granted (torchrun); on CPU one process
         " --settings {params.settings:q} --threads {threads} --checkpoint-every {resources.checkpoint_every}"

@@ -340,7 +340,9 @@ def tiny_summary() -> dict:
         name: set_projection(r["offline"], target, {"eagle3": drafter}, points, GateSettings().bootstrap)
         for name, r in sets.items()
     }
-    return summarize(sets, _MANIFEST, _EXPORT_CONFIG, [], "fp", _METRICS, GateSettings(), projections, origin)
+    return summarize(
+        sets, _MANIFEST, _EXPORT_CONFIG, [], "fp", _METRICS, GateSettings(), projections, origin, serving=None
+    )
 
 
 # ------------------------------------------------- a twin target through the stage commands and vLLM
@@ -377,7 +379,7 @@ def train_and_measure(target: Path, r: Path, control_of=None) -> dict:
          "--out", r / "vocab_map.pt")  # fmt: skip
     settings = {"epochs": 20, "lr": 3e-3, "warmup_steps": 3, "batch_tokens": 4096, "ttt_steps": 3,
                 "val_fraction": 0.0, "threads": 1, "checkpoint_every": 0, "precision": "fp32"}  # fmt: skip
-    _cli("train", "--data", r / "data_config.json", "--vocab", r / "vocab_map.pt", "--out", r / "drafter",
+    _cli("train", "--manifest", r / "data_config.json", "--vocab", r / "vocab_map.pt", "--out", r / "drafter",
          "--checkpoints", r / "checkpoints", "--metrics", r / "metrics.jsonl",
          "--settings", json.dumps(settings))  # fmt: skip
     common = ["--target", target, "--num-prompts", TWIN_PROMPTS, "--max-new-tokens", TWIN_MAX_NEW_TOKENS,

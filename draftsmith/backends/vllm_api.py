@@ -120,7 +120,7 @@ INTERNALS: tuple[Internal, ...] = (
         "text",
     ),
     Internal("vllm_extract.close shuts the engine core down", ("vllm/v1/engine/llm_engine.py",), "LLMEngine.engine_core"),
-    # speculative decoding and its counters (backends/vllm_spec.py)
+    # speculative decoding and its counters (stages/evaluate/vllm_runner.py)
     *(
         Internal("speculative_config key", SPECULATIVE, f"SpeculativeConfig.{k}")
         for k in ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
@@ -129,7 +129,7 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("speculative_config method", SPECULATIVE, '"eagle3"', "text"),
     Internal("speculative_config method", SPECULATIVE, '"ngram"', "text"),
     *(
-        Internal("acceptance counters (vllm_spec.SPEC_METRICS)", ("vllm/v1/spec_decode/metrics.py",), f'"{n}"', "text")
+        Internal("acceptance counters (evaluate/vllm_runner.SPEC_METRICS)", ("vllm/v1/spec_decode/metrics.py",), f'"{n}"', "text")
         for n in SPEC_METRICS.values()
     ),
     *(
@@ -147,7 +147,7 @@ INTERNALS: tuple[Internal, ...] = (
         for k in ("max_tokens", "temperature", "seed", "ignore_eos", "detokenize")
     ),
     *(
-        _engine_arg(k, "LLM(...) keyword (vllm_spec, vllm_extract)")
+        _engine_arg(k, "LLM(...) keyword (evaluate/vllm_runner, vllm_extract)")
         for k in ("dtype", "tensor_parallel_size", "max_model_len", "enforce_eager", "trust_remote_code",
                   "enable_prefix_caching", "speculative_config", "kv_transfer_config", "seed",
                   "disable_log_stats", "per_request_spec_decode_metrics", "gpu_memory_utilization",

@@ -88,6 +88,7 @@ SETTINGS_OPS = {
         "micro_batch_tokens",
         "checkpoint_ttt",
     ),
+    "evaluate": ("threads", "gpus", "gpu_memory_utilization", "vllm_timeout_s"),
 }
 
 

@@ -17,27 +17,29 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from draftsmith.core.manifest import load_manifest, verify_manifest
+from draftsmith.core.settings import from_schema
 from draftsmith.core.shards import Sample, ShardError, ShardReader, content_digest
 
 log = logging.getLogger(__name__)
 
 
-class LoaderSettings(Protocol):
-    """The batching settings the loader reads (train.TrainSettings has them): the loader does not
-    import the train stage."""
+@from_schema("train", ops=("loader_threads",))
+class BatchSettings:
+    """The train keys the loader reads (TrainSettings' `batching` group): which samples are held out and
+    how they are batched; meanings in config.schema.yaml."""
 
-    batch_tokens: int
-    max_seq_len: int
-    val_fraction: float
-    seed: int
+    batch_tokens: int  # token budget per optimizer step (padded size of a batch of whole samples)
+    max_seq_len: int  # longer samples are truncated
+    val_fraction: float  # held-out samples, chosen by a hash of the sample id
+    seed: int  # the shuffle's (with the epoch)
     pack_window: int
-    loader_threads: int
+    loader_threads: int  # background threads decoding the next batches; 0 = decode in the loop
 
 
 def is_validation(sample_id: str, val_fraction: float) -> bool:
@@ -99,7 +101,7 @@ def pack_batches(order: Iterable[int], lengths: list[int], batch_tokens: int) ->
 
 
 def plan_batches(
-    lengths: list[int], batch_tokens: int, generator: torch.Generator | None, pack_window: int = 1
+    lengths: list[int], batch_tokens: int, generator: torch.Generator | None, pack_window: int
 ) -> list[list[int]]:
     """The batches of one pass: a pure function of its arguments (so a resumed run sees the same ones).
 
@@ -225,7 +227,7 @@ class StreamingData:
         readers: list[ShardReader],
         train: list[SampleRef],
         val: list[SampleRef],
-        settings: LoaderSettings,
+        settings: BatchSettings,
     ):
         if not train:
             raise ValueError("no training samples (all held out for validation, or none with a target token)")
@@ -234,7 +236,7 @@ class StreamingData:
         self.pack_window, self.threads = settings.pack_window, settings.loader_threads
 
     @classmethod
-    def from_manifest(cls, manifest: dict[str, Any], settings: LoaderSettings) -> StreamingData:
+    def from_manifest(cls, manifest: dict[str, Any], settings: BatchSettings) -> StreamingData:
         readers = [ShardReader(s["path"]) for s in manifest["shards"]]
         refs, skipped = index_samples(
             readers, settings.max_seq_len, int(manifest["num_aux"]), int(manifest["hidden_size"])
@@ -291,7 +293,7 @@ class InMemoryData(StreamingData):
         readers: list[ShardReader],
         train: list[SampleRef],
         val: list[SampleRef],
-        settings: LoaderSettings,
+        settings: BatchSettings,
     ):
         super().__init__(readers, train, val, settings)
         self.loaded = {

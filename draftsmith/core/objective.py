@@ -12,8 +12,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Protocol
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,26 +24,34 @@ from draftsmith.core.distributed import Dist
 from draftsmith.core.drafter import TTTKV, Eagle3Drafter
 from draftsmith.core.loader import Batch
 from draftsmith.core.precision import train_precision
+from draftsmith.core.settings import from_schema
 
 
-class ObjectiveSettings(Protocol):
-    """The settings the objective is built from (train.TrainSettings has them): core does not import
-    the train stage."""
+@from_schema("train", ops=("checkpoint_ttt",))
+class ObjectiveSettings:
+    """The train keys the TTT objective is built from (TrainSettings' `objective` group): a new loss
+    knob is its schema entry, a field here and the Objective field of the same name that uses it.
+    Meanings in config.schema.yaml."""
 
     ttt_steps: int
-    ttt_decay: float
-    ttt_step_weights: list[float] | None
-    precision: str
-    mask_offset: int
+    ttt_decay: float  # step j weighs ttt_decay**j ...
+    ttt_step_weights: list[float] | None  # ... unless given here, one per step
+    lk_loss: str  # none | alpha | lambda: train on the expected acceptance too (LK losses)
+    lk_kl_scale: float
+    lk_kl_decay: float
+    noise_std: float  # uniform noise U(-std, std) on the aux states
+    precision: str  # auto | bf16 | fp32 (train_precision resolves auto per device)
     loss_norm: str
+    mask_offset: int
     loss_positions: str
     ttt_prefix: str
     ttt_positions: str
-    noise_std: float
-    lk_loss: str
-    lk_kl_scale: float
-    lk_kl_decay: float
-    checkpoint_ttt: bool
+    checkpoint_ttt: bool  # recompute each TTT step's activations in the backward pass (less memory)
+
+    def check(self) -> None:
+        weights = self.ttt_step_weights
+        if weights is not None and len(weights) != self.ttt_steps:
+            raise ValueError(f"train.ttt_step_weights: {len(weights)} weights for ttt_steps {self.ttt_steps}")
 
 
 EVAL_MASK_OFFSET = 2  # validation always scores the positions whose predicted token is an assistant token
@@ -66,7 +74,7 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
 
 
 def ttt_step_targets(
-    loss_mask: Tensor, lengths: Tensor, step: int, mask_offset: int = EVAL_MASK_OFFSET
+    loss_mask: Tensor, lengths: Tensor, step: int, mask_offset: int
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Where TTT step j = `step` is trained, and which tokens it reads and predicts.
 
@@ -172,23 +180,16 @@ class Objective:
     def from_settings(
         cls, settings: ObjectiveSettings, device: torch.device | str | None = None
     ) -> Objective:
-        return cls(
-            ttt_steps=settings.ttt_steps,
-            step_weights=tuple(
+        """Every field from the setting of the same name, but the step weights (ttt_step_weights, else
+        ttt_decay**j) and the precision (resolved for the device)."""
+        derived = {
+            "step_weights": tuple(
                 settings.ttt_step_weights or (settings.ttt_decay**j for j in range(settings.ttt_steps))
             ),
-            precision=train_precision(settings.precision, device),
-            mask_offset=settings.mask_offset,
-            loss_norm=settings.loss_norm,
-            loss_positions=settings.loss_positions,
-            ttt_prefix=settings.ttt_prefix,
-            ttt_positions=settings.ttt_positions,
-            noise_std=settings.noise_std,
-            lk_loss=settings.lk_loss,
-            lk_kl_scale=settings.lk_kl_scale,
-            lk_kl_decay=settings.lk_kl_decay,
-            checkpoint_ttt=settings.checkpoint_ttt,
-        )
+            "precision": train_precision(settings.precision, device),
+        }
+        same = {f.name: getattr(settings, f.name) for f in fields(cls) if f.name not in derived}
+        return cls(**same, **derived)
 
     def for_validation(self) -> Objective:
         """The same steps, weights and precision with every training-only option at the inference view:
@@ -434,8 +435,8 @@ def ttt_step_counts(
     loss_mask: Tensor,
     lengths: Tensor,
     ttt_steps: int,
-    mask_offset: int = EVAL_MASK_OFFSET,
-    loss_norm: str = "position",
+    mask_offset: int,
+    loss_norm: str,
 ) -> list[int]:
     """What each TTT step's loss of a batch is divided by, known before the forward (masks only):
     its valid positions ("position") or the batch's samples ("sample")."""

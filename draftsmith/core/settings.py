@@ -160,3 +160,36 @@ def _from_dict(cls: type[T], values: Mapping[str, Any]) -> T:
     if unknown:
         raise ValueError(f"unknown {section} settings: {', '.join(unknown)}")
     return cls(**{k: v for k, v in values.items() if k in names})
+
+
+def with_groups(**groups: type) -> Callable[[type[T]], type[T]]:
+    """Class decorator, applied under `from_schema`: a settings class made of groups besides its own
+    fields. Each group is a `from_schema` class of the same section holding one concept's knobs (the
+    objective's, the batching's), so a knob of a group is one schema entry plus one field in the group.
+    The class gains every field of every group, all in the schema's order (the section's keys, then
+    resources.<section>'s: its to_dict is the same whichever group a key is in), and a property per
+    group, of the group's name, that builds the group from the class's values."""
+
+    def build(cls: type[T]) -> type[T]:
+        sections = {group.schema_section for group in groups.values()}  # type: ignore[attr-defined]
+        if len(sections) != 1:
+            raise TypeError(f"{cls.__name__}: groups of several sections {sorted(sections)}")
+        (section,) = sections
+        annotations = dict(cls.__dict__.get("__annotations__", {}))
+        for group in groups.values():
+            for name, kind in group.__dict__["__annotations__"].items():
+                annotations.setdefault(name, kind)
+        order = list(schema_spec(section).get("properties", {}))
+        order += list(schema_spec("resources").get("properties", {}).get(section, {}).get("properties", {}))
+        position: dict[str, int] = {}
+        for i, key in enumerate(order):
+            position.setdefault(key, i)
+        cls.__annotations__ = dict(
+            sorted(annotations.items(), key=lambda kv: position.get(kv[0], len(order)))
+        )
+        for name, group in groups.items():
+            names = tuple(f.name for f in dataclasses.fields(group))
+            setattr(cls, name, property(lambda self, g=group, n=names: g(**{k: getattr(self, k) for k in n})))
+        return cls
+
+    return build

@@ -326,7 +326,8 @@ def summarize(
     settings: GateSettings,
     projections: dict[str, dict[str, Any]] | None = None,
     origin: dict[str, Any] | None = None,
-    serving: dict[str, Any] | None = None,
+    *,
+    serving: dict[str, Any] | None,
 ) -> dict[str, Any]:
     """Everything the report, the gate and the model card need, in one JSON-able dict. sets: held-out
     set name -> {"offline": offline.json, "vllm": vllm.json or None}; projections: `project_sets` (the
@@ -420,10 +421,10 @@ def summarize_files(
     metrics: str | Path | None,
     out: str | Path,
     settings: GateSettings,
+    serving: dict[str, Any] | None,
     vocab_path: str | Path | None = None,
     prompts_summary: str | Path | None = None,
     target_source: dict[str, Any] | None = None,
-    serving: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Load the evaluation's inputs, summarise, and write summary.{json,tsv,html} and the plots to out
     (training writes its TensorBoard curves itself, as it goes). The vocabulary map, the prompts
@@ -454,8 +455,9 @@ def summarize_files(
         manifest, export_config, samples_by_source(manifest_path), vocab, prompts, target_source
     )
     summary = summarize(
-        sets, manifest, export_config, problems, fingerprint, rows, settings, projections, origin, serving
-    )
+        sets, manifest, export_config, problems, fingerprint, rows, settings, projections, origin,
+        serving=serving,
+    )  # fmt: skip
     write_report(out, summary, rows)
     return summary
 

@@ -48,12 +48,20 @@ from draftsmith.core.distributed import Dist, init_distributed, launch_rank
 from draftsmith.core.drafter import Eagle3Drafter, build_drafter
 from draftsmith.core.export_formats import check_export, save_drafter
 from draftsmith.core.layers import convert_layer_ids
-from draftsmith.core.loader import Batch, StreamingData, step_plan, verify_share
+from draftsmith.core.loader import Batch, BatchSettings, StreamingData, step_plan, verify_share
 from draftsmith.core.manifest import DataError, load_manifest
-from draftsmith.core.objective import DraftingLoss, Objective, StepStats, noise_seed, ttt_loss, with_noise
+from draftsmith.core.objective import (
+    DraftingLoss,
+    Objective,
+    ObjectiveSettings,
+    StepStats,
+    noise_seed,
+    ttt_loss,
+    with_noise,
+)
 from draftsmith.core.optimizers import make_optimizer, make_scheduler
 from draftsmith.core.precision import train_precision
-from draftsmith.core.settings import from_schema
+from draftsmith.core.settings import from_schema, with_groups
 from draftsmith.core.target import TargetHead, load_target_head
 from draftsmith.core.tracking import Curves, missing_trackers
 from draftsmith.core.vocab import load_vocab_map
@@ -68,9 +76,12 @@ PROGRESS_EVERY_S = 10.0  # log a training progress line at most this often (vali
 
 
 @from_schema("train", ops=SETTINGS_OPS["train"], unset=("threads",))
+@with_groups(objective=ObjectiveSettings, batching=BatchSettings)
 class TrainSettings:
     """The `train` config section and the train job's operational knobs; defaults, choices and meanings
-    in config.schema.yaml (the objective and optimiser choices were picked by bench/ablate.py)."""
+    in config.schema.yaml (the objective and optimiser choices were picked by bench/ablate.py). The loss's
+    knobs are the `objective` group's (core/objective.py: ObjectiveSettings), the loader's the `batching`
+    group's (core/loader.py: BatchSettings); the fields here are the rest."""
 
     epochs: int
     max_steps: int | None  # stop early (tests, the untrained drafter's 0); the LR schedule is unchanged
@@ -78,42 +89,21 @@ class TrainSettings:
     weight_decay: float  # on matrices only (norm weights are not decayed)
     warmup_steps: int
     grad_clip: float  # max global grad norm
-    batch_tokens: int  # token budget per optimizer step (padded size of a batch of whole samples)
-    max_seq_len: int  # longer samples are truncated
-    ttt_steps: int
-    ttt_decay: float  # step j weighs ttt_decay**j ...
-    ttt_step_weights: list[float] | None  # ... unless given here, one per step
-    lk_loss: str  # none | alpha | lambda: train on the expected acceptance too (LK losses)
-    lk_kl_scale: float
-    lk_kl_decay: float
-    noise_std: float  # uniform noise U(-std, std) on the aux states
-    val_fraction: float  # held-out samples, chosen by a hash of the sample id
-    seed: int
-    precision: str  # auto | bf16 | fp32 (train_precision resolves auto per device)
+    seed: int  # the drafter's initialisation (and the shuffle's, in `batching`)
     head_init: str
-    loss_norm: str
-    mask_offset: int
     adam_beta2: float
     optimizer: str  # adamw | muon (Muon for the weight matrices, AdamW for the rest)
     muon_lr_scale: float
     muon_weight_decay: float
-    loss_positions: str
     layer_init: str
-    ttt_prefix: str
-    ttt_positions: str
-    pack_window: int
     drafter: dict[str, Any]  # train.drafter: explicit shape; nulls = derived from the target
     threads: int | None  # torch.set_num_threads; None = torch's choice (the rule passes the job's)
     checkpoint_every: int  # also checkpoint every N steps (always at epoch ends); 0 = epoch ends only
-    loader_threads: int  # background threads decoding the next batches; 0 = decode in the loop
     micro_batch_tokens: int  # a rank's share of a batch in passes of at most this many tokens; 0 = one pass
-    checkpoint_ttt: bool  # recompute each TTT step's activations in the backward pass (less memory)
     report_to: list[str]  # trackers besides TensorBoard that get the live curves (wandb, mlflow)
 
     def check(self) -> None:
-        weights = self.ttt_step_weights
-        if weights is not None and len(weights) != self.ttt_steps:
-            raise ValueError(f"train.ttt_step_weights: {len(weights)} weights for ttt_steps {self.ttt_steps}")
+        self.objective  # noqa: B018 (building the group runs its own checks: ObjectiveSettings.check)
         missing = missing_trackers(self.report_to)
         if missing:
             names = ", ".join(missing)
@@ -172,7 +162,7 @@ def train_step(
 
 @torch.no_grad()
 def validate(
-    model: DraftingLoss, data: StreamingData, objective: Objective, dist: Dist, micro_batch_tokens: int = 0
+    model: DraftingLoss, data: StreamingData, objective: Objective, dist: Dist, micro_batch_tokens: int
 ) -> StepStats:
     """Validation stats in the inference view, over every rank's share of the validation batches (in
     micro-batches of at most micro_batch_tokens, as training)."""
@@ -455,7 +445,7 @@ def train(
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     manifest, vocab, target = load_inputs(manifest_path, vocab_path)
-    data = StreamingData.from_manifest(manifest, settings)
+    data = StreamingData.from_manifest(manifest, settings.batching)
     steps_per_epoch = [len(data.epoch_batches(e)) for e in range(settings.epochs)]
     total_steps = sum(steps_per_epoch)  # the schedule's horizon; max_steps only stops early
     stop_at = total_steps if settings.max_steps is None else min(total_steps, settings.max_steps)
@@ -471,7 +461,7 @@ def train(
     trained = dist.wrap(model)
     optimizer = make_optimizer(drafter, settings)
     scheduler = make_scheduler(optimizer, settings, total_steps)
-    objective = Objective.from_settings(settings, dist.device)
+    objective = Objective.from_settings(settings.objective, dist.device)
 
     key = resume_key(settings, manifest, vocab, drafter.cfg)
     run = open_run(checkpoint_dir, key, stop_at, drafter, optimizer, scheduler, fresh=fresh, dist=dist)
@@ -623,13 +613,12 @@ def export_untrained_drafter(
     manifest_path: str | Path,
     vocab_path: str | Path,
     out_dir: str | Path,
-    train_settings: dict[str, Any],
-    threads: int | None = None,
+    settings: TrainSettings,
 ) -> dict[str, Any]:
     """The untrained baseline: `train` with 0 steps and the training settings (seed, drafter shape,
     head_init), so it is exactly the trained drafter's starting point (same architecture and vocabulary
     map; the same initial draw), exported the same way. Returns train's summary."""
-    settings = TrainSettings.from_dict({**train_settings, "max_steps": 0, "threads": threads})
+    settings = replace(settings, max_steps=0)
     with tempfile.TemporaryDirectory(prefix="draftsmith-untrained-") as tmp:
         work = Path(tmp)
         checkpoints, metrics = work / "checkpoints", work / "metrics.jsonl"

@@ -262,8 +262,7 @@ def test_each_stage_gets_the_files_settings_over_the_schema_defaults(plans, name
             checked.add(job["rule"])
     assert {"prompts", "generate", "tokenize", "extract", "vocab", "train"} <= checked, (name, checked)
     (summary,) = [job["shell"] for job in jobs if job["rule"] == "eval_summary"]
-    modes = dict(w.split("=", 1) for w in re.findall(r"--check (\S+)", summary))
-    assert modes == want["evaluate"]["gate"], name
+    assert dict(planned_settings(summary))["evaluate"]["gate"] == want["evaluate"]["gate"], name
     sets = {m for job in jobs for m in re.findall(r"results/eval/(\w+)/(?:offline|vllm)\.json", job["shell"])}
     assert sets == set(want["evaluate"]["heldout_sets"]), name
 
@@ -448,10 +447,13 @@ def test_extract_runs_vllm_over_the_nodes_8_gpus_in_bfloat16_with_cuda_graphs(pl
 
 def test_vllm_evaluation_is_the_served_setup(plan, monkeypatch):
     """Target dtype (not float32), CUDA graphs, TP over the job's GPUs, the configured load time limit."""
+    from draftsmith.stages.evaluate import vllm_engine
+
     name, jobs, workdir = plan
-    _, kw = run_planned(
+    args, _ = run_planned(
         jobs["evaluate_vllm"][0], workdir, monkeypatch, "draftsmith.stages.evaluate.evaluate_vllm"
     )
+    kw = vllm_engine(args[4])  # evaluate_vllm(target, drafters, prompts, outs, settings, log_dir)
     gpus = 1 if name == "llama-3.1-8b" else 8
     assert (kw["tensor_parallel_size"], kw["dtype"], kw["enforce_eager"]) == (gpus, "bfloat16", False), kw
     assert kw["gpu_memory_utilization"] == 0.9
@@ -464,8 +466,11 @@ def test_offline_evaluation_runs_on_the_jobs_gpu(plan, monkeypatch):
     if name != "llama-3.1-8b":
         assert "evaluate_offline" not in jobs
         return
+    from draftsmith.stages.evaluate.stage import offline_device
+
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
-    _, kw = run_planned(
+    args, _ = run_planned(
         jobs["evaluate_offline"][0], workdir, monkeypatch, "draftsmith.stages.evaluate.evaluate_offline"
     )
-    assert kw["device"] == "cuda"
+    settings = args[4]  # evaluate_offline(target, drafters, prompts, out, settings)
+    assert offline_device(settings.gpus) == "cuda"

@@ -70,7 +70,7 @@ def test_speculators_loads_the_export_and_agrees(target_model: Path, tmp_path: P
     embed = target.get_input_embeddings()
     outs = export_engines(
         tmp_path / "drafter", tmp_path / "drafter-sglang", tmp_path / "drafter-speculators",
-        embed.weight.detach(), verifier_architectures=target_config.architectures,
+        embed.weight.detach(), num_draft_tokens=None, verifier_architectures=target_config.architectures,
     )  # fmt: skip
     spec_dir = outs["speculators"]
     L, V = target_config.num_hidden_layers, target_config.vocab_size

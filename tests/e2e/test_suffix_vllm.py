@@ -20,16 +20,23 @@ SUFFIX = {"max_tree_depth": 24, "max_spec_factor": 1.0, "min_token_prob": 0.1, "
 
 
 def test_suffix_decoding_offline_equals_vllm(tmp_path, target_model):
-    from draftsmith.backends.vllm_spec import run_vllm_subprocess
+
     from draftsmith.core.target import load_tokenizer
-    from draftsmith.stages.evaluate import encode_prompts, evaluate_offline, vllm_prompt_counts
+    from draftsmith.stages.evaluate import (
+        EvaluateSettings,
+        encode_prompts,
+        evaluate_offline,
+        vllm_prompt_counts,
+    )
+    from draftsmith.stages.evaluate.vllm_runner import run_vllm_subprocess
 
     prompts = tmp_path / "prompts.jsonl"
     records = [{"id": f"p{i}", "messages": [{"role": "user", "content": p}]} for i, p in enumerate(PROMPTS)]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
     offline = evaluate_offline(
-        target_model, {}, prompts, tmp_path / "offline.json", num_prompts=0, max_new_tokens=64,
-        num_draft_tokens=3, ngram=False, suffix=True, suffix_decoding=SUFFIX, threads=2,
+        target_model, {}, prompts, tmp_path / "offline.json", EvaluateSettings(num_prompts=0,
+        max_new_tokens=64, num_draft_tokens=3, ngram=False, suffix=True, suffix_decoding=SUFFIX, hybrid=False,
+        threads=2),
     )  # fmt: skip
     off = offline["methods"]["suffix"]
     assert off["lossless"] is True and off["kind"] == "suffix" and off["settings"] == SUFFIX
@@ -37,7 +44,7 @@ def test_suffix_decoding_offline_equals_vllm(tmp_path, target_model):
     encoded = encode_prompts(load_tokenizer(target_model), records)
     served = run_vllm_subprocess(
         str(target_model), None, "suffix", encoded, 64, 3, "float32", cache_dir=tmp_path / "cache",
-        log_path=tmp_path / "vllm.log", method_settings=SUFFIX,
+        log_path=tmp_path / "vllm.log", method_settings=SUFFIX, seed=0, temperature=0.0, gpu_memory_utilization=None,
     )  # fmt: skip
     assert served["outputs"] == offline["plain"]["outputs"]  # lossless in vLLM: plain greedy's tokens
     rows = vllm_prompt_counts([r["id"] for r in records], served)

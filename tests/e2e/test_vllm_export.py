@@ -18,8 +18,8 @@ import torch
 from click.testing import CliRunner
 from conftest import REPO
 
-from draftsmith.backends.vllm_spec import run_vllm_subprocess, spec_decode_summary
 from draftsmith.cli import main
+from draftsmith.stages.evaluate.vllm_runner import run_vllm_subprocess, spec_decode_summary
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 TARGET = REPO / "resources" / "SmolLM2-135M-Instruct"
@@ -56,7 +56,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "--out", r / "vocab_map.pt")  # fmt: skip
     settings = {"epochs": 18, "lr": 2e-3, "warmup_steps": 3, "batch_tokens": 4096, "ttt_steps": 3,
                 "val_fraction": 0.0, "threads": 1, "checkpoint_every": 0}  # fmt: skip
-    out = cli("train", "--data", r / "data_config.json", "--vocab", r / "vocab_map.pt",
+    out = cli("train", "--manifest", r / "data_config.json", "--vocab", r / "vocab_map.pt",
               "--out", r / "drafter", "--checkpoints", r / "checkpoints", "--metrics", r / "metrics.jsonl",
               "--settings", json.dumps(settings))  # fmt: skip
     assert "accuracy per TTT step" in out
@@ -80,7 +80,7 @@ def greedy(trained: dict) -> dict:
     root = trained["root"]
     return run_vllm_subprocess(
         str(TARGET), str(trained["drafter"]), "eagle3", trained["prompts"], MAX_NEW_TOKENS, SPEC_TOKENS,
-        "float32", cache_dir=root / "vllm-cache", log_path=root / "vllm.log",
+        "float32", cache_dir=root / "vllm-cache", log_path=root / "vllm.log", seed=0, temperature=0.0, gpu_memory_utilization=None,
     )  # fmt: skip
 
 
@@ -105,12 +105,13 @@ def test_vllm_loads_and_accepts_the_exported_drafter(trained: dict, greedy: dict
 def test_vllm_loads_the_speculators_export_and_drafts_the_same(trained: dict) -> None:
     root = trained["root"]
     cli("export", "--drafter", trained["drafter"], "--target", TARGET, "--out-sglang", root / "drafter-sglang",
-        "--out-speculators", root / "drafter-speculators", "--speculative-tokens", SPEC_TOKENS)  # fmt: skip
+        "--out-speculators", root / "drafter-speculators", "--num-draft-tokens", SPEC_TOKENS)  # fmt: skip
     cli("check-export", root / "drafter-speculators", "--engine", "speculators", "--target", TARGET)
     cli("check-export", root / "drafter-sglang", "--engine", "sglang", "--target", TARGET)
     result = run_vllm_subprocess(
         str(TARGET), str(root / "drafter-speculators"), "eagle3", trained["prompts"], MAX_NEW_TOKENS,
         SPEC_TOKENS, "float32", cache_dir=root / "vllm-cache", log_path=root / "vllm-speculators.log",
+        seed=0, temperature=0.0, gpu_memory_utilization=None,
     )  # fmt: skip
     spec = result["spec_decode"]
     print(f"vLLM acceptance, speculators export: {json.dumps(spec)}")
@@ -130,6 +131,7 @@ def test_vllm_accepts_drafts_when_it_samples(trained: dict, greedy: dict) -> Non
     sampled = run_vllm_subprocess(
         str(TARGET), str(trained["drafter"]), "eagle3", trained["prompts"], MAX_NEW_TOKENS, SPEC_TOKENS,
         "float32", cache_dir=root / "vllm-cache", log_path=root / "vllm-sampled.log", temperature=0.7, seed=0,
+        gpu_memory_utilization=None,
     )  # fmt: skip
     accepted = {
         "greedy": greedy["spec_decode"]["accepted_tokens"],

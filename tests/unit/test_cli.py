@@ -339,7 +339,7 @@ def test_train_and_verify_give_the_same_exit_on_the_same_bad_manifest(tmp_path):
     (tmp_path / "m.json").write_text("[1, 2]")
     (tmp_path / "v.pt").write_bytes(b"x")
     runner = CliRunner()
-    train = ["train", "--data", str(tmp_path / "m.json"), "--vocab", str(tmp_path / "v.pt")]
+    train = ["train", "--manifest", str(tmp_path / "m.json"), "--vocab", str(tmp_path / "v.pt")]
     train += ["--out", str(tmp_path / "d"), "--checkpoints", str(tmp_path / "c")]
     train += ["--metrics", str(tmp_path / "metrics.jsonl")]
     for args in (train, ["verify", str(tmp_path / "m.json")]):

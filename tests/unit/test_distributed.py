@@ -66,7 +66,7 @@ def train_command(data: dict, root: Path, s, nproc: int = 2) -> list[str]:
     """`draftsmith train --nproc 2`: re-executes itself under torch.distributed.run (gloo on CPU)."""
     return [
         sys.executable, "-m", "draftsmith.cli", "train", "--nproc", str(nproc),
-        "--data", str(data["manifest"]), "--vocab", str(data["vocab"]), "--out", str(root / "drafter"),
+        "--manifest", str(data["manifest"]), "--vocab", str(data["vocab"]), "--out", str(root / "drafter"),
         "--checkpoints", str(root / "checkpoints"), "--metrics", str(root / "metrics.jsonl"),
         "--settings", json.dumps(s.to_dict()),
     ]  # fmt: skip

@@ -13,7 +13,8 @@ import torch
 from click.testing import CliRunner
 
 from draftsmith.cli import EXIT_GATE, main
-from draftsmith.stages.evaluate import (
+from draftsmith.stages.evaluate.stage import (
+    EvaluateSettings,
     NotLossless,
     VllmUnavailable,
     counts_summary,
@@ -22,6 +23,7 @@ from draftsmith.stages.evaluate import (
     histogram_positions,
     offline_device,
     outputs_agree,
+    vllm_engine,
     vllm_eval_dtype,
     vllm_method_summary,
     vllm_prompt_counts,
@@ -162,7 +164,7 @@ def untrained(pipeline) -> Path:
     out = pipeline["root"] / "untrained"
     cli(
         "untrained-drafter",
-        "--data",
+        "--manifest",
         pipeline["data"],
         "--vocab",
         pipeline["vocab"],
@@ -241,8 +243,13 @@ def test_offline_measures_every_method_losslessly(offline):
         ]
 
 
+def offline_settings(**values) -> EvaluateSettings:
+    """Settings of an offline measurement on one thread, without suffix decoding and the hybrid."""
+    return EvaluateSettings(**{"suffix": False, "hybrid": False, "threads": 1, **values})
+
+
 def test_offline_fails_hard_when_not_lossless(pipeline, untrained, monkeypatch, tmp_path):
-    import draftsmith.stages.evaluate as ev
+    import draftsmith.stages.evaluate.stage as ev
 
     real = ev.speculative_decode
 
@@ -256,7 +263,7 @@ def test_offline_fails_hard_when_not_lossless(pipeline, untrained, monkeypatch, 
     out = tmp_path / "offline.json"
     with pytest.raises(NotLossless, match=r"on prompt 'p0' differs at generated position 4"):
         evaluate_offline(pipeline["target"], {"eagle3": pipeline["drafter"]}, pipeline["prompts"], out,
-                         num_prompts=1, max_new_tokens=10, num_draft_tokens=2, ngram=False, threads=1)  # fmt: skip
+                         offline_settings(num_prompts=1, max_new_tokens=10, num_draft_tokens=2, ngram=False))  # fmt: skip
     assert json.loads(out.read_text())["methods"]["eagle3"]["lossless"] is False  # written first
 
 
@@ -265,7 +272,7 @@ def test_offline_sampling_is_seeded(pipeline, tmp_path):
     for n in range(2):
         out = tmp_path / f"s{n}.json"
         evaluate_offline(pipeline["target"], {"eagle3": pipeline["drafter"]}, pipeline["prompts"], out,
-                         num_prompts=1, max_new_tokens=12, num_draft_tokens=2, temperature=0.9, seed=3, threads=1)  # fmt: skip
+                         offline_settings(num_prompts=1, max_new_tokens=12, num_draft_tokens=2, temperature=0.9, seed=3))  # fmt: skip
         runs.append(json.loads(out.read_text()))
     assert runs[0]["plain"]["outputs"] == runs[1]["plain"]["outputs"]
     assert (
@@ -308,9 +315,14 @@ def test_vllm_bookkeeping():
     assert outputs_agree([[1, 2], [3]], [[1, 2], [4]]) == 1
 
 
+VLLM = EvaluateSettings(num_prompts=1, max_new_tokens=4, num_draft_tokens=2)
+
+
 def test_vllm_sets_and_outputs_must_match(pipeline, tmp_path):
     with pytest.raises(ValueError, match="differ"):
-        evaluate_vllm(pipeline["target"], {}, {"a": pipeline["prompts"]}, {"b": tmp_path / "v.json"}, 1, 4, 2)
+        evaluate_vllm(
+            pipeline["target"], {}, {"a": pipeline["prompts"]}, {"b": tmp_path / "v.json"}, VLLM, None
+        )
 
 
 def test_vllm_per_request_histograms_to_prompt_counts():
@@ -340,11 +352,13 @@ def test_vllm_per_request_histograms_to_prompt_counts():
 
 
 def test_vllm_missing_says_how_to_skip(pipeline, monkeypatch, tmp_path):
-    import draftsmith.stages.evaluate as ev
+    import draftsmith.stages.evaluate.stage as ev
 
     monkeypatch.setattr(ev, "vllm_available", lambda: False)
     with pytest.raises(VllmUnavailable, match=r"evaluate\.vllm: false"):
-        evaluate_vllm(pipeline["target"], {}, {"s": pipeline["prompts"]}, {"s": tmp_path / "v.json"}, 1, 4, 2)
+        evaluate_vllm(
+            pipeline["target"], {}, {"s": pipeline["prompts"]}, {"s": tmp_path / "v.json"}, VLLM, None
+        )
 
 
 def fake_vllm(offline: dict) -> dict:
@@ -373,7 +387,7 @@ def test_summary_report_and_gate(pipeline, offline, untrained, tmp_path):
     vllm_path.write_text(json.dumps(fake_vllm(json.loads(offline.read_text()))))
     out = tmp_path / "eval"
     common = ["--offline", f"split={offline}", "--offline", f"handwritten={hand}", "--vllm", f"split={vllm_path}",
-              "--data", pipeline["data"], "--drafter", pipeline["drafter"], "--target", pipeline["target"],
+              "--manifest", pipeline["data"], "--drafter", pipeline["drafter"], "--target", pipeline["target"],
               "--metrics", pipeline["metrics"], "--out", out]  # fmt: skip
     relaxed = ["--check", "beats_free=warn", "--check", "beats_untrained=warn", "--max-acc-gap", 1.0]
     printed = cli("eval-summary", *common, *relaxed)
@@ -494,12 +508,13 @@ def test_offline_decoding_runs_on_the_jobs_gpu(monkeypatch):
 
 
 def evaluate_vllm_call(monkeypatch, tmp_path, *options: str) -> dict:
-    """What `draftsmith evaluate-vllm ... OPTIONS` passes to evaluate_vllm (recorded, not run)."""
+    """How `draftsmith evaluate-vllm ... OPTIONS` runs vLLM (vllm_engine of the settings it passes to
+    evaluate_vllm, recorded, not run)."""
     import draftsmith.cli as cli
     import draftsmith.stages.evaluate as ev
 
     calls = []
-    monkeypatch.setattr(ev, "evaluate_vllm", lambda *a, **kw: calls.append(kw))
+    monkeypatch.setattr(ev, "evaluate_vllm", lambda *a, **kw: calls.append(vllm_engine(a[4])))
     monkeypatch.setattr(cli, "_drafters", lambda drafter, untrained, target: {"eagle3": drafter})
     monkeypatch.setattr(cli, "_warn_draft_positions", lambda *a: None)
     (tmp_path / "p.jsonl").touch()
@@ -517,19 +532,21 @@ def test_vllm_evaluation_on_a_cpu_is_eager_float32_in_one_process(monkeypatch, t
 
 
 def test_vllm_evaluation_on_gpus_compiles_unless_told_otherwise(monkeypatch, tmp_path):
-    kw = evaluate_vllm_call(monkeypatch, tmp_path, "--gpus", "2", "--dtype", "bfloat16", "--timeout-s", "60")
+    kw = evaluate_vllm_call(
+        monkeypatch, tmp_path, "--gpus", "2", "--dtype", "bfloat16", "--vllm-timeout-s", "60"
+    )
     assert (kw["dtype"], kw["enforce_eager"], kw["tensor_parallel_size"]) == ("bfloat16", False, 2)
     assert (kw["gpu_memory_utilization"], kw["timeout_s"]) == (0.9, 60)
     assert evaluate_vllm_call(monkeypatch, tmp_path, "--gpus", "2", "--vllm-eager")["enforce_eager"] is True
 
 
 def test_a_vllm_run_past_its_time_limit_fails_in_one_line(monkeypatch, tmp_path):
-    import draftsmith.backends.vllm_spec as spec
     import draftsmith.cli as cli
+    import draftsmith.stages.evaluate.vllm_runner as spec
 
     monkeypatch.setattr(spec, "run_with_timeout", lambda cmd, env, log, timeout: None)
     with pytest.raises(spec.VllmTimeout) as err:
-        spec.run_vllm_subprocess("t", None, None, [[1]], 4, 3, timeout=60, log_path=tmp_path / "plain.log",
+        spec.run_vllm_subprocess("t", None, None, [[1]], 4, 3, "float32", seed=0, temperature=0.0, gpu_memory_utilization=None, timeout=60, log_path=tmp_path / "plain.log",
                                  run_name="plain")  # fmt: skip
     assert str(err.value) == (
         "vLLM run 'plain' did not finish within 60 s, engine load included (raise "

@@ -231,6 +231,7 @@ def _export_all(tmp_path: Path, engine_export: Path, **kw) -> tuple[Path, Path]:
     from draftsmith.stages.export import export_engines
 
     embedding = torch.randn(EXPORT_TARGET_VOCAB, 48, generator=torch.Generator().manual_seed(1))
+    kw.setdefault("num_draft_tokens", None)  # the trained TTT steps
     outs = export_engines(engine_export, tmp_path / "sglang", tmp_path / "speculators", embedding, **kw)
     return outs["sglang"], outs["speculators"]
 
@@ -271,7 +272,7 @@ def test_sglang_export_ids_are_one_lower(tmp_path: Path, engine_export: Path) ->
 
 def test_speculators_config_fields(tmp_path: Path, engine_export: Path) -> None:
     _, spec = _export_all(
-        tmp_path, engine_export, speculative_tokens=4, verifier_architectures=["LlamaForCausalLM"]
+        tmp_path, engine_export, num_draft_tokens=4, verifier_architectures=["LlamaForCausalLM"]
     )
     config = json.loads((spec / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3"
@@ -460,7 +461,7 @@ def test_cli_export_and_check(tmp_path: Path, engine_export: Path) -> None:
         "--target",
         tmp_path / "target",
     ]
-    result = run(main, [str(a) for a in [*args, "--speculative-tokens", 3]])
+    result = run(main, [str(a) for a in [*args, "--num-draft-tokens", 3]])
     assert result.exit_code == 0, result.output
     assert "num_draft_tokens 3 exceeds the 2 TTT steps" in result.output
     spec = json.loads((tmp_path / "p" / "config.json").read_text())

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import subprocess
 
 import pytest
@@ -93,8 +94,8 @@ def test_its_configuration_plans_every_gpu_stage_on_one_gpu_through_vllm(gpu_che
     assert '"backend": "vllm"' in by_command["extract"] and '"vllm_eager": false' in by_command["extract"]
     assert '"precision": "bf16"' in by_command["train"] and '"max_steps": null' in by_command["train"]
     assert (
-        "--gpus 1 --dtype auto" in by_command["evaluate-vllm"]
-        and "--vllm-eager" not in by_command["evaluate-vllm"]
+        "--dtype auto --gpus 1" in by_command["evaluate-vllm"]
+        and '"vllm_eager": true' not in by_command["evaluate-vllm"]
     )
 
 
@@ -106,7 +107,8 @@ def test_its_gate_judges_what_a_tiny_target_can_show_not_speed(gpu_check_plan):
 
     (summary,) = [line for line in gpu_check_plan.splitlines() if " draftsmith eval-summary " in line
                   or line.startswith("Shell command: draftsmith eval-summary ")]  # fmt: skip
-    modes = dict(word.split("=", 1) for word in re.findall(r"--check (\S+)", summary))
+    settings = shlex.split(summary)[shlex.split(summary).index("--settings") + 1]
+    modes = json.loads(settings)["gate"]
     checks = set(section_schema("evaluate.gate"))
     assert modes == {name: "block" if name == "beats_untrained" else "warn" for name in checks}, modes
     assert set(gpu_check_module().GATE) == checks

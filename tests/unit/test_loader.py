@@ -20,12 +20,12 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_plan_batches_budget_and_determinism() -> None:
     lengths = [10, 30, 20, 5, 40, 25, 60]
     g = torch.Generator().manual_seed(3)
-    batches = plan_batches(lengths, 64, g)
+    batches = plan_batches(lengths, 64, g, 1)
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
     for b in batches:
         assert len(b) == 1 or max(lengths[i] for i in b) * len(b) <= 64
-    assert batches == plan_batches(lengths, 64, torch.Generator().manual_seed(3))
-    assert plan_batches(lengths, 64, None)[0] == [0, 1]  # unshuffled: in order
+    assert batches == plan_batches(lengths, 64, torch.Generator().manual_seed(3), 1)
+    assert plan_batches(lengths, 64, None, 1)[0] == [0, 1]  # unshuffled: in order
 
 
 def test_plan_batches_packs_by_length() -> None:

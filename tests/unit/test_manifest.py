@@ -80,7 +80,7 @@ def data(tmp_path, dtype):
 
 
 def _train(tmp_path, manifest, vocab):
-    args = ["train", "--data", str(manifest), "--vocab", str(vocab), "--out", str(tmp_path / "drafter")]
+    args = ["train", "--manifest", str(manifest), "--vocab", str(vocab), "--out", str(tmp_path / "drafter")]
     args += ["--checkpoints", str(tmp_path / "ckpt"), "--metrics", str(tmp_path / "metrics.jsonl")]
     return CliRunner().invoke(main, args)
 

@@ -158,7 +158,7 @@ def exports(tiny_llama, tmp_path: Path) -> dict[str, Path]:
             p.add_(0.05 * torch.randn_like(p))
     save_drafter(drafter, tmp_path / "drafter", AUX_IDS, "tiny", dtype=torch.float32)
     embedding = tiny_llama.get_input_embeddings().weight.detach()
-    outs = export_engines(tmp_path / "drafter", tmp_path / "sglang", tmp_path / "spec", embedding)
+    outs = export_engines(tmp_path / "drafter", tmp_path / "sglang", tmp_path / "spec", embedding, None)
     return {"vllm": tmp_path / "drafter", **outs, "drafter": drafter}
 
 

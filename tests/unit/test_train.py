@@ -35,7 +35,14 @@ from draftsmith.core.checkpoints import list_checkpoints, step_of
 from draftsmith.core.drafter import TTTKV, build_drafter
 from draftsmith.core.export_formats import check_export, load_drafter
 from draftsmith.core.loader import collate
-from draftsmith.core.objective import Objective, real_positions, ttt_loss, ttt_step_counts, ttt_step_targets
+from draftsmith.core.objective import (
+    EVAL_MASK_OFFSET,
+    Objective,
+    real_positions,
+    ttt_loss,
+    ttt_step_counts,
+    ttt_step_targets,
+)
 from draftsmith.core.optimizers import lr_factor, make_optimizer
 from draftsmith.core.shards import iter_samples, verify_shard, write_shard
 from draftsmith.core.target import file_sha256, load_target_head
@@ -63,7 +70,7 @@ def test_step_targets_hand_example() -> None:
         2: [[1, 1, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0]],
     }
     for step, valid_rows in expected_valid.items():
-        valid, src, tgt = ttt_step_targets(loss_mask, lengths, step)
+        valid, src, tgt = ttt_step_targets(loss_mask, lengths, step, EVAL_MASK_OFFSET)
         assert valid.tolist() == [[bool(v) for v in r] for r in valid_rows], step
         # input token / teacher state t+1+j, predicted token t+2+j, clamped to T-1 (never valid there)
         assert src.tolist() == [min(t + 1 + step, 5) for t in range(6)]
@@ -146,7 +153,7 @@ def test_ttt_loss_matches_reference_formulation(data: dict) -> None:
     # greedy traces: the target's argmax reproduces the next token wherever it lies in the draft vocab
     assert stats.teacher_acc() > 0.9
     # agreement with the teacher's top-1, counted by hand at step 0 (t predicts t+2 from f_{t+1})
-    valid, src, _ = ttt_step_targets(batch.loss_mask, batch.lengths, 0)
+    valid, src, _ = ttt_step_targets(batch.loss_mask, batch.lengths, 0, EVAL_MASK_OFFSET)
     b, t = valid.nonzero(as_tuple=True)
     with torch.no_grad():
         hidden = drafter.midlayer(
@@ -402,7 +409,7 @@ def test_target_head_read_directly_equals_model(data: dict, tmp_path: Path) -> N
 
 def _cli_train(data: dict, root: Path, s: TrainSettings) -> list[str]:
     return [
-        sys.executable, "-m", "draftsmith.cli", "train", "--data", str(data["manifest"]),
+        sys.executable, "-m", "draftsmith.cli", "train", "--manifest", str(data["manifest"]),
         "--vocab", str(data["vocab"]), "--out", str(root / "drafter"),
         "--checkpoints", str(root / "checkpoints"), "--metrics", str(root / "metrics.jsonl"),
         "--settings", json.dumps(s.to_dict()),
@@ -468,7 +475,9 @@ def test_mask_offset_hand_example() -> None:
         valid, _, tgt = ttt_step_targets(loss_mask, lengths, step, mask_offset=offset)
         assert valid.tolist() == [[bool(v) for v in r] for r in valid_rows], (step, offset)
         assert tgt.tolist() == [min(t + 2 + step, 5) for t in range(6)]  # predicted tokens do not move
-    assert ttt_step_targets(loss_mask, lengths, 1, 2)[0].equal(ttt_step_targets(loss_mask, lengths, 1)[0])
+    assert ttt_step_targets(loss_mask, lengths, 1, 2)[0].equal(
+        ttt_step_targets(loss_mask, lengths, 1, EVAL_MASK_OFFSET)[0]
+    )
 
 
 def test_sample_normalisation_matches_per_sample_reference(data: dict) -> None:
@@ -582,8 +591,14 @@ def test_real_positions_hand_example(data: dict) -> None:
     ]
     # prompts as well as answers: every step trains more positions than on answers alone
     batch = collate(data["samples"][:4])
-    everywhere = ttt_step_counts(real_positions(batch.lengths, batch.loss_mask.shape[1]), batch.lengths, 3)
-    answers = ttt_step_counts(batch.loss_mask, batch.lengths, 3)
+    everywhere = ttt_step_counts(
+        real_positions(batch.lengths, batch.loss_mask.shape[1]),
+        batch.lengths,
+        3,
+        EVAL_MASK_OFFSET,
+        "position",
+    )
+    answers = ttt_step_counts(batch.loss_mask, batch.lengths, 3, EVAL_MASK_OFFSET, "position")
     assert all(e > a for e, a in zip(everywhere, answers, strict=True)), (everywhere, answers)
     assert everywhere == [int((batch.lengths - 2 - j).clamp(min=0).sum()) for j in range(3)]
 
@@ -625,7 +640,7 @@ def reference_lk(
     B, T = batch.input_ids.shape
     kv, hidden, total = TTTKV(), drafter.fuse(batch.aux.float()), 0.0
     for j in range(3):
-        valid, src, _ = ttt_step_targets(batch.loss_mask, batch.lengths, j)
+        valid, src, _ = ttt_step_targets(batch.loss_mask, batch.lengths, j, EVAL_MASK_OFFSET)
         positions = torch.arange(T).expand(B, T) + j
         hidden = drafter.midlayer(F.embedding(batch.input_ids[:, src], embed), hidden, positions, kv)
         b, t = valid.nonzero(as_tuple=True)

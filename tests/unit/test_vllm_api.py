@@ -136,9 +136,10 @@ def test_an_older_place_listed_second_is_accepted():
 
 def test_the_engines_take_their_vllm_names_from_the_list():
     """One place: the metric names and the server module the engines use are the checked ones."""
-    from draftsmith.backends import server, vllm_spec
+    from draftsmith.backends import server
+    from draftsmith.stages.evaluate import vllm_runner
 
-    assert vllm_spec.SPEC_METRICS is vllm_api.SPEC_METRICS
+    assert vllm_runner.SPEC_METRICS is vllm_api.SPEC_METRICS
     assert server.API_SERVER_MODULE == vllm_api.API_SERVER_MODULE
     for parser in re.findall(
         r"--reasoning-parser, (\w+)", "".join(p.read_text() for p in (REPO / "configs").glob("*.yaml"))

