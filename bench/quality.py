@@ -58,7 +58,7 @@ def subset_manifest(manifest_path: Path, fraction: float, val_fraction: float, f
         meta = read_shard_meta(shard["path"])
         keep_meta = {key: meta[key] for key in ("aux_layer_ids", "layer_convention", "dtype") if key in meta}
         path = folder / f"shard-{k}.safetensors"
-        writer = ShardWriter(path, keep_meta, codec="none")
+        writer = ShardWriter(path, keep_meta, codec="none", level=1, storage_dtype="bfloat16")
         samples = tokens = masked = 0
         for s in iter_samples(shard["path"]):
             if is_validation(s.id, val_fraction) or subset_rank(s.id) < fraction:

@@ -23,9 +23,9 @@ def shard_codec_ratios(
     """The codec's ratio per storage dtype, measured on the first samples (up to max_tokens) of a
     bfloat16 shard: {"tokens", "codec", "codec_ratio"}, as estimate_lines takes it."""
     with ShardReader(path) as reader:
-        if reader.dtype != "bfloat16":
+        if reader.storage_dtype != "bfloat16":
             raise ValueError(
-                f"{path} stores {reader.dtype}: the ratios need the states as computed (a bfloat16 shard)"
+                f"{path} stores {reader.storage_dtype}: the ratios need the states as computed (a bfloat16 shard)"
             )
         samples: list[Sample] = []
         while len(samples) < len(reader) and sum(s.num_tokens for s in samples) < max_tokens:

@@ -228,8 +228,8 @@ def extract_shard(
                 },
                 codec,
                 zstd_level,
+                storage_dtype,
                 sample_ids=meta["sample_ids"][start:end],
-                dtype=storage_dtype,
             )
         t0, cpu0 = time.perf_counter(), time.process_time()
         stats = _extract_loop(

@@ -160,7 +160,7 @@ def test_disk_check_gives_numbers_and_the_right_advice(tmp_path, monkeypatch):
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**9, 10**9 - 5 * 10**6, 5 * 10**6))
     with pytest.raises(NotEnoughDisk) as err:
-        check_free_disk(tmp_path, 8e6, "zstd-planes")
+        check_free_disk(tmp_path, 8e6, "zstd-planes", "bfloat16")
     message = str(err.value)
     assert "5.0 MB free" in message and "about 8.0 MB with codec zstd-planes, bfloat16" in message
     assert "extract.codec" not in message  # the codec already in use is not advice
@@ -168,13 +168,13 @@ def test_disk_check_gives_numbers_and_the_right_advice(tmp_path, monkeypatch):
     with pytest.raises(NotEnoughDisk, match="extract.codec: zstd-planes") as err:
         check_free_disk(tmp_path, 8e6, "none", "float8_e4m3fn")
     assert "storage_dtype" not in str(err.value)  # nor is the dtype already in use
-    check_free_disk(tmp_path, 4e6, "none")  # fits, with its 10% margin
+    check_free_disk(tmp_path, 4e6, "none", "bfloat16")  # fits, with its 10% margin
 
 
 def test_estimate_gives_exact_raw_bytes_for_both_storage_dtypes():
     """The motivating run: 17.3 M tokens x 4 layers x 7,168. bf16 is 2 bytes a value; float8 one byte a
     value plus a float32 scale per token and layer."""
-    assert raw_state_bytes(17_300_000, 4, 7168) == 17_300_000 * 4 * 7168 * 2 == 992_051_200_000
+    assert raw_state_bytes(17_300_000, 4, 7168, "bfloat16") == 17_300_000 * 4 * 7168 * 2 == 992_051_200_000
     assert raw_state_bytes(17_300_000, 4, 7168, "float8_e4m3fn") == 17_300_000 * 4 * (7168 + 4)
     lines, record = estimate_lines(17_300_000, 4, 7168, None, "float8_e4m3fn")
     text = "\n".join(lines)
@@ -208,8 +208,8 @@ def test_estimate_by_hand_takes_codec_ratios_from_a_bf16_shard(tmp_path):
         for i in range(3)
     ]  # fmt: skip
     bf16, fp8 = tmp_path / "bf16.safetensors", tmp_path / "fp8.safetensors"
-    write_shard(bf16, samples, {}, codec="zstd-planes")
-    write_shard(fp8, samples, {}, codec="zstd-planes", dtype="float8_e4m3fn")
+    write_shard(bf16, samples, {}, codec="zstd-planes", level=1, storage_dtype="bfloat16")
+    write_shard(fp8, samples, {}, codec="zstd-planes", storage_dtype="float8_e4m3fn", level=1)
     args = ["estimate", "--num-tokens", "17.3e6", "--hidden-size", "7168", "--layers", "4"]
     result = CliRunner().invoke(main, [*args, "--ratios-from", str(bf16)])
     assert result.exit_code == 0, result.output
@@ -348,7 +348,12 @@ def test_teacher_agreement_is_split_by_source_and_gated_on_regenerated_only(tiny
     seqs = [greedy, other]
     shard = tmp_path / "hidden" / "shard-0.safetensors"
     writer = ShardWriter(
-        shard, {"aux_layer_ids": [1, 2, 3], "layer_convention": "input"}, "none", sample_ids=["g", "o"]
+        shard,
+        {"aux_layer_ids": [1, 2, 3], "layer_convention": "input"},
+        "none",
+        sample_ids=["g", "o"],
+        level=1,
+        storage_dtype="bfloat16",
     )
     stats = _extract_loop(
         HfExtractor(tiny_llama, [1, 2, 3]), writer, 0, [20, 20], lambda i: (seqs[i], mask), ["g", "o"],

@@ -70,7 +70,9 @@ def data(tmp_path, dtype):
     for k, agreement in enumerate((1.0, 0.9)):
         samples = _samples(k)
         path = tmp_path / "results" / "hidden" / f"shard-{k}.safetensors"
-        write_shard(path, samples, _meta(samples, agreement), codec="zstd-planes", dtype=dtype)
+        write_shard(
+            path, samples, _meta(samples, agreement), codec="zstd-planes", storage_dtype=dtype, level=1
+        )
         shards.append(path)
     manifest = tmp_path / "results" / "data_config.json"
     build_manifest([str(p) for p in shards], str(manifest), str(target), 0.8)
@@ -132,7 +134,7 @@ def test_content_digests_match_for_identical_data_whatever_the_stats(tmp_path, d
         meta = _meta(samples, agreement)
         meta["stats"] |= {"seconds": 123.4 + k, "tokens_per_second": 9.9}  # another run's timing
         paths.append(again / "hidden" / f"shard-{k}.safetensors")
-        write_shard(paths[-1], samples, meta, codec="zstd-planes", level=3, dtype=dtype)
+        write_shard(paths[-1], samples, meta, codec="zstd-planes", level=3, storage_dtype=dtype)
     second = build_manifest(
         [str(p) for p in paths], str(again / "data_config.json"), str(tmp_path / "target"), 0.8
     )
@@ -143,7 +145,7 @@ def test_content_digests_match_for_identical_data_whatever_the_stats(tmp_path, d
 def test_verify_names_a_shard_re_extracted_with_other_data(tmp_path, data, dtype):
     manifest, shards, _ = data
     other = _samples(7)  # same shapes, other values: same byte size with codec none
-    write_shard(shards[0], other, _meta(other, 1.0), codec="none", dtype=dtype)
+    write_shard(shards[0], other, _meta(other, 1.0), codec="none", storage_dtype=dtype, level=1)
     record = json.loads(manifest.read_text())
     record["shards"][0]["bytes"] = shards[0].stat().st_size
     manifest.write_text(json.dumps(record))
@@ -194,10 +196,12 @@ def test_manifest_records_the_contract(tmp_path, data, dtype):
     assert verify_manifest(manifest) == []
     samples = _samples(0)
     other_dtype = {"bfloat16": "float8_e4m3fn", "float8_e4m3fn": "bfloat16"}[dtype]
-    write_shard(shards[0], samples, _meta(samples, 1.0), codec="zstd-planes", dtype=other_dtype)
+    write_shard(
+        shards[0], samples, _meta(samples, 1.0), codec="zstd-planes", storage_dtype=other_dtype, level=1
+    )
     with pytest.raises(DataError, match=r"shards disagree on dtype: \[.*bfloat16.*float8_e4m3fn"):
         build_manifest([str(p) for p in shards], str(tmp_path / "other.json"), str(tmp_path / "target"), 0.8)
-    write_shard(shards[0], samples, _meta(samples, 0.5), codec="zstd-planes", dtype=dtype)
+    write_shard(shards[0], samples, _meta(samples, 0.5), codec="zstd-planes", storage_dtype=dtype, level=1)
     with pytest.raises(DataError, match="teacher agreement below 0.8 in results/hidden/shard-0.safetensors"):
         build_manifest([str(p) for p in shards], str(tmp_path / "other.json"), str(tmp_path / "target"), 0.8)
     with pytest.raises(DataError, match="missing"):
