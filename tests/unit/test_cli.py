@@ -149,7 +149,7 @@ def vocab_args(tmp_path) -> list[str]:
 @pytest.mark.parametrize("size", ["0", "-3"])
 def test_vocab_size_below_one_exits_2(vocab_args, size):
     result = invoke(*vocab_args, "--size", size)
-    assert result.exit_code == EXIT_BAD_INPUT and "--size" in result.output
+    assert result.exit_code == EXIT_BAD_INPUT and "vocab.size" in result.output
 
 
 @pytest.mark.parametrize("size", ["300", "301"])

@@ -435,7 +435,7 @@ def test_served_traffic_trains_on_the_served_answer_and_its_reasoning(thinking_t
     whose reasoning is trained in the template's thinking format, as the server generated it."""
     from draftsmith.core.prompt_sources import read_jsonl_prompts
 
-    prompts, _ = read_jsonl_prompts(REPO / "tests" / "data" / "shapes" / "served.jsonl")
+    prompts, _ = read_jsonl_prompts(REPO / "tests" / "data" / "shapes" / "served.jsonl", 0, None)
     row = json.loads(json.dumps(original_row(prompts[0], "fp")))  # as read back from traces.jsonl
     assert row["response"] == "144." and row["reasoning"] == "12 * 12 = 144."
     assert row["messages"] == [{"role": "user", "content": "What is 12 * 12?"}]
