@@ -18,6 +18,7 @@ from typing import Any
 import click
 
 from draftsmith.core.config import (
+    SETTINGS_OPS,
     deep_merge,
     section_defaults,
     section_errors,
@@ -367,98 +368,22 @@ def fetch_wheel_cmd(requirement: str, out: str, cache: str) -> None:
     help="Failed/skipped prompts as JSONL, with file:line and reason [default: generate_errors.jsonl beside --out].",
 )
 @settings_option("generate")
-@setting(
-    "generate",
-    "backend",
-    "--backend",
-    help="What runs the target. transformers: in-process, batched. openai: a running OpenAI-compatible "
-    "server (--base-url). "
-    "vllm-server: start vLLM on 127.0.0.1 for this run, stop it when done.",
-)
-@setting("generate", "max_new_tokens", "--max-new-tokens")
-@setting("generate", "temperature", "--temperature", help="0 = greedy.")
-@setting("generate", "top_p", "--top-p")
-@setting("generate", "batch_size", "--batch-size", help="transformers: prompts per batch.")
-@setting("generate", "batch_tokens", "--batch-tokens", help="transformers: padded tokens per batch.")
+@schema_options("generate", resources=SETTINGS_OPS["generate"])
 @setting("target", "dtype", "--dtype")
-@setting("generate", "seed", "--seed")
-@setting("generate", "base_url", "--base-url", help="openai: the endpoint, e.g. http://127.0.0.1:8000/v1.")
-@setting("generate", "model", "--model", help="openai: served model name (null: the only one listed).")
-@setting("generate", "api_key_env", "--api-key-env", help="openai: environment variable holding the API key.")
-@setting("generate", "request_token_ids", "--request-token-ids/--no-request-token-ids")
-@setting(
-    "generate",
-    "server_args",
+@click.option(
     "--server-args",
-    type=str,
-    help="vllm-server: extra server arguments as a JSON list, e.g. '[\"--enforce-eager\"]'.",
-)
-@setting("resources.generate", "concurrency", "--concurrency", help="Requests in flight (server back-ends).")
-@setting("resources.generate", "timeout_s", "--timeout-s", help="Seconds to wait for one answer.")
-@setting("resources.generate", "max_retries", "--max-retries", help="Retries of a transient failure.")
-@setting("resources.generate", "backoff_s", "--backoff-s", help="First retry delay (doubles per retry).")
-@setting(
-    "resources.generate",
-    "max_consecutive_failures",
-    "--max-consecutive-failures",
-    help="Stop the stage after this many failed requests in a row.",
-)
-@setting(
-    "resources.generate",
-    "max_failed_fraction",
-    "--max-failed-fraction",
-    help="Finish despite failed prompts up to this fraction (else fail; a rerun retries them).",
-)
-@setting("resources.generate", "server_startup_timeout_s", "--server-startup-timeout-s")
-@setting(
-    "resources.generate",
-    "gpus",
-    "--gpus",
-    help="GPUs of this job: the vllm-server back-end uses all of them (engines of --tensor-parallel GPUs, "
-    "data parallel).",
-)
-@setting(
-    "resources.generate",
-    "tensor_parallel",
-    "--tensor-parallel",
-    help="GPUs per engine; 0 = the fewest that fit.",
+    default=None,
+    help="vllm-server: extra server arguments as a JSON list, e.g. '[\"--enforce-eager\"]' [generate.server_args].",
 )
 @click.option(
     "--gpu-memory-gib",
     type=click.FloatRange(min=0),
     help="Each GPU's memory for the engine layout; 0 or unset = nvidia-smi on this machine.",
 )
-@setting(
-    "resources.generate", "gpu_memory_utilization", "--gpu-memory-utilization", help="vllm-server on GPUs."
-)
 @click.option(
     "--devices", help="vllm-server: GPU ids for CUDA_VISIBLE_DEVICES, e.g. 0,1 [default: inherited]."
 )
 @click.option("--server-log", type=click.Path(dir_okay=False), help="vllm-server: its log file.")
-@setting(
-    "generate",
-    "reasoning",
-    "--reasoning",
-    help="required: an answer without a reasoning field is an error (a thinking model served without "
-    "a reasoning parser).",
-)
-@setting(
-    "generate",
-    "multi_turn",
-    "--multi-turn",
-    help="regenerate: answer every assistant turn anew against the model's own history; last: only the "
-    "final turn, earlier turns kept as given.",
-)
-@setting(
-    "generate", "max_prompt_tokens", "--max-prompt-tokens", help="0 = what fits the context with the answer."
-)
-@setting("generate", "oversized_prompts", "--oversized-prompts")
-@setting(
-    "generate",
-    "original_answers_share",
-    "--original-answers-share",
-    help="Share of prompts with a dataset conversation trained on its original answers, not regenerated.",
-)
 @sealed("generate", "out", "summary")
 def generate(target_path: str, prompts_path: str, settings_json: str | None, **kw: Any) -> None:
     """Answer every prompt with the target and append the traces, resumably.

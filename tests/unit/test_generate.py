@@ -84,13 +84,13 @@ MULTI = {
 
 
 def test_generation_points_regenerate_every_assistant_turn():
-    assert generation_points(MULTI["messages"]) == [2, 4]
+    assert generation_points(MULTI["messages"], "regenerate") == [2, 4]
     assert generation_points(MULTI["messages"], "last") == [4]
-    assert generation_points([{"role": "user", "content": "x"}]) == [1]
+    assert generation_points([{"role": "user", "content": "x"}], "regenerate") == [1]
 
 
 def test_conversation_regenerates_history_with_own_answers():
-    conv = Conversation(MULTI, line=7)
+    conv = Conversation(MULTI, 7, "regenerate")
     assert conv.context() == MULTI["messages"][:2]
     conv.answers.append(answer("Apple."))
     ctx = conv.context()
@@ -101,12 +101,12 @@ def test_conversation_regenerates_history_with_own_answers():
     assert conv.done and conv.context(1) == ctx
     assert conv.where("p.jsonl") == "p.jsonl:7"
     # "last": the prompt's assistant message stays as given and only the final turn is answered
-    last = Conversation(MULTI, multi_turn="last")
+    last = Conversation(MULTI, None, "last")
     assert last.context() == MULTI["messages"]
 
 
 def test_trace_row_keeps_earlier_turns_and_reasoning():
-    conv = Conversation(MULTI)
+    conv = Conversation(MULTI, None, "regenerate")
     conv.answers = [answer("Apple.", "fruit?", [10, 2], [1, 2]), answer("Carrot.", None, [11, 2], [1, 2, 3])]
     conv.prompt_ids = [[1, 2], [1, 2, 3]]
     row = trace_row(conv, "openai", "m", "fp")
@@ -125,7 +125,7 @@ def test_trace_row_keeps_earlier_turns_and_reasoning():
     ]
     assert (row["backend"], row["model"], row["template"]) == ("openai", "m", "fp")
     # a text-only server: no token ids stored, tokenize re-renders the text
-    text = Conversation({"id": "t", "messages": [{"role": "user", "content": "hi"}]})
+    text = Conversation({"id": "t", "messages": [{"role": "user", "content": "hi"}]}, None, "regenerate")
     text.answers, text.prompt_ids = [answer("hello")], [[1, 2]]
     assert "response_token_ids" not in trace_row(text, "openai", "m", "fp")
 
@@ -291,7 +291,7 @@ def test_merge_turns_masks_nested_turns_and_separates_the_rest():
 
 def _multi_turn_row(tokenizer, first_reasoning=None, with_ids=True):
     """A regenerated two-turn trace as generate.py writes it, built with `tokenizer`'s template."""
-    conv = Conversation(MULTI)
+    conv = Conversation(MULTI, None, "regenerate")
     for text, reasoning in (("Apple.", first_reasoning), ("Carrot.", None)):
         prompt = render_prompt(tokenizer, conv.context())
         full, mask = render_with_response(tokenizer, conv.context(), text, reasoning)
