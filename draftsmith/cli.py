@@ -488,57 +488,15 @@ def _aux_layer_ids(text: str | None) -> list[int] | None:
 @click.argument("shard_files", nargs=-1, type=click.Path(dir_okay=False))
 @settings_option("extract")
 @aux_layers_option
+@schema_options(
+    "extract",
+    resources=("threads", "gpus", "gpu_memory_utilization", "tensor_parallel"),
+    skip=("num_shards", "max_seq_len", "min_teacher_agreement", "vllm_eager"),
+)
+# compile is auto/on/off (YAML may read on/off as booleans), so not one scalar type schema_options makes
+@setting("extract", "compile", "--compile", type=click.Choice(["auto", "on", "off"]))
+@setting("extract", "vllm_eager", "--vllm-eager/--vllm-compiled")  # as evaluate-vllm names the pair
 @setting("target", "dtype", "--dtype")
-@setting(
-    "extract",
-    "batch_tokens",
-    "--batch-tokens",
-    help="Padded tokens per forward pass (transformers) or vLLM submission.",
-)
-@setting("extract", "codec", "--codec", help="Lossless shard compression (see draftsmith/core/shards.py).")
-@setting("extract", "zstd_level", "--zstd-level", type=click.IntRange(1, 22))
-@setting(
-    "extract",
-    "storage_dtype",
-    "--storage-dtype",
-    help="bfloat16, or float8_e4m3fn: half the bytes, a power-of-two scale per token and layer.",
-)
-@click.option("--threads", type=click.IntRange(min=1), help=THREADS_HELP)
-@setting(
-    "extract",
-    "backend",
-    "--backend",
-    help="What runs the target. transformers: in-process forward with hooks. vllm: vLLM's "
-    "extract_hidden_states (needs the vllm extra).",
-)
-@setting(
-    "extract",
-    "compile",
-    "--compile",
-    type=click.Choice(["auto", "on", "off"]),
-    help="torch.compile the transformers forward; auto = when the shard would take over 5 minutes eager.",
-)
-@setting(
-    "resources.extract",
-    "gpus",
-    "--gpus",
-    help="GPUs of this job; the vllm back-end is tensor parallel over them.",
-)
-@setting(
-    "extract",
-    "vllm_eager",
-    "--vllm-eager/--vllm-compiled",
-    help="vLLM without torch.compile/CUDA graphs (fast start) or with them (faster on GPUs).",
-)
-@setting(
-    "resources.extract", "gpu_memory_utilization", "--gpu-memory-utilization", help="vllm back-end on GPUs."
-)
-@setting(
-    "resources.extract",
-    "tensor_parallel",
-    "--tensor-parallel",
-    help="vllm back-end on GPUs: GPUs per engine (0 = the fewest that hold the target, by the memory plan).",
-)
 @click.option(
     "--gpu-memory-gib",
     type=click.FloatRange(min=0),
@@ -566,32 +524,20 @@ def extract(
     """
     from draftsmith.backends.common import VllmStartError
     from draftsmith.core.estimate import NotEnoughDisk
-    from draftsmith.stages.extract import EngineFailed, extract_shard, extract_shards
+    from draftsmith.stages.extract import EngineFailed, ExtractSettings, extract_shard, extract_shards
 
     if (shard is None) != (out is None) or (shard is None) == (not shard_files):
         _fail("extract: give SHARD_FILE... (every shard), or --shard K with --out FILE (one)", EXIT_BAD_INPUT)
     device = {"gpu_memory_gib": kw.pop("gpu_memory_gib") or None}
-    ops = {key: kw.pop(key) for key in ("threads", "gpus", "gpu_memory_utilization", "tensor_parallel")}
-    dtype = kw.pop("dtype") or section_defaults("target")["dtype"]
+    dtype = kw.pop("dtype")
     kw["aux_layers"] = _aux_layer_ids(kw["aux_layers"])
     values = resolve(settings_json, kw, "extract")
-    # YAML reads a bare on/off as a boolean
-    compile_mode = {True: "on", False: "off"}.get(values["compile"], values["compile"])
-    keys = ("batch_tokens", "codec", "zstd_level", "storage_dtype", "backend", "vllm_eager")
-    options = {key: values[key] for key in keys}
-    options.update(dtype=dtype, compile=compile_mode, threads=ops["threads"], gpus=ops["gpus"] or 0)
-    options["gpu_memory_utilization"] = (
-        ops["gpu_memory_utilization"] or section_defaults("resources.extract")["gpu_memory_utilization"]
-    )
+    settings = _settings_object(ExtractSettings, {**values, **({"dtype": dtype} if dtype else {})})
     try:
         if shard is not None:
-            extract_shard(target_path, tokens, shard, out, values["aux_layers"], **options)
+            extract_shard(target_path, tokens, shard, out, settings)
         else:
-            tp = ops["tensor_parallel"] or section_defaults("resources.extract")["tensor_parallel"]
-            extract_shards(
-                target_path, tokens, list(shard_files), values["aux_layers"], **options, tensor_parallel=tp,
-                device=device,
-            )  # fmt: skip
+            extract_shards(target_path, tokens, list(shard_files), settings, device=device)
     except ValueError as err:
         _fail(str(err), EXIT_BAD_INPUT)
     except (NotEnoughDisk, VllmStartError, EngineFailed) as err:

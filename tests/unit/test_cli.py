@@ -296,7 +296,7 @@ def test_a_failed_extraction_engine_is_one_line_exit_1(tmp_path, monkeypatch):
         "error: extraction engine 1 of 2 (CUDA devices 2,3) failed: shard 5"
     )
     ((args, kw),) = calls
-    assert args[2] == ["a", "b"] and (kw["gpus"], kw["tensor_parallel"]) == (4, 2)
+    assert args[2] == ["a", "b"] and (args[3].gpus, args[3].tensor_parallel) == (4, 2)
     assert kw["device"] == {"gpu_memory_gib": 80.0}
 
 

@@ -22,10 +22,15 @@ from draftsmith.core.estimate import (
 from draftsmith.core.layers import convert_layer_ids, default_aux_layers, validate_aux_layers
 from draftsmith.core.shards import ShardWriter
 from draftsmith.core.vocab import vocab_maps
-from draftsmith.stages.extract import disk_full, teacher_agreement
+from draftsmith.stages.extract import ExtractSettings, disk_full, teacher_agreement
 from draftsmith.stages.manifest import build_manifest
 from draftsmith.stages.tokenize import shard_bounds
 from draftsmith.stages.vocab import build_vocab_map, select_draft_tokens
+
+
+def settings(**values) -> ExtractSettings:
+    """extract's settings: the schema's defaults, float32 compute, `values`."""
+    return ExtractSettings.from_dict({"dtype": "float32", **values})
 
 
 def test_hooks_capture_exactly_hf_hidden_states(tiny_llama):
@@ -263,7 +268,9 @@ def test_extract_shard_reuses_the_probed_batches(tmp_path, tiny_llama):
     out = tmp_path / "hidden" / "shard-0.safetensors"
     extractor = HfExtractor(tiny_llama, [1, 3])  # the tiny target has no tokenizer to load from a folder
     tokens = str(tmp_path / "tokens.safetensors")
-    stats = extract_shard(str(target), tokens, 0, str(out), [1, 3], "float32", 60, extractor=extractor)
+    stats = extract_shard(
+        str(target), tokens, 0, str(out), settings(aux_layers=[1, 3], batch_tokens=60), extractor=extractor
+    )
     extractor.close()
     assert (
         stats["estimate"]["seconds_low"] <= stats["estimate"]["seconds"] <= stats["estimate"]["seconds_high"]
@@ -312,8 +319,8 @@ def test_extract_shard_stores_float8_as_the_bf16_states_round_trip(tmp_path, tin
     for dtype in ("bfloat16", "float8_e4m3fn"):
         shards[dtype] = tmp_path / dtype / "shard-0.safetensors"
         stats[dtype] = extract_shard(
-            str(target), str(tmp_path / "tokens.safetensors"), 0, str(shards[dtype]), [1, 3], "float32", 30,
-            storage_dtype=dtype, extractor=extractor,
+            str(target), str(tmp_path / "tokens.safetensors"), 0, str(shards[dtype]),
+            settings(aux_layers=[1, 3], batch_tokens=30, storage_dtype=dtype), extractor=extractor,
         )  # fmt: skip
     extractor.close()
     assert read_shard_meta(shards["float8_e4m3fn"])["dtype"] == "float8_e4m3fn"
@@ -418,8 +425,9 @@ def test_pipelined_extraction_writes_the_sequential_shard(tmp_path, tiny_llama, 
     for pipeline in (False, True):
         out = tmp_path / str(pipeline) / "shard-0.safetensors"
         stats[pipeline] = extract_shard(
-            str(target), tokens, 0, str(out), [1, 3], "float32", 50, storage_dtype=storage_dtype,
-            extractor=extractor, pipeline=pipeline,
+            str(target), tokens, 0, str(out),
+            settings(aux_layers=[1, 3], batch_tokens=50, storage_dtype=storage_dtype), extractor=extractor,
+            pipeline=pipeline,
         )  # fmt: skip
         data_start, entries, meta[pipeline] = read_header(out)
         data[pipeline] = (entries, out.read_bytes()[data_start:])  # every tensor, states included
@@ -505,7 +513,8 @@ def test_a_failing_write_stops_extraction_with_the_sequential_loops_error(tmp_pa
         monkeypatch.setattr(ShardWriter, "add", failing_add)
         with pytest.raises(ValueError) as failed:
             extract_shard(
-                str(target), tokens, 0, str(out), [1, 3], "float32", 50, extractor=extractor, pipeline=pipeline
+                str(target), tokens, 0, str(out), settings(aux_layers=[1, 3], batch_tokens=50), extractor=extractor,
+                pipeline=pipeline,
             )  # fmt: skip
         calls[pipeline] = len(forwards)
         assert not out.exists() and list(out.parent.iterdir()) == []
@@ -513,7 +522,8 @@ def test_a_failing_write_stops_extraction_with_the_sequential_loops_error(tmp_pa
         monkeypatch.setattr(ShardWriter, "_write", full)
         with pytest.raises(NotEnoughDisk) as full_disk:
             extract_shard(
-                str(target), tokens, 0, str(out), [1, 3], "float32", 50, extractor=extractor, pipeline=pipeline
+                str(target), tokens, 0, str(out), settings(aux_layers=[1, 3], batch_tokens=50), extractor=extractor,
+                pipeline=pipeline,
             )  # fmt: skip
         assert not out.exists() and list(out.parent.iterdir()) == []
         monkeypatch.undo()
@@ -556,7 +566,7 @@ def test_sample_source_travels_from_traces_to_the_manifest(tmp_path):
     tokenize_traces(str(target), str(traces), str(tokens), 1, 256)
     shard = tmp_path / "hidden" / "shard-0.safetensors"
     stats = extract_shard(
-        str(target), str(tokens), 0, str(shard), None, "float32", 4096, "none", compile="off"
+        str(target), str(tokens), 0, str(shard), settings(batch_tokens=4096, codec="none", compile="off")
     )
     assert read_shard_meta(shard)["sample_sources"] == ["regenerated", "original"]
     assert set(stats["teacher_by_source"]) == {"regenerated", "original"}
@@ -600,8 +610,8 @@ def test_vllm_engine_gets_the_jobs_gpus_eager_setting_and_memory_share(monkeypat
 
     made = []
     monkeypatch.setattr(vx, "VllmExtractor", lambda *a, **kw: made.append((a, kw)))
-    make_extractor("vllm", "T", [2], "bfloat16", gpus=8, vllm_eager=False, gpu_memory_utilization=0.8)
-    make_extractor("vllm", "T", [2], "float32", gpus=0, vllm_eager=True, gpu_memory_utilization=0.8)
+    make_extractor("vllm", "T", [2], "bfloat16", 8, 2048, None, False, 0.8)
+    make_extractor("vllm", "T", [2], "float32", 0, 2048, None, True, 0.8)
     (gpu_args, gpu), (_, cpu) = made
     assert gpu_args == ("T", [2], "bfloat16")
     assert (gpu["tensor_parallel_size"], gpu["enforce_eager"], gpu["gpu_memory_utilization"]) == (
@@ -756,7 +766,10 @@ def test_extract_shards_loads_once_stashes_and_reuses_what_a_killed_run_finished
 
     def run() -> list[int]:
         return ex.extract_shards(
-            str(target), str(tokens), [str(p) for p in outs], [1, 3], "float32", 60, compile="off"
+            str(target),
+            str(tokens),
+            [str(p) for p in outs],
+            settings(aux_layers=[1, 3], batch_tokens=60, compile="off"),
         )
 
     assert run() == []
@@ -795,4 +808,4 @@ def test_extract_shards_refuses_a_shard_count_the_tokens_do_not_plan(tmp_path):
     with pytest.raises(
         ValueError, match=r"extract.num_shards: 3 shard files asked for, but .* plans 2 shards"
     ):
-        extract_shards(str(tmp_path), str(tokens), ["a", "b", "c"], None, "float32", 60)
+        extract_shards(str(tmp_path), str(tokens), ["a", "b", "c"], settings(batch_tokens=60))
