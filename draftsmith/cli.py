@@ -416,11 +416,11 @@ def generate(target_path: str, prompts_path: str, settings_json: str | None, **k
 @sealed("tokenize", "out")
 def tokenize(target_path: str, traces: str, out: str, settings_json: str | None, **kw: Any) -> None:
     """Render traces with the target's chat template into ids + assistant loss masks; plan the shards."""
-    from draftsmith.stages.tokenize import tokenize_traces
+    from draftsmith.stages.tokenize import TokenizeSettings, tokenize_traces
 
-    values = _checked(resolve(settings_json, kw, "extract"), "extract")
+    settings = _settings_object(TokenizeSettings, resolve(settings_json, kw, "extract"))
     try:
-        tokenize_traces(target_path, traces, out, values["num_shards"], values["max_seq_len"])
+        tokenize_traces(target_path, traces, out, settings)
     except ValueError as err:
         _fail(str(err), EXIT_BAD_INPUT)
 
@@ -665,11 +665,11 @@ def manifest(
 ) -> None:
     """Check the shards and write data_config.json (last, atomically)."""
     from draftsmith.core.manifest import DataError
-    from draftsmith.stages.manifest import build_manifest
+    from draftsmith.stages.manifest import ManifestSettings, build_manifest
 
-    values = _checked(resolve(settings_json, kw, "extract"), "extract")
+    settings = _settings_object(ManifestSettings, resolve(settings_json, kw, "extract"))
     try:
-        build_manifest(list(shards), out, target_path, values["min_teacher_agreement"])
+        build_manifest(list(shards), out, target_path, settings)
     except DataError as err:
         _fail(str(err))
 

@@ -23,8 +23,8 @@ from draftsmith.core.layers import convert_layer_ids, default_aux_layers, valida
 from draftsmith.core.shards import ShardWriter
 from draftsmith.core.vocab import vocab_maps
 from draftsmith.stages.extract import ExtractSettings, disk_full, teacher_agreement
-from draftsmith.stages.manifest import build_manifest
-from draftsmith.stages.tokenize import shard_bounds
+from draftsmith.stages.manifest import ManifestSettings, build_manifest
+from draftsmith.stages.tokenize import TokenizeSettings, shard_bounds
 from draftsmith.stages.vocab import build_vocab_map, select_draft_tokens
 
 
@@ -380,7 +380,12 @@ def test_teacher_agreement_is_split_by_source_and_gated_on_regenerated_only(tiny
     target = tmp_path / "target"
     target.mkdir()
     write_json(target / "config.json", {"num_hidden_layers": 6, "hidden_size": 64, "vocab_size": 256})
-    manifest = build_manifest([str(shard)], str(tmp_path / "data_config.json"), str(target), 0.9)
+    manifest = build_manifest(
+        [str(shard)],
+        str(tmp_path / "data_config.json"),
+        str(target),
+        ManifestSettings(min_teacher_agreement=0.9),
+    )
     assert manifest["teacher_agreement"] == 1.0
     assert manifest["teacher_agreement_by_source"]["regenerated"] == 1.0
     assert manifest["teacher_agreement_by_source"]["original"] < 0.6
@@ -563,7 +568,7 @@ def test_sample_source_travels_from_traces_to_the_manifest(tmp_path):
     traces = tmp_path / "traces.jsonl"
     traces.write_text("".join(json.dumps(r) + "\n" for r in rows))
     tokens = tmp_path / "tokens.safetensors"
-    tokenize_traces(str(target), str(traces), str(tokens), 1, 256)
+    tokenize_traces(str(target), str(traces), str(tokens), TokenizeSettings(num_shards=1, max_seq_len=256))
     shard = tmp_path / "hidden" / "shard-0.safetensors"
     stats = extract_shard(
         str(target), str(tokens), 0, str(shard), settings(batch_tokens=4096, codec="none", compile="off")
@@ -571,7 +576,12 @@ def test_sample_source_travels_from_traces_to_the_manifest(tmp_path):
     assert read_shard_meta(shard)["sample_sources"] == ["regenerated", "original"]
     assert set(stats["teacher_by_source"]) == {"regenerated", "original"}
     assert stats["teacher_checked"] == stats["teacher_by_source"]["regenerated"]["checked"] > 0
-    manifest = build_manifest([str(shard)], str(tmp_path / "data_config.json"), str(target), 0.0)
+    manifest = build_manifest(
+        [str(shard)],
+        str(tmp_path / "data_config.json"),
+        str(target),
+        ManifestSettings(min_teacher_agreement=0.0),
+    )
     assert set(manifest["teacher_agreement_by_source"]) == {"regenerated", "original"}
 
 

@@ -27,7 +27,7 @@ from draftsmith.stages.generate import (
     uses_original,
     warn_truncated,
 )
-from draftsmith.stages.tokenize import trace_sequences, turn_contexts
+from draftsmith.stages.tokenize import TokenizeSettings, trace_sequences, turn_contexts
 
 TARGET = REPO / "resources" / "SmolLM2-135M-Instruct"
 
@@ -409,7 +409,12 @@ def test_generate_writes_original_answers_without_generating(tmp_path):
     traces = [json.loads(line) for line in out.read_text().splitlines()]
     assert [t["id"] for t in traces] == ["og0", "og1", "og2"]
     assert all(t["source"] == "original" for t in traces)
-    tokenize_traces(str(TARGET), str(out), str(tmp_path / "tokens.safetensors"), 1, 1024)
+    tokenize_traces(
+        str(TARGET),
+        str(out),
+        str(tmp_path / "tokens.safetensors"),
+        TokenizeSettings(num_shards=1, max_seq_len=1024),
+    )
     _, meta = load_tokens(tmp_path / "tokens.safetensors")
     assert meta["sample_sources"] == ["original"] * 3
     with pytest.raises(ValueError, match="original_answers_share"):
