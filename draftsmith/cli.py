@@ -554,42 +554,20 @@ def estimate(
     For any model, by hand:   draftsmith estimate --num-tokens 17.3e6 --hidden-size 7168 --layers 4
     ... compressed as a shard:  add --ratios-from results/hidden/shard-0.safetensors
     """
-    from draftsmith.core.estimate import estimate_lines
+    from draftsmith.core.shards import ShardError
+    from draftsmith.stages.estimate import EstimateSettings, estimate_by_hand, estimate_on_tokens
 
-    keys = ("codec", "zstd_level", "storage_dtype", "batch_tokens")
-    values = _checked(resolve(None, {key: kw[key] for key in keys}, "extract"), "extract")
-    kw.update({key: values[key] for key in keys})
-    storage_dtype = kw["storage_dtype"]
-    from draftsmith.core.precision import compute_dtype
-
-    kw["dtype"] = compute_dtype(kw["dtype"] or section_defaults("target")["dtype"])
-
+    values = resolve(None, {**kw, "aux_layers": _aux_layer_ids(aux_layers)}, "extract")
+    settings = _settings_object(EstimateSettings, values)  # target.dtype as --dtype gave it
     if tokens and target_path:
-        from draftsmith.stages.estimate import measure_on_tokens
-
-        measured, num_tokens, stored_layers, hidden_size = measure_on_tokens(
-            tokens, target_path, _aux_layer_ids(aux_layers), kw["dtype"], kw["batch_tokens"], kw["codec"],
-            kw["zstd_level"],
-        )  # fmt: skip
-        lines, _ = estimate_lines(num_tokens, stored_layers, hidden_size, measured, storage_dtype)
+        lines = estimate_on_tokens(tokens, target_path, settings)
     elif kw["num_tokens"] and kw["hidden_size"]:
-        from draftsmith.core.shards import ShardError
-        from draftsmith.stages.estimate import shard_codec_ratios
-
-        measured = None
-        if ratios_from:
-            try:
-                measured = shard_codec_ratios(ratios_from, kw["codec"], kw["zstd_level"])
-            except (ShardError, ValueError) as err:
-                _fail(str(err), EXIT_BAD_INPUT)
-        lines, _ = estimate_lines(
-            int(kw["num_tokens"]),
-            kw["stored_layers"],
-            kw["hidden_size"],
-            measured,
-            storage_dtype,
-            ratios_source=ratios_from,
-        )
+        try:
+            lines = estimate_by_hand(
+                int(kw["num_tokens"]), kw["stored_layers"], kw["hidden_size"], ratios_from, settings
+            )
+        except (ShardError, ValueError) as err:
+            _fail(str(err), EXIT_BAD_INPUT)
     else:
         raise click.UsageError("give --tokens and --target, or --num-tokens and --hidden-size")
     for line in lines:
