@@ -360,7 +360,16 @@ def fetch_wheel_cmd(requirement: str, out: str, cache: str) -> None:
 )
 @click.option("--server-log", type=click.Path(dir_okay=False), help="vllm-server: its log file.")
 @sealed("generate", "out", "summary")
-def generate(target_path: str, prompts_path: str, settings_json: str | None, **kw: Any) -> None:
+def generate(
+    target_path: str,
+    prompts_path: str,
+    out: str,
+    summary: str,
+    errors: str | None,
+    server_log: str | None,
+    settings_json: str | None,
+    **kw: Any,
+) -> None:
     """Answer every prompt with the target and append the traces, resumably.
 
     A rerun after a crash or kill skips the ids already finished (kept in OUT.partial). Examples:
@@ -370,11 +379,9 @@ def generate(target_path: str, prompts_path: str, settings_json: str | None, **k
       draftsmith generate ... --backend openai --base-url http://127.0.0.1:8000/v1 --concurrency 16
       draftsmith generate ... --backend vllm-server --server-args '["--max-model-len","4096"]' --devices 0,1
     """
+    from draftsmith.core.precision import compute_dtype
     from draftsmith.core.prompt_sources import PromptError
     from draftsmith.stages.generate import GenerateError, GenerateSettings, generate_traces
-
-    paths = {k: kw.pop(k) for k in ("out", "summary", "errors", "server_log")}
-    from draftsmith.core.precision import compute_dtype
 
     dtype = compute_dtype(kw.pop("dtype") or section_defaults("target")["dtype"])
     try:
@@ -386,19 +393,10 @@ def generate(target_path: str, prompts_path: str, settings_json: str | None, **k
         _fail(f"--server-args: not a JSON list: {err}", EXIT_BAD_INPUT)
     memory_gib = kw.pop("gpu_memory_gib") or None  # 0: ask nvidia-smi here
     values = {**resolve(settings_json, kw, "generate"), "dtype": dtype, "gpu_memory_gib": memory_gib}
-    try:
-        settings = GenerateSettings.from_dict(values)
-    except (ValueError, TypeError) as err:
-        _fail(str(err), EXIT_BAD_INPUT)
+    settings = _settings_object(GenerateSettings, values)
     try:
         generate_traces(
-            target_path,
-            prompts_path,
-            paths["out"],
-            paths["summary"],
-            settings,
-            errors_path=paths["errors"],
-            server_log=paths["server_log"],
+            target_path, prompts_path, out, summary, settings, errors_path=errors, server_log=server_log
         )
     except PromptError as err:
         _fail(str(err), EXIT_BAD_INPUT)
