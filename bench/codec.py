@@ -123,14 +123,14 @@ def _shipped_codec(level: int = 1, checksums: bool = True, digest: bool = True) 
 
     def encode(states: torch.Tensor) -> list[bytes]:  # states [N, L, H]
         sample = Sample("bench", torch.zeros(0), torch.zeros(0), states[:, :-1], states[:, -1])
-        return encoder.encode(store(sample))
+        return encoder.encode(store(sample, "bfloat16"))
 
     def decode(frames: list[bytes], shape: tuple[int, ...]) -> torch.Tensor:
         blob = np.frombuffer(b"".join(frames), dtype=np.uint8)
         ends = np.cumsum([len(f) for f in frames]).tolist()
         spans = [[start, end - start] for start, end in zip([0, *ends[:-1]], ends, strict=True)]
         index = [spans[i : i + 2] for i in range(0, len(spans), 2)]
-        stored = decode_sample(blob, index, shape[0], shape[2], decomp)  # [A + 1, T, H]
+        stored = decode_sample(blob, index, shape[0], shape[2], decomp, "bfloat16")  # [A + 1, T, H]
         if digest:
             sample_digest(ids, mask, stored)
         aux, final = split_slots(stored.bf16_bits())
@@ -179,7 +179,9 @@ def measure(
 
 def write_as(samples: list[Sample], path: Path, dtype: str, level: int = 1) -> dict[str, float]:
     """Write the samples as extraction does (zstd-planes, `dtype`): state bytes and the writer's CPU s."""
-    writer = ShardWriter(path, {}, "zstd-planes", level, sample_ids=[s.id for s in samples], dtype=dtype)
+    writer = ShardWriter(
+        path, {}, "zstd-planes", level, sample_ids=[s.id for s in samples], storage_dtype=dtype
+    )
     for sample in samples:
         writer.add(sample)
     writer.close()

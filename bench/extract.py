@@ -59,7 +59,7 @@ from draftsmith.backends.hf import HfExtractor
 from draftsmith.core.layers import resolve_aux_layers
 from draftsmith.core.target import load_target
 from draftsmith.core.tokens import load_tokens, write_tokens
-from draftsmith.stages.extract import extract_shard
+from draftsmith.stages.extract import ExtractSettings, extract_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
 import harness  # noqa: E402
@@ -205,12 +205,15 @@ def draftsmith_run(
         str(work / "tokens.safetensors"),
         0,
         out,
-        None,
-        "bfloat16",
-        batch_tokens,
-        codec=codec or "zstd-planes",
-        threads=threads,
-        compile=compile_mode,
+        ExtractSettings.from_dict(
+            {
+                "dtype": "bfloat16",
+                "batch_tokens": batch_tokens,
+                "codec": codec or "zstd-planes",
+                "threads": threads,
+                "compile": compile_mode,
+            }
+        ),
         extractor=engine,
     )
     if not out:
@@ -262,8 +265,11 @@ def pipeline_overlap(
     def run(pipeline: bool) -> dict[str, float]:
         with contextlib.redirect_stderr(io.StringIO()):
             stats = extract_shard(
-                target, str(work / "tokens.safetensors"), 0, out, None, "bfloat16", batch_tokens,
-                threads=threads, compile="off", extractor=engine, pipeline=pipeline,
+                target, str(work / "tokens.safetensors"), 0, out,
+                ExtractSettings.from_dict(
+                    {"dtype": "bfloat16", "batch_tokens": batch_tokens, "threads": threads, "compile": "off"}
+                ),
+                extractor=engine, pipeline=pipeline,
             )  # fmt: skip
         os.unlink(out)
         return {

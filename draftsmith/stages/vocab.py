@@ -11,7 +11,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from draftsmith.core.vocab import vocab_maps
+from draftsmith.core.config import read_target_config
+from draftsmith.core.settings import from_schema
+from draftsmith.core.tokens import load_tokens
+from draftsmith.core.vocab import save_vocab_map, vocab_maps
 
 log = logging.getLogger(__name__)
 
@@ -58,3 +61,27 @@ def build_vocab_map(masked_tokens: Tensor, target_vocab_size: int, draft_vocab_s
         "distinct_tokens": int((counts > 0).sum()),
         "coverage": covered / total if total else 0.0,
     }
+
+
+@from_schema("vocab")
+class VocabSettings:
+    size: int  # draft vocabulary size
+
+
+def build_vocab(tokens_path: str, target_path: str, out_path: str, settings: VocabSettings) -> dict[str, Any]:
+    """The vocab stage: count the loss-masked tokens of tokenize's output, keep the `settings.size` most
+    frequent as the draft vocabulary and save its map at `out_path`; returns the map with its coverage.
+    A ValueError names what in the input rules it out (the target's config, the size)."""
+    try:
+        target_vocab = read_target_config(target_path)["vocab_size"]
+    except OSError as err:
+        raise ValueError(str(err)) from err
+    try:
+        check_draft_vocab_size(settings.size, target_vocab)
+    except ValueError as err:
+        raise ValueError(f"vocab.size: {err}") from err
+    tensors, _ = load_tokens(tokens_path)
+    masked = tensors["input_ids"][tensors["loss_mask"].bool()]
+    result = build_vocab_map(masked, target_vocab, settings.size)
+    save_vocab_map(out_path, result)
+    return result

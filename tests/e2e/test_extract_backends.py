@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from draftsmith.backends.hf import HfExtractor, capture_states, pad_right
 from draftsmith.backends.vllm_extract import read_target_tensor, rms_norm, vllm_layer_ids
 from draftsmith.core.shards import iter_samples, read_shard_meta, remove_stale_temp_files
-from draftsmith.stages.extract import extract_shard, should_compile
+from draftsmith.stages.extract import ExtractSettings, extract_shard, should_compile
 
 
 def test_vllm_layer_ids_keep_the_configured_order():
@@ -112,11 +112,10 @@ def test_engines_in_processes_of_their_own_share_one_queue(tmp_path, target_mode
 
     tokens = tmp_path / "tokens.safetensors"
     write_sample_tokens(tokens, *random_sequences([30] * 6), [[0, 2], [2, 4], [4, 6]])
-    options = {"batch_tokens": 300, "codec": "zstd-planes", "zstd_level": 1, "storage_dtype": "bfloat16",
-               "backend": "transformers", "compile": "off", "vllm_eager": True, "gpu_memory_utilization": None,
-               "threads": 1}  # fmt: skip
-    kw = {"target": str(target_model), "tokens_path": str(tokens), "aux_layers": None, "dtype": "float32",
-          "gpus": 0, "max_model_len": 31, "options": options}  # fmt: skip
+    settings = ExtractSettings.from_dict(
+        {"batch_tokens": 300, "compile": "off", "threads": 1, "dtype": "float32"}
+    )  # the schema's codec zstd-planes, level 1, bfloat16 storage, transformers, no GPUs
+    kw = {"target": str(target_model), "tokens_path": str(tokens), "settings": settings, "max_model_len": 31}
     spawned, inline = tmp_path / "spawned", tmp_path / "inline"
     spawned.mkdir(), inline.mkdir()
     run_engine_processes(ShardQueue([0, 1, 2]), ["", ""], {**kw, "stash": spawned})
@@ -147,7 +146,13 @@ def test_vllm_and_transformers_engines_agree_on_the_real_target(tmp_path, target
 
     hf_out, vllm_out = tmp_path / "hf" / "shard-0.safetensors", tmp_path / "vllm" / "shard-0.safetensors"
     hf_stats = extract_shard(
-        str(target_model), str(tokens), 0, str(hf_out), None, "float32", 4096, codec="none", compile="off"
+        str(target_model),
+        str(tokens),
+        0,
+        str(hf_out),
+        ExtractSettings.from_dict(
+            {"dtype": "float32", "batch_tokens": 4096, "codec": "none", "compile": "off"}
+        ),
     )
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"

@@ -89,7 +89,7 @@ def test_both_extraction_engines_agree_on_each_family(tmp_path, target_model, fa
     from helpers import greedy_samples, vllm_extract, worst_cosines, write_sample_tokens
 
     from draftsmith.core.shards import read_shard_meta
-    from draftsmith.stages.extract import extract_shard
+    from draftsmith.stages.extract import ExtractSettings, extract_shard
 
     target = tmp_path / f"{family}-twin"
     twins.save(family, target, vocab_size=49152, initializer_range=0.1, tokenizer_from=DEFAULT_TARGET)
@@ -98,7 +98,19 @@ def test_both_extraction_engines_agree_on_each_family(tmp_path, target_model, fa
     write_sample_tokens(tokens, ids, masks, [[0, len(ids)]])
     hf_out, vllm_out = tmp_path / "hf" / "shard-0.safetensors", tmp_path / "vllm" / "shard-0.safetensors"
     hf_stats = extract_shard(
-        str(target), str(tokens), 0, str(hf_out), [1, 2, 3], "float32", 4096, codec="none", compile="off"
+        str(target),
+        str(tokens),
+        0,
+        str(hf_out),
+        ExtractSettings.from_dict(
+            {
+                "aux_layers": [1, 2, 3],
+                "dtype": "float32",
+                "batch_tokens": 4096,
+                "codec": "none",
+                "compile": "off",
+            }
+        ),
     )
     # the twins have 4 layers: the default aux ids would repeat one
     vllm_extract(target, tokens, vllm_out, env(tmp_path), "--aux-layers", "1,2,3")

@@ -44,9 +44,20 @@ def _write_everything(root) -> list:
         torch.save({}, tmp / "optimizer.pt")
         (tmp / "sub").mkdir()
         (tmp / "sub" / "config.json").write_text("{}")
-    write_shard(root / "shard-0.safetensors", [_sample(0), _sample(1)], {}, codec="zstd-planes")
-    write_shard(root / "shard-1.safetensors", [_sample(0)], {}, codec="none")
-    writer = ShardWriter(root / "shard-2.safetensors", {})  # header outgrows its room: rewritten once
+    write_shard(
+        root / "shard-0.safetensors",
+        [_sample(0), _sample(1)],
+        {},
+        codec="zstd-planes",
+        level=1,
+        storage_dtype="bfloat16",
+    )
+    write_shard(
+        root / "shard-1.safetensors", [_sample(0)], {}, codec="none", level=1, storage_dtype="bfloat16"
+    )
+    writer = ShardWriter(
+        root / "shard-2.safetensors", {}, codec="zstd-planes", level=1, storage_dtype="bfloat16"
+    )  # header outgrows its room: rewritten once
     writer.add(_sample(0))
     writer.close({"notes": "x" * (2 * HEADER_ROOM)})
     return sorted(root.rglob("*"))

@@ -149,7 +149,7 @@ def vocab_args(tmp_path) -> list[str]:
 @pytest.mark.parametrize("size", ["0", "-3"])
 def test_vocab_size_below_one_exits_2(vocab_args, size):
     result = invoke(*vocab_args, "--size", size)
-    assert result.exit_code == EXIT_BAD_INPUT and "--size" in result.output
+    assert result.exit_code == EXIT_BAD_INPUT and "vocab.size" in result.output
 
 
 @pytest.mark.parametrize("size", ["300", "301"])
@@ -171,7 +171,7 @@ def test_target_without_a_wheel_exits_2(tmp_path, monkeypatch):
 def test_the_default_target_comes_from_its_wheel_before_its_folder_exists(tmp_path, monkeypatch):
     """A fresh clone: resources/SmolLM2-135M-Instruct does not exist yet, and looks like owner/name; the
     target command materialises it from its wheel, never from the Hub."""
-    import draftsmith.core.target as target
+    import draftsmith.stages.target as target
 
     made = {}
     monkeypatch.chdir(tmp_path)
@@ -296,7 +296,7 @@ def test_a_failed_extraction_engine_is_one_line_exit_1(tmp_path, monkeypatch):
         "error: extraction engine 1 of 2 (CUDA devices 2,3) failed: shard 5"
     )
     ((args, kw),) = calls
-    assert args[2] == ["a", "b"] and (kw["gpus"], kw["tensor_parallel"]) == (4, 2)
+    assert args[2] == ["a", "b"] and (args[3].gpus, args[3].tensor_parallel) == (4, 2)
     assert kw["device"] == {"gpu_memory_gib": 80.0}
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from draftsmith.core.code_prompts import CodePromptError, code_prompts, wheel_code_prompts
 from draftsmith.core.prompt_sources import parse_record
-from draftsmith.stages.prompts import prepare_prompts
+from draftsmith.stages.prompts import PromptSettings, prepare_prompts
 
 MODULE = '''
 import functools
@@ -100,11 +100,12 @@ def test_the_choice_is_seeded_and_asking_for_too_many_names_the_count(tmp_path):
 
 def test_code_prompts_join_the_training_prompts_only(tmp_path):
     wheel = make_wheel(tmp_path / "lib.whl", {"lib/core.py": MODULE})
+    settings = PromptSettings.from_dict(
+        {"source": "builtin", "max_prompts": 10, "num_heldout": 3, "max_prompt_chars": 0, "code_prompts": 1}
+    )
     summary = prepare_prompts(
-        "builtin", None, None, str(tmp_path / "train.jsonl"), str(tmp_path / "heldout.jsonl"),
-        max_prompts=10, num_heldout=3, heldout_path=None, max_prompt_chars=0, seed=0,
-        code_wheels=[str(wheel)], code_prompts=1,
-    )  # fmt: skip
+        str(tmp_path / "train.jsonl"), str(tmp_path / "heldout.jsonl"), settings, None, [str(wheel)]
+    )
     train = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
     heldout = (tmp_path / "heldout.jsonl").read_text()
     assert summary["code_prompts"] == 1 and summary["train"] == 7 + 1

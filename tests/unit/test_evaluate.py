@@ -83,7 +83,14 @@ def extract_tiny_data(root: Path, target_dir: Path) -> tuple[Path, Path]:
         mask = torch.arange(len(ids)) >= len(prompt)
         samples.append(Sample(f"s{i}", ids, mask, aux.to(torch.bfloat16), final.to(torch.bfloat16)))
     shard = root / "hidden" / "shard-0.safetensors"
-    write_shard(shard, samples, {"aux_layer_ids": AUX, "layer_convention": "input", "dtype": "bfloat16"})
+    write_shard(
+        shard,
+        samples,
+        {"aux_layer_ids": AUX, "layer_convention": "input", "dtype": "bfloat16"},
+        codec="none",
+        level=1,
+        storage_dtype="bfloat16",
+    )
     manifest = {
         "version": 1,
         "target": str(target_dir),

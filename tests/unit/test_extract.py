@@ -22,10 +22,15 @@ from draftsmith.core.estimate import (
 from draftsmith.core.layers import convert_layer_ids, default_aux_layers, validate_aux_layers
 from draftsmith.core.shards import ShardWriter
 from draftsmith.core.vocab import vocab_maps
-from draftsmith.stages.extract import disk_full, teacher_agreement
-from draftsmith.stages.manifest import build_manifest
-from draftsmith.stages.tokenize import shard_bounds
+from draftsmith.stages.extract import ExtractSettings, disk_full, teacher_agreement
+from draftsmith.stages.manifest import ManifestSettings, build_manifest
+from draftsmith.stages.tokenize import TokenizeSettings, shard_bounds
 from draftsmith.stages.vocab import build_vocab_map, select_draft_tokens
+
+
+def settings(**values) -> ExtractSettings:
+    """extract's settings: the schema's defaults, float32 compute, `values`."""
+    return ExtractSettings.from_dict({"dtype": "float32", **values})
 
 
 def test_hooks_capture_exactly_hf_hidden_states(tiny_llama):
@@ -160,7 +165,7 @@ def test_disk_check_gives_numbers_and_the_right_advice(tmp_path, monkeypatch):
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**9, 10**9 - 5 * 10**6, 5 * 10**6))
     with pytest.raises(NotEnoughDisk) as err:
-        check_free_disk(tmp_path, 8e6, "zstd-planes")
+        check_free_disk(tmp_path, 8e6, "zstd-planes", "bfloat16")
     message = str(err.value)
     assert "5.0 MB free" in message and "about 8.0 MB with codec zstd-planes, bfloat16" in message
     assert "extract.codec" not in message  # the codec already in use is not advice
@@ -168,13 +173,13 @@ def test_disk_check_gives_numbers_and_the_right_advice(tmp_path, monkeypatch):
     with pytest.raises(NotEnoughDisk, match="extract.codec: zstd-planes") as err:
         check_free_disk(tmp_path, 8e6, "none", "float8_e4m3fn")
     assert "storage_dtype" not in str(err.value)  # nor is the dtype already in use
-    check_free_disk(tmp_path, 4e6, "none")  # fits, with its 10% margin
+    check_free_disk(tmp_path, 4e6, "none", "bfloat16")  # fits, with its 10% margin
 
 
 def test_estimate_gives_exact_raw_bytes_for_both_storage_dtypes():
     """The motivating run: 17.3 M tokens x 4 layers x 7,168. bf16 is 2 bytes a value; float8 one byte a
     value plus a float32 scale per token and layer."""
-    assert raw_state_bytes(17_300_000, 4, 7168) == 17_300_000 * 4 * 7168 * 2 == 992_051_200_000
+    assert raw_state_bytes(17_300_000, 4, 7168, "bfloat16") == 17_300_000 * 4 * 7168 * 2 == 992_051_200_000
     assert raw_state_bytes(17_300_000, 4, 7168, "float8_e4m3fn") == 17_300_000 * 4 * (7168 + 4)
     lines, record = estimate_lines(17_300_000, 4, 7168, None, "float8_e4m3fn")
     text = "\n".join(lines)
@@ -208,8 +213,8 @@ def test_estimate_by_hand_takes_codec_ratios_from_a_bf16_shard(tmp_path):
         for i in range(3)
     ]  # fmt: skip
     bf16, fp8 = tmp_path / "bf16.safetensors", tmp_path / "fp8.safetensors"
-    write_shard(bf16, samples, {}, codec="zstd-planes")
-    write_shard(fp8, samples, {}, codec="zstd-planes", dtype="float8_e4m3fn")
+    write_shard(bf16, samples, {}, codec="zstd-planes", level=1, storage_dtype="bfloat16")
+    write_shard(fp8, samples, {}, codec="zstd-planes", storage_dtype="float8_e4m3fn", level=1)
     args = ["estimate", "--num-tokens", "17.3e6", "--hidden-size", "7168", "--layers", "4"]
     result = CliRunner().invoke(main, [*args, "--ratios-from", str(bf16)])
     assert result.exit_code == 0, result.output
@@ -263,7 +268,9 @@ def test_extract_shard_reuses_the_probed_batches(tmp_path, tiny_llama):
     out = tmp_path / "hidden" / "shard-0.safetensors"
     extractor = HfExtractor(tiny_llama, [1, 3])  # the tiny target has no tokenizer to load from a folder
     tokens = str(tmp_path / "tokens.safetensors")
-    stats = extract_shard(str(target), tokens, 0, str(out), [1, 3], "float32", 60, extractor=extractor)
+    stats = extract_shard(
+        str(target), tokens, 0, str(out), settings(aux_layers=[1, 3], batch_tokens=60), extractor=extractor
+    )
     extractor.close()
     assert (
         stats["estimate"]["seconds_low"] <= stats["estimate"]["seconds"] <= stats["estimate"]["seconds_high"]
@@ -312,8 +319,8 @@ def test_extract_shard_stores_float8_as_the_bf16_states_round_trip(tmp_path, tin
     for dtype in ("bfloat16", "float8_e4m3fn"):
         shards[dtype] = tmp_path / dtype / "shard-0.safetensors"
         stats[dtype] = extract_shard(
-            str(target), str(tmp_path / "tokens.safetensors"), 0, str(shards[dtype]), [1, 3], "float32", 30,
-            storage_dtype=dtype, extractor=extractor,
+            str(target), str(tmp_path / "tokens.safetensors"), 0, str(shards[dtype]),
+            settings(aux_layers=[1, 3], batch_tokens=30, storage_dtype=dtype), extractor=extractor,
         )  # fmt: skip
     extractor.close()
     assert read_shard_meta(shards["float8_e4m3fn"])["dtype"] == "float8_e4m3fn"
@@ -348,7 +355,12 @@ def test_teacher_agreement_is_split_by_source_and_gated_on_regenerated_only(tiny
     seqs = [greedy, other]
     shard = tmp_path / "hidden" / "shard-0.safetensors"
     writer = ShardWriter(
-        shard, {"aux_layer_ids": [1, 2, 3], "layer_convention": "input"}, "none", sample_ids=["g", "o"]
+        shard,
+        {"aux_layer_ids": [1, 2, 3], "layer_convention": "input"},
+        "none",
+        sample_ids=["g", "o"],
+        level=1,
+        storage_dtype="bfloat16",
     )
     stats = _extract_loop(
         HfExtractor(tiny_llama, [1, 2, 3]), writer, 0, [20, 20], lambda i: (seqs[i], mask), ["g", "o"],
@@ -368,7 +380,12 @@ def test_teacher_agreement_is_split_by_source_and_gated_on_regenerated_only(tiny
     target = tmp_path / "target"
     target.mkdir()
     write_json(target / "config.json", {"num_hidden_layers": 6, "hidden_size": 64, "vocab_size": 256})
-    manifest = build_manifest([str(shard)], str(tmp_path / "data_config.json"), str(target), 0.9)
+    manifest = build_manifest(
+        [str(shard)],
+        str(tmp_path / "data_config.json"),
+        str(target),
+        ManifestSettings(min_teacher_agreement=0.9),
+    )
     assert manifest["teacher_agreement"] == 1.0
     assert manifest["teacher_agreement_by_source"]["regenerated"] == 1.0
     assert manifest["teacher_agreement_by_source"]["original"] < 0.6
@@ -413,8 +430,9 @@ def test_pipelined_extraction_writes_the_sequential_shard(tmp_path, tiny_llama, 
     for pipeline in (False, True):
         out = tmp_path / str(pipeline) / "shard-0.safetensors"
         stats[pipeline] = extract_shard(
-            str(target), tokens, 0, str(out), [1, 3], "float32", 50, storage_dtype=storage_dtype,
-            extractor=extractor, pipeline=pipeline,
+            str(target), tokens, 0, str(out),
+            settings(aux_layers=[1, 3], batch_tokens=50, storage_dtype=storage_dtype), extractor=extractor,
+            pipeline=pipeline,
         )  # fmt: skip
         data_start, entries, meta[pipeline] = read_header(out)
         data[pipeline] = (entries, out.read_bytes()[data_start:])  # every tensor, states included
@@ -500,7 +518,8 @@ def test_a_failing_write_stops_extraction_with_the_sequential_loops_error(tmp_pa
         monkeypatch.setattr(ShardWriter, "add", failing_add)
         with pytest.raises(ValueError) as failed:
             extract_shard(
-                str(target), tokens, 0, str(out), [1, 3], "float32", 50, extractor=extractor, pipeline=pipeline
+                str(target), tokens, 0, str(out), settings(aux_layers=[1, 3], batch_tokens=50), extractor=extractor,
+                pipeline=pipeline,
             )  # fmt: skip
         calls[pipeline] = len(forwards)
         assert not out.exists() and list(out.parent.iterdir()) == []
@@ -508,7 +527,8 @@ def test_a_failing_write_stops_extraction_with_the_sequential_loops_error(tmp_pa
         monkeypatch.setattr(ShardWriter, "_write", full)
         with pytest.raises(NotEnoughDisk) as full_disk:
             extract_shard(
-                str(target), tokens, 0, str(out), [1, 3], "float32", 50, extractor=extractor, pipeline=pipeline
+                str(target), tokens, 0, str(out), settings(aux_layers=[1, 3], batch_tokens=50), extractor=extractor,
+                pipeline=pipeline,
             )  # fmt: skip
         assert not out.exists() and list(out.parent.iterdir()) == []
         monkeypatch.undo()
@@ -548,15 +568,20 @@ def test_sample_source_travels_from_traces_to_the_manifest(tmp_path):
     traces = tmp_path / "traces.jsonl"
     traces.write_text("".join(json.dumps(r) + "\n" for r in rows))
     tokens = tmp_path / "tokens.safetensors"
-    tokenize_traces(str(target), str(traces), str(tokens), 1, 256)
+    tokenize_traces(str(target), str(traces), str(tokens), TokenizeSettings(num_shards=1, max_seq_len=256))
     shard = tmp_path / "hidden" / "shard-0.safetensors"
     stats = extract_shard(
-        str(target), str(tokens), 0, str(shard), None, "float32", 4096, "none", compile="off"
+        str(target), str(tokens), 0, str(shard), settings(batch_tokens=4096, codec="none", compile="off")
     )
     assert read_shard_meta(shard)["sample_sources"] == ["regenerated", "original"]
     assert set(stats["teacher_by_source"]) == {"regenerated", "original"}
     assert stats["teacher_checked"] == stats["teacher_by_source"]["regenerated"]["checked"] > 0
-    manifest = build_manifest([str(shard)], str(tmp_path / "data_config.json"), str(target), 0.0)
+    manifest = build_manifest(
+        [str(shard)],
+        str(tmp_path / "data_config.json"),
+        str(target),
+        ManifestSettings(min_teacher_agreement=0.0),
+    )
     assert set(manifest["teacher_agreement_by_source"]) == {"regenerated", "original"}
 
 
@@ -595,8 +620,8 @@ def test_vllm_engine_gets_the_jobs_gpus_eager_setting_and_memory_share(monkeypat
 
     made = []
     monkeypatch.setattr(vx, "VllmExtractor", lambda *a, **kw: made.append((a, kw)))
-    make_extractor("vllm", "T", [2], "bfloat16", gpus=8, vllm_eager=False, gpu_memory_utilization=0.8)
-    make_extractor("vllm", "T", [2], "float32", gpus=0, vllm_eager=True, gpu_memory_utilization=0.8)
+    make_extractor("vllm", "T", [2], "bfloat16", 8, 2048, None, False, 0.8)
+    make_extractor("vllm", "T", [2], "float32", 0, 2048, None, True, 0.8)
     (gpu_args, gpu), (_, cpu) = made
     assert gpu_args == ("T", [2], "bfloat16")
     assert (gpu["tensor_parallel_size"], gpu["enforce_eager"], gpu["gpu_memory_utilization"]) == (
@@ -751,7 +776,10 @@ def test_extract_shards_loads_once_stashes_and_reuses_what_a_killed_run_finished
 
     def run() -> list[int]:
         return ex.extract_shards(
-            str(target), str(tokens), [str(p) for p in outs], [1, 3], "float32", 60, compile="off"
+            str(target),
+            str(tokens),
+            [str(p) for p in outs],
+            settings(aux_layers=[1, 3], batch_tokens=60, compile="off"),
         )
 
     assert run() == []
@@ -790,4 +818,4 @@ def test_extract_shards_refuses_a_shard_count_the_tokens_do_not_plan(tmp_path):
     with pytest.raises(
         ValueError, match=r"extract.num_shards: 3 shard files asked for, but .* plans 2 shards"
     ):
-        extract_shards(str(tmp_path), str(tokens), ["a", "b", "c"], None, "float32", 60)
+        extract_shards(str(tmp_path), str(tokens), ["a", "b", "c"], settings(batch_tokens=60))

@@ -27,7 +27,7 @@ from draftsmith.stages.generate import (
     uses_original,
     warn_truncated,
 )
-from draftsmith.stages.tokenize import trace_sequences, turn_contexts
+from draftsmith.stages.tokenize import TokenizeSettings, trace_sequences, turn_contexts
 
 TARGET = REPO / "resources" / "SmolLM2-135M-Instruct"
 
@@ -84,13 +84,13 @@ MULTI = {
 
 
 def test_generation_points_regenerate_every_assistant_turn():
-    assert generation_points(MULTI["messages"]) == [2, 4]
+    assert generation_points(MULTI["messages"], "regenerate") == [2, 4]
     assert generation_points(MULTI["messages"], "last") == [4]
-    assert generation_points([{"role": "user", "content": "x"}]) == [1]
+    assert generation_points([{"role": "user", "content": "x"}], "regenerate") == [1]
 
 
 def test_conversation_regenerates_history_with_own_answers():
-    conv = Conversation(MULTI, line=7)
+    conv = Conversation(MULTI, 7, "regenerate")
     assert conv.context() == MULTI["messages"][:2]
     conv.answers.append(answer("Apple."))
     ctx = conv.context()
@@ -101,12 +101,12 @@ def test_conversation_regenerates_history_with_own_answers():
     assert conv.done and conv.context(1) == ctx
     assert conv.where("p.jsonl") == "p.jsonl:7"
     # "last": the prompt's assistant message stays as given and only the final turn is answered
-    last = Conversation(MULTI, multi_turn="last")
+    last = Conversation(MULTI, None, "last")
     assert last.context() == MULTI["messages"]
 
 
 def test_trace_row_keeps_earlier_turns_and_reasoning():
-    conv = Conversation(MULTI)
+    conv = Conversation(MULTI, None, "regenerate")
     conv.answers = [answer("Apple.", "fruit?", [10, 2], [1, 2]), answer("Carrot.", None, [11, 2], [1, 2, 3])]
     conv.prompt_ids = [[1, 2], [1, 2, 3]]
     row = trace_row(conv, "openai", "m", "fp")
@@ -125,7 +125,7 @@ def test_trace_row_keeps_earlier_turns_and_reasoning():
     ]
     assert (row["backend"], row["model"], row["template"]) == ("openai", "m", "fp")
     # a text-only server: no token ids stored, tokenize re-renders the text
-    text = Conversation({"id": "t", "messages": [{"role": "user", "content": "hi"}]})
+    text = Conversation({"id": "t", "messages": [{"role": "user", "content": "hi"}]}, None, "regenerate")
     text.answers, text.prompt_ids = [answer("hello")], [[1, 2]]
     assert "response_token_ids" not in trace_row(text, "openai", "m", "fp")
 
@@ -291,7 +291,7 @@ def test_merge_turns_masks_nested_turns_and_separates_the_rest():
 
 def _multi_turn_row(tokenizer, first_reasoning=None, with_ids=True):
     """A regenerated two-turn trace as generate.py writes it, built with `tokenizer`'s template."""
-    conv = Conversation(MULTI)
+    conv = Conversation(MULTI, None, "regenerate")
     for text, reasoning in (("Apple.", first_reasoning), ("Carrot.", None)):
         prompt = render_prompt(tokenizer, conv.context())
         full, mask = render_with_response(tokenizer, conv.context(), text, reasoning)
@@ -409,7 +409,12 @@ def test_generate_writes_original_answers_without_generating(tmp_path):
     traces = [json.loads(line) for line in out.read_text().splitlines()]
     assert [t["id"] for t in traces] == ["og0", "og1", "og2"]
     assert all(t["source"] == "original" for t in traces)
-    tokenize_traces(str(TARGET), str(out), str(tmp_path / "tokens.safetensors"), 1, 1024)
+    tokenize_traces(
+        str(TARGET),
+        str(out),
+        str(tmp_path / "tokens.safetensors"),
+        TokenizeSettings(num_shards=1, max_seq_len=1024),
+    )
     _, meta = load_tokens(tmp_path / "tokens.safetensors")
     assert meta["sample_sources"] == ["original"] * 3
     with pytest.raises(ValueError, match="original_answers_share"):
@@ -435,7 +440,7 @@ def test_served_traffic_trains_on_the_served_answer_and_its_reasoning(thinking_t
     whose reasoning is trained in the template's thinking format, as the server generated it."""
     from draftsmith.core.prompt_sources import read_jsonl_prompts
 
-    prompts, _ = read_jsonl_prompts(REPO / "tests" / "data" / "shapes" / "served.jsonl")
+    prompts, _ = read_jsonl_prompts(REPO / "tests" / "data" / "shapes" / "served.jsonl", 0, None)
     row = json.loads(json.dumps(original_row(prompts[0], "fp")))  # as read back from traces.jsonl
     assert row["response"] == "144." and row["reasoning"] == "12 * 12 = 144."
     assert row["messages"] == [{"role": "user", "content": "What is 12 * 12?"}]

@@ -14,7 +14,7 @@ from draftsmith.core.atomic import write_json
 from draftsmith.core.manifest import DataError, load_manifest, verify_manifest
 from draftsmith.core.shards import Sample, write_shard
 from draftsmith.core.vocab import save_vocab_map
-from draftsmith.stages.manifest import build_manifest
+from draftsmith.stages.manifest import ManifestSettings, build_manifest
 from draftsmith.stages.vocab import build_vocab_map
 
 
@@ -70,10 +70,14 @@ def data(tmp_path, dtype):
     for k, agreement in enumerate((1.0, 0.9)):
         samples = _samples(k)
         path = tmp_path / "results" / "hidden" / f"shard-{k}.safetensors"
-        write_shard(path, samples, _meta(samples, agreement), codec="zstd-planes", dtype=dtype)
+        write_shard(
+            path, samples, _meta(samples, agreement), codec="zstd-planes", storage_dtype=dtype, level=1
+        )
         shards.append(path)
     manifest = tmp_path / "results" / "data_config.json"
-    build_manifest([str(p) for p in shards], str(manifest), str(target), 0.8)
+    build_manifest(
+        [str(p) for p in shards], str(manifest), str(target), ManifestSettings(min_teacher_agreement=0.8)
+    )
     vocab = tmp_path / "results" / "vocab_map.pt"
     save_vocab_map(vocab, build_vocab_map(torch.arange(300), 300, 64))
     return manifest, shards, vocab
@@ -132,9 +136,12 @@ def test_content_digests_match_for_identical_data_whatever_the_stats(tmp_path, d
         meta = _meta(samples, agreement)
         meta["stats"] |= {"seconds": 123.4 + k, "tokens_per_second": 9.9}  # another run's timing
         paths.append(again / "hidden" / f"shard-{k}.safetensors")
-        write_shard(paths[-1], samples, meta, codec="zstd-planes", level=3, dtype=dtype)
+        write_shard(paths[-1], samples, meta, codec="zstd-planes", level=3, storage_dtype=dtype)
     second = build_manifest(
-        [str(p) for p in paths], str(again / "data_config.json"), str(tmp_path / "target"), 0.8
+        [str(p) for p in paths],
+        str(again / "data_config.json"),
+        str(tmp_path / "target"),
+        ManifestSettings(min_teacher_agreement=0.8),
     )
     assert [s["content_sha256"] for s in first] == [s["content_sha256"] for s in second["shards"]]
     assert paths[1].read_bytes() != shards[1].read_bytes()  # the files differ: stats, zstd level
@@ -143,7 +150,7 @@ def test_content_digests_match_for_identical_data_whatever_the_stats(tmp_path, d
 def test_verify_names_a_shard_re_extracted_with_other_data(tmp_path, data, dtype):
     manifest, shards, _ = data
     other = _samples(7)  # same shapes, other values: same byte size with codec none
-    write_shard(shards[0], other, _meta(other, 1.0), codec="none", dtype=dtype)
+    write_shard(shards[0], other, _meta(other, 1.0), codec="none", storage_dtype=dtype, level=1)
     record = json.loads(manifest.read_text())
     record["shards"][0]["bytes"] = shards[0].stat().st_size
     manifest.write_text(json.dumps(record))
@@ -194,12 +201,24 @@ def test_manifest_records_the_contract(tmp_path, data, dtype):
     assert verify_manifest(manifest) == []
     samples = _samples(0)
     other_dtype = {"bfloat16": "float8_e4m3fn", "float8_e4m3fn": "bfloat16"}[dtype]
-    write_shard(shards[0], samples, _meta(samples, 1.0), codec="zstd-planes", dtype=other_dtype)
+    write_shard(
+        shards[0], samples, _meta(samples, 1.0), codec="zstd-planes", storage_dtype=other_dtype, level=1
+    )
     with pytest.raises(DataError, match=r"shards disagree on dtype: \[.*bfloat16.*float8_e4m3fn"):
-        build_manifest([str(p) for p in shards], str(tmp_path / "other.json"), str(tmp_path / "target"), 0.8)
-    write_shard(shards[0], samples, _meta(samples, 0.5), codec="zstd-planes", dtype=dtype)
+        build_manifest(
+            [str(p) for p in shards],
+            str(tmp_path / "other.json"),
+            str(tmp_path / "target"),
+            ManifestSettings(min_teacher_agreement=0.8),
+        )
+    write_shard(shards[0], samples, _meta(samples, 0.5), codec="zstd-planes", storage_dtype=dtype, level=1)
     with pytest.raises(DataError, match="teacher agreement below 0.8 in results/hidden/shard-0.safetensors"):
-        build_manifest([str(p) for p in shards], str(tmp_path / "other.json"), str(tmp_path / "target"), 0.8)
+        build_manifest(
+            [str(p) for p in shards],
+            str(tmp_path / "other.json"),
+            str(tmp_path / "target"),
+            ManifestSettings(min_teacher_agreement=0.8),
+        )
     with pytest.raises(DataError, match="missing"):
         load_manifest(tmp_path / "nope.json")
 
@@ -256,9 +275,19 @@ def test_building_a_manifest_over_shards_outside_its_folder_needs_the_setting(tm
     _, shards, _ = data
     out = tmp_path / "elsewhere" / "data_config.json"
     with pytest.raises(DataError, match="DRAFTSMITH_SHARD_DIRS"):
-        build_manifest([str(p) for p in shards], str(out), str(tmp_path / "target"), 0.8)
+        build_manifest(
+            [str(p) for p in shards],
+            str(out),
+            str(tmp_path / "target"),
+            ManifestSettings(min_teacher_agreement=0.8),
+        )
     monkeypatch.setenv("DRAFTSMITH_SHARD_DIRS", str(shards[0].parent))
-    built = build_manifest([str(p) for p in shards], str(out), str(tmp_path / "target"), 0.8)
+    built = build_manifest(
+        [str(p) for p in shards],
+        str(out),
+        str(tmp_path / "target"),
+        ManifestSettings(min_teacher_agreement=0.8),
+    )
     assert built["shards"][0]["path"] == str(shards[0])  # absolute: it is outside the manifest's folder
     assert verify_manifest(out) == []
 

@@ -23,7 +23,7 @@ from draftsmith.core.prompt_sources import (
     read_prompt_file,
     read_sharegpt_wheel,
 )
-from draftsmith.stages.prompts import prepare_prompts, select, split_heldout
+from draftsmith.stages.prompts import PromptSettings, prepare_prompts, select, split_heldout
 
 
 @pytest.fixture(scope="session")
@@ -57,20 +57,12 @@ def ids(prompts: list[dict]) -> list[str]:
 
 
 def prepare(tmp_path: Path, **kw) -> dict:
-    args = dict(
-        source="builtin",
-        path=None,
-        wheel=None,
-        out_train=str(tmp_path / "out" / "train.jsonl"),
-        out_heldout=str(tmp_path / "out" / "heldout.jsonl"),
-        max_prompts=0,
-        num_heldout=5,
-        heldout_path=None,
-        max_prompt_chars=0,
-        seed=0,
+    wheel = kw.pop("wheel", None)
+    settings = PromptSettings.from_dict(
+        {"source": "builtin", "max_prompts": 0, "num_heldout": 5, "max_prompt_chars": 0, **kw}
     )
-    args.update(kw)
-    return prepare_prompts(**args)
+    out = tmp_path / "out"
+    return prepare_prompts(str(out / "train.jsonl"), str(out / "heldout.jsonl"), settings, wheel, [])
 
 
 # ----------------------------------------------------------------------------- the three JSONL forms
@@ -98,7 +90,7 @@ def test_jsonl_forms_parse(tmp_path):
             },
         ],
     )
-    prompts, counts = read_jsonl_prompts(f)
+    prompts, counts = read_jsonl_prompts(f, 0, None)
     assert counts == {"read": 4, "complete": 4, "kept": 4, "skipped": {}}
     assert prompts[0] == {
         "id": "a",
@@ -161,7 +153,7 @@ GOOD = {"id": "ok", "prompt": "fine"}
 def test_errors_name_file_and_line(tmp_path, bad, fragment):
     f = write_lines(tmp_path / "bad.jsonl", [GOOD, "", bad, GOOD | {"id": "later"}])
     with pytest.raises(PromptError) as err:
-        read_jsonl_prompts(f)
+        read_jsonl_prompts(f, 0, None)
     msg = str(err.value)
     assert msg.startswith(f"{f}:3: "), msg
     assert fragment in msg
@@ -171,7 +163,7 @@ def test_non_utf8_line(tmp_path):
     f = tmp_path / "latin.jsonl"
     f.write_bytes(b'{"id": "a", "prompt": "ok"}\n{"id": "b", "prompt": "caf\xe9"}\n')
     with pytest.raises(PromptError, match=r"latin\.jsonl:2: not valid UTF-8"):
-        read_jsonl_prompts(f)
+        read_jsonl_prompts(f, 0, None)
 
 
 def test_duplicate_ids_name_both_lines(tmp_path):
@@ -179,7 +171,7 @@ def test_duplicate_ids_name_both_lines(tmp_path):
         tmp_path / "dup.jsonl", [{"id": "same", "prompt": "a"}, GOOD, {"id": "same", "prompt": "b"}]
     )
     with pytest.raises(PromptError) as err:
-        read_jsonl_prompts(f)
+        read_jsonl_prompts(f, 0, None)
     msg = str(err.value)
     assert msg.startswith(f"{f}:3: duplicate id 'same'") and "line 1" in msg
 
@@ -198,7 +190,7 @@ def test_oversized_prompts_are_skipped_and_counted(tmp_path):
             {"id": "edge", "prompt": "z" * 100},
         ],
     )
-    prompts, counts = read_jsonl_prompts(f, max_prompt_chars=100)
+    prompts, counts = read_jsonl_prompts(f, max_prompt_chars=100, columns=None)
     assert ids(prompts) == ["short", "edge"]
     assert counts["skipped"] == {"too_long": 1} and counts["kept"] == 2 and counts["read"] == 3
     summary = prepare(tmp_path, source="jsonl", path=str(f), num_heldout=1, max_prompt_chars=100)
@@ -260,7 +252,7 @@ def test_separate_heldout_file(tmp_path):
 
 
 def test_unknown_source(tmp_path):
-    with pytest.raises(PromptError, match="unknown prompt source"):
+    with pytest.raises(ValueError, match="prompts.source"):
         prepare(tmp_path, source="hub")
 
 
@@ -268,7 +260,7 @@ def test_unknown_source(tmp_path):
 
 
 def test_builtin_prompts():
-    prompts, counts = read_jsonl_prompts(BUILTIN_PROMPTS)
+    prompts, counts = read_jsonl_prompts(BUILTIN_PROMPTS, 0, None)
     assert len(prompts) >= 50 and counts["skipped"] == {}
     assert len(set(ids(prompts))) == len(prompts)
     assert any(p["messages"][0]["role"] == "system" for p in prompts)
@@ -359,7 +351,7 @@ def test_sharegpt_conversation_keeps_every_answer(tmp_path):
             )
         ],
     )
-    prompts, _ = read_sharegpt_wheel(wheel)
+    prompts, _ = read_sharegpt_wheel(wheel, 0)
     conversation = [
         {"role": "user", "content": "Q1"},
         {"role": "assistant", "content": "A1a\n\nA1b"},
@@ -371,7 +363,7 @@ def test_sharegpt_conversation_keeps_every_answer(tmp_path):
     ]
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps(prompts[0]) + "\n")
-    assert read_jsonl_prompts(path)[0] == prompts
+    assert read_jsonl_prompts(path, 0, None)[0] == prompts
 
 
 def test_sharegpt_wheel_without_member(tmp_path):
@@ -379,7 +371,7 @@ def test_sharegpt_wheel_without_member(tmp_path):
     with zipfile.ZipFile(wheel, "w") as zf:
         zf.writestr("something/else.json", "[]")
     with pytest.raises(PromptError, match="has no member"):
-        read_sharegpt_wheel(wheel)
+        read_sharegpt_wheel(wheel, 0)
 
 
 def test_sharegpt_wheel_full_parse(tmp_path, sharegpt_wheel):
@@ -435,7 +427,7 @@ def assistant(text: str, reasoning: str | None = None) -> dict:
 
 
 def test_specforge_conversations_with_role_and_content():
-    prompts, counts = read_jsonl_prompts(SHAPES / "specforge.jsonl")
+    prompts, counts = read_jsonl_prompts(SHAPES / "specforge.jsonl", 0, None)
     assert counts["kept"] == 2
     system = {"role": "system", "content": "Answer in one line."}
     assert prompts[1] == {
@@ -454,7 +446,7 @@ def test_specforge_conversations_with_role_and_content():
 def test_openai_messages_keep_their_answers_as_original_answers():
     """speculators' and OpenAI's fine-tuning shape: the answers were dropped before; now they are the
     record's original answers, with their reasoning; `developer` is the system role."""
-    prompts, _ = read_jsonl_prompts(SHAPES / "openai_messages.jsonl")
+    prompts, _ = read_jsonl_prompts(SHAPES / "openai_messages.jsonl", 0, None)
     system = {"role": "system", "content": "You are terse."}
     assert prompts[0] == {
         "id": "oa-1",
@@ -467,7 +459,7 @@ def test_openai_messages_keep_their_answers_as_original_answers():
 
 
 def test_content_as_a_list_of_text_parts_is_joined_as_vllm_joins_it(tmp_path):
-    [prompt], _ = read_jsonl_prompts(SHAPES / "content_parts.jsonl")
+    [prompt], _ = read_jsonl_prompts(SHAPES / "content_parts.jsonl", 0, None)
     assert prompt["messages"] == [user("Summarise this:\nThe cat sat on the mat.")]
     assert prompt["conversation"][-1] == assistant("A cat sat.")
     image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
@@ -483,11 +475,11 @@ def test_content_as_a_list_of_text_parts_is_joined_as_vllm_joins_it(tmp_path):
     with pytest.raises(
         PromptError, match=r"image\.jsonl:1: message 0 \(user\): content part 1 is 'image_url'"
     ):
-        read_jsonl_prompts(bad)
+        read_jsonl_prompts(bad, 0, None)
 
 
 def test_sharegpt_from_value_in_a_jsonl_file():
-    prompts, _ = read_jsonl_prompts(SHAPES / "sharegpt.jsonl")
+    prompts, _ = read_jsonl_prompts(SHAPES / "sharegpt.jsonl", 0, None)
     assert prompts[0]["messages"] == [user("Write a haiku about rain.")]
     assert prompts[0]["conversation"][1]["content"].startswith("Soft rain on tin roofs")
     assert prompts[1] == {
@@ -497,7 +489,7 @@ def test_sharegpt_from_value_in_a_jsonl_file():
 
 
 def test_a_json_array_file_is_read_element_by_element_with_lines(tmp_path):
-    prompts, counts = read_jsonl_prompts(SHAPES / "array.json")
+    prompts, counts = read_jsonl_prompts(SHAPES / "array.json", 0, None)
     assert [p["id"] for p in prompts] == ["arr-1", "arr-2", "arr-3"] and counts["read"] == 3
     assert prompts[1]["conversation"] == [user("Translate 'bonjour'."), assistant("Hello.")]
     assert read_prompt_file(SHAPES / "array.json") == prompts
@@ -505,19 +497,19 @@ def test_a_json_array_file_is_read_element_by_element_with_lines(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('[\n  {"id": "a", "prompt": "ok"},\n\n  {"id": "b", "text": "?"}\n]\n')
     with pytest.raises(PromptError, match=r"bad\.json:4: expected one of keys"):
-        read_jsonl_prompts(bad)
+        read_jsonl_prompts(bad, 0, None)
     cut = tmp_path / "cut.json"
     cut.write_text('[\n  {"id": "a", "prompt": "ok"},\n  {"id": "b", "prompt": "cut o')
     with pytest.raises(PromptError, match=r"cut\.json:3: invalid JSON: Unterminated string"):
-        read_jsonl_prompts(cut)
+        read_jsonl_prompts(cut, 0, None)
     unclosed = tmp_path / "unclosed.json"
     unclosed.write_text('[\n  {"id": "a", "prompt": "ok"}\n')
     with pytest.raises(PromptError, match=r"unclosed\.json:3: the JSON array is not closed"):
-        read_jsonl_prompts(unclosed)
+        read_jsonl_prompts(unclosed, 0, None)
 
 
 def test_prompt_and_completion_pairs():
-    prompts, _ = read_jsonl_prompts(SHAPES / "prompt_completion.jsonl")
+    prompts, _ = read_jsonl_prompts(SHAPES / "prompt_completion.jsonl", 0, None)
     assert prompts[0]["conversation"] == [user("Give me a word that rhymes with cat."), assistant("Hat.")]
     assert prompts[1]["conversation"] == [user("Is 7 prime?"), assistant("Yes.")]
     assert prompts[2] == {"id": "pc-3", "messages": [user("Tell me a fun fact.")]}
@@ -527,7 +519,7 @@ def test_served_traffic_becomes_conversations_with_the_served_answers():
     """Request + response lines as an OpenAI-compatible server logs them (and OpenAI batch lines, with
     `body`): the answer is choices[0].message, with its reasoning; failed requests and tool calls are
     counted, not trained on."""
-    prompts, counts = read_jsonl_prompts(SHAPES / "served.jsonl")
+    prompts, counts = read_jsonl_prompts(SHAPES / "served.jsonl", 0, None)
     assert [p["id"] for p in prompts] == ["chatcmpl-a1", "chatcmpl-a2", "batch-7"]
     assert prompts[0] == {
         "id": "chatcmpl-a1",
@@ -554,7 +546,7 @@ def test_served_traffic_becomes_conversations_with_the_served_answers():
 def test_a_bad_served_line_names_file_line_and_why(tmp_path, bad, fragment):
     f = write_lines(tmp_path / "log.jsonl", [GOOD, bad])
     with pytest.raises(PromptError) as err:
-        read_jsonl_prompts(f)
+        read_jsonl_prompts(f, 0, None)
     assert str(err.value).startswith(f"{f}:2: ") and fragment in str(err.value)
 
 
@@ -564,10 +556,10 @@ def test_columns_rename_a_files_own_keys(tmp_path):
         [{"uid": "u1", "chat": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hey"}]}],
     )
     columns = {"id": "uid", "messages": "chat"}
-    [prompt], _ = read_jsonl_prompts(f, columns=columns)
+    [prompt], _ = read_jsonl_prompts(f, 0, columns)
     assert prompt == {"id": "u1", "messages": [user("Hi")], "conversation": [user("Hi"), assistant("Hey")]}
     with pytest.raises(PromptError, match=r"own\.jsonl:1: no key 'dialog' \(prompts.columns.messages\)"):
-        read_jsonl_prompts(f, columns={"messages": "dialog"})
+        read_jsonl_prompts(f, 0, {"messages": "dialog"})
 
 
 # ----------------------------------------------------------------------------- Hugging Face datasets
@@ -617,7 +609,7 @@ def test_a_dataset_from_a_parquet_file_with_a_split(datasets_cache):
     ]
     path = datasets_cache / "pairs.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
-    prompts, counts = read_dataset_prompts(str(path), split="test")
+    prompts, counts = read_dataset_prompts(str(path), "test", None, None, None, 0)
     assert counts["kept"] == 2
     assert prompts[0] == {
         "id": "pairs-1",
@@ -632,9 +624,11 @@ def test_a_bad_dataset_row_names_the_dataset_split_and_row(datasets_cache):
     with pytest.raises(
         PromptError, match=r"rows\.jsonl \(train\) row 2: message 0 \(user\): content must be a non-empty"
     ):
-        read_dataset_prompts(str(src))
+        read_dataset_prompts(str(src), "train", None, None, None, 0)
     with pytest.raises(PromptError, match=r"cannot tell the format from its suffix"):
-        read_dataset_prompts(str(write_lines(datasets_cache / "rows.txt", [GOOD])))
+        read_dataset_prompts(
+            str(write_lines(datasets_cache / "rows.txt", [GOOD])), "train", None, None, None, 0
+        )
 
 
 def test_a_hub_dataset_is_read_from_the_hub_cache_offline(datasets_cache, monkeypatch):
@@ -648,10 +642,10 @@ def test_a_hub_dataset_is_read_from_the_hub_cache_offline(datasets_cache, monkey
     add_repo(hub, "someone/chats", {"data/train.jsonl": records, "data/test.jsonl": records}, "dataset")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    prompts, counts = read_dataset_prompts("someone/chats", split="test")
+    prompts, counts = read_dataset_prompts("someone/chats", "test", None, None, None, 0)
     assert [p["id"] for p in prompts] == ["sf-1", "sf-2"] and counts["kept"] == 2
     with pytest.raises(PromptError) as err:  # neither in the cache nor reachable: one line
-        read_dataset_prompts("someone/other")
+        read_dataset_prompts("someone/other", "train", None, None, None, 0)
     message = str(err.value)
     assert "someone/other" in message and str(hub) in message and "HF_HUB_OFFLINE=1" in message
     assert "\n" not in message

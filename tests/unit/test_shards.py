@@ -75,7 +75,7 @@ def test_shard_round_trip_is_lossless(tmp_path, codec):
     samples[0].aux[0, 0, 0] = float("inf")  # extreme values survive the byte-plane split
     samples[1].final[2, 3] = -3.0e38
     path = tmp_path / "shard-0.safetensors"
-    write_shard(path, samples, _meta(), codec=codec)
+    write_shard(path, samples, _meta(), codec=codec, level=1, storage_dtype="bfloat16")
     back = list(iter_samples(path))
     assert [s.id for s in back] == ["s0", "s1"]
     for a, b in zip(samples, back, strict=True):
@@ -91,9 +91,9 @@ def test_shard_reader_random_access(tmp_path, codec, dtype):
     cuts it."""
     samples = [_sample(i, 10 + 3 * i) for i in range(5)]
     path = tmp_path / "shard-0.safetensors"
-    write_shard(path, samples, _meta(), codec=codec, dtype=dtype)
+    write_shard(path, samples, _meta(), codec=codec, storage_dtype=dtype, level=1)
     with ShardReader(path) as reader:
-        assert len(reader) == 5 and reader.codec == codec and reader.dtype == dtype
+        assert len(reader) == 5 and reader.codec == codec and reader.storage_dtype == dtype
         for i in reversed(range(5)):
             whole = reader.read(i)
             assert _stored_equal(samples[i], whole, dtype)
@@ -119,7 +119,7 @@ def test_float8_storage_returns_torchs_e4m3_rounding_times_a_power_of_two_scale(
     aux[2, 2, 7] = -0.0
     sample = Sample("x", torch.arange(n), torch.ones(n, dtype=torch.bool), aux, final)
     path = tmp_path / "shard-0.safetensors"
-    write_shard(path, [sample], _meta(), codec=codec, dtype="float8_e4m3fn")
+    write_shard(path, [sample], _meta(), codec=codec, storage_dtype="float8_e4m3fn", level=1)
     back = read_sample(path, 0)
     assert back.aux.dtype == back.final.dtype == torch.bfloat16
     assert torch.equal(back.aux.view(torch.int16), _fp8_reference(aux).view(torch.int16))
@@ -144,7 +144,7 @@ def test_float8_error_stays_within_the_bound_its_three_mantissa_bits_imply(tmp_p
     final = torch.randn(n, hidden, generator=g)
     sample = Sample("x", torch.arange(n), torch.ones(n, dtype=torch.bool), aux.bfloat16(), final.bfloat16())
     path = tmp_path / "shard-0.safetensors"
-    write_shard(path, [sample], _meta(), codec="zstd-planes", dtype="float8_e4m3fn")
+    write_shard(path, [sample], _meta(), codec="zstd-planes", storage_dtype="float8_e4m3fn", level=1)
     back, stored = read_sample(path, 0), store(sample, "float8_e4m3fn")
     x = torch.cat([sample.aux.transpose(0, 1), sample.final[None]]).float()  # [A + 1, T, H], as stored
     x_hat = torch.cat([back.aux.transpose(0, 1), back.final[None]]).float()
@@ -162,7 +162,14 @@ def test_float8_refuses_a_non_finite_state_naming_the_sample(tmp_path):
     bad = _sample(1, 4)
     bad.final[2, 3] = float("inf")
     with pytest.raises(RuntimeError, match="writing .*shard-0.safetensors failed") as err:
-        write_shard(tmp_path / "shard-0.safetensors", [_sample(0, 4), bad], _meta(), dtype="float8_e4m3fn")
+        write_shard(
+            tmp_path / "shard-0.safetensors",
+            [_sample(0, 4), bad],
+            _meta(),
+            storage_dtype="float8_e4m3fn",
+            codec="none",
+            level=1,
+        )
     assert "sample s1: a hidden state is inf or nan" in str(err.value.__cause__)
     assert not list(tmp_path.iterdir())  # nothing left behind
 
@@ -171,7 +178,7 @@ def test_float8_shard_with_codec_none_is_plain_safetensors_codes_and_scales(tmp_
     """Readable without draftsmith: F8_E4M3 codes and float32 scales, value = code * scale."""
     samples = [_sample(0, 4), _sample(1, 5)]
     path = tmp_path / "shard-0.safetensors"
-    write_shard(path, samples, _meta(), codec="none", dtype="float8_e4m3fn")
+    write_shard(path, samples, _meta(), codec="none", storage_dtype="float8_e4m3fn", level=1)
     with safe_open(str(path), framework="pt") as f:
         aux, aux_scales = f.get_tensor("aux_hidden_states"), f.get_tensor("aux_scales")
         final, final_scales = f.get_tensor("final_hidden_states"), f.get_tensor("final_scales")
@@ -183,19 +190,19 @@ def test_float8_shard_with_codec_none_is_plain_safetensors_codes_and_scales(tmp_
     assert read_shard_meta(path)["dtype"] == "float8_e4m3fn"
     # plain shards are half the size of bf16's (plus 4 bytes per row of H values)
     bf16 = tmp_path / "bf16.safetensors"
-    state_bytes = write_shard(bf16, samples, _meta(), codec="none")
-    assert write_shard(tmp_path / "f8.safetensors", samples, _meta(), dtype="float8_e4m3fn") == (
-        state_bytes // 2 + 9 * 4 * 4
-    )
+    state_bytes = write_shard(bf16, samples, _meta(), codec="none", level=1, storage_dtype="bfloat16")
+    assert write_shard(
+        tmp_path / "f8.safetensors", samples, _meta(), storage_dtype="float8_e4m3fn", codec="none", level=1
+    ) == (state_bytes // 2 + 9 * 4 * 4)
 
 
 @pytest.mark.parametrize("codec", CODECS)
 def test_shard_header_outgrowing_its_room_still_writes_the_same_tensors(tmp_path, codec):
     samples = [_sample(0, 4), _sample(1, 5)]
     in_place = tmp_path / "in-place.safetensors"
-    write_shard(in_place, samples, _meta(), codec=codec)
+    write_shard(in_place, samples, _meta(), codec=codec, level=1, storage_dtype="bfloat16")
     rewritten = tmp_path / "rewritten.safetensors"
-    writer = ShardWriter(rewritten, _meta(), codec)
+    writer = ShardWriter(rewritten, _meta(), codec, level=1, storage_dtype="bfloat16")
     for sample in samples:
         writer.add(sample)
     writer.close({"notes": "x" * (2 * HEADER_ROOM)})  # more than the room kept for the header
@@ -222,26 +229,37 @@ def test_content_digest_depends_on_the_tensors_only(tmp_path, dtype):
         [("zstd-planes", 1, 1.5), ("zstd-planes", 3, 9.0), ("none", 1, 2.0)]
     ):
         path = tmp_path / f"shard-{k}.safetensors"
-        write_shard(path, samples, _meta(seconds=seconds), codec=codec, level=level, dtype=dtype)
+        write_shard(path, samples, _meta(seconds=seconds), codec=codec, level=level, storage_dtype=dtype)
         digests.append(verify_shard(path))
         assert read_shard_meta(path)["content_sha256"] == digests[-1]
         file_bytes.append(path.read_bytes())
     assert len(set(digests)) == 1 and len(set(file_bytes)) == 3  # the files differ, their content does not
     changed = [_sample(0, 6), _sample(1, 9)]
     changed[1].final[4, 2] *= 1.5  # one value, by more than float8 rounds away
-    write_shard(tmp_path / "other.safetensors", changed, _meta(), codec="zstd-planes", dtype=dtype)
+    write_shard(
+        tmp_path / "other.safetensors", changed, _meta(), codec="zstd-planes", storage_dtype=dtype, level=1
+    )
     assert verify_shard(tmp_path / "other.safetensors") != digests[0]
     swapped = [samples[1], samples[0]]  # order is content: training's data position depends on it
-    write_shard(tmp_path / "swapped.safetensors", swapped, _meta(), codec="zstd-planes", dtype=dtype)
+    write_shard(
+        tmp_path / "swapped.safetensors", swapped, _meta(), codec="zstd-planes", storage_dtype=dtype, level=1
+    )
     assert verify_shard(tmp_path / "swapped.safetensors") != digests[0]
     other_dtype = {"bfloat16": "float8_e4m3fn", "float8_e4m3fn": "bfloat16"}[dtype]
-    write_shard(tmp_path / "dtype.safetensors", samples, _meta(), codec="zstd-planes", dtype=other_dtype)
+    write_shard(
+        tmp_path / "dtype.safetensors",
+        samples,
+        _meta(),
+        codec="zstd-planes",
+        storage_dtype=other_dtype,
+        level=1,
+    )
     assert verify_shard(tmp_path / "dtype.safetensors") != digests[0]
 
 
 def test_zstd_frames_carry_content_checksums(tmp_path):
     path = tmp_path / "shard-0.safetensors"
-    write_shard(path, [_sample(0, 6)], _meta(), codec="zstd-planes")
+    write_shard(path, [_sample(0, 6)], _meta(), codec="zstd-planes", level=1, storage_dtype="bfloat16")
     with ShardReader(path) as reader:
         blob = reader.read_tensor("blob").numpy().tobytes()
         frames = reader._index[0]
@@ -284,7 +302,7 @@ def test_every_flipped_bit_is_caught_naming_shard_and_sample(tmp_path, codec, te
     decoded to a value off by 4.0 and trained silently.)"""
     samples = [_sample(i, 5 + i, hidden=4) for i in range(3)]
     clean = tmp_path / "clean.safetensors"
-    write_shard(clean, samples, _meta(), codec=codec, dtype=dtype)
+    write_shard(clean, samples, _meta(), codec=codec, storage_dtype=dtype, level=1)
     start, size = _tensor_bytes(clean, tensor)
     with ShardReader(clean) as reader:
         first_of_1 = reader.offsets[1]
@@ -318,7 +336,7 @@ def test_every_flipped_bit_is_caught_naming_shard_and_sample(tmp_path, codec, te
 @pytest.mark.parametrize("cut", [3, 100, -10, -1])
 def test_truncated_shard_is_named_in_one_line(tmp_path, cut):
     path = tmp_path / "shard-3.safetensors"
-    write_shard(path, [_sample(0, 6)], _meta(), codec="zstd-planes")
+    write_shard(path, [_sample(0, 6)], _meta(), codec="zstd-planes", level=1, storage_dtype="bfloat16")
     data = path.read_bytes()
     path.write_bytes(data[:cut] if cut > 0 else data[:cut])
     for read in (read_shard_meta, ShardReader, verify_shard, lambda p: list(iter_samples(p)), read_tokens):
@@ -331,7 +349,7 @@ def test_truncated_shard_is_named_in_one_line(tmp_path, cut):
 
 def test_older_shard_format_gets_a_clear_error(tmp_path):
     path = tmp_path / "shard-0.safetensors"
-    write_shard(path, [_sample(0, 6)], _meta(), codec="zstd-planes")
+    write_shard(path, [_sample(0, 6)], _meta(), codec="zstd-planes", level=1, storage_dtype="bfloat16")
     data = path.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + n])
@@ -360,7 +378,7 @@ def test_format_2_shards_read_as_bf16_and_an_unknown_dtype_is_refused(tmp_path):
     """Format 3 only added float8: a format-2 shard (every one is bf16) reads unchanged."""
     samples = [_sample(0, 6)]
     path = tmp_path / "shard-0.safetensors"
-    write_shard(path, samples, _meta(), codec="zstd-planes")
+    write_shard(path, samples, _meta(), codec="zstd-planes", level=1, storage_dtype="bfloat16")
     _rewrite_meta(path, version=2)
     assert _equal(read_sample(path, 0), samples[0]) and verify_shard(path)
     _rewrite_meta(path, dtype="float8_e5m2")

@@ -31,6 +31,7 @@ SECTIONS = {
     "gate": ("evaluate",),
     "export": ("evaluate",),
     "push": (),
+    "target": (),  # its own section (sections_of adds it to every stage's)
 }
 # core modules that implement one section's settings (their `dtype`s are storage or compute dtypes, not
 # target.dtype, so `target` is not theirs)

