@@ -32,7 +32,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/snakefmt --check .
 	$(VENV)/bin/snakemake --lint
-	# the import contract (pyproject.toml [tool.importlinter]): no cycles, back-ends import no stage
+	# the import contract (pyproject.toml [tool.importlinter]): cli > stages > backends > core, stages independent, no cycles
 	$(VENV)/bin/lint-imports
 
 # No -x: one failure must not hide the rest.

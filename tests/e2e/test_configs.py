@@ -441,8 +441,14 @@ def test_extract_runs_vllm_over_the_nodes_8_gpus_in_bfloat16_with_cuda_graphs(pl
     assert args[2] == [
         f"results/hidden/shard-{k}.safetensors" for k in range(8 if name == "llama-3.1-8b" else 16)
     ]
-    assert (kw["backend"], kw["gpus"], kw["dtype"], kw["vllm_eager"]) == ("vllm", 8, "bfloat16", False), kw
-    assert kw["gpu_memory_utilization"] == 0.9 and kw["tensor_parallel"] == 0
+    settings = args[3]  # extract_shards(target, tokens, outs, settings, device=...)
+    assert (settings.backend, settings.gpus, settings.dtype, settings.vllm_eager) == (
+        "vllm",
+        8,
+        "bfloat16",
+        False,
+    )
+    assert settings.gpu_memory_utilization == 0.9 and settings.tensor_parallel == 0
 
 
 def test_vllm_evaluation_is_the_served_setup(plan, monkeypatch):
