@@ -80,17 +80,14 @@ def server_layout(settings: Any, target: str | Path, gpus: int) -> tuple[int, in
     else the fewest GPUs that hold the target and each engine's share of the requests in flight at
     --max-model-len (default: the target's context)."""
     from draftsmith.core.config import text_config_json
-    from draftsmith.core.memory import GIB, device_memory, engine_layout, server_arg, target_size
+    from draftsmith.core.memory import GIB, device_memory, generate_layout, target_size
 
-    args = settings.server_args or []
-    given = server_arg(args, "--tensor-parallel-size") or server_arg(args, "-tp")
     size = target_size(text_config_json(Path(target)), target, settings.dtype)
-    seq = int(server_arg(args, "--max-model-len") or size.max_position_embeddings)
-    util = float(server_arg(args, "--gpu-memory-utilization") or settings.gpu_memory_utilization)
     memory = settings.gpu_memory_gib * GIB if settings.gpu_memory_gib else device_memory({})[0]
-    tp, engines = engine_layout(
-        size, gpus, seq, util, memory, int(given or settings.tensor_parallel), in_flight=settings.concurrency
-    )
+    resources = {
+        key: getattr(settings, key) for key in ("gpu_memory_utilization", "tensor_parallel", "concurrency")
+    }
+    tp, engines = generate_layout(settings.server_args or [], {**resources, "gpus": gpus}, size, memory)
     log.info("generate: %d GPU(s) as %d engine(s) of %d (data parallel x tensor parallel)", gpus, engines, tp)
     return tp, engines
 

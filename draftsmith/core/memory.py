@@ -554,6 +554,23 @@ def engine_layout(
     return gpus, 1
 
 
+def generate_layout(
+    server_args: list[Any], resources: dict[str, Any], size: TargetSize, memory: float | None
+) -> tuple[int, int]:
+    """(GPUs per engine, engines) of the generation server, from generate.server_args and
+    resources.generate: the plan prints it and the job starts it, so both call this. --tensor-parallel-size
+    (or -tp) in server_args, else resources.generate.tensor_parallel, else engine_layout's choice for the
+    requests in flight at --max-model-len (default: the target's context)."""
+    given = server_arg(server_args, "--tensor-parallel-size") or server_arg(server_args, "-tp")
+    seq = int(server_arg(server_args, "--max-model-len") or size.max_position_embeddings)
+    util = float(server_arg(server_args, "--gpu-memory-utilization") or resources["gpu_memory_utilization"])
+    tensor_parallel = int(given or resources["tensor_parallel"])
+    in_flight = int(resources["concurrency"])
+    return engine_layout(
+        size, int(resources["gpus"]), seq, util, memory, tensor_parallel, in_flight=in_flight
+    )
+
+
 def extract_layout(
     extract: dict[str, Any], resources: dict[str, Any], size: TargetSize, memory: float | None
 ) -> tuple[int, int]:
@@ -592,16 +609,7 @@ def plan(
             server_arg(args, "--gpu-memory-utilization") or res["generate"]["gpu_memory_utilization"]
         )
         seq = int(server_arg(args, "--max-model-len") or size.max_position_embeddings)
-        given = server_arg(args, "--tensor-parallel-size") or server_arg(args, "-tp")
-        tp, engines = engine_layout(
-            size,
-            res["generate"]["gpus"],
-            seq,
-            util,
-            memory,
-            int(given or res["generate"]["tensor_parallel"]),
-            in_flight=int(res["generate"]["concurrency"]),
-        )
+        tp, engines = generate_layout(args, res["generate"], size, memory)
         need = _vllm_need(
             "generate",
             size,
