@@ -530,7 +530,7 @@ def import_specforge(
     state_path: Path, manifest_path: Path, vocab_path: Path, settings: dict[str, Any], out_dir: Path
 ) -> Path:
     """SpecForge's trained weights in draftsmith's drafter, exported as draftsmith exports its own."""
-    from draftsmith.core.drafter import build_drafter
+    from draftsmith.core.kinds import build_drafter
     from draftsmith.stages.train import TrainSettings, load_inputs, write_drafter
 
     manifest, vocab, target = load_inputs(manifest_path, vocab_path)
@@ -812,7 +812,7 @@ def run_diff(
     samples: int, max_len: int, threads: int | None, out: Path,
 ) -> dict[str, Any]:  # fmt: skip
     """The differential check (module docstring)."""
-    from draftsmith.core.drafter import build_drafter
+    from draftsmith.core.kinds import build_drafter
     from draftsmith.core.objective import Objective, ttt_loss
     from draftsmith.stages.train import TrainSettings, load_inputs
 

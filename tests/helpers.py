@@ -12,6 +12,7 @@ import json
 import subprocess
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -222,7 +223,7 @@ EXPORT_TARGET_VOCAB, EXPORT_DRAFT_VOCAB = 256, 96
 EXPORT_AUX_IDS = [2, 4, 5]  # "input" convention
 
 
-def make_drafter(seed: int = 0, target_hidden_size: int = 40) -> Eagle3Drafter:
+def make_drafter(seed: int = 0, target_hidden_size: int = 40, **kind: Any) -> Eagle3Drafter:
     """A small random drafter with a draft vocabulary of EXPORT_DRAFT_VOCAB of EXPORT_TARGET_VOCAB ids."""
     torch.manual_seed(seed)
     cfg = DrafterConfig(
@@ -238,6 +239,7 @@ def make_drafter(seed: int = 0, target_hidden_size: int = 40) -> Eagle3Drafter:
         target_vocab_size=EXPORT_TARGET_VOCAB,
         draft_vocab_size=EXPORT_DRAFT_VOCAB,
         num_aux=3,
+        **kind,  # kind=..., mask_token_id=...
     )
     model = Eagle3Drafter(cfg)
     ids = torch.sort(torch.randperm(EXPORT_TARGET_VOCAB)[:EXPORT_DRAFT_VOCAB]).values
@@ -358,10 +360,11 @@ def _cli(*args) -> str:
     return result.output
 
 
-def train_and_measure(target: Path, r: Path, control_of=None) -> dict:
+def train_and_measure(target: Path, r: Path, control_of=None, train: dict | None = None) -> dict:
     """The stage commands on `target` (built-in prompts, fp32 greedy traces, a drafter trained until it
     has learnt them), then the offline and the vLLM measurement of the drafter on the training prompts.
-    `control_of(drafter, out)` makes the export measured offline as "untrained" -> the results."""
+    `control_of(drafter, out)` makes the export measured offline as "untrained"; `train`: train settings
+    over this harness's -> the results."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a busy 2-core machine: one thread avoids lock-step waits
     _cli("prompts", "--source", "builtin", "--max-prompts", TWIN_PROMPTS + 1, "--num-heldout", 1,
@@ -380,7 +383,8 @@ def train_and_measure(target: Path, r: Path, control_of=None) -> dict:
     _cli("vocab", "--tokens", r / "tokens.safetensors", "--target", target, "--size", 1024,
          "--out", r / "vocab_map.pt")  # fmt: skip
     settings = {"epochs": 20, "lr": 3e-3, "warmup_steps": 3, "batch_tokens": 4096, "ttt_steps": 3,
-                "val_fraction": 0.0, "threads": 1, "checkpoint_every": 0, "precision": "fp32"}  # fmt: skip
+                "val_fraction": 0.0, "threads": 1, "checkpoint_every": 0, "precision": "fp32",
+                **(train or {})}  # fmt: skip
     _cli("train", "--manifest", r / "data_config.json", "--vocab", r / "vocab_map.pt", "--out", r / "drafter",
          "--checkpoints", r / "checkpoints", "--metrics", r / "metrics.jsonl",
          "--settings", json.dumps(settings))  # fmt: skip
