@@ -382,15 +382,14 @@ def probe_target_without_layer_count(p: Probe) -> str:
 def probe_vllm_that_does_not_start(p: Probe) -> str:
     """`draftsmith extract --backend vllm` on the real default target with a KV cache larger than the
     machine (VLLM_CPU_KVCACHE_SPACE): vLLM's worker fails at start. A minute or two per checkout."""
-    sys.path.insert(0, str(REPO / "tests" / "e2e"))
     sys.path.insert(0, str(REPO / "tests"))
-    from test_extract_kill import random_sequences, write_tokens
+    from helpers import random_sequences, write_sample_tokens
 
     target = REPO / "resources" / "SmolLM2-135M-Instruct"
     if not (target / "config.json").is_file():
         return "probe skipped: the default target is not materialised (make setup)"
     ids, masks = random_sequences([40, 60])
-    write_tokens(p.root / "tokens.safetensors", ids, masks, [[0, 2]])
+    write_sample_tokens(p.root / "tokens.safetensors", ids, masks, [[0, 2]])
     cmd = ["draftsmith", "extract", "--target", str(target), "--tokens", str(p.root / "tokens.safetensors")]
     cmd += [
         "--shard",

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
-from conftest import REPO, cli_env
+from helpers import REPO, cli_env
 from hubcache import add_repo
 
 from draftsmith import cli

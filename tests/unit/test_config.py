@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO
+from helpers import REPO
 
 from draftsmith.core.config import (
     EMBEDDED_TARGET,

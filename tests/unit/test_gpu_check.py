@@ -12,7 +12,7 @@ import shlex
 import subprocess
 
 import pytest
-from conftest import REPO, cli_env
+from helpers import REPO, cli_env
 
 SCRIPT = REPO / "scripts" / "gpu-check.sh"
 NO_GPU = "gpu-check: no NVIDIA GPU here (nvidia-smi -L lists none); run it on a GPU node\n"

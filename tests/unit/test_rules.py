@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from helpers import REPO
 from snakemake.api import SnakemakeApi
 from snakemake.settings.types import (
     ConfigSettings,
