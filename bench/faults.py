@@ -221,7 +221,7 @@ def probe_broken_prompt_file_after_a_good_run(p: Probe) -> str:
 def probe_broken_heldout_set(p: Probe) -> str:
     own = p.prompts("mine.jsonl", extra='{"prompt": 3}\n')
     proc = p.snakemake(
-        "-n", config=p.config({"evaluate": {"heldout_sets": {"split": "split", "mine": str(own)}}})
+        "-n", config=p.config({"evaluate": {"heldout_sets": {"heldout": "heldout", "mine": str(own)}}})
     )
     return (
         f"refused at start: {said(proc)}"
@@ -275,7 +275,7 @@ def probe_base_url_not_a_url(p: Probe) -> str:
 
 def probe_configfile_with_one_set(p: Probe) -> str:
     base = p.config(
-        {"evaluate": {"heldout_sets": {"split": "split", "handwritten": "handwritten"}}}, "base.yaml"
+        {"evaluate": {"heldout_sets": {"heldout": "heldout", "handwritten": "handwritten"}}}, "base.yaml"
     )
     own = p.prompts("mine.jsonl")
     mine = p.config({"evaluate": {"heldout_sets": {"mine": str(own)}, "vllm": False}})

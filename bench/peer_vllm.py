@@ -31,11 +31,11 @@ def heldout_sets(
         if config_path and config_path.is_file()
         else {}
     )
-    sets = ((cfg or {}).get("evaluate") or {}).get("heldout_sets") or {"split": "split"}
+    sets = ((cfg or {}).get("evaluate") or {}).get("heldout_sets") or {"heldout": "heldout"}
     run_dir = manifest_path.parent.parent
     out = {}
     for name, source in sets.items():
-        if source == "split":
+        if source == "heldout":
             path = manifest_path.parent / "prompts" / "heldout.jsonl"
         elif source == "handwritten":
             path = Path(draftsmith.__file__).parent / "data" / "heldout_handwritten.jsonl"

@@ -406,7 +406,7 @@ def tiny_summary() -> dict:
     """A summary as `draftsmith eval-summary` writes it, from two held-out sets' measurements."""
     other = method([4 + i % 3 for i in range(N)], [40] * N, [[3 + i % 3, 1, 0] for i in range(N)])
     sets = {}
-    for name, trained in (("split", TRAINED), ("handwritten", other)):
+    for name, trained in (("heldout", TRAINED), ("handwritten", other)):
         off = results({"eagle3": trained, "ngram": NGRAM, "untrained": _UNTRAINED})
         sets[name] = {
             "offline": {**off, "prompts": f"{name}.jsonl", "max_new_tokens": 64, "temperature": 0.0}

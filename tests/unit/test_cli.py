@@ -201,7 +201,7 @@ def test_a_failed_check_exits_1(tmp_path):
 
 def test_a_failed_gate_exits_3_and_a_passed_one_0(tmp_path):
     check = {
-        "name": "beats_ngram (split)",
+        "name": "beats_ngram (heldout)",
         "status": "fail",
         "value": "-0.8",
         "threshold": "> 0",
