@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 import twins
-from conftest import DEFAULT_TARGET, REPO
-from helpers import assert_vllm_accepts_as_offline, train_and_measure
+from helpers import DEFAULT_TARGET, REPO, assert_vllm_accepts_as_offline, train_and_measure
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import fp_tolerance
 from helpers import (
     TINY_AUX_IDS,
     TINY_DRAFT_VOCAB,
@@ -22,6 +21,7 @@ from helpers import (
     TINY_VOCAB,
     build,
     checkpoints_of,
+    fp_tolerance,
     make_tiny_data,
     objective,
     rows,
