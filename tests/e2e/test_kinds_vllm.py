@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 import twins
-from conftest import DEFAULT_TARGET
-from helpers import assert_vllm_accepts_as_offline, train_and_measure
+from helpers import DEFAULT_TARGET, assert_vllm_accepts_as_offline, train_and_measure
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
