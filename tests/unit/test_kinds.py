@@ -176,3 +176,25 @@ def test_foreign_eagle31_export_is_read_as_eagle31(tmp_path):
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="norm flags"):
         load_drafter(out)
+
+
+@pytest.mark.parametrize("kind", ["eagle3.1", "peagle"])
+def test_engine_forms_only_where_the_engine_serves_the_kind(tmp_path, kind):
+    """EAGLE 3.1's speculators form carries its flags (vLLM's reader of that format copies them); a form
+    draftsmith has not checked for a kind is a folder with a note, not weights an engine would misread."""
+    from draftsmith.core.export_formats import load_drafter
+    from draftsmith.stages.export import export_engines
+    from draftsmith.stages.export.stage import NOT_WRITTEN
+
+    model = make_drafter(5, 48, kind=kind, mask_token_id=MASK_ID if kind == "peagle" else None)
+    vllm_dir = save_drafter(model, tmp_path / "drafter", EXPORT_AUX_IDS, "targets/tiny", dtype=torch.float32)
+    embedding = torch.randn(model.cfg.target_vocab_size, model.cfg.hidden_size)
+    outs = export_engines(vllm_dir, tmp_path / "sglang", tmp_path / "spec", embedding, None)
+    assert (tmp_path / "sglang" / NOT_WRITTEN).is_file() and "sglang" not in outs
+    if kind == "eagle3.1":
+        config = json.loads((outs["speculators"] / "config.json").read_text())
+        assert (config["fc_norm"], config["norm_output"]) == (True, True)
+        assert check_export(outs["speculators"]) == []
+        assert load_drafter(outs["speculators"])[0].cfg.kind == "eagle3.1"
+    else:
+        assert (tmp_path / "spec" / NOT_WRITTEN).is_file() and outs == {}
