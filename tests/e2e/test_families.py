@@ -123,10 +123,10 @@ def test_both_extraction_engines_agree_on_each_family(tmp_path, target_model, fa
     assert abs(agreement[0] - agreement[1]) < 0.05, agreement
 
 
-@pytest.mark.parametrize("family, kind", [("qwen3", "eagle3"), ("qwen3_moe", "peagle")])
+@pytest.mark.parametrize("family, kind", [("qwen3", "peagle"), ("qwen3_moe", "eagle3")])
 def test_trained_drafter_is_accepted_in_vllm_as_offline(tmp_path, target_model, family, kind):
     """Thinking and MoE targets end to end: traces, extraction, a drafter shaped from the target's layer,
-    its export, and vLLM accepting exactly what draftsmith's own decoder accepts (fp32, greedy). The MoE
+    its export, and vLLM accepting exactly what draftsmith's own decoder accepts (fp32, greedy). The dense
     twin's drafter is a P-EAGLE one: vLLM drafts it in one parallel pass (mask slots after the first),
     draftsmith's decoder in the catch-up pass and one pass over the mask slots; the drafts must agree."""
     target = tmp_path / f"{family}-twin"
