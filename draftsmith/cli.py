@@ -132,29 +132,15 @@ def plan_cmd(
     \b
       draftsmith plan --configfile configs/kimi-k2.5-8gpu.yaml --gpu-model H200-141GB
     """
-    from draftsmith.core.config import config_errors, merged_config_files, text_config_json, with_defaults
-    from draftsmith.core.memory import device_memory, plan_config, refusal, table
+    from draftsmith.core.memory import plan_files
 
-    config = with_defaults(merged_config_files(list(configfiles or ["config.yaml"])))
-    errors = config_errors(config)
-    if errors:
-        fail("invalid configuration: " + "; ".join(errors), EXIT_BAD_INPUT)
-    if gpu_model:
-        config["resources"]["gpu_model"] = gpu_model
-    if gpu_memory_gib:
-        config["resources"]["gpu_memory_gib"] = gpu_memory_gib
-    memory, device = device_memory(config["resources"])
     try:
-        if target_config:
-            config["target"]["model"] = target_config
-        needs = plan_config(config, memory, text_config_json(target_config) if target_config else None)
+        lines, stop = plan_files(
+            list(configfiles or ["config.yaml"]), target_config, gpu_model, gpu_memory_gib
+        )
     except ValueError as err:
         fail(str(err), EXIT_BAD_INPUT)
-    if not needs:
-        click.echo("no stage asks for GPUs (resources.<stage>.gpus): nothing to plan")
-        return
-    click.echo(table(needs, device))
-    stop = refusal(needs, device)
+    click.echo("\n".join(lines))
     if stop:
         fail(stop, EXIT_BAD_INPUT)
 

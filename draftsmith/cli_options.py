@@ -112,7 +112,7 @@ def _flat(spec: dict[str, Any]) -> bool:
     )
 
 
-def _list_of(kind: type, name: str) -> Callable[[Any, Any, Any], Any]:
+def _list_of(kind: type) -> Callable[[Any, Any, Any], Any]:
     """An option's callback: "a,b" or a JSON list -> [a, b] of `kind`; None stays None."""
 
     def parse(ctx: Any, param: Any, text: str | None) -> list[Any] | None:
@@ -166,10 +166,10 @@ def setting_option(name: str, path: str) -> click.Option | None:
     elif len(scalars) == 1 and scalars[0] in _CLICK_TYPES:
         kw["type"] = _CLICK_TYPES[scalars[0]]
     elif scalars == ["array"] and _scalars(spec.get("items", {})) in ([t] for t in _ITEM_TYPES):
-        kw["callback"] = _list_of(_ITEM_TYPES[_scalars(spec["items"])[0]], flag)
+        kw["callback"] = _list_of(_ITEM_TYPES[_scalars(spec["items"])[0]])
         described += " (comma-separated, or a JSON list)"
     elif scalars == ["array"] and "enum" in spec.get("items", {}):
-        kw["callback"] = _list_of(str, flag)
+        kw["callback"] = _list_of(str)
         described += " (comma-separated, or a JSON list)"
     elif scalars == ["object"] and _flat(spec):
         inner = spec.get("additionalProperties") or {}
