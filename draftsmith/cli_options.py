@@ -178,7 +178,8 @@ def setting_option(name: str, path: str) -> click.Option | None:
         kw["callback"] = _pairs(
             _ITEM_TYPES.get(kinds[0]) if len(kinds) == 1 and "enum" not in inner else None
         )
-        described += " (NAME=VALUE, repeat; over the --settings JSON's)"
+        names = f", NAME one of {', '.join(spec['properties'])}" if spec.get("properties") else ""
+        described += f" (NAME=VALUE, repeat{names}; over the --settings JSON's)"
     else:
         return None
     help = f"{described} [{path.rsplit('.', 1)[0]}.{key}; default: {json.dumps(shown)}]".strip()

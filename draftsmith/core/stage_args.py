@@ -2,6 +2,10 @@
 each made with `arg`, which also says how the command line spells it (draftsmith/cli_options.py builds
 the command from them). A stage's settings come from the schema; these are the run's own inputs and
 outputs (files, folders) and the few facts of one job that are no config key (e.g. the GPUs' memory).
+
+A stage module exports its `Settings` (from_schema), its paths dataclass, `run(paths, settings)` that
+returns (or yields, to print as it goes) the lines to print, and `EXITS`: its error classes -> exit code,
+the more specific first. A stage without settings takes `run(paths)`.
 """
 
 from __future__ import annotations

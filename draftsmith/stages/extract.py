@@ -777,7 +777,7 @@ class ExtractPaths:
         "--shard", "Extract only this shard of the plan (0-based), into --out.", kind="int", minimum=0
     )
     out: str | None = arg("--out", "With --shard: the shard file, e.g. results/hidden/shard-0.safetensors.")
-    shard_files: tuple[str, ...] = arg("SHARD_FILES...", "", multiple=True)
+    shard_files: tuple[str, ...] = arg("[SHARD_FILE]...", "", multiple=True)
     gpu_memory_gib: float | None = arg(
         "--gpu-memory-gib",
         "Memory of each GPU for the engine layout [resources.gpu_memory_gib, else resources.gpu_model's; "

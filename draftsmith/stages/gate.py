@@ -62,6 +62,7 @@ class GatePaths:
     out: str | None = arg("--out", "Write the verdict here when the gate passes.")
 
 
+Paths = GatePaths
 EXITS = {NotASummary: BAD_INPUT, GateFailed: GATE}
 
 

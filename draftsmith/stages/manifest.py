@@ -142,7 +142,7 @@ def build_manifest(
 class ManifestPaths:
     target: str = arg("--target", "Target model folder.", kind="dir", required=True, exists=True)
     out: str = arg("--out", "data_config.json to write.", required=True, sealed=True)
-    shards: tuple[str, ...] = arg("SHARDS...", "", required=True, exists=True, multiple=True)
+    shards: tuple[str, ...] = arg("SHARD...", "", required=True, exists=True, multiple=True)
 
 
 Settings, Paths = ManifestSettings, ManifestPaths

@@ -285,6 +285,7 @@ class PushPaths:
     )
 
 
+Paths = PushPaths
 EXITS = {PushInputError: BAD_INPUT, GateRefused: GATE, PushFailed: FAILED}
 
 

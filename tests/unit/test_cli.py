@@ -377,14 +377,28 @@ def test_setting_options_are_generated_from_the_schema() -> None:
     assert options["ttt_step_weights"].process_value(ctx, "[1, 0.5]") == [1.0, 0.5]
 
 
-def test_every_stage_command_runs_its_stage(tmp_path):
-    """A stage's command is its run(paths, settings): paths options from the paths dataclass, the rest
-    from the settings class; an option named otherwise than its key keeps its old name beside the key's."""
+def test_every_stage_command_is_generated_from_its_run():
+    """A stage's command is its run(paths[, settings]): an option per paths field (core/stage_args.arg)
+    and per setting, its docstring as help; an option named otherwise than its key keeps its old name
+    beside the key's."""
+    import dataclasses
+    import importlib
+    import typing
+
     from draftsmith.cli import STAGES
 
     ctx = click.Context(main)
-    for name in STAGES:
+    for name, where in STAGES.items():
+        module_name, function = where.split(":")
+        module = importlib.import_module(module_name)
+        paths = typing.get_type_hints(getattr(module, function))["paths"]
+        assert all("arg" in f.metadata for f in dataclasses.fields(paths)), name
+        assert all(isinstance(code, int) for code in module.EXITS.values()), name
         command = main.get_command(ctx, name)
-        assert command.help and command.params, name
-    target = {o for p in main.get_command(ctx, "target").params for o in p.opts}
-    assert {"--gguf-wheel", "--wheel"} <= target
+        assert command.help and {p.name for p in command.params} >= {
+            f.name for f in dataclasses.fields(paths)
+        }
+    options = {name: {o for p in main.get_command(ctx, name).params for o in p.opts} for name in STAGES}
+    assert {"--gguf-wheel", "--wheel"} <= options["target"]
+    assert {"--columns", "--column"} <= options["prompts"]
+    assert {"--gate", "--check"} <= options["eval-summary"]

@@ -56,6 +56,7 @@ class ExportPaths:
     )
 
 
+Paths = ExportPaths
 EXITS = {ExportError: BAD_INPUT, RuntimeError: FAILED}
 
 
