@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +72,16 @@ class Dist:
         self.barrier()
         if self.owns_group:
             torch.distributed.destroy_process_group()
+
+
+def become_torchrun(nproc: int, module_args: Sequence[str]) -> None:
+    """Replace this process by torchrun starting `nproc` copies of `python -m MODULE ARGS` on this machine
+    (each then finds WORLD_SIZE set and runs as one rank); nothing when nproc is 1 or already a rank."""
+    if nproc <= 1 or "WORLD_SIZE" in os.environ:
+        return
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    sys.stdout.flush()
+    os.execv(sys.executable, [*cmd, "-m", *module_args])
 
 
 def launch_rank() -> tuple[int, int]:

@@ -788,3 +788,32 @@ def uses_gpus(config: dict[str, Any]) -> bool:
     return any(
         isinstance(v, dict) and int(v.get("gpus") or 0) > 0 for v in config.get("resources", {}).values()
     )
+
+
+def plan_files(
+    config_files: list[str],
+    target_config: str | None,
+    gpu_model: str | None,
+    gpu_memory_gib: float | None,
+) -> tuple[list[str], str | None]:
+    """`draftsmith plan`: the lines to print for the config merged from `config_files` (as snakemake
+    --configfile merges them), the target's config.json from the folder `target_config` when given, on
+    the device `gpu_model` / `gpu_memory_gib` when given; and the refusal when a stage cannot fit. Raises
+    ValueError for an invalid config or a target without config.json."""
+    from draftsmith.core.config import config_errors, merged_config_files, text_config_json, with_defaults
+
+    config = with_defaults(merged_config_files(config_files))
+    errors = config_errors(config)
+    if errors:
+        raise ValueError("invalid configuration: " + "; ".join(errors))
+    if gpu_model:
+        config["resources"]["gpu_model"] = gpu_model
+    if gpu_memory_gib:
+        config["resources"]["gpu_memory_gib"] = gpu_memory_gib
+    memory, device = device_memory(config["resources"])
+    if target_config:
+        config["target"]["model"] = target_config
+    needs = plan_config(config, memory, text_config_json(target_config) if target_config else None)
+    if not needs:
+        return ["no stage asks for GPUs (resources.<stage>.gpus): nothing to plan"], None
+    return [table(needs, device)], refusal(needs, device)

@@ -5,6 +5,7 @@ shard.
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,8 @@ import torch
 from draftsmith.core.estimate import codec_ratios, estimate_lines, probe_plan
 from draftsmith.core.precision import compute_dtype
 from draftsmith.core.settings import from_schema
-from draftsmith.core.shards import Sample, ShardReader
+from draftsmith.core.shards import Sample, ShardError, ShardReader
+from draftsmith.core.stage_args import BAD_INPUT, arg
 
 RATIO_TOKENS = 50_000  # tokens of a shard that shard_codec_ratios encodes: ratios settle well before
 
@@ -102,3 +104,45 @@ def measure_on_tokens(
     finally:
         extractor.close()
     return measured, int(offsets[-1]), len(layer_ids) + 1, model.config.hidden_size
+
+
+@dataclasses.dataclass
+class EstimatePaths:
+    tokens: str | None = arg("--tokens", "tokens.safetensors from tokenize.", exists=True)
+    target: str | None = arg("--target", "Target model folder.", kind="dir", exists=True)
+    num_tokens: float | None = arg(
+        "--num-tokens", "Without --tokens: the token count, e.g. 17.3e6.", kind="float"
+    )
+    hidden_size: int | None = arg(
+        "--hidden-size", "Without --target: the hidden size, e.g. 7168.", kind="int"
+    )
+    stored_layers: int = arg("--layers", "Stored layers (aux + final).", kind="int", default=4)
+    ratios_from: str | None = arg(
+        "--ratios-from",
+        "With --num-tokens: a bfloat16 shard whose states give the codec's ratios (another target's "
+        "states compress differently; the output says where the ratios come from).",
+        exists=True,
+    )
+
+
+Settings, Paths = EstimateSettings, EstimatePaths
+EXITS = {ShardError: BAD_INPUT, ValueError: BAD_INPUT}
+
+
+def run(paths: EstimatePaths, settings: EstimateSettings) -> list[str]:
+    """Exact extraction size for bfloat16 and float8_e4m3fn storage (and, with --tokens and --target,
+    the compressed sizes and the time measured on that data).
+
+    \b
+    From a workflow's data:   draftsmith estimate --tokens results/tokens.safetensors --target resources/...
+    For any model, by hand:   draftsmith estimate --num-tokens 17.3e6 --hidden-size 7168 --layers 4
+    ... compressed as a shard:  add --ratios-from results/hidden/shard-0.safetensors
+    """
+    if paths.tokens and paths.target:
+        return estimate_on_tokens(paths.tokens, paths.target, settings)
+    if paths.num_tokens and paths.hidden_size:
+        num_tokens = int(paths.num_tokens)
+        return estimate_by_hand(
+            num_tokens, paths.stored_layers, paths.hidden_size, paths.ratios_from, settings
+        )
+    raise ValueError("give --tokens and --target, or --num-tokens and --hidden-size")

@@ -14,6 +14,7 @@ verdict (draftsmith.core.verdict) come with it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ from typing import Any
 from draftsmith.core.cost import FORMULA
 from draftsmith.core.methods import PLAIN, method, ordered
 from draftsmith.core.projection import method_projection, set_projection, summary_of
+from draftsmith.core.settings import from_schema
+from draftsmith.core.stage_args import BAD_INPUT, arg
 from draftsmith.core.stats import bootstrap_ratio
 from draftsmith.core.verdict import (
     FIGURE,
@@ -481,3 +484,75 @@ def _method_settings(sets: dict[str, dict[str, Any]]) -> dict[str, Any]:
             if m.get("settings"):
                 out.setdefault(key, m["settings"])
     return out
+
+
+@from_schema("evaluate", paths={"modes": "evaluate.gate", "level": "evaluate.interval_level",
+                                "resamples": "evaluate.bootstrap_resamples"})  # fmt: skip
+class SummarySettings:
+    """What the summary judges with (GateSettings' keys) and the serving point it projects to."""
+
+    modes: dict[str, str]
+    max_tau_gap: float | None
+    max_acc_gap: float
+    min_val_gain: float
+    level: float
+    resamples: int
+    serving: dict[str, Any]
+
+    def gate_settings(self) -> GateSettings:
+        names = [f.name for f in dataclasses.fields(GateSettings) if f.name in self.schema_paths]
+        return GateSettings(**{name: getattr(self, name) for name in names})
+
+
+@dataclasses.dataclass
+class SummaryPaths:
+    offline: dict[str, str] = arg(
+        "--offline",
+        "offline.json of a held-out set (repeat per set; the first set's speed is judged). Without any, "
+        "vLLM's measurement alone fills the summary (evaluate.offline: false).",
+        kind="named",
+    )
+    vllm: dict[str, str] = arg("--vllm", "vllm.json of a held-out set, if measured.", kind="named")
+    manifest: str = arg("--manifest", "data_config.json (the manifest stage's).", required=True, exists=True)
+    drafter: str = arg("--drafter", "The trained drafter export.", kind="dir", required=True, exists=True)
+    target: str = arg("--target", "Target model folder.", kind="dir", required=True, exists=True)
+    metrics: str | None = arg("--metrics", "Training metrics.jsonl.")
+    out: str = arg("--out", "Folder for tables and plots.", kind="dir", required=True)
+    vocab: str | None = arg(
+        "--vocab", "vocab_map.pt: the draft vocabulary's size and coverage, for the model card.", exists=True
+    )
+    prompts_summary: str | None = arg(
+        "--prompts-summary",
+        "The prompts stage's summary.json: where the training prompts came from, for the model card.",
+        exists=True,
+    )
+    target_source: dict[str, Any] | None = arg(
+        "--target-source",
+        "The config's target section (model, revision, gguf_wheel, gguf_file) as JSON: what the model "
+        "card names as the target.",
+        kind="json",
+    )
+
+
+Settings, Paths = SummarySettings, SummaryPaths
+EXITS = {ValueError: BAD_INPUT}
+
+
+def run(paths: SummaryPaths, settings: SummarySettings) -> list[str]:
+    """Summary table with intervals, diagnosis, verdict and plots of an evaluation on one or more held-out
+    sets: summary.{json,tsv,html}, training.png, acceptance.png, per_forward.png. Never fails on the
+    verdict; `draftsmith gate` does."""
+    from draftsmith.core.report import format_verdict
+
+    if not paths.offline and not paths.vllm:
+        raise ValueError("give each held-out set's --offline or --vllm measurement (or both)")
+    for path in [*paths.offline.values(), *paths.vllm.values()]:
+        if not Path(path).is_file():
+            raise ValueError(f"--offline/--vllm: {path} does not exist")
+    summary = summarize_files(
+        paths.offline, paths.vllm, paths.manifest, paths.drafter, paths.target, paths.metrics, paths.out,
+        settings.gate_settings(), settings.serving, vocab_path=paths.vocab,
+        prompts_summary=paths.prompts_summary, target_source=paths.target_source,
+    )  # fmt: skip
+    gate = "passes" if summary["gate_passed"] else "FAILS"
+    return [format_verdict(summary["verdict"]), f"summary written to {paths.out}; gate {gate}"]

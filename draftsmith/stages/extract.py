@@ -26,13 +26,14 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
+from draftsmith.backends.common import VllmStartError
 from draftsmith.core.atomic import atomic_path
 from draftsmith.core.devices import parse_visible
 from draftsmith.core.digests import file_sha256, intact, retouch, seal, sidecar
@@ -49,6 +50,7 @@ from draftsmith.core.layers import resolve_aux_layers
 from draftsmith.core.precision import compute_dtype
 from draftsmith.core.settings import from_schema
 from draftsmith.core.shards import Sample, ShardWriter, as_stored, remove_stale_temp_files
+from draftsmith.core.stage_args import BAD_INPUT, FAILED, arg
 from draftsmith.core.target import text_config_dict
 from draftsmith.core.tokens import load_tokens
 
@@ -763,3 +765,48 @@ def run_engine_processes(queue: ShardQueue, devices: list[str], kw: dict[str, An
             f"{f' ({len(errors) - 1} more engines failed)' if len(errors) > 1 else ''}; the shards finished are "
             "stashed and a rerun reuses them"
         )
+
+
+@dataclass
+class ExtractPaths:
+    target: str = arg("--target", "Target model folder.", kind="dir", required=True, exists=True)
+    tokens: str = arg(
+        "--tokens", "tokens.safetensors from tokenize (holds the shard plan).", required=True, exists=True
+    )
+    shard: int | None = arg(
+        "--shard", "Extract only this shard of the plan (0-based), into --out.", kind="int", minimum=0
+    )
+    out: str | None = arg("--out", "With --shard: the shard file, e.g. results/hidden/shard-0.safetensors.")
+    shard_files: tuple[str, ...] = arg("[SHARD_FILE]...", "", multiple=True)
+    gpu_memory_gib: float | None = arg(
+        "--gpu-memory-gib",
+        "Memory of each GPU for the engine layout [resources.gpu_memory_gib, else resources.gpu_model's; "
+        "0: nvidia-smi's].",
+        kind="float",
+        minimum=0,
+    )
+
+
+Settings, Paths = ExtractSettings, ExtractPaths
+EXITS = {ValueError: BAD_INPUT, NotEnoughDisk: FAILED, VllmStartError: FAILED, EngineFailed: FAILED}
+
+
+def run(paths: ExtractPaths, settings: ExtractSettings) -> list[str]:
+    """Capture aux-layer inputs and the final normed state of the samples of every shard of the plan,
+    shard k into the k-th SHARD_FILE (or of one shard, with --shard and --out); no lm_head.
+
+    The job's GPUs are split into vLLM engines of --tensor-parallel GPUs (the memory plan's layout),
+    each loaded once and fed shards from one queue. Each finished shard is sealed in a hidden stash
+    (.done/ beside the shard files): a rerun of the same settings after a crash reuses it and extracts
+    only the rest. Every file is written atomically: until a shard is complete only hidden temporary
+    files (.NAME.*) exist, and a rerun removes them.
+    """
+    one = paths.shard is not None
+    if one != (paths.out is not None) or one == bool(paths.shard_files):
+        raise ValueError("extract: give SHARD_FILE... (every shard), or --shard K with --out FILE (one)")
+    if one:
+        extract_shard(paths.target, paths.tokens, paths.shard, paths.out, settings)
+    else:
+        device = {"gpu_memory_gib": paths.gpu_memory_gib or None}
+        extract_shards(paths.target, paths.tokens, list(paths.shard_files), settings, device=device)
+    return []

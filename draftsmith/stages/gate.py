@@ -4,13 +4,16 @@ verdict themselves are computed with the summary (draftsmith.core.verdict)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from draftsmith.core.atomic import write_json
 from draftsmith.core.checks import Check, checks_of, order_checks
 from draftsmith.core.report import format_checks, format_table, format_verdict
+from draftsmith.core.stage_args import BAD_INPUT, GATE, arg
 from draftsmith.core.verdict import passed
 
 
@@ -47,3 +50,44 @@ def enforce_and_record(
     enforce(checks)
     if out:
         write_json(out, {"passed": True, "verdict": summary_verdict, "checks": [c.to_dict() for c in checks]})
+
+
+class NotASummary(ValueError):
+    """The file given is no evaluation summary this version reads (bad input)."""
+
+
+@dataclasses.dataclass
+class GatePaths:
+    summary: str = arg("SUMMARY_PATH", "", required=True, exists=True)
+    out: str | None = arg("--out", "Write the verdict here when the gate passes.")
+
+
+Paths = GatePaths
+EXITS = {NotASummary: BAD_INPUT, GateFailed: GATE}
+
+
+def run(paths: GatePaths) -> Iterator[str]:
+    """Print the verdict, the evaluation table and the diagnosis; exit 3 when a blocking check fails.
+
+    The verdict names what to deploy per held-out set (chat and code can differ): the method and draft
+    length with the highest projected wall-clock speedup at the serving point (evaluate.serving), with
+    its interval at every concurrency and the runner-up. Checks: the trained drafter beats the best free
+    method (suffix decoding, n-gram lookup) there in projected speedup, and its untrained start in tokens
+    per target forward, on every held-out set (95% paired bootstrap interval over prompts above 0; vLLM's
+    tau, which counts only steps that drafted, is shown, not compared); speedup over plain decoding
+    (judged on a GPU, reported on a CPU); the contract (teacher agreement, chat-template fingerprint, the
+    export's aux ids/convention/norm flags, vLLM vs offline tau); the learning curves (generalisation,
+    still learning: warnings that choose the next action). Which checks block: evaluate.gate.
+    """
+    try:
+        report, checks, verdict = read_gate(paths.summary)
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
+        # gate.json, or a summary from another version: one line, not the formatter's traceback
+        why = f"no {err}" if isinstance(err, KeyError) else f"{type(err).__name__}: {err}"
+        raise NotASummary(
+            f"{paths.summary} is not an evaluation summary this version reads ({why}); "
+            "give results/eval/summary.json"
+        ) from None
+    yield report
+    enforce_and_record(checks, paths.out, verdict)
+    yield "gate passed"

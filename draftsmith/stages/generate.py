@@ -31,7 +31,7 @@ import os
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ from draftsmith.core.chat import render_prompt, template_fingerprint
 from draftsmith.core.config import SETTINGS_OPS
 from draftsmith.core.prompt_sources import PromptError, conversation_answers, read_prompt_file
 from draftsmith.core.settings import from_schema
+from draftsmith.core.stage_args import BAD_INPUT, FAILED, arg
 
 log = logging.getLogger(__name__)
 
@@ -543,3 +544,63 @@ def warn_truncated(summary: dict[str, Any], max_new_tokens: int) -> bool:
         100 * share, summary["truncated"], summary["samples"], max_new_tokens,
     )  # fmt: skip
     return True
+
+
+@dataclass
+class GeneratePaths:
+    target: str = arg("--target", "Target model folder.", kind="dir", required=True, exists=True)
+    prompts: str = arg("--prompts", "Prompt JSONL (the prompts stage's).", required=True, exists=True)
+    out: str = arg("--out", "traces.jsonl to write.", required=True, sealed=True)
+    summary: str = arg("--summary", "Summary JSON to write.", required=True, sealed=True)
+    errors: str | None = arg(
+        "--errors",
+        "Failed/skipped prompts as JSONL, with file:line and reason [default: generate_errors.jsonl "
+        "beside --out].",
+    )
+    gpu_memory_gib: float | None = arg(
+        "--gpu-memory-gib",
+        "Each GPU's memory for the engine layout; 0 or unset = nvidia-smi on this machine.",
+        kind="float",
+        minimum=0,
+    )
+    devices: str | None = arg(
+        "--devices",
+        "vllm-server: GPU ids for CUDA_VISIBLE_DEVICES, e.g. 0,1 [default: inherited].",
+        kind="text",
+    )
+    server_log: str | None = arg("--server-log", "vllm-server: its log file.")
+
+
+Settings, Paths = GenerateSettings, GeneratePaths
+EXITS = {PromptError: BAD_INPUT, GenerateError: FAILED}
+
+
+def run(paths: GeneratePaths, settings: GenerateSettings) -> list[str]:
+    """Answer every prompt with the target and append the traces, resumably.
+
+    A rerun after a crash or kill skips the ids already finished (kept in OUT.partial). Examples:
+
+    \b
+      draftsmith generate --target T --prompts p.jsonl --out traces.jsonl --summary s.json
+      draftsmith generate ... --backend openai --base-url http://127.0.0.1:8000/v1 --concurrency 16
+      draftsmith generate ... --backend vllm-server --server-args '["--max-model-len","4096"]' --devices 0,1
+    """
+    from draftsmith.core.precision import compute_dtype
+
+    devices = [d.strip() for d in paths.devices.split(",") if d.strip()] if paths.devices else None
+    settings = replace(
+        settings,
+        dtype=compute_dtype(settings.dtype),
+        devices=devices,
+        gpu_memory_gib=paths.gpu_memory_gib or None,  # 0: ask nvidia-smi here
+    )
+    generate_traces(
+        paths.target,
+        paths.prompts,
+        paths.out,
+        paths.summary,
+        settings,
+        errors_path=paths.errors,
+        server_log=paths.server_log,
+    )
+    return []

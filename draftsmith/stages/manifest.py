@@ -4,6 +4,7 @@ atomically (what it records and how it is read and checked: draftsmith/core/mani
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -15,6 +16,7 @@ from draftsmith.core.atomic import write_json
 from draftsmith.core.manifest import MANIFEST_VERSION, DataError, allowed_shard_dirs, shard_location
 from draftsmith.core.settings import from_schema
 from draftsmith.core.shards import ShardError, read_shard_meta, verify_shard
+from draftsmith.core.stage_args import FAILED, arg
 from draftsmith.core.target import text_config_dict
 
 log = logging.getLogger(__name__)
@@ -134,3 +136,20 @@ def build_manifest(
         + ", ".join(f"{k} {'n/a' if v is None else f'{v:.4f}'}" for k, v in by_source.items())
     )
     return manifest
+
+
+@dataclasses.dataclass
+class ManifestPaths:
+    target: str = arg("--target", "Target model folder.", kind="dir", required=True, exists=True)
+    out: str = arg("--out", "data_config.json to write.", required=True, sealed=True)
+    shards: tuple[str, ...] = arg("SHARD...", "", required=True, exists=True, multiple=True)
+
+
+Settings, Paths = ManifestSettings, ManifestPaths
+EXITS = {DataError: FAILED}
+
+
+def run(paths: ManifestPaths, settings: ManifestSettings) -> list[str]:
+    """Check the shards and write data_config.json (last, atomically)."""
+    build_manifest(list(paths.shards), paths.out, paths.target, settings)
+    return []

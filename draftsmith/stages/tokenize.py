@@ -6,6 +6,7 @@ contiguous block of samples (shard_bounds).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -19,6 +20,7 @@ from draftsmith.core.chat import (
     training_sequence,
 )
 from draftsmith.core.settings import from_schema
+from draftsmith.core.stage_args import BAD_INPUT, arg
 from draftsmith.core.target import check_target_dir, load_tokenizer
 from draftsmith.core.tokens import write_tokens
 
@@ -165,3 +167,20 @@ def parse_trace_line(line: str, path: str | Path, line_no: int) -> dict[str, Any
     if not isinstance(row, dict) or "id" not in row:
         raise ValueError(f"{path}:{line_no}: a trace must be a JSON object with an 'id'")
     return row
+
+
+@dataclasses.dataclass
+class TokenizePaths:
+    target: str = arg("--target", "Target model folder.", kind="dir", required=True, exists=True)
+    traces: str = arg("--traces", "traces.jsonl from generate.", required=True, exists=True)
+    out: str = arg("--out", "tokens.safetensors to write.", required=True, sealed=True)
+
+
+Settings, Paths = TokenizeSettings, TokenizePaths
+EXITS = {ValueError: BAD_INPUT}
+
+
+def run(paths: TokenizePaths, settings: TokenizeSettings) -> list[str]:
+    """Render traces with the target's chat template into ids + assistant loss masks; plan the shards."""
+    tokenize_traces(paths.target, paths.traces, paths.out, settings)
+    return []

@@ -30,6 +30,7 @@ checkpoints.py decides what to resume and saves. Layout here: settings -> one st
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import tempfile
@@ -44,7 +45,7 @@ import torch
 from draftsmith.core.atomic import atomic_dir, write_json, write_jsonl
 from draftsmith.core.checkpoints import Run, open_run, resume_key
 from draftsmith.core.config import SETTINGS_OPS
-from draftsmith.core.distributed import Dist, init_distributed, launch_rank
+from draftsmith.core.distributed import Dist, become_torchrun, init_distributed, launch_rank
 from draftsmith.core.drafter import Eagle3Drafter
 from draftsmith.core.export_formats import check_export, save_drafter
 from draftsmith.core.kinds import build_drafter, drafter_loss
@@ -62,6 +63,7 @@ from draftsmith.core.objective import (
 from draftsmith.core.optimizers import make_optimizer, make_scheduler
 from draftsmith.core.precision import train_precision
 from draftsmith.core.settings import from_schema, with_groups
+from draftsmith.core.stage_args import BAD_INPUT, arg
 from draftsmith.core.target import TargetHead, load_target_head
 from draftsmith.core.tracking import Curves, missing_trackers
 from draftsmith.core.vocab import load_vocab_map
@@ -626,3 +628,85 @@ def export_untrained_drafter(
         return train(
             manifest_path, vocab_path, out_dir, checkpoints, metrics, settings, device="cpu", progress=False
         )
+
+
+@dataclass
+class TrainPaths:
+    manifest: str = arg("--manifest", "data_config.json (the manifest stage's).", required=True, exists=True)
+    vocab: str = arg("--vocab", "vocab_map.pt (the vocab stage's).", required=True, exists=True)
+    out: str = arg("--out", "Drafter export folder.", kind="dir", required=True, sealed=True)
+    checkpoints: str = arg("--checkpoints", "Resumable checkpoints.", kind="dir", required=True)
+    metrics: str = arg("--metrics", "metrics.jsonl to write.", required=True, sealed=True)
+    log_dir: str | None = arg(
+        "--log-dir",
+        "Live training curves (TensorBoard event files, W&B's local files) go to LOG_DIR/run-<digest>/ "
+        "[default: tensorboard/ beside --metrics].",
+        kind="dir",
+    )
+    nproc: int = arg(
+        "--nproc",
+        "Data-parallel processes on this machine, one per visible GPU (nccl) or CPU share (gloo); > 1 "
+        "re-runs this command under torchrun.",
+        kind="int",
+        minimum=1,
+        default=1,
+    )
+    fresh: bool = arg(
+        "--fresh",
+        "Discard every checkpoint in --checkpoints and train from scratch (a finished run already trains "
+        "afresh when run again; this also drops an unfinished one).",
+        kind="flag",
+    )
+
+
+@dataclass
+class UntrainedPaths:
+    manifest: str = arg("--manifest", "data_config.json (the manifest stage's).", required=True, exists=True)
+    vocab: str = arg("--vocab", "vocab_map.pt (the vocab stage's).", required=True, exists=True)
+    out: str = arg("--out", "Export folder to write.", kind="dir", required=True)
+
+
+Settings, Paths = TrainSettings, TrainPaths
+EXITS = {DataError: BAD_INPUT}  # unusable data is bad input, as `draftsmith verify` says it
+
+
+def run(paths: TrainPaths, settings: TrainSettings) -> list[str]:
+    """Train the EAGLE-3 drafter with training-time test; resumes from the latest complete checkpoint.
+
+    Settings: the `train` config section as --settings JSON (keys, defaults and meanings in
+    draftsmith/config.schema.yaml); an option overrides its key.
+
+    \b
+    Resume: rerun the same command; it continues from the newest complete checkpoint of the same data
+    (content digests) and settings (same weights as an uninterrupted run). Other data or settings, a
+    run that had finished, or --fresh train from scratch.
+    Data parallel: --nproc 2 on one machine, or across machines:
+      torchrun --nnodes 2 --nproc_per_node 8 ... -m draftsmith.cli train --manifest ... (same options)
+    """
+    log_dir = paths.log_dir or str(Path(paths.metrics).parent / "tensorboard")
+    # with --nproc > 1 this command becomes torchrun, which runs it once per rank with the same settings
+    command = ["draftsmith.cli", "train", "--manifest", paths.manifest, "--vocab", paths.vocab]
+    command += ["--out", paths.out, "--checkpoints", paths.checkpoints, "--metrics", paths.metrics]
+    command += ["--log-dir", log_dir, "--settings", json.dumps(settings.to_dict())]
+    become_torchrun(paths.nproc, command + (["--fresh"] if paths.fresh else []))
+    # every rank decodes its share of the samples first: nothing unproven is trained on
+    summary = train(
+        paths.manifest, paths.vocab, paths.out, paths.checkpoints, paths.metrics, settings,
+        fresh=paths.fresh, log_dir=log_dir,
+    )  # fmt: skip
+    if launch_rank()[0] != 0:
+        return []
+    acc = " ".join(f"{a:.3f}" for a in summary["train_acc"] if a is not None)
+    agree = " ".join(f"{a:.3f}" for a in summary["train_agreement"] if a is not None)
+    return [
+        f"train: {summary['steps']} steps on {summary['world_size']} process(es), accuracy per TTT step "
+        f"{acc} (agreement with the target's top-1 {agree}), {summary['tokens_per_s'] or 0:.0f} tokens/s, "
+        f"drafter in {paths.out}"
+    ]
+
+
+def run_untrained(paths: UntrainedPaths, settings: TrainSettings) -> list[str]:
+    """Export the untrained baseline: the drafter exactly as training starts it (0 steps, same seed),
+    so the evaluation shows what training bought."""
+    export_untrained_drafter(paths.manifest, paths.vocab, paths.out, settings)
+    return [f"untrained drafter (seed {settings.seed}) exported to {paths.out}"]

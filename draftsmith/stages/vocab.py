@@ -5,6 +5,7 @@ tokens only, like speculators and SpecForge: prompt tokens are never drafted.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -13,6 +14,7 @@ from torch import Tensor
 
 from draftsmith.core.config import read_target_config
 from draftsmith.core.settings import from_schema
+from draftsmith.core.stage_args import BAD_INPUT, arg
 from draftsmith.core.tokens import load_tokens
 from draftsmith.core.vocab import save_vocab_map, vocab_maps
 
@@ -85,3 +87,23 @@ def build_vocab(tokens_path: str, target_path: str, out_path: str, settings: Voc
     result = build_vocab_map(masked, target_vocab, settings.size)
     save_vocab_map(out_path, result)
     return result
+
+
+@dataclasses.dataclass
+class VocabPaths:
+    tokens: str = arg("--tokens", "tokens.safetensors from tokenize.", required=True, exists=True)
+    target: str = arg("--target", "Target model folder.", kind="dir", required=True, exists=True)
+    out: str = arg("--out", "vocab_map.pt to write.", required=True, sealed=True)
+
+
+Settings, Paths = VocabSettings, VocabPaths
+EXITS = {ValueError: BAD_INPUT}
+
+
+def run(paths: VocabPaths, settings: VocabSettings) -> list[str]:
+    """Build the draft vocabulary (d2t/t2d) from loss-masked token counts; prints its coverage."""
+    result = build_vocab(paths.tokens, paths.target, paths.out, settings)
+    return [
+        f"vocab: {settings.size} draft tokens cover {result['coverage']:.2%} of {result['counted_tokens']:,} "
+        f"assistant tokens ({result['distinct_tokens']:,} distinct)"
+    ]

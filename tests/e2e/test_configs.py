@@ -402,8 +402,9 @@ def run_planned(job: dict, workdir, monkeypatch, recorded: str) -> tuple[tuple, 
         (workdir / "draftsmith").symlink_to(REPO / "draftsmith")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(gpus)))
     monkeypatch.setenv("DRAFTSMITH_TRUST_REMOTE_CODE", "0")
-    monkeypatch.setattr(cli, "_drafters", lambda drafter, untrained, target: {"eagle3": drafter})
-    monkeypatch.setattr(cli, "_warn_draft_positions", lambda *a: None)
+    ev = importlib.import_module("draftsmith.stages.evaluate")
+    monkeypatch.setattr(ev, "checked_drafters", lambda drafter, untrained, target: {"eagle3": drafter})
+    monkeypatch.setattr(ev, "export_draft_positions_warning", lambda *a: None)
     calls = []
     module, name = recorded.rsplit(".", 1)
     monkeypatch.setattr(importlib.import_module(module), name, lambda *a, **kw: calls.append((a, kw)))

@@ -45,9 +45,14 @@ def summary(tmp_path: Path) -> dict:
 # ----------------------------------------------------------------------------- one settings path
 
 
+def _commands():
+    ctx = click.Context(main)
+    return [(name, main.get_command(ctx, name)) for name in main.list_commands(ctx)]
+
+
 def _setting_options():
     """(command, option, section, key) for every option that stands for a config key."""
-    for name, command in main.commands.items():
+    for name, command in _commands():
         for param in command.params:
             found = SETTING_HELP.search(" ".join((getattr(param, "help", None) or "").split()))
             if found:
@@ -70,7 +75,7 @@ def test_no_option_shows_a_default_of_its_own_for_a_config_key():
     keys = {
         k for s in ("prompts", "generate", "extract", "vocab", "train", "evaluate") for k in section_schema(s)
     }
-    for name, command in main.commands.items():
+    for name, command in _commands():
         for param in command.params:
             if isinstance(param, click.Option) and param.name in keys and not param.required:
                 assert param.default is None, (name, param.name, param.default)
@@ -348,29 +353,16 @@ def test_train_and_verify_give_the_same_exit_on_the_same_bad_manifest(tmp_path):
         assert "not a JSON object (a list)" in result.output and "Traceback" not in result.output
 
 
-def test_schema_options_are_generated_from_the_schema() -> None:
-    """schema_options: one option per scalar key named after it, typed by the schema (enum = choice,
-    boolean = --x/--no-x), the schema's description as help, default None; lists and objects are left
-    to --settings; resources keys only when named; skipped keys left out."""
-    import click
+def test_setting_options_are_generated_from_the_schema() -> None:
+    """settings_params: one option per setting a value can give, named after its key, typed by the
+    schema (enum = choice, boolean = --x/--no-x, a list comma-separated, a flat object NAME=VALUE), the
+    schema's description as help, default None; objects of objects are left to --settings."""
+    from draftsmith.cli_options import settings_params
+    from draftsmith.stages.train import TrainSettings
 
-    from draftsmith.cli import schema_options
-    from draftsmith.core.config import section_schema
-
-    @click.command()
-    @schema_options("train", resources=("checkpoint_every", "checkpoint_ttt"), skip=("lr",))
-    def command(**kw):
-        pass
-
-    options = {p.name: p for p in command.params}
+    options = {p.name: p for p in settings_params(TrainSettings)}
     spec = section_schema("train")
-
-    def kinds(v: dict) -> list[str]:
-        types = [v["type"]] if isinstance(v.get("type"), str) else v.get("type", [])
-        return [t for t in types if t != "null"]
-
-    scalar = {k for k, v in spec.items() if kinds(v) in (["integer"], ["number"], ["string"], ["boolean"])}
-    assert set(options) == (scalar - {"lr"}) | {"checkpoint_every", "checkpoint_ttt"}
+    assert set(options) == set(TrainSettings.schema_paths) - {"drafter"}  # an object of objects
     assert options["epochs"].opts == ["--epochs"] and options["epochs"].default is None
     assert " ".join(spec["epochs"].get("description", "").split()) in options["epochs"].help
     precision = options["precision"]
@@ -379,3 +371,34 @@ def test_schema_options_are_generated_from_the_schema() -> None:
     )
     assert options["checkpoint_ttt"].opts == ["--checkpoint-ttt"]
     assert options["checkpoint_ttt"].secondary_opts == ["--no-checkpoint-ttt"]
+    ctx = click.Context(click.Command("train"))
+    assert options["report_to"].process_value(ctx, "wandb,mlflow") == ["wandb", "mlflow"]
+    assert options["report_to"].process_value(ctx, "") == []
+    assert options["ttt_step_weights"].process_value(ctx, "[1, 0.5]") == [1.0, 0.5]
+
+
+def test_every_stage_command_is_generated_from_its_run():
+    """A stage's command is its run(paths[, settings]): an option per paths field (core/stage_args.arg)
+    and per setting, its docstring as help; an option named otherwise than its key keeps its old name
+    beside the key's."""
+    import dataclasses
+    import importlib
+    import typing
+
+    from draftsmith.cli import STAGES
+
+    ctx = click.Context(main)
+    for name, where in STAGES.items():
+        module_name, function = where.split(":")
+        module = importlib.import_module(module_name)
+        paths = typing.get_type_hints(getattr(module, function))["paths"]
+        assert all("arg" in f.metadata for f in dataclasses.fields(paths)), name
+        assert all(isinstance(code, int) for code in module.EXITS.values()), name
+        command = main.get_command(ctx, name)
+        assert command.help and {p.name for p in command.params} >= {
+            f.name for f in dataclasses.fields(paths)
+        }
+    options = {name: {o for p in main.get_command(ctx, name).params for o in p.opts} for name in STAGES}
+    assert {"--gguf-wheel", "--wheel"} <= options["target"]
+    assert {"--columns", "--column"} <= options["prompts"]
+    assert {"--gate", "--check"} <= options["eval-summary"]

@@ -517,13 +517,12 @@ def test_offline_decoding_runs_on_the_jobs_gpu(monkeypatch):
 def evaluate_vllm_call(monkeypatch, tmp_path, *options: str) -> dict:
     """How `draftsmith evaluate-vllm ... OPTIONS` runs vLLM (vllm_engine of the settings it passes to
     evaluate_vllm, recorded, not run)."""
-    import draftsmith.cli as cli
     import draftsmith.stages.evaluate as ev
 
     calls = []
     monkeypatch.setattr(ev, "evaluate_vllm", lambda *a, **kw: calls.append(vllm_engine(a[4])))
-    monkeypatch.setattr(cli, "_drafters", lambda drafter, untrained, target: {"eagle3": drafter})
-    monkeypatch.setattr(cli, "_warn_draft_positions", lambda *a: None)
+    monkeypatch.setattr(ev, "checked_drafters", lambda drafter, untrained, target: {"eagle3": drafter})
+    monkeypatch.setattr(ev, "export_draft_positions_warning", lambda *a: None)
     (tmp_path / "p.jsonl").touch()
     args = ["evaluate-vllm", "--target", str(tmp_path), "--drafter", str(tmp_path), "--prompts",
             f"s={tmp_path / 'p.jsonl'}", "--out", f"s={tmp_path / 'v.json'}", *options]  # fmt: skip
@@ -548,7 +547,7 @@ def test_vllm_evaluation_on_gpus_compiles_unless_told_otherwise(monkeypatch, tmp
 
 
 def test_a_vllm_run_past_its_time_limit_fails_in_one_line(monkeypatch, tmp_path):
-    import draftsmith.cli as cli
+    import draftsmith.stages.evaluate as ev
     import draftsmith.stages.evaluate.vllm_runner as spec
 
     monkeypatch.setattr(spec, "run_with_timeout", lambda cmd, env, log, timeout: None)
@@ -562,8 +561,8 @@ def test_a_vllm_run_past_its_time_limit_fails_in_one_line(monkeypatch, tmp_path)
     monkeypatch.setattr(
         "draftsmith.stages.evaluate.evaluate_vllm", lambda *a, **kw: (_ for _ in ()).throw(err.value)
     )
-    monkeypatch.setattr(cli, "_drafters", lambda drafter, untrained, target: {"eagle3": drafter})
-    monkeypatch.setattr(cli, "_warn_draft_positions", lambda *a: None)
+    monkeypatch.setattr(ev, "checked_drafters", lambda drafter, untrained, target: {"eagle3": drafter})
+    monkeypatch.setattr(ev, "export_draft_positions_warning", lambda *a: None)
     (tmp_path / "p.jsonl").touch()
     args = ["evaluate-vllm", "--target", str(tmp_path), "--drafter", str(tmp_path), "--prompts",
             f"s={tmp_path / 'p.jsonl'}", "--out", f"s={tmp_path / 'v.json'}"]  # fmt: skip

@@ -249,8 +249,9 @@ def test_settings_validation_names_the_key():
 
 def test_cli_options_leave_defaults_to_the_schema():
     """Options not given are None, so the settings section (or the schema) decides (see test_cli.py)."""
-    from draftsmith.cli import generate
+    from draftsmith.cli import stage
 
+    generate = stage("generate")
     defaults = section_defaults("generate")
     ctx = generate.make_context(
         "generate", ["--target", str(TARGET), "--prompts", __file__, "--out", "o", "--summary", "s"]
