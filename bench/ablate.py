@@ -3,7 +3,7 @@ matter, measured on the same data, steps and seed.
 
     python bench/ablate.py [--data results/data_config.json] [--vocab results/vocab_map.pt]
                            [--variants baseline,random_head,...] [--epochs 3] [--jobs 2]
-                           [--seeds 0,1] [--measure-prompts 16 --prompts results/prompts/heldout.jsonl]
+                           [--seeds 0,1] [--measure-prompts 16 --prompts heldout=PATH,handwritten=PATH]
                            [--json results/bench/ablate.json]
 
 Every variant is `draftsmith train` with the run's settings (schema defaults < config.yaml's `train`
@@ -85,17 +85,29 @@ VARIANTS: dict[str, dict[str, Any]] = {
 PROJECTED_CONCURRENCY = (1, 32)
 
 
-def measure(drafter: Path, prompts: str, num_prompts: int, work: Path, threads: int) -> dict[str, Any]:
-    """Offline speculative decoding of a trained drafter beside the free methods on `num_prompts` held-out
-    prompts, projected by the cost model (schema defaults: its device, draft length) -> per method: tokens
-    per target forward, per-position acceptance, projected speedup at PROJECTED_CONCURRENCY."""
+def measure(
+    drafter: Path, sets: dict[str, str], num_prompts: int, work: Path, evaluate: dict[str, Any]
+) -> dict[str, Any]:
+    """Offline speculative decoding of a trained drafter beside the free methods on `num_prompts` prompts
+    of each held-out set (name -> prompt file), projected by the cost model (evaluate.serving's device,
+    concurrency PROJECTED_CONCURRENCY) -> {set: {method: tokens per target forward, per-position
+    acceptance, chosen draft length, projected speedups}}."""
+    return {
+        name: measure_set(drafter, path, num_prompts, work / name, evaluate) for name, path in sets.items()
+    }
+
+
+def measure_set(
+    drafter: Path, prompts: str, num_prompts: int, work: Path, evaluate: dict[str, Any]
+) -> dict[str, Any]:
     from draftsmith.core.cost import drafter_cost, serving_points, target_cost
     from draftsmith.core.projection import chosen, set_projection
     from draftsmith.core.settings import schema_default
     from draftsmith.stages.evaluate import EvaluateSettings, evaluate_offline
 
     target = json.loads((drafter / "config.json").read_text())["draftsmith"]["target"]
-    settings = EvaluateSettings.from_dict({"num_prompts": num_prompts, "threads": threads, "hybrid": False})
+    settings = EvaluateSettings.from_dict({**evaluate, "num_prompts": num_prompts, "hybrid": False})
+    work.mkdir(parents=True, exist_ok=True)
     results = evaluate_offline(target, {"eagle3": drafter}, prompts, work / "offline.json", settings)
     serving = {**schema_default("evaluate", "serving"), "concurrency": list(PROJECTED_CONCURRENCY)}
     context = sum(len(o) for o in results["plain"]["outputs"]) / max(1, len(results["plain"]["outputs"]))
@@ -132,9 +144,8 @@ def run_variant(
     rows = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines() if line.strip()]
     methods = None
     if measured:
-        methods = measure(
-            root / "drafter", measured["prompts"], measured["num_prompts"], root, settings.threads
-        )
+        evaluate = {**measured["evaluate"], "threads": settings.threads}
+        methods = measure(root / "drafter", measured["sets"], measured["num_prompts"], root, evaluate)
     return {
         "variant": name,
         "seed": settings.seed,
@@ -169,17 +180,17 @@ def table(rows: list[dict[str, Any]]) -> str:
     measured = [r for r in rows if r.get("methods")]
     if measured:
         c = " / ".join(f"c{b}" for b in PROJECTED_CONCURRENCY)
-        lines += [
-            "",
-            f"{'variant':<{width}}  method   tokens/forward  acceptance per position   k  projected {c}",
-        ]
+        head = f"{'variant':<{width}}  set          method   tokens/forward  acceptance per position   k  projected {c}"
+        lines += ["", head]
         for r in measured:
-            for key, m in r["methods"].items():
-                speed = " / ".join(f"{x:.2f}x" for x in m["projected_speedup"] or [])
-                lines.append(
-                    f"{r['variant'] + ' s' + str(r['seed']):<{width}}  {key:<7}  {m['tokens_per_forward']:>14.3f}  "
-                    f"{fmt(m['acceptance_rates']):<24}  {m['chosen_k'] or '-'}  {speed}"
-                )
+            for set_name, methods in r["methods"].items():
+                for key, m in methods.items():
+                    speed = " / ".join(f"{x:.2f}x" for x in m["projected_speedup"] or [])
+                    lines.append(
+                        f"{r['variant'] + ' s' + str(r['seed']):<{width}}  {set_name:<11}  {key:<7}  "
+                        f"{m['tokens_per_forward']:>14.3f}  {fmt(m['acceptance_rates']):<24}  "
+                        f"{m['chosen_k'] or '-'}  {speed}"
+                    )
     return "\n".join(lines)
 
 
@@ -215,9 +226,15 @@ def beats_reference(val_acc: list[float | None] | None) -> bool:
 )
 @click.option(
     "--prompts",
-    default="results/prompts/heldout.jsonl",
+    default="heldout=results/prompts/heldout.jsonl,handwritten=draftsmith/data/heldout_handwritten.jsonl",
     show_default=True,
-    help="Held-out prompts to measure on.",
+    help="Held-out sets to measure on, NAME=PATH comma-separated.",
+)
+@click.option(
+    "--evaluate-settings",
+    default='{"max_new_tokens": 64, "num_draft_tokens": 3}',
+    show_default=True,
+    help="JSON evaluate settings of the measurement (config.yaml's draft length and answer length).",
 )
 @click.option("--jobs", default=1, show_default=True, help="Variants trained at the same time.")
 @click.option("--threads", default=1, show_default=True, help="torch threads per variant.")
@@ -232,6 +249,7 @@ def main(
     seeds: str,
     measure_prompts: int,
     prompts: str,
+    evaluate_settings: str,
     jobs: int,
     threads: int,
     json_path: str,
@@ -254,7 +272,11 @@ def main(
         tempfile.TemporaryDirectory(prefix="draftsmith-ablate-") as work,
         ProcessPoolExecutor(jobs, mp_context=ctx) as pool,
     ):
-        measured = {"prompts": prompts, "num_prompts": measure_prompts} if measure_prompts else None
+        sets = dict(item.split("=", 1) for item in prompts.split(",") if item.strip())
+        evaluate = json.loads(evaluate_settings)
+        measured = (
+            {"sets": sets, "num_prompts": measure_prompts, "evaluate": evaluate} if measure_prompts else None
+        )
         futures = {
             (n, seed): pool.submit(
                 run_variant, n, {**base, **VARIANTS[n], "seed": seed}, data, vocab, work, measured
