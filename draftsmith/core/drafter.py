@@ -74,6 +74,9 @@ class DrafterConfig:
     # transformers' rope_parameters without rope_theta: {"rope_type": "llama3", "factor": 8.0, ...};
     # None = plain RoPE
     rope_scaling: dict[str, Any] | None = None
+    kind: str = "eagle3"  # eagle3 | eagle3.1 | peagle | dflash
+    num_layers: int = 1  # draft decoder layers (DFlash; P-EAGLE)
+    mask_token_id: int | None = None  # the id of the masked (parallel) draft slots (P-EAGLE, DFlash)
 
     @classmethod
     def from_target(
