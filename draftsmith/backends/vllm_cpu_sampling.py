@@ -41,8 +41,12 @@ def cpu_kernel_expands_wrongly() -> bool:
     """Whether the CPU kernel vLLM registers for the expansion gets a float batch wrong (False where
     the CPU build has no such kernel)."""
     try:
-        import vllm._C  # noqa: F401 (registers the CPU build's kernels as torch.ops._C)
+        from vllm.platforms import current_platform
         from vllm.utils.cpu_triton_utils import _expand_kernel_impl
+
+        # registers the CPU build's kernels as torch.ops._C: the library this CPU runs (vllm._C needs
+        # AVX-512 with bf16; on an AVX2-only CPU importing it dies of SIGILL, _C_AVX2 is the one to load)
+        current_platform.import_kernels()
     except ImportError:
         return False
     x, cu = torch.tensor([0.7, 0.25]), torch.tensor([2, 3], dtype=torch.int32)
