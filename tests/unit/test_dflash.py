@@ -22,6 +22,7 @@ from draftsmith.core.dflash import (
     dflash_train_mask,
 )
 from draftsmith.core.drafter import DrafterConfig, apply_rope
+from draftsmith.core.engines import speculative_config
 from draftsmith.core.export_formats.vllm_dflash import load_dflash, save_dflash
 from draftsmith.core.loader import Batch
 from draftsmith.core.objective_dflash import DFlashDraftingLoss, dflash_block_inputs, dflash_loss
@@ -294,3 +295,39 @@ def test_export_refuses_a_drafter_of_another_kind(tmp_path) -> None:
     model.cfg = replace(model.cfg, kind="eagle3")
     with pytest.raises(ValueError, match="kind"):
         save_dflash(model, tmp_path / "d", [2, 4, 5], "/t", None, torch.float32)
+
+
+def test_vllm_speculative_config_for_dflash() -> None:
+    assert speculative_config("dflash", "d", 3) == {
+        "method": "dflash",
+        "model": "d",
+        "num_speculative_tokens": 3,
+    }
+    with pytest.raises(ValueError, match="drafter folder"):
+        speculative_config("dflash", None, 3)
+
+
+def test_build_dflash_drafter_is_seeded_and_starts_from_the_target() -> None:
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    from draftsmith.core.dflash import build_dflash_drafter
+    from draftsmith.core.target import TargetHead
+
+    config = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+    torch.manual_seed(0)
+    head = TargetHead(config, torch.randn(V, 32), torch.randn(V, 32), torch.rand(32))
+    d2t, t2d = vocab_maps(torch.sort(torch.randperm(V)[:VD]).values, V)
+    settings = SimpleNamespace(seed=3, drafter={}, layer_init="normal", head_init="target")
+    built = [
+        build_dflash_drafter(head, d2t, t2d, 3, settings, "cpu", num_layers=2, mask_token_id=5) for _ in "ab"
+    ]
+    (model, embed, teacher), (again, _, _) = built
+    assert (model.cfg.kind, model.cfg.num_layers, model.cfg.mask_token_id) == ("dflash", 2, 5)
+    state, other = model.state_dict(), again.state_dict()
+    assert all(torch.equal(t, other[name]) for name, t in state.items())
+    draft_ids = torch.arange(VD) + d2t
+    assert torch.equal(teacher, head.lm_head[draft_ids]) and torch.equal(model.lm_head.weight, teacher)
+    assert torch.equal(embed, head.embed) and model.training
