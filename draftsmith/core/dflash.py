@@ -97,10 +97,18 @@ def dflash_train_mask(T: int, K: int, device: torch.device | None = None) -> Ten
     anchored after position t); keys are [context (T) ; slot 0 keys (T) ; ... ; slot K keys (T)].
     Query (t, i) sees context key s iff s <= t, and block key (t', j) iff t' == t and j <= i (causal
     within its own block)."""
-    context = torch.ones(T, T, dtype=torch.bool, device=device).tril().repeat(K + 1, 1)  # [(K+1)T, T]
+    return dflash_anchor_mask(torch.arange(T, device=device), T, K)
+
+
+def dflash_anchor_mask(anchors: Tensor, T: int, K: int) -> Tensor:
+    """`dflash_train_mask` for the blocks of some anchors only: anchors [Na] (positions, distinct) ->
+    [(K+1)*Na, T + (K+1)*Na] bool. Query i*Na + a is slot i of the block anchored after anchors[a]; it
+    sees context key s iff s <= anchors[a], and block key j*Na + a' iff a' == a and j <= i."""
+    Na, device = anchors.numel(), anchors.device
+    context = torch.arange(T, device=device)[None, :] <= anchors[:, None]  # [Na, T]
     causal = torch.ones(K + 1, K + 1, dtype=torch.bool, device=device).tril()
-    own = torch.kron(causal, torch.eye(T, dtype=torch.bool, device=device))  # [(K+1)T, (K+1)T]
-    return torch.cat([context, own], dim=1)
+    own = torch.kron(causal, torch.eye(Na, dtype=torch.bool, device=device))  # [(K+1)Na, (K+1)Na]
+    return torch.cat([context.repeat(K + 1, 1), own], dim=1)
 
 
 def dflash_block_mask(n_ctx: int, n_block: int, device: torch.device | None = None) -> Tensor:

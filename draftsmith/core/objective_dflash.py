@@ -1,4 +1,4 @@
-"""The DFlash objective: every position of a sequence anchors a block, all blocks in one forward.
+"""The DFlash objective: every trained position of a sequence anchors a block, all blocks in one forward.
 
 Index convention (core/objective.py): aux[b, t] = the target's features after token x_t, final[b, t] =
 its final state whose lm_head gives x_{t+1}. The block anchored after position t holds x_{t+1} (slot 0,
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from draftsmith.core.dflash import DFlashDrafter, dflash_train_mask
+from draftsmith.core.dflash import DFlashDrafter, dflash_anchor_mask
 from draftsmith.core.loader import Batch
 from draftsmith.core.objective import (
     DraftingLoss,
@@ -39,15 +39,18 @@ def check_dflash_objective(objective: Objective) -> None:
         raise ValueError(f"ttt_positions {objective.ttt_positions!r} is not for dflash (only 'advance')")
 
 
-def dflash_block_inputs(input_ids: Tensor, mask_token_id: int, K: int) -> tuple[Tensor, Tensor]:
-    """input_ids [B, T] -> (block token ids [B, (K+1)*T], positions [B, (K+1)*T]), slot-major: entry
-    i*T + t is slot i of the block anchored after t: x_{t+1} (clamped to T-1) for i = 0, else the mask
-    token; at position t+1+i."""
+def dflash_block_inputs(
+    input_ids: Tensor, mask_token_id: int, K: int, anchors: Tensor
+) -> tuple[Tensor, Tensor]:
+    """input_ids [B, T], anchors [Na] -> (block token ids [B, (K+1)*Na], positions [B, (K+1)*Na]),
+    slot-major: entry i*Na + a is slot i of the block anchored after t = anchors[a]: x_{t+1} (clamped
+    to T-1) for i = 0, else the mask token; at position t+1+i."""
     B, T = input_ids.shape
-    t = torch.arange(T, device=input_ids.device)
-    bonus = input_ids[:, (t + 1).clamp(max=T - 1)]  # [B, T]
-    masks = torch.full((B, K * T), mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
-    positions = torch.cat([t + 1 + i for i in range(K + 1)])[None].expand(B, -1)
+    bonus = input_ids[:, (anchors + 1).clamp(max=T - 1)]  # [B, Na]
+    masks = torch.full(
+        (B, K * anchors.numel()), mask_token_id, dtype=input_ids.dtype, device=input_ids.device
+    )
+    positions = torch.cat([anchors + 1 + i for i in range(K + 1)])[None].expand(B, -1)
     return torch.cat([bonus, masks], dim=1), positions
 
 
@@ -66,8 +69,8 @@ def dflash_loss(
     semantics (embed_weight [V, Ht] the target's frozen embedding, teacher_weight [Vd, Ht] its lm_head
     rows of the draft ids; draft position i-1 of the stats = block slot i; step_counts as there).
 
-    One forward: the context keys of every position, then all T blocks of K+1 slots through the layers
-    in one attention call per layer under `dflash_train_mask`. The LK losses are not implemented
+    One forward: the context keys of every position, then the blocks of K+1 slots of every anchor some
+    slot trains, through the layers in one attention call per layer under `dflash_anchor_mask`. The LK losses are not implemented
     (draft_mass and all_sum are accepted for the signature and unused)."""
     check_dflash_objective(objective)
     B, T = batch.input_ids.shape
@@ -79,23 +82,29 @@ def dflash_loss(
     counts = torch.bincount(found[:, 0], minlength=K).tolist()  # the one host read before the forward
     rows = found[:, 1:].split(counts)
     fast_teacher = device.type == "cuda" and objective.precision == "bf16"  # as ttt_loss
-    ids, block_positions = dflash_block_inputs(batch.input_ids, drafter.cfg.mask_token_id, K)
-    mask = dflash_train_mask(T, K, device)  # [(K+1)T, (K+2)T]
+    # only the blocks some slot of some sample trains (answers, not prompts): the same loss, less work
+    anchors = torch.unique(found[:, 2])  # [Na], sorted
+    Na = anchors.numel()
+    slot_of = torch.zeros(T, dtype=torch.long, device=device)
+    slot_of[anchors] = torch.arange(Na, device=device)  # anchor position -> its block's index
+    ids, block_positions = dflash_block_inputs(batch.input_ids, drafter.cfg.mask_token_id, K, anchors)
+    mask = dflash_anchor_mask(anchors, T, K)  # [(K+1)Na, T + (K+1)Na]
     positions = torch.arange(T, device=device).expand(B, T)
 
     sums: list[Tensor] = []  # per slot: loss sum, correct, agree (read once at the end)
     teacher_correct = torch.zeros((), dtype=torch.int64, device=device)
     total = torch.zeros((), device=device)
     with autocast(device, objective.precision):
-        context = drafter.context(batch.aux.float(), positions)
-        h = drafter(F.embedding(ids, embed_weight), block_positions, context, mask)  # [B, (K+1)T, H]
+        if Na:
+            context = drafter.context(batch.aux.float(), positions)
+            h = drafter(F.embedding(ids, embed_weight), block_positions, context, mask)  # [B, (K+1)Na, H]
         for j in range(K):
             _, src, tgt = targets[j]
             b, t = rows[j].unbind(1)
             if b.numel() == 0:
                 sums.append(torch.zeros(3, device=device, dtype=torch.float64))
                 continue
-            logits = drafter.lm_head(h[b, (j + 1) * T + t])  # slot j+1 of the blocks after t: [N, Vd]
+            logits = drafter.lm_head(h[b, (j + 1) * Na + slot_of[t]])  # slot j+1 of the blocks after t
             with torch.no_grad():
                 # the target's distribution restricted to (renormalised over) the draft vocabulary
                 with contextlib.nullcontext() if fast_teacher else torch.autocast(device.type, enabled=False):

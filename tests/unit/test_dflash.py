@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from draftsmith.core.dflash import (
     DFlashDrafter,
     DFlashProposer,
+    dflash_anchor_mask,
     dflash_block_mask,
     dflash_param_count,
     dflash_train_mask,
@@ -25,6 +26,7 @@ from draftsmith.core.drafter import DrafterConfig, apply_rope
 from draftsmith.core.engines import speculative_config
 from draftsmith.core.export_formats.vllm_dflash import load_dflash, save_dflash
 from draftsmith.core.loader import Batch
+from draftsmith.core.objective import ttt_step_targets
 from draftsmith.core.objective_dflash import DFlashDraftingLoss, dflash_block_inputs, dflash_loss
 from draftsmith.core.vocab import vocab_maps
 
@@ -95,9 +97,26 @@ def test_block_mask_sees_all_context_and_earlier_slots() -> None:
 
 def test_block_inputs_are_slot_major() -> None:
     ids = torch.arange(10, 15)[None]  # T = 5
-    block, positions = dflash_block_inputs(ids, MASK_ID, 2)
+    block, positions = dflash_block_inputs(ids, MASK_ID, 2, torch.arange(5))
     assert block.tolist() == [[11, 12, 13, 14, 14] + [MASK_ID] * 10]
     assert positions.tolist() == [[1, 2, 3, 4, 5, 2, 3, 4, 5, 6, 3, 4, 5, 6, 7]]
+    block, positions = dflash_block_inputs(ids, MASK_ID, 2, torch.tensor([1, 3]))
+    assert block.tolist() == [[12, 14] + [MASK_ID] * 4]
+    assert positions.tolist() == [[2, 4, 3, 5, 4, 6]]
+
+
+def test_anchor_mask_is_the_rule_for_some_anchors() -> None:
+    T, K, anchors = 6, 2, [1, 2, 4]
+    Na = len(anchors)
+    expected = torch.zeros((K + 1) * Na, T + (K + 1) * Na, dtype=torch.bool)
+    for i in range(K + 1):
+        for a, t in enumerate(anchors):
+            for s in range(T):
+                expected[i * Na + a, s] = s <= t
+            for j in range(K + 1):
+                for b in range(Na):
+                    expected[i * Na + a, T + j * Na + b] = a == b and j <= i
+    assert torch.equal(dflash_anchor_mask(torch.tensor(anchors), T, K), expected)
 
 
 # ----------------------------------------------------------------------------- the model
@@ -135,7 +154,7 @@ def test_training_forward_equals_each_block_alone(num_layers: int) -> None:
     model, embed = drafter(num_layers), embedding().weight.detach()
     batch = tiny_batch(lengths=(10,))
     K, T = 3, 10
-    ids, positions = dflash_block_inputs(batch.input_ids, MASK_ID, K)
+    ids, positions = dflash_block_inputs(batch.input_ids, MASK_ID, K, torch.arange(T))
     with torch.no_grad():
         context = model.context(batch.aux, torch.arange(T)[None])
         h = model(embed[ids], positions, context, dflash_train_mask(T, K))
@@ -164,6 +183,26 @@ def test_loss_is_finite_and_learns() -> None:
     assert stats.count == obj.step_counts(batch)
     assert stats.tokens == int(batch.lengths.sum())
     assert stats.loss(obj.step_weights) == pytest.approx(losses[-1], rel=1e-4, abs=1e-3)
+
+
+def test_loss_equals_each_block_scored_alone() -> None:
+    """dflash_loss (blocks of the trained anchors only, in one forward) against its definition: each
+    trained (sample, anchor, slot) recomputed alone and scored with the soft cross-entropy."""
+    model, embed, teacher = drafter(num_layers=2), embedding().weight.detach(), torch.randn(VD, HT)
+    batch, obj, K = tiny_batch(lengths=(12, 9)), objective(steps=3), 3
+    with torch.no_grad():
+        loss, stats = dflash_loss(model, embed, teacher, batch, obj)
+        total, sums = 0.0, [0.0] * K
+        for j in range(K):
+            valid, _, _ = ttt_step_targets(batch.loss_mask, batch.lengths, j, obj.mask_offset)
+            for b, t in valid.nonzero().tolist():
+                h = per_anchor(model, embed, batch.aux[b : b + 1], batch.input_ids[b : b + 1], t, K)[j + 1]
+                p = torch.softmax(batch.final[b, t + 1 + j] @ teacher.T, -1)
+                ce = float(-(p * torch.log_softmax(model.lm_head(h), -1)).sum())
+                sums[j] += ce
+                total += obj.step_weights[j] * ce / int(valid.sum())
+    assert float(loss) == pytest.approx(total, rel=1e-5)
+    assert stats.loss_sum == pytest.approx(sums, rel=1e-5)
 
 
 def test_loss_refuses_the_lk_losses() -> None:
