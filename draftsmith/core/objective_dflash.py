@@ -70,8 +70,8 @@ def dflash_loss(
     rows of the draft ids; draft position i-1 of the stats = block slot i; step_counts as there).
 
     One forward: the context keys of every position, then the blocks of K+1 slots of every anchor some
-    slot trains, through the layers in one attention call per layer under `dflash_anchor_mask`. The LK losses are not implemented
-    (draft_mass and all_sum are accepted for the signature and unused)."""
+    slot trains, through the layers in one attention call per layer under `dflash_anchor_mask`. The LK
+    losses are not implemented (draft_mass and all_sum are accepted for the signature and unused)."""
     check_dflash_objective(objective)
     B, T = batch.input_ids.shape
     device = batch.input_ids.device
@@ -79,7 +79,7 @@ def dflash_loss(
     loss_mask = objective.trained_mask(batch)
     targets = [ttt_step_targets(loss_mask, batch.lengths, j, objective.mask_offset) for j in range(K)]
     found = torch.stack([valid for valid, _, _ in targets]).nonzero()  # [N, 3]: step, b, t
-    counts = torch.bincount(found[:, 0], minlength=K).tolist()  # the one host read before the forward
+    counts = torch.bincount(found[:, 0], minlength=K).tolist()  # host reads: these and the anchors
     rows = found[:, 1:].split(counts)
     fast_teacher = device.type == "cuda" and objective.precision == "bf16"  # as ttt_loss
     # only the blocks some slot of some sample trains (answers, not prompts): the same loss, less work
