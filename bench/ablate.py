@@ -3,6 +3,7 @@ matter, measured on the same data, steps and seed.
 
     python bench/ablate.py [--data results/data_config.json] [--vocab results/vocab_map.pt]
                            [--variants baseline,random_head,...] [--epochs 3] [--jobs 2]
+                           [--seeds 0,1] [--measure-prompts 16 --prompts results/prompts/heldout.jsonl]
                            [--json results/bench/ablate.json]
 
 Every variant is `draftsmith train` with the run's settings (schema defaults < config.yaml's `train`
@@ -75,22 +76,69 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # per-step weights of the TTT loss (the default 0.8**j = 1 / 0.8 / 0.64; ttt_decay_1.0 above is 1 / 1 / 1)
     "step_weights_1_0.5_0.25": {"ttt_step_weights": [1.0, 0.5, 0.25]},
     "step_weights_1_1.25_1.5": {"ttt_step_weights": [1.0, 1.25, 1.5]},
+    # the drafter kinds (issue 35), at the same data, steps and draft positions (ttt_steps)
+    "kind_eagle3.1": {"drafter": {"kind": "eagle3.1"}},
+    "kind_peagle": {"drafter": {"kind": "peagle"}},
+    "kind_dflash": {"drafter": {"kind": "dflash"}},
 }
+# the serving points a measured variant is projected to: evaluate.serving's device at concurrency 1 and 32
+PROJECTED_CONCURRENCY = (1, 32)
 
 
-def run_variant(name: str, values: dict[str, Any], data: str, vocab: str, workdir: str) -> dict[str, Any]:
-    """One training run in this (child) process -> its row."""
+def measure(drafter: Path, prompts: str, num_prompts: int, work: Path, threads: int) -> dict[str, Any]:
+    """Offline speculative decoding of a trained drafter beside the free methods on `num_prompts` held-out
+    prompts, projected by the cost model (schema defaults: its device, draft length) -> per method: tokens
+    per target forward, per-position acceptance, projected speedup at PROJECTED_CONCURRENCY."""
+    from draftsmith.core.cost import drafter_cost, serving_points, target_cost
+    from draftsmith.core.projection import chosen, set_projection
+    from draftsmith.core.settings import schema_default
+    from draftsmith.stages.evaluate import EvaluateSettings, evaluate_offline
+
+    target = json.loads((drafter / "config.json").read_text())["draftsmith"]["target"]
+    settings = EvaluateSettings.from_dict({"num_prompts": num_prompts, "threads": threads, "hybrid": False})
+    results = evaluate_offline(target, {"eagle3": drafter}, prompts, work / "offline.json", settings)
+    serving = {**schema_default("evaluate", "serving"), "concurrency": list(PROJECTED_CONCURRENCY)}
+    context = sum(len(o) for o in results["plain"]["outputs"]) / max(1, len(results["plain"]["outputs"]))
+    points = serving_points(serving, context)
+    projected = set_projection(
+        results, target_cost(target), {"eagle3": drafter_cost(drafter)}, points, (0.95, 1000, 0)
+    )
+    out = {}
+    for key, method in results["methods"].items():
+        option = chosen(projected["methods"][key]) if key in projected["methods"] else {}
+        out[key] = {
+            "tokens_per_forward": method["tokens_per_forward"],
+            "acceptance_rates": method.get("acceptance_rates"),
+            "chosen_k": projected["methods"].get(key, {}).get("chosen_k"),
+            "projected_speedup": option.get("projected_speedup"),
+        }
+    return out
+
+
+def run_variant(
+    name: str, values: dict[str, Any], data: str, vocab: str, workdir: str, measured: dict[str, Any] | None
+) -> dict[str, Any]:
+    """One training run in this (child) process -> its row; `measured` {prompts, num_prompts}: then also
+    the drafter's offline measurement beside the free methods (`measure`)."""
     from draftsmith.stages.train import TrainSettings, train
 
     settings = TrainSettings.from_dict(values)
-    root = Path(workdir) / name
+    root = Path(workdir) / f"{name}-seed{settings.seed}"
     t0 = time.perf_counter()
     summary = train(
         data, vocab, root / "drafter", root / "checkpoints", root / "metrics.jsonl", settings, progress=False
     )
+    wall = time.perf_counter() - t0
     rows = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    methods = None
+    if measured:
+        methods = measure(
+            root / "drafter", measured["prompts"], measured["num_prompts"], root, settings.threads
+        )
     return {
         "variant": name,
+        "seed": settings.seed,
+        "methods": methods,
         "changes": VARIANTS.get(name, {}),
         "val_acc": summary["val_acc"],
         "val_agreement": summary["val_agreement"],
@@ -101,7 +149,7 @@ def run_variant(name: str, values: dict[str, Any], data: str, vocab: str, workdi
         "trained_tokens": summary["trained_tokens"],
         "train_samples": summary["train_samples"],
         "val_samples": summary["val_samples"],
-        "wall_s": time.perf_counter() - t0,
+        "wall_s": wall,
     }
 
 
@@ -110,14 +158,28 @@ def fmt(accs: list[float | None] | None) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    width = max(len(r["variant"]) for r in rows + [{"variant": "reference"}])
+    width = max(len(f"{r['variant']} s{r['seed']}") for r in rows + [{"variant": "reference", "seed": 0}])
     lines = [f"{'variant':<{width}}  val acc per TTT step   train acc              steps  wall s"]
     for r in rows:
         lines.append(
-            f"{r['variant']:<{width}}  {fmt(r['val_acc']):<21}  {fmt(r['train_acc']):<21}  "
-            f"{r['steps']:>5}  {r['wall_s']:>6.0f}"
+            f"{r['variant'] + ' s' + str(r['seed']):<{width}}  {fmt(r['val_acc']):<21}  "
+            f"{fmt(r['train_acc']):<21}  {r['steps']:>5}  {r['wall_s']:>6.0f}"
         )
     lines.append(f"{'reference':<{width}}  {fmt(REFERENCE['val_acc'])}   ({REFERENCE['name']})")
+    measured = [r for r in rows if r.get("methods")]
+    if measured:
+        c = " / ".join(f"c{b}" for b in PROJECTED_CONCURRENCY)
+        lines += [
+            "",
+            f"{'variant':<{width}}  method   tokens/forward  acceptance per position   k  projected {c}",
+        ]
+        for r in measured:
+            for key, m in r["methods"].items():
+                speed = " / ".join(f"{x:.2f}x" for x in m["projected_speedup"] or [])
+                lines.append(
+                    f"{r['variant'] + ' s' + str(r['seed']):<{width}}  {key:<7}  {m['tokens_per_forward']:>14.3f}  "
+                    f"{fmt(m['acceptance_rates']):<24}  {m['chosen_k'] or '-'}  {speed}"
+                )
     return "\n".join(lines)
 
 
@@ -137,6 +199,26 @@ def beats_reference(val_acc: list[float | None] | None) -> bool:
 )
 @click.option("--variants", default=",".join(VARIANTS), show_default=True, help="Comma-separated names.")
 @click.option("--epochs", type=int, default=None, help="Override train.epochs (screening: fewer).")
+@click.option(
+    "--seeds",
+    default="0",
+    show_default=True,
+    help="Comma-separated train.seed values: each variant per seed.",
+)
+@click.option(
+    "--measure-prompts",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Also decode this many held-out prompts (--prompts) with each drafter beside the free methods and "
+    "project the speedups (0 = validation figures only).",
+)
+@click.option(
+    "--prompts",
+    default="results/prompts/heldout.jsonl",
+    show_default=True,
+    help="Held-out prompts to measure on.",
+)
 @click.option("--jobs", default=1, show_default=True, help="Variants trained at the same time.")
 @click.option("--threads", default=1, show_default=True, help="torch threads per variant.")
 @click.option("--json", "json_path", default=str(harness.result_path("ablate")), show_default=True)
@@ -147,6 +229,9 @@ def main(
     settings_json: str,
     variants: str,
     epochs: int | None,
+    seeds: str,
+    measure_prompts: int,
+    prompts: str,
     jobs: int,
     threads: int,
     json_path: str,
@@ -169,10 +254,17 @@ def main(
         tempfile.TemporaryDirectory(prefix="draftsmith-ablate-") as work,
         ProcessPoolExecutor(jobs, mp_context=ctx) as pool,
     ):
-        futures = {n: pool.submit(run_variant, n, {**base, **VARIANTS[n]}, data, vocab, work) for n in names}
-        for n, future in futures.items():
+        measured = {"prompts": prompts, "num_prompts": measure_prompts} if measure_prompts else None
+        futures = {
+            (n, seed): pool.submit(
+                run_variant, n, {**base, **VARIANTS[n], "seed": seed}, data, vocab, work, measured
+            )
+            for seed in [int(x) for x in seeds.split(",")]
+            for n in names
+        }
+        for (n, seed), future in futures.items():
             rows.append(future.result())
-            click.echo(f"{n}: val acc {fmt(rows[-1]['val_acc'])} ({rows[-1]['wall_s']:.0f} s)")
+            click.echo(f"{n} seed {seed}: val acc {fmt(rows[-1]['val_acc'])} ({rows[-1]['wall_s']:.0f} s)")
     click.echo(table(rows))
     for r in rows:
         r["beats_reference"] = beats_reference(r["val_acc"])

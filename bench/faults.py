@@ -221,7 +221,7 @@ def probe_broken_prompt_file_after_a_good_run(p: Probe) -> str:
 def probe_broken_heldout_set(p: Probe) -> str:
     own = p.prompts("mine.jsonl", extra='{"prompt": 3}\n')
     proc = p.snakemake(
-        "-n", config=p.config({"evaluate": {"heldout_sets": {"split": "split", "mine": str(own)}}})
+        "-n", config=p.config({"evaluate": {"heldout_sets": {"heldout": "heldout", "mine": str(own)}}})
     )
     return (
         f"refused at start: {said(proc)}"
@@ -275,7 +275,7 @@ def probe_base_url_not_a_url(p: Probe) -> str:
 
 def probe_configfile_with_one_set(p: Probe) -> str:
     base = p.config(
-        {"evaluate": {"heldout_sets": {"split": "split", "handwritten": "handwritten"}}}, "base.yaml"
+        {"evaluate": {"heldout_sets": {"heldout": "heldout", "handwritten": "handwritten"}}}, "base.yaml"
     )
     own = p.prompts("mine.jsonl")
     mine = p.config({"evaluate": {"heldout_sets": {"mine": str(own)}, "vllm": False}})
@@ -382,15 +382,14 @@ def probe_target_without_layer_count(p: Probe) -> str:
 def probe_vllm_that_does_not_start(p: Probe) -> str:
     """`draftsmith extract --backend vllm` on the real default target with a KV cache larger than the
     machine (VLLM_CPU_KVCACHE_SPACE): vLLM's worker fails at start. A minute or two per checkout."""
-    sys.path.insert(0, str(REPO / "tests" / "e2e"))
     sys.path.insert(0, str(REPO / "tests"))
-    from test_extract_kill import random_sequences, write_tokens
+    from helpers import random_sequences, write_sample_tokens
 
     target = REPO / "resources" / "SmolLM2-135M-Instruct"
     if not (target / "config.json").is_file():
         return "probe skipped: the default target is not materialised (make setup)"
     ids, masks = random_sequences([40, 60])
-    write_tokens(p.root / "tokens.safetensors", ids, masks, [[0, 2]])
+    write_sample_tokens(p.root / "tokens.safetensors", ids, masks, [[0, 2]])
     cmd = ["draftsmith", "extract", "--target", str(target), "--tokens", str(p.root / "tokens.safetensors")]
     cmd += [
         "--shard",

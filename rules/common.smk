@@ -234,11 +234,11 @@ def heldout_prompts(wildcards):
 
 
 def heldout_prompt_file(name):
-    """The prompt file of a held-out set: "split" = the prompts stage's held-out split, "handwritten" =
+    """The prompt file of a held-out set: "heldout" = the prompts stage's held-out prompts, "handwritten" =
     the packaged hand-written set, "humaneval" = HumanEval from its wheel (rule humaneval_prompts),
     anything else = a prompt file of the user's."""
     source = config["evaluate"]["heldout_sets"][name]
-    if source == "split":
+    if source == "heldout":
         return rules.prompts.output.heldout
     if source == "handwritten":
         return workdir_path(Path(draftsmith.__file__).parent / "data" / "heldout_handwritten.jsonl")

@@ -56,7 +56,7 @@ OVERLAY = {
     "resources": {stage: {"gpus": 1} for stage in GPU_STAGES},
 }
 TIMED = ("target", "prompts", "generate", "tokenize", "extract", "manifest", "vocab",
-         "train", "untrained_drafter", "evaluate_offline/split", "evaluate_vllm", "eval_summary", "gate",
+         "train", "untrained_drafter", "evaluate_offline/heldout", "evaluate_vllm", "eval_summary", "gate",
          "export")  # fmt: skip
 
 
@@ -106,7 +106,7 @@ def stage_rows(run: Path) -> list[tuple[str, str, str]]:
 
 def table(run: Path, install: str, seconds: float, code: int) -> str:
     results = run / "results"
-    vllm = read_json(results / "eval" / "split" / "vllm.json")
+    vllm = read_json(results / "eval" / "heldout" / "vllm.json")
     train = (read_json(results / "drafter" / "config.json").get("draftsmith") or {}).get("training") or {}
     summary = read_json(results / "eval" / "summary.json")
     manifest = read_json(results / "data_config.json")

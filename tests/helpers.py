@@ -1,5 +1,6 @@
-"""Helpers shared by test modules: data makers, settings builders, run and inspection helpers, a bit
-flipper, and builders of small evaluation fixtures. Fixtures and hooks stay in conftest.py.
+"""Helpers shared by test modules: the checkout's paths, subprocess and workflow runners, floating-point
+tolerances, data makers, settings builders, run and inspection helpers, a bit flipper, and builders of
+small evaluation fixtures. Fixtures and hooks stay in conftest.py (which imports what it needs from here).
 
 `from helpers import ...` resolves as `from conftest import ...` does: pytest's default (prepend) import
 mode puts tests/, the folder of the rootdir conftest.py, on sys.path, for unit and e2e tests alike.
@@ -9,9 +10,14 @@ Test modules import shared code from here, never from each other (tests/unit/tes
 from __future__ import annotations
 
 import json
+import math
+import os
+import shutil
 import subprocess
-from dataclasses import replace
+import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -32,6 +38,77 @@ from draftsmith.core.vocab import save_vocab_map, vocab_maps
 from draftsmith.stages.eval_summary import provenance, summarize
 from draftsmith.stages.train import TrainSettings, train
 from draftsmith.stages.vocab import build_vocab_map
+
+# ------------------------------------------------------------------------------ the checkout and its CLIs
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_TARGET = REPO / "resources" / "SmolLM2-135M-Instruct"
+TINY_CONFIG = REPO / "tests" / "config.tiny.yaml"
+
+
+def cli_env() -> dict[str, str]:
+    """The environment for running this venv's `draftsmith` and `snakemake` commands in a subprocess."""
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def fp_tolerance(dtype: torch.dtype, depth: int, reduction: int = 1, scale: float = 1.0) -> dict[str, float]:
+    """rtol/atol for torch.testing.assert_close between two computations of the same maths in `dtype`
+    that round differently (other kernels, batch shapes, summation orders: AMX vs AVX-512 CPUs).
+
+    A sum of `reduction` products is off by about eps * sqrt(reduction) of its magnitude (rounding
+    errors add like a random walk); `depth` such steps in sequence add their errors (linearly, the
+    pessimistic case); the worst of thousands of elements sits about 4 standard deviations out.
+    `scale` is the magnitude of the compared values (e.g. max |reference|), which makes atol absolute.
+    Real bugs (a wrong position, mask or cache entry) move values by O(scale), far beyond this.
+    """
+    rel = 4 * torch.finfo(dtype).eps * math.sqrt(reduction) * depth
+    return {"rtol": rel, "atol": rel * float(scale)}
+
+
+def snakemake(
+    workdir: Path, *args: str, check: bool = True, timeout: float = 1800
+) -> subprocess.CompletedProcess:
+    """This checkout's workflow in `workdir` with the tiny configuration on 2 cores; a failure (with
+    check) raises AssertionError with the tail of Snakemake's output."""
+    cmd = ["snakemake", "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
+           "--configfile", str(TINY_CONFIG), "--cores", "2", *args]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), cwd=workdir, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+        )
+    return proc
+
+
+@dataclass(frozen=True)
+class TinyRun:
+    """A finished run of the whole workflow (tests/config.tiny.yaml) on the real default target.
+
+    `config`: the `--config` values it ran with; every later Snakemake call on it passes them again (the
+    same values: nothing reruns). Tests read it; a test that changes files works on `copy(...)`."""
+
+    workdir: Path
+    config: tuple[str, ...]
+
+    @property
+    def results(self) -> Path:
+        return self.workdir / "results"
+
+    def snakemake(
+        self, *args: str, extra: tuple[str, ...] = (), check: bool = True
+    ) -> subprocess.CompletedProcess:
+        """Snakemake on this run: `args` (targets, -n, ...), then `--config` with this run's values and
+        `extra` ones (last: --config takes every argument after it)."""
+        return snakemake(self.workdir, *args, "--config", *self.config, *extra, check=check)
+
+    def copy(self, dest: Path) -> TinyRun:
+        """The run folder copied to `dest` (timestamps and Snakemake's records kept, so the copy is as
+        finished as the run); its config still names the run's target and prompt file."""
+        shutil.copytree(self.workdir, dest, symlinks=True)
+        return TinyRun(dest, self.config)
+
 
 # ------------------------------------------------------------------ tiny training data and training runs
 
@@ -222,7 +299,7 @@ EXPORT_TARGET_VOCAB, EXPORT_DRAFT_VOCAB = 256, 96
 EXPORT_AUX_IDS = [2, 4, 5]  # "input" convention
 
 
-def make_drafter(seed: int = 0, target_hidden_size: int = 40) -> Eagle3Drafter:
+def make_drafter(seed: int = 0, target_hidden_size: int = 40, **kind: Any) -> Eagle3Drafter:
     """A small random drafter with a draft vocabulary of EXPORT_DRAFT_VOCAB of EXPORT_TARGET_VOCAB ids."""
     torch.manual_seed(seed)
     cfg = DrafterConfig(
@@ -238,6 +315,7 @@ def make_drafter(seed: int = 0, target_hidden_size: int = 40) -> Eagle3Drafter:
         target_vocab_size=EXPORT_TARGET_VOCAB,
         draft_vocab_size=EXPORT_DRAFT_VOCAB,
         num_aux=3,
+        **kind,  # kind=..., mask_token_id=...
     )
     model = Eagle3Drafter(cfg)
     ids = torch.sort(torch.randperm(EXPORT_TARGET_VOCAB)[:EXPORT_DRAFT_VOCAB]).values
@@ -330,7 +408,7 @@ def tiny_summary() -> dict:
     """A summary as `draftsmith eval-summary` writes it, from two held-out sets' measurements."""
     other = method([4 + i % 3 for i in range(N)], [40] * N, [[3 + i % 3, 1, 0] for i in range(N)])
     sets = {}
-    for name, trained in (("split", TRAINED), ("handwritten", other)):
+    for name, trained in (("heldout", TRAINED), ("handwritten", other)):
         off = results({"eagle3": trained, "ngram": NGRAM, "untrained": _UNTRAINED})
         sets[name] = {
             "offline": {**off, "prompts": f"{name}.jsonl", "max_new_tokens": 64, "temperature": 0.0}
@@ -358,10 +436,11 @@ def _cli(*args) -> str:
     return result.output
 
 
-def train_and_measure(target: Path, r: Path, control_of=None) -> dict:
+def train_and_measure(target: Path, r: Path, control_of=None, train: dict | None = None) -> dict:
     """The stage commands on `target` (built-in prompts, fp32 greedy traces, a drafter trained until it
     has learnt them), then the offline and the vLLM measurement of the drafter on the training prompts.
-    `control_of(drafter, out)` makes the export measured offline as "untrained" -> the results."""
+    `control_of(drafter, out)` makes the export measured offline as "untrained"; `train`: train settings
+    over this harness's -> the results."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a busy 2-core machine: one thread avoids lock-step waits
     _cli("prompts", "--source", "builtin", "--max-prompts", TWIN_PROMPTS + 1, "--num-heldout", 1,
@@ -380,7 +459,8 @@ def train_and_measure(target: Path, r: Path, control_of=None) -> dict:
     _cli("vocab", "--tokens", r / "tokens.safetensors", "--target", target, "--size", 1024,
          "--out", r / "vocab_map.pt")  # fmt: skip
     settings = {"epochs": 20, "lr": 3e-3, "warmup_steps": 3, "batch_tokens": 4096, "ttt_steps": 3,
-                "val_fraction": 0.0, "threads": 1, "checkpoint_every": 0, "precision": "fp32"}  # fmt: skip
+                "val_fraction": 0.0, "threads": 1, "checkpoint_every": 0, "precision": "fp32",
+                **(train or {})}  # fmt: skip
     _cli("train", "--manifest", r / "data_config.json", "--vocab", r / "vocab_map.pt", "--out", r / "drafter",
          "--checkpoints", r / "checkpoints", "--metrics", r / "metrics.jsonl",
          "--settings", json.dumps(settings))  # fmt: skip
@@ -436,8 +516,6 @@ def write_sample_tokens(
     path: Path, ids: list[list[int]], masks: list[list[int]], shards: list[list[int]]
 ) -> None:
     """A tokens.safetensors of these samples as `draftsmith tokenize` writes it, with the given shard plan."""
-    from conftest import DEFAULT_TARGET
-
     from draftsmith.core.tokens import write_tokens
 
     lengths = [len(s) for s in ids]

@@ -163,6 +163,22 @@ INTERNALS: tuple[Internal, ...] = (
         "_expand_kernel_impl",
     ),
     Internal(
+        "backends/vllm_cpu_sampling loads the kernel build vLLM picks for the CPU (AVX2 / AVX-512)",
+        ("vllm/platforms/interface.py",),
+        "Platform.import_kernels",
+    ),
+    Internal(
+        "a P-EAGLE export is served with parallel drafting (core/engines.drafting_fields)",
+        ("vllm/config/speculative.py",),
+        "SpeculativeConfig.parallel_drafting",
+    ),
+    Internal("P-EAGLE's mask_hidden tensor", ("vllm/model_executor/models/llama_eagle3.py",), '"mask_hidden"', "text"),
+    Internal("P-EAGLE's mask token id", ("vllm/v1/spec_decode/llm_base_proposer.py",), '"mask_token_id"', "text"),
+    *(
+        Internal("EAGLE 3.1's norm flags", ("vllm/model_executor/models/llama_eagle3.py",), f'"{flag}"', "text")
+        for flag in ("fc_norm", "norm_output")
+    ),
+    Internal(
         "backends/vllm_cpu_sampling replaces it on a CPU where it is wrong",
         ("vllm/v1/sample/rejection_sampler.py",),
         "expand_batch_to_tokens",

@@ -49,6 +49,9 @@ def cpu_kernel_expands_wrongly() -> bool:
         current_platform.import_kernels()
     except ImportError:
         return False
+    # vLLM's choice of kernel build for this CPU (AVX2, AVX-512 or AVX-512 BF16) registers torch.ops._C;
+    # importing vllm._C itself runs AVX-512 code: an illegal instruction on an AVX2-only CPU
+    current_platform.import_kernels()
     x, cu = torch.tensor([0.7, 0.25]), torch.tensor([2, 3], dtype=torch.int32)
     out = torch.full((3,), -1.0)
     _expand_kernel_impl(out, x, cu, 0, 1)

@@ -523,6 +523,13 @@ def combination_errors(config: dict[str, Any]) -> list[str]:
         errors.append("prompts.code_wheels: prompts.code_prompts asks for code prompts but names no wheel")
     errors += wildcard_path_errors(config)
     evaluate = config["evaluate"]
+    for name, source in evaluate["heldout_sets"].items():
+        if source == RENAMED_HELDOUT_SOURCE:  # else read as a prompt file named "split", missing
+            suggestion = "heldout" if name == RENAMED_HELDOUT_SOURCE else name
+            errors.append(
+                f'evaluate.heldout_sets.{name}: the held-out source "split" is now called "heldout" (the '
+                f"prompts stage's held-out prompts): write {suggestion}: heldout"
+            )
     unknown = sorted(set(evaluate["set_num_prompts"]) - set(evaluate["heldout_sets"]))
     if unknown:
         errors.append(f"evaluate.set_num_prompts: {unknown} are not held-out sets (evaluate.heldout_sets)")
@@ -556,7 +563,9 @@ def wildcard_path_errors(config: dict[str, Any]) -> list[str]:
 # Prompt files up to this size are read at start (~1 s); a larger one is left to the job that reads it.
 INPUT_CHECK_MAX_BYTES = 256 * 2**20
 # evaluate.heldout_sets values that name a packaged or produced set rather than a file
-NAMED_HELDOUT_SETS = ("split", "handwritten", "humaneval")
+NAMED_HELDOUT_SETS = ("heldout", "handwritten", "humaneval")
+# the old name of "heldout", refused with the new one (it read as the dataset split, prompts.split)
+RENAMED_HELDOUT_SOURCE = "split"
 
 
 def input_file_errors(config: dict[str, Any]) -> tuple[list[str], list[str]]:

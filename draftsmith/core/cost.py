@@ -84,6 +84,9 @@ class ModelCost:
     expert_share: float  # routed experts one token reads (1.0 dense)
     kv_bytes_per_token: float  # KV cache of one context token over all layers, at bytes_per_parameter
     layers: int
+    # a drafter's way to draft k tokens: "chain" (EAGLE-3, 3.1: k passes), "parallel" (P-EAGLE: one pass
+    # over the k catch-up and mask slots), "block" (DFlash: one pass over the next token and k masks)
+    drafting: str = "chain"
 
     def weights_read(self, tokens: float) -> float:
         """Parameters read by one forward over `tokens` tokens: a routed expert is read when any token
@@ -130,9 +133,9 @@ def step_seconds(
     draft_share: float = 1.0,
     drafter_share: float = 1.0,
 ) -> float:
-    """One decode step of a method at draft length k (k = 0: plain decoding). kind: eagle3 (a drafter
-    with k sequential passes), a free method (ngram, suffix) that drafts on `draft_share` of steps, or
-    hybrid (suffix decoding, the drafter on `drafter_share` of steps)."""
+    """One decode step of a method at draft length k (k = 0: plain decoding). kind: eagle3 (a trained
+    drafter, drafting as its export does: `drafting_seconds`), a free method (ngram, suffix) that drafts
+    on `draft_share` of steps, or hybrid (suffix decoding, the drafter on `drafter_share` of steps)."""
     if k == 0 or kind == "plain":
         return forward_seconds(target, point, 1)
     lookup = point.concurrency * point.lookup_us * 1e-6
@@ -140,11 +143,25 @@ def step_seconds(
         return forward_seconds(target, point, 1 + k * draft_share) + lookup
     if drafter is None:
         raise ValueError(f"method {kind!r} drafts with a model: its cost needs the drafter's shape")
-    one_pass = forward_seconds(drafter, point, 1)
-    if kind == "hybrid":
-        passes = drafter_share * k + (1.0 - drafter_share)
-        return forward_seconds(target, point, 1 + k * draft_share) + lookup + passes * one_pass
-    return forward_seconds(target, point, 1 + k) + k * one_pass
+    drafting = drafting_seconds(drafter, point, k)
+    if kind == "hybrid":  # steps the suffix tree drafts still catch the drafter up: one pass of a token
+        catch_up = (1.0 - drafter_share) * forward_seconds(drafter, point, 1)
+        return (
+            forward_seconds(target, point, 1 + k * draft_share) + lookup + drafter_share * drafting + catch_up
+        )
+    return forward_seconds(target, point, 1 + k) + drafting
+
+
+def drafting_seconds(drafter: ModelCost, point: ServingPoint, k: int) -> float:
+    """The drafter's time to draft k tokens per verify step, as vLLM runs its kind: chain = k passes of
+    one token (the first also re-reads the accepted tokens: nothing more when memory-bound); parallel =
+    one pass over 2k tokens (up to k catch-up slots, the bonus and k-1 mask slots); block = one pass over
+    1+k tokens (the next token and k mask slots; the context's projections ride in the same bytes)."""
+    if drafter.drafting == "parallel":
+        return forward_seconds(drafter, point, 2 * k)
+    if drafter.drafting == "block":
+        return forward_seconds(drafter, point, 1 + k)
+    return k * forward_seconds(drafter, point, 1)
 
 
 def projected_speedup(
@@ -247,9 +264,19 @@ def drafter_cost(export_dir: str | Path, bytes_per_parameter: float = 2.0) -> Mo
     skip = ("d2t", "t2d", "embed_tokens.weight")
     params = float(sum(n for name, n in tensor_sizes(export_dir).items() if name not in skip))
     config = json.loads((Path(export_dir) / "config.json").read_text(encoding="utf-8"))
-    layer = {**config, "num_hidden_layers": 1}
-    kv = kv_elements_per_token(layer) if config.get("hidden_size") else 0.0
-    return ModelCost(params, 0.0, 1.0, kv * bytes_per_parameter, 1)
+    layers = int(config.get("num_hidden_layers") or 1)
+    kv = kv_elements_per_token({**config, "num_hidden_layers": layers}) if config.get("hidden_size") else 0.0
+    return ModelCost(params, 0.0, 1.0, kv * bytes_per_parameter, layers, drafting_of(config))
+
+
+def drafting_of(config: dict[str, Any]) -> str:
+    """How an export drafts (ModelCost.drafting), from what vLLM reads: a DFlash architecture drafts a
+    block, a mask token id means parallel drafting (P-EAGLE), else a chain."""
+    if any(str(a).startswith("DFlash") for a in config.get("architectures") or []):
+        return "block"
+    if config.get("mask_token_id", config.get("pard_token")) is not None:
+        return "parallel"
+    return "chain"
 
 
 def serving_points(serving: dict[str, Any], context_tokens: float) -> list[ServingPoint]:

@@ -27,9 +27,7 @@ runs measured at K, which is exact only for causal drafting. So draftsmith train
 from __future__ import annotations
 
 import logging
-import random
 from collections.abc import Sequence
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -39,14 +37,11 @@ from draftsmith.core.drafter import (
     LAYER_INITS,
     MLP,
     DrafterConfig,
-    DrafterInit,
     RMSNorm,
     Rotary,
     _repeat_kv,
     apply_rope,
-    describe,
 )
-from draftsmith.core.target import TargetHead
 
 log = logging.getLogger(__name__)
 
@@ -308,38 +303,3 @@ class DFlashProposer:
         q = torch.zeros(k, cfg.target_vocab_size, device=device)
         q[:, target_ids] = probs.to(q.device)
         return [int(t) for t in self.drafter.draft_to_target(drawn)], q
-
-
-# ----------------------------------------------------------------------------- a drafter to train
-
-
-def build_dflash_drafter(
-    target: TargetHead,
-    d2t: Tensor,
-    t2d: Tensor,
-    num_aux: int,
-    settings: DrafterInit,
-    device: torch.device | str,
-    *,
-    num_layers: int,
-    mask_token_id: int,
-) -> tuple[DFlashDrafter, Tensor, Tensor]:
-    """`build_drafter` for DFlash -> (the drafter at its initial weights, in train mode; the frozen target
-    embedding [V, Ht]; the teacher weight [Vd, Ht]), on device; the same seed, shape and init settings."""
-    cfg = DrafterConfig.from_target(target.config, d2t.numel(), num_aux, settings.drafter)
-    cfg = replace(cfg, kind=DFLASH_KIND, num_layers=num_layers, mask_token_id=mask_token_id)
-    log.info(
-        "DFlash drafter: %s, %d layers, mask token %d, %.1f M parameters",
-        describe(cfg), num_layers, mask_token_id, dflash_param_count(cfg) / 1e6,
-    )  # fmt: skip
-    random.seed(settings.seed)
-    torch.manual_seed(settings.seed)
-    drafter = DFlashDrafter(cfg)
-    if settings.layer_init != "normal":  # the constructor's draw is "normal"
-        drafter.init_linears(settings.layer_init)
-    drafter.set_vocab_map(d2t, t2d)
-    if settings.head_init == "target":
-        drafter.init_from_target(target.lm_head, target.norm)
-    drafter.to(device).train()
-    draft_ids = torch.arange(cfg.draft_vocab_size) + d2t  # target id of each draft id
-    return drafter, target.embed.to(device), target.lm_head[draft_ids].to(device)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
@@ -38,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from draftsmith.core.target import TargetHead, text_config
+from draftsmith.core.target import text_config
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +53,13 @@ SHAPE_KEYS = (
 # The drafter rotates its whole head by 1-D token positions, whatever the target's layers do.
 TARGET_ONLY_ROPE_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
 LAYER_INITS = ("fan_in", "normal")
+# What a drafter is (train.drafter.kind): EAGLE-3 drafts k tokens in k chained passes; EAGLE 3.1 is the
+# same with each aux state normalised before the fusion and the post-norm state fed back (vLLM's `fc_norm`
+# and `norm_output` flags); P-EAGLE drafts all k in one pass (mask tokens after the first, vLLM's
+# `parallel_drafting`); DFlash is its own model (core/dflash.py): one pass over a block of mask tokens.
+KINDS = ("eagle3", "eagle3.1", "peagle", "dflash")
+# Keys of the `train.drafter` section that are not the layer's shape.
+KIND_KEYS = ("kind", "num_layers", "mask_token_id")
 MLA_HEAD_DIM = 128  # published MLA-target drafters (Kimi-K2.5): Llama-style heads of 128
 
 
@@ -74,9 +80,24 @@ class DrafterConfig:
     # transformers' rope_parameters without rope_theta: {"rope_type": "llama3", "factor": 8.0, ...};
     # None = plain RoPE
     rope_scaling: dict[str, Any] | None = None
-    kind: str = "eagle3"  # eagle3 | eagle3.1 | peagle | dflash
-    num_layers: int = 1  # draft decoder layers (DFlash; P-EAGLE)
-    mask_token_id: int | None = None  # the id of the masked (parallel) draft slots (P-EAGLE, DFlash)
+    kind: str = "eagle3"  # one of KINDS (checkpoints written before kinds existed are EAGLE-3)
+    num_layers: int = 1
+    mask_token_id: int | None = None  # the token of the mask slots (peagle, dflash)
+
+    @property
+    def fc_norm(self) -> bool:
+        """EAGLE 3.1: an RMSNorm on each aux state before `fc`."""
+        return self.kind == "eagle3.1"
+
+    @property
+    def norm_output(self) -> bool:
+        """EAGLE 3.1: the post-norm state is the recurrent one (vLLM's `norm_output`)."""
+        return self.kind == "eagle3.1"
+
+    @property
+    def parallel(self) -> bool:
+        """All k drafts in one drafter pass (P-EAGLE, DFlash) rather than k chained ones."""
+        return self.kind in ("peagle", "dflash")
 
     @classmethod
     def from_target(
@@ -90,9 +111,12 @@ class DrafterConfig:
         `shape` (the `train.drafter` config section) wins."""
         text = text_config(target_config)
         shape = dict(shape or {})
-        unknown = sorted(set(shape) - set(SHAPE_KEYS))
+        unknown = sorted(set(shape) - set(SHAPE_KEYS) - set(KIND_KEYS))
         if unknown:
-            raise ValueError(f"train.drafter: unknown keys {unknown}; known: {list(SHAPE_KEYS)}")
+            raise ValueError(f"train.drafter: unknown keys {unknown}; known: {list(SHAPE_KEYS + KIND_KEYS)}")
+        kind_fields = kind_settings(
+            shape.pop("kind", None), shape.pop("num_layers", None), shape.pop("mask_token_id", None), text
+        )
         dims = derived_shape(text)
         dims.update({k: v for k, v in shape.items() if v is not None})
         if dims["hidden_size"] != text.hidden_size:
@@ -116,6 +140,7 @@ class DrafterConfig:
             target_vocab_size=text.vocab_size,
             draft_vocab_size=draft_vocab_size,
             num_aux=num_aux,
+            **kind_fields,
         )
         rope_init(cfg)  # an unknown rope_type or a missing key fails here, before any training
         return cfg
@@ -126,6 +151,28 @@ class DrafterConfig:
     def rope_parameters(self) -> dict[str, Any]:
         """transformers / vLLM `rope_parameters` of this drafter."""
         return {"rope_theta": self.rope_theta, "rope_type": "default", **(self.rope_scaling or {})}
+
+
+def kind_settings(
+    kind: str | None, num_layers: int | None, mask_token_id: int | None, text: Any
+) -> dict[str, Any]:
+    """The kind fields of a DrafterConfig from the `train.drafter` keys (None = derived): one layer; the
+    mask token of parallel kinds is the target vocabulary's last id (rarely a real next token; only its
+    frozen embedding row is read: the learnt part of a mask slot is `mask_hidden` / the layers)."""
+    kind = kind or "eagle3"
+    if kind not in KINDS:
+        raise ValueError(f"train.drafter.kind={kind!r} must be one of {list(KINDS)}")
+    layers = num_layers or 1
+    if layers != 1 and kind != "dflash":
+        raise ValueError(
+            f"train.drafter.num_layers={layers}: the EAGLE kinds train one layer here; more are for dflash"
+        )
+    mask = None
+    if kind in ("peagle", "dflash"):
+        mask = int(text.vocab_size) - 1 if mask_token_id is None else int(mask_token_id)
+        if not 0 <= mask < int(text.vocab_size):
+            raise ValueError(f"train.drafter.mask_token_id={mask} is outside the target vocabulary")
+    return {"kind": kind, "num_layers": layers, "mask_token_id": mask}
 
 
 def is_mla(config: Any) -> bool:
@@ -187,7 +234,7 @@ def describe(cfg: DrafterConfig) -> str:
     """One line: the drafter's shape as the `train.drafter` keys name it."""
     rope = cfg.rope_scaling["rope_type"] if cfg.rope_scaling else "default"
     return (
-        f"hidden_size {cfg.hidden_size}, {cfg.num_attention_heads} heads x head_dim {cfg.head_dim}, "
+        f"{cfg.kind}, hidden_size {cfg.hidden_size}, {cfg.num_attention_heads} heads x head_dim {cfg.head_dim}, "
         f"{cfg.num_key_value_heads} kv heads, intermediate_size {cfg.intermediate_size}, "
         f"rope {rope} (theta {cfg.rope_theta:g}), draft vocab {cfg.draft_vocab_size}"
     )
@@ -201,7 +248,8 @@ def param_count(cfg: DrafterConfig) -> int:
         2 * H * d * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) + cfg.num_attention_heads * d * H
     )
     mlp = 3 * H * cfg.intermediate_size
-    return fc + attn + mlp + 4 * H + cfg.draft_vocab_size * H
+    kind_extra = cfg.num_aux * cfg.target_hidden_size if cfg.fc_norm or cfg.kind == "peagle" else 0
+    return fc + attn + mlp + 4 * H + cfg.draft_vocab_size * H + kind_extra
 
 
 class RMSNorm(nn.Module):
@@ -456,10 +504,21 @@ class MidLayer(nn.Module):
 
 
 class Eagle3Drafter(nn.Module):
+    """EAGLE-3 and the kinds that keep its layer: EAGLE 3.1 (`fc_norm`, post-norm recurrence) and P-EAGLE
+    (`mask_hidden`: the learnt aux state of every mask slot, in the concatenated aux space vLLM reads)."""
+
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
+        if cfg.kind not in ("eagle3", "eagle3.1", "peagle"):
+            raise ValueError(f"Eagle3Drafter cannot be a {cfg.kind!r} drafter")
         self.cfg = cfg
         self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        if cfg.fc_norm:  # vLLM: fc_norm.{i}.weight [Ht], one per aux state, in aux-id order
+            self.fc_norm = nn.ModuleList(
+                RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(cfg.num_aux)
+            )
+        if cfg.kind == "peagle":  # vLLM: mask_hidden [1, A*Ht]; small draw so mask slots start distinct
+            self.mask_hidden = nn.Parameter(torch.randn(1, cfg.num_aux * cfg.target_hidden_size) * 0.02)
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -496,53 +555,22 @@ class Eagle3Drafter(nn.Module):
 
     def fuse(self, aux: Tensor) -> Tensor:
         """aux [B, T, A*Ht] (aux layers concatenated in id order) -> [B, T, H]."""
+        if self.cfg.fc_norm:
+            chunks = aux.chunk(self.cfg.num_aux, dim=-1)  # A x [B, T, Ht]
+            aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1)
         return self.fc(aux)
+
+    def fused_mask(self) -> Tensor:
+        """P-EAGLE: the hidden state of every mask slot, fuse(mask_hidden) -> [1, 1, H] (vLLM computes it
+        once at load)."""
+        return self.fuse(self.mask_hidden[None])
+
+    def recurrent(self, prenorm: Tensor) -> Tensor:
+        """The state fed to the next draft step: the post-norm one for EAGLE 3.1, else the residual sum."""
+        return self.norm(prenorm) if self.cfg.norm_output else prenorm
 
     def forward(self, embeds: Tensor, hidden: Tensor, positions: Tensor, kv: KV) -> tuple[Tensor, Tensor]:
         """embeds [B, T, H] of the *next* tokens, hidden [B, T, H] (fused aux or the previous step's
         output), positions [B, T] -> (draft logits [B, T, Vd], recurrent hidden [B, T, H])."""
         prenorm = self.midlayer(embeds, hidden, positions, kv)
-        return self.lm_head(self.norm(prenorm)), prenorm
-
-
-# ----------------------------------------------------------------------------- a drafter to train
-
-
-class DrafterInit(Protocol):
-    """The settings a drafter's initial weights follow (train.TrainSettings has them)."""
-
-    seed: int
-    drafter: dict[str, Any]
-    layer_init: str
-    head_init: str
-
-
-def build_drafter(
-    target: TargetHead,
-    d2t: Tensor,
-    t2d: Tensor,
-    num_aux: int,
-    settings: DrafterInit,
-    device: torch.device | str,
-) -> tuple[Eagle3Drafter, Tensor, Tensor]:
-    """-> (the drafter at its initial weights, in train mode; the frozen target embedding [V, Ht]; the
-    teacher weight [Vd, Ht] = the target's lm_head rows of the draft ids), on device.
-
-    The initial weights are a function of settings.seed: every data-parallel rank builds the same
-    drafter. settings.drafter shapes it; layer_init "normal" draws every linear N(0, 0.02), "fan_in" keeps
-    torch's default U(+-1/sqrt(fan_in)); head_init "target" then copies lm_head rows and the final norm
-    from the target, "random" keeps the drafter's own draw (SpecForge)."""
-    cfg = DrafterConfig.from_target(target.config, d2t.numel(), num_aux, settings.drafter)
-    log.info("drafter: %s, %.1f M parameters", describe(cfg), param_count(cfg) / 1e6)
-    random.seed(settings.seed)
-    torch.manual_seed(settings.seed)
-    drafter = Eagle3Drafter(cfg)
-    if settings.layer_init != "normal":  # the constructor's draw is "normal"
-        drafter.init_linears(settings.layer_init)
-    drafter.set_vocab_map(d2t, t2d)
-    if settings.head_init == "target":
-        drafter.init_from_target(target.lm_head, target.norm)
-    drafter.to(device).train()
-    embed = target.embed.to(device)  # frozen, not part of the drafter
-    draft_ids = torch.arange(cfg.draft_vocab_size) + d2t  # target id of each draft id
-    return drafter, embed, target.lm_head[draft_ids].to(device)
+        return self.lm_head(self.norm(prenorm)), self.recurrent(prenorm)

@@ -5,6 +5,8 @@ and the model card's serve commands repeat)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 ENGINES = ("vllm", "sglang", "speculators")
@@ -30,6 +32,17 @@ def draft_positions_warning(num_draft_tokens: int, ttt_steps: int | None) -> str
     )
 
 
+def drafting_fields(drafter: str | Path) -> dict[str, Any]:
+    """What vLLM must be told beside the drafter folder: parallel drafting for a P-EAGLE export (one with
+    a mask token id; vLLM would otherwise chain it as EAGLE-3)."""
+    path = Path(drafter) / "config.json"
+    if not path.is_file():  # a folder still to be written (serve commands in a model card)
+        return {}
+    config = json.loads(path.read_text(encoding="utf-8"))
+    parallel = config.get("mask_token_id", config.get("pard_token")) is not None
+    return {"parallel_drafting": True} if parallel else {}
+
+
 def speculative_config(
     method: str | None,
     drafter: str | None,
@@ -45,7 +58,12 @@ def speculative_config(
     if method == "eagle3":
         if not drafter:
             raise ValueError("method 'eagle3' needs a drafter folder")
-        return {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": num_speculative_tokens}
+        return {
+            "method": "eagle3",
+            "model": str(drafter),
+            "num_speculative_tokens": num_speculative_tokens,
+            **drafting_fields(drafter),
+        }
     if method == "dflash":  # a DFlash export (core/export_formats/vllm_dflash.py)
         if not drafter:
             raise ValueError("method 'dflash' needs a drafter folder")

@@ -283,7 +283,7 @@ def ttt_loss(
 
     def layer(view: TTTKV, src_ids: Tensor, step_positions: Tensor, hidden: Tensor) -> Tensor:
         embeds = F.embedding(src_ids, embed_weight)  # e(x_{t+1+j})
-        return drafter.midlayer(embeds, hidden, step_positions, view)  # recurrent state for step j+1
+        return drafter.midlayer(embeds, hidden, step_positions, view)  # pre-norm state of step j
 
     def layer_again(
         src_ids: Tensor, step_positions: Tensor, hidden: Tensor, *past: Tensor
@@ -301,16 +301,22 @@ def ttt_loss(
         hidden = drafter.fuse(batch.aux.float())  # [B, T, H]
         if checkpointed and steps > 1:
             kv.ensure_bias(T, hidden.dtype, device)  # shared by every step's recomputation
+        parallel = drafter.cfg.kind == "peagle"
+        if parallel:  # steps j >= 1 are mask slots: the mask token and fuse(mask_hidden), no recurrence
+            mask_ids = torch.full_like(batch.input_ids, drafter.cfg.mask_token_id)  # [B, T]
+            mask_state = drafter.fused_mask().expand(B, T, -1)  # [B, T, H]
         for j in range(steps):
             _, src, tgt = targets[j]
             step_positions = positions + j if advance else positions
+            src_ids = mask_ids if parallel and j > 0 else batch.input_ids[:, src]
+            step_hidden = mask_state if parallel and j > 0 else hidden
             # = drafter.forward(...), with norm + lm_head (the costliest matmul) only on the valid rows
             if checkpointed:  # keep the step's inputs, recompute its activations in the backward pass
-                hidden, k, v = checkpoint(
+                prenorm, k, v = checkpoint(
                     layer_again,
-                    batch.input_ids[:, src],
+                    src_ids,
                     step_positions,
-                    hidden,
+                    step_hidden,
                     *kv.keys,
                     *kv.values,
                     use_reentrant=False,
@@ -318,7 +324,8 @@ def ttt_loss(
                 kv.keys.append(k)
                 kv.values.append(v)
             else:
-                hidden = layer(kv, batch.input_ids[:, src], step_positions, hidden)
+                prenorm = layer(kv, src_ids, step_positions, step_hidden)
+            hidden = drafter.recurrent(prenorm)  # step j+1's input (EAGLE 3.1: post-norm)
             b, t = rows[j].unbind(1)
             if b.numel() == 0:
                 if objective.lk_loss == "lambda":
@@ -328,10 +335,10 @@ def ttt_loss(
             final_rows = batch.final[b, src[t]]
             if checkpointed and plain_ce:
                 per_position, drafted, wanted = checkpoint(
-                    head, hidden[b, t], final_rows, use_reentrant=False
+                    head, prenorm[b, t], final_rows, use_reentrant=False
                 )
             else:
-                per_position, drafted, wanted, *lk = head(hidden[b, t], final_rows)
+                per_position, drafted, wanted, *lk = head(prenorm[b, t], final_rows)
             with torch.no_grad():
                 real = batch.input_ids[b, tgt[t]]  # x_{t+2+j}
                 correct = (drafter.draft_to_target(drafted) == real).sum()
@@ -471,6 +478,7 @@ class DraftingLoss(torch.nn.Module):
         teacher: Tensor,
         lm_head: Tensor | None = None,
         all_sum: Callable[[Tensor], Tensor] | None = None,
+        loss: Callable[..., tuple[Tensor, StepStats]] = ttt_loss,
     ):
         super().__init__()
         self.drafter, self.embed, self.teacher, self.lm_head, self.all_sum = (
@@ -480,6 +488,7 @@ class DraftingLoss(torch.nn.Module):
             lm_head,
             all_sum,
         )
+        self.loss = loss  # the kind's objective (core/kinds.drafter_loss), with ttt_loss's signature
 
     def forward(
         self, batch: Batch | None, objective: Objective, step_counts: list[int] | None = None
@@ -494,7 +503,7 @@ class DraftingLoss(torch.nn.Module):
         mass = None
         if objective.lk_loss != "none" and self.lm_head is not None:
             mass = draft_mass(batch.final, self.teacher, self.lm_head)
-        loss, stats = ttt_loss(
+        loss, stats = self.loss(
             self.drafter,
             self.embed,
             self.teacher,

@@ -381,6 +381,27 @@ class Eagle3Proposer:
         return drafts, q
 
 
+class PEagleProposer(Eagle3Proposer):
+    """Parallel drafting (P-EAGLE) with the same drafter layer: the first draft comes from the catch-up
+    pass (vLLM's bonus slot), the other k-1 from ONE pass over k-1 mask slots (the mask token, hidden
+    fuse(mask_hidden)) at the next positions against the cache. vLLM runs catch-up and mask slots as one
+    forward; attention is causal, so the two passes here give the same drafts."""
+
+    def _chain(self, k: int, pick) -> list[int]:
+        if self.logits is None:
+            raise RuntimeError("propose() before catch_up()")
+        self.draft_logits = [self.logits]  # [1, Vd] per draft
+        if k > 1:
+            keep, device = self.kv.length, self.drafter.d2t.device
+            ids = torch.full((1, k - 1), self.drafter.cfg.mask_token_id, dtype=torch.long, device=device)
+            positions = self.position + 1 + torch.arange(k - 1, device=device)[None]  # [1, k-1]
+            hidden = self.drafter.fused_mask().expand(1, k - 1, -1)  # [1, k-1, H]
+            logits, _ = self.drafter(self._embed(ids), hidden, positions, self.kv)  # [1, k-1, Vd]
+            self.kv.crop(keep)
+            self.draft_logits += list(logits[0, :, None].unbind(0))
+        return [int(self.drafter.draft_to_target(pick(logits))) for logits in self.draft_logits]
+
+
 def ngram_propose(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
     """Prompt lookup exactly as vLLM's `ngram` method: find the longest n-gram (min_n <= n <= max_n) that
     ends the sequence and also occurs earlier, take its earliest occurrence, and propose the (up to) k
@@ -621,7 +642,8 @@ def speculative_decode(
     if isinstance(drafter, Eagle3Drafter):
         if embed is None:
             raise ValueError("an Eagle3Drafter needs the target's input embedding (embed)")
-        proposer: Proposer = Eagle3Proposer(drafter, embed)
+        eagle = PEagleProposer if drafter.cfg.kind == "peagle" else Eagle3Proposer
+        proposer: Proposer = eagle(drafter, embed)
     else:
         proposer = drafter
     seq = [int(t) for t in input_ids[0].tolist()]

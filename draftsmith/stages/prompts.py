@@ -131,13 +131,14 @@ def prepare_prompts(
             raise PromptError(str(err)) from err
     n_train = write_jsonl(out_train, train + code)
     n_heldout = write_jsonl(out_heldout, heldout)
-    log.info("%d train / %d held-out prompts (held out: %s)", n_train, n_heldout, heldout_path or "split")
+    heldout_from = str(heldout_path) if heldout_path else "split off prompts.source"
+    log.info("%d train / %d held-out prompts (held out: %s)", n_train, n_heldout, heldout_from)
     return {
         "source": source,
         "input": input_path,
         **counts,
         "selected": len(selected),
-        "heldout_from": str(heldout_path) if heldout_path else "split",
+        "heldout_from": heldout_from,
         "overlap_removed": overlap,
         "code_prompts": len(code),
         "train": n_train,

@@ -20,7 +20,7 @@ restricted to the draft vocabulary, uniform noise 0.05 on the aux states; `train
 for the weight matrices); SpecForge `core/lk_loss.py` and arXiv 2602.23881 (the LK losses).
 
 Around this file, in draftsmith/core/: objective.py computes the objective above (`Objective`,
-`ttt_loss`, `DraftingLoss`), optimizers.py the optimizers and LR schedule, drafter.py builds the drafter
+`ttt_loss`, `DraftingLoss`), optimizers.py the optimizers and LR schedule, kinds.py builds the drafter
 (`build_drafter`), loader.py streams the batches, distributed.py holds the data-parallel process group,
 checkpoints.py decides what to resume and saves. Layout here: settings -> one step (`train_step`,
 `validate`) -> the record (metrics rows, position, summary) -> `train()` -> `write_drafter` ->
@@ -45,8 +45,9 @@ from draftsmith.core.atomic import atomic_dir, write_json, write_jsonl
 from draftsmith.core.checkpoints import Run, open_run, resume_key
 from draftsmith.core.config import SETTINGS_OPS
 from draftsmith.core.distributed import Dist, init_distributed, launch_rank
-from draftsmith.core.drafter import Eagle3Drafter, build_drafter
+from draftsmith.core.drafter import Eagle3Drafter
 from draftsmith.core.export_formats import check_export, save_drafter
+from draftsmith.core.kinds import build_drafter, drafter_loss
 from draftsmith.core.layers import convert_layer_ids
 from draftsmith.core.loader import Batch, BatchSettings, StreamingData, step_plan, verify_share
 from draftsmith.core.manifest import DataError, load_manifest
@@ -56,7 +57,6 @@ from draftsmith.core.objective import (
     ObjectiveSettings,
     StepStats,
     noise_seed,
-    ttt_loss,
     with_noise,
 )
 from draftsmith.core.optimizers import make_optimizer, make_scheduler
@@ -178,7 +178,7 @@ def validate(
     ]
     for batch in data.batches(plan, "val"):
         if batch is not None:
-            stats.add(ttt_loss(model.drafter, model.embed, model.teacher, batch.to(dist.device), view)[1])
+            stats.add(model.loss(model.drafter, model.embed, model.teacher, batch.to(dist.device), view)[1])
     model.train(was_training)
     return stats.all_sum(dist)
 
@@ -457,7 +457,8 @@ def train(
     target_config = target.config
     lm_head = target.lm_head.to(dist.device) if settings.lk_loss != "none" else None  # for draft_mass
     del target  # the embedding and teacher rows live on in model; the rest of the head is freed
-    model = DraftingLoss(drafter, embed, teacher, lm_head, dist.all_sum if dist.world > 1 else None)
+    all_sum = dist.all_sum if dist.world > 1 else None
+    model = DraftingLoss(drafter, embed, teacher, lm_head, all_sum, drafter_loss(drafter.cfg))
     trained = dist.wrap(model)
     optimizer = make_optimizer(drafter, settings)
     scheduler = make_scheduler(optimizer, settings, total_steps)

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
-from conftest import REPO, cli_env
+from helpers import REPO, cli_env
 from hubcache import add_repo
 
 from draftsmith import cli
@@ -348,11 +348,11 @@ def test_huge_targets_stay_out_of_the_workflow_processes(plan):
     name, jobs, _ = plan
     assert [j["gpu"] for j in jobs["untrained_drafter"]] == [0]
     if name == "llama-3.1-8b":
-        assert [j["gpu"] for j in jobs["evaluate_offline"]] == [1, 1]  # split and handwritten
+        assert [j["gpu"] for j in jobs["evaluate_offline"]] == [1, 1]  # heldout and handwritten
         return
     assert "evaluate_offline" not in jobs
     shell = jobs["eval_summary"][0]["shell"]
-    assert "--vllm split=results/eval/split/vllm.json" in shell and "--offline" not in shell
+    assert "--vllm heldout=results/eval/heldout/vllm.json" in shell and "--offline" not in shell
 
 
 def test_target_specific_settings(plan):

@@ -9,8 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import fp_tolerance
-from helpers import greedy_samples, random_sequences, vllm_extract, worst_cosines, write_sample_tokens
+from helpers import (
+    fp_tolerance,
+    greedy_samples,
+    random_sequences,
+    vllm_extract,
+    worst_cosines,
+    write_sample_tokens,
+)
 from safetensors.torch import save_file
 
 from draftsmith.backends.hf import HfExtractor, capture_states, pad_right

@@ -11,8 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, cli_env
-from helpers import random_sequences, write_sample_tokens
+from helpers import REPO, cli_env, random_sequences, write_sample_tokens
 
 from draftsmith.core.manifest import verify_manifest
 from draftsmith.core.shards import iter_samples, verify_shard

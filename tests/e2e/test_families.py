@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 import twins
-from conftest import DEFAULT_TARGET, REPO
-from helpers import assert_vllm_accepts_as_offline, train_and_measure
+from helpers import DEFAULT_TARGET, REPO, assert_vllm_accepts_as_offline, train_and_measure
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -124,14 +123,18 @@ def test_both_extraction_engines_agree_on_each_family(tmp_path, target_model, fa
     assert abs(agreement[0] - agreement[1]) < 0.05, agreement
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
-def test_trained_drafter_is_accepted_in_vllm_as_offline(tmp_path, target_model, family):
+@pytest.mark.parametrize("family, kind", [("qwen3", "peagle"), ("qwen3_moe", "eagle3")])
+def test_trained_drafter_is_accepted_in_vllm_as_offline(tmp_path, target_model, family, kind):
     """Thinking and MoE targets end to end: traces, extraction, a drafter shaped from the target's layer,
-    its export, and vLLM accepting exactly what draftsmith's own decoder accepts (fp32, greedy)."""
+    its export, and vLLM accepting exactly what draftsmith's own decoder accepts (fp32, greedy). The dense
+    twin's drafter is a P-EAGLE one: vLLM drafts it in one parallel pass (mask slots after the first),
+    draftsmith's decoder in the catch-up pass and one pass over the mask slots; the drafts must agree."""
     target = tmp_path / f"{family}-twin"
     twins.save(family, target, vocab_size=49152, tokenizer_from=DEFAULT_TARGET, initializer_range=0.1)
-    run = train_and_measure(target, tmp_path)
+    run = train_and_measure(target, tmp_path, train={"drafter": {"kind": kind}})
     shape = run["export"]["draftsmith"]["drafter_config"]
+    assert shape["kind"] == kind
+    assert ("mask_token_id" in run["export"]) == (kind == "peagle")
     print(f"{family}: drafter {shape}, train accuracy {run['train'].get('train_acc')}")
     # the MoE twin's drafter learns its traces less well (measured tau 1.32: 70 drafts accepted at all
     # 3 positions), still plenty to compare position by position

@@ -23,8 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, cli_env
-from helpers import random_sequences, write_sample_tokens
+from helpers import REPO, cli_env, random_sequences, write_sample_tokens
 
 from draftsmith.core.shards import read_header
 

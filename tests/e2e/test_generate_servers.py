@@ -20,7 +20,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-from conftest import REPO
+from helpers import REPO
 
 from draftsmith.backends.openai import (
     EndpointError,

@@ -16,7 +16,7 @@ import subprocess
 import pytest
 import twins
 import yaml
-from conftest import REPO, cli_env
+from helpers import REPO, cli_env
 
 pytestmark = pytest.mark.slow
 
@@ -29,11 +29,11 @@ CONFIG = {
     "train": {"epochs": 1, "max_steps": 3, "batch_tokens": 1024, "warmup_steps": 1, "ttt_steps": 2,
               "val_fraction": 0.1, "precision": "fp32"},
     "evaluate": {"vllm": False, "num_prompts": 2, "max_new_tokens": 8, "num_draft_tokens": 2,
-                 "heldout_sets": {"split": "split"}, "gate": {"beats_free": "warn", "beats_untrained": "warn"}},
+                 "heldout_sets": {"heldout": "heldout"}, "gate": {"beats_free": "warn", "beats_untrained": "warn"}},
     "resources": {"default": {"mem_mb": 1000}, "train": {"threads": 2, "loader_threads": 0}},
 }  # fmt: skip
 STAGES = ("generate", "extract", "manifest", "vocab", "train", "untrained_drafter",
-          "evaluate_offline/split", "eval_summary", "gate", "export")  # fmt: skip
+          "evaluate_offline/heldout", "eval_summary", "gate", "export")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def test_traces_to_gate_on_the_kimi_layout(kimi_run):
     results = workdir / "results"
     print("Kimi-K2.5-layout twin, stage wall seconds:", stage_seconds(workdir))
     for rel in ("traces.jsonl", "hidden/shard-0.safetensors", "data_config.json", "vocab_map.pt",
-                "drafter/model.safetensors", "eval/untrained_drafter/config.json", "eval/split/offline.json",
+                "drafter/model.safetensors", "eval/untrained_drafter/config.json", "eval/heldout/offline.json",
                 "eval/summary.json", "eval/gate.json"):  # fmt: skip
         assert (results / rel).is_file(), f"{rel} missing:\n{log}"
     manifest = json.loads((results / "data_config.json").read_text())
@@ -76,7 +76,7 @@ def test_traces_to_gate_on_the_kimi_layout(kimi_run):
     # an MLA target's drafter is Llama-style: 128-wide heads, as many kv heads as heads
     assert (drafter["head_dim"], drafter["num_key_value_heads"]) == (128, drafter["num_attention_heads"])
     assert drafter["vocab_size"] == 49152
-    offline = json.loads((results / "eval" / "split" / "offline.json").read_text())
+    offline = json.loads((results / "eval" / "heldout" / "offline.json").read_text())
     assert offline["methods"]["eagle3"]["lossless"] is True
 
 

@@ -1,6 +1,7 @@
-"""A drafter with Llama-3.x's `llama3` RoPE scaling, trained on a tiny Llama twin that uses it, is
-accepted by real vLLM (CPU) exactly as often as by draftsmith's own speculative decoding: vLLM builds
-the same rotary embedding from the export's rope_parameters.
+"""An EAGLE 3.1 drafter with Llama-3.x's `llama3` RoPE scaling, trained on a tiny Llama twin that uses
+it, is accepted by real vLLM (CPU) exactly as often as by draftsmith's own speculative decoding: vLLM
+builds the same rotary embedding from the export's rope_parameters, and the same layer from its EAGLE
+3.1 flags (an RMSNorm per aux state before `fc`, the post-norm state fed back).
 
 The twin scales RoPE beyond 16 positions (most frequencies divided by 8), and every prompt plus its
 continuation is longer, so a drafter whose RoPE differed between training and serving would draft
@@ -14,8 +15,7 @@ import shutil
 
 import pytest
 import twins
-from conftest import DEFAULT_TARGET
-from helpers import assert_vllm_accepts_as_offline, train_and_measure
+from helpers import DEFAULT_TARGET, assert_vllm_accepts_as_offline, train_and_measure
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -37,10 +37,12 @@ def run(tmp_path_factory, target_model) -> dict:
     target = r / "llama3-twin"
     # peaked logits (init 0.1): greedy continuations far from ties, identical in vLLM and transformers
     twins.save("llama3", target, vocab_size=49152, tokenizer_from=DEFAULT_TARGET, initializer_range=0.1)
-    return train_and_measure(target, r, control_of=plain_rope_copy)
+    return train_and_measure(target, r, control_of=plain_rope_copy, train={"drafter": {"kind": "eagle3.1"}})
 
 
-def test_export_carries_llama3_rope(run):
+def test_export_carries_llama3_rope_and_eagle31_flags(run):
+    assert run["export"]["draftsmith"]["drafter_config"]["kind"] == "eagle3.1"
+    assert (run["export"]["fc_norm"], run["export"]["norm_output"]) == (True, True)
     rope = run["export"]["rope_parameters"]
     assert rope == twins.LLAMA3_ROPE
     assert run["export"]["rope_scaling"]["type"] == "llama3"

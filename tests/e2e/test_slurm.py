@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from helpers import REPO
 
 from draftsmith.core.shards import iter_samples
 

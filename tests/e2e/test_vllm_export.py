@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import REPO
+from helpers import REPO
 
 from draftsmith.cli import main
 from draftsmith.stages.evaluate.vllm_runner import run_vllm_subprocess, spec_decode_summary

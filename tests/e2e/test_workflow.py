@@ -7,7 +7,7 @@ import shutil
 import subprocess
 
 import pytest
-from conftest import REPO, cli_env, snakemake
+from helpers import REPO, cli_env, snakemake
 
 pytestmark = pytest.mark.slow
 # The jobs downstream of a new drafter: both evaluations, the summary, the gate, the engine exports.
@@ -55,13 +55,13 @@ def test_every_target_exists_and_is_sound(tiny_run):
     assert manifest["teacher_agreement"] > 0.9
     summary = json.loads((results / "eval" / "summary.json").read_text())
     assert summary["figure"] == "tokens per target forward"
-    head = summary["headline"]["split"]
+    head = summary["headline"]["heldout"]
     assert head["measured_by"] == "vLLM" and {"eagle3", "untrained", "ngram", "suffix"} <= set(
         head["methods"]
     )
     # every method projected to the serving point (the schema's: an H100 at concurrency 1, 8, 32), each at
     # its best draft length, re-measured in vLLM there where shorter than evaluate.num_draft_tokens
-    vllm = json.loads((results / "eval" / "split" / "vllm.json").read_text())
+    vllm = json.loads((results / "eval" / "heldout" / "vllm.json").read_text())
     for key in ("eagle3", "ngram", "suffix"):
         m = head["methods"][key]
         assert 1 <= m["k"] <= 3 and len(m["projected_speedup"]) == 3, key
@@ -82,11 +82,11 @@ def test_every_target_exists_and_is_sound(tiny_run):
             assert row["tau"] == pytest.approx(1 + sum(row["acceptance_per_position"]), abs=1e-6), row
         # every forward counted: tokens / forwards, and forwards never exceed tokens
         assert row["tokens_per_forward"] == pytest.approx(row["tokens"] / row["forwards"]), row
-    by = {(r["key"], r["measured_by"]): r for r in summary["rows"] if r["heldout"] == "split"}
+    by = {(r["key"], r["measured_by"]): r for r in summary["rows"] if r["heldout"] == "heldout"}
     assert (
         by["eagle3", "offline"]["tokens_per_forward"] >= 1.0 and by[None, "vLLM"]["tokens_per_forward"] == 1.0
     )
-    assert summary["verdict"]["per_set"][0]["heldout"] == "split"
+    assert summary["verdict"]["per_set"][0]["heldout"] == "heldout"
     assert (results / "eval" / "gate.json").is_file()
     for engine in ("sglang", "speculators"):  # one export per engine, each checked by `draftsmith export`
         assert (results / f"drafter-{engine}" / "model.safetensors").is_file(), engine
@@ -112,7 +112,7 @@ def test_every_target_exists_and_is_sound(tiny_run):
         "generate",
         "extract",
         "train",
-        "evaluate_offline/split",
+        "evaluate_offline/heldout",
         "evaluate_vllm",
         "gate",
         "export",

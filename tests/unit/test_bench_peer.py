@@ -1,5 +1,6 @@
-"""bench/peer.py: the shard converter writes SpecForge's offline EAGLE-3 format from draftsmith's split,
-and the pure helpers the comparison rests on (step plan, teacher-in-vocabulary mask, tokens per forward)."""
+"""bench/peer.py and its stage modules (bench/peer_*.py): the shard converter writes SpecForge's offline
+EAGLE-3 format from draftsmith's split, and the pure helpers the comparison rests on (step plan,
+teacher-in-vocabulary mask, tokens per forward); the command loads every stage module."""
 
 from __future__ import annotations
 
@@ -19,16 +20,41 @@ from draftsmith.core.objective import ttt_step_targets
 from draftsmith.core.target import load_target_head
 from draftsmith.core.vocab import load_vocab_map
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "peer.py"
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 OFFLINE_KEYS = {"input_ids", "loss_mask", "aux_hidden_state", "hidden_state"}
 
 
-@pytest.fixture(scope="module")
-def peer():
-    spec = importlib.util.spec_from_file_location("bench_peer", BENCH)
+def load(name: str):
+    """bench/<name>.py loaded by path (it puts bench/ on sys.path for its siblings)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def peer_convert():
+    return load("peer_convert")
+
+
+@pytest.fixture(scope="module")
+def peer_train():
+    return load("peer_train")
+
+
+@pytest.fixture(scope="module")
+def peer_diff():
+    return load("peer_diff")
+
+
+@pytest.fixture(scope="module")
+def peer_vllm():
+    return load("peer_vllm")
+
+
+def test_the_command_loads_every_stage_module() -> None:
+    peer = load("peer")
+    assert peer.main.name == "main" and "--diff" in {o for p in peer.main.params for o in p.opts}
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +63,10 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def converted(peer, data, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, dict]:
+def converted(peer_convert, data, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, dict]:
     values = settings().to_dict()
     out = tmp_path_factory.mktemp("peer-convert")
-    return out, values, peer.convert(data["manifest"], data["vocab"], values, out, fresh=False)
+    return out, values, peer_convert.convert(data["manifest"], data["vocab"], values, out, fresh=False)
 
 
 def test_every_sample_becomes_one_specforge_ckpt_in_draftsmiths_split_and_order(converted, data) -> None:
@@ -92,13 +118,13 @@ def test_vocab_mapping_target_folder_and_draft_config_are_what_specforge_reads(c
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == ids == summary["aux_layer_ids_output"]
 
 
-def test_loss_positions_all_gives_specforge_a_mask_of_ones(peer, data) -> None:
+def test_loss_positions_all_gives_specforge_a_mask_of_ones(peer_convert, data) -> None:
     s = data["samples"][0]
     assert not s.loss_mask.all()
     assert torch.equal(
-        peer.specforge_sample(s, "all")["loss_mask"], torch.ones(s.num_tokens, dtype=torch.int64)
+        peer_convert.specforge_sample(s, "all")["loss_mask"], torch.ones(s.num_tokens, dtype=torch.int64)
     )
-    back = peer.sample_from_specforge(peer.specforge_sample(s), s.aux.shape[1])
+    back = peer_convert.sample_from_specforge(peer_convert.specforge_sample(s), s.aux.shape[1])
     assert (
         torch.equal(back.loss_mask, s.loss_mask)
         and torch.equal(back.aux, s.aux)
@@ -106,29 +132,31 @@ def test_loss_positions_all_gives_specforge_a_mask_of_ones(peer, data) -> None:
     )
 
 
-def test_conversion_is_reused_until_its_inputs_change(peer, converted, data) -> None:
+def test_conversion_is_reused_until_its_inputs_change(peer_convert, converted, data) -> None:
     out, values, summary = converted
     first = out / "train" / "data_00000.ckpt"
     stamp = first.stat().st_mtime_ns
     os.utime(first, ns=(stamp - 10**9, stamp - 10**9))
-    assert peer.convert(data["manifest"], data["vocab"], values, out, fresh=False)["key"] == summary["key"]
+    same = peer_convert.convert(data["manifest"], data["vocab"], values, out, fresh=False)
+    assert same["key"] == summary["key"]
     assert first.stat().st_mtime_ns == stamp - 10**9  # not rewritten
-    again = peer.convert(
+    again = peer_convert.convert(
         data["manifest"], data["vocab"], {**values, "loss_positions": "all"}, out, fresh=False
     )
     assert again["key"] != summary["key"]
     assert int(torch.load(first, weights_only=True)["loss_mask"].min()) == 1
-    peer.convert(data["manifest"], data["vocab"], values, out, fresh=False)  # back, for the other tests
+    # back, for the other tests
+    peer_convert.convert(data["manifest"], data["vocab"], values, out, fresh=False)
 
 
-def test_specforge_makes_as_many_optimizer_steps_as_draftsmith(peer) -> None:
-    assert peer.specforge_plan(152, 2, 192) == {"accumulation_steps": 2, "steps": 152}
+def test_specforge_makes_as_many_optimizer_steps_as_draftsmith(peer_train) -> None:
+    assert peer_train.specforge_plan(152, 2, 192) == {"accumulation_steps": 2, "steps": 152}
     # 30 micro-batches in steps of 8: the last partial step is dropped
-    assert peer.specforge_plan(10, 3, 4) == {"accumulation_steps": 8, "steps": 3}
-    assert peer.specforge_plan(5, 1, 50) == {"accumulation_steps": 1, "steps": 5}
+    assert peer_train.specforge_plan(10, 3, 4) == {"accumulation_steps": 8, "steps": 3}
+    assert peer_train.specforge_plan(5, 1, 50) == {"accumulation_steps": 1, "steps": 5}
 
 
-def test_teacher_in_vocab_mask_drops_the_positions_whose_teacher_prefers_a_non_draft_token(peer) -> None:
+def test_teacher_in_vocab_mask_drops_the_positions_whose_teacher_prefers_a_non_draft_token(peer_diff) -> None:
     """As SpecForge and the EAGLE-3 reference train: step j at t counts only where the target's top-1
     of f_{t+1+j} (over the whole vocabulary) is a draft token."""
     V, T = 8, 7
@@ -139,35 +167,35 @@ def test_teacher_in_vocab_mask_drops_the_positions_whose_teacher_prefers_a_non_d
     batch = Batch(top, torch.ones(1, T, dtype=torch.bool), torch.tensor([T]), torch.zeros(1, T, 3), final)
     lengths = torch.tensor([T])
     for offset in (0, 2):
-        mask = peer.teacher_in_vocab_mask(batch, torch.eye(V), t2d, offset)
+        mask = peer_diff.teacher_in_vocab_mask(batch, torch.eye(V), t2d, offset)
         for j in range(3):
             valid, src, _ = ttt_step_targets(mask, lengths, j, offset)
             plain, _, _ = ttt_step_targets(batch.loss_mask, lengths, j, offset)
             assert torch.equal(valid[0], plain[0] & t2d[top[0, src]]), (offset, j)
 
 
-def test_tokens_per_forward_counts_every_decode_step(peer) -> None:
-    assert peer.tokens_per_forward([10, 10], [0, 0]) == 1.0
-    assert peer.tokens_per_forward([10, 10], [5, 5]) == pytest.approx(2.0)  # 20 tokens in 10 forwards
-    lo, hi = peer.paired_interval([10] * 6, [5] * 6, [10] * 6, [0] * 6)
+def test_tokens_per_forward_counts_every_decode_step(peer_vllm) -> None:
+    assert peer_vllm.tokens_per_forward([10, 10], [0, 0]) == 1.0
+    assert peer_vllm.tokens_per_forward([10, 10], [5, 5]) == pytest.approx(2.0)  # 20 tokens in 10 forwards
+    lo, hi = peer_vllm.paired_interval([10] * 6, [5] * 6, [10] * 6, [0] * 6)
     assert lo == hi == pytest.approx(1.0)
 
 
-def test_specforge_checkpoint_weights_get_draftsmiths_names_without_the_embedding(peer) -> None:
+def test_specforge_checkpoint_weights_get_draftsmiths_names_without_the_embedding(peer_train) -> None:
     w = torch.zeros(2)
     state = {"draft_state_dict": {"fc.weight": w, "midlayer.mlp.up_proj.weight": w, "embed_tokens.weight": w,
                                   "d2t": w}, "global_step": 3}  # fmt: skip
-    assert sorted(peer.specforge_weights(state)) == ["d2t", "fc.weight", "midlayer.mlp.up_proj.weight"]
+    assert sorted(peer_train.specforge_weights(state)) == ["d2t", "fc.weight", "midlayer.mlp.up_proj.weight"]
 
 
 def test_vllm_rows_give_every_drafter_tokens_per_forward_and_its_paired_difference_from_specforge(
-    peer,
+    peer_vllm,
 ) -> None:
     def measured(accepted: list[int]) -> dict:
         s = {"num_prompts": 3, "tau": 0.0, "acceptance_per_position": [], "outputs_equal_plain": 3}
         return {"sets": {"chat": {**s, "tokens": [10, 10, 10], "accepted": accepted}}}
 
-    rows = peer.vllm_table_rows({"specforge": measured([2, 2, 2]), "draftsmith": measured([5, 5, 5])})
+    rows = peer_vllm.vllm_table_rows({"specforge": measured([2, 2, 2]), "draftsmith": measured([5, 5, 5])})
     chat = rows["chat"]
     assert chat["tokens"] == 30 and chat["num_prompts"] == 3
     assert chat["drafters"]["specforge"]["tokens_per_forward"] == pytest.approx(30 / 24)

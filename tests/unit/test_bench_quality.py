@@ -36,19 +36,19 @@ def test_figures_by_set_splits_the_batch_by_span(quality):
 
 def test_heldout_reference_reads_vllm_prompt_count_and_ngram(quality):
     summary = {
-        "heldout_sets": {"split": {"prompts": "p.jsonl", "num_prompts": 8}, "own": {"prompts": "o.jsonl", "num_prompts": 8}},
+        "heldout_sets": {"heldout": {"prompts": "p.jsonl", "num_prompts": 8}, "own": {"prompts": "o.jsonl", "num_prompts": 8}},
         "rows": [
-            {"heldout": "split", "measured_by": "offline", "key": "ngram", "prompts": 8, "tokens_per_forward": 9.0,
+            {"heldout": "heldout", "measured_by": "offline", "key": "ngram", "prompts": 8, "tokens_per_forward": 9.0,
              "tokens_per_forward_interval": None},
-            {"heldout": "split", "measured_by": "vLLM", "method": "plain decoding", "prompts": 16},
-            {"heldout": "split", "measured_by": "vLLM", "key": "ngram", "prompts": 16, "tokens_per_forward": 1.2,
+            {"heldout": "heldout", "measured_by": "vLLM", "method": "plain decoding", "prompts": 16},
+            {"heldout": "heldout", "measured_by": "vLLM", "key": "ngram", "prompts": 16, "tokens_per_forward": 1.2,
              "tokens_per_forward_interval": [1.1, 1.3]},
             {"heldout": "own", "measured_by": "vLLM", "key": "trained", "prompts": 42, "tokens_per_forward": 1.2,
              "tokens_per_forward_interval": [1.1, 1.3]},
         ],
     }  # fmt: skip
     sets = quality.heldout_reference(summary)
-    assert sets["split"] == {
+    assert sets["heldout"] == {
         "prompts": "p.jsonl",
         "num_prompts": 16,
         "ngram": 1.2,
@@ -58,10 +58,10 @@ def test_heldout_reference_reads_vllm_prompt_count_and_ngram(quality):
 
 
 def test_plot_draws_tau_per_set_and_accuracy_per_step(quality, tmp_path):
-    sets = {"split": {"num_prompts": 16, "ngram": 1.1, "ngram_interval": [1.05, 1.15]}}
+    sets = {"heldout": {"num_prompts": 16, "ngram": 1.1, "ngram_interval": [1.05, 1.15]}}
     rows = [
         {"epochs": 1, "trained_tokens": n, "val_acc": [0.2, None, 0.1],
-         "vllm": {"split": {"tokens_per_forward": 1.2, "tokens_per_forward_interval": [1.1, 1.3]}}}
+         "vllm": {"heldout": {"tokens_per_forward": 1.2, "tokens_per_forward_interval": [1.1, 1.3]}}}
         for n in (1000, 2000)
     ] + [{"epochs": 1, "trained_tokens": 500, "val_acc": [0.1, 0.1, 0.1], "vllm": None}]  # fmt: skip
     quality.plot(rows, sets, tmp_path / "q.png")
@@ -73,17 +73,17 @@ def test_run_row_takes_the_runs_trained_drafter_from_vllm_rows(quality):
                      "val_acc": [0.3, 0.2, 0.1], "train_acc": [0.4, 0.3, 0.2], "wall_s": 61.23}  # fmt: skip
     eval_summary = {
         "rows": [
-            {"heldout": "split", "measured_by": "offline", "key": "eagle3", "tau": 9.0},
-            {"heldout": "split", "measured_by": "vLLM", "key": "eagle3", "tokens_per_forward": 1.45,
+            {"heldout": "heldout", "measured_by": "offline", "key": "eagle3", "tau": 9.0},
+            {"heldout": "heldout", "measured_by": "vLLM", "key": "eagle3", "tokens_per_forward": 1.45,
              "tokens_per_forward_interval": [1.35, 1.55], "tau": 1.5, "tau_interval": [1.4, 1.6],
              "acceptance_per_position": [0.3, 0.1, 0.1]},
-            {"heldout": "split", "measured_by": "vLLM", "key": "ngram", "tau": 2.0},
+            {"heldout": "heldout", "measured_by": "vLLM", "key": "ngram", "tau": 2.0},
         ]
     }  # fmt: skip
     row = quality.run_row(train_summary, eval_summary)
     assert (row["fraction"], row["epochs"], row["trained_tokens"]) == (1.0, 3, 900)
     assert row["vllm"] == {
-        "split": {"tokens_per_forward": 1.45, "tokens_per_forward_interval": [1.35, 1.55], "tau": 1.5,
+        "heldout": {"tokens_per_forward": 1.45, "tokens_per_forward_interval": [1.35, 1.55], "tau": 1.5,
                   "tau_interval": [1.4, 1.6], "acceptance_per_position": [0.3, 0.1, 0.1]}
     }  # fmt: skip
     assert quality.run_row(train_summary, {"rows": []})["vllm"] is None

@@ -115,7 +115,7 @@ def test_card_metadata_and_serve_commands(tmp_path):
     summary = tiny_summary()
     folders = {"vllm": "results/drafter", "sglang": "results/drafter-sglang",
                "speculators": "results/drafter-speculators"}  # fmt: skip
-    k = summary["headline"]["split"]["methods"]["eagle3"]["k"]  # the drafter's best at the serving point
+    k = summary["headline"]["heldout"]["methods"]["eagle3"]["k"]  # the drafter's best at the serving point
     for engine in folders:
         card = ModelCard(render_card(summary, engine, folders, "resources/SmolLM2-135M-Instruct"))
         assert card.data.base_model == EMBEDDED_BASE_MODEL and card.data.library_name == engine
@@ -168,8 +168,8 @@ def test_the_card_says_whether_the_gate_blocked():
         summary, "vllm", {"vllm": "results/drafter"}, "t"
     )
     summary["verdict"] |= {"deploy": "per held-out set", "per_set": [
-        {"heldout": "split", "action": "train longer", "deploy": "n-gram lookup", "reasons": []},
+        {"heldout": "heldout", "action": "train longer", "deploy": "n-gram lookup", "reasons": []},
         {"heldout": "handwritten", "action": "deploy drafter", "deploy": "trained drafter", "reasons": []},
     ]}  # fmt: skip
     card = render_card(summary, "vllm", {"vllm": "results/drafter"}, "t")
-    assert "**deploy n-gram lookup on split; trained drafter on handwritten**" in card
+    assert "**deploy n-gram lookup on heldout; trained drafter on handwritten**" in card

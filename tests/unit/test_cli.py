@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
-from conftest import cli_env
+from helpers import cli_env
 
 from draftsmith.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_GATE, main
 from draftsmith.core.config import section_schema
@@ -201,7 +201,7 @@ def test_a_failed_check_exits_1(tmp_path):
 
 def test_a_failed_gate_exits_3_and_a_passed_one_0(tmp_path):
     check = {
-        "name": "beats_ngram (split)",
+        "name": "beats_ngram (heldout)",
         "status": "fail",
         "value": "-0.8",
         "threshold": "> 0",

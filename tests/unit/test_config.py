@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO
+from helpers import REPO
 
 from draftsmith.core.config import (
     EMBEDDED_TARGET,
@@ -270,9 +270,9 @@ def test_mappings_of_entries_are_the_schemas_open_mappings():
 
 
 def test_the_last_source_that_sets_a_mapping_of_entries_replaces_it():
-    merged = {"evaluate": {"heldout_sets": {"split": "split", "mine": "m.jsonl"}, "num_prompts": 2}}
+    merged = {"evaluate": {"heldout_sets": {"heldout": "heldout", "mine": "m.jsonl"}, "num_prompts": 2}}
     layers = [
-        ConfigSource("config.yaml", {"evaluate": {"heldout_sets": {"split": "split"}, "num_prompts": 2}}),
+        ConfigSource("config.yaml", {"evaluate": {"heldout_sets": {"heldout": "heldout"}, "num_prompts": 2}}),
         ConfigSource("mine.yaml", {"evaluate": {"heldout_sets": {"mine": "m.jsonl"}}}),
         ConfigSource("--config", {}),
     ]
@@ -407,6 +407,21 @@ def test_settings_that_need_another_one_are_named():
         "prompts.code_wheels: prompts.code_prompts asks for code prompts but names no wheel",
         "evaluate.set_num_prompts: ['other'] are not held-out sets (evaluate.heldout_sets)",
     ]
+
+
+def test_the_old_name_of_the_heldout_source_is_refused_with_the_new_one():
+    """The source "split" (now "heldout") read like the dataset split, prompts.split: one line naming the
+    key and the new name, at start, rather than "no such file" for a prompt file called split."""
+    sets = {"split": "split", "chat": "split", "hand": "handwritten"}
+    config = filled({"evaluate": {"heldout_sets": sets}})
+    assert combination_errors(config) == [
+        'evaluate.heldout_sets.split: the held-out source "split" is now called "heldout" (the prompts '
+        "stage's held-out prompts): write heldout: heldout",
+        'evaluate.heldout_sets.chat: the held-out source "split" is now called "heldout" (the prompts '
+        "stage's held-out prompts): write chat: heldout",
+    ]
+    assert combination_errors(filled({})) == []  # the default, {heldout: heldout, handwritten: handwritten}
+    assert filled({})["evaluate"]["heldout_sets"] == {"heldout": "heldout", "handwritten": "handwritten"}
 
 
 @pytest.mark.parametrize(

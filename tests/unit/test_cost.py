@@ -12,6 +12,8 @@ from draftsmith.core.cost import (
     accepted_at,
     best_draft_length,
     draft_length_options,
+    drafter_cost,
+    drafting_seconds,
     forward_seconds,
     forwards_at,
     kv_elements_per_token,
@@ -70,6 +72,42 @@ def test_eagle3_pays_k_drafter_passes_free_methods_only_their_lookup():
     assert projected_speedup(1.3, "eagle3", 3, LLAMA_8B, p, EAGLE3_8B) < projected_speedup(
         1.3, "suffix", 3, LLAMA_8B, p
     )
+
+
+def test_parallel_and_block_drafters_pay_one_pass():
+    """P-EAGLE drafts k tokens in one pass over 2k slots, DFlash in one over 1+k; EAGLE-3 pays k passes.
+    Memory-bound (concurrency 1) one pass costs about one token's, so the one-pass kinds win at k > 1;
+    at high concurrency their wider pass costs more, but still less than k chained ones."""
+    parallel, block = (ModelCost(0.4e9, 0.0, 1.0, 2 * 8 * 128 * 2, 1, d) for d in ("parallel", "block"))
+    for b in (1, 64):
+        p = point(b)
+        assert drafting_seconds(EAGLE3_8B, p, 4) == pytest.approx(4 * forward_seconds(EAGLE3_8B, p, 1))
+        assert drafting_seconds(parallel, p, 4) == pytest.approx(forward_seconds(parallel, p, 8))
+        assert drafting_seconds(block, p, 4) == pytest.approx(forward_seconds(block, p, 5))
+        assert (
+            drafting_seconds(block, p, 4)
+            <= drafting_seconds(parallel, p, 4)
+            < drafting_seconds(EAGLE3_8B, p, 4)
+        )
+    assert drafting_seconds(parallel, point(), 4) < 1.05 * forward_seconds(EAGLE3_8B, point(), 1)
+    assert step_seconds("eagle3", 1, LLAMA_8B, point(), parallel) == pytest.approx(
+        forward_seconds(LLAMA_8B, point(), 2) + forward_seconds(parallel, point(), 2)
+    )
+
+
+def test_drafter_cost_reads_how_an_export_drafts(tmp_path):
+    import json
+
+    from helpers import EXPORT_AUX_IDS, make_drafter
+
+    from draftsmith.core.export_formats import save_drafter
+
+    chain = save_drafter(make_drafter(), tmp_path / "chain", EXPORT_AUX_IDS, "t")
+    parallel = save_drafter(make_drafter(kind="peagle", mask_token_id=3), tmp_path / "p", EXPORT_AUX_IDS, "t")
+    assert (drafter_cost(chain).drafting, drafter_cost(parallel).drafting) == ("chain", "parallel")
+    config = json.loads((chain / "config.json").read_text())
+    (chain / "config.json").write_text(json.dumps({**config, "architectures": ["DFlashDraftModel"]}))
+    assert drafter_cost(chain).drafting == "block"
 
 
 # vLLM issue #20780 (one GPU, H100 per its thread; Llama-3.1-8B-Instruct + EAGLE-3, MT-Bench, concurrency

@@ -344,29 +344,3 @@ def test_vllm_speculative_config_for_dflash() -> None:
     }
     with pytest.raises(ValueError, match="drafter folder"):
         speculative_config("dflash", None, 3)
-
-
-def test_build_dflash_drafter_is_seeded_and_starts_from_the_target() -> None:
-    from types import SimpleNamespace
-
-    from transformers import LlamaConfig
-
-    from draftsmith.core.dflash import build_dflash_drafter
-    from draftsmith.core.target import TargetHead
-
-    config = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
-    torch.manual_seed(0)
-    head = TargetHead(config, torch.randn(V, 32), torch.randn(V, 32), torch.rand(32))
-    d2t, t2d = vocab_maps(torch.sort(torch.randperm(V)[:VD]).values, V)
-    settings = SimpleNamespace(seed=3, drafter={}, layer_init="normal", head_init="target")
-    built = [
-        build_dflash_drafter(head, d2t, t2d, 3, settings, "cpu", num_layers=2, mask_token_id=5) for _ in "ab"
-    ]
-    (model, embed, teacher), (again, _, _) = built
-    assert (model.cfg.kind, model.cfg.num_layers, model.cfg.mask_token_id) == ("dflash", 2, 5)
-    state, other = model.state_dict(), again.state_dict()
-    assert all(torch.equal(t, other[name]) for name, t in state.items())
-    draft_ids = torch.arange(VD) + d2t
-    assert torch.equal(teacher, head.lm_head[draft_ids]) and torch.equal(model.lm_head.weight, teacher)
-    assert torch.equal(embed, head.embed) and model.training

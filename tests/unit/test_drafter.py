@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import fp_tolerance
+from helpers import fp_tolerance
 
 from draftsmith.core.drafter import (
     TTTKV,

@@ -27,7 +27,7 @@ def test_rows_carry_intervals():
         assert plo - 1e-12 <= rate <= phi + 1e-12  # float64 sums in another order
     assert intervals({**TRAINED, "per_prompt": None}, ["p0"], GateSettings())["tau_interval"] is None
     sets = {
-        "split": {
+        "heldout": {
             "offline": results({"eagle3": TRAINED, "ngram": NGRAM}),
             "vllm": results({"eagle3": TRAINED}),
         }
@@ -35,7 +35,7 @@ def test_rows_carry_intervals():
     target = ModelCost(1e9, 0.0, 1.0, 1e5, 24)
     drafter = ModelCost(5e7, 0.0, 1.0, 4e3, 1)
     points = [ServingPoint(DEVICES["H100-80GB"], b, 600) for b in (1, 32)]
-    projections = {"split": set_projection(sets["split"]["vllm"], target, {"eagle3": drafter}, points,
+    projections = {"heldout": set_projection(sets["heldout"]["vllm"], target, {"eagle3": drafter}, points,
                                            GateSettings().bootstrap)}  # fmt: skip
     rows = summary_rows(sets, GateSettings(), projections)
     assert [(r["method"], r["measured_by"]) for r in rows] == [
@@ -50,7 +50,7 @@ def test_rows_carry_intervals():
     # only the judged measurement (vLLM's) is projected: at its chosen k, at each concurrency
     assert trained["projected_speedup"] is None and ngram["projected_speedup"] is None
     k = served["k"]
-    option = projections["split"]["methods"]["eagle3"]["options"][k - 1]
+    option = projections["heldout"]["methods"]["eagle3"]["options"][k - 1]
     assert served["projected_speedup"] == [
         pytest.approx(projected_speedup(option["tokens_per_forward"], "eagle3", k, target, p, drafter))
         for p in points
@@ -67,7 +67,7 @@ def test_rows_carry_intervals():
     assert "every step counted" in text and "draft steps only" in text
     assert format_tsv(summary).count("\n") == len(rows) + 1
     # the headline reads vLLM where it measured the set
-    head = headline(rows, sets)["split"]
+    head = headline(rows, sets)["heldout"]
     assert head["measured_by"] == "vLLM" and list(head["methods"]) == ["eagle3"]
 
 
@@ -76,17 +76,17 @@ def test_load_sets_checks_the_prompts_match(tmp_path):
     off.write_text(json.dumps(results({"eagle3": TRAINED})))
     served.write_text(json.dumps({**results({"eagle3": TRAINED}), "prompt_ids": ["x"] * N}))
     with pytest.raises(ValueError, match="decoded different prompts"):
-        load_sets({"split": off}, {"split": served})
+        load_sets({"heldout": off}, {"heldout": served})
     with pytest.raises(ValueError, match="without offline results"):
-        load_sets({"split": off}, {"other": served})
-    assert load_sets({"split": off}, {})["split"]["vllm"] is None
+        load_sets({"heldout": off}, {"other": served})
+    assert load_sets({"heldout": off}, {})["heldout"]["vllm"] is None
     # the offline contract check decodes the first few of vLLM's prompts (evaluate.offline_num_prompts)
     more = {**results({"eagle3": TRAINED}), "prompt_ids": results({})["prompt_ids"] + ["extra"]}
     served.write_text(json.dumps(more))
-    assert load_sets({"split": off}, {"split": served})["split"]["vllm"]["prompt_ids"][-1] == "extra"
+    assert load_sets({"heldout": off}, {"heldout": served})["heldout"]["vllm"]["prompt_ids"][-1] == "extra"
     served.write_text(json.dumps({**more, "prompt_ids": ["extra"] + results({})["prompt_ids"]}))
     with pytest.raises(ValueError, match="decoded different prompts"):
-        load_sets({"split": off}, {"split": served})
+        load_sets({"heldout": off}, {"heldout": served})
 
 
 def test_without_the_offline_decoder_vllm_alone_fills_the_summary(tmp_path):
@@ -98,11 +98,11 @@ def test_without_the_offline_decoder_vllm_alone_fills_the_summary(tmp_path):
     vllm = {**results({"eagle3": {**TRAINED, "kind": "eagle3"}}), "temperature": 0.0}
     vllm["methods"]["eagle3"]["outputs_equal_plain"] = N
     served.write_text(json.dumps(vllm))
-    sets = load_sets({}, {"split": served})
-    assert sets["split"]["offline_measured"] is False
+    sets = load_sets({}, {"heldout": served})
+    assert sets["heldout"]["offline_measured"] is False
     rows = summary_rows(sets, GateSettings())
     assert {r["measured_by"] for r in rows} == {"vLLM"}
     manifest = {"teacher_agreement": 0.99, "min_teacher_agreement": 0.9}
     checks = {c.name: c for c in diagnose(sets, manifest, {}, [], None, [], GateSettings())}
-    gap = checks["tau_gap (eagle3, split)"]
+    gap = checks["tau_gap (eagle3, heldout)"]
     assert gap.status == "skip" and "offline decoder" in gap.value

@@ -393,7 +393,7 @@ def test_summary_report_and_gate(pipeline, offline, untrained, tmp_path):
     vllm_path = tmp_path / "vllm.json"
     vllm_path.write_text(json.dumps(fake_vllm(json.loads(offline.read_text()))))
     out = tmp_path / "eval"
-    common = ["--offline", f"split={offline}", "--offline", f"handwritten={hand}", "--vllm", f"split={vllm_path}",
+    common = ["--offline", f"heldout={offline}", "--offline", f"handwritten={hand}", "--vllm", f"heldout={vllm_path}",
               "--manifest", pipeline["data"], "--drafter", pipeline["drafter"], "--target", pipeline["target"],
               "--metrics", pipeline["metrics"], "--out", out]  # fmt: skip
     relaxed = ["--check", "beats_free=warn", "--check", "beats_untrained=warn", "--max-acc-gap", 1.0]
@@ -403,16 +403,16 @@ def test_summary_report_and_gate(pipeline, offline, untrained, tmp_path):
         assert (out / name).read_bytes()[:8] == PNG, name
     summary = json.loads((out / "summary.json").read_text())
     assert summary["gate_passed"], summary["checks"]
-    assert list(summary["heldout_sets"]) == ["split", "handwritten"]
+    assert list(summary["heldout_sets"]) == ["heldout", "handwritten"]
     assert summary["heldout_sets"]["handwritten"]["prompts"] == str(handwritten)
     head = summary["headline"]
-    assert head["split"]["measured_by"] == "vLLM" and head["handwritten"]["measured_by"] == "offline"
+    assert head["heldout"]["measured_by"] == "vLLM" and head["handwritten"]["measured_by"] == "offline"
     trained = [r for r in summary["rows"] if r.get("key") == "eagle3"]
-    assert {(r["heldout"], r["measured_by"]) for r in trained} == {("split", "offline"), ("split", "vLLM"),
+    assert {(r["heldout"], r["measured_by"]) for r in trained} == {("heldout", "offline"), ("heldout", "vLLM"),
                                                                    ("handwritten", "offline")}  # fmt: skip
     by = {(r["heldout"], r["measured_by"]): r for r in trained}
-    assert by["split", "vLLM"]["tokens_per_forward"] == pytest.approx(
-        by["split", "offline"]["tokens_per_forward"]
+    assert by["heldout", "vLLM"]["tokens_per_forward"] == pytest.approx(
+        by["heldout", "offline"]["tokens_per_forward"]
     )
     for r in trained:
         lo, hi = r["tau_interval"]
@@ -420,9 +420,9 @@ def test_summary_report_and_gate(pipeline, offline, untrained, tmp_path):
         lo, hi = r["tokens_per_forward_interval"]
         assert lo <= r["tokens_per_forward"] <= hi
     # the judged measurement is projected to the serving point (the schema's: an H100 at 1, 8, 32)
-    served = by["split", "vLLM"]
+    served = by["heldout", "vLLM"]
     assert len(served["projected_speedup"]) == 3 and 1 <= served["k"] <= 3
-    assert by["split", "offline"]["projected_speedup"] is None
+    assert by["heldout", "offline"]["projected_speedup"] is None
     assert (
         summary["projection"]["concurrency"] == [1, 8, 32]
         and "H100-80GB" in summary["projection"]["points"][0]
@@ -430,10 +430,10 @@ def test_summary_report_and_gate(pipeline, offline, untrained, tmp_path):
     assert "projected speedup" in summary["projection"]["formula"]
     names = [c["name"] for c in summary["checks"]]
     assert {
-        "beats_free (split)",
+        "beats_free (heldout)",
         "beats_untrained (handwritten)",
         "speedup",
-        "tau_gap (eagle3, split)",
+        "tau_gap (eagle3, heldout)",
     } <= set(names)
     speed = next(c for c in summary["checks"] if c["name"] == "speedup")
     assert speed["status"] == "info"  # measured on a CPU
@@ -458,16 +458,16 @@ def test_summary_report_and_gate(pipeline, offline, untrained, tmp_path):
     ngram["tau"] = 4.0
     ngram["per_prompt"] = [{**r, "forwards": max(r["tokens"] // 4, 1)} for r in ngram["per_prompt"]]
     (tmp_path / "vllm-ngram.json").write_text(json.dumps(strong))
-    args = [f"split={tmp_path / 'vllm-ngram.json'}" if a == f"split={vllm_path}" else a for a in common]
+    args = [f"heldout={tmp_path / 'vllm-ngram.json'}" if a == f"heldout={vllm_path}" else a for a in common]
     cli("eval-summary", *args, "--check", "beats_untrained=warn", "--max-acc-gap", 1.0)
     summary = json.loads((out / "summary.json").read_text())
     assert not summary["gate_passed"] and "Gate: FAILED" in (out / "summary.html").read_text()
     assert summary["verdict"]["per_set"][0]["deploy"] == "n-gram lookup"
     printed = cli("gate", out / "summary.json", "--out", tmp_path / "never.json", code=EXIT_GATE)
     diagnosis = printed[printed.index("\ncheck ") + 1 :].splitlines()
-    assert diagnosis[1].startswith("beats_free (split)") and "FAIL" in diagnosis[1]
+    assert diagnosis[1].startswith("beats_free (heldout)") and "FAIL" in diagnosis[1]
     # on the hand-written prompts the tiny drafter's passes cost more than the free methods save: it fails too
-    assert "the acceptance gate failed on 2 check(s): beats_free (split)" in printed
+    assert "the acceptance gate failed on 2 check(s): beats_free (heldout)" in printed
     assert "beats_free (handwritten)" in printed
     assert not (tmp_path / "never.json").exists()
 
@@ -482,16 +482,16 @@ def test_summary_report_and_gate(pipeline, offline, untrained, tmp_path):
     (tmp_path / "off2.json").write_text(json.dumps(broken_off))
     (tmp_path / "vllm2.json").write_text(json.dumps(broken))
     swap = {
-        f"split={offline}": f"split={tmp_path / 'off2.json'}",
-        f"split={vllm_path}": f"split={tmp_path / 'vllm2.json'}",
+        f"heldout={offline}": f"heldout={tmp_path / 'off2.json'}",
+        f"heldout={vllm_path}": f"heldout={tmp_path / 'vllm2.json'}",
     }
     cli("eval-summary", *[swap.get(a, a) for a in common], *relaxed)
     printed = cli("gate", out / "summary.json", code=EXIT_GATE)
-    assert "tau_gap (eagle3, split)" in printed.split("failed on 1 check(s): ")[1]
+    assert "tau_gap (eagle3, heldout)" in printed.split("failed on 1 check(s): ")[1]
     assert printed.startswith("VERDICT: CONTRACT BROKEN")
 
     # bad usage: a held-out set named twice, an unknown gate mode
-    cli("eval-summary", *common, "--offline", f"split={offline}", code=2)
+    cli("eval-summary", *common, "--offline", f"heldout={offline}", code=2)
     cli("eval-summary", *common, "--check", "speedup=sometimes", code=2)
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import fp_tolerance
+from helpers import fp_tolerance
 
 from draftsmith.backends.hf import capture_states, stop_at_eos
 from draftsmith.core.atomic import write_json
@@ -546,7 +546,7 @@ def test_sample_source_travels_from_traces_to_the_manifest(tmp_path):
     """Real target: a regenerated-looking trace and an original-answer trace -> tokens -> one shard ->
     manifest. The shard's metadata lists each sample's source; the manifest reports agreement per
     source and gates on the regenerated sample only."""
-    from conftest import REPO
+    from helpers import REPO
 
     from draftsmith.core.shards import read_shard_meta
     from draftsmith.stages.extract import extract_shard

@@ -163,17 +163,17 @@ def test_beats_free_counts_the_drafters_passes():
 
 def test_beats_untrained_on_tokens_per_forward():
     good = ("vLLM", per_forward([24 + i % 5 for i in range(16)]))  # ~1.6 tokens per forward
-    c = check_beats("untrained", "split", good, ("vLLM", per_forward([4] * 16)), "block", SETTINGS)
+    c = check_beats("untrained", "heldout", good, ("vLLM", per_forward([4] * 16)), "block", SETTINGS)
     assert c.status == "pass" and c.blocking and "16 prompts" in c.value and "vLLM" in c.value
     assert "tokens per target forward" in c.value and "tokens per target forward" in c.threshold
-    assert check_beats("untrained", "split", good, None, "block", SETTINGS).status == "skip"
+    assert check_beats("untrained", "heldout", good, None, "block", SETTINGS).status == "skip"
     # a difference inside the noise does not pass: 1 accepted draft more on one prompt of 16
     tie = ("vLLM", per_forward([10] * 16))
     nudged = ("vLLM", per_forward([10] * 15 + [11]))
-    assert check_beats("untrained", "split", nudged, tie, "block", SETTINGS).failed  # most resamples: a tie
+    assert check_beats("untrained", "heldout", nudged, tie, "block", SETTINGS).failed  # most resamples: a tie
     noisy = ("vLLM", per_forward([0, 20] * 8))
     noisy_plus = ("vLLM", per_forward([20, 1] * 8))  # same total + 1, prompt order swapped
-    assert check_beats("untrained", "split", noisy_plus, noisy, "block", SETTINGS).failed
+    assert check_beats("untrained", "heldout", noisy_plus, noisy, "block", SETTINGS).failed
 
 
 def test_speedup_blocks_on_gpu_only_in_auto():
@@ -312,7 +312,7 @@ def test_order_format_and_enforce():
 
 def _checks(
     free: str, untrained: str = "pass", overfit: str = "pass", rising: str = "pass", contract: str = "pass",
-    heldout: str = "split",
+    heldout: str = "heldout",
 ):  # fmt: skip
     return [
         Check(f"beats_free ({heldout})", free, "v", "t", "w", free != "warn", "alternatives", heldout),
@@ -363,7 +363,7 @@ NOTHING_PAYS = fake_projection({"eagle3": (0.9, 0.8, 1.0), "suffix": (1.02, 0.97
     ],
 )
 def test_set_verdict(kw, projection, deploy, action):
-    v = set_verdict(_checks(**kw), "split", projection)
+    v = set_verdict(_checks(**kw), "heldout", projection)
     assert (v["deploy"], v["action"]) == (deploy, action)
     if projection is DRAFTER_WINS and action == "deploy drafter":
         assert v["k"] == 2 and v["projected_speedup"] == [1.6, pytest.approx(1.28)]
@@ -374,22 +374,22 @@ def test_set_verdict(kw, projection, deploy, action):
 
 def test_verdict_names_the_better_method_per_set():
     checks = _checks("pass") + _checks("fail", heldout="humaneval")[:2]
-    v = verdict(checks, {"split": DRAFTER_WINS, "humaneval": SUFFIX_WINS})
+    v = verdict(checks, {"heldout": DRAFTER_WINS, "humaneval": SUFFIX_WINS})
     assert v["heldout"] == "humaneval" and v["action"] == "deploy suffix decoding"  # the losing set's
     assert v["deploy"] == "per held-out set"
     assert [(s["heldout"], s["deploy"], s["k"]) for s in v["per_set"]] == [
-        ("split", "trained drafter", 2),
+        ("heldout", "trained drafter", 2),
         ("humaneval", "suffix decoding", 2),
     ]
     text = format_verdict(v)
     assert (
         text.splitlines()[0]
-        == "VERDICT: deploy trained drafter k=2 on split; suffix decoding k=2 on humaneval"
+        == "VERDICT: deploy trained drafter k=2 on heldout; suffix decoding k=2 on humaneval"
     )
     assert "1.60x [1.50, 1.70] at 1, 1.28x [1.20, 1.36] at 32" in text
     assert "runner-up: suffix decoding k=2" in text
     # every set agreeing: one answer
-    same = verdict(_checks("fail"), {"split": SUFFIX_WINS})
+    same = verdict(_checks("fail"), {"heldout": SUFFIX_WINS})
     assert same["deploy"] == "suffix decoding"
     assert format_verdict(same).startswith("VERDICT: DEPLOY SUFFIX DECODING (deploy: suffix decoding k=2)")
 
@@ -401,7 +401,7 @@ def test_diagnose_judges_vllm_per_prompt_counts_on_every_set():
     accepted = [0, 1, 2, 0, 1] * 40
     tau = 1 + sum(accepted) / len(accepted)
     eagle_off = with_prompts(method(tau, accepted), [5 + i % 3 for i in range(16)], DRAFTS)
-    # vLLM's counts are what is judged: here the drafter wins in vLLM on split...
+    # vLLM's counts are what is judged: here the drafter wins in vLLM on heldout...
     eagle_vllm = with_prompts(
         method(tau, [], speedup=0.6, drafts=640), [30 + i % 3 for i in range(16)], DRAFTS
     )
@@ -426,36 +426,36 @@ def test_diagnose_judges_vllm_per_prompt_counts_on_every_set():
         "vllm": None,
     }
     rows = RISING
-    # the serving projections: the drafter far ahead of n-gram lookup on split, behind suffix decoding on
+    # the serving projections: the drafter far ahead of n-gram lookup on heldout, behind suffix decoding on
     # the hand-written set
     weak_free = {**counted([steps([0, 0, 1, 0]) for _ in range(16)], drafted=False), "kind": "ngram"}
     strong_free = {**counted([steps([3, 0, 2, 0]) for _ in range(16)], drafted=False), "kind": "suffix"}
     drafter = {**counted([steps([3, 2, 3, 1]) for _ in range(16)]), "kind": "eagle3"}
     weak_drafter = {**counted([steps([1, 0, 0, 1]) for _ in range(16)]), "kind": "eagle3"}
     projections = {
-        "split": projected({"eagle3": drafter, "ngram": weak_free}),
+        "heldout": projected({"eagle3": drafter, "ngram": weak_free}),
         "handwritten": projected({"eagle3": weak_drafter, "suffix": strong_free}),
     }
-    sets = {"split": split, "handwritten": hand}
+    sets = {"heldout": split, "handwritten": hand}
     checks = diagnose(sets, MANIFEST, EXPORT, [], FINGERPRINT, rows, SETTINGS, projections=projections)
     by = {c.name: c for c in checks}
     assert list(by) == [
-        "beats_free (split)",
-        "beats_untrained (split)",
+        "beats_free (heldout)",
+        "beats_untrained (heldout)",
         "beats_free (handwritten)",
         "beats_untrained (handwritten)",
         "speedup",
         "teacher_agreement",
         "chat_template",
         "export",
-        "tau_gap (eagle3, split)",
+        "tau_gap (eagle3, heldout)",
         "tau_gap (eagle3, handwritten)",
         "generalisation",
         "still_learning",
     ]
-    assert by["beats_free (split)"].status == "pass" and "n-gram" in by["beats_free (split)"].value
-    assert "projected" in by["beats_free (split)"].value
-    assert "vLLM vs offline" in by["beats_untrained (split)"].value  # untrained only measured offline
+    assert by["beats_free (heldout)"].status == "pass" and "n-gram" in by["beats_free (heldout)"].value
+    assert "projected" in by["beats_free (heldout)"].value
+    assert "vLLM vs offline" in by["beats_untrained (heldout)"].value  # untrained only measured offline
     assert by["beats_free (handwritten)"].failed and "suffix" in by["beats_free (handwritten)"].value
     assert by["speedup"].status == "info" and "0.60x plain (vLLM)" in by["speedup"].value
     assert by["tau_gap (eagle3, handwritten)"].status == "skip"
@@ -471,7 +471,7 @@ def test_diagnose_judges_vllm_per_prompt_counts_on_every_set():
     assert verdict(checks, projections)["action"] == "more data"
     # on a GPU the slow drafter blocks
     gpu = {**split, "vllm": {**split["vllm"], "device": "cuda"}}
-    checks = diagnose({"split": gpu}, MANIFEST, EXPORT, [], FINGERPRINT, rows, relaxed)
+    checks = diagnose({"heldout": gpu}, MANIFEST, EXPORT, [], FINGERPRINT, rows, relaxed)
     assert next(c for c in checks if c.name == "speedup").failed
 
 
@@ -496,8 +496,8 @@ def test_two_engines_pair_on_the_prompts_both_decoded():
         "offline": {**run({"eagle3": eagle_off, "untrained": untrained_off}, 8)},
         "vllm": run({"eagle3": eagle_vllm}, 16),
     }
-    checks = diagnose({"split": split}, MANIFEST, EXPORT, [], FINGERPRINT, RISING, SETTINGS)
-    beats = next(c for c in checks if c.name == "beats_untrained (split)")
+    checks = diagnose({"heldout": split}, MANIFEST, EXPORT, [], FINGERPRINT, RISING, SETTINGS)
+    beats = next(c for c in checks if c.name == "beats_untrained (heldout)")
     assert beats.status == "pass" and "8 prompts" in beats.value and "vLLM vs offline" in beats.value
 
 
@@ -516,7 +516,7 @@ def test_draft_positions_beyond_the_trained_ttt_steps_warn():
         **EXPORT,
         "draftsmith": {**EXPORT.get("draftsmith", {}), "training": {"settings": {"ttt_steps": 3}}},
     }
-    checks = diagnose({"split": {"offline": offline, "vllm": None}}, MANIFEST, export, [], FINGERPRINT,
+    checks = diagnose({"heldout": {"offline": offline, "vllm": None}}, MANIFEST, export, [], FINGERPRINT,
                       RISING, SETTINGS)  # fmt: skip
     positions = next(c for c in checks if c.name == "draft_positions")
     assert positions.status == "warn"

@@ -5,7 +5,7 @@ import logging
 
 import pytest
 from click.testing import CliRunner
-from conftest import REPO
+from helpers import REPO
 
 from draftsmith.backends.common import CPU_KV_CACHE_GIB, Answer, oversized, vllm_child_env
 from draftsmith.backends.hf import length_batches

@@ -12,7 +12,7 @@ import shlex
 import subprocess
 
 import pytest
-from conftest import REPO, cli_env
+from helpers import REPO, cli_env
 
 SCRIPT = REPO / "scripts" / "gpu-check.sh"
 NO_GPU = "gpu-check: no NVIDIA GPU here (nvidia-smi -L lists none); run it on a GPU node\n"
@@ -123,8 +123,8 @@ def test_the_table_reports_stages_devices_and_acceptance(tmp_path):
         (run / "logs" / f"{stage}.log").write_text(
             "draftsmith run: CUDA_VISIBLE_DEVICES=0 (1 of 1 GPUs on n1)\n"
         )
-    (run / "results" / "eval" / "split").mkdir(parents=True)
-    (run / "results" / "eval" / "split" / "vllm.json").write_text(
+    (run / "results" / "eval" / "heldout").mkdir(parents=True)
+    (run / "results" / "eval" / "heldout" / "vllm.json").write_text(
         json.dumps(
             {"device": "cuda", "engine": "vLLM offline LLM (bfloat16, compiled, tensor parallel 1, ...)"}
         )

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import twins
-from conftest import REPO, cli_env
+from helpers import REPO, cli_env
 from hubcache import COMMIT, add_model_folder
 from snakemake.api import SnakemakeApi
 from snakemake.settings.types import ConfigSettings, DAGSettings, OutputSettings, Quietness, ResourceSettings

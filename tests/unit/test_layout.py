@@ -1,12 +1,13 @@
-"""The test tree's layout: shared test code lives in tests/helpers.py (or conftest.py for fixtures), so no
-test module imports another one: running or changing one test module never depends on another."""
+"""The test tree's layout: shared test code lives in tests/helpers.py (conftest.py holds only fixtures and
+hooks, which pytest hands out), so no test module imports another one or conftest: running or changing one
+test module never depends on another, and each helper has one import path."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-from conftest import REPO
+from helpers import REPO
 
 TESTS = REPO / "tests"
 
@@ -22,10 +23,13 @@ def imported_modules(path: Path) -> set[str]:
     return names
 
 
-def test_no_test_module_imports_another() -> None:
+def test_no_test_module_helper_or_bench_imports_a_test_module_or_conftest() -> None:
     modules = sorted(TESTS.rglob("test_*.py"))
-    test_names = {p.stem for p in modules}
+    test_names = {p.stem for p in modules} | {"conftest"}
+    shared = [p for p in sorted(TESTS.glob("*.py")) if p.name != "conftest.py"]
     found = {
-        (p.relative_to(TESTS).as_posix(), name) for p in modules for name in imported_modules(p) & test_names
+        (p.relative_to(REPO).as_posix(), name)
+        for p in [*modules, *shared, *sorted((REPO / "bench").glob("*.py"))]
+        for name in imported_modules(p) & test_names
     }
     assert found == set(), "import shared test code from tests/helpers.py instead"

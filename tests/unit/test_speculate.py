@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from conftest import fp_tolerance
+from helpers import fp_tolerance
 
 from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter
 from draftsmith.core.speculate import (

@@ -13,7 +13,8 @@ import twins
 import draftsmith.core.target as target_mod
 import draftsmith.stages.target as target_stage
 from draftsmith.backends.hf import HfExtractor
-from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter, build_drafter, param_count
+from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter, param_count
+from draftsmith.core.kinds import build_drafter
 from draftsmith.core.target import (
     TargetError,
     head_tensor_names,
@@ -298,7 +299,7 @@ def test_a_hub_target_without_safetensors_is_refused(tmp_path, monkeypatch):
     ids=["offline", "unreachable"],
 )
 def test_neither_network_nor_cache_is_one_line_naming_the_id_and_the_cache(tmp_path, env, why):
-    from conftest import cli_env
+    from helpers import cli_env
 
     cache = tmp_path / "empty-hub-cache"
     run = subprocess.run(
@@ -328,7 +329,7 @@ def test_neither_network_nor_cache_is_one_line_naming_the_id_and_the_cache(tmp_p
 def test_a_wrapper_that_is_no_causal_lm_loads_as_its_language_model(tmp_path, target_model):
     """Kimi-K2.5's layout: transformers' AutoModelForCausalLM refuses the wrapper, so the transformers
     engines load the class of its text_config with the `language_model.` weights, the same function."""
-    from conftest import fp_tolerance
+    from helpers import fp_tolerance
 
     from draftsmith.core.target import language_model_keys, load_target
 

@@ -6,7 +6,7 @@ import json
 import logging
 
 from click.testing import CliRunner
-from conftest import REPO
+from helpers import REPO
 
 from draftsmith.cli import main
 from draftsmith.stages.tokenize import TokenizeSettings, tokenize_traces

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import fp_tolerance
 from helpers import (
     TINY_AUX_IDS,
     TINY_DRAFT_VOCAB,
@@ -22,6 +21,7 @@ from helpers import (
     TINY_VOCAB,
     build,
     checkpoints_of,
+    fp_tolerance,
     make_tiny_data,
     objective,
     rows,
@@ -32,8 +32,9 @@ from helpers import (
 from safetensors.torch import load_file
 
 from draftsmith.core.checkpoints import list_checkpoints, step_of
-from draftsmith.core.drafter import TTTKV, build_drafter
+from draftsmith.core.drafter import TTTKV
 from draftsmith.core.export_formats import check_export, load_drafter
+from draftsmith.core.kinds import build_drafter
 from draftsmith.core.loader import collate
 from draftsmith.core.objective import (
     EVAL_MASK_OFFSET,

@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from helpers import REPO
 
 from draftsmith.backends import vllm_api
 from draftsmith.backends.vllm_api import Internal, Source, check, defines

@@ -20,6 +20,7 @@ from draftsmith.core.export_formats.common import (
     VOCAB_TENSORS,
     WEIGHTS_NAME,
     needs_vocab_map,
+    norm_flags,
 )
 from draftsmith.core.export_formats.load import drafter_config_from_export, engine_of, engine_view
 from draftsmith.core.export_formats.speculators import native_names
@@ -46,6 +47,10 @@ def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[tuple[int, ...], torc
         "norm.weight": ((H,), None),
         "lm_head.weight": ((cfg.draft_vocab_size, H), None),
     }
+    if cfg.fc_norm:  # EAGLE 3.1: one norm per aux state
+        shapes.update({f"fc_norm.{i}.weight": ((cfg.target_hidden_size,), None) for i in range(cfg.num_aux)})
+    if cfg.kind == "peagle":  # vLLM refuses parallel drafting without it
+        shapes["mask_hidden"] = ((1, cfg.num_aux * cfg.target_hidden_size), None)
     if needs_vocab_map(cfg):
         shapes["d2t"] = ((cfg.draft_vocab_size,), torch.int64)
         shapes["t2d"] = ((cfg.target_vocab_size,), torch.bool)
@@ -235,6 +240,20 @@ def unreadable(export_dir: str | Path) -> list[str]:
     return problems
 
 
+def _trained_norm_flags(raw: dict[str, Any]) -> dict[str, bool]:
+    """The norm flags the drafter was trained with: its kind's (draftsmith block), else for a foreign
+    export EAGLE 3.1's pair when both are set (the layer draftsmith implements), else all off."""
+    block = raw.get("draftsmith") or {}
+    if isinstance(block.get("drafter_config"), dict):
+        return norm_flags(DrafterConfig(**block["drafter_config"]))
+    try:
+        view = engine_view(raw)
+    except ValueError:
+        view = raw
+    eagle31 = view.get("fc_norm") is True and view.get("norm_output") is True
+    return {flag: eagle31 and flag in ("fc_norm", "norm_output") for flag in NORM_FLAGS}
+
+
 def check_export(
     export_dir: str | Path,
     target_num_layers: int | None = None,
@@ -282,11 +301,14 @@ def check_export(
         problems.append(
             f"num_hidden_layers is {config.get('num_hidden_layers')!r}; draftsmith drafters have 1"
         )
+    trained = _trained_norm_flags(raw)
     for flag in NORM_FLAGS:
         if flag not in config:
             problems.append(f"norm flag {flag!r} is missing (engines default it differently)")
-        elif config[flag] is not False:
-            problems.append(f"norm flag {flag!r} is {config[flag]!r}; the drafter was trained with it off")
+        elif config[flag] is not trained[flag]:
+            problems.append(
+                f"norm flag {flag!r} is {config[flag]!r}; the drafter was trained with {trained[flag]}"
+            )
     if config.get("tie_word_embeddings", False) is not False and engine == "sglang":
         problems.append("tie_word_embeddings is set: SGLang would use the embedding as lm_head")
     rope = config.get("rope_parameters") or {}

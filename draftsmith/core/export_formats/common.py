@@ -72,6 +72,17 @@ def validate_for_export(cfg: DrafterConfig, input_ids: list[int], engine: str) -
         )
 
 
+def norm_flags(cfg: DrafterConfig) -> dict[str, bool]:
+    """Every norm flag, written out (engines default them differently): EAGLE 3.1 sets fc_norm and
+    norm_output, the other kinds none."""
+    return {flag: bool(getattr(cfg, flag, False)) for flag in NORM_FLAGS}
+
+
+def parallel_fields(cfg: DrafterConfig) -> dict[str, Any]:
+    """P-EAGLE: the mask slots' token id, which vLLM's parallel drafting reads from `mask_token_id`."""
+    return {"mask_token_id": cfg.mask_token_id} if cfg.kind == "peagle" else {}
+
+
 def layer_fields(cfg: DrafterConfig, dtype_name: str) -> dict[str, Any]:
     """The one-layer Llama config both forms share (the draft layer, the target's vocabulary)."""
     return {

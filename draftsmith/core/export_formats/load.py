@@ -11,7 +11,13 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter, split_rope
-from draftsmith.core.export_formats.common import CONFIG_NAME, NORM_FLAGS, WEIGHTS_NAME, needs_vocab_map
+from draftsmith.core.export_formats.common import (
+    CONFIG_NAME,
+    NORM_FLAGS,
+    WEIGHTS_NAME,
+    needs_vocab_map,
+    norm_flags,
+)
 from draftsmith.core.export_formats.speculators import native_names
 
 
@@ -76,7 +82,18 @@ def drafter_config_from_export(config: dict[str, Any], engine_fields: bool = Fal
         target_vocab_size=config["vocab_size"],
         draft_vocab_size=config.get("draft_vocab_size") or config["vocab_size"],
         num_aux=config.get("num_aux_hidden_states") or (len(ids) if ids else 3),
+        kind=foreign_kind(config),
+        mask_token_id=config.get("mask_token_id", config.get("pard_token")),
     )
+
+
+def foreign_kind(config: dict[str, Any]) -> str:
+    """The kind of an export without a draftsmith block, from the fields vLLM reads: a mask token id =
+    parallel drafting (P-EAGLE), fc_norm with norm_output = EAGLE 3.1 (other flag sets are refused by
+    `load_drafter`)."""
+    if config.get("mask_token_id", config.get("pard_token")) is not None:
+        return "peagle"
+    return "eagle3.1" if config.get("fc_norm") and config.get("norm_output") else "eagle3"
 
 
 def load_drafter(
@@ -86,12 +103,14 @@ def load_drafter(
     its weights strictly -> (model in eval mode, config)."""
     export_dir = Path(export_dir)
     config = json.loads((export_dir / CONFIG_NAME).read_text(encoding="utf-8"))
-    on = [k for k in NORM_FLAGS if engine_view(config).get(k)]
-    if on:  # a layer variant draftsmith's module does not implement
-        raise ValueError(
-            f"{export_dir / CONFIG_NAME}: {on} set; draftsmith drafters have every norm flag off"
-        )
     cfg = drafter_config_from_export(config)
+    view = engine_view(config)
+    on = sorted(k for k in NORM_FLAGS if view.get(k))
+    if on != sorted(k for k, v in norm_flags(cfg).items() if v):  # a layer draftsmith does not implement
+        raise ValueError(
+            f"{export_dir / CONFIG_NAME}: norm flags {on} set; draftsmith's {cfg.kind} drafter has "
+            f"{sorted(k for k, v in norm_flags(cfg).items() if v) or 'none'}"
+        )
     model = Eagle3Drafter(cfg)
     state = native_names(load_file(str(export_dir / WEIGHTS_NAME)))
     state.pop("embed_tokens.weight", None)  # the target's embedding (speculators' format carries it)

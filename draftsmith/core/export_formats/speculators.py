@@ -11,12 +11,12 @@ import torch
 
 from draftsmith.core.drafter import DrafterConfig
 from draftsmith.core.export_formats.common import (
-    NORM_FLAGS,
     SPECULATORS_ARCHITECTURE,
     SPECULATORS_VERSION,
     draftsmith_block,
     dtype_name,
     layer_fields,
+    norm_flags,
     validate_for_export,
 )
 
@@ -47,7 +47,7 @@ def speculators_export_config(
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
         "eagle_aux_hidden_state_layer_ids": input_ids,
-        **dict.fromkeys(NORM_FLAGS, False),
+        **norm_flags(cfg),
         "embed_requires_grad": False,
         "tie_word_embeddings": False,
         "dtype": name,

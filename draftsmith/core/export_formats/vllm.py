@@ -14,10 +14,11 @@ from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter
 from draftsmith.core.engines import ENGINE_CONVENTIONS
 from draftsmith.core.export_formats.common import (
     ARCHITECTURE,
-    NORM_FLAGS,
     draftsmith_block,
     dtype_name,
     layer_fields,
+    norm_flags,
+    parallel_fields,
     state_tensors,
     validate_for_export,
     write_files,
@@ -47,7 +48,8 @@ def export_config(
         "num_aux_hidden_states": cfg.num_aux,  # what vLLM sizes fc from
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
         "eagle_aux_hidden_state_layer_ids": ids,  # what vLLM's target runner captures
-        **dict.fromkeys(NORM_FLAGS, False),
+        **norm_flags(cfg),
+        **parallel_fields(cfg),
         "draftsmith": draftsmith_block(cfg, convention_engine, input_ids, target_path, extra),
     }
 

@@ -39,9 +39,9 @@ import torch
 
 from draftsmith.core.atomic import write_json
 from draftsmith.core.chat import eos_token_ids
+from draftsmith.core.kinds import drafter_proposer
 from draftsmith.core.settings import from_schema, schema_default
 from draftsmith.core.speculate import (
-    Eagle3Proposer,
     HybridProposer,
     NgramProposer,
     SpecResult,
@@ -327,7 +327,7 @@ def evaluate_offline(
     if settings.hybrid and "eagle3" in proposers:
         proposers["hybrid"] = HybridProposer(
             SuffixProposer(**suffix_settings),
-            Eagle3Proposer(proposers["eagle3"], embed),
+            drafter_proposer(proposers["eagle3"], embed),
         )
         aux_ids["hybrid"] = aux_ids["eagle3"]
     eos = eos_token_ids(tokenizer, getattr(target, "generation_config", None))

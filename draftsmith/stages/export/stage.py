@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.core.atomic import atomic_dir
+from draftsmith.core.atomic import atomic_dir, write_text
 from draftsmith.core.drafter import DrafterConfig
 from draftsmith.core.engines import trained_ttt_steps
 from draftsmith.core.export_formats.check import check_export
@@ -24,6 +24,21 @@ from draftsmith.core.export_formats.common import (
 from draftsmith.core.export_formats.sglang import sglang_config
 from draftsmith.core.export_formats.speculators import speculators_export_config, speculators_names
 
+# The kinds each engine's form is written for: those its reader is known to serve as trained. SGLang's
+# EAGLE-3 reader has not been checked against EAGLE 3.1's norms or parallel drafting; speculators' format
+# carries EAGLE 3.1's flags, which vLLM's reader of that format copies.
+ENGINE_KINDS = {"sglang": ("eagle3",), "speculators": ("eagle3", "eagle3.1")}
+NOT_WRITTEN = "NOT_WRITTEN.md"
+
+
+def not_written_note(engine: str, kind: str) -> str:
+    served = ", ".join(ENGINE_KINDS[engine])
+    return (
+        f"# No {engine} form for this drafter\n\ndraftsmith writes the {engine} form for {served} drafters only; "
+        f"this one is {kind!r}, which draftsmith has not checked that {engine} serves as trained. Serve the vLLM "
+        "export (results/drafter/), which vLLM's own code loads in draftsmith's tests.\n"
+    )
+
 
 def export_engines(
     drafter_dir: str | Path,
@@ -34,7 +49,8 @@ def export_engines(
     verifier_architectures: list[str] | None = None,
 ) -> dict[str, Path]:
     """From the trained vLLM export, write the SGLang and speculators forms (the same tensors, bit for
-    bit; only names and config differ), each atomically and each passing its engine's checks.
+    bit; only names and config differ), each atomically and each passing its engine's checks -> the
+    folders written. A form not written for the drafter's kind (ENGINE_KINDS) is a folder with a note.
 
     The speculators form also carries the target's input embedding [V, Ht] as `embed_tokens.weight`,
     as speculators' own checkpoints do: its loader fills a missing one with zeros, not the verifier's."""
@@ -60,15 +76,19 @@ def export_engines(
             f"[{cfg.target_vocab_size}, {cfg.hidden_size}]"
         )
     outs = {"sglang": Path(sglang_dir), "speculators": Path(speculators_dir)}
-    forms = {
-        "sglang": (sglang_config(cfg, input_ids, target, dtype, extra), tensors),
-        "speculators": (
+    for engine in [e for e in outs if cfg.kind not in ENGINE_KINDS[e]]:
+        with atomic_dir(outs.pop(engine)) as tmp:
+            write_text(tmp / NOT_WRITTEN, not_written_note(engine, cfg.kind))
+    forms = {}
+    if "sglang" in outs:
+        forms["sglang"] = (sglang_config(cfg, input_ids, target, dtype, extra), tensors)
+    if "speculators" in outs:
+        forms["speculators"] = (
             speculators_export_config(
                 cfg, input_ids, target, num_draft_tokens, verifier_architectures, dtype, extra
             ),
             {**speculators_names(tensors), "embed_tokens.weight": target_embedding.to(dtype).contiguous()},
-        ),
-    }
+        )
     for engine, (engine_config, engine_tensors) in forms.items():
         with atomic_dir(outs[engine]) as tmp:
             write_files(tmp, engine_config, engine_tensors)
