@@ -22,8 +22,7 @@ import pytest
 import torch
 import twins
 from click.testing import CliRunner
-from conftest import DEFAULT_TARGET
-from helpers import objective
+from helpers import DEFAULT_TARGET, objective
 
 from draftsmith.cli import main
 from draftsmith.core.chat import eos_token_ids
