@@ -43,10 +43,6 @@ def cpu_kernel_expands_wrongly() -> bool:
     try:
         from vllm.platforms import current_platform
         from vllm.utils.cpu_triton_utils import _expand_kernel_impl
-
-        # registers the CPU build's kernels as torch.ops._C: the library this CPU runs (vllm._C needs
-        # AVX-512 with bf16; on an AVX2-only CPU importing it dies of SIGILL, _C_AVX2 is the one to load)
-        current_platform.import_kernels()
     except ImportError:
         return False
     # vLLM's choice of kernel build for this CPU (AVX2, AVX-512 or AVX-512 BF16) registers torch.ops._C;
