@@ -64,6 +64,10 @@ def speculative_config(
             "num_speculative_tokens": num_speculative_tokens,
             **drafting_fields(drafter),
         }
+    if method == "dflash":  # a DFlash export (core/export_formats/vllm_dflash.py)
+        if not drafter:
+            raise ValueError("method 'dflash' needs a drafter folder")
+        return {"method": "dflash", "model": str(drafter), "num_speculative_tokens": num_speculative_tokens}
     if method == "ngram":
         return {
             "method": "ngram",
@@ -77,4 +81,4 @@ def speculative_config(
             "num_speculative_tokens": num_speculative_tokens,  # a maximum: it drafts what its tree supports
             **{f"suffix_decoding_{key}": value for key, value in sorted(settings.items())},
         }
-    raise ValueError(f"unknown speculative method {method!r}; expected eagle3, ngram, suffix or None")
+    raise ValueError(f"unknown speculative method {method!r}; expected eagle3, dflash, ngram, suffix or None")
