@@ -11,8 +11,10 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from draftsmith.core.dflash import DFlashDrafter, DFlashProposer, check_dflash_config, dflash_param_count
 from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter, describe, param_count
 from draftsmith.core.objective import ttt_loss
+from draftsmith.core.objective_dflash import dflash_loss
 from draftsmith.core.speculate import Eagle3Proposer, PEagleProposer, Proposer
 from draftsmith.core.target import TargetHead
 
@@ -22,17 +24,20 @@ log = logging.getLogger(__name__)
 def new_drafter(cfg: DrafterConfig) -> nn.Module:
     """An untrained drafter of cfg's kind (weights as its constructor draws them)."""
     if cfg.kind == "dflash":
-        raise ValueError("train.drafter.kind 'dflash' is not built yet")
+        check_dflash_config(cfg)
+        return DFlashDrafter(cfg)
     return Eagle3Drafter(cfg)
 
 
 def drafter_loss(cfg: DrafterConfig) -> Callable[..., Any]:
     """The training objective of cfg's kind, with `ttt_loss`'s signature."""
-    return ttt_loss
+    return dflash_loss if cfg.kind == "dflash" else ttt_loss
 
 
 def drafter_proposer(drafter: nn.Module, embed: nn.Module) -> Proposer:
     """Offline drafting as vLLM serves the drafter's kind."""
+    if drafter.cfg.kind == "dflash":
+        return DFlashProposer(drafter, embed)
     if drafter.cfg.kind == "peagle":
         return PEagleProposer(drafter, embed)
     return Eagle3Proposer(drafter, embed)
@@ -63,7 +68,8 @@ def build_drafter(
     torch's default U(+-1/sqrt(fan_in)); head_init "target" then copies lm_head rows and the final norm
     from the target, "random" keeps the drafter's own draw (SpecForge)."""
     cfg = DrafterConfig.from_target(target.config, d2t.numel(), num_aux, settings.drafter)
-    log.info("drafter: %s, %.1f M parameters", describe(cfg), param_count(cfg) / 1e6)
+    count = dflash_param_count(cfg) if cfg.kind == "dflash" else param_count(cfg)
+    log.info("drafter: %s, %.1f M parameters", describe(cfg), count / 1e6)
     random.seed(settings.seed)
     torch.manual_seed(settings.seed)
     drafter = new_drafter(cfg)

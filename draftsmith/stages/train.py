@@ -671,7 +671,8 @@ EXITS = {DataError: BAD_INPUT}  # unusable data is bad input, as `draftsmith ver
 
 
 def run(paths: TrainPaths, settings: TrainSettings) -> list[str]:
-    """Train the EAGLE-3 drafter with training-time test; resumes from the latest complete checkpoint.
+    """Train the drafter (its kind: train.drafter.kind) with training-time test; resumes from the latest
+    complete checkpoint.
 
     Settings: the `train` config section as --settings JSON (keys, defaults and meanings in
     draftsmith/config.schema.yaml); an option overrides its key.

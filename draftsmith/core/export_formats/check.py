@@ -22,8 +22,9 @@ from draftsmith.core.export_formats.common import (
     needs_vocab_map,
     norm_flags,
 )
-from draftsmith.core.export_formats.load import drafter_config_from_export, engine_of, engine_view
+from draftsmith.core.export_formats.load import drafter_config_from_export, engine_of, engine_view, is_dflash
 from draftsmith.core.export_formats.speculators import native_names
+from draftsmith.core.export_formats.vllm_dflash import load_dflash
 from draftsmith.core.layers import aux_order_problem, convert_layer_ids
 
 
@@ -254,6 +255,46 @@ def _trained_norm_flags(raw: dict[str, Any]) -> dict[str, bool]:
     return {flag: eagle31 and flag in ("fc_norm", "norm_output") for flag in NORM_FLAGS}
 
 
+def check_dflash_export(
+    export_dir: Path,
+    raw: dict[str, Any],
+    target_num_layers: int | None,
+    target_vocab_size: int | None,
+    engine: str,
+) -> list[str]:
+    """A DFlash export's problems: it is for vLLM; its weights load strictly into the drafter its block
+    describes; `dflash_config.target_layer_ids` are the aux ids one lower (vLLM's output convention) and
+    no `eagle_aux_hidden_state_layer_ids` disagrees (vLLM prefers that key); its mask token is the
+    trained one; its blocks are causal, as trained."""
+    if engine != "vllm":
+        return [f"{export_dir}: a DFlash export is served by vLLM only, not {engine}"]
+    try:
+        model, _ = load_dflash(export_dir)
+    except (ValueError, RuntimeError, KeyError, TypeError, OSError) as err:
+        return [f"{export_dir}: the DFlash weights do not load into its drafter ({str(err).splitlines()[0]})"]
+    cfg, problems = model.cfg, []
+    dflash = raw.get("dflash_config") or {}
+    ids = [int(i) for i in (raw.get("draftsmith") or {}).get("aux_layer_ids_input") or []]
+    if dflash.get("target_layer_ids") != convert_layer_ids(ids, "input", "output"):
+        problems.append(
+            f"dflash_config.target_layer_ids {dflash.get('target_layer_ids')} are not the aux ids {ids} one lower"
+        )
+    eagle_ids = raw.get("eagle_aux_hidden_state_layer_ids")
+    if eagle_ids is not None and list(eagle_ids) != ids:
+        problems.append(f"eagle_aux_hidden_state_layer_ids {eagle_ids} (which vLLM prefers) are not {ids}")
+    if dflash.get("mask_token_id") != cfg.mask_token_id:
+        problems.append(
+            f"dflash_config.mask_token_id {dflash.get('mask_token_id')} is not the trained {cfg.mask_token_id}"
+        )
+    if dflash.get("causal") is not True:
+        problems.append("dflash_config.causal is not true: the drafter was trained with causal blocks")
+    if target_num_layers is not None and any(not 1 <= i <= target_num_layers - 1 for i in ids):
+        problems.append(f"aux layer ids {ids} out of range for a target of {target_num_layers} layers")
+    if target_vocab_size is not None and cfg.target_vocab_size != target_vocab_size:
+        problems.append(f"drafter vocabulary {cfg.target_vocab_size} is not the target's {target_vocab_size}")
+    return problems
+
+
 def check_export(
     export_dir: str | Path,
     target_num_layers: int | None = None,
@@ -273,6 +314,8 @@ def check_export(
     if damaged:
         return damaged
     raw = json.loads(cfg_path.read_text(encoding="utf-8"))
+    if is_dflash(raw):
+        return check_dflash_export(export_dir, raw, target_num_layers, target_vocab_size, engine or "vllm")
     engine = engine or engine_of(raw)
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; expected one of {list(ENGINES)}")

@@ -9,7 +9,9 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
+from torch import nn
 
+from draftsmith.core.dflash import ARCHITECTURE
 from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter, split_rope
 from draftsmith.core.export_formats.common import (
     CONFIG_NAME,
@@ -19,6 +21,12 @@ from draftsmith.core.export_formats.common import (
     norm_flags,
 )
 from draftsmith.core.export_formats.speculators import native_names
+from draftsmith.core.export_formats.vllm_dflash import load_dflash
+
+
+def is_dflash(config: dict[str, Any]) -> bool:
+    """A DFlash export (vLLM's DFlashDraftModel form), which has its own reader and checks."""
+    return ARCHITECTURE in (config.get("architectures") or [])
 
 
 def engine_of(config: dict[str, Any]) -> str:
@@ -98,11 +106,13 @@ def foreign_kind(config: dict[str, Any]) -> str:
 
 def load_drafter(
     export_dir: str | Path, dtype: torch.dtype = torch.float32
-) -> tuple[Eagle3Drafter, dict[str, Any]]:
+) -> tuple[nn.Module, dict[str, Any]]:
     """Rebuild the drafter of an export (native or speculators format, draftsmith's or foreign) and load
     its weights strictly -> (model in eval mode, config)."""
     export_dir = Path(export_dir)
     config = json.loads((export_dir / CONFIG_NAME).read_text(encoding="utf-8"))
+    if is_dflash(config):
+        return load_dflash(export_dir, dtype)
     cfg = drafter_config_from_export(config)
     view = engine_view(config)
     on = sorted(k for k in NORM_FLAGS if view.get(k))

@@ -23,6 +23,7 @@ from draftsmith.core.export_formats.common import (
     validate_for_export,
     write_files,
 )
+from draftsmith.core.export_formats.vllm_dflash import save_dflash
 from draftsmith.core.layers import convert_layer_ids
 
 
@@ -65,7 +66,12 @@ def save_drafter(
 ) -> Path:
     """Write config.json + model.safetensors into out_dir (float tensors in `dtype`; d2t int64, t2d bool).
 
-    out_dir is written in place: wrap the call in `atomic_dir` for an all-or-nothing export.
+    out_dir is written in place: wrap the call in `atomic_dir` for an all-or-nothing export. A DFlash
+    drafter is written in vLLM's DFlash form (`vllm_dflash.save_dflash`).
     """
+    if model.cfg.kind == "dflash":
+        if convention_engine != "vllm":
+            raise ValueError(f"a DFlash drafter is written for vLLM only, not {convention_engine!r}")
+        return save_dflash(model, out_dir, aux_layer_ids, target_path, extra, dtype)
     config = export_config(model.cfg, aux_layer_ids, target_path, convention_engine, dtype, extra)
     return write_files(Path(out_dir), config, state_tensors(model, dtype))

@@ -311,11 +311,13 @@ def evaluate_offline(
     embed = target.get_input_embeddings()
     proposers: dict[str, Any] = {}
     aux_ids: dict[str, list[int]] = {}
+    models = {}
     for name, path in drafters.items():
         drafter, export_config = load_drafter(path, dtype=torch.float32)
         aux_ids[name] = aux_ids_from_export(export_config)
         _check_pair(target, drafter, aux_ids[name])
-        proposers[name] = drafter.to(device).eval()
+        models[name] = drafter.to(device).eval()
+        proposers[name] = drafter_proposer(models[name], embed)  # drafts as vLLM serves the kind
     lookup = {**NGRAM_DEFAULT, **settings.ngram_lookup}
     suffix_settings = {**SUFFIX_DEFAULT, **settings.suffix_decoding}
     if settings.ngram:
@@ -327,7 +329,7 @@ def evaluate_offline(
     if settings.hybrid and "eagle3" in proposers:
         proposers["hybrid"] = HybridProposer(
             SuffixProposer(**suffix_settings),
-            drafter_proposer(proposers["eagle3"], embed),
+            drafter_proposer(models["eagle3"], embed),
         )
         aux_ids["hybrid"] = aux_ids["eagle3"]
     eos = eos_token_ids(tokenizer, getattr(target, "generation_config", None))
