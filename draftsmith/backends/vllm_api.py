@@ -178,6 +178,15 @@ INTERNALS: tuple[Internal, ...] = (
         Internal("EAGLE 3.1's norm flags", ("vllm/model_executor/models/llama_eagle3.py",), f'"{flag}"', "text")
         for flag in ("fc_norm", "norm_output")
     ),
+    Internal("the DFlash architecture an export names", ("vllm/model_executor/models/registry.py",), '"DFlashDraftModel"', "text"),
+    Internal("the dflash speculative method", ("vllm/config/speculative.py",), '"dflash"', "text"),
+    Internal(
+        "a DFlash export's aux layers: dflash_config.target_layer_ids (output convention)",
+        ("vllm/v1/worker/gpu_model_runner.py",),
+        '"target_layer_ids"',
+        "text",
+    ),
+    Internal("a DFlash export's causal blocks", ("vllm/model_executor/models/qwen3_dflash.py",), '"causal"', "text"),
     Internal(
         "backends/vllm_cpu_sampling replaces it on a CPU where it is wrong",
         ("vllm/v1/sample/rejection_sampler.py",),
