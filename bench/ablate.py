@@ -85,6 +85,28 @@ VARIANTS: dict[str, dict[str, Any]] = {
 PROJECTED_CONCURRENCY = (1, 32)
 
 
+def validation_projection(drafter: Path, agreement: list[float | None]) -> dict[str, Any]:
+    """Without decoding: tokens per target forward a drafter would reach if its validation agreement at
+    draft position j were its acceptance there given the earlier ones accepted (the TTT view: each
+    position scored on the real prefix), 1 + a0 + a0*a1 + ..., and that projected by the cost model at
+    concurrency PROJECTED_CONCURRENCY (evaluate.serving's device, the drafter's own cost)."""
+    from draftsmith.core.cost import drafter_cost, serving_points, speedup_factor, target_cost
+    from draftsmith.core.settings import schema_default
+
+    target = json.loads((drafter / "config.json").read_text())["draftsmith"]["target"]
+    rates = [a or 0.0 for a in agreement]
+    per_forward, chain = 1.0, 1.0
+    for a in rates:
+        chain *= a
+        per_forward += chain
+    serving = {**schema_default("evaluate", "serving"), "concurrency": list(PROJECTED_CONCURRENCY)}
+    points = serving_points(serving, 700.0)
+    factors = [
+        speedup_factor("eagle3", len(rates), target_cost(target), p, drafter_cost(drafter)) for p in points
+    ]
+    return {"tokens_per_forward": per_forward, "projected_speedup": [per_forward * f for f in factors]}
+
+
 def measure(
     drafter: Path, sets: dict[str, str], num_prompts: int, work: Path, evaluate: dict[str, Any]
 ) -> dict[str, Any]:
@@ -143,6 +165,7 @@ def run_variant(
     wall = time.perf_counter() - t0
     rows = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines() if line.strip()]
     methods = None
+    projected = validation_projection(root / "drafter", summary["val_agreement"] or [])
     if measured:
         evaluate = {**measured["evaluate"], "threads": settings.threads}
         methods = measure(root / "drafter", measured["sets"], measured["num_prompts"], root, evaluate)
@@ -150,6 +173,7 @@ def run_variant(
         "variant": name,
         "seed": settings.seed,
         "methods": methods,
+        "from_validation": projected,
         "changes": VARIANTS.get(name, {}),
         "val_acc": summary["val_acc"],
         "val_agreement": summary["val_agreement"],
@@ -170,11 +194,18 @@ def fmt(accs: list[float | None] | None) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     width = max(len(f"{r['variant']} s{r['seed']}") for r in rows + [{"variant": "reference", "seed": 0}])
-    lines = [f"{'variant':<{width}}  val acc per TTT step   train acc              steps  wall s"]
+    c = " / ".join(f"c{b}" for b in PROJECTED_CONCURRENCY)
+    lines = [
+        f"{'variant':<{width}}  val acc per TTT step   val agreement          train acc              steps"
+        f"  wall s  tok/fwd (val)  projected {c} (val)"
+    ]
     for r in rows:
+        v = r.get("from_validation") or {}
+        speed = " / ".join(f"{x:.2f}x" for x in v.get("projected_speedup") or [])
         lines.append(
             f"{r['variant'] + ' s' + str(r['seed']):<{width}}  {fmt(r['val_acc']):<21}  "
-            f"{fmt(r['train_acc']):<21}  {r['steps']:>5}  {r['wall_s']:>6.0f}"
+            f"{fmt(r['val_agreement']):<21}  {fmt(r['train_acc']):<21}  {r['steps']:>5}  {r['wall_s']:>6.0f}  "
+            f"{v.get('tokens_per_forward', 0.0):>13.3f}  {speed}"
         )
     lines.append(f"{'reference':<{width}}  {fmt(REFERENCE['val_acc'])}   ({REFERENCE['name']})")
     measured = [r for r in rows if r.get("methods")]
