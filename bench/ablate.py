@@ -165,6 +165,13 @@ def run_variant(
     wall = time.perf_counter() - t0
     rows = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines() if line.strip()]
     methods = None
+    if (
+        summary["val_agreement"] is None and settings.val_fraction > 0
+    ):  # stopped by max_steps before an epoch end
+        import peer_validate
+
+        scored = peer_validate.validation(root / "drafter", Path(data), Path(vocab), values)
+        summary = {**summary, "val_acc": scored["acc"], "val_agreement": scored["agreement"]}
     projected = validation_projection(root / "drafter", summary["val_agreement"] or [])
     if measured:
         evaluate = {**measured["evaluate"], "threads": settings.threads}

@@ -17,24 +17,27 @@ from draftsmith.core.loader import StreamingData, collate
 def validation(
     export_dir: Path, manifest_path: Path, vocab_path: Path, settings: dict[str, Any]
 ) -> dict[str, Any]:
-    """draftsmith's evaluator on the validation split, sample by sample: `ttt_loss`'s stats in the view
+    """draftsmith's evaluator on the validation split, sample by sample: the drafter kind's loss stats
+    (`ttt_loss`'s for the EAGLE kinds, `dflash_loss`'s for DFlash) in the view
     `train.validate` scores (`Objective.for_validation`: the inference view, the positions whose predicted
     token is an assistant token; float32) -> accuracy and agreement per TTT step, and each sample's counts
     for the paired interval."""
     from draftsmith.core.export_formats import load_drafter
-    from draftsmith.core.objective import Objective, StepStats, ttt_loss
+    from draftsmith.core.kinds import drafter_loss
+    from draftsmith.core.objective import Objective, StepStats
     from draftsmith.stages.train import TrainSettings, load_inputs
 
     manifest, vocab, target = load_inputs(manifest_path, vocab_path)
     s = TrainSettings.from_dict(settings)
     view = replace(Objective.from_settings(s, "cpu"), precision="fp32").for_validation()
     drafter, _ = load_drafter(export_dir)
+    loss = drafter_loss(drafter.cfg)
     teacher = target.lm_head[torch.arange(vocab["d2t"].numel()) + vocab["d2t"]]
     data = StreamingData.from_manifest(manifest, s)
     total, per_sample = StepStats.zeros(s.ttt_steps), []
     with torch.no_grad():
         for i in range(len(data.val)):
-            _, st = ttt_loss(drafter, target.embed, teacher, collate([data.sample("val", i)]), view)
+            _, st = loss(drafter, target.embed, teacher, collate([data.sample("val", i)]), view)
             total.add(st)
             per_sample.append({"correct": st.correct, "agree": st.agree, "count": st.count})
     data.close()
