@@ -99,7 +99,7 @@ def validation_projection(drafter: Path, agreement: list[float | None]) -> dict[
     for a in rates:
         chain *= a
         per_forward += chain
-    serving = {**schema_default("evaluate", "serving"), "concurrency": list(PROJECTED_CONCURRENCY)}
+    serving = {**schema_default("evaluate.serving"), "concurrency": list(PROJECTED_CONCURRENCY)}
     points = serving_points(serving, 700.0)
     factors = [
         speedup_factor("eagle3", len(rates), target_cost(target), p, drafter_cost(drafter)) for p in points
@@ -131,7 +131,7 @@ def measure_set(
     settings = EvaluateSettings.from_dict({**evaluate, "num_prompts": num_prompts, "hybrid": False})
     work.mkdir(parents=True, exist_ok=True)
     results = evaluate_offline(target, {"eagle3": drafter}, prompts, work / "offline.json", settings)
-    serving = {**schema_default("evaluate", "serving"), "concurrency": list(PROJECTED_CONCURRENCY)}
+    serving = {**schema_default("evaluate.serving"), "concurrency": list(PROJECTED_CONCURRENCY)}
     context = sum(len(o) for o in results["plain"]["outputs"]) / max(1, len(results["plain"]["outputs"]))
     points = serving_points(serving, context)
     projected = set_projection(
