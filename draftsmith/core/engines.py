@@ -33,12 +33,15 @@ def draft_positions_warning(num_draft_tokens: int, ttt_steps: int | None) -> str
 
 
 def drafting_fields(drafter: str | Path) -> dict[str, Any]:
-    """What vLLM must be told beside the drafter folder: parallel drafting for a P-EAGLE export (one with
-    a mask token id; vLLM would otherwise chain it as EAGLE-3)."""
+    """What vLLM must be told beside a trained drafter's folder, read from its config.json: a DFlash
+    export is served by method dflash; a P-EAGLE one (a mask token id) with parallel drafting (vLLM would
+    otherwise chain it as EAGLE-3). A folder not written yet (serve commands in a model card) says nothing."""
     path = Path(drafter) / "config.json"
-    if not path.is_file():  # a folder still to be written (serve commands in a model card)
+    if not path.is_file():
         return {}
     config = json.loads(path.read_text(encoding="utf-8"))
+    if any(str(a).startswith("DFlash") for a in config.get("architectures") or []):
+        return {"method": "dflash"}
     parallel = config.get("mask_token_id", config.get("pard_token")) is not None
     return {"parallel_drafting": True} if parallel else {}
 
@@ -49,7 +52,8 @@ def speculative_config(
     num_speculative_tokens: int,
     method_settings: dict[str, Any] | None = None,
 ) -> dict[str, Any] | None:
-    """vLLM's speculative_config for a method: eagle3 (needs a drafter folder), ngram (method_settings:
+    """vLLM's speculative_config for a method: eagle3 (a trained drafter's folder, served as its export
+    says: `drafting_fields`), dflash, ngram (method_settings:
     the lookup's min and max n-gram length), suffix (method_settings: evaluate.suffix_decoding's keys,
     written as vLLM's suffix_decoding_* fields), or None (plain)."""
     settings = method_settings or {}

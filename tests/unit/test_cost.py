@@ -108,6 +108,11 @@ def test_drafter_cost_reads_how_an_export_drafts(tmp_path):
     config = json.loads((chain / "config.json").read_text())
     (chain / "config.json").write_text(json.dumps({**config, "architectures": ["DFlashDraftModel"]}))
     assert drafter_cost(chain).drafting == "block"
+    from draftsmith.core.engines import speculative_config
+
+    # the trained drafter's method ("eagle3" in the evaluation) is served as its export says
+    assert speculative_config("eagle3", str(chain), 3)["method"] == "dflash"
+    assert speculative_config("eagle3", str(parallel), 3)["parallel_drafting"] is True
 
 
 # vLLM issue #20780 (one GPU, H100 per its thread; Llama-3.1-8B-Instruct + EAGLE-3, MT-Bench, concurrency
