@@ -273,6 +273,9 @@ def check_export_convention(
     ids = export_config.get("eagle_aux_hidden_state_layer_ids") or (
         export_config.get("eagle_config") or {}
     ).get("eagle_aux_hidden_state_layer_ids")
+    dflash = export_config.get("dflash_config") or {}
+    if not ids and dflash.get("target_layer_ids") is not None:  # a DFlash export counts layer outputs
+        ids = convert_layer_ids(dflash["target_layer_ids"], "output", convention)
     if convention != engine_convention:
         problems.append(
             f"ids written in the {convention!r} convention, the engine counts {engine_convention!r}"
