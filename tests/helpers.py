@@ -430,7 +430,7 @@ def tiny_summary() -> dict:
 TWIN_PROMPTS, TWIN_MAX_NEW_TOKENS, TWIN_SPEC_TOKENS = 6, 48, 3
 
 
-def _cli(*args) -> str:
+def cli(*args) -> str:
     result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
     assert result.exit_code == 0, f"draftsmith {' '.join(map(str, args))}:\n{result.output[-3000:]}"
     return result.output
@@ -443,35 +443,33 @@ def train_and_measure(target: Path, r: Path, control_of=None, train: dict | None
     over this harness's -> the results."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a busy 2-core machine: one thread avoids lock-step waits
-    _cli("prompts", "--source", "builtin", "--max-prompts", TWIN_PROMPTS + 1, "--num-heldout", 1,
+    cli("prompts", "--source", "builtin", "--max-prompts", TWIN_PROMPTS + 1, "--num-heldout", 1,
          "--out-train", r / "train.jsonl", "--out-heldout", r / "heldout.jsonl")  # fmt: skip
-    _cli("generate", "--target", target, "--prompts", r / "train.jsonl", "--out", r / "traces.jsonl",
+    cli("generate", "--target", target, "--prompts", r / "train.jsonl", "--out", r / "traces.jsonl",
          "--summary", r / "generate.json", "--max-new-tokens", TWIN_MAX_NEW_TOKENS, "--batch-size", 8,
          "--dtype", "float32")  # fmt: skip
-    _cli("tokenize", "--target", target, "--traces", r / "traces.jsonl", "--out", r / "tokens.safetensors",
+    cli("tokenize", "--target", target, "--traces", r / "traces.jsonl", "--out", r / "tokens.safetensors",
          "--num-shards", 1, "--max-seq-len", 256)  # fmt: skip
-    _cli("extract", "--target", target, "--tokens", r / "tokens.safetensors", "--shard", 0,
+    cli("extract", "--target", target, "--tokens", r / "tokens.safetensors", "--shard", 0,
          "--out", r / "hidden" / "shard-0.safetensors", "--dtype", "float32", "--compile", "off",
          "--aux-layers", "1,2,3")  # fmt: skip
-    _cli(
-        "manifest", "--target", target, "--out", r / "data_config.json", r / "hidden" / "shard-0.safetensors"
-    )
-    _cli("vocab", "--tokens", r / "tokens.safetensors", "--target", target, "--size", 1024,
+    cli("manifest", "--target", target, "--out", r / "data_config.json", r / "hidden" / "shard-0.safetensors")
+    cli("vocab", "--tokens", r / "tokens.safetensors", "--target", target, "--size", 1024,
          "--out", r / "vocab_map.pt")  # fmt: skip
     settings = {"epochs": 20, "lr": 3e-3, "warmup_steps": 3, "batch_tokens": 4096, "ttt_steps": 3,
                 "val_fraction": 0.0, "threads": 1, "checkpoint_every": 0, "precision": "fp32",
                 **(train or {})}  # fmt: skip
-    _cli("train", "--manifest", r / "data_config.json", "--vocab", r / "vocab_map.pt", "--out", r / "drafter",
+    cli("train", "--manifest", r / "data_config.json", "--vocab", r / "vocab_map.pt", "--out", r / "drafter",
          "--checkpoints", r / "checkpoints", "--metrics", r / "metrics.jsonl",
          "--settings", json.dumps(settings))  # fmt: skip
     common = ["--target", target, "--num-prompts", TWIN_PROMPTS, "--max-new-tokens", TWIN_MAX_NEW_TOKENS,
               "--num-draft-tokens", TWIN_SPEC_TOKENS, "--no-ngram", "--no-suffix"]  # fmt: skip
     control = ["--untrained", control_of(r / "drafter", r / "drafter-control")] if control_of else []
-    _cli("evaluate", *common, "--drafter", r / "drafter", *control,
+    cli("evaluate", *common, "--drafter", r / "drafter", *control,
          "--prompts", r / "train.jsonl", "--out", r / "offline.json")  # fmt: skip
     torch.set_num_threads(threads)
     # evaluate-vllm decodes named held-out sets (SET=PATH); one set here
-    _cli("evaluate-vllm", *common, "--drafter", r / "drafter", "--prompts", f"twin={r / 'train.jsonl'}",
+    cli("evaluate-vllm", *common, "--drafter", r / "drafter", "--prompts", f"twin={r / 'train.jsonl'}",
          "--out", f"twin={r / 'vllm.json'}", "--log-dir", r / "logs",
          "--settings", json.dumps({"remeasure_chosen_k": False}))  # fmt: skip
     return {

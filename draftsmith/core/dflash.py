@@ -34,9 +34,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from draftsmith.core.drafter import (
-    LAYER_INITS,
     MLP,
     DrafterConfig,
+    DraftHead,
     RMSNorm,
     Rotary,
     _repeat_kv,
@@ -168,7 +168,7 @@ class DFlashLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class DFlashDrafter(nn.Module):
+class DFlashDrafter(DraftHead, nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         check_dflash_config(cfg)
@@ -179,35 +179,8 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList([DFlashLayer(cfg) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
-        # target_id = draft_id + d2t[draft_id]; t2d marks target ids that have a draft id
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(cfg.target_vocab_size, dtype=torch.bool))
+        self.register_vocab_map()
         self.init_linears("normal")
-
-    def init_linears(self, layer_init: str) -> None:
-        """As `Eagle3Drafter.init_linears`: "normal" N(0, 0.02), "fan_in" torch's default."""
-        if layer_init not in LAYER_INITS:
-            raise ValueError(f"layer_init={layer_init!r} must be one of {list(LAYER_INITS)}")
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                if layer_init == "normal":
-                    nn.init.normal_(module.weight, std=0.02)
-                else:
-                    module.reset_parameters()
-
-    def init_from_target(self, lm_head_weight: Tensor, final_norm_weight: Tensor) -> None:
-        """Start lm_head (the draft ids' rows) and norm from the target's."""
-        draft_ids = self.draft_to_target(torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device))
-        with torch.no_grad():
-            self.lm_head.weight.copy_(lm_head_weight[draft_ids])
-            self.norm.weight.copy_(final_norm_weight)
-
-    def set_vocab_map(self, d2t: Tensor, t2d: Tensor) -> None:
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-
-    def draft_to_target(self, draft_ids: Tensor) -> Tensor:
-        return draft_ids + self.d2t[draft_ids]
 
     def context(self, aux: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
         """aux [B, T, A*Ht] (aux layers concatenated in id order), positions [B, T] -> per layer the

@@ -503,29 +503,15 @@ class MidLayer(nn.Module):
         return residual + self.mlp(self.post_attention_layernorm(residual))  # pre-final-norm state
 
 
-class Eagle3Drafter(nn.Module):
-    """EAGLE-3 and the kinds that keep its layer: EAGLE 3.1 (`fc_norm`, post-norm recurrence) and P-EAGLE
-    (`mask_hidden`: the learnt aux state of every mask slot, in the concatenated aux space vLLM reads)."""
+class DraftHead:
+    """What every drafter kind shares around its layers: the draw of its linear layers, an lm_head over the
+    draft vocabulary with the target's ids (d2t / t2d buffers) and a final norm, both startable from the
+    target's. The module sets `cfg`, `lm_head`, `norm` and calls `register_vocab_map` in its constructor."""
 
-    def __init__(self, cfg: DrafterConfig):
-        super().__init__()
-        if cfg.kind not in ("eagle3", "eagle3.1", "peagle"):
-            raise ValueError(f"Eagle3Drafter cannot be a {cfg.kind!r} drafter")
-        self.cfg = cfg
-        self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
-        if cfg.fc_norm:  # vLLM: fc_norm.{i}.weight [Ht], one per aux state, in aux-id order
-            self.fc_norm = nn.ModuleList(
-                RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(cfg.num_aux)
-            )
-        if cfg.kind == "peagle":  # vLLM: mask_hidden [1, A*Ht]; small draw so mask slots start distinct
-            self.mask_hidden = nn.Parameter(torch.randn(1, cfg.num_aux * cfg.target_hidden_size) * 0.02)
-        self.midlayer = MidLayer(cfg)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+    def register_vocab_map(self) -> None:
         # target_id = draft_id + d2t[draft_id]; t2d marks target ids that have a draft id
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(cfg.target_vocab_size, dtype=torch.bool))
-        self.init_linears("normal")
+        self.register_buffer("d2t", torch.zeros(self.cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(self.cfg.target_vocab_size, dtype=torch.bool))
 
     def init_linears(self, layer_init: str) -> None:
         """Draw every linear layer's weights: "normal" N(0, 0.02) (the EAGLE reference); "fan_in" torch's
@@ -552,6 +538,29 @@ class Eagle3Drafter(nn.Module):
 
     def draft_to_target(self, draft_ids: Tensor) -> Tensor:
         return draft_ids + self.d2t[draft_ids]
+
+
+class Eagle3Drafter(DraftHead, nn.Module):
+    """EAGLE-3 and the kinds that keep its layer: EAGLE 3.1 (`fc_norm`, post-norm recurrence) and P-EAGLE
+    (`mask_hidden`: the learnt aux state of every mask slot, in the concatenated aux space vLLM reads)."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        if cfg.kind not in ("eagle3", "eagle3.1", "peagle"):
+            raise ValueError(f"Eagle3Drafter cannot be a {cfg.kind!r} drafter")
+        self.cfg = cfg
+        self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        if cfg.fc_norm:  # vLLM: fc_norm.{i}.weight [Ht], one per aux state, in aux-id order
+            self.fc_norm = nn.ModuleList(
+                RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(cfg.num_aux)
+            )
+        if cfg.kind == "peagle":  # vLLM: mask_hidden [1, A*Ht]; small draw so mask slots start distinct
+            self.mask_hidden = nn.Parameter(torch.randn(1, cfg.num_aux * cfg.target_hidden_size) * 0.02)
+        self.midlayer = MidLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_vocab_map()
+        self.init_linears("normal")
 
     def fuse(self, aux: Tensor) -> Tensor:
         """aux [B, T, A*Ht] (aux layers concatenated in id order) -> [B, T, H]."""

@@ -350,15 +350,38 @@ def ttt_loss(
             if objective.lk_loss != "none":
                 mass = draft_mass[b, src[t]] if draft_mass is not None else None
                 per_position = lk_terms(per_position, *lk, mass, objective, all_sum)
-            if objective.loss_norm == "sample":
-                per_position = per_position / batch.lengths[b].to(per_position.dtype)
-            if step_counts is not None:
-                denominator = step_counts[j]
-            else:
-                denominator = B if objective.loss_norm == "sample" else counts[j]
-            total = total + objective.step_weights[j] * per_position.sum() / denominator
-    stats = StepStats.zeros(steps)
-    # one read for every figure: per step (loss sum, correct, agree), then (teacher correct, tokens, 0)
+            total = total + weighted_step_loss(per_position, b, j, batch, objective, step_counts, counts)
+    return total, read_step_stats(sums, teacher_correct, batch, counts)
+
+
+def weighted_step_loss(
+    per_position: Tensor,
+    rows: Tensor,
+    j: int,
+    batch: Batch,
+    objective: Objective,
+    step_counts: list[int] | None,
+    counts: list[int],
+) -> Tensor:
+    """Draft position j's share of the loss: its per-position losses (of batch rows `rows`) summed, each
+    divided by its sample's length for loss_norm "sample", over step_counts[j] (else this batch's: its
+    samples, or its valid positions `counts[j]`), times the position's weight."""
+    if objective.loss_norm == "sample":
+        per_position = per_position / batch.lengths[rows].to(per_position.dtype)
+    if step_counts is not None:
+        denominator = step_counts[j]
+    else:
+        denominator = batch.lengths.shape[0] if objective.loss_norm == "sample" else counts[j]
+    return objective.step_weights[j] * per_position.sum() / denominator
+
+
+def read_step_stats(
+    sums: list[Tensor], teacher_correct: Tensor, batch: Batch, counts: list[int]
+) -> StepStats:
+    """StepStats from the device-side sums (per draft position: loss sum, correct, agree) in one host
+    read, with the teacher's correct count and the batch's tokens."""
+    device = batch.input_ids.device
+    stats = StepStats.zeros(len(counts))
     last = torch.stack([teacher_correct, batch.lengths.sum(), torch.zeros_like(teacher_correct)])
     *read, (teacher_read, tokens, _) = torch.stack(
         [*sums, last.to(device=device, dtype=torch.float64)]
@@ -368,7 +391,7 @@ def ttt_loss(
     stats.count = list(counts)
     stats.teacher_correct = int(teacher_read)
     stats.tokens = int(tokens)
-    return total, stats
+    return stats
 
 
 class SoftCrossEntropy(torch.autograd.Function):

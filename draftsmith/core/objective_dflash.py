@@ -20,12 +20,13 @@ from torch import Tensor
 from draftsmith.core.dflash import DFlashDrafter, dflash_anchor_mask
 from draftsmith.core.loader import Batch
 from draftsmith.core.objective import (
-    DraftingLoss,
     Objective,
     StepStats,
     autocast,
+    read_step_stats,
     soft_cross_entropy,
     ttt_step_targets,
+    weighted_step_loss,
 )
 
 
@@ -120,33 +121,5 @@ def dflash_loss(
                 sums.append(
                     torch.stack([per_position.detach().sum().double(), correct, (drafted == wanted).sum()])
                 )
-            if objective.loss_norm == "sample":
-                per_position = per_position / batch.lengths[b].to(per_position.dtype)
-            if step_counts is not None:
-                denominator = step_counts[j]
-            else:
-                denominator = B if objective.loss_norm == "sample" else counts[j]
-            total = total + objective.step_weights[j] * per_position.sum() / denominator
-    stats = StepStats.zeros(K)
-    last = torch.stack([teacher_correct, batch.lengths.sum(), torch.zeros_like(teacher_correct)])
-    *read, (teacher_read, tokens, _) = torch.stack(
-        [*sums, last.to(device=device, dtype=torch.float64)]
-    ).tolist()
-    for j, (loss_sum, correct, agree) in enumerate(read):
-        stats.loss_sum[j], stats.correct[j], stats.agree[j] = loss_sum, int(correct), int(agree)
-    stats.count = list(counts)
-    stats.teacher_correct = int(teacher_read)
-    stats.tokens = int(tokens)
-    return total, stats
-
-
-class DFlashDraftingLoss(DraftingLoss):
-    """`DraftingLoss` whose forward is `dflash_loss` (what a data-parallel wrapper sees)."""
-
-    def forward(
-        self, batch: Batch | None, objective: Objective, step_counts: list[int] | None = None
-    ) -> tuple[Tensor, StepStats]:
-        if batch is None:  # a rank without a share of this batch: zero loss, zero gradients
-            return self.zero(), StepStats.zeros(objective.ttt_steps)
-        loss, stats = dflash_loss(self.drafter, self.embed, self.teacher, batch, objective, step_counts)
-        return (loss if loss.requires_grad else loss + self.zero()), stats
+            total = total + weighted_step_loss(per_position, b, j, batch, objective, step_counts, counts)
+    return total, read_step_stats(sums, teacher_correct, batch, counts)

@@ -21,10 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 import twins
-from click.testing import CliRunner
-from helpers import DEFAULT_TARGET
+from helpers import DEFAULT_TARGET, cli
 
-from draftsmith.cli import main
 from draftsmith.core.chat import eos_token_ids
 from draftsmith.core.dflash import DFlashDrafter, DFlashProposer
 from draftsmith.core.export_formats.vllm_dflash import load_dflash, save_dflash
@@ -40,12 +38,6 @@ TRAIN_STEPS = 160
 # narrower than the twin's 4 x 128 heads (the hidden size must stay the target's): ~1 s a step on one
 # busy CPU thread instead of ~4
 SHAPE = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 256}
-
-
-def cli(*args) -> str:
-    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
-    assert result.exit_code == 0, f"draftsmith {' '.join(map(str, args))}:\n{result.output[-3000:]}"
-    return result.output
 
 
 def make_traces(target: Path, r: Path) -> None:

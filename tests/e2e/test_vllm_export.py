@@ -15,21 +15,13 @@ import json
 
 import pytest
 import torch
-from click.testing import CliRunner
-from helpers import REPO
+from helpers import REPO, cli
 
-from draftsmith.cli import main
 from draftsmith.stages.evaluate.vllm_runner import run_vllm_subprocess, spec_decode_summary
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 TARGET = REPO / "resources" / "SmolLM2-135M-Instruct"
 NUM_PROMPTS, MAX_NEW_TOKENS, SPEC_TOKENS = 6, 32, 3
-
-
-def cli(*args: str) -> str:
-    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
-    assert result.exit_code == 0, f"draftsmith {' '.join(map(str, args))}:\n{result.output[-3000:]}"
-    return result.output
 
 
 @pytest.fixture(scope="module")

@@ -26,8 +26,8 @@ from draftsmith.core.drafter import DrafterConfig, apply_rope
 from draftsmith.core.engines import speculative_config
 from draftsmith.core.export_formats.vllm_dflash import load_dflash, save_dflash
 from draftsmith.core.loader import Batch
-from draftsmith.core.objective import ttt_step_targets
-from draftsmith.core.objective_dflash import DFlashDraftingLoss, dflash_block_inputs, dflash_loss
+from draftsmith.core.objective import DraftingLoss, ttt_step_targets
+from draftsmith.core.objective_dflash import dflash_block_inputs, dflash_loss
 from draftsmith.core.vocab import vocab_maps
 
 V, VD, HT, A, MASK_ID = 64, 40, 24, 3, 7
@@ -213,7 +213,7 @@ def test_loss_refuses_the_lk_losses() -> None:
 
 
 def test_drafting_loss_without_a_batch_is_zero() -> None:
-    module = DFlashDraftingLoss(drafter(), embedding().weight.detach(), torch.randn(VD, HT))
+    module = DraftingLoss(drafter(), embedding().weight.detach(), torch.randn(VD, HT), loss=dflash_loss)
     loss, stats = module(None, objective(steps=3))
     assert float(loss) == 0.0 and stats.count == [0, 0, 0]
     loss, stats = module(tiny_batch(), objective(steps=3))
