@@ -55,7 +55,9 @@ class MeasurementFailed(RuntimeError):
 
 
 @dataclass
-class EvaluatePaths:
+class DrafterPaths:
+    """What both measurements (offline and vLLM) decode with."""
+
     target: str = arg("--target", "Target model folder.", kind="dir", required=True, exists=True)
     drafter: str = arg(
         "--drafter", "The trained drafter export (results/drafter).", kind="dir", required=True, exists=True
@@ -66,22 +68,16 @@ class EvaluatePaths:
         kind="dir",
         exists=True,
     )
+
+
+@dataclass
+class EvaluatePaths(DrafterPaths):
     prompts: str = arg("--prompts", "Held-out prompt JSONL.", required=True, exists=True)
     out: str = arg("--out", "Result JSON to write.", required=True)
 
 
 @dataclass
-class EvaluateVllmPaths:
-    target: str = arg("--target", "Target model folder.", kind="dir", required=True, exists=True)
-    drafter: str = arg(
-        "--drafter", "The trained drafter export (results/drafter).", kind="dir", required=True, exists=True
-    )
-    untrained: str | None = arg(
-        "--untrained",
-        "Untrained baseline export (`draftsmith untrained-drafter`); omitted = no baseline.",
-        kind="dir",
-        exists=True,
-    )
+class EvaluateVllmPaths(DrafterPaths):
     prompts: dict[str, str] = arg(
         "--prompts",
         "Held-out prompt JSONL of a set (repeat per set; all sets decode in one batch per method).",
