@@ -724,6 +724,42 @@ def test_muon_trains_the_weight_matrices_and_adamw_the_rest(data: dict) -> None:
     assert muon.param_groups[0]["lr"] == pytest.approx(1e-2) and optimizer.param_groups[0]["lr"] == 1e-3
 
 
+@pytest.mark.parametrize("shape", [(48, 96), (96, 48)])
+def test_muon_in_fp32_steps_as_torchs_bf16_muon(shape: tuple[int, int]) -> None:
+    """A run training in fp32 orthogonalises in fp32 (`Muon.fp32_newton_schulz`), torch's Muon in bf16:
+    two steps (momentum included) move the weights alike, to bf16's precision. Tolerance: bf16 keeps 8
+    mantissa bits (2^-8 = 0.4%) and 5 Newton-Schulz iterations of 3 products each compound it."""
+    from draftsmith.core.optimizers import Muon
+
+    torch.manual_seed(0)
+    start = torch.randn(shape)
+    grads = [torch.randn(shape) for _ in range(2)]
+    moved = []
+    for fp32 in (False, True):
+        param = torch.nn.Parameter(start.clone())
+        optimizer = Muon([param], lr=0.01, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+        optimizer.fp32_newton_schulz = fp32
+        for grad in grads:
+            param.grad = grad.clone()
+            optimizer.step()
+        moved.append(param.detach() - start)
+    bf16, fp32 = moved
+    assert 0 < (bf16 - fp32).norm() / fp32.norm() < 0.05  # 0 would mean fp32 never ran
+    reference = torch.nn.Parameter(start.clone())  # the bf16 path is torch's own step
+    torch_muon = torch.optim.Muon([reference], lr=0.01, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    for grad in grads:
+        reference.grad = grad.clone()
+        torch_muon.step()
+    assert torch.equal(reference.detach() - start, bf16)
+
+
+def test_muon_orthogonalises_in_fp32_where_the_run_trains_in_fp32(data: dict) -> None:
+    drafter, _, _ = build(data)
+    for precision, fp32 in (("fp32", True), ("bf16", False)):
+        muon = make_optimizer(drafter, settings(optimizer="muon", precision=precision)).parts[1]
+        assert muon.fp32_newton_schulz is fp32
+
+
 def test_muon_run_resumes_to_identical_weights(data: dict, tmp_path: Path) -> None:
     """Both optimizers' states and both schedules go into the checkpoint: a resumed Muon run ends where
     an uninterrupted one does, bit for bit, and trains."""
