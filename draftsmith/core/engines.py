@@ -32,6 +32,13 @@ def draft_positions_warning(num_draft_tokens: int, ttt_steps: int | None) -> str
     )
 
 
+# what vLLM must be told beside a drafter of each kind (train.drafter.kind) that plain eagle3 does not say
+KIND_FIELDS: dict[str, dict[str, Any]] = {
+    "dflash": {"method": "dflash"},
+    "peagle": {"parallel_drafting": True},
+}
+
+
 def drafting_fields(drafter: str | Path) -> dict[str, Any]:
     """What vLLM must be told beside a trained drafter's folder, read from its config.json: a DFlash
     export is served by method dflash; a P-EAGLE one (a mask token id) with parallel drafting (vLLM would

@@ -53,6 +53,22 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
+# the card's name for each drafter kind (train.drafter.kind) and its Hub tag
+KIND_NAMES = {
+    "eagle3": "EAGLE-3",
+    "eagle3.1": "EAGLE 3.1",
+    "peagle": "P-EAGLE (parallel drafting)",
+    "dflash": "DFlash",
+}
+KIND_TAGS = {"eagle3": "eagle3", "eagle3.1": "eagle3", "peagle": "p-eagle", "dflash": "dflash"}
+
+
+def drafter_kind(summary: dict[str, Any]) -> str:
+    """The trained drafter's kind, from the training settings its export recorded (EAGLE-3 before kinds)."""
+    training = (summary.get("provenance") or {}).get("training") or {}
+    return ((training.get("settings") or {}).get("drafter") or {}).get("kind") or "eagle3"
+
+
 def metadata(summary: dict[str, Any], engine: str) -> str:
     """The card's YAML header, written by huggingface_hub's own ModelCardData."""
     from huggingface_hub import ModelCardData
@@ -61,7 +77,7 @@ def metadata(summary: dict[str, Any], engine: str) -> str:
     data = ModelCardData(
         base_model=base_model(target),
         library_name=LIBRARIES[engine],
-        tags=["eagle3", "speculative-decoding", "draft-model", "draftsmith", engine],
+        tags=[KIND_TAGS[drafter_kind(summary)], "speculative-decoding", "draft-model", "draftsmith", engine],
         pipeline_tag="text-generation",
     )
     return data.to_yaml()
@@ -270,19 +286,20 @@ def training_section(summary: dict[str, Any]) -> list[str]:
 
 
 def verdict_config(
-    choice: dict[str, Any], drafter: str, settings: dict[str, Any] | None
+    choice: dict[str, Any], drafter: str, settings: dict[str, Any] | None, kind: str = "eagle3"
 ) -> dict[str, Any] | None:
-    """vLLM's speculative_config for what a set's verdict deploys (None: no speculation)."""
-    from draftsmith.core.engines import speculative_config
+    """vLLM's speculative_config for what a set's verdict deploys (None: no speculation); `kind`: the
+    trained drafter's, which says how vLLM serves it where `drafter` is not a folder here (a Hub id)."""
+    from draftsmith.core.engines import KIND_FIELDS, speculative_config
 
     if choice.get("method") in (None, "plain") or not choice.get("k"):
         return None
-    kind = "eagle3" if choice["method"] == "eagle3" else choice["method"]
     own = dict((settings or {}).get(choice["method"]) or {})
     # the evaluation measures each prompt on its own; serving keeps vLLM's cross-request cache, which
     # only adds matches from earlier answers
     own.pop("max_cached_requests", None)
-    return speculative_config(kind, drafter, choice["k"], own)
+    config = speculative_config(choice["method"], drafter, choice["k"], own)
+    return {**config, **KIND_FIELDS.get(kind, {})} if choice["method"] == "eagle3" else config
 
 
 def verdict_serve_lines(summary: dict[str, Any], folders: dict[str, str], target: str) -> list[str]:
@@ -293,7 +310,7 @@ def verdict_serve_lines(summary: dict[str, Any], folders: dict[str, str], target
     settings = summary.get("method_settings") or {}
     by_choice: dict[str, list[str]] = {}
     for s in per_set:
-        config = verdict_config(s, folders.get("vllm", "DRAFTER"), settings)
+        config = verdict_config(s, folders.get("vllm", "DRAFTER"), settings, drafter_kind(summary))
         by_choice.setdefault(json.dumps(config) if config else "", []).append(s["heldout"])
     lines = ["What the verdict names (vLLM):", ""]
     for config, sets in by_choice.items():
@@ -320,9 +337,11 @@ def serve_section(summary: dict[str, Any], folders: dict[str, str], target: str)
     first = next(iter((summary.get("headline") or {}).values()), {})
     if (first.get("methods") or {}).get("eagle3", {}).get("k"):
         k = first["methods"]["eagle3"]["k"]  # the drafter's best draft length at the serving point
-    spec = json.dumps({"method": "eagle3", "model": folders["vllm"], "num_speculative_tokens": k})
     lines = ["## Serve", "", *verdict_serve_lines(summary, folders, target)]
     if "vllm" in folders:
+        spec = json.dumps(
+            verdict_config({"method": "eagle3", "k": k}, folders["vllm"], {}, drafter_kind(summary))
+        )
         lines += [
             "This drafter in vLLM (its native form):",
             "",
@@ -364,12 +383,13 @@ def render_card(summary: dict[str, Any], engine: str, folders: dict[str, str], t
     data, vocabulary and training, and the serve commands (`folders`: engine -> the folder or Hub id of
     each export; `target`: what to serve the target from)."""
     name = Path(str((summary.get("provenance") or {}).get("target", {}).get("path") or target)).name
+    kind = KIND_NAMES[drafter_kind(summary)]
     intro = [
-        f"# EAGLE-3 drafter for {name} ({ENGINE_NAMES[engine]} export)",
+        f"# {kind} drafter for {name} ({ENGINE_NAMES[engine]} export)",
         "",
-        f"A speculative-decoding (EAGLE-3) drafter trained by draftsmith for `{name}`, in the form "
+        f"A speculative-decoding ({kind}) drafter trained by draftsmith for `{name}`, in the form "
         f"{ENGINE_NAMES[engine]} loads. Before anyone deploys it, it was measured on held-out prompts against "
-        "what costs nothing: n-gram prompt lookup and the untrained drafter.",
+        "what costs nothing: the engine's free methods (n-gram lookup, suffix decoding) and the untrained drafter.",
         "",
     ]
     body = [

@@ -135,6 +135,31 @@ def test_card_metadata_and_serve_commands(tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("kind", "title", "tag", "fields"),
+    [
+        ("eagle3.1", "EAGLE 3.1", "eagle3", ""),
+        ("peagle", "P-EAGLE (parallel drafting)", "p-eagle", ', "parallel_drafting": true'),
+        ("dflash", "DFlash", "dflash", ""),
+    ],
+)
+def test_card_names_the_drafter_kind_and_serves_it_as_vllm_does(kind, title, tag, fields):
+    """The title, the tag and both serve lines (the drafter's and the verdict's) follow the kind the
+    export recorded: DFlash is vLLM's method dflash, P-EAGLE eagle3 with parallel drafting."""
+    summary = tiny_summary()
+    summary["provenance"]["training"]["settings"] = {"drafter": {"kind": kind}}
+    summary["verdict"]["per_set"][0].update(method="eagle3", k=2)
+    card = ModelCard(render_card(summary, "vllm", {"vllm": "hub/d"}, "t"))
+    assert card.text.lstrip().startswith(f"# {title} drafter for ") and tag in card.data.tags
+    method = "dflash" if kind == "dflash" else "eagle3"
+    k = summary["headline"]["heldout"]["methods"]["eagle3"]["k"]  # the drafter's own line: its best k
+    for tokens in (2, k):
+        assert (
+            f'\'{{"method": "{method}", "model": "hub/d", "num_speculative_tokens": {tokens}{fields}}}\''
+            in card.text
+        )
+
+
+@pytest.mark.parametrize(
     ("target", "expected"),
     [
         (
