@@ -48,9 +48,9 @@ def drafting_fields(drafter: str | Path) -> dict[str, Any]:
         return {}
     config = json.loads(path.read_text(encoding="utf-8"))
     if any(str(a).startswith("DFlash") for a in config.get("architectures") or []):
-        return {"method": "dflash"}
+        return KIND_FIELDS["dflash"]
     parallel = config.get("mask_token_id", config.get("pard_token")) is not None
-    return {"parallel_drafting": True} if parallel else {}
+    return KIND_FIELDS["peagle"] if parallel else {}
 
 
 def speculative_config(

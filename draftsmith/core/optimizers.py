@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor
+from torch.optim._muon import _adjust_lr  # torch's own learning-rate rule per adjust_lr_fn, not a copy
 
 from draftsmith.core.drafter import Eagle3Drafter
 from draftsmith.core.precision import train_precision
@@ -77,7 +78,7 @@ class Muon(torch.optim.Muon):
                     update.float(), group["ns_coefficients"], group["ns_steps"], group["eps"]
                 )
                 param.mul_(1 - group["lr"] * group["weight_decay"])
-                param.add_(update, alpha=-group["lr"] * muon_lr_ratio(group["adjust_lr_fn"], param.shape))
+                param.add_(update, alpha=-_adjust_lr(group["lr"], group["adjust_lr_fn"], param.shape))
 
 
 def newton_schulz(update: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float) -> Tensor:
@@ -90,16 +91,6 @@ def newton_schulz(update: Tensor, coefficients: tuple[float, float, float], step
         gram = x @ x.T
         x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x.T if update.size(0) > update.size(1) else x
-
-
-def muon_lr_ratio(adjust_lr_fn: str | None, shape: torch.Size) -> float:
-    """Muon's learning-rate scale for a [rows, cols] matrix, as torch defines each `adjust_lr_fn`."""
-    rows, cols = shape[:2]
-    if adjust_lr_fn == "match_rms_adamw":  # AdamW's update RMS (Moonshot)
-        return 0.2 * math.sqrt(max(rows, cols))
-    if adjust_lr_fn in (None, "original"):
-        return math.sqrt(max(1, rows / cols))
-    return 1.0
 
 
 class Chain:
