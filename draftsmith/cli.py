@@ -39,6 +39,7 @@ STAGES = {
     "untrained-drafter": "draftsmith.stages.train:run_untrained",
     "evaluate": "draftsmith.stages.evaluate:run",
     "evaluate-vllm": "draftsmith.stages.evaluate:run_vllm",
+    "preflight": "draftsmith.stages.evaluate:run_preflight",
     "eval-summary": "draftsmith.stages.eval_summary:run",
     "gate": "draftsmith.stages.gate:run",
     "export": "draftsmith.stages.export:run",

