@@ -391,7 +391,7 @@ def test_verdict_names_the_better_method_per_set():
     # every set agreeing: one answer
     same = verdict(_checks("fail"), {"heldout": SUFFIX_WINS})
     assert same["deploy"] == "suffix decoding"
-    assert format_verdict(same).startswith("VERDICT: DEPLOY SUFFIX DECODING (deploy: suffix decoding k=2)")
+    assert format_verdict(same).startswith("VERDICT: DEPLOY suffix decoding k=2\n")  # what to serve, first
 
 
 # ------------------------------------------------------------------------------------------ diagnosis
