@@ -103,7 +103,11 @@ def position_acceptance(accepted_per_pos: Sequence[int], drafts: int) -> list[fl
 
 
 def drafter_room(
-    target: ModelCost, drafter: ModelCost, max_k: int, points: Sequence[ServingPoint], to_beat: Sequence[float]
+    target: ModelCost,
+    drafter: ModelCost,
+    max_k: int,
+    points: Sequence[ServingPoint],
+    to_beat: Sequence[float],
 ) -> dict[str, Any]:
     """At each point (to_beat: the speedup to match there, one per point), per k = 1..max_k the drafter's
     ceiling and break-even; then the highest ceiling (over k: no training beats it at any k) and the
@@ -112,7 +116,9 @@ def drafter_room(
         {
             "k": k,
             "ceiling": [ceiling(target, drafter, k, p) for p in points],
-            "break_even": [break_even(target, drafter, k, p, b) for p, b in zip(points, to_beat, strict=True)],
+            "break_even": [
+                break_even(target, drafter, k, p, b) for p, b in zip(points, to_beat, strict=True)
+            ],
         }
         for k in range(1, max_k + 1)
     ]
@@ -165,11 +171,15 @@ def serving_policy(
     concurrency = [p.concurrency for p in grid]
     per_method: dict[str, list[dict[str, Any]]] = {}
     for key, m in methods_by_k.items():
-        options = draft_length_options(m["per_prompt"], m["max_k"], m["kind"], target, grid, drafters.get(key))
+        options = draft_length_options(
+            m["per_prompt"], m["max_k"], m["kind"], target, grid, drafters.get(key)
+        )
         per_method[key] = []
         for i, c in enumerate(concurrency):  # the shortest k among equals, as cost.best_draft_length
             best = max(options, key=lambda o, i=i: (o["projected_speedup"][i], -o["k"]))
-            per_method[key].append({"concurrency": c, "k": best["k"], "speedup": best["projected_speedup"][i]})
+            per_method[key].append(
+                {"concurrency": c, "k": best["k"], "speedup": best["projected_speedup"][i]}
+            )
     best = []
     for i, c in enumerate(concurrency):
         entry = {"concurrency": c, "method": "plain", "k": 0, "speedup": 1.0}

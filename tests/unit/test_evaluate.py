@@ -488,7 +488,7 @@ def test_summary_report_and_gate(pipeline, offline, untrained, tmp_path):
     cli("eval-summary", *[swap.get(a, a) for a in common], *relaxed)
     printed = cli("gate", out / "summary.json", code=EXIT_GATE)
     assert "tau_gap (eagle3, heldout)" in printed.split("failed on 1 check(s): ")[1]
-    assert printed.startswith("VERDICT: CONTRACT BROKEN")
+    assert printed.startswith("VERDICT: DEPLOY ") and "; next: CONTRACT BROKEN\n" in printed
 
     # bad usage: a held-out set named twice, an unknown gate mode
     cli("eval-summary", *common, "--offline", f"heldout={offline}", code=2)
