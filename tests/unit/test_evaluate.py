@@ -428,6 +428,11 @@ def test_summary_report_and_gate(pipeline, offline, untrained, tmp_path):
         and "H100-80GB" in summary["projection"]["points"][0]
     )
     assert "projected speedup" in summary["projection"]["formula"]
+    # per set the serving policy over the grid 1, 2, 4, ..., 32 and the drafter against its break-even
+    for name, heldout in summary["heldout_sets"].items():
+        assert heldout["policy"]["grid"] == [1, 2, 4, 8, 16, 32], name
+        room = heldout["acceptance_vs_break_even"]
+        assert len(room["position_acceptance"]) == 3 and room["ceiling"] > 0, name
     names = [c["name"] for c in summary["checks"]]
     assert {
         "beats_free (heldout)",
