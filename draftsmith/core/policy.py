@@ -165,7 +165,7 @@ def serving_policy(
 ) -> dict[str, Any]:
     """Per concurrency of the grid (one serving point each) the best method and k, plain decoding (k = 0)
     where nothing projects above 1.0x; per method its own best k and speedup at each concurrency, the
-    range of concurrencies where it is the best, and its crossover: the last concurrency where it still
+    range of concurrencies where it is the best (first to last), and its crossover: the last concurrency where it still
     beats plain decoding when plain wins at every one past it (0: it never pays; None: it pays up to the
     grid's end). methods_by_k: `methods_at_k`. JSON-able."""
     concurrency = [p.concurrency for p in grid]

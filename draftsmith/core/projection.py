@@ -26,14 +26,16 @@ from draftsmith.core.cost import (
     draft_length_options,
     speedup_factor,
 )
-from draftsmith.core.policy import drafter_room, methods_at_k, position_acceptance, serving_policy
+from draftsmith.core.policy import (
+    drafter_room,
+    method_kind,
+    methods_at_k,
+    position_acceptance,
+    serving_policy,
+)
 from draftsmith.core.stats import bootstrap_ratio
 
 Bootstrap = tuple[float, int, int]  # (level, resamples, seed)
-
-
-def _kind(key: str, method: dict[str, Any]) -> str:
-    return method.get("kind") or ("ngram" if key == "ngram" else "eagle3")
 
 
 def method_projection(
@@ -49,7 +51,7 @@ def method_projection(
     rows = method.get("per_prompt")
     if not rows or any("accepted_per_pos" not in r for r in rows):
         return None
-    kind = _kind(key, method)
+    kind = method_kind(key, method)
     options = draft_length_options(rows, max_k, kind, target, points, drafter)
     for option in options:
         tokens, forwards = counts_at(rows, option["k"])
@@ -106,7 +108,7 @@ def set_projection(
     max_k = int(results["num_draft_tokens"])
     methods = {}
     for key, method in results["methods"].items():
-        kind = _kind(key, method)
+        kind = method_kind(key, method)
         if kind not in FREE_METHODS and key not in drafters:
             continue
         projection = method_projection(key, method, max_k, target, points, drafters.get(key), bootstrap)
