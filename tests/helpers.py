@@ -416,8 +416,11 @@ def tiny_summary() -> dict:
     origin = provenance(_MANIFEST, _EXPORT_CONFIG, _BY_SOURCE, _VOCAB, _PROMPTS, _TARGET)
     target, drafter = ModelCost(1e9, 0.0, 1.0, 1e5, 24), ModelCost(5e7, 0.0, 1.0, 4e3, 1)
     points = [ServingPoint(DEVICES["H100-80GB"], b, 600) for b in (1, 32)]
+    grid = [ServingPoint(DEVICES["H100-80GB"], b, 600) for b in (1, 2, 4, 8, 16, 32)]  # the policy's
     projections = {
-        name: set_projection(r["offline"], target, {"eagle3": drafter}, points, GateSettings().bootstrap)
+        name: set_projection(
+            r["offline"], target, {"eagle3": drafter}, points, GateSettings().bootstrap, grid
+        )
         for name, r in sets.items()
     }
     return summarize(

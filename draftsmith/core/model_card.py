@@ -286,20 +286,60 @@ def training_section(summary: dict[str, Any]) -> list[str]:
 
 
 def verdict_config(
-    choice: dict[str, Any], drafter: str, settings: dict[str, Any] | None, kind: str = "eagle3"
+    choice: dict[str, Any],
+    drafter: str,
+    settings: dict[str, Any] | None,
+    kind: str = "eagle3",
+    schedule: list[list[int]] | None = None,
 ) -> dict[str, Any] | None:
     """vLLM's speculative_config for what a set's verdict deploys (None: no speculation); `kind`: the
-    trained drafter's, which says how vLLM serves it where `drafter` is not a folder here (a Hub id)."""
+    trained drafter's, which says how vLLM serves it where `drafter` is not a folder here (a Hub id);
+    `schedule`: the serving policy's num_speculative_tokens_per_batch_size (draftsmith.core.policy),
+    carried where it has more than one range (vLLM caps each range's k at num_speculative_tokens)."""
     from draftsmith.core.engines import KIND_FIELDS, speculative_config
+    from draftsmith.core.settings import schema_default
 
     if choice.get("method") in (None, "plain") or not choice.get("k"):
         return None
     own = dict((settings or {}).get(choice["method"]) or {})
-    # the evaluation measures each prompt on its own; serving keeps vLLM's cross-request cache, which
-    # only adds matches from earlier answers
-    own.pop("max_cached_requests", None)
+    if choice["method"] == "suffix":  # serve with the cross-request cache the measurement used
+        own.setdefault("max_cached_requests", schema_default("evaluate.suffix_decoding.max_cached_requests"))
     config = speculative_config(choice["method"], drafter, choice["k"], own)
+    if schedule and len(schedule) > 1:
+        config["num_speculative_tokens"] = max(choice["k"], *(k for *_, k in schedule))
+        config["num_speculative_tokens_per_batch_size"] = schedule
     return {**config, **KIND_FIELDS.get(kind, {})} if choice["method"] == "eagle3" else config
+
+
+def set_policy(summary: dict[str, Any], heldout: str) -> dict[str, Any] | None:
+    """A held-out set's serving policy as summary.json carries it (None before policies)."""
+    return ((summary.get("heldout_sets") or {}).get(heldout) or {}).get("policy")
+
+
+def suffix_notes(summary: dict[str, Any], sets: list[str]) -> list[str]:
+    """What serving suffix decoding needs beyond its command: Arctic Inference installed, and (vLLM
+    serves it with a static k only) the load past which each set's traffic is better served without it."""
+    from draftsmith.core.policy import suffix_cutoff
+
+    lines = [
+        "Suffix decoding needs `arctic-inference` installed beside vLLM (`pip install arctic-inference`); "
+        "the cross-request cache is set as measured (`suffix_decoding_max_cached_requests`).",
+    ]
+    for heldout in sets:
+        policy = set_policy(summary, heldout)
+        if not policy:
+            continue
+        cutoff, top = suffix_cutoff(policy), policy["grid"][-1]
+        if cutoff is None:
+            lines.append(f"On {heldout} it projects above plain decoding up to {top} concurrent requests.")
+        else:
+            lines.append(
+                f"On {heldout} it projects below plain decoding past {cutoff} concurrent requests: vLLM "
+                "serves it with a static k, so serve loads above that from a deployment without "
+                "speculation (the same command without --speculative-config), routing by requests in "
+                "flight at your gateway."
+            )
+    return lines + [""]
 
 
 def verdict_serve_lines(summary: dict[str, Any], folders: dict[str, str], target: str) -> list[str]:
@@ -307,10 +347,14 @@ def verdict_serve_lines(summary: dict[str, Any], folders: dict[str, str], target
     per_set = (summary.get("verdict") or {}).get("per_set") or []
     if not per_set or not per_set[0].get("method"):
         return []
+    from draftsmith.core.policy import vllm_schedule
+
     settings = summary.get("method_settings") or {}
     by_choice: dict[str, list[str]] = {}
     for s in per_set:
-        config = verdict_config(s, folders.get("vllm", "DRAFTER"), settings, drafter_kind(summary))
+        policy = set_policy(summary, s["heldout"])
+        schedule = vllm_schedule(policy, s["method"]) if policy else None
+        config = verdict_config(s, folders.get("vllm", "DRAFTER"), settings, drafter_kind(summary), schedule)
         by_choice.setdefault(json.dumps(config) if config else "", []).append(s["heldout"])
     lines = ["What the verdict names (vLLM):", ""]
     for config, sets in by_choice.items():
@@ -321,6 +365,14 @@ def verdict_serve_lines(summary: dict[str, Any], folders: dict[str, str], target
             else f"vllm serve {shlex.quote(target)}  # no speculation"
         )
         lines += ["```", ""]
+        if "num_speculative_tokens_per_batch_size" in config:
+            lines += [
+                "The draft length follows the load (`num_speculative_tokens_per_batch_size`: batch-size "
+                "ranges and their k, 0 = off), as the serving policy projects it.",
+                "",
+            ]
+        if config and json.loads(config)["method"] == "suffix":
+            lines += suffix_notes(summary, sets)
     if len(by_choice) > 1:
         lines += [
             "The held-out sets call for different methods: serve each kind of traffic from its own vLLM "
@@ -339,8 +391,12 @@ def serve_section(summary: dict[str, Any], folders: dict[str, str], target: str)
         k = first["methods"]["eagle3"]["k"]  # the drafter's best draft length at the serving point
     lines = ["## Serve", "", *verdict_serve_lines(summary, folders, target)]
     if "vllm" in folders:
+        from draftsmith.core.policy import vllm_schedule
+
+        policy = set_policy(summary, next(iter(summary.get("headline") or {}), ""))
+        schedule = vllm_schedule(policy, "eagle3") if policy else None  # the first set's load policy
         spec = json.dumps(
-            verdict_config({"method": "eagle3", "k": k}, folders["vllm"], {}, drafter_kind(summary))
+            verdict_config({"method": "eagle3", "k": k}, folders["vllm"], {}, drafter_kind(summary), schedule)
         )
         lines += [
             "This drafter in vLLM (its native form):",

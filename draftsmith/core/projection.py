@@ -26,13 +26,16 @@ from draftsmith.core.cost import (
     draft_length_options,
     speedup_factor,
 )
+from draftsmith.core.policy import (
+    drafter_room,
+    method_kind,
+    methods_at_k,
+    position_acceptance,
+    serving_policy,
+)
 from draftsmith.core.stats import bootstrap_ratio
 
 Bootstrap = tuple[float, int, int]  # (level, resamples, seed)
-
-
-def _kind(key: str, method: dict[str, Any]) -> str:
-    return method.get("kind") or ("ngram" if key == "ngram" else "eagle3")
 
 
 def method_projection(
@@ -48,7 +51,7 @@ def method_projection(
     rows = method.get("per_prompt")
     if not rows or any("accepted_per_pos" not in r for r in rows):
         return None
-    kind = _kind(key, method)
+    kind = method_kind(key, method)
     options = draft_length_options(rows, max_k, kind, target, points, drafter)
     for option in options:
         tokens, forwards = counts_at(rows, option["k"])
@@ -95,14 +98,17 @@ def set_projection(
     drafters: dict[str, ModelCost],
     points: Sequence[ServingPoint],
     bootstrap: Bootstrap,
+    grid: Sequence[ServingPoint] | None = None,
 ) -> dict[str, Any]:
     """Every method of one set's results (vllm.json, else offline.json) projected; the ranking at the
     first point puts the judged candidates (the trained drafter, the free methods, plain decoding) in
-    order, best first."""
+    order, best first. With the trained drafter measured: its room (`drafter_room`: ceiling and
+    break-even against the best free method at each point, its measured acceptance per position). With
+    `grid` (one point per concurrency of draftsmith.core.policy.concurrency_grid): the serving policy."""
     max_k = int(results["num_draft_tokens"])
     methods = {}
     for key, method in results["methods"].items():
-        kind = _kind(key, method)
+        kind = method_kind(key, method)
         if kind not in FREE_METHODS and key not in drafters:
             continue
         projection = method_projection(key, method, max_k, target, points, drafters.get(key), bootstrap)
@@ -111,12 +117,40 @@ def set_projection(
     candidates = {k: chosen(p)["projected_speedup"][0] for k, p in methods.items() if k != "untrained"}
     candidates["plain"] = 1.0
     ranking = sorted(candidates, key=lambda k: -candidates[k])
-    return {
+    out = {
         "points": [describe_point(p) for p in points],
         "concurrency": [p.concurrency for p in points],
         "device": points[0].device.name,
         "methods": methods,
         "ranking": ranking,
+    }
+    if "eagle3" in methods and drafters.get("eagle3") is not None:
+        out["drafter_room"] = room(results, methods, target, drafters["eagle3"], points)
+    if grid:
+        out["policy"] = serving_policy(methods_at_k(results, drafters), target, drafters, grid)
+    return out
+
+
+def room(
+    results: dict[str, Any],
+    methods: dict[str, Any],
+    target: ModelCost,
+    drafter: ModelCost,
+    points: Sequence[ServingPoint],
+) -> dict[str, Any]:
+    """The trained drafter's ceiling and break-even at each point against the best of the free methods
+    (each at its best k there) and plain decoding, and its measured acceptance per position."""
+    free = [k for k, p in methods.items() if p["kind"] in FREE_METHODS]
+    best = []
+    for i in range(len(points)):
+        at = {k: max(o["projected_speedup"][i] for o in methods[k]["options"]) for k in free}
+        best.append(max([("plain", 1.0), *at.items()], key=lambda m: m[1]))
+    rows = results["methods"]["eagle3"]["per_prompt"]
+    accepted = [sum(col) for col in zip(*(r["accepted_per_pos"] for r in rows), strict=True)]
+    return {
+        **drafter_room(target, drafter, int(results["num_draft_tokens"]), points, [s for _, s in best]),
+        "to_beat_method": [m for m, _ in best],
+        "position_acceptance": position_acceptance(accepted, sum(int(r["drafts"]) for r in rows)),
     }
 
 

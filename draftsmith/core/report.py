@@ -36,6 +36,19 @@ def format_speedups(entry: dict[str, Any] | None, concurrency: list[int] | None)
     return ", ".join(parts)
 
 
+def format_by_load(best: list[dict[str, Any]]) -> str:
+    """The serving policy's best method per concurrency as ranges: "suffix decoding k=3 at 1-8, plain
+    decoding at 16-256"."""
+    spans: list[list[Any]] = []  # [named, first concurrency, last concurrency]
+    for entry in best:
+        named = _named(entry)
+        if spans and spans[-1][0] == named:
+            spans[-1][2] = entry["concurrency"]
+        else:
+            spans.append([named, entry["concurrency"], entry["concurrency"]])
+    return ", ".join(f"{n} at {lo}" + (f"-{hi}" if hi != lo else "") for n, lo, hi in spans)
+
+
 def _named(entry: dict[str, Any] | None) -> str:
     if not entry:
         return "-"
@@ -52,10 +65,12 @@ def format_verdict(v: dict[str, Any]) -> str:
         for s in per_set:
             by_method.setdefault(_named(s) if s.get("method") else s["deploy"], []).append(s["heldout"])
         head = "VERDICT: deploy " + "; ".join(f"{m} on {', '.join(sets)}" for m, sets in by_method.items())
-    else:
+    else:  # what to serve first, then the next step when it is not serving
         first = per_set[0] if per_set else None
         deploy = _named(first) if first and first.get("method") else v["deploy"]
-        head = f"VERDICT: {v['action'].upper()} (deploy: {deploy})"
+        head = f"VERDICT: DEPLOY {deploy}"
+        if not v["action"].startswith("deploy") and v["action"] != "no speculation":
+            head += f"; next: {v['action'].upper()}"
     lines = [head]
     for s in per_set:
         where = (s.get("points") or ["?"])[0].split(", concurrency")[0]
@@ -67,6 +82,8 @@ def format_verdict(v: dict[str, Any]) -> str:
         if s.get("runner_up"):
             runner = s["runner_up"]
             lines.append(f"    runner-up: {_named(runner)}, {format_speedups(runner, s.get('concurrency'))}")
+        if s.get("by_load"):
+            lines.append(f"    by load: {format_by_load(s['by_load'])}")
         lines += [f"    - {r}" for r in s["reasons"]]
     return "\n".join(lines)
 

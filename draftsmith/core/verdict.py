@@ -493,10 +493,13 @@ def set_verdict(
                           serve the fastest free method (or nothing)
         deploy drafter    the drafter is the fastest at the serving point, beyond the noise of the free
                           methods (beats_free) and of its untrained start (beats_untrained)
-        more data         it is not, and validation accuracy is far below training (data-bound)
-        train longer      it is not, and validation accuracy was still rising at the end
+        more data         it is not, its ceiling leaves room (`drafter_room`: every draft accepted, it
+                          would beat the best free method at the first concurrency), and validation
+                          accuracy is far below training (data-bound)
+        train longer      the same, and validation accuracy was still rising at the end
         deploy suffix decoding / deploy n-gram / no speculation
-                          it is not, and the curves show neither: the fastest other choice wins here
+                          it is not, and the curves show neither, or its ceiling leaves no room (no
+                          training can win: the reason gives both figures): the fastest other choice
     """
     contract = [c for c in checks if c.group == "contract" and c.failed]
     free, untrained = _one(checks, "beats_free", heldout), _one(checks, "beats_untrained", heldout)
@@ -507,6 +510,8 @@ def set_verdict(
         alternative = _without_drafter(projection)
         fastest = {**alternative, "runner_up": fastest}
     reasons = [f"{c.name}: {c.value}" for c in contract + loses]
+    room = drafter_room_of(projection)
+    no_room = room is not None and room["ceiling"] <= room["to_beat"]
     if contract:
         action = "contract broken"
     elif fastest["method"] == "eagle3":
@@ -516,14 +521,16 @@ def set_verdict(
         action = "contract broken"  # faster than the free methods, not than its own random start: off
     elif free is not None and free.status == "skip" and untrained is not None and not untrained.missed:
         action = DEPLOY_ACTION[fastest["method"]]  # nothing free measured: the drafter was not ranked
-    elif overfit is not None and overfit.missed:
+    elif overfit is not None and overfit.missed and not no_room:
         action = "more data"
         reasons.append(f"generalisation: {overfit.value}")
-    elif rising is not None and rising.missed:
+    elif rising is not None and rising.missed and not no_room:
         action = "train longer"
         reasons.append(f"still_learning: {rising.value}")
     else:
         action = DEPLOY_ACTION[fastest["method"]]
+    if room is not None:
+        reasons.append(room_reason(room, no_room and action != "deploy drafter"))
     return {
         "heldout": heldout,
         "deploy": method(fastest["method"]).label if fastest["method"] != "plain" else "plain decoding",
@@ -536,7 +543,42 @@ def set_verdict(
         "runner_up": _brief(fastest.get("runner_up")),
         "action": action,
         "reasons": reasons,
+        "room": room,
+        "by_load": ((projection or {}).get("policy") or {}).get("best"),
     }
+
+
+def drafter_room_of(projection: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The trained drafter's room at the deciding (first) concurrency, from the projection's
+    `drafter_room`: its ceiling (every draft accepted, best k), the speedup to beat (the best free
+    method's, or plain decoding's 1.0x) and by what, its break-even and measured acceptance per
+    position; None where the projection has none."""
+    room = (projection or {}).get("drafter_room")
+    if not room:
+        return None
+    return {
+        "ceiling": room["ceiling"][0],
+        "to_beat": room["to_beat"][0],
+        "to_beat_method": room["to_beat_method"][0],
+        "break_even": room["break_even"][0],
+        "position_acceptance": room["position_acceptance"],
+        "point": projection["points"][0],
+    }
+
+
+def room_reason(room: dict[str, Any], decides: bool) -> str:
+    """One line with both figures: the drafter's ceiling against what it must beat, and its measured
+    acceptance per position against its break-even. `decides`: the ceiling is why it is not trained on."""
+    other = "plain decoding" if room["to_beat_method"] == "plain" else method(room["to_beat_method"]).label
+    acceptance = " / ".join(f"{a:.2f}" for a in room["position_acceptance"])
+    needs = "none reaches it" if room["break_even"] is None else f"break-even {room['break_even']:.2f}"
+    figures = (
+        f"ceiling {room['ceiling']:.2f}x (every draft accepted, {room['point']}) vs {other} "
+        f"{room['to_beat']:.2f}x; acceptance per position {acceptance} vs {needs}"
+    )
+    if decides:
+        return f"no room: {figures}: no training can beat {other}, so serve it"
+    return f"room: {figures}"
 
 
 def _without_drafter(projection: dict[str, Any] | None) -> dict[str, Any]:

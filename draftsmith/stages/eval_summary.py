@@ -193,8 +193,10 @@ def project_sets(
     drafters: dict[str, str | Path],
     settings: GateSettings,
 ) -> dict[str, dict[str, Any]]:
-    """Every set's judged measurement projected to the serving point (evaluate.serving)."""
+    """Every set's judged measurement projected to the serving point (evaluate.serving), with the serving
+    policy over its concurrency grid (1, 2, 4, ... to the largest configured)."""
     from draftsmith.core.cost import drafter_cost, serving_points, target_cost
+    from draftsmith.core.policy import concurrency_grid
 
     bytes_per = float(serving.get("bytes_per_parameter") or 2.0)
     target = target_cost(target_path, bytes_per)
@@ -204,7 +206,8 @@ def project_sets(
         data = results["vllm"] if results.get("vllm") else results["offline"]
         context = data.get("context_tokens") or _offline_context(results["offline"])
         points = serving_points(serving, context)
-        out[heldout] = set_projection(data, target, costs, points, settings.bootstrap)
+        grid = serving_points({**serving, "concurrency": concurrency_grid(serving)}, context)
+        out[heldout] = set_projection(data, target, costs, points, settings.bootstrap, grid)
         # the hybrid (suffix decoding, else the drafter) is measured offline only: a projection, never ranked
         offline = results["offline"] if results.get("offline_measured", True) else {}
         hybrid = (offline.get("methods") or {}).get("hybrid")
@@ -220,6 +223,23 @@ def project_sets(
                     "measured_by": "offline",
                 }
     return out
+
+
+def acceptance_vs_break_even(projection: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The trained drafter's measured acceptance per position (given the one before) against the one
+    acceptance a it must reach at every position to match the best free method (or plain decoding) at
+    the first concurrency, its lowest over k (None: no k can), and its ceiling there (every draft
+    accepted, its best k); None without the drafter's projection."""
+    room = (projection or {}).get("drafter_room")
+    if not room:
+        return None
+    return {
+        "position_acceptance": room["position_acceptance"],
+        "break_even": room["break_even"][0],
+        "ceiling": room["ceiling"][0],
+        "to_beat": {"method": room["to_beat_method"][0], "speedup": room["to_beat"][0]},
+        "point": projection["points"][0],
+    }
 
 
 def _offline_context(offline: dict[str, Any]) -> float:
@@ -352,6 +372,8 @@ def summarize(
                 "max_new_tokens": r["offline"]["max_new_tokens"],
                 "plain_tokens": (r.get("vllm") or r["offline"])["plain"]["tokens"],
                 "vllm_measured": r.get("vllm") is not None,
+                "policy": (projections or {}).get(name, {}).get("policy"),
+                "acceptance_vs_break_even": acceptance_vs_break_even((projections or {}).get(name)),
             }
             for name, r in sets.items()
         },

@@ -80,7 +80,8 @@ def test_card_shows_every_figure_of_the_summary(tmp_path):
     v = summary["verdict"]
     gate = "passed" if summary["gate_passed"] else "BLOCKED"
     first = v["per_set"][0]
-    assert f"**{v['action'].upper()} (deploy: {first['deploy']} k={first['k']})**; the gate {gate}" in card
+    next_step = "" if v["action"].startswith("deploy") else f"; next: {v['action'].upper()}"
+    assert f"**DEPLOY {first['deploy']} k={first['k']}{next_step}**; the gate {gate}" in card
     for s in v["per_set"]:
         assert f"- {s['heldout']}: {s['action']} (deploy: {s['deploy']} k={s['k']})" in card
         assert "  - projected (H100-80GB): " in card and "  - runner-up: " in card
@@ -182,7 +183,14 @@ def test_the_card_says_whether_the_gate_blocked():
     summary = tiny_summary()
     assert not summary["gate_passed"]  # the trained drafter loses to n-gram lookup (blocking by default)
     card = render_card(summary, "vllm", {"vllm": "results/drafter"}, "t")
-    assert "**TRAIN LONGER (deploy: n-gram lookup k=3)**; the gate BLOCKED this drafter." in card
+    # n-gram lookup (1.86x) is above even a perfect drafter's ceiling here: serve it, never "train longer"
+    assert "**DEPLOY n-gram lookup k=3**; the gate BLOCKED this drafter." in card
+    assert "no room: ceiling 1.45x" in card and "no training can beat n-gram lookup" in card
+    # where the ceiling leaves room, what to serve still leads and the next step follows
+    room = json.loads(json.dumps(summary))
+    room["verdict"]["action"] = "train longer"
+    card = render_card(room, "vllm", {"vllm": "results/drafter"}, "t")
+    assert "**DEPLOY n-gram lookup k=3; next: TRAIN LONGER**; the gate BLOCKED this drafter." in card
     summary["learning"]["val_acc"] = None
     assert "validation accuracy per TTT step: not measured" in render_card(
         summary, "vllm", {"vllm": "d"}, "t"
@@ -198,3 +206,64 @@ def test_the_card_says_whether_the_gate_blocked():
     ]}  # fmt: skip
     card = render_card(summary, "vllm", {"vllm": "results/drafter"}, "t")
     assert "**deploy n-gram lookup on heldout; trained drafter on handwritten**" in card
+
+
+def _by_load(key: str, by_load: list[tuple[int, int, float]]) -> dict:
+    """A serving policy where `key` has, per concurrency, its best k and speedup."""
+    from draftsmith.core.policy import crossover
+
+    at = [{"concurrency": c, "k": k, "speedup": s} for c, k, s in by_load]
+    return {"grid": [c for c, _, _ in by_load], "methods": {key: at}, "crossover": {key: crossover(at)}}
+
+
+LOADED = [(1, 3, 1.5), (2, 3, 1.4), (4, 2, 1.2), (8, 2, 1.05), (16, 1, 0.98), (32, 1, 0.9)]
+
+
+def test_the_serve_commands_carry_the_policys_schedule():
+    """A drafter's and n-gram lookup's command take vLLM's num_speculative_tokens_per_batch_size where
+    the draft length changes with load (k = 0: off past the crossover); num_speculative_tokens is the
+    schedule's largest k, which vLLM caps every range at."""
+    summary = tiny_summary()
+    summary["verdict"]["per_set"] = summary["verdict"]["per_set"][:1]
+    summary["heldout_sets"]["heldout"]["policy"] = _by_load("ngram", LOADED)
+    card = render_card(summary, "vllm", {"vllm": "results/drafter"}, "t")
+    schedule = '"num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 8, 2], [9, 32, 0]]'
+    assert (
+        """--speculative-config '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, """
+        f'"prompt_lookup_max": 4, {schedule}}}\'' in card
+    )
+    assert "The draft length follows the load" in card
+    # the drafter's own command, from the first set's policy for it
+    summary["heldout_sets"]["heldout"]["policy"] = _by_load("eagle3", LOADED)
+    card = render_card(summary, "vllm", {"vllm": "results/drafter"}, "t")
+    assert (
+        """'{"method": "eagle3", "model": "results/drafter", "num_speculative_tokens": 3, """
+        f"{schedule}}}'" in card
+    )
+    # one range (the same k at every load): the static command, as before
+    summary["heldout_sets"]["heldout"]["policy"] = _by_load("ngram", [(1, 3, 1.5), (2, 3, 1.4)])
+    card = render_card(summary, "vllm", {"vllm": "results/drafter"}, "t")
+    assert "num_speculative_tokens_per_batch_size" not in card
+
+
+def test_suffix_decodings_command_is_what_was_measured_and_says_where_to_stop():
+    summary = tiny_summary()
+    for s in summary["verdict"]["per_set"]:
+        s.update(method="suffix", deploy="suffix decoding", k=3)
+    summary["method_settings"] = {"suffix": {"max_tree_depth": 24, "max_cached_requests": 0}}
+    summary["heldout_sets"]["heldout"]["policy"] = _by_load("suffix", LOADED)
+    summary["heldout_sets"]["handwritten"]["policy"] = _by_load("suffix", [(1, 3, 1.5), (32, 3, 1.1)])
+    card = render_card(summary, "vllm", {"vllm": "results/drafter"}, "t")
+    assert (
+        """--speculative-config '{"method": "suffix", "num_speculative_tokens": 3, """
+        """"suffix_decoding_max_cached_requests": 0, "suffix_decoding_max_tree_depth": 24}'""" in card
+    )
+    assert "num_speculative_tokens_per_batch_size" not in card  # vLLM serves suffix with a static k only
+    assert "needs `arctic-inference` installed" in card
+    assert "On heldout it projects below plain decoding past 8 concurrent requests" in card
+    assert "routing by requests in flight" in card
+    assert "On handwritten it projects above plain decoding up to 32 concurrent requests." in card
+    # measured without a recorded cache setting: the schema's default (each prompt on its own)
+    summary["method_settings"] = {}
+    card = render_card(summary, "vllm", {"vllm": "results/drafter"}, "t")
+    assert '"suffix_decoding_max_cached_requests": 0' in card

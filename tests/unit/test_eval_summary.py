@@ -106,3 +106,37 @@ def test_without_the_offline_decoder_vllm_alone_fills_the_summary(tmp_path):
     checks = {c.name: c for c in diagnose(sets, manifest, {}, [], None, [], GateSettings())}
     gap = checks["tau_gap (eagle3, heldout)"]
     assert gap.status == "skip" and "offline decoder" in gap.value
+
+
+def test_summary_has_the_serving_policy_and_the_drafters_break_even_per_set():
+    """Per held-out set: the policy over the concurrency grid, and the drafter's measured acceptance per
+    position against its break-even and ceiling at the first concurrency, every existing field kept."""
+    from helpers import tiny_summary
+
+    from draftsmith.core.policy import position_acceptance
+
+    summary = json.loads(json.dumps(tiny_summary()))  # as summary.json holds it
+    for name, heldout in summary["heldout_sets"].items():
+        assert {"prompts", "num_prompts", "max_new_tokens", "plain_tokens", "vllm_measured"} <= set(heldout)
+        policy = heldout["policy"]
+        assert policy["grid"] == [1, 2, 4, 8, 16, 32]
+        assert [b["concurrency"] for b in policy["best"]] == policy["grid"]
+        assert set(policy["crossover"]) == {"eagle3", "ngram"}  # the untrained drafter is never served
+        # n-gram lookup is the best free method here at every load
+        assert policy["ranges"] == {"ngram": [1, 32]} and policy["crossover"]["ngram"] is None
+        room = heldout["acceptance_vs_break_even"]
+        rows = summary["rows"]
+        trained = next(r for r in rows if r["heldout"] == name and r["key"] == "eagle3")
+        assert room["point"].startswith("H100-80GB, concurrency 1")
+        # n-gram's 1.86x at concurrency 1 is above even a perfect drafter's ceiling: no acceptance will do
+        assert room["to_beat"]["method"] == "ngram" and room["to_beat"]["speedup"] == pytest.approx(
+            summary["headline"][name]["methods"]["ngram"]["projected_speedup"][0]
+        )
+        assert room["ceiling"] < room["to_beat"]["speedup"] and room["break_even"] is None
+        assert len(room["position_acceptance"]) == len(trained["acceptance_per_position"])
+    # acceptance per position given the one before, from the measured counts
+    counts = [sum(col) for col in zip(*(r["accepted_per_pos"] for r in TRAINED["per_prompt"]), strict=True)]
+    drafts = sum(r["drafts"] for r in TRAINED["per_prompt"])
+    assert summary["heldout_sets"]["heldout"]["acceptance_vs_break_even"][
+        "position_acceptance"
+    ] == pytest.approx(position_acceptance(counts, drafts))

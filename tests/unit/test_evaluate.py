@@ -428,6 +428,11 @@ def test_summary_report_and_gate(pipeline, offline, untrained, tmp_path):
         and "H100-80GB" in summary["projection"]["points"][0]
     )
     assert "projected speedup" in summary["projection"]["formula"]
+    # per set the serving policy over the grid 1, 2, 4, ..., 32 and the drafter against its break-even
+    for name, heldout in summary["heldout_sets"].items():
+        assert heldout["policy"]["grid"] == [1, 2, 4, 8, 16, 32], name
+        room = heldout["acceptance_vs_break_even"]
+        assert len(room["position_acceptance"]) == 3 and room["ceiling"] > 0, name
     names = [c["name"] for c in summary["checks"]]
     assert {
         "beats_free (heldout)",
@@ -488,7 +493,7 @@ def test_summary_report_and_gate(pipeline, offline, untrained, tmp_path):
     cli("eval-summary", *[swap.get(a, a) for a in common], *relaxed)
     printed = cli("gate", out / "summary.json", code=EXIT_GATE)
     assert "tau_gap (eagle3, heldout)" in printed.split("failed on 1 check(s): ")[1]
-    assert printed.startswith("VERDICT: CONTRACT BROKEN")
+    assert printed.startswith("VERDICT: DEPLOY ") and "; next: CONTRACT BROKEN\n" in printed
 
     # bad usage: a held-out set named twice, an unknown gate mode
     cli("eval-summary", *common, "--offline", f"heldout={offline}", code=2)

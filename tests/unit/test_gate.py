@@ -372,6 +372,58 @@ def test_set_verdict(kw, projection, deploy, action):
         assert v["runner_up"]["method"] == "suffix"  # 1.02x, but its interval reaches below 1.0
 
 
+def with_room(projection: dict, ceiling: float, break_even: float | None) -> dict:
+    """A projection with the trained drafter's room at each point: its ceiling, the best free method's
+    speedup there (what it must beat), its break-even and measured acceptance per position."""
+    free = {
+        k: m["options"][1]["projected_speedup"] for k, m in projection["methods"].items() if k != "eagle3"
+    }
+    best = [max(free, key=lambda k: free[k][i]) for i in range(2)]
+    room = {"ceiling": [ceiling, 0.8 * ceiling], "to_beat": [free[b][i] for i, b in enumerate(best)],
+            "to_beat_method": best, "break_even": [break_even, None], "position_acceptance": [0.31, 0.2, 0.1]}  # fmt: skip
+    return {**projection, "drafter_room": room}
+
+
+@pytest.mark.parametrize(
+    "kw", [{"rising": "warn"}, {"overfit": "warn"}, {"overfit": "warn", "rising": "warn"}]
+)
+def test_no_training_is_asked_for_where_the_ceiling_leaves_no_room(kw):
+    """A perfect drafter (every draft accepted) projecting below the best free method: the verdict serves
+    the free method and gives both figures, whatever the learning curves say; with room it says how."""
+    capped = set_verdict(_checks("fail", **kw), "heldout", with_room(SUFFIX_WINS, 1.07, None))
+    assert (capped["deploy"], capped["action"]) == ("suffix decoding", "deploy suffix decoding")
+    reason = capped["reasons"][-1]
+    assert reason.startswith("no room: ceiling 1.07x (every draft accepted, H100-80GB, concurrency 1")
+    assert (
+        "vs suffix decoding 1.30x" in reason and "no training can beat suffix decoding, so serve it" in reason
+    )
+    assert "acceptance per position 0.31 / 0.20 / 0.10 vs none reaches it" in reason
+    assert capped["room"]["ceiling"] == 1.07 and capped["room"]["to_beat_method"] == "suffix"
+    text = format_verdict(verdict(_checks("fail", **kw), {"heldout": with_room(SUFFIX_WINS, 1.07, None)}))
+    assert text.startswith("VERDICT: DEPLOY suffix decoding k=2\n") and "TRAIN LONGER" not in text
+    # room above the best free method: the learning curves choose the next step, the figures beside it
+    roomy = set_verdict(_checks("fail", **kw), "heldout", with_room(SUFFIX_WINS, 2.4, 0.62))
+    assert roomy["action"] == ("more data" if "overfit" in kw else "train longer")
+    assert roomy["deploy"] == "suffix decoding"  # meanwhile, serve the free method
+    assert roomy["reasons"][-1] == (
+        "room: ceiling 2.40x (every draft accepted, H100-80GB, concurrency 1, context 700 tokens) vs suffix "
+        "decoding 1.30x; acceptance per position 0.31 / 0.20 / 0.10 vs break-even 0.62"
+    )
+    head = format_verdict(verdict(_checks("fail", **kw), {"heldout": with_room(SUFFIX_WINS, 2.4, 0.62)}))
+    assert head.splitlines()[0] == f"VERDICT: DEPLOY suffix decoding k=2; next: {roomy['action'].upper()}"
+
+
+def test_the_verdict_gives_the_range_of_load_where_each_method_pays():
+    best = [{"concurrency": c, "method": m, "k": k, "speedup": s} for c, m, k, s in (
+        (1, "suffix", 3, 1.3), (2, "suffix", 3, 1.2), (4, "suffix", 2, 1.1), (8, "plain", 0, 1.0))]  # fmt: skip
+    v = set_verdict(_checks("fail"), "heldout", {**SUFFIX_WINS, "policy": {"best": best}})
+    assert v["by_load"] == best
+    text = format_verdict(
+        {"heldout": "heldout", "deploy": v["deploy"], "action": v["action"], "per_set": [v]}
+    )
+    assert "    by load: suffix decoding k=3 at 1-2, suffix decoding k=2 at 4, plain decoding at 8" in text
+
+
 def test_verdict_names_the_better_method_per_set():
     checks = _checks("pass") + _checks("fail", heldout="humaneval")[:2]
     v = verdict(checks, {"heldout": DRAFTER_WINS, "humaneval": SUFFIX_WINS})
@@ -391,7 +443,7 @@ def test_verdict_names_the_better_method_per_set():
     # every set agreeing: one answer
     same = verdict(_checks("fail"), {"heldout": SUFFIX_WINS})
     assert same["deploy"] == "suffix decoding"
-    assert format_verdict(same).startswith("VERDICT: DEPLOY SUFFIX DECODING (deploy: suffix decoding k=2)")
+    assert format_verdict(same).startswith("VERDICT: DEPLOY suffix decoding k=2\n")  # what to serve, first
 
 
 # ------------------------------------------------------------------------------------------ diagnosis

@@ -146,7 +146,7 @@ def test_push_uploads_exactly_the_export_folder_with_the_token_from_hf_token(tmp
 
 def test_push_refuses_a_drafter_whose_gate_blocked_unless_forced(tmp_path, hub):
     for gate_passed, gate_json, said in (
-        (False, False, "the gate blocked this drafter (verdict: TRAIN LONGER (deploy: n-gram lookup))"),
+        (False, False, "the gate blocked this drafter (verdict: DEPLOY n-gram lookup; next: TRAIN LONGER)"),
         (True, False, "gate.json is missing: the gate stage has not passed this evaluation"),
     ):
         results = _results(tmp_path / str(gate_passed), gate_passed, gate_json)
@@ -231,7 +231,7 @@ def test_a_passed_gate_with_a_losing_verdict_is_pushed_with_a_warning(tmp_path):
     )
     plan = plan_push(results, "my-org/drafter")
     assert plan.gate.passed
-    assert any("its verdict says TRAIN LONGER (deploy: n-gram lookup)" in w for w in plan.warnings)
+    assert any("its verdict says DEPLOY n-gram lookup; next: TRAIN LONGER" in w for w in plan.warnings)
 
 
 def test_the_pushed_card_names_the_repository_as_the_drafter_to_serve(tmp_path, hub):
