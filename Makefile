@@ -35,9 +35,10 @@ lint: setup
 	# the import contract (pyproject.toml [tool.importlinter]): cli > stages > backends > core, stages independent, no cycles
 	$(VENV)/bin/lint-imports
 
-# No -x: one failure must not hide the rest.
-test: lint
-	$(VENV)/bin/pytest -q -ra --durations=30
+# No -x: one failure must not hide the rest. Set-up, lint, unit and end-to-end tests, each timed
+# (scripts/test.sh prints the phases and each test phase's 30 slowest tests).
+test:
+	VENV=$(VENV) bash scripts/test.sh
 
 # Unit tests only (seconds to a few minutes): no workflow runs, no servers.
 test-fast: setup

@@ -7,8 +7,8 @@ drafter's planned shape and the serving point, the cost model then gives, per dr
 concurrency:
 
     ceiling     the drafter's projected speedup were every draft accepted (k + 1 tokens per forward)
-    break-even  the per-position acceptance a chain drafter must reach to match the best choice without
-                training (the best free method, or plain decoding's 1.0x)
+    break-even  the per-position acceptance it must reach to match the best choice without training
+                (the best free method, or plain decoding's 1.0x)   (both: draftsmith.core.policy)
 
 Where the ceiling stays below that choice at every concurrency, no training can help: the run stops
 before generation (evaluate.preflight: block) or says so and goes on (warn).
@@ -27,7 +27,7 @@ from draftsmith.core.cost import (
     kv_elements_per_token,
 )
 from draftsmith.core.memory import drafter_shape
-from draftsmith.core.policy import break_even, ceiling
+from draftsmith.core.policy import drafter_room
 
 # how each drafter kind drafts k tokens (cost.ModelCost.drafting), before there is an export to read it from
 KIND_DRAFTING = {"eagle3": "chain", "eagle3.1": "chain", "peagle": "parallel", "dflash": "block"}
@@ -73,23 +73,6 @@ def free_best(
     return best
 
 
-def drafter_outlook(
-    target: ModelCost, drafter: ModelCost, max_k: int, points: Sequence[ServingPoint], to_beat: list[float]
-) -> list[dict[str, Any]]:
-    """Per point: the drafter's ceiling at each k = 1..max_k, its best, and the break-even acceptance
-    per k against to_beat[i] (None where even the ceiling cannot reach it)."""
-    out = []
-    for i, point in enumerate(points):
-        ceilings = [ceiling(target, drafter, k, point) for k in range(1, max_k + 1)]
-        out.append({
-            "concurrency": point.concurrency,
-            "ceiling": ceilings,
-            "best_ceiling": max(ceilings),
-            "break_even": [break_even(target, drafter, k, point, to_beat[i]) for k in range(1, max_k + 1)],
-        })  # fmt: skip
-    return out
-
-
 def set_outlook(
     methods: dict[str, dict[str, Any]],
     max_k: int,
@@ -100,20 +83,51 @@ def set_outlook(
     """One held-out set's pre-flight: the best free choice and the drafter's outlook at every point, and
     whether the drafter could beat it anywhere (`room`)."""
     best = free_best(methods, max_k, target, points)
-    outlook = drafter_outlook(target, drafter, max_k, points, [b["speedup"] for b in best])
-    room = [o["best_ceiling"] > b["speedup"] for o, b in zip(outlook, best, strict=True)]
-    return {"free_best": best, "drafter": outlook, "room": room, "any_room": any(room)}
+    room = drafter_room(target, drafter, max_k, points, [b["speedup"] for b in best])
+    pays = [c > b["speedup"] for c, b in zip(room["ceiling"], best, strict=True)]
+    return {
+        "concurrency": [p.concurrency for p in points],
+        "free_best": best,
+        "drafter": room,
+        "room": pays,
+        "any_room": any(pays),
+    }
 
 
 def outlook_line(name: str, outlook: dict[str, Any], device: str) -> str:
     """One line for a set at the first concurrency: what to serve now and what a drafter could reach."""
-    best, drafter = outlook["free_best"][0], outlook["drafter"][0]
-    serve = "plain decoding" if best["method"] == "plain" else f"{best['method']} (k = {best['k']})"
-    k = drafter["ceiling"].index(drafter["best_ceiling"]) + 1
-    a = drafter["break_even"][k - 1]
-    need = f"each draft accepted with probability >= {a:.2f} at k = {k}" if a is not None else "unreachable"
-    verdict = "room for a drafter" if outlook["any_room"] else "no drafter can beat it at any concurrency"
+    best, room = outlook["free_best"][0], outlook["drafter"]
+    serve = serve_label(best)
+    top = room["ceiling"][0]
+    k = max(room["by_k"], key=lambda o: o["ceiling"][0])["k"]
+    a = room["break_even"][0]
+    need = f"per-position acceptance >= {a:.2f}" if a is not None else "out of reach"
+    pays = [i for i, p in enumerate(outlook["room"]) if p]
+    where = "no drafter can beat it at any load"
+    if pays:
+        loads = ", ".join(str(outlook["concurrency"][i]) for i in pays)
+        first = room["break_even"][pays[0]]
+        where = f"a drafter could pay at concurrency {loads} (from per-position acceptance {first:.2f})"
     return (
-        f"{name}: serve {serve} at {best['speedup']:.2f}x ({device}, concurrency {drafter['concurrency']}); "
-        f"a perfect drafter reaches {drafter['best_ceiling']:.2f}x (k = {k}); to beat it: {need}; {verdict}"
+        f"{name}: serve {serve} at {best['speedup']:.2f}x ({device}, concurrency {outlook['concurrency'][0]}); "
+        f"a perfect drafter reaches {top:.2f}x (k = {k}), to beat it: {need}; {where}"
+    )
+
+
+def serve_label(best: dict[str, Any]) -> str:
+    return "plain decoding" if best["method"] == "plain" else f"{best['method']} (k = {best['k']})"
+
+
+def blocked_message(sets: dict[str, dict[str, Any]]) -> str:
+    """The one line a blocked pre-flight stops with: per set what to serve and a perfect drafter's figure,
+    at the first concurrency."""
+    per_set = "; ".join(
+        f"{name}: {serve_label(o['free_best'][0])} {o['free_best'][0]['speedup']:.2f}x, a perfect drafter "
+        f"{o['drafter']['ceiling'][0]:.2f}x"
+        for name, o in sets.items()
+    )
+    return (
+        f"pre-flight: no drafter can beat the best choice without training at any concurrency up to "
+        f"{max(next(iter(sets.values()))['concurrency'])} ({per_set}); serve that, or set "
+        "evaluate.preflight: warn to train anyway"
     )

@@ -118,8 +118,9 @@ def test_a_damaged_intermediate_stops_the_run_at_start_and_keeps_what_reads_it(w
 
 def test_a_deleted_manifest_is_rebuilt_and_does_not_retrain(workflow):
     """Content decides, not mtime: data_config.json deleted, the manifest is made again from the same
-    shards to the same bytes and training does not run again. (The evaluation does: Snakemake planned it
-    behind train before the checkpoint was judged again, and keeps that plan.)"""
+    shards to the same bytes and training does not run again. (The evaluation jobs do: Snakemake planned
+    them behind train before the checkpoint was judged again, and keeps that plan; but every vLLM run is
+    kept by what it measured, so none loads an engine again.)"""
     run, _, _ = workflow
     data = run.results / "data_config.json"
     before = data.read_bytes()
@@ -131,6 +132,8 @@ def test_a_deleted_manifest_is_rebuilt_and_does_not_retrain(workflow):
     assert data.read_bytes() == before
     assert "manifest" in ran and "train" not in ran, ran
     assert {name: (run.results / name).stat().st_mtime_ns for name in trained} == stamps, ran
+    log = (run.workdir / "logs" / "evaluate_vllm.log").read_text()
+    assert "evaluate_vllm" not in ran or "vllm: 0 engine runs measured" in log, log[-2000:]
 
 
 @pytest.mark.parametrize("command", ["evaluate", "evaluate-vllm"])

@@ -15,7 +15,8 @@ from typing import Any
 
 from draftsmith.core.atomic import write_json
 from draftsmith.core.cost import describe_point, serving_points, target_cost
-from draftsmith.core.preflight import outlook_line, planned_drafter_cost, set_outlook
+from draftsmith.core.policy import concurrency_grid
+from draftsmith.core.preflight import blocked_message, outlook_line, planned_drafter_cost, set_outlook
 from draftsmith.core.stage_args import arg
 from draftsmith.core.target import text_config_dict
 from draftsmith.stages.evaluate.stage import EvaluateSettings, evaluate_vllm
@@ -63,7 +64,9 @@ def preflight(paths: PreflightPaths, settings: EvaluateSettings) -> dict[str, An
     drafter = planned_drafter_cost(paths.plan, text_config_dict(paths.target), bytes_per)
     sets = {}
     for name, summary in summaries.items():
-        points = serving_points(serving, summary["context_tokens"])
+        points = serving_points(
+            {**serving, "concurrency": concurrency_grid(serving)}, summary["context_tokens"]
+        )
         outlook = set_outlook(summary["methods"], settings.num_draft_tokens, target, drafter, points)
         sets[name] = {
             **outlook,
@@ -75,7 +78,7 @@ def preflight(paths: PreflightPaths, settings: EvaluateSettings) -> dict[str, An
         "drafter_plan": paths.plan,
         "drafter_parameters": drafter.dense_parameters,
         "drafting": drafter.drafting,
-        "concurrency": [int(c) for c in serving["concurrency"]],
+        "concurrency": concurrency_grid(serving),
         "num_draft_tokens": settings.num_draft_tokens,
         "sets": sets,
         "drafter_can_pay": any(s["any_room"] for s in sets.values()),
@@ -96,12 +99,7 @@ def run_preflight(paths: PreflightPaths, settings: EvaluateSettings) -> Iterator
     for entry in result["sets"].values():
         yield entry["line"]
     if not result["drafter_can_pay"]:
-        first = next(iter(result["sets"].values()))["line"]
-        message = (
-            f"no drafter can beat the best choice without training at any concurrency of "
-            f"evaluate.serving on any held-out set ({first}); serve that, or set evaluate.preflight: warn "
-            "to train anyway"
-        )
+        message = blocked_message(result["sets"])
         if settings.preflight == "block":
             raise PreflightBlocked(message)
         log.warning(message)
