@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from draftsmith.core.hub import cached_file, hub_target_dir, is_hub_id, offline
+from draftsmith.core.hub import cached_file, hub_target_dir, is_hub_id, local_parent, offline
 
 SCHEMA_PATH = Path(__file__).parents[1] / "config.schema.yaml"
 # The embedded default target: the `target` rule materialises it from `target.gguf_wheel`, and only it.
@@ -757,7 +757,8 @@ def dataset_errors(path: str, revision: str | None) -> list[str]:
     if local.exists():
         return []
     if not is_hub_id(path) or local.suffix.lower() in DATASET_BUILDERS:
-        # `data/prompts.jsonl` is spelt like owner/name, but no Hub dataset id ends in a file suffix
+        # `data/prompts.jsonl` is spelt like owner/name, but no Hub dataset id ends in a file suffix;
+        # `data/chats` beside a local data/ is a local path (hub.local_parent)
         return [f"prompts.path: {path}: no such file or folder, nor a Hub dataset id (owner/name)"]
     if offline() and not is_cached(path, "dataset", revision):
         return [
@@ -891,6 +892,11 @@ def target_checks(config: dict[str, Any]) -> tuple[list[str], list[str]]:
                 target_cfg, where = read_target_config(config_json.parent), str(config_json.parent)
             except ValueError as err:
                 errors.append(f"target.model: {err}")
+    elif not Path(model).exists() and (parent := local_parent(str(model))):
+        errors.append(
+            f"target.model: {model}: no such folder ({parent}/ is a folder here, so this names a local path, "
+            "not a Hugging Face Hub id owner/name)"
+        )
     elif not Path(model).is_dir():
         errors.append(
             f"target.model: {model} is not a folder (target.gguf_wheel only materialises the embedded "

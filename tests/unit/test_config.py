@@ -167,6 +167,33 @@ def test_a_missing_target_is_refused_naming_the_key_and_path(in_tmp):
     assert errors == ["target.model: empty has no config.json (not a Hugging Face model folder)"]
 
 
+def test_a_missing_local_folder_spelt_like_a_hub_id_is_refused_at_start(in_tmp, offline_hub):
+    """`models/llama` beside a local models/ is a local path, not owner/name: refused at start, not
+    fetched from the Hub and failed in its job. ./ and / paths are local already."""
+    (in_tmp / "models").mkdir()
+    errors, _ = checks(target={"model": "models/llama", "gguf_wheel": None})
+    assert errors == [
+        "target.model: models/llama: no such folder (models/ is a folder here, so this names a local path, "
+        "not a Hugging Face Hub id owner/name)"
+    ]
+    for path in ("./x/y", "/x/y"):
+        errors, _ = checks(target={"model": path, "gguf_wheel": None})
+        assert errors == [
+            f"target.model: {path} is not a folder (target.gguf_wheel only materialises the embedded "
+            f"default, {EMBEDDED_TARGET})"
+        ]
+    # a real Hub id (no local folder of its owner's name) is still one: here, offline and not cached
+    errors, _ = checks(target={"model": "meta-llama/Llama-3.1-8B-Instruct", "gguf_wheel": None})
+    assert errors == [
+        "target.model: meta-llama/Llama-3.1-8B-Instruct is not a local folder; as a Hugging Face Hub id it "
+        "is not in the Hub cache and HF_HUB_OFFLINE=1 forbids downloading it"
+    ]
+    # a dataset spelt the same way beside a local folder
+    assert input_file_errors(filled({"prompts": {"source": "dataset", "path": "models/chats"}}))[0] == [
+        "prompts.path: models/chats: no such file or folder, nor a Hub dataset id (owner/name)"
+    ]
+
+
 def test_the_embedded_default_before_and_after_materialisation(in_tmp):
     layers, vocab = EMBEDDED_TARGET_CONFIG["num_hidden_layers"], EMBEDDED_TARGET_CONFIG["vocab_size"]
     assert checks() == ([], [])  # to be materialised: its known config
