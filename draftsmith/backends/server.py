@@ -147,9 +147,13 @@ def server_command(
 def server_env(
     devices: list[str] | None, base: dict[str, str] | None = None, api_key: str | None = None
 ) -> dict[str, str]:
-    """The server's environment: the job's devices only (Snakemake counts GPUs but assigns none), and the
-    API key it requires on /v1 (VLLM_API_KEY)."""
+    """The server's environment: the job's devices only (Snakemake counts GPUs but assigns none), the
+    API key it requires on every route (VLLM_API_KEY, read by vLLM and server_auth), and torch.distributed's
+    gloo sockets on loopback (GLOO_SOCKET_IFNAME): the engine's process group listens on the address the
+    host name resolves to otherwise, a network address on most machines; one server spans one machine."""
     env = vllm_child_env(dict(os.environ if base is None else base))
+    if sys.platform == "linux":
+        env["GLOO_SOCKET_IFNAME"] = "lo"
     if devices:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
     env.pop("VLLM_API_KEY", None)

@@ -18,7 +18,7 @@ from draftsmith.backends.common import (
     vllm_start,
 )
 from draftsmith.backends.openai import EndpointError, OpenAIClient
-from draftsmith.backends.server import AUTH_MIDDLEWARE, ServerError, VllmServer, server_command
+from draftsmith.backends.server import AUTH_MIDDLEWARE, ServerError, VllmServer, server_command, server_env
 from draftsmith.backends.server_auth import RequireKey
 
 
@@ -133,6 +133,12 @@ def test_the_server_runs_the_middleware_that_requires_the_key_before_the_users_f
         server_command("/m", 1, extra_args=["--middleware", "mine.Open"])
     with pytest.raises(ServerError, match="--kv-events-config: not a flag generation may set"):
         server_command("/m", 1, extra_args=["--kv-events-config", "{}"])
+
+
+def test_the_servers_environment_holds_its_key_and_keeps_gloo_on_loopback():
+    env = server_env(["1"], {"VLLM_API_KEY": "inherited", "GLOO_SOCKET_IFNAME": "eth0"}, api_key="k")
+    assert env["VLLM_API_KEY"] == "k" and env["CUDA_VISIBLE_DEVICES"] == "1"
+    assert env["GLOO_SOCKET_IFNAME"] == "lo"  # torch.distributed's sockets: never on the network
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "10.0.0.1", "my-host"])
