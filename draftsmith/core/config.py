@@ -279,13 +279,10 @@ def api_key_url_error(base_url: str | None, api_key_env: str | None) -> str | No
     (loopback) or over https, so that it never crosses a network in the clear."""
     from urllib.parse import urlsplit
 
-    if not api_key_env or not base_url:
+    if not api_key_env or not base_url or url_error(base_url):  # url_error names a bad one
         return None
-    try:
-        parts = urlsplit(base_url)
-        host = parts.hostname or ""
-    except ValueError:
-        return None  # url_error names it
+    parts = urlsplit(base_url)
+    host = parts.hostname or ""
     if parts.scheme == "https" or is_loopback(host):
         return None
     return (
@@ -308,7 +305,6 @@ VALUE_CHECKS = {
     ("evaluate", "humaneval_wheel"): (str, requirement_error),
     ("generate", "base_url"): (str, url_error),
     ("generate", "server_args"): (list, server_args_error),
-    ("generate", "server_host"): (str, server_host_error),
     ("generate", "api_key_env"): (str, api_key_env_error),
 }
 
@@ -634,6 +630,11 @@ def combination_errors(config: dict[str, Any]) -> list[str]:
         )
     if reason := api_key_url_error(config["generate"]["base_url"], config["generate"]["api_key_env"]):
         errors.append(f"generate.api_key_env: {reason}")
+    # the server the workflow starts; a server of the user's own (backend openai) listens where they say
+    if config["generate"]["backend"] == "vllm-server" and (
+        reason := server_host_error(config["generate"]["server_host"])
+    ):
+        errors.append(f"generate.server_host: {reason}")
     if config["prompts"]["code_prompts"] and not config["prompts"]["code_wheels"]:
         errors.append("prompts.code_wheels: prompts.code_prompts asks for code prompts but names no wheel")
     errors += wildcard_path_errors(config)

@@ -18,6 +18,7 @@ from draftsmith.core.config import (
     combination_errors,
     config_errors,
     input_file_errors,
+    locate,
     merge_sources,
     read_config_file,
     read_numbers,
@@ -576,20 +577,23 @@ def test_server_args_refused_at_start_name_the_file_and_line(tmp_path):
     ]
 
 
-@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "192.168.0.7", "my-host", ""])
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "192.168.0.7", "my-host"])
 def test_a_server_host_off_loopback_is_refused_at_start(tmp_path, host):
     path = tmp_path / "mine.yaml"
     path.write_text(yaml.safe_dump({"generate": {"backend": "vllm-server", "server_host": host}}))
-    errors = config_errors(yaml.safe_load(path.read_text()), [read_config_file(path)])
-    assert errors and errors[-1].startswith(f"{path}:3: generate.server_host: "), errors
-    if host:  # the schema's minLength names the empty one
-        assert errors == [f"{path}:3: generate.server_host: {server_host_error(host)}"]
-        assert "run your own server and use generate.backend: openai" in errors[0]
+    errors = combination_errors(filled(yaml.safe_load(path.read_text())))
+    assert [locate(e, [read_config_file(path)]) for e in errors] == [
+        f"{path}:3: generate.server_host: {server_host_error(host)}"
+    ]
+    assert "run your own server and use generate.backend: openai" in errors[0]
+    # a server of the user's own: the workflow starts none, server_host is not used
+    mine = {"backend": "openai", "base_url": "http://127.0.0.1:8000/v1", "server_host": host}
+    assert combination_errors(filled({"generate": mine})) == []
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "localhost"])
 def test_a_loopback_server_host_passes(host):
-    assert config_errors({"generate": {"server_host": host}}) == []
+    assert combination_errors(filled({"generate": {"backend": "vllm-server", "server_host": host}})) == []
 
 
 @pytest.mark.parametrize("name", ["HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "hf_token"])
@@ -625,6 +629,14 @@ def test_a_key_goes_only_over_https_or_to_loopback(base_url, refused):
     else:
         assert errors == []
     generate.pop("api_key_env")  # no key: nothing to leak
+    assert combination_errors(filled({"generate": generate})) == []
+
+
+def test_a_base_url_that_is_no_url_is_named_once_with_a_key():
+    generate = {"backend": "openai", "base_url": "not a url", "api_key_env": "MY_KEY"}
+    assert config_errors({"generate": generate}) == [
+        "generate.base_url: 'not a url' is not an http(s) URL such as http://127.0.0.1:8000/v1"
+    ]
     assert combination_errors(filled({"generate": generate})) == []
 
 
