@@ -640,6 +640,71 @@ def probe_push_symlink(p: Probe) -> str:
     )
 
 
+def probe_push_star_and_link(p: Probe) -> str:
+    """A push with no model card, a regular file named `*` and a link to a secret, through a stand-in
+    for the upload call: what huggingface_hub would have sent (upload_folder's patterns, or the
+    create_commit operations)."""
+    results = _push_results(p)
+    if results is None:
+        return "probe failed: no export"
+    drafter = results / "drafter"
+    (drafter / "README.md").unlink(missing_ok=True)
+    (drafter / "*").write_text("a file named star")
+    (p.root / "secret.txt").write_text("SECRET")
+    (drafter / "notes.txt").symlink_to(p.root / "secret.txt")
+    proc = p.python(
+        """
+        from pathlib import Path
+        from huggingface_hub.utils import filter_repo_objects
+        from draftsmith.stages.push import plan_push, push
+        sent = {}
+        class StandIn:
+            def create_repo(self, repo_id, **kw): return repo_id
+            def upload_folder(self, folder_path, allow_patterns=None, ignore_patterns=None, **kw):
+                names = [f.relative_to(folder_path).as_posix() for f in Path(folder_path).rglob("*") if f.is_file()]
+                for name in filter_repo_objects(names, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns):
+                    sent[name] = (Path(folder_path) / name).read_bytes()
+                return "url"
+            def create_commit(self, repo_id, operations, **kw):
+                for op in operations:
+                    sent[op.path_in_repo] = op.path_or_fileobj.read()
+                return "url"
+        plan = plan_push("results", "org/drafter")
+        push(plan, api=StandIn(), environ={"HF_TOKEN": "x"})
+        leaked = [n for n, data in sent.items() if data == b"SECRET"]
+        print(f"uploads {len(sent)} files" + (f"; the link's target as {leaked}" if leaked else "; no link target"))
+        """
+    )
+    return proc.stdout.strip() if proc.returncode == 0 else f"failed: {said(proc)}"
+
+
+def probe_server_routes_without_key(p: Probe) -> str:
+    proc = p.python(
+        """
+        from draftsmith.backends.server import server_command
+        cmd = server_command("/m", 8000)
+        if "--middleware" in cmd:
+            print("every route needs the key (" + cmd[cmd.index("--middleware") + 1].rsplit(".", 1)[1] + ")")
+        else:
+            print("vLLM checks /v1, /v2, /inference, /cohere only: /invocations, /tokenize open")
+        """
+    )
+    return proc.stdout.strip() if proc.returncode == 0 else f"failed: {said(proc)}"
+
+
+def probe_local_path_like_hub_id(p: Probe) -> str:
+    (p.root / "models").mkdir()
+    values = {"target": {"model": "models/llama", "gguf_wheel": None}}
+    return refused_or_planned(p, values, "results/traces.jsonl")
+
+
+def _generate_values(**values: Any) -> Callable[[Probe], str]:
+    def probe(p: Probe) -> str:
+        return refused_or_planned(p, {"generate": values}, "results/traces.jsonl")
+
+    return probe
+
+
 def probe_train_and_verify_exit(p: Probe) -> str:
     (p.root / "m.json").write_text("[1, 2]")
     (p.root / "v.pt").write_bytes(b"x")
@@ -830,6 +895,26 @@ PROBES = {
     "prompts.code_wheels: [not a requirement!]": probe_code_wheels_requirement,
     '--config "target={gguf_wheel: null}"': probe_config_null,
     "moved checkout, hand-written held-out set": probe_moved_checkout,
+    # issue 44
+    "vllm-server routes without the key (/invocations, /tokenize)": probe_server_routes_without_key,
+    "generate.server_host: 0.0.0.0": _generate_values(backend="vllm-server", server_host="0.0.0.0"),
+    "server_args [--kv-events-config, zmq publisher]": _server_args(
+        "--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "zmq"}'
+    ),
+    "server_args [--data-parallel-address, 10.0.0.1]": _server_args("--data-parallel-address", "10.0.0.1"),
+    "server_args [--kv-transfer-config, {}]": _server_args("--kv-transfer-config", "{}"),
+    "server_args [--otlp-traces-endpoint=http://10.0.0.1:4317]": _server_args(
+        "--otlp-traces-endpoint=http://10.0.0.1:4317"
+    ),
+    "server_args [--middleware, x.Open]": _server_args("--middleware", "x.Open"),
+    "generate.api_key_env: HF_TOKEN": _generate_values(
+        backend="openai", base_url="http://127.0.0.1:18931/v1", api_key_env="HF_TOKEN"
+    ),
+    "api_key_env with base_url http://10.0.0.5 (plain http off this machine)": _generate_values(
+        backend="openai", base_url="http://10.0.0.5:8000/v1", api_key_env="MY_KEY"
+    ),
+    "push: no card, a file named '*', a link to a secret (stand-in upload)": probe_push_star_and_link,
+    "target.model models/llama missing, a local models/ exists": probe_local_path_like_hub_id,
 }
 
 

@@ -143,9 +143,14 @@ class OpenAIClient:
 
     @classmethod
     def from_env(cls, base_url: str, api_key_env: str | None, **kw: Any) -> OpenAIClient:
-        """The API key is read from the named environment variable, never from config files."""
+        """The API key is read from the named environment variable, never from config files; not from
+        the Hugging Face token's, and sent only over https or to this machine (loopback)."""
+        from draftsmith.core.config import api_key_env_error, api_key_url_error
+
         key = None
         if api_key_env:
+            if reason := api_key_env_error(api_key_env) or api_key_url_error(base_url, api_key_env):
+                raise EndpointError(f"generate.api_key_env: {reason}")
             key = os.environ.get(api_key_env)
             if not key:
                 raise EndpointError(f"environment variable {api_key_env} (generate.api_key_env) is not set")

@@ -7,6 +7,9 @@ devices), waits for /health, and on exit stops the whole process group (SIGTERM,
 grace period) and waits until every process of it is gone, so the next GPU job starts on free devices.
 Each start draws a random API key, handed to vLLM in its environment (VLLM_API_KEY: other users can read
 a command line, not an environment) and sent by the back-end: another local user cannot use the server.
+vLLM itself checks the key only under /v1 and a few other prefixes; the workflow's own middleware
+(backends/server_auth.py, passed with --middleware) requires it on every route, /health included. The
+server listens on loopback only (generate.server_host; config.server_host_error).
 
 Stopping is guaranteed on normal exit, exceptions, SIGTERM/SIGINT/SIGHUP (handlers) and interpreter exit
 (atexit). A SIGKILL of the owner cannot be caught: for that the server is started with the Linux
@@ -35,12 +38,14 @@ from typing import Any
 from draftsmith.backends.common import attention_backend_for, log_cause, vllm_child_env
 from draftsmith.backends.openai import OpenAIChatBackend, OpenAIClient
 from draftsmith.backends.vllm_api import API_SERVER_MODULE
-from draftsmith.core.config import server_args_error
+from draftsmith.core.config import server_args_error, server_host_error
 from draftsmith.core.devices import parse_visible
 
 log = logging.getLogger(__name__)
 
 SERVED_NAME = "target"
+# vLLM adds this ASGI class outermost (its --middleware flag): the run's key on every route
+AUTH_MIDDLEWARE = "draftsmith.backends.server_auth.RequireKey"
 PR_SET_PDEATHSIG = 1
 
 
@@ -108,8 +113,9 @@ def server_command(
     gpu_memory_utilization: float | None = None,
     data_parallel: int = 1,
 ) -> list[str]:
-    """The api_server command line. Settings given in `extra_args` win over the derived ones, except
-    what the workflow owns (config.RESERVED_SERVER_ARGS: model, address, API key), which they may not set.
+    """The api_server command line. Settings given in `extra_args` win over the derived ones; they may
+    set only what generation needs (config.SERVER_FLAGS), never what the workflow owns
+    (config.RESERVED_SERVER_ARGS: model, address, API key, the middleware that requires the key).
 
     tensor_parallel: GPUs the model is split over (default: one per device given); with
     --enable-expert-parallel in extra_args vLLM's MoE layers then use EP = TP x DP.
@@ -119,7 +125,7 @@ def server_command(
     if reason := server_args_error(extra):
         raise ServerError(f"generate.server_args: {reason}")
     cmd = [python, "-m", module, "--model", str(model), "--host", host, "--port", str(port)]
-    cmd += ["--served-model-name", served_name]
+    cmd += ["--served-model-name", served_name, "--middleware", AUTH_MIDDLEWARE]
     if dtype and not _has_flag(extra, "--dtype"):
         cmd += ["--dtype", dtype]
     if seed is not None and not _has_flag(extra, "--seed"):
@@ -141,27 +147,19 @@ def server_command(
 def server_env(
     devices: list[str] | None, base: dict[str, str] | None = None, api_key: str | None = None
 ) -> dict[str, str]:
-    """The server's environment: the job's devices only (Snakemake counts GPUs but assigns none), and the
-    API key it requires on /v1 (VLLM_API_KEY)."""
+    """The server's environment: the job's devices only (Snakemake counts GPUs but assigns none), the
+    API key it requires on every route (VLLM_API_KEY, read by vLLM and server_auth), and torch.distributed's
+    gloo sockets on loopback (GLOO_SOCKET_IFNAME): the engine's process group listens on the address the
+    host name resolves to otherwise, a network address on most machines; one server spans one machine."""
     env = vllm_child_env(dict(os.environ if base is None else base))
+    if sys.platform == "linux":
+        env["GLOO_SOCKET_IFNAME"] = "lo"
     if devices:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
     env.pop("VLLM_API_KEY", None)
     if api_key:
         env["VLLM_API_KEY"] = api_key
     return env
-
-
-def is_loopback(host: str) -> bool:
-    """Whether only this machine can reach an address the server listens on."""
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: only the resolver knows
-        return False
 
 
 def log_tail(path: Path, lines: int = 40) -> str:
@@ -295,13 +293,11 @@ class VllmServer:
     def start(self) -> VllmServer:
         if self.proc is not None:
             raise RuntimeError("server already started")
+        if reason := server_host_error(self.host):  # the start-up checks refuse it first; this holds too
+            raise ServerError(f"generate.server_host: {reason}")
         self.port = self.port or free_port()
         self.api_key = secrets.token_urlsafe(32)
         cmd = self.command()
-        if not is_loopback(self.host):
-            log.warning(
-                "vllm-server: listening on %s (generate.server_host): reachable from the network", self.host
-            )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         out = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps writing after we return
         out.write(f"$ {' '.join(cmd)}\n".encode())
@@ -336,14 +332,17 @@ class VllmServer:
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
-        url = self.base_url.removesuffix("/v1") + "/health"
+        # /health needs the key too (server_auth): an unauthorised answer is no sign of health
+        health = urllib.request.Request(
+            self.base_url.removesuffix("/v1") + "/health", headers={"Authorization": f"Bearer {self.api_key}"}
+        )
         while True:
             code = self.proc.poll()
             if code is not None:
                 raise ServerError(
                     startup_failure(f"exited with code {code} before it was healthy", self.log_path)
                 )
-            with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=5) as resp:
+            with contextlib.suppress(OSError), urllib.request.urlopen(health, timeout=5) as resp:
                 if resp.status == 200:
                     return
             if time.monotonic() > deadline:

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from draftsmith.core.hub import cached_file, hub_target_dir, is_hub_id, offline
+from draftsmith.core.hub import cached_file, hub_target_dir, is_hub_id, local_parent, offline
 
 SCHEMA_PATH = Path(__file__).parents[1] / "config.schema.yaml"
 # The embedded default target: the `target` rule materialises it from `target.gguf_wheel`, and only it.
@@ -151,10 +151,38 @@ def url_error(value: str) -> str | None:
 
 
 # vllm-server flags the workflow sets itself: what it serves, under what name, where it listens and who
-# may call it; and --config, a YAML file whose keys vLLM reads as more flags (any of the above).
+# may call it; --config, a YAML file whose keys vLLM reads as more flags (any of the above); and
+# --middleware, through which the workflow requires the key on every route (backends/server_auth.py).
 RESERVED_SERVER_ARGS = (
-    "--model", "--host", "--port", "--uds", "--api-key", "--served-model-name", "--config",
+    "--model", "--host", "--port", "--uds", "--api-key", "--served-model-name", "--config", "--middleware",
 )  # fmt: skip
+# What generate.server_args may set: the performance and model-loading flags generation needs, by the
+# exact name vLLM's parser knows (after `_` -> `-`; with `--no-` where vLLM has one). An allow-list, not
+# a deny-list: each vLLM release adds flags, and some open a door the run would leave open
+# (--kv-events-config publishes on tcp://*:5557, --data-parallel-address, --kv-transfer-config,
+# --otlp-traces-endpoint send or listen elsewhere; --middleware, --tool-parser-plugin load code).
+# Abbreviations are refused too: an exact name is what argparse takes without guessing.
+SERVER_FLAGS = frozenset((
+    # loading the model and its chat template
+    "--dtype", "--seed", "--max-model-len", "--quantization", "-q", "--trust-remote-code",
+    "--no-trust-remote-code", "--tokenizer-mode", "--hf-overrides", "--model-impl", "--disable-sliding-window",
+    "--limit-mm-per-prompt", "--language-model-only", "--no-language-model-only", "--chat-template",
+    "--chat-template-content-format", "--default-chat-template-kwargs", "--reasoning-parser",
+    "--tool-call-parser", "--enable-auto-tool-choice", "--no-enable-auto-tool-choice",
+    # speed and memory
+    "--enforce-eager", "--no-enforce-eager", "--compilation-config", "-cc", "--optimization-level", "-O",
+    "--max-cudagraph-capture-size", "--cudagraph-capture-sizes", "--attention-backend", "--max-num-seqs",
+    "--max-num-batched-tokens", "--gpu-memory-utilization", "--kv-cache-dtype", "--kv-cache-memory-bytes",
+    "--enable-prefix-caching", "--no-enable-prefix-caching", "--enable-chunked-prefill",
+    "--no-enable-chunked-prefill", "--async-scheduling", "--no-async-scheduling", "--block-size",
+    "--swap-space", "--cpu-offload-gb", "--disable-log-stats",
+    # the job's GPUs (one node)
+    "--tensor-parallel-size", "-tp", "--data-parallel-size", "-dp", "--pipeline-parallel-size", "-pp",
+    "--enable-expert-parallel", "--no-enable-expert-parallel", "-ep", "--enable-eplb", "--no-enable-eplb",
+    "--disable-custom-all-reduce",
+))  # fmt: skip
+# A value that starts with '-' but that argparse reads as a value, not an option (`--seed -1`).
+NEGATIVE_NUMBER = re.compile(r"-\d+|-\d*\.\d+")
 
 
 def server_flag(arg: str) -> str | None:
@@ -166,20 +194,100 @@ def server_flag(arg: str) -> str | None:
     return arg.split("=", 1)[0].split(".", 1)[0].replace("_", "-")
 
 
+def server_option(arg: str) -> str | None:
+    """The option vLLM's parser reads in `arg` (long as server_flag names it; short as `-tp` in `-tp=2`;
+    `-O3`, `-O=3` as `-O`), or None for a value (a word, a negative number). `--` (the end of the
+    options) and `-` are options here: they are refused like any name not allowed."""
+    if arg.startswith("--") and arg != "--":
+        return server_flag(arg)
+    if not arg.startswith("-") or NEGATIVE_NUMBER.fullmatch(arg):
+        return None
+    if arg.startswith("-O"):  # vLLM reads -O3, -O=3, -Odecode as --optimization-level
+        return "-O"
+    return arg.split("=", 1)[0].split(".", 1)[0]
+
+
 def server_args_error(args: list[Any]) -> str | None:
     """Why `generate.server_args` may not be given to the vllm-server, or None. Read as vLLM reads
-    them (server_flag); argparse takes any unambiguous abbreviation (`--hos`), so a prefix of a reserved
-    flag is refused too."""
-    taken = [
-        str(a)
-        for a in args
-        if (flag := server_flag(str(a))) and any(r.startswith(flag) for r in RESERVED_SERVER_ARGS)
-    ]
-    if not taken:
+    them (server_option): a flag the workflow sets, in any form (argparse takes any unambiguous
+    abbreviation, `--hos`, so a prefix of a reserved flag is refused as one), or a flag not among
+    SERVER_FLAGS."""
+    taken, other = [], []
+    for arg in map(str, args):
+        name = server_option(arg)
+        if name is None:
+            continue
+        if len(name) > 2 and name.startswith("--") and any(r.startswith(name) for r in RESERVED_SERVER_ARGS):
+            taken.append(arg)
+        elif name not in SERVER_FLAGS:
+            other.append(arg)
+    reasons = []
+    if taken:
+        reasons.append(
+            f"{', '.join(taken)}: set by the workflow (the server listens on generate.server_host, a free "
+            "port, with a new API key per run that its middleware requires on every route, and serves the "
+            "target under its own name; no --config file)"
+        )
+    if other:
+        reasons.append(
+            f"{', '.join(other)}: not a flag generation may set (performance and model loading only, by "
+            "their full names: see generate.server_args in draftsmith/config.schema.yaml)"
+        )
+    return "; ".join(reasons) or None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether only this machine can reach `host` (a name other than localhost: only the resolver
+    knows, so no)."""
+    import ipaddress
+
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def server_host_error(host: str) -> str | None:
+    """Why the workflow's own server may not listen on `host`, or None: loopback only."""
+    if is_loopback(host):
         return None
     return (
-        f"{', '.join(taken)}: set by the workflow (the server listens on generate.server_host, a free "
-        "port, with a new API key per run, and serves the target under its own name; no --config file)"
+        f"{host!r} is not a loopback address: the server the workflow starts listens on this machine only "
+        "(127.0.0.1, ::1 or localhost); to serve the target to a network, run your own server and use "
+        "generate.backend: openai"
+    )
+
+
+# Variables that hold the Hugging Face token: a generation endpoint never gets it.
+HUB_TOKEN_VARIABLES = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+
+
+def api_key_env_error(name: str) -> str | None:
+    """Why `generate.api_key_env` may not name this variable, or None."""
+    if name.upper() in HUB_TOKEN_VARIABLES:
+        return (
+            f"{name} holds the Hugging Face token, which no generation server gets: put the server's own "
+            "key in another variable and name that one"
+        )
+    return None
+
+
+def api_key_url_error(base_url: str | None, api_key_env: str | None) -> str | None:
+    """Why the key in `api_key_env` may not be sent to `base_url`, or None: only to this machine
+    (loopback) or over https, so that it never crosses a network in the clear."""
+    from urllib.parse import urlsplit
+
+    if not api_key_env or not base_url or url_error(base_url):  # url_error names a bad one
+        return None
+    parts = urlsplit(base_url)
+    host = parts.hostname or ""
+    if parts.scheme == "https" or is_loopback(host):
+        return None
+    return (
+        f"the key in {api_key_env} would cross the network in the clear to {host} ({base_url}): use an "
+        "https:// base_url, or a loopback address (127.0.0.1) for a server on this machine"
     )
 
 
@@ -197,6 +305,7 @@ VALUE_CHECKS = {
     ("evaluate", "humaneval_wheel"): (str, requirement_error),
     ("generate", "base_url"): (str, url_error),
     ("generate", "server_args"): (list, server_args_error),
+    ("generate", "api_key_env"): (str, api_key_env_error),
 }
 
 
@@ -519,6 +628,13 @@ def combination_errors(config: dict[str, Any]) -> list[str]:
             "generate.base_url: generate.backend is openai but no server is named "
             "(e.g. http://127.0.0.1:8000/v1)"
         )
+    if reason := api_key_url_error(config["generate"]["base_url"], config["generate"]["api_key_env"]):
+        errors.append(f"generate.api_key_env: {reason}")
+    # the server the workflow starts; a server of the user's own (backend openai) listens where they say
+    if config["generate"]["backend"] == "vllm-server" and (
+        reason := server_host_error(config["generate"]["server_host"])
+    ):
+        errors.append(f"generate.server_host: {reason}")
     if config["prompts"]["code_prompts"] and not config["prompts"]["code_wheels"]:
         errors.append("prompts.code_wheels: prompts.code_prompts asks for code prompts but names no wheel")
     errors += wildcard_path_errors(config)
@@ -642,7 +758,8 @@ def dataset_errors(path: str, revision: str | None) -> list[str]:
     if local.exists():
         return []
     if not is_hub_id(path) or local.suffix.lower() in DATASET_BUILDERS:
-        # `data/prompts.jsonl` is spelt like owner/name, but no Hub dataset id ends in a file suffix
+        # `data/prompts.jsonl` is spelt like owner/name, but no Hub dataset id ends in a file suffix;
+        # `data/chats` beside a local data/ is a local path (hub.local_parent)
         return [f"prompts.path: {path}: no such file or folder, nor a Hub dataset id (owner/name)"]
     if offline() and not is_cached(path, "dataset", revision):
         return [
@@ -776,6 +893,11 @@ def target_checks(config: dict[str, Any]) -> tuple[list[str], list[str]]:
                 target_cfg, where = read_target_config(config_json.parent), str(config_json.parent)
             except ValueError as err:
                 errors.append(f"target.model: {err}")
+    elif not Path(model).exists() and (parent := local_parent(str(model))):
+        errors.append(
+            f"target.model: {model}: no such folder ({parent}/ is a folder here, so this names a local path, "
+            "not a Hugging Face Hub id owner/name)"
+        )
     elif not Path(model).is_dir():
         errors.append(
             f"target.model: {model} is not a folder (target.gguf_wheel only materialises the embedded "

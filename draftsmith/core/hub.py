@@ -23,9 +23,26 @@ class HubError(RuntimeError):
 
 def is_hub_id(value: str | os.PathLike[str]) -> bool:
     """Whether a setting names a Hub repository (`owner/name`) rather than a local path: spelled as a
-    Hub id and not an existing file or folder (a local folder of that name wins)."""
+    Hub id, not an existing file or folder (a local folder of that name wins), and its owner part no
+    local folder (local_parent)."""
     text = str(value)
-    return bool(HUB_ID.fullmatch(text)) and ".." not in text and "--" not in text and not Path(text).exists()
+    spelled = bool(HUB_ID.fullmatch(text)) and ".." not in text and "--" not in text
+    return spelled and not Path(text).exists() and local_parent(text) is None
+
+
+def local_parent(value: str) -> str | None:
+    """The folder of the working folder that `owner/name` would lie in, when it exists: then `value`
+    is a mistyped or missing local path (`models/llama` beside a `models/`), not a Hub id.
+
+    This cannot refuse a Hub id the workflow or huggingface_hub put there: neither ever makes a folder
+    named after a Hub owner in the working folder (Hub targets are materialised into
+    resources/hub/<owner>--<name>, the Hub cache keeps models--<owner>--<name> elsewhere). Only a folder
+    the user made with an owner's name (`meta-llama/`) does, and the message names it. Paths that start
+    with ./ or / are never spelt like Hub ids (HUB_ID), so they are local paths already."""
+    if not HUB_ID.fullmatch(value):
+        return None
+    owner = value.split("/", 1)[0]
+    return owner if Path(owner).is_dir() else None
 
 
 def hub_target_dir(repo_id: str, revision: str | None = None) -> str:

@@ -45,6 +45,7 @@ from draftsmith.core.estimate import (
     human_bytes,
     human_seconds,
     probe_plan,
+    raw_state_bytes,
 )
 from draftsmith.core.layers import resolve_aux_layers
 from draftsmith.core.precision import compute_dtype
@@ -298,10 +299,14 @@ def extract_shard(
             writer.abort()
         if out_path and disk_full(err):  # the disk filled up after the check (other jobs write too)
             free = human_bytes(shutil.disk_usage(Path(out_path).parent).free)
-            needed = human_bytes(estimate.get("compressed_bytes", 0))
+            if "compressed_bytes" in estimate:
+                needed = f"about {human_bytes(estimate['compressed_bytes'])}"
+            else:  # full while probing (the probe writes beside the shard): its codec ratio is not known
+                raw = raw_state_bytes(total_tokens, len(layer_ids) + 1, hidden, storage_dtype)
+                needed = f"up to {human_bytes(raw)}, its states uncompressed"
             raise NotEnoughDisk(
                 f"{Path(out_path).parent}: disk full while writing shard {shard} ({free} free after removing its "
-                f"partial file; the shard needs about {needed}); {disk_advice(codec, storage_dtype)}"
+                f"partial file; the shard needs {needed}); {disk_advice(codec, storage_dtype)}"
             ) from None
         raise
     finally:

@@ -4,12 +4,14 @@
     push(plan, token, api=None, force)    create the repository (if new) and upload the export folder
 
 The export folder of the engine (`results/drafter/` for vLLM, `drafter-sglang/`, `drafter-speculators/`)
-is uploaded as it is, hidden files left out (a crashed writer's temporaries). A drafter whose gate
+is uploaded as the explicit list of its regular files the plan names, hidden files (a crashed writer's
+temporaries) and links left out: one commit of one upload per file, each opened without following a
+link, never patterns built from file names (a file named `*` would match them all). A drafter whose gate
 blocked (`results/eval/summary.json` says `gate_passed: false`, or `results/eval/gate.json`, written only
 when the gate passes, is missing) is refused unless forced: the gate exists so that a drafter that loses
 to free alternatives is not deployed, and a Hub repository is a deployment. The token comes from
 HF_TOKEN only and is never printed; huggingface_hub does the talking (`HfApi.create_repo`,
-`HfApi.upload_folder`), and tests hand in an object with the same two methods.
+`HfApi.create_commit`), and tests hand in an object with the same two methods.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import contextlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -28,7 +31,6 @@ from draftsmith.core.stage_args import BAD_INPUT, FAILED, GATE, arg
 
 ENGINE_FOLDERS = {"vllm": "drafter", "sglang": "drafter-sglang", "speculators": "drafter-speculators"}
 TOKEN_ENV = "HF_TOKEN"
-HIDDEN = [".*", "**/.*"]  # never uploaded: temporaries of a crashed writer, editor files
 
 
 class PushInputError(ValueError):
@@ -48,7 +50,7 @@ class HubApi(Protocol):
 
     def create_repo(self, repo_id: str, **kwargs: Any) -> Any: ...
 
-    def upload_folder(self, **kwargs: Any) -> Any: ...
+    def create_commit(self, repo_id: str, **kwargs: Any) -> Any: ...
 
 
 @dataclass
@@ -216,17 +218,43 @@ def staged(plan: PushPlan) -> Iterator[Path]:
             if name == "README.md":
                 (stage / name).write_text(card, encoding="utf-8")
                 continue
+            # a file swapped for a link since the plan stays a link here, refused by upload_operations
             try:
-                os.link(plan.folder / name, stage / name)
+                os.link(plan.folder / name, stage / name, follow_symlinks=False)
             except OSError:
-                shutil.copyfile(plan.folder / name, stage / name)
+                shutil.copyfile(plan.folder / name, stage / name, follow_symlinks=False)
         yield stage
+
+
+def upload_operations(folder: Path, names: list[str], files: contextlib.ExitStack) -> list[Any]:
+    """One upload per planned file, each opened without following a link (O_NOFOLLOW) and checked to be
+    a regular file inside `folder`: a file swapped for a link after the plan was made is refused, not
+    followed (PushInputError). The open files are closed with `files`."""
+    from huggingface_hub import CommitOperationAdd
+
+    root = folder.resolve()
+    operations = []
+    for name in names:
+        path = folder / name
+        try:
+            if not path.resolve().is_relative_to(root):  # a folder on its way swapped for a link
+                raise OSError("it lies outside the export")
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            handle = files.enter_context(os.fdopen(fd, "rb"))
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError("not a regular file")
+        except OSError as err:
+            raise PushInputError(
+                f"{path}: changed since the push was planned ({err.strerror or err}); run it again"
+            ) from None
+        operations.append(CommitOperationAdd(path_in_repo=name, path_or_fileobj=handle))
+    return operations
 
 
 def push(
     plan: PushPlan, api: HubApi | None = None, force: bool = False, environ: dict[str, str] | None = None
 ) -> str:
-    """Create the repository (kept if it exists) and upload the export folder in one commit; returns
+    """Create the repository (kept if it exists) and upload the plan's files in one commit; returns
     the commit's URL. Refuses a drafter whose gate blocked unless forced, before asking for a token."""
     if not plan.gate.passed and not force:
         raise GateRefused(f"refusing to push {plan.folder}: {plan.gate.reason} (--force pushes it anyway)")
@@ -245,16 +273,16 @@ def push(
         message += " [pushed with --force: the gate blocked it]"
     try:
         api.create_repo(plan.repo_id, token=token, private=plan.private, repo_type="model", exist_ok=True)
-        with staged(plan) as folder:
-            commit = api.upload_folder(
+        with staged(plan) as folder, contextlib.ExitStack() as files:
+            commit = api.create_commit(
                 repo_id=plan.repo_id,
-                folder_path=str(folder),
+                operations=upload_operations(folder, plan.files, files),
                 repo_type="model",
                 token=token,
                 commit_message=message,
-                allow_patterns=plan.files,
-                ignore_patterns=HIDDEN,
             )
+    except PushInputError:
+        raise
     except Exception as err:  # huggingface_hub's HTTP, validation and connection errors alike
         raise PushFailed(
             f"pushing to {plan.repo_id} failed: {type(err).__name__}: {str(err).replace(token, '***')}"

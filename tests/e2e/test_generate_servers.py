@@ -7,9 +7,11 @@ Two kinds of tests:
   server, and the `vllm-server` mode that starts and stops its own.
 """
 
+import ipaddress
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -807,6 +809,83 @@ def test_openai_engine_against_real_vllm(vllm_server, tmp_path, monkeypatch):
             tok.decode(row["response_token_ids"], skip_special_tokens=True).strip() == row["response"].strip()
         )
         assert row["finish_reason"] == "length" or row["response_token_ids"][-1] == tok.eos_token_id
+
+
+def _listeners() -> list[tuple[str, str, set[int]]]:
+    """(netid, local address:port, pids) of every listening TCP and UDP socket (`ss -ltunpH`)."""
+    out = subprocess.run(["ss", "-ltunpH"], capture_output=True, text=True, check=True).stdout
+    rows = []
+    for line in out.splitlines():
+        fields = line.split()
+        pids = {int(p) for p in re.findall(r"pid=(\d+)", line)}
+        rows.append((fields[0], fields[4], pids))
+    return rows
+
+
+def _tree(pid: int) -> set[int]:
+    """A process, its process group (the server's session) and all their descendants, from /proc."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        fields = text[text.rfind(")") + 2 :].split()
+        parents[int(stat.parent.name)] = (int(fields[1]), int(fields[2]))  # ppid, pgrp
+    tree = {pid} | {p for p, (_, pgrp) in parents.items() if pgrp == os.getpgid(pid)}
+    grown = True
+    while grown:
+        more = {p for p, (ppid, _) in parents.items() if ppid in tree} - tree
+        tree |= more
+        grown = bool(more)
+    return tree
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_the_workflows_server_needs_its_key_on_every_route_and_listens_on_loopback_only(vllm_server):
+    """vLLM checks the key under /v1 only: /invocations (SageMaker's chat and completions) and /tokenize
+    answered anyone. The workflow's middleware (backends/server_auth.py) refuses them without the run's
+    key. The server's process tree listens on loopback only: the HTTP port, and torch.distributed's gloo
+    sockets of the engine (pinned to lo by server_env; vLLM opens them, draftsmith cannot avoid them)."""
+    import httpx
+
+    base_url, api_key = vllm_server
+    root = base_url.removesuffix("/v1")
+    chat = {"model": "target", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    routes = [("POST", "/invocations", chat), ("POST", "/tokenize", {"model": "target", "prompt": "Hello"})]
+    routes += [("GET", path, None) for path in ("/health", "/ping", "/metrics", "/version", "/v1/models")]
+    for method, path, body in routes:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": api_key}):
+            refused = httpx.request(method, root + path, json=body, headers=headers, timeout=60)
+            assert refused.status_code == 401, (path, headers, refused.status_code, refused.text[:200])
+        key = {"Authorization": f"Bearer {api_key}"}  # /metrics redirects to /metrics/, same origin
+        served = httpx.request(
+            method, root + path, json=body, headers=key, timeout=300, follow_redirects=True
+        )
+        assert served.status_code == 200, (path, served.status_code, served.text[:300])
+        if path == "/invocations":
+            assert served.json()["choices"][0]["message"]["role"] == "assistant"
+        if path == "/tokenize":
+            assert served.json()["count"] > 0
+    port = int(root.rsplit(":", 1)[1])
+    listeners = _listeners()
+    http = [pids for _, local, pids in listeners if local == f"127.0.0.1:{port}"]
+    assert len(http) == 1 and http[0], listeners
+    tree = set().union(*(_tree(pid) for pid in http[0]))
+    ours = [(netid, local) for netid, local, pids in listeners if pids & tree]
+    print("listeners of the server's process tree:", ours)
+    assert ("tcp", f"127.0.0.1:{port}") in ours
+    assert [row for row in ours if not _on_loopback(row[1])] == [], ours
+
+
+def _on_loopback(local: str) -> bool:
+    """Whether an `ss` local address (`127.0.0.1:80`, `127.0.0.1%lo:80`, `[::1]:80`, `*:80`) is loopback."""
+    address = local.rsplit(":", 1)[0].strip("[]").split("%")[0]
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:  # `*`: every address
+        return False
 
 
 @pytest.mark.vllm

@@ -17,7 +17,9 @@ from draftsmith.backends.common import (
     vllm_on_cpu,
     vllm_start,
 )
-from draftsmith.backends.server import server_command
+from draftsmith.backends.openai import EndpointError, OpenAIClient
+from draftsmith.backends.server import AUTH_MIDDLEWARE, ServerError, VllmServer, server_command, server_env
+from draftsmith.backends.server_auth import RequireKey
 
 
 @pytest.mark.parametrize(
@@ -118,3 +120,85 @@ def test_a_vllm_that_does_not_start_is_one_line_naming_the_workers_cause():
         "vllm extraction of twin: vLLM did not start: "
         "RuntimeError: expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8"
     )
+
+
+# ----------------------------------------------------------------------------- the workflow's own server
+
+
+def test_the_server_runs_the_middleware_that_requires_the_key_before_the_users_flags():
+    cmd = server_command("/m", 1, extra_args=["--enforce-eager"])
+    assert cmd[cmd.index("--middleware") + 1] == AUTH_MIDDLEWARE == f"{RequireKey.__module__}.RequireKey"
+    assert cmd[-1] == "--enforce-eager" and cmd.count("--middleware") == 1
+    with pytest.raises(ServerError, match="--middleware: set by the workflow"):
+        server_command("/m", 1, extra_args=["--middleware", "mine.Open"])
+    with pytest.raises(ServerError, match="--kv-events-config: not a flag generation may set"):
+        server_command("/m", 1, extra_args=["--kv-events-config", "{}"])
+
+
+def test_the_servers_environment_holds_its_key_and_keeps_gloo_on_loopback():
+    env = server_env(["1"], {"VLLM_API_KEY": "inherited", "GLOO_SOCKET_IFNAME": "eth0"}, api_key="k")
+    assert env["VLLM_API_KEY"] == "k" and env["CUDA_VISIBLE_DEVICES"] == "1"
+    assert env["GLOO_SOCKET_IFNAME"] == "lo"  # torch.distributed's sockets: never on the network
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.0.0.1", "my-host"])
+def test_the_server_does_not_start_off_loopback(tmp_path, host):
+    server = VllmServer("m", log_path=tmp_path / "s.log", host=host)
+    with pytest.raises(ServerError, match=f"^generate.server_host: '{host}' is not a loopback address"):
+        server.start()
+    assert server.proc is None and not (tmp_path / "s.log").exists()
+
+
+def _asgi(app, path, headers=(), kind="http"):
+    """One request through an ASGI app: its status (HTTP) or close code (WebSocket)."""
+    import asyncio
+
+    sent = []
+    scope = {"type": kind, "path": path, "method": "POST", "headers": list(headers)}
+
+    async def receive():
+        return {"type": "http.request", "body": b""}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    return sent[0].get("status", sent[0].get("code"))
+
+
+def test_the_key_is_required_on_every_route(monkeypatch):
+    """vLLM checks it under /v1 only; RequireKey (outermost) on /invocations, /tokenize, /health, ..."""
+    calls = []
+
+    async def inner(scope, receive, send):
+        calls.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    monkeypatch.setenv("VLLM_API_KEY", "k123")
+    app = RequireKey(inner)
+    for path in ("/invocations", "/tokenize", "/health", "/metrics", "/v1/models", "/"):
+        assert _asgi(app, path) == 401
+        assert _asgi(app, path, [(b"authorization", b"Bearer wrong")]) == 401
+        assert _asgi(app, path, [(b"authorization", b"Basic k123")]) == 401
+        assert _asgi(app, path, [(b"authorization", b"Bearer k123")]) == 200
+    assert _asgi(app, "/v1/realtime", kind="websocket") == 1008
+    assert calls == ["/invocations", "/tokenize", "/health", "/metrics", "/v1/models", "/"]
+    monkeypatch.delenv("VLLM_API_KEY")  # no key given: nothing is served (fail closed)
+    assert _asgi(RequireKey(inner), "/health", [(b"authorization", b"Bearer ")]) == 401
+
+
+@pytest.mark.parametrize(
+    ("base_url", "variable", "reason"),
+    [
+        ("https://example.org/v1", "HF_TOKEN", "HF_TOKEN holds the Hugging Face token"),
+        ("http://127.0.0.1:1/v1", "HUGGING_FACE_HUB_TOKEN", "HUGGING_FACE_HUB_TOKEN holds the Hugging Face"),
+        ("http://10.0.0.5:8000/v1", "MY_KEY", "the key in MY_KEY would cross the network in the clear"),
+    ],
+)
+def test_the_client_sends_no_hub_token_and_no_key_in_the_clear(monkeypatch, base_url, variable, reason):
+    monkeypatch.setenv(variable, "secret")
+    with pytest.raises(EndpointError, match=f"^generate.api_key_env: {reason}"):
+        OpenAIClient.from_env(base_url, variable)
+    monkeypatch.setenv("MY_KEY", "secret")
+    assert OpenAIClient.from_env("https://example.org/v1", "MY_KEY").api_key == "secret"
+    assert OpenAIClient.from_env("http://localhost:8000/v1", "MY_KEY").api_key == "secret"

@@ -18,6 +18,7 @@ from draftsmith.core.config import (
     combination_errors,
     config_errors,
     input_file_errors,
+    locate,
     merge_sources,
     read_config_file,
     read_numbers,
@@ -28,6 +29,7 @@ from draftsmith.core.config import (
     section_defaults,
     section_errors,
     server_args_error,
+    server_host_error,
     target_checks,
     text_config_json,
     url_error,
@@ -164,6 +166,33 @@ def test_a_missing_target_is_refused_naming_the_key_and_path(in_tmp):
     (in_tmp / "empty").mkdir()
     errors, _ = checks(target={"model": "empty"})
     assert errors == ["target.model: empty has no config.json (not a Hugging Face model folder)"]
+
+
+def test_a_missing_local_folder_spelt_like_a_hub_id_is_refused_at_start(in_tmp, offline_hub):
+    """`models/llama` beside a local models/ is a local path, not owner/name: refused at start, not
+    fetched from the Hub and failed in its job. ./ and / paths are local already."""
+    (in_tmp / "models").mkdir()
+    errors, _ = checks(target={"model": "models/llama", "gguf_wheel": None})
+    assert errors == [
+        "target.model: models/llama: no such folder (models/ is a folder here, so this names a local path, "
+        "not a Hugging Face Hub id owner/name)"
+    ]
+    for path in ("./x/y", "/x/y"):
+        errors, _ = checks(target={"model": path, "gguf_wheel": None})
+        assert errors == [
+            f"target.model: {path} is not a folder (target.gguf_wheel only materialises the embedded "
+            f"default, {EMBEDDED_TARGET})"
+        ]
+    # a real Hub id (no local folder of its owner's name) is still one: here, offline and not cached
+    errors, _ = checks(target={"model": "meta-llama/Llama-3.1-8B-Instruct", "gguf_wheel": None})
+    assert errors == [
+        "target.model: meta-llama/Llama-3.1-8B-Instruct is not a local folder; as a Hugging Face Hub id it "
+        "is not in the Hub cache and HF_HUB_OFFLINE=1 forbids downloading it"
+    ]
+    # a dataset spelt the same way beside a local folder
+    assert input_file_errors(filled({"prompts": {"source": "dataset", "path": "models/chats"}}))[0] == [
+        "prompts.path: models/chats: no such file or folder, nor a Hub dataset id (owner/name)"
+    ]
 
 
 def test_the_embedded_default_before_and_after_materialisation(in_tmp):
@@ -441,10 +470,10 @@ def test_server_args_that_move_the_address_or_set_the_key_are_config_errors():
     )
     assert errors == [
         "generate.server_args: --host, --api-key=k: set by the workflow (the server listens on "
-        "generate.server_host, a free port, with a new API key per run, and serves the target under its "
-        "own name; no --config file)"
+        "generate.server_host, a free port, with a new API key per run that its middleware requires on "
+        "every route, and serves the target under its own name; no --config file)"
     ]
-    assert config_errors({"generate": {"server_args": ["--enforce-eager"], "server_host": "0.0.0.0"}}) == []
+    assert config_errors({"generate": {"server_args": ["--enforce-eager"], "server_host": "127.0.0.1"}}) == []
 
 
 # Each form vLLM's FlexibleArgumentParser reads as a reserved flag: `_` for `-`, `=`, the dotted JSON
@@ -484,6 +513,131 @@ def test_every_form_vllm_reads_as_a_reserved_flag_is_refused(args):
 )
 def test_server_args_that_set_nothing_reserved_pass(args):
     assert server_args_error(args) is None
+
+
+# Flags that open a door (a listener, a sink elsewhere, code to load) or that generation does not need:
+# refused in each form vLLM's parser reads (`_` for `-`, `=`, the dotted JSON form).
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "zmq"}'],
+        ["--kv_events_config={}"],
+        ["--kv-events-config.publisher", "zmq"],
+        ["--data-parallel-address", "10.0.0.1"],
+        ["--data_parallel_address=10.0.0.1"],
+        ["--kv-transfer-config", '{"kv_connector": "x"}'],
+        ["--otlp-traces-endpoint=http://10.0.0.1:4317"],
+        ["--tool-parser-plugin", "plugin.py"],
+        ["--distributed-executor-backend", "ray"],
+        ["--load-format", "runai_streamer"],
+        ["--enable-sleep-mode"],
+        ["-asc", "2"],
+        ["--max-model", "4096"],  # an abbreviation: only full names are read without guessing
+        ["--", "x"],
+    ],
+)
+def test_server_args_outside_the_allow_list_are_refused_naming_the_flag(args):
+    error = server_args_error(["--enforce-eager", "--max-model-len", "4096", *args])
+    assert error == (
+        f"{args[0]}: not a flag generation may set (performance and model loading only, by their full "
+        "names: see generate.server_args in draftsmith/config.schema.yaml)"
+    )
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--middleware", "mine.Mw"], ["--middleware=mine.Mw"], ["--middle", "x"], ["--host", "0.0.0.0"]],
+)
+def test_the_middleware_and_the_address_are_the_workflows(args):
+    assert server_args_error(args).startswith(f"{args[0]}: set by the workflow"), args
+
+
+def test_the_flags_configs_and_tests_serve_with_are_allowed():
+    """Every configs/*.yaml server_args, and the forms of the allowed flags vLLM reads."""
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        args = (yaml.safe_load(path.read_text()).get("generate") or {}).get("server_args") or []
+        assert server_args_error(args) is None, path
+    forms = [
+        "--max_num_seqs=4", "-tp=2", "-dp", "2", "-O3", "-O=2", "--seed", "-1", "--no-enable-prefix-caching",
+        "--kv-cache-dtype", "fp8", "--gpu_memory_utilization", "0.8", "--compilation-config.mode", "0",
+        "--trust-remote-code", "--tokenizer-mode", "auto", "--chat-template", "t.jinja", "--quantization",
+        "fp8", "--tool-call-parser", "hermes", "--max-num-batched-tokens", "2048", "--enable-expert-parallel",
+        "--data-parallel-size", "2", "--block-size", "16", "--cpu-offload-gb", "0", "--dtype", "bfloat16",
+    ]  # fmt: skip
+    assert server_args_error(forms) is None
+
+
+def test_server_args_refused_at_start_name_the_file_and_line(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("generate:\n  backend: vllm-server\n  server_args: [--kv-events-config, '{}']\n")
+    errors = config_errors(yaml.safe_load(path.read_text()), [read_config_file(path)])
+    assert errors == [
+        f"{path}:3: generate.server_args: --kv-events-config: not a flag generation may set (performance "
+        "and model loading only, by their full names: see generate.server_args in draftsmith/config.schema.yaml)"
+    ]
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "192.168.0.7", "my-host"])
+def test_a_server_host_off_loopback_is_refused_at_start(tmp_path, host):
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump({"generate": {"backend": "vllm-server", "server_host": host}}))
+    errors = combination_errors(filled(yaml.safe_load(path.read_text())))
+    assert [locate(e, [read_config_file(path)]) for e in errors] == [
+        f"{path}:3: generate.server_host: {server_host_error(host)}"
+    ]
+    assert "run your own server and use generate.backend: openai" in errors[0]
+    # a server of the user's own: the workflow starts none, server_host is not used
+    mine = {"backend": "openai", "base_url": "http://127.0.0.1:8000/v1", "server_host": host}
+    assert combination_errors(filled({"generate": mine})) == []
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "localhost"])
+def test_a_loopback_server_host_passes(host):
+    assert combination_errors(filled({"generate": {"backend": "vllm-server", "server_host": host}})) == []
+
+
+@pytest.mark.parametrize("name", ["HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "hf_token"])
+def test_the_hugging_face_token_is_never_an_endpoints_key(name):
+    errors = config_errors({"generate": {"backend": "openai", "api_key_env": name}})
+    assert errors == [
+        f"generate.api_key_env: {name} holds the Hugging Face token, which no generation server gets: put "
+        "the server's own key in another variable and name that one"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("base_url", "refused"),
+    [
+        ("http://10.0.0.5:8000/v1", True),
+        ("http://example.org/v1", True),
+        ("http://127.0.0.1.example.org/v1", True),
+        ("https://example.org/v1", False),
+        ("http://127.0.0.1:8000/v1", False),
+        ("http://localhost:8000/v1", False),
+        ("http://[::1]:8000/v1", False),
+    ],
+)
+def test_a_key_goes_only_over_https_or_to_loopback(base_url, refused):
+    generate = {"backend": "openai", "base_url": base_url, "api_key_env": "MY_KEY"}
+    errors = combination_errors(filled({"generate": generate}))
+    if refused:
+        assert errors == [
+            f"generate.api_key_env: the key in MY_KEY would cross the network in the clear to "
+            f"{base_url.split('/')[2].split(':')[0]} ({base_url}): use an https:// base_url, or a loopback "
+            "address (127.0.0.1) for a server on this machine"
+        ]
+    else:
+        assert errors == []
+    generate.pop("api_key_env")  # no key: nothing to leak
+    assert combination_errors(filled({"generate": generate})) == []
+
+
+def test_a_base_url_that_is_no_url_is_named_once_with_a_key():
+    generate = {"backend": "openai", "base_url": "not a url", "api_key_env": "MY_KEY"}
+    assert config_errors({"generate": generate}) == [
+        "generate.base_url: 'not a url' is not an http(s) URL such as http://127.0.0.1:8000/v1"
+    ]
+    assert combination_errors(filled({"generate": generate})) == []
 
 
 @pytest.mark.parametrize(

@@ -819,3 +819,46 @@ def test_extract_shards_refuses_a_shard_count_the_tokens_do_not_plan(tmp_path):
         ValueError, match=r"extract.num_shards: 3 shard files asked for, but .* plans 2 shards"
     ):
         extract_shards(str(tmp_path), str(tokens), ["a", "b", "c"], settings(batch_tokens=60))
+
+
+def test_a_full_disk_says_what_the_shard_needs(tmp_path, tiny_llama, monkeypatch):
+    """The disk-full message states a real figure: the estimate when the disk filled while writing, the
+    uncompressed states when it filled while probing (before the estimate): never "about 0 B"."""
+    import errno
+
+    import draftsmith.stages.extract as extract
+    from draftsmith.backends.hf import HfExtractor
+    from draftsmith.core.estimate import human_bytes, raw_state_bytes
+
+    target = tmp_path / "target"
+    tiny_llama.save_pretrained(target)
+    lengths = [7, 30, 12, 25, 9, 18, 40, 15]
+    tokens = _tokens_file(tmp_path, lengths)
+    out = tmp_path / "hidden" / "shard-0.safetensors"
+    s = settings(aux_layers=[1, 3], batch_tokens=50)
+    raw = raw_state_bytes(sum(lengths), 3, tiny_llama.config.hidden_size, s.storage_dtype)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    probe = extract.probe_plan
+    messages = []
+    for while_probing in (True, False):
+        with monkeypatch.context() as patch:
+
+            def probed(*args, **kwargs):
+                planned = probe(*args, **kwargs)
+                patch.setattr(ShardWriter, "_write", full)  # the probe wrote its samples; the shard cannot
+                return planned
+
+            patch.setattr(extract, "probe_plan", full if while_probing else probed)
+            extractor = HfExtractor(tiny_llama, [1, 3])
+            with pytest.raises(NotEnoughDisk) as err:
+                extract.extract_shard(str(target), tokens, 0, str(out), s, extractor=extractor)
+            extractor.close()
+        messages.append(str(err.value))
+    assert f"the shard needs up to {human_bytes(raw)}, its states uncompressed)" in messages[0]
+    assert "the shard needs about " in messages[1], messages[1]
+    needed = messages[1].split("the shard needs about ")[1].split(")")[0]
+    assert needed != "0 B" and needed[0].isdigit(), messages[1]
+    assert not out.exists()

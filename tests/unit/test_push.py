@@ -278,3 +278,43 @@ def test_a_summary_whose_verdict_lacks_its_keys_is_one_line_exit_2(tmp_path, ver
     dry = CliRunner().invoke(main, ["push", str(results), "--repo-id", "my-org/drafter", "--dry-run"])
     assert dry.exit_code == 2 and "Traceback" not in dry.output, dry.output
     assert "summary.json: its verdict is not one this version reads" in dry.output
+
+
+class RecordingApi:
+    """A stand-in for HfApi: records each commit's uploads (path in the repository -> bytes)."""
+
+    def __init__(self):
+        self.uploads: dict[str, bytes] = {}
+
+    def create_repo(self, repo_id, **kwargs):
+        return repo_id
+
+    def create_commit(self, repo_id, operations, **kwargs):
+        for op in operations:
+            self.uploads[op.path_in_repo] = op.path_or_fileobj.read()
+        return "commit-url"
+
+
+def test_push_uploads_the_planned_regular_files_by_name_never_by_pattern(tmp_path):
+    """No card (the export itself is uploaded), a regular file named `*` and a link to a secret: the
+    commit holds exactly the planned files, `*` as itself; the link's target never leaves."""
+    results = _results(tmp_path)
+    drafter = results / "drafter"
+    (drafter / "README.md").unlink()
+    (drafter / "*").write_text("a file named star")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not for the Hub")
+    (drafter / "notes.txt").symlink_to(secret)
+    plan = plan_push(results, "my-org/drafter")
+    assert plan.files == ["*", "config.json", "model.safetensors"]
+    api = RecordingApi()
+    assert push(plan, api=api, environ={"HF_TOKEN": TOKEN}) == "commit-url"
+    assert api.uploads == {name: (drafter / name).read_bytes() for name in plan.files}
+    assert b"not for the Hub" not in api.uploads.values()
+    # a planned file swapped for a link before the upload: refused, not followed
+    (drafter / "config.json").unlink()
+    (drafter / "config.json").symlink_to(secret)
+    api = RecordingApi()
+    with pytest.raises(PushInputError, match=r"config\.json: changed since the push was planned"):
+        push(plan, api=api, environ={"HF_TOKEN": TOKEN})
+    assert api.uploads == {}
