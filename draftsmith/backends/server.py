@@ -2,7 +2,8 @@
 
 In the motivating run the server was stopped by hand to free the GPUs, and GPU 0 still held 81 GB
 afterwards.
-`VllmServer` starts `python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 (a free port, the job's
+`VllmServer` starts `python -m vllm.entrypoints.openai.api_server` (on CUDA: `vllm serve`, one API front end
+per data-parallel engine) on 127.0.0.1 (a free port, the job's
 devices), waits for /health, and on exit stops the whole process group (SIGTERM, then SIGKILL after a
 grace period) and waits until every process of it is gone, so the next GPU job starts on free devices.
 Each start draws a random API key, handed to vLLM in its environment (VLLM_API_KEY: other users can read
@@ -35,7 +36,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from draftsmith.backends.common import attention_backend_for, log_cause, vllm_child_env
+from draftsmith.backends.common import attention_backend_for, log_cause, vllm_child_env, vllm_on_cpu
 from draftsmith.backends.openai import OpenAIChatBackend, OpenAIClient
 from draftsmith.backends.vllm_api import API_SERVER_MODULE
 from draftsmith.core.config import server_args_error, server_host_error
@@ -47,6 +48,9 @@ SERVED_NAME = "target"
 # vLLM adds this ASGI class outermost (its --middleware flag): the run's key on every route
 AUTH_MIDDLEWARE = "draftsmith.backends.server_auth.RequireKey"
 PR_SET_PDEATHSIG = 1
+# `vllm serve` through its module (the console script needs no PATH): on CUDA it runs one API front end per
+# data-parallel engine (--api-server-count), where api_server runs one process for all of them.
+VLLM_CLI_MODULE = "vllm.entrypoints.cli.main"
 
 
 class ServerError(RuntimeError):
@@ -97,6 +101,20 @@ def server_layout(settings: Any, target: str | Path, gpus: int) -> tuple[int, in
     return tp, engines
 
 
+def serve_entry(
+    python: str, module: str, model: str, on_gpu: bool, data_parallel: int, extra: list[str]
+) -> list[str]:
+    """The command's head: on GPUs `vllm serve MODEL` with one API front end per data-parallel engine (one
+    process would parse and detokenize for all eight); the CPU build keeps the api_server module (its
+    console script is broken there; vllm_on_cpu), as does a stand-in module given by a test."""
+    if not on_gpu or module != API_SERVER_MODULE or vllm_on_cpu():
+        return [python, "-m", module, "--model", model]
+    cmd = [python, "-m", VLLM_CLI_MODULE, "serve", model]
+    if data_parallel > 1 and not _has_flag(extra, "--api-server-count"):
+        cmd += ["--api-server-count", str(data_parallel)]
+    return cmd
+
+
 def server_command(
     model: str,
     port: int,
@@ -113,7 +131,7 @@ def server_command(
     gpu_memory_utilization: float | None = None,
     data_parallel: int = 1,
 ) -> list[str]:
-    """The api_server command line. Settings given in `extra_args` win over the derived ones; they may
+    """The server's command line (serve_entry: `vllm serve` on GPUs). Settings given in `extra_args` win over the derived ones; they may
     set only what generation needs (config.SERVER_FLAGS), never what the workflow owns
     (config.RESERVED_SERVER_ARGS: model, address, API key, the middleware that requires the key).
 
@@ -124,7 +142,9 @@ def server_command(
     extra = list(extra_args)
     if reason := server_args_error(extra):
         raise ServerError(f"generate.server_args: {reason}")
-    cmd = [python, "-m", module, "--model", str(model), "--host", host, "--port", str(port)]
+    on_gpu = bool(tensor_parallel or devices)
+    cmd = serve_entry(python, module, str(model), on_gpu, data_parallel, extra)
+    cmd += ["--host", host, "--port", str(port)]
     cmd += ["--served-model-name", served_name, "--middleware", AUTH_MIDDLEWARE]
     if dtype and not _has_flag(extra, "--dtype"):
         cmd += ["--dtype", dtype]
@@ -138,7 +158,6 @@ def server_command(
         cmd += ["--tensor-parallel-size", str(tp)]
     if data_parallel > 1 and not (_has_flag(extra, "--data-parallel-size") or _has_flag(extra, "-dp")):
         cmd += ["--data-parallel-size", str(data_parallel)]
-    on_gpu = bool(tensor_parallel or devices)
     if on_gpu and gpu_memory_utilization is not None and not _has_flag(extra, "--gpu-memory-utilization"):
         cmd += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
     return cmd + extra

@@ -202,3 +202,18 @@ def test_the_client_sends_no_hub_token_and_no_key_in_the_clear(monkeypatch, base
     monkeypatch.setenv("MY_KEY", "secret")
     assert OpenAIClient.from_env("https://example.org/v1", "MY_KEY").api_key == "secret"
     assert OpenAIClient.from_env("http://localhost:8000/v1", "MY_KEY").api_key == "secret"
+
+
+def test_gpu_server_runs_vllm_serve_with_one_api_front_end_per_data_parallel_engine(monkeypatch):
+    """Issue 43 item 10: an 8-way data-parallel layout on CUDA is served by `vllm serve` with eight API
+    front ends; the CPU build (no devices) keeps the api_server module."""
+    monkeypatch.setenv("VLLM_TARGET_DEVICE", "cuda")
+    devices = [str(i) for i in range(8)]
+    cmd = server_command("/m", 8000, devices=devices, tensor_parallel=1, data_parallel=8)
+    assert cmd[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", "/m"]
+    assert cmd[cmd.index("--api-server-count") + 1] == "8"
+    assert cmd[cmd.index("--data-parallel-size") + 1] == "8" and "--model" not in cmd
+    assert cmd[cmd.index("--middleware") + 1] == AUTH_MIDDLEWARE
+    cpu = server_command("/m", 8000)
+    assert cpu[1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model", "/m"]
+    assert "--api-server-count" not in cpu
