@@ -10,7 +10,8 @@
 # Exit 0: every stage ran and the gate passed; it blocks on the contract checks and beats_untrained,
 # not on speed (a 135M target: scripts/gpu_check.py, GATE).
 #
-# Without an NVIDIA GPU it says so in one line and exits 1, before installing anything.
+# Without an NVIDIA GPU it says so in one line and exits 1, before installing anything; so it does without
+# a C compiler, the Python headers (arctic-inference builds from source) or a reachable PyPI.
 # Output: .gpu-check/ (GPU_CHECK_DIR): the run's folder, snakemake.log, table.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +20,10 @@ if ! listing=$(nvidia-smi -L 2>/dev/null) || ! grep -q '^GPU ' <<<"$listing"; th
     echo "gpu-check: no NVIDIA GPU here (nvidia-smi -L lists none); run it on a GPU node" >&2
     exit 1
 fi
+
+# What the install needs, one line each, before anything is installed (scripts/gpu-prereqs.sh).
+source scripts/gpu-prereqs.sh
+check_prereqs python3 || { echo "gpu-check: a prerequisite is missing (above); nothing installed" >&2; exit 1; }
 
 VENV=${GPU_CHECK_VENV:-.venv-gpu}
 OUT=${GPU_CHECK_DIR:-.gpu-check}

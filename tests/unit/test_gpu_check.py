@@ -144,3 +144,56 @@ def test_the_table_reports_stages_devices_and_acceptance(tmp_path):
     )
     assert re.search(r"\n  plain decoding +vLLM +1\.000 +- +1\.00\n", text), text
     assert "verdict      train longer (deploy: n-gram lookup)" in text
+
+
+PREREQS = REPO / "scripts" / "gpu-prereqs.sh"
+
+
+def run_check(tmp_path, check: str, stand_ins: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    """One check of scripts/gpu-prereqs.sh with PATH holding only bash's own tools and the stand-ins."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for tool in ("bash", "timeout"):
+        target = subprocess.check_output(["bash", "-c", f"command -v {tool}"], text=True).strip()
+        if not (bin_dir / tool).exists():
+            os.symlink(target, bin_dir / tool)
+    for name, body in stand_ins.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    script = f"source {shlex.quote(str(PREREQS))}; {check} {' '.join(map(shlex.quote, args))}"
+    env = {"PATH": str(bin_dir), "GPU_CHECK_PYPI_TIMEOUT": "5"}
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=30)
+
+
+def test_gpu_check_names_a_missing_compiler_in_one_line(tmp_path):
+    """Issue 43 item 5: arctic-inference builds from source; no cc/gcc is said before any install."""
+    proc = run_check(tmp_path, "check_compiler", {})
+    assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1 and "no C compiler" in proc.stderr
+    proc = run_check(tmp_path, "check_compiler", {"gcc": "exit 0"})
+    assert proc.returncode == 0 and proc.stdout == "gpu-check: compiler gcc found\n"
+
+
+def test_gpu_check_finds_the_python_headers_through_sysconfig(tmp_path):
+    include = tmp_path / "include"
+    include.mkdir()
+    python = {"py": f"echo {include}"}  # what `python -c 'print(sysconfig.get_path(\"include\"))'` prints
+    proc = run_check(tmp_path, "check_python_headers", python, "py")
+    assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1 and "no Python.h" in proc.stderr
+    (include / "Python.h").write_text("")
+    proc = run_check(tmp_path, "check_python_headers", python, "py")
+    assert proc.returncode == 0 and "Python headers found" in proc.stdout
+
+
+def test_gpu_check_says_when_pypi_is_out_of_reach(tmp_path):
+    proc = run_check(tmp_path, "check_pypi", {"py": "exit 1"}, "py")  # pip index versions fails
+    assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1 and "not reachable" in proc.stderr
+    proc = run_check(tmp_path, "check_pypi", {"py": 'test "$*" = "-m pip index versions pip --index-url '
+                                              'https://pypi.org/simple"'}, "py")  # fmt: skip
+    assert proc.returncode == 0 and "reachable" in proc.stdout
+
+
+def test_gpu_check_runs_the_prerequisites_before_installing():
+    text = SCRIPT.read_text()
+    assert text.index("check_prereqs") < text.index("pip install") and text.index("nvidia-smi") < text.index(
+        "check_prereqs"
+    )
