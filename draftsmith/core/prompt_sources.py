@@ -401,11 +401,15 @@ def _array_objects(path: Path) -> Iterator[tuple[int, Any]]:
 
 
 def collect_prompts(
-    records: Iterable[tuple[str, str, str, Any]], max_prompt_chars: int, columns: dict[str, str] | None
+    records: Iterable[tuple[str, str, str, Any]],
+    max_prompt_chars: int,
+    columns: dict[str, str] | None,
+    places: list[str] | None = None,
 ) -> tuple[list[dict], dict]:
     """Validate records given as (where, place, default id, object): where = "file:3" or a dataset's
     "... row 3", place = "line 3" or "row 3"; returns (prompts, counts). A bad record raises PromptError naming `where` and why; a duplicate id
-    names both places. Over-long prompts and served requests with nothing to train on are counted."""
+    names both places. Over-long prompts and served requests with nothing to train on are counted.
+    `places`, when given, receives each kept prompt's `where`, in order."""
     prompts: list[dict] = []
     first_seen: dict[str, str] = {}  # id -> where it was first seen, to name both places of a duplicate
     read = 0
@@ -427,6 +431,8 @@ def collect_prompts(
             skipped["too_long"] += 1
             continue
         prompts.append(prompt)
+        if places is not None:
+            places.append(where)
     counts = {"read": read, "complete": read, "kept": len(prompts), "skipped": dict(skipped)}
     return prompts, counts
 
@@ -448,6 +454,17 @@ def read_jsonl_prompts(
     objects = _array_objects(path) if _is_json_array(path) else _jsonl_objects(path)
     records = ((f"{path}:{line}", f"line {line}", f"{path.stem}-{line}", obj) for line, obj in objects)
     return collect_prompts(records, max_prompt_chars, columns)
+
+
+def prompt_places(path: str | Path) -> list[str]:
+    """ "file:LINE" of each prompt read_prompt_file(path) returns, in its order (to name a prompt the
+    evaluation cannot hold)."""
+    path = Path(path)
+    objects = _array_objects(path) if _is_json_array(path) else _jsonl_objects(path)
+    records = ((f"{path}:{line}", f"line {line}", f"{path.stem}-{line}", obj) for line, obj in objects)
+    places: list[str] = []
+    collect_prompts(records, 0, None, places)
+    return places
 
 
 def read_prompt_file(path: str | Path) -> list[dict]:

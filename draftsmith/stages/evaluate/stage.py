@@ -39,6 +39,7 @@ import torch
 
 from draftsmith.core.atomic import write_json
 from draftsmith.core.chat import eos_token_ids
+from draftsmith.core.context import context_errors, evaluation_model_len
 from draftsmith.core.kinds import drafter_proposer
 from draftsmith.core.run_cache import (
     RunCache,
@@ -619,6 +620,9 @@ def evaluate_vllm(
     for name, prompts in sets.items():
         spans[name] = (len(encoded), len(encoded) + len(prompts))
         encoded += encode_prompts(tokenizer, prompts)
+    # the engines' context from the prompts (before any engine loads: a prompt too long is named here)
+    check_context(target_path, prompt_sets, spans, encoded, max_new_tokens, num_draft_tokens)
+    engine["max_model_len"] = evaluation_model_len(map(len, encoded), max_new_tokens, num_draft_tokens)
     runs = method_runs(
         drafters, settings.ngram, settings.suffix, settings.ngram_lookup, settings.suffix_decoding
     )
@@ -683,6 +687,35 @@ def evaluate_vllm(
     for set_name, summary in summaries.items():
         write_json(out_paths[set_name], summary)
     return summaries
+
+
+def check_context(
+    target_path: Path,
+    prompt_sets: dict[str, str | Path],
+    spans: dict[str, tuple[int, int]],
+    encoded: list[list[int]],
+    max_new_tokens: int,
+    num_draft_tokens: int,
+) -> None:
+    """ValueError naming file:line of each prompt whose request cannot fit the target's context
+    (max_position_embeddings), before an engine loads (vLLM would fail the whole batch after it)."""
+    from draftsmith.core.config import text_config_json
+    from draftsmith.core.prompt_sources import prompt_places
+
+    limit = int(text_config_json(target_path).get("max_position_embeddings") or 0)
+    if limit <= 0:
+        return  # vLLM derives its own limit; nothing to check against here
+    errors = []
+    for name, path in prompt_sets.items():
+        start, end = spans[name]
+        places = prompt_places(path)[: end - start]
+        lengths = [len(p) for p in encoded[start:end]]
+        errors += context_errors(
+            f"held-out set {name}", places, lengths, max_new_tokens, num_draft_tokens, limit,
+            "max_position_embeddings",
+        )  # fmt: skip
+    if errors:
+        raise ValueError("\n".join(errors))
 
 
 @dataclass(frozen=True)

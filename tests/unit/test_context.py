@@ -1,0 +1,84 @@
+"""The evaluation's context comes from its prompts, not a fixed 2048 tokens (issue 43 item 2): vLLM's
+max_model_len from the longest encoded prompt, and a prompt the target cannot hold refused before any
+engine loads, naming its file and line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import DEFAULT_TARGET
+
+from draftsmith.core.context import DRAFT_MARGIN, context_errors, evaluation_model_len, token_bound
+from draftsmith.stages.evaluate import EvaluateSettings
+from draftsmith.stages.evaluate.stage import evaluate_vllm
+
+needs_target = pytest.mark.skipif(
+    not (DEFAULT_TARGET / "tokenizer.json").is_file(), reason="the default target is not materialised"
+)
+# ~3,000 tokens of SmolLM2's vocabulary: "word N" repeated
+LONG = " ".join(f"word{i}" for i in range(1200))
+
+
+def write_prompts(path, texts: list[str]) -> None:
+    path.write_text("".join(json.dumps({"id": f"p{i}", "prompt": t}) + "\n" for i, t in enumerate(texts)))
+
+
+def test_the_length_is_the_longest_prompt_with_its_answer_and_the_drafts():
+    assert (
+        evaluation_model_len([10, 300, 42], max_new_tokens=64, num_draft_tokens=5)
+        == 300 + 64 + 5 + DRAFT_MARGIN
+    )
+    assert evaluation_model_len([], 8, 3) == 8 + 3 + DRAFT_MARGIN
+
+
+def test_a_prompt_past_the_targets_context_is_named_by_file_and_line():
+    errors = context_errors("held-out set chat", ["a.jsonl:1", "a.jsonl:2"], [100, 8000], 256, 4, 8192,
+                            "max_position_embeddings")  # fmt: skip
+    assert len(errors) == 1 and errors[0].startswith(
+        "held-out set chat: a.jsonl:2: the prompt is 8,000 tokens"
+    )
+    assert "needs 8,261 of the 8,192" in errors[0]
+
+
+def test_the_byte_bound_never_undercounts():
+    messages = [{"role": "user", "content": "héllo wörld " * 50}]
+    assert token_bound(messages) >= len(messages[0]["content"].encode())
+
+
+@needs_target
+def test_evaluate_vllm_sizes_its_engines_from_the_prompts(monkeypatch, tmp_path):
+    """A held-out prompt past 2048 tokens: every run is asked for the length it needs (not 2048)."""
+    import draftsmith.stages.evaluate.vllm_runner as runner
+
+    prompts = tmp_path / "long.jsonl"
+    write_prompts(prompts, ["Hi.", LONG])
+    asked = []
+
+    def fake(**request):
+        asked.append(request)
+        raise RuntimeError("recorded")
+
+    monkeypatch.setattr(runner, "run_vllm_subprocess", fake)
+    settings = EvaluateSettings(
+        num_prompts=0, max_new_tokens=16, num_draft_tokens=3, ngram=False, suffix=False
+    )
+    with pytest.raises(RuntimeError, match="recorded"):
+        evaluate_vllm(DEFAULT_TARGET, {}, {"s": prompts}, {"s": tmp_path / "v.json"}, settings, None)
+    longest = max(len(p) for p in asked[0]["prompts_token_ids"])
+    assert longest > 2048
+    assert asked[0]["max_model_len"] == longest + 16 + 3 + DRAFT_MARGIN
+
+
+@needs_target
+def test_evaluate_vllm_refuses_a_prompt_the_target_cannot_hold_before_any_engine(monkeypatch, tmp_path):
+    import draftsmith.stages.evaluate.vllm_runner as runner
+
+    prompts = tmp_path / "long.jsonl"
+    write_prompts(prompts, ["Hi.", LONG * 4])  # ~12K tokens, SmolLM2 holds 8,192
+    monkeypatch.setattr(runner, "run_vllm_subprocess", lambda **kw: pytest.fail("an engine was started"))
+    settings = EvaluateSettings(
+        num_prompts=0, max_new_tokens=16, num_draft_tokens=3, ngram=False, suffix=False
+    )
+    with pytest.raises(ValueError, match=rf"held-out set s: {prompts}:2: the prompt is [\d,]+ tokens"):
+        evaluate_vllm(DEFAULT_TARGET, {}, {"s": prompts}, {"s": tmp_path / "v.json"}, settings, None)
