@@ -725,6 +725,8 @@ def input_file_errors(config: dict[str, Any]) -> tuple[list[str], list[str]]:
         if not usable:
             skipped = ", ".join(f"{n} {why.replace('_', ' ')}" for why, n in counts["skipped"].items())
             errors.append(f"{key}: {path}: no usable prompts (skipped: {skipped or 'none'})")
+        elif key.startswith(("prompts.heldout_path", "evaluate.heldout_sets.")):
+            errors += heldout_context_errors(key, path, usable, config)
         elif key in ("prompts.path", "prompts.max_prompt_chars") and not prompts["heldout_path"]:
             # the split as the prompts job makes it: what the too-long filter left, capped by max_prompts
             cap = prompts["max_prompts"]
@@ -735,6 +737,41 @@ def input_file_errors(config: dict[str, Any]) -> tuple[list[str], list[str]]:
                 except PromptError as err:
                     errors.append(f"prompts.num_heldout: {err}")
     return errors, warnings
+
+
+def heldout_context_errors(key: str, path: str, prompts: list[dict], config: dict[str, Any]) -> list[str]:
+    """The held-out prompts (of file `path`) whose evaluation request cannot fit the target's context
+    (max_position_embeddings), by file:line, at start. The tokenizer is loaded only where a prompt's byte
+    bound (context.token_bound) could reach the limit, and only from a target folder that holds one (a Hub
+    target not yet downloaded is checked by the evaluation's job, before its engine loads)."""
+    from draftsmith.core.context import context_errors, sequence_tokens, token_bound
+    from draftsmith.core.prompt_sources import prompt_places
+
+    ev = config["evaluate"]
+    folder = Path(target_folder(config["target"]))
+    if not ev.get("vllm") or not (folder / "config.json").is_file():
+        return []
+    limit = int(text_config_json(folder).get("max_position_embeddings") or 0)
+    max_new, k = int(ev["max_new_tokens"]), int(ev["num_draft_tokens"])
+    cap = int(ev["num_prompts"])
+    chosen = prompts[:cap] if cap > 0 else prompts
+    near = [
+        i for i, p in enumerate(chosen) if sequence_tokens(token_bound(p["messages"]), max_new, k) > limit
+    ]
+    if limit <= 0 or not near or not (folder / "tokenizer_config.json").is_file():
+        return []
+    from transformers import AutoTokenizer  # only here: a prompt may not fit
+
+    from draftsmith.core.chat import render_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        folder, trust_remote_code=bool(config["target"]["trust_remote_code"])
+    )
+    places = prompt_places(path)
+    lengths = [len(render_prompt(tokenizer, chosen[i]["messages"])) for i in near]
+    return context_errors(
+        key, [places[i] for i in near], lengths, max_new, k, limit, "max_position_embeddings"
+    )
 
 
 def dataset_errors(path: str, revision: str | None) -> list[str]:

@@ -82,3 +82,26 @@ def test_evaluate_vllm_refuses_a_prompt_the_target_cannot_hold_before_any_engine
     )
     with pytest.raises(ValueError, match=rf"held-out set s: {prompts}:2: the prompt is [\d,]+ tokens"):
         evaluate_vllm(DEFAULT_TARGET, {}, {"s": prompts}, {"s": tmp_path / "v.json"}, settings, None)
+
+
+@needs_target
+def test_a_heldout_prompt_too_long_for_the_target_is_refused_at_start_by_file_and_line(tmp_path):
+    """At the workflow's parse (config.input_file_errors), before any job: line 2 is ~12K tokens, past
+    SmolLM2's 8,192; a ~3K-token prompt (past 2048) fits and is no error."""
+    from helpers import REPO
+    from snakemake.utils import validate
+
+    from draftsmith.core.config import input_file_errors
+
+    def errors_for(texts: list[str]) -> list[str]:
+        heldout = tmp_path / "heldout.jsonl"
+        write_prompts(heldout, texts)
+        config = {"target": {"model": str(DEFAULT_TARGET)}, "prompts": {"heldout_path": str(heldout)}}
+        validate(config, schema=str(REPO / "draftsmith" / "config.schema.yaml"))
+        return [e for e in input_file_errors(config)[0] if "heldout" in e]
+
+    assert errors_for(["Hi.", LONG]) == []
+    errors = errors_for(["Hi.", LONG * 4])
+    assert len(errors) == 1
+    assert errors[0].startswith(f"prompts.heldout_path: {tmp_path / 'heldout.jsonl'}:2: the prompt is ")
+    assert "of the 8,192 the target holds (max_position_embeddings)" in errors[0]
