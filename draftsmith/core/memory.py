@@ -762,14 +762,12 @@ def drafter_shape(config: dict[str, Any], target: dict[str, Any], num_aux: int) 
     )
 
 
-def plan_config(
-    config: dict[str, Any],
-    memory: float | None,
-    target_config: dict[str, Any] | None = None,
-    **kw: Any,
-) -> list[StageNeed]:
-    """`plan` for a validated config: the target's config.json from its folder (or `target_config`),
-    its safetensors headers when the weights are there. Raises ValueError naming a missing config.json."""
+def config_target(
+    config: dict[str, Any], target_config: dict[str, Any] | None = None
+) -> tuple[TargetSize, dict[str, Any]]:
+    """(the target's size, its config.json) for a validated config: the config.json from the target's
+    folder (or `target_config`), its safetensors headers when the weights are there. Raises ValueError
+    naming a missing config.json."""
     from draftsmith.core.config import target_folder, text_config_json
 
     folder = Path(target_folder(config["target"]))
@@ -778,6 +776,18 @@ def plan_config(
             raise ValueError(f"target.model: no config.json in {folder} yet: no GPU memory plan")
         target_config = text_config_json(folder)
     size = target_size(target_config, folder if folder.is_dir() else None, config["target"].get("dtype"))
+    return size, target_config
+
+
+def plan_config(
+    config: dict[str, Any],
+    memory: float | None,
+    target_config: dict[str, Any] | None = None,
+    **kw: Any,
+) -> list[StageNeed]:
+    """`plan` for a validated config: the target's config.json from its folder (or `target_config`),
+    its safetensors headers when the weights are there. Raises ValueError naming a missing config.json."""
+    size, target_config = config_target(config, target_config)
     aux = config["extract"].get("aux_layers")
     shape = drafter_shape(config, target_config, len(aux) if aux else 3)
     return plan(config, size, shape, memory, **kw)
@@ -813,7 +823,59 @@ def plan_files(
     memory, device = device_memory(config["resources"])
     if target_config:
         config["target"]["model"] = target_config
-    needs = plan_config(config, memory, text_config_json(target_config) if target_config else None)
+    given = text_config_json(target_config) if target_config else None
+    needs = plan_config(config, memory, given)
     if not needs:
         return ["no stage asks for GPUs (resources.<stage>.gpus): nothing to plan"], None
-    return [table(needs, device)], refusal(needs, device)
+    timing = runtime_line(config, config_target(config, given)[0])
+    return [table(needs, device), *([timing] if timing else [])], refusal(needs, device)
+
+
+# ------------------------------------------------------------------------------ the evaluation's time
+
+# Loading a target into vLLM: the motivating run's 24.5 min for Kimi-K2.5's ~594 GB on one 8-GPU node, i.e.
+# ~0.40 GB/s from the filesystem (what the node reads, whatever the GPU count).
+LOAD_BYTES_PER_S = 0.40e9
+# Per engine beside the weights: process start, torch.compile and CUDA-graph capture (vLLM's compile cache,
+# kept between the job's engines, shortens the later ones; the first is counted for each).
+ENGINE_START_S = 180.0
+# One decode step of the evaluation's batch, with room (a large MoE at TP 8 steps in ~30-60 ms).
+DECODE_STEP_S = 0.1
+
+
+def evaluation_engines(config: dict[str, Any]) -> dict[str, int]:
+    """vLLM engine loads of each evaluation job: the pre-flight (plain decoding and each free method) and
+    the evaluation (each trained drafter; the pre-flight's runs are kept and reused, the untrained
+    drafter never runs in vLLM), each with the re-measures of a shorter chosen k that may follow: per
+    method at most one per held-out set and per shorter k."""
+    ev = config["evaluate"]
+    free = int(bool(ev.get("ngram"))) + int(bool(ev.get("suffix")))
+    k = int(ev["num_draft_tokens"])
+    sets = max(1, len(ev.get("heldout_sets") or {}))
+    again = min(sets, k - 1) if ev.get("remeasure_chosen_k") and ev.get("serving") else 0
+    drafters = 1
+    return {"preflight": 1 + free + free * again, "evaluate": drafters + (drafters + free) * again}
+
+
+def evaluation_minutes(config: dict[str, Any], size: TargetSize) -> dict[str, float]:
+    """Minutes of each evaluation job (evaluation_engines): loads x (weights / LOAD_BYTES_PER_S +
+    ENGINE_START_S + max_new_tokens decode steps). Both jobs run under resources.evaluate.runtime."""
+    per_engine = (
+        size.weight_bytes / LOAD_BYTES_PER_S
+        + ENGINE_START_S
+        + int(config["evaluate"]["max_new_tokens"]) * DECODE_STEP_S
+    )
+    return {job: n * per_engine / 60 for job, n in evaluation_engines(config).items()}
+
+
+def runtime_line(config: dict[str, Any], size: TargetSize) -> str | None:
+    """The plan's line on the evaluation's time against resources.evaluate.runtime (None without GPUs)."""
+    if int(config["resources"]["evaluate"]["gpus"]) <= 0 or not config["evaluate"].get("vllm"):
+        return None
+    minutes = evaluation_minutes(config, size)
+    engines = evaluation_engines(config)
+    need = max(minutes.values())
+    runtime = float(config["resources"]["evaluate"]["runtime"])
+    verdict = "covers it" if runtime >= need else "TOO SHORT: raise resources.evaluate.runtime"
+    jobs = ", ".join(f"{job} {engines[job]} engine loads ~{minutes[job]:.0f} min" for job in minutes)
+    return f"evaluation time (estimate): {jobs}; resources.evaluate.runtime {runtime:.0f} min {verdict}"

@@ -27,6 +27,7 @@ gate can put a bootstrap interval over prompts on each figure and on the differe
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import tempfile
@@ -668,7 +669,7 @@ def evaluate_vllm(
         return result
 
     raw: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(prefix="draftsmith-vllm-cache-") as cache:
+    with engine_cache(runs_dir) as cache:
         for i, run in enumerate(runs):
             raw[run.name] = measure(i, len(runs), run, num_draft_tokens)
         summaries = _vllm_set_summaries(raw, runs, sets, spans, prompt_sets, num_draft_tokens, **{
@@ -687,6 +688,21 @@ def evaluate_vllm(
     for set_name, summary in summaries.items():
         write_json(out_paths[set_name], summary)
     return summaries
+
+
+# vLLM's compile cache (torch.compile artifacts, CUDA graphs' kernels) beside the kept runs: every engine of
+# the job, and of the next job (pre-flight, then evaluation), finds the target compiled by the first.
+ENGINE_CACHE = ".vllm-cache"
+
+
+def engine_cache(runs_dir: str | Path | None) -> contextlib.AbstractContextManager[str]:
+    """The folder the job's engines keep their caches in (VLLM_CACHE_ROOT, HF_HOME: vllm_runner.vllm_env):
+    beside `runs_dir` (results/eval/.vllm-cache), else a temporary one."""
+    if runs_dir is None:
+        return tempfile.TemporaryDirectory(prefix="draftsmith-vllm-cache-")
+    folder = Path(runs_dir).parent / ENGINE_CACHE
+    folder.mkdir(parents=True, exist_ok=True)
+    return contextlib.nullcontext(str(folder))
 
 
 def check_context(
@@ -885,6 +901,7 @@ def _vllm_set_summaries(
             ),
             "enforce_eager": enforce_eager,
             "tensor_parallel_size": tensor_parallel_size,
+            "max_model_len": engine.get("max_model_len"),  # from the prompts (core.context)
             "target": target,
             "prompts": str(prompt_sets[set_name]),
             "num_prompts": b - a,
