@@ -502,22 +502,35 @@ def _vllm_need(
     memory: float | None,
     setting: str,
     extra: dict[str, float] | None = None,
+    state_bytes_per_token: float = 0.0,
 ) -> StageNeed:
+    """state_bytes_per_token: vLLM's hidden-state cache during extraction (hidden_state_bytes_per_token),
+    held beside the KV cache for every token of a sequence in flight."""
     kv = size.kv_bytes_per_token(tp) * seq_len
+    states = state_bytes_per_token * seq_len
     parts = {
         f"target weights / TP {tp}": size.weight_bytes / tp,
         "vLLM activations, CUDA graphs": VLLM_RESERVE,
         f"KV cache, one {seq_len:,}-token sequence": kv,
+        **({f"hidden-state cache, one {seq_len:,}-token sequence": states} if states else {}),
         **(extra or {}),
     }
     budget = None if memory is None else utilization * memory
     need = StageNeed(stage, tp, parts, budget, setting)
     if budget is not None:
-        room = budget - need.total + kv
+        room = budget - need.total + kv + states
+        what = "KV + hidden-state room" if states else "KV room"
         need.notes.append(
-            f"KV room {max(room, 0) / GB:.1f} GB = {max(room, 0) / max(kv, 1):.1f} such sequences"
+            f"{what} {max(room, 0) / GB:.1f} GB = {max(room, 0) / max(kv + states, 1):.1f} such sequences"
         )
     return need
+
+
+def hidden_state_bytes_per_token(size: TargetSize, captured_layers: int) -> float:
+    """vLLM's hidden-state cache per token during extraction: the captured layers (aux + final) x hidden
+    size x the dtype's bytes, on every GPU of the engine (the states are whole on each rank). Kimi-K2.5:
+    4 x 7168 x 2 = 57 KB a token, +82% over its 70 KB of MLA KV; +25-67% on the GQA targets."""
+    return captured_layers * size.hidden_size * size.dtype_bytes
 
 
 def engine_layout(
@@ -528,6 +541,7 @@ def engine_layout(
     memory: float | None,
     tensor_parallel: int = 0,
     in_flight: int = 1,
+    state_bytes_per_token: float = 0.0,
 ) -> tuple[int, int]:
     """(GPUs per vLLM engine, engines) for a job with `gpus` GPUs: data parallel over all of them.
     `tensor_parallel` > 0 is taken as given (it must divide `gpus`); 0 = the fewest GPUs, a power of two
@@ -548,7 +562,17 @@ def engine_layout(
     tp = 1
     while tp < gpus:
         share = math.ceil(in_flight / (gpus // tp))
-        if gpus % tp == 0 and _vllm_need("", size, tp, seq_len * share, utilization, memory, "").fits:
+        need = _vllm_need(
+            "",
+            size,
+            tp,
+            seq_len * share,
+            utilization,
+            memory,
+            "",
+            state_bytes_per_token=state_bytes_per_token,
+        )
+        if gpus % tp == 0 and need.fits:
             return tp, gpus // tp
         tp *= 2
     return gpus, 1
@@ -586,7 +610,14 @@ def extract_layout(
         float(resources["gpu_memory_utilization"]),
         memory,
         int(resources["tensor_parallel"]),
+        state_bytes_per_token=hidden_state_bytes_per_token(size, captured_layers(extract, size)),
     )
+
+
+def captured_layers(extract: dict[str, Any], size: TargetSize) -> int:
+    """Layers whose states extraction captures: the aux layers (default three) and the final state."""
+    aux = extract.get("aux_layers")
+    return (len(aux) if aux else 3) + 1
 
 
 def plan(
@@ -637,6 +668,7 @@ def plan(
                 memory,
                 f"resources.extract.{'gpus' if tp == res['extract']['gpus'] else 'tensor_parallel'} "
                 "(GPUs per engine) or extract.max_seq_len",
+                state_bytes_per_token=hidden_state_bytes_per_token(size, captured_layers(ext, size)),
             )
             need.engines = engines
             head = size.vocab_size * size.hidden_size * 2.0

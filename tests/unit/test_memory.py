@@ -142,3 +142,23 @@ def test_engine_layout_takes_the_fewest_gpus_that_hold_the_target() -> None:
     assert engine_layout(sizes["llama-3.1-8b"], 0, 8192, 0.9, h100) == (1, 1)
     with pytest.raises(ValueError, match="tensor_parallel 3 does not divide the job's 8 GPUs"):
         engine_layout(sizes["llama-3.1-8b"], 8, 8192, 0.9, h100, tensor_parallel=3)
+
+
+def test_the_extraction_line_counts_vllms_hidden_state_cache():
+    """Issue 43 item 13 (part): per token in flight, the captured layers (aux + final) x hidden x 2 bytes
+    beside the KV cache: +82% over Kimi-K2.5's MLA KV, +25-67% on the GQA targets."""
+    from draftsmith.core.memory import hidden_state_bytes_per_token, plan
+
+    folders = TARGETS
+    kimi = target_size(text_config_json(folders / "kimi-k2.5"), None, "bfloat16")
+    assert hidden_state_bytes_per_token(kimi, 4) == 4 * 7168 * 2
+    assert round(hidden_state_bytes_per_token(kimi, 4) / kimi.kv_bytes_per_token(8), 2) == 0.82
+    # per GPU, as the configs run them: Llama-8B on one GPU, Qwen3-235B's 4 kv heads at TP 8 (one each)
+    for name, tp, share in (("llama-3.1-8b", 1, 0.25), ("qwen3-235b-a22b", 8, 0.68)):
+        size = target_size(text_config_json(folders / name), None, "bfloat16")
+        assert round(hidden_state_bytes_per_token(size, 4) / size.kv_bytes_per_token(tp), 2) == share, name
+    config = with_defaults(
+        {"extract": {"backend": "vllm", "max_seq_len": 8192}, "resources": {"extract": {"gpus": 8}}}
+    )
+    (extract,) = [n for n in plan(config, kimi, None, 141 * GIB) if n.stage == "extract"]
+    assert extract.parts["hidden-state cache, one 8,192-token sequence"] == 8192 * 4 * 7168 * 2
