@@ -101,6 +101,16 @@ def server_layout(settings: Any, target: str | Path, gpus: int) -> tuple[int, in
     return tp, engines
 
 
+def expert_parallel_args(target: str | Path, dtype: str | None, tp: int, engines: int) -> list[str]:
+    """--enable-expert-parallel where the layout is data-parallel attention over an MLA MoE target
+    (memory.uses_expert_parallel): the plan counted its experts split over every GPU."""
+    from draftsmith.core.config import text_config_json
+    from draftsmith.core.memory import target_size, uses_expert_parallel
+
+    size = target_size(text_config_json(Path(target)), None, dtype)
+    return ["--enable-expert-parallel"] if uses_expert_parallel(size, tp, engines) else []
+
+
 def serve_entry(
     python: str, module: str, model: str, on_gpu: bool, data_parallel: int, extra: list[str]
 ) -> list[str]:
@@ -448,12 +458,15 @@ class VllmServerBackend(OpenAIChatBackend):
             tp, engines = (
                 server_layout(settings, target, gpus) if settings.gpus or settings.devices else (1, 1)
             )
+            extra = list(settings.server_args or [])
+            if engines > 1 and not any(a in ("--enable-expert-parallel", "-ep") for a in extra):
+                extra += expert_parallel_args(target, settings.dtype, tp, engines)
         except ValueError as err:
             raise ServerError(str(err)) from None
         return VllmServer(
             target,
             devices=settings.devices,
-            extra_args=settings.server_args,
+            extra_args=extra,
             log_path=log_path,
             dtype=compute_dtype(settings.dtype),
             seed=settings.seed,

@@ -269,6 +269,15 @@ class TargetSize:
     max_position_embeddings: int
     tied: bool
     dtype_bytes: float = 2.0  # of the config's dtype (what the weights would take unquantized per parameter)
+    expert_bytes: float = (
+        0.0  # of weight_bytes, the routed experts' (split over the GPUs by expert parallelism)
+    )
+
+    @property
+    def mla_moe(self) -> bool:
+        """Latent attention (one KV latent per layer, replicated at any TP) and routed experts: the
+        targets vLLM serves data-parallel in attention with expert parallelism (DeepSeek-V3, Kimi)."""
+        return self.kv_heads == 0 and self.expert_bytes > 0
 
     def kv_bytes_per_token(self, tp: int) -> float:
         """KV cache bytes of one token on each of `tp` tensor-parallel GPUs (vLLM: kv heads split over
@@ -332,8 +341,10 @@ def target_size(
         kv_heads, kv_unit = nkv, 2 * d * 2.0  # keys and values, bf16 (vLLM's kv cache dtype "auto")
     weights = safetensors_bytes(folder, L) if folder is not None else None
     source = "safetensors headers"
+    arithmetic, experts = _config_parts(config, dtype_bytes)
     if weights is None:
-        weights, source = _config_bytes(config, dtype_bytes), "config.json"
+        weights, source = arithmetic, "config.json"
+    experts *= weights / arithmetic if arithmetic else 0.0  # the experts' share of what is on disk
     return TargetSize(
         weight_bytes=weights,
         source=source,
@@ -345,12 +356,13 @@ def target_size(
         max_position_embeddings=_int(config, "max_position_embeddings", default=4096),
         tied=tied,
         dtype_bytes=dtype_bytes,
+        expert_bytes=experts,
     )
 
 
-def _config_bytes(cfg: dict[str, Any], dtype_bytes: float) -> float:
-    """Weight bytes by arithmetic over config.json: attention (grouped-query or latent), dense and MoE
-    MLPs (routed + shared experts, router), norms, embedding and head."""
+def _config_parts(cfg: dict[str, Any], dtype_bytes: float) -> tuple[float, float]:
+    """(weight bytes, of them the routed experts') by arithmetic over config.json: attention (grouped-query
+    or latent), dense and MoE MLPs (routed + shared experts, router), norms, embedding and head."""
     H, L, V = _int(cfg, "hidden_size"), _int(cfg, "num_hidden_layers"), _int(cfg, "vocab_size")
     nh = _int(cfg, "num_attention_heads")
     nkv = _int(cfg, "num_key_value_heads", default=nh)
@@ -378,7 +390,7 @@ def _config_bytes(cfg: dict[str, Any], dtype_bytes: float) -> float:
             linear += dense
     norms = L * 2 * H + H
     embed = V * H * (1 if cfg.get("tie_word_embeddings", False) else 2)
-    return expert * expert_b + linear * linear_b + (norms + embed) * dtype_bytes
+    return expert * expert_b + linear * linear_b + (norms + embed) * dtype_bytes, expert * expert_b
 
 
 def _is_moe_layer(cfg: dict[str, Any], layer: int) -> bool:
@@ -400,6 +412,11 @@ def safetensors_bytes(folder: str | Path | None, num_layers: int) -> float | Non
     if folder is None:
         return None
     files = sorted(Path(folder).glob("*.safetensors"))
+    index = Path(folder) / "model.safetensors.index.json"
+    if not files and index.is_file():
+        # before the download: the index's total (multi-token-prediction layers included: an upper bound)
+        total = (json.loads(index.read_text(encoding="utf-8")).get("metadata") or {}).get("total_size")
+        return float(total) if total else None
     if not files:
         return None
     total = 0.0
@@ -503,13 +520,22 @@ def _vllm_need(
     setting: str,
     extra: dict[str, float] | None = None,
     state_bytes_per_token: float = 0.0,
+    expert_parallel: int = 0,
 ) -> StageNeed:
     """state_bytes_per_token: vLLM's hidden-state cache during extraction (hidden_state_bytes_per_token),
-    held beside the KV cache for every token of a sequence in flight."""
+    held beside the KV cache for every token of a sequence in flight. expert_parallel: the EP size (TP x
+    DP) the routed experts are split over (0: none); the rest of the weights is split over TP only."""
     kv = size.kv_bytes_per_token(tp) * seq_len
     states = state_bytes_per_token * seq_len
+    if expert_parallel:
+        weights = {
+            f"target weights but experts / TP {tp}": (size.weight_bytes - size.expert_bytes) / tp,
+            f"routed experts / EP {expert_parallel}": size.expert_bytes / expert_parallel,
+        }
+    else:
+        weights = {f"target weights / TP {tp}": size.weight_bytes / tp}
     parts = {
-        f"target weights / TP {tp}": size.weight_bytes / tp,
+        **weights,
         "vLLM activations, CUDA graphs": VLLM_RESERVE,
         f"KV cache, one {seq_len:,}-token sequence": kv,
         **({f"hidden-state cache, one {seq_len:,}-token sequence": states} if states else {}),
@@ -542,13 +568,17 @@ def engine_layout(
     tensor_parallel: int = 0,
     in_flight: int = 1,
     state_bytes_per_token: float = 0.0,
+    expert_parallel_ok: bool = False,
 ) -> tuple[int, int]:
     """(GPUs per vLLM engine, engines) for a job with `gpus` GPUs: data parallel over all of them.
     `tensor_parallel` > 0 is taken as given (it must divide `gpus`); 0 = the fewest GPUs, a power of two
     dividing `gpus`, whose budget holds the weights' share, vLLM's reserve and the KV cache of the
     engine's share of the `in_flight` requests at `seq_len` tokens each (a split that would leave each
     engine too little KV to batch its requests is no gain); all of them when the device's memory is
-    unknown or nothing smaller fits (the plan then says whether that does). No GPUs: one CPU engine."""
+    unknown or nothing smaller fits (the plan then says whether that does). No GPUs: one CPU engine.
+    expert_parallel_ok (a server: one DP group): for an MLA MoE target, one GPU per engine with the experts
+    split over all of them (data-parallel attention, expert parallelism; uses_expert_parallel) where that
+    holds more sequences than the tensor-parallel layout, whose every GPU keeps every sequence's latent."""
     if gpus <= 0:
         return 1, 1
     if tensor_parallel:
@@ -559,6 +589,44 @@ def engine_layout(
         return tensor_parallel, gpus // tensor_parallel
     if memory is None:
         return gpus, 1
+    chosen = _tensor_parallel_layout(
+        size, gpus, seq_len, utilization, memory, in_flight, state_bytes_per_token
+    )
+    if expert_parallel_ok and size.mla_moe and gpus > 1:
+        tp_seqs = sequences_held(size, *chosen, seq_len, utilization, memory)
+        if sequences_held(size, 1, gpus, seq_len, utilization, memory) > tp_seqs:
+            return 1, gpus
+    return chosen
+
+
+def uses_expert_parallel(size: TargetSize, tp: int, engines: int) -> bool:
+    """Whether a layout of `engines` x `tp` GPUs runs data-parallel attention with expert parallelism
+    (--enable-expert-parallel): an MLA MoE target over more than one engine."""
+    return size.mla_moe and engines > 1
+
+
+def sequences_held(
+    size: TargetSize, tp: int, engines: int, seq_len: int, utilization: float, memory: float
+) -> float:
+    """Sequences of `seq_len` tokens the layout's KV cache holds in all (0 when it does not fit): per
+    engine, the room left after weights and vLLM's reserve over one sequence's KV on each of its GPUs."""
+    ep = tp * engines if uses_expert_parallel(size, tp, engines) else 0
+    need = _vllm_need("", size, tp, seq_len, utilization, memory, "", expert_parallel=ep)
+    kv = size.kv_bytes_per_token(tp) * seq_len
+    if not need.fits:
+        return 0.0
+    return engines * (need.budget - need.total + kv) / max(kv, 1)
+
+
+def _tensor_parallel_layout(
+    size: TargetSize,
+    gpus: int,
+    seq_len: int,
+    utilization: float,
+    memory: float,
+    in_flight: int,
+    state_bytes_per_token: float,
+) -> tuple[int, int]:
     tp = 1
     while tp < gpus:
         share = math.ceil(in_flight / (gpus // tp))
@@ -591,7 +659,14 @@ def generate_layout(
     tensor_parallel = int(given or resources["tensor_parallel"])
     in_flight = int(resources["concurrency"])
     return engine_layout(
-        size, int(resources["gpus"]), seq, util, memory, tensor_parallel, in_flight=in_flight
+        size,
+        int(resources["gpus"]),
+        seq,
+        util,
+        memory,
+        tensor_parallel,
+        in_flight=in_flight,
+        expert_parallel_ok=True,  # one server: its engines are one DP group
     )
 
 
@@ -641,6 +716,7 @@ def plan(
         )
         seq = int(server_arg(args, "--max-model-len") or size.max_position_embeddings)
         tp, engines = generate_layout(args, res["generate"], size, memory)
+        ep = tp * engines if uses_expert_parallel(size, tp, engines) else 0
         need = _vllm_need(
             "generate",
             size,
@@ -650,8 +726,17 @@ def plan(
             memory,
             f"resources.generate.{'gpus' if tp == res['generate']['gpus'] else 'tensor_parallel'} "
             "(GPUs per engine) or --max-model-len in generate.server_args",
+            expert_parallel=ep,
         )
         need.engines = engines
+        if ep:
+            need.notes.append(
+                f"data-parallel attention with expert parallelism (--data-parallel-size {engines} "
+                "--enable-expert-parallel): each GPU keeps its own sequences' latent KV, not every one's"
+            )
+        if memory is not None and size.mla_moe:
+            held = sequences_held(size, tp, engines, seq, util, memory)
+            need.notes.append(f"sequences held in all: {held:.0f}")
         needs.append(need)
     ext = config["extract"]
     if res["extract"]["gpus"] > 0:
@@ -800,10 +885,14 @@ def config_target(
     """(the target's size, its config.json) for a validated config: the config.json from the target's
     folder (or `target_config`), its safetensors headers when the weights are there. Raises ValueError
     naming a missing config.json."""
-    from draftsmith.core.config import target_folder, text_config_json
+    from draftsmith.core.config import is_hub_target, target_folder, text_config_json
+    from draftsmith.core.hub import plan_folder
 
     folder = Path(target_folder(config["target"]))
     if target_config is None:
+        if not (folder / "config.json").is_file() and is_hub_target(config["target"]):
+            # before the download: the Hub target's config.json and index (hub.plan_folder)
+            folder = plan_folder(config["target"]["model"], config["target"].get("revision")) or folder
         if not (folder / "config.json").is_file():
             raise ValueError(f"target.model: no config.json in {folder} yet: no GPU memory plan")
         target_config = text_config_json(folder)

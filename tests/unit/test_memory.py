@@ -162,3 +162,40 @@ def test_the_extraction_line_counts_vllms_hidden_state_cache():
     )
     (extract,) = [n for n in plan(config, kimi, None, 141 * GIB) if n.stage == "extract"]
     assert extract.parts["hidden-state cache, one 8,192-token sequence"] == 8192 * 4 * 7168 * 2
+
+
+def test_kimi_is_served_data_parallel_with_expert_parallelism_where_that_holds_more(tmp_path, monkeypatch):
+    """Issue 43 item 12: an MLA target at TP 8 keeps eight copies of every sequence's latent KV; with the
+    attention data parallel and the experts split over the 8 GPUs (--data-parallel-size 8
+    --enable-expert-parallel) each GPU keeps only its own sequences'. The Kimi config's generation on
+    8 x H200 is laid out so, `draftsmith plan` says so, and the server is started so. A GQA target
+    (Qwen3-235B) is never laid out so."""
+    from draftsmith.backends.server import VllmServerBackend
+    from draftsmith.core.config import section_defaults
+    from draftsmith.core.memory import generate_layout, plan_files, sequences_held, uses_expert_parallel
+    from draftsmith.stages.generate import GenerateSettings
+
+    kimi = target_size(text_config_json(TARGETS / "kimi-k2.5"), None, "bfloat16")
+    config = with_defaults(merged_config_files([str(ROOT / "configs" / "kimi-k2.5-8gpu.yaml")]))
+    h200 = 141 * GIB
+    res = config["resources"]["generate"]
+    args = config["generate"]["server_args"]
+    assert generate_layout(args, res, kimi, h200) == (1, 8) and uses_expert_parallel(kimi, 1, 8)
+    assert sequences_held(kimi, 1, 8, 32768, 0.92, h200) > 2 * sequences_held(kimi, 8, 1, 32768, 0.92, h200)
+    qwen = target_size(text_config_json(TARGETS / "qwen3-235b-a22b"), None, "bfloat16")
+    assert not qwen.mla_moe and not uses_expert_parallel(qwen, 1, 8)
+
+    lines, stop = plan_files([str(ROOT / "configs" / "kimi-k2.5-8gpu.yaml")], str(TARGETS / "kimi-k2.5"),
+                             "H200-141GB", None)  # fmt: skip
+    assert stop is None
+    assert "generate 8 engines x 1 GPUs" in lines[0]
+    assert "--data-parallel-size 8 --enable-expert-parallel" in lines[0]
+
+    monkeypatch.setenv("VLLM_TARGET_DEVICE", "cuda")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    values = {**section_defaults("generate"), **config["generate"], "dtype": "bfloat16", "gpus": 8,
+              "gpu_memory_gib": 141, "concurrency": 128}  # fmt: skip
+    settings = GenerateSettings.from_dict(values)
+    cmd = VllmServerBackend.server(settings, str(TARGETS / "kimi-k2.5"), str(tmp_path / "log")).command()
+    assert cmd[cmd.index("--data-parallel-size") + 1] == "8" and "--enable-expert-parallel" in cmd
+    assert "--tensor-parallel-size" not in cmd and cmd[cmd.index("--api-server-count") + 1] == "8"
