@@ -155,3 +155,41 @@ def _cause(err: BaseException) -> str:
         err = err.__cause__
     first = str(err).strip().splitlines()[0] if str(err).strip() else ""
     return f"{type(err).__name__}: {first}" if first else type(err).__name__
+
+
+# The shipped configs' Hub targets, as their config.json files ship in this checkout: the memory plan of
+# a first run reads them before any download (tests/data/target-configs, beside the workflow).
+SHIPPED_TARGET_CONFIGS = {
+    "moonshotai/Kimi-K2.5": "kimi-k2.5",
+    "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b",
+    "Qwen/Qwen3-235B-A22B": "qwen3-235b-a22b",
+}
+SHIPPED_CONFIGS_DIR = Path(__file__).resolve().parents[2] / "tests" / "data" / "target-configs"
+# What the plan needs of a Hub target: kilobytes, fetched at start (the weights' bytes from the index).
+PLAN_FILES = ("config.json", "model.safetensors.index.json")
+
+
+def plan_folder(repo_id: str, revision: str | None = None) -> Path | None:
+    """A folder with the Hub target's config.json (and its safetensors index, where the Hub has one) for
+    the memory plan at start, before the weights are downloaded: the Hub cache's copy, else the one
+    shipped for a shipped config's target, else fetched from the Hub (config.json and the index only;
+    with HF_HUB_OFFLINE=1 never). None when none can be had (the target job then plans after its
+    download)."""
+    found = cached_file(repo_id, "config.json", revision)
+    if found is not None:
+        return found.parent
+    shipped = SHIPPED_TARGET_CONFIGS.get(repo_id)
+    if shipped and not revision and (SHIPPED_CONFIGS_DIR / shipped / "config.json").is_file():
+        return SHIPPED_CONFIGS_DIR / shipped
+    if offline():
+        return None
+    from huggingface_hub import hf_hub_download
+
+    folder = None
+    for name in PLAN_FILES:
+        try:
+            folder = Path(hf_hub_download(repo_id, name, revision=revision, etag_timeout=10)).parent
+        except Exception:  # noqa: BLE001 - gated, missing, unreachable: the plan waits for the download
+            if name == "config.json":
+                return None
+    return folder
