@@ -62,13 +62,16 @@ stop_at_start("damaged intermediate files", DAMAGED)
 for warning in TARGET_WARNINGS + INPUT_WARNINGS + DAMAGE_WARNINGS:
     print(f"warning: {warning}", file=sys.stderr)
 # The pre-flight GPU memory plan (`draftsmith plan`): a GPU stage that cannot fit its device stops the
-# workflow here, before any job runs, instead of after a 25-minute weight load.
+# workflow here, before any job runs, instead of after a 25-minute weight load. A Hub target not downloaded
+# yet is planned from its config.json in the Hub cache, the shipped one (tests/data/target-configs), or
+# that file and the safetensors index fetched now (draftsmith.core.hub.plan_folder); the generation and
+# extraction jobs check their own line again before vLLM loads the target.
 if workflow.is_main_process and uses_gpus(config):
     try:
         GPU_MEMORY, GPU_DEVICE = device_memory(config["resources"])
         GPU_PLAN = plan_config(config, GPU_MEMORY)
     except ValueError as err:
-        print(f"warning: {err}", file=sys.stderr)
+        print(f"warning: {err} (the GPU jobs check their line of it before vLLM loads)", file=sys.stderr)
     else:
         print(memory_table(GPU_PLAN, GPU_DEVICE), file=sys.stderr)
         if memory_refusal(GPU_PLAN, GPU_DEVICE):

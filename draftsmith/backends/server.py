@@ -89,14 +89,29 @@ def server_layout(settings: Any, target: str | Path, gpus: int) -> tuple[int, in
     else the fewest GPUs that hold the target and each engine's share of the requests in flight at
     --max-model-len (default: the target's context)."""
     from draftsmith.core.config import text_config_json
-    from draftsmith.core.memory import GIB, device_memory, generate_layout, target_size
+    from draftsmith.core.memory import (
+        GIB,
+        device_memory,
+        generate_layout,
+        generate_need,
+        refusal,
+        target_size,
+    )
 
     size = target_size(text_config_json(Path(target)), target, settings.dtype)
-    memory = settings.gpu_memory_gib * GIB if settings.gpu_memory_gib else device_memory({})[0]
+    memory, device = (
+        (settings.gpu_memory_gib * GIB, f"gpu_memory_gib {settings.gpu_memory_gib:g}")
+        if settings.gpu_memory_gib
+        else device_memory({})
+    )
     resources = {
         key: getattr(settings, key) for key in ("gpu_memory_utilization", "tensor_parallel", "concurrency")
     }
-    tp, engines = generate_layout(settings.server_args or [], {**resources, "gpus": gpus}, size, memory)
+    resources["gpus"] = gpus
+    # the plan's line again, on the job's own device, before the server loads the target
+    if stop := refusal([generate_need(settings.server_args or [], resources, size, memory)], device):
+        raise ValueError(f"{stop} (the memory plan, checked again by the job)")
+    tp, engines = generate_layout(settings.server_args or [], resources, size, memory)
     log.info("generate: %d GPU(s) as %d engine(s) of %d (data parallel x tensor parallel)", gpus, engines, tp)
     return tp, engines
 

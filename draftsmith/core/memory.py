@@ -695,6 +695,67 @@ def captured_layers(extract: dict[str, Any], size: TargetSize) -> int:
     return (len(aux) if aux else 3) + 1
 
 
+def generate_need(
+    server_args: list[Any], resources: dict[str, Any], size: TargetSize, memory: float | None
+) -> StageNeed:
+    """The generation server's line of the plan (generate_layout's layout): the plan prints it and the
+    job checks it again before the server loads the target."""
+    util = float(server_arg(server_args, "--gpu-memory-utilization") or resources["gpu_memory_utilization"])
+    seq = int(server_arg(server_args, "--max-model-len") or size.max_position_embeddings)
+    tp, engines = generate_layout(server_args, resources, size, memory)
+    ep = tp * engines if uses_expert_parallel(size, tp, engines) else 0
+    need = _vllm_need(
+        "generate",
+        size,
+        tp,
+        seq,
+        util,
+        memory,
+        f"resources.generate.{'gpus' if tp == resources['gpus'] else 'tensor_parallel'} "
+        "(GPUs per engine) or --max-model-len in generate.server_args",
+        expert_parallel=ep,
+    )
+    need.engines = engines
+    if ep:
+        need.notes.append(
+            f"data-parallel attention with expert parallelism (--data-parallel-size {engines} "
+            "--enable-expert-parallel): each GPU keeps its own sequences' latent KV, not every one's"
+        )
+    if memory is not None and size.mla_moe:
+        need.notes.append(
+            f"sequences held in all: {sequences_held(size, tp, engines, seq, util, memory):.0f}"
+        )
+    return need
+
+
+def extract_need(
+    extract: dict[str, Any], resources: dict[str, Any], size: TargetSize, memory: float | None
+) -> StageNeed:
+    """The vLLM extraction's line of the plan (extract_layout's layout): the plan prints it and the job
+    checks it again before its engines load the target."""
+    util = float(resources["gpu_memory_utilization"])
+    tp, engines = extract_layout(extract, resources, size, memory)
+    need = _vllm_need(
+        "extract",
+        size,
+        tp,
+        int(extract["max_seq_len"]),
+        util,
+        memory,
+        f"resources.extract.{'gpus' if tp == resources['gpus'] else 'tensor_parallel'} "
+        "(GPUs per engine) or extract.max_seq_len",
+        state_bytes_per_token=hidden_state_bytes_per_token(size, captured_layers(extract, size)),
+    )
+    need.engines = engines
+    head = size.vocab_size * size.hidden_size * 2.0
+    if memory is not None and head > (1 - util) * memory:
+        need.notes.append(
+            f"the teacher check's lm_head ({head / GB:.1f} GB) does not fit beside vLLM on the first "
+            "GPU: it runs on the CPU (lower resources.extract.gpu_memory_utilization to keep it there)"
+        )
+    return need
+
+
 def plan(
     config: dict[str, Any],
     size: TargetSize,
@@ -710,59 +771,11 @@ def plan(
     needs: list[StageNeed] = []
     gen = config["generate"]
     if res["generate"]["gpus"] > 0 and gen["backend"] == "vllm-server":
-        args = gen.get("server_args") or []
-        util = float(
-            server_arg(args, "--gpu-memory-utilization") or res["generate"]["gpu_memory_utilization"]
-        )
-        seq = int(server_arg(args, "--max-model-len") or size.max_position_embeddings)
-        tp, engines = generate_layout(args, res["generate"], size, memory)
-        ep = tp * engines if uses_expert_parallel(size, tp, engines) else 0
-        need = _vllm_need(
-            "generate",
-            size,
-            tp,
-            seq,
-            util,
-            memory,
-            f"resources.generate.{'gpus' if tp == res['generate']['gpus'] else 'tensor_parallel'} "
-            "(GPUs per engine) or --max-model-len in generate.server_args",
-            expert_parallel=ep,
-        )
-        need.engines = engines
-        if ep:
-            need.notes.append(
-                f"data-parallel attention with expert parallelism (--data-parallel-size {engines} "
-                "--enable-expert-parallel): each GPU keeps its own sequences' latent KV, not every one's"
-            )
-        if memory is not None and size.mla_moe:
-            held = sequences_held(size, tp, engines, seq, util, memory)
-            need.notes.append(f"sequences held in all: {held:.0f}")
-        needs.append(need)
+        needs.append(generate_need(gen.get("server_args") or [], res["generate"], size, memory))
     ext = config["extract"]
     if res["extract"]["gpus"] > 0:
         if ext["backend"] == "vllm":
-            util = float(res["extract"]["gpu_memory_utilization"])
-            seq = int(ext["max_seq_len"])
-            tp, engines = extract_layout(ext, res["extract"], size, memory)
-            need = _vllm_need(
-                "extract",
-                size,
-                tp,
-                seq,
-                util,
-                memory,
-                f"resources.extract.{'gpus' if tp == res['extract']['gpus'] else 'tensor_parallel'} "
-                "(GPUs per engine) or extract.max_seq_len",
-                state_bytes_per_token=hidden_state_bytes_per_token(size, captured_layers(ext, size)),
-            )
-            need.engines = engines
-            head = size.vocab_size * size.hidden_size * 2.0
-            if memory is not None and head > (1 - util) * memory:
-                need.notes.append(
-                    f"the teacher check's lm_head ({head / GB:.1f} GB) does not fit beside vLLM on the first "
-                    "GPU: it runs on the CPU (lower resources.extract.gpu_memory_utilization to keep it there)"
-                )
-            needs.append(need)
+            needs.append(extract_need(ext, res["extract"], size, memory))
         else:
             parts = {"target weights (one GPU)": size.weight_bytes, "activations, CUDA context": VLLM_RESERVE}
             needs.append(StageNeed("extract", 1, parts, memory, "extract.backend vllm (tensor parallel)"))

@@ -584,15 +584,18 @@ def job_layout(
     if backend != "vllm" or gpus <= 0:
         return 1, 1
     from draftsmith.core.config import section_defaults, text_config_json
-    from draftsmith.core.memory import device_memory, extract_layout, target_size
+    from draftsmith.core.memory import device_memory, extract_layout, extract_need, refusal, target_size
 
     if gpu_memory_utilization is None:
         gpu_memory_utilization = section_defaults("resources.extract")["gpu_memory_utilization"]
 
-    memory, _ = device_memory(device)
+    memory, where = device_memory(device)
     size = target_size(text_config_json(target), target, dtype)
     extract = {"backend": backend, "max_seq_len": max_seq_len}
     res = {"gpus": gpus, "gpu_memory_utilization": gpu_memory_utilization, "tensor_parallel": tensor_parallel}
+    # the plan's line again, now that the weights are on disk, before any engine loads them
+    if stop := refusal([extract_need(extract, res, size, memory)], where):
+        raise ValueError(f"{stop} (the memory plan, checked again by the job)")
     return extract_layout(extract, res, size, memory)
 
 

@@ -414,24 +414,28 @@ def run_planned(job: dict, workdir, monkeypatch, recorded: str) -> tuple[tuple, 
 
 
 def test_generate_serves_the_target_on_all_the_jobs_gpus(plan, monkeypatch):
-    """The vLLM server the planned generate command starts on an 8-H100 node (nvidia-smi's answer): all 8
-    GPUs, Llama-3.1-8B as 8 data-parallel engines of 1, the huge targets as one engine of 8 (Qwen3-235B's
-    expert parallel then has EP = TP), the target's dtype, CUDA graphs (no --enforce-eager), the memory share."""
+    """The vLLM server the planned generate command starts on an 8-H100 node (nvidia-smi's answer; Kimi's on
+    8 H200s): all 8 GPUs, Llama-3.1-8B as 8 data-parallel engines of 1, Qwen3-235B as one engine of 8 (its
+    expert parallel then has EP = TP), Kimi as 8 data-parallel engines with expert parallelism, the target's
+    dtype, CUDA graphs (no --enforce-eager), the memory share."""
     from draftsmith.backends.server import VllmServerBackend
 
     name, jobs, workdir = plan
     (job,) = jobs["generate"]
     args, _ = run_planned(job, workdir, monkeypatch, "draftsmith.stages.generate.generate_traces")
     target, settings = args[0], args[4]  # generate_traces(target, prompts, out, summary, settings)
-    monkeypatch.setattr("draftsmith.core.memory.detect_gpu_memory_gib", lambda: 79.2)
+    # Kimi needs H200s (the job checks the plan's line again and refuses H100s): there, data-parallel
+    # attention with expert parallelism (memory.engine_layout, issue 43 item 12)
+    kimi = name == "kimi-k2.5-8gpu"
+    monkeypatch.setattr("draftsmith.core.memory.detect_gpu_memory_gib", lambda: 139.8 if kimi else 79.2)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
     cmd = VllmServerBackend.server(settings, target, "server.log").command()
     flags = dict(zip(cmd, cmd[1:], strict=False))
-    tp, dp = (None, "8") if name == "llama-3.1-8b" else ("8", None)
+    tp, dp = (None, "8") if name != "qwen3-235b-a22b" else ("8", None)
     assert (flags.get("--tensor-parallel-size"), flags.get("--data-parallel-size")) == (tp, dp), cmd
     assert flags["--dtype"] == "bfloat16" and "--enforce-eager" not in cmd, cmd
-    assert flags["--gpu-memory-utilization"] == ("0.92" if name == "kimi-k2.5-8gpu" else "0.9"), cmd
-    assert ("--enable-expert-parallel" in cmd) == (name == "qwen3-235b-a22b"), cmd
+    assert flags["--gpu-memory-utilization"] == ("0.92" if kimi else "0.9"), cmd
+    assert ("--enable-expert-parallel" in cmd) == (name != "llama-3.1-8b"), cmd
 
 
 def test_extract_runs_vllm_over_the_nodes_8_gpus_in_bfloat16_with_cuda_graphs(plan, monkeypatch):

@@ -1,0 +1,75 @@
+"""The memory plan runs before any GPU job on a first run (issue 43 item 4): a Hub target not downloaded
+yet is planned from its config.json in the Hub cache, or from the shipped tests/data/target-configs for
+the shipped configs' ids, so Kimi-K2.5 on 8 H100s stops at `snakemake -n` with the figure instead of
+after a ~600 GB download and a 25-minute load."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import yaml
+from helpers import REPO, cli_env
+from hubcache import add_repo
+
+KIMI = REPO / "configs" / "kimi-k2.5-8gpu.yaml"
+KIMI_CONFIG = REPO / "tests" / "data" / "target-configs" / "kimi-k2.5" / "config.json"
+
+
+def dry_run(tmp_path, overlay: dict, cache, offline: bool = True) -> subprocess.CompletedProcess:
+    """`snakemake -n` of the Kimi config with `overlay` over it, with the Hub cache `cache`, offline (else
+    with a Hub address nothing answers at: no request leaves this machine)."""
+    work = tmp_path / "run"
+    work.mkdir(exist_ok=True)
+    (tmp_path / "overlay.yaml").write_text(yaml.safe_dump(overlay))
+    env = {k: v for k, v in cli_env().items() if not k.startswith("HF_")}
+    env.update(
+        HF_HUB_CACHE=str(cache),
+        **({"HF_HUB_OFFLINE": "1"} if offline else {"HF_ENDPOINT": "http://127.0.0.1:9"}),
+    )
+    cmd = ["snakemake", "-n", "--snakefile", str(REPO / "Snakefile"), "--directory", str(work),
+           "--configfile", str(KIMI), str(tmp_path / "overlay.yaml"), "--cores", "1", "--resources", "gpu=8"]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=work, timeout=300)
+
+
+def test_a_hub_id_with_only_its_config_json_in_the_offline_cache_is_planned_at_start(tmp_path):
+    cache = tmp_path / "hub"
+    add_repo(cache, "acme/kimi-copy", {"config.json": KIMI_CONFIG})  # an id no shipped config names
+    proc = dry_run(
+        tmp_path, {"target": {"model": "acme/kimi-copy"}, "resources": {"gpu_model": "H200-141GB"}}, cache
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "GPU memory per GPU (resources.gpu_model H200-141GB):" in proc.stderr
+    assert "no GPU memory plan" not in proc.stderr
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["shipped config.json", "Hub cache"])
+def test_kimi_on_8_h100s_is_refused_at_a_dry_run_with_the_figure(tmp_path, cached):
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    if cached:
+        add_repo(cache, "moonshotai/Kimi-K2.5", {"config.json": KIMI_CONFIG})
+    # not cached: not offline either (the target job will download it), so the shipped config.json plans it
+    proc = dry_run(tmp_path, {"resources": {"gpu_model": "H100-80GB"}}, cache, offline=cached)
+    assert proc.returncode != 0
+    assert "generate needs 80.6 GB per GPU but has 78.2 GB (resources.gpu_model H100-80GB)" in proc.stderr
+
+
+def test_each_gpu_job_checks_its_own_line_of_the_plan_before_vllm_loads(monkeypatch):
+    """The extraction job and the generation server, on 8 H100s with Kimi-K2.5: one line with the figure,
+    before any engine (the plan at start may have had no config.json, or another device)."""
+    from draftsmith.backends.server import ServerError, VllmServerBackend
+    from draftsmith.core.config import section_defaults
+    from draftsmith.stages.extract import job_layout
+    from draftsmith.stages.generate import GenerateSettings
+
+    target = str(KIMI_CONFIG.parent)
+    with pytest.raises(
+        ValueError, match=r"^extract needs 79\.\d GB per GPU but has 76\.5 GB .*checked again by the job"
+    ):
+        job_layout(target, "bfloat16", "vllm", 8, 8192, None, 0, {"gpu_model": "H100-80GB"})
+    values = {**section_defaults("generate"), "backend": "vllm-server", "dtype": "bfloat16", "gpus": 8,
+              "gpu_memory_gib": 79.2, "server_args": ["--max-model-len", "32768"]}  # fmt: skip
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    with pytest.raises(ServerError, match=r"generate needs 80\.6 GB per GPU but has \d+\.\d GB"):
+        VllmServerBackend.server(GenerateSettings.from_dict(values), target, "server.log")
