@@ -278,3 +278,12 @@ def test_two_processes_in_micro_batches_train_the_single_process_weights(data: d
     for name in a:
         if a[name].is_floating_point():
             torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5)
+
+
+def test_peagle_with_one_ttt_step_trains_under_ddp(data: dict, tmp_path: Path) -> None:
+    """P-EAGLE's mask_hidden reaches the loss only through TTT steps >= 1: with ttt_steps 1 no rank uses
+    it, and DDP (find_unused_parameters=False) failed the second step waiting for its gradient."""
+    s = _settings(drafter={"kind": "peagle"}, ttt_steps=1, epochs=1, max_steps=2, checkpoint_every=0)
+    torchrun_train(data, tmp_path, s)
+    summary = json.loads((tmp_path / "drafter" / "train_summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 2
