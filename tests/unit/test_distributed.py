@@ -36,7 +36,7 @@ from helpers import (
 )
 from safetensors.torch import load_file
 
-from draftsmith.core.distributed import Dist
+from draftsmith.core.distributed import Dist, rank_threads
 from draftsmith.core.loader import StreamingData, verify_share
 from draftsmith.core.manifest import load_manifest
 from draftsmith.core.objective import DraftingLoss, StepStats
@@ -287,3 +287,9 @@ def test_peagle_with_one_ttt_step_trains_under_ddp(data: dict, tmp_path: Path) -
     torchrun_train(data, tmp_path, s)
     summary = json.loads((tmp_path / "drafter" / "train_summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 2
+
+
+def test_each_rank_takes_its_share_of_the_job_threads() -> None:
+    """train.threads is the job's count: 8 ranks on 32 CPUs take 4 each, never fewer than 1."""
+    assert rank_threads(32, 8) == 4 and rank_threads(32, 1) == 32
+    assert rank_threads(8, 3) == 2 and rank_threads(2, 8) == 1
