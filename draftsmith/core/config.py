@@ -523,6 +523,7 @@ def combination_errors(config: dict[str, Any]) -> list[str]:
     if config["prompts"]["code_prompts"] and not config["prompts"]["code_wheels"]:
         errors.append("prompts.code_wheels: prompts.code_prompts asks for code prompts but names no wheel")
     errors += wildcard_path_errors(config)
+    errors += cpu_setting_errors(config)
     evaluate = config["evaluate"]
     for name, source in evaluate["heldout_sets"].items():
         if source == RENAMED_HELDOUT_SOURCE:  # else read as a prompt file named "split", missing
@@ -534,6 +535,29 @@ def combination_errors(config: dict[str, Any]) -> list[str]:
     unknown = sorted(set(evaluate["set_num_prompts"]) - set(evaluate["heldout_sets"]))
     if unknown:
         errors.append(f"evaluate.set_num_prompts: {unknown} are not held-out sets (evaluate.heldout_sets)")
+    return errors
+
+
+def cpu_setting_errors(config: dict[str, Any]) -> list[str]:
+    """The schema's CPU defaults where a stage holds GPUs, refused in one line each. Refused, not replaced:
+    --enforce-eager sits in a list the user may have written (dropping it would rewrite their command), and
+    a device-dependent extract.vllm_eager would change the extraction's recorded settings and so rerun every
+    CPU extraction. The shipped GPU configs set both. (extract.backend transformers is replaced instead: it
+    runs on the job's first GPU, stages/extract.transformers_device.)"""
+    res, errors = config["resources"], []
+    gen, ext = config["generate"], config["extract"]
+    gen_gpus, ext_gpus = int(res["generate"]["gpus"]), int(res["extract"]["gpus"])
+    eager_server = "--enforce-eager" in map(str, gen["server_args"] or [])
+    if gen_gpus > 0 and gen["backend"] == "vllm-server" and eager_server:
+        errors.append(
+            f"generate.server_args: --enforce-eager (the CPU default) on resources.generate.gpus {gen_gpus} "
+            "serves without CUDA graphs, several times slower: drop it from generate.server_args"
+        )
+    if ext_gpus > 0 and ext["backend"] == "vllm" and ext["vllm_eager"]:
+        errors.append(
+            f"extract.vllm_eager: true (the CPU default) on resources.extract.gpus {ext_gpus} runs vLLM without "
+            "CUDA graphs or torch.compile: set extract.vllm_eager false"
+        )
     return errors
 
 

@@ -135,6 +135,26 @@ def should_compile(mode: str, backend: str, eager_seconds: float) -> bool:
     return mode == "on" or (mode == "auto" and eager_seconds >= COMPILE_MIN_SECONDS)
 
 
+def transformers_device(gpus: int) -> str:
+    """Where the transformers back-end runs: the job's first GPU when it holds any (`draftsmith run`
+    made them visible), else the CPU; a job given GPUs CUDA cannot see (fake ones in tests) runs on the
+    CPU as before, with a warning."""
+    if gpus <= 0:
+        return "cpu"
+    if not torch.cuda.is_available():
+        log.warning(
+            "extract: resources.extract.gpus is %d but CUDA sees no GPU: the transformers back-end runs on the CPU",
+            gpus,
+        )
+        return "cpu"
+    if gpus > 1:
+        log.warning(
+            "extract: the transformers back-end runs on one of the job's %d GPUs (extract.backend vllm uses all)",
+            gpus,
+        )
+    return "cuda"
+
+
 def make_extractor(
     backend: str,
     target: str,
@@ -151,7 +171,7 @@ def make_extractor(
     if backend == "transformers":
         from draftsmith.backends.hf import HfExtractor
 
-        return HfExtractor.from_target(target, layer_ids, dtype)
+        return HfExtractor.from_target(target, layer_ids, dtype, transformers_device(gpus))
     if backend == "vllm":
         from draftsmith.backends.vllm_extract import VllmExtractor
 

@@ -207,6 +207,29 @@ def test_a_tensor_parallel_size_that_does_not_split_the_heads_is_refused_at_star
     assert checks(target=target, extract={"backend": "vllm"}, resources={"extract": {"gpus": 6}}) == ([], [])
 
 
+def test_cpu_defaults_on_a_stage_with_gpus_are_refused_naming_the_key():
+    """generate.server_args' --enforce-eager and extract.vllm_eager: true are the schema's CPU defaults;
+    a stage holding GPUs with them is refused at start, one line each; GPU settings pass."""
+    gen = {"backend": "vllm-server"}
+    errors = combination_errors(filled({"generate": gen, "resources": {"generate": {"gpus": 8}}}))
+    assert errors == [
+        "generate.server_args: --enforce-eager (the CPU default) on resources.generate.gpus 8 serves without "
+        "CUDA graphs, several times slower: drop it from generate.server_args"
+    ]
+    fast = {**gen, "server_args": ["--max-model-len", "8192"]}
+    assert combination_errors(filled({"generate": fast, "resources": {"generate": {"gpus": 8}}})) == []
+    assert combination_errors(filled({"generate": gen})) == []  # on the CPU: the default stands
+    ext = {"backend": "vllm"}
+    errors = combination_errors(filled({"extract": ext, "resources": {"extract": {"gpus": 2}}}))
+    assert len(errors) == 1 and errors[0].startswith(
+        "extract.vllm_eager: true (the CPU default) on resources.extract.gpus 2"
+    )
+    compiled = {**ext, "vllm_eager": False}
+    assert combination_errors(filled({"extract": compiled, "resources": {"extract": {"gpus": 2}}})) == []
+    # the transformers back-end is not refused: it runs on the job's GPU (test_extract)
+    assert combination_errors(filled({"resources": {"extract": {"gpus": 1}}})) == []
+
+
 def test_more_drafts_than_trained_steps_is_a_warning(in_tmp):
     errors, warnings = checks(evaluate={"num_draft_tokens": 5}, train={"ttt_steps": 3})
     assert errors == []

@@ -636,6 +636,27 @@ def test_vllm_engine_gets_the_jobs_gpus_eager_setting_and_memory_share(monkeypat
     )
 
 
+def test_transformers_backend_runs_on_the_jobs_gpu_not_the_cpu(monkeypatch, tiny_llama):
+    """resources.extract.gpus > 0 with the transformers back-end: the target on the job's first GPU (it
+    loaded on the CPU while the job held the GPUs); GPUs CUDA cannot see (fake ones): the CPU as before.
+    Its captures come back on the CPU, where the writer compresses them."""
+    from draftsmith.backends.hf import HfExtractor
+    from draftsmith.stages.extract import make_extractor
+
+    devices = []
+    monkeypatch.setattr(HfExtractor, "from_target", lambda t, ids, dtype, device: devices.append(device))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    make_extractor("transformers", "T", [2], "bfloat16", 1, 2048, None, True, 0.8)
+    make_extractor("transformers", "T", [2], "float32", 0, 2048, None, True, 0.8)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    make_extractor("transformers", "T", [2], "float32", 2, 2048, None, True, 0.8)
+    assert devices == ["cuda", "cpu", "cpu"]
+    extractor = HfExtractor(tiny_llama, [1, 3])
+    ((aux, final),) = extractor.capture([torch.arange(7)])
+    assert extractor.device.type == "cpu" and aux.device.type == final.device.type == "cpu"
+    assert aux.shape == (7, 2, 64) and final.shape == (7, 64)
+
+
 # ---- the extraction job: engines, queue, stash ------------------------------------------------------------
 
 
