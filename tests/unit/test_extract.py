@@ -1,6 +1,8 @@
 """Capture, shards, token layout, vocab maps: the contracts between stages, on a tiny random Llama."""
 
 import json
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -840,3 +842,100 @@ def test_extract_shards_refuses_a_shard_count_the_tokens_do_not_plan(tmp_path):
         ValueError, match=r"extract.num_shards: 3 shard files asked for, but .* plans 2 shards"
     ):
         extract_shards(str(tmp_path), str(tokens), ["a", "b", "c"], settings(batch_tokens=60))
+
+
+def test_vllm_states_go_to_node_local_scratch_not_results(tmp_path, tiny_llama, monkeypatch):
+    """The vllm back-end's per-request states folder (its connector's storage path) lies under
+    resources.extract.scratch, not under results/ (Lustre without flock, NFS round trips); it is removed
+    after the job, and a killed earlier job's folder (its process gone) is removed at the next start."""
+    import draftsmith.stages.extract as ex
+    from draftsmith.backends.hf import HfExtractor
+
+    target = tmp_path / "target"
+    tiny_llama.save_pretrained(target)
+    tokens = tmp_path / "tokens.safetensors"
+    _tokens_file(tokens, [7, 30, 12, 25], [[0, 2], [2, 4]])
+    scratch = tmp_path / "scratch"
+    stale = scratch / f"{ex.SCRATCH_PREFIX}999999999-x"
+    stale.mkdir(parents=True)
+    storage = []
+
+    def extractor(backend, target, layer_ids, dtype, gpus, max_len, storage_dir, *rest):
+        storage.append(Path(storage_dir))
+        assert storage[-1].is_dir() and not stale.exists()
+        return HfExtractor(tiny_llama, layer_ids)
+
+    monkeypatch.setattr(ex, "make_extractor", extractor)
+    outs = [tmp_path / "results" / "hidden" / f"shard-{k}.safetensors" for k in range(2)]
+    s = settings(aux_layers=[1, 3], batch_tokens=60, compile="off", backend="vllm", scratch=str(scratch))
+    ex.extract_shards(str(target), str(tokens), [str(p) for p in outs], s)
+    (folder,) = storage
+    assert folder.parent == scratch and not folder.is_relative_to(tmp_path / "results")
+    assert list(scratch.iterdir()) == []  # the job's folder is gone with it
+    assert ex.scratch_root(None) == Path(tempfile.gettempdir())
+
+
+def test_a_scratch_folder_without_room_for_the_in_flight_states_is_refused_in_one_line(tmp_path, monkeypatch):
+    """Kimi-K2.5's 3 aux layers + final (7,168 wide, bf16): 57 KB a token; 8,192-token batches, two in flight
+    per engine: 0.94 GB for one engine. A folder with less is refused naming it and both figures."""
+    import draftsmith.stages.extract as ex
+
+    tokens, need = ex.in_flight_states(8192, 100, 1, 4, 7168, "bfloat16")
+    assert (tokens, need) == (16384, 16384 * 57344)
+    assert ex.in_flight_states(8192, 20000, 2, 4, 7168, "bfloat16")[0] == 80000  # a longer sample alone
+    monkeypatch.setattr(ex.shutil, "disk_usage", lambda p: shutil_usage(free=500_000_000))
+    with pytest.raises(ex.NotEnoughDisk) as err:
+        ex.check_scratch_room(tmp_path, tokens, need)
+    assert str(err.value) == (
+        f"resources.extract.scratch: {tmp_path} has 0.50 GB free, but vLLM's states of the 16,384 tokens in "
+        "flight need 0.94 GB: name a larger node-local folder"
+    )
+    monkeypatch.setattr(ex.shutil, "disk_usage", lambda p: shutil_usage(free=10**10))
+    ex.check_scratch_room(tmp_path, tokens, need)
+
+
+def shutil_usage(free: int):
+    import shutil
+
+    return shutil._ntuple_diskusage(total=2 * free, used=free, free=free)
+
+
+def sleeping_engine(queue, starting, finished, pid_file: str, **kw) -> None:
+    """A stand-in engine that hangs on its first shard (as a stuck collective does), with a child process
+    of its own (as vLLM's workers)."""
+    import subprocess
+    import time
+
+    starting(queue.take())
+    child = subprocess.Popen(["sleep", "300"])
+    Path(pid_file).write_text(str(child.pid))
+    time.sleep(300)
+
+
+def test_a_hung_engine_is_killed_with_its_processes_naming_it_and_its_shard(tmp_path):
+    import draftsmith.stages.extract as ex
+
+    queue = ex.ShardQueue([2, 0, 1])
+    pid_file = tmp_path / "child.pid"
+    t0 = time.monotonic()
+    with pytest.raises(ex.EngineFailed) as err:
+        ex.run_engine_processes(queue, [""], {"pid_file": str(pid_file)}, 8, runner=sleeping_engine)
+    assert time.monotonic() - t0 < 120
+    assert str(err.value).startswith(
+        "extraction engine 0 of 1 (CUDA devices none) failed: shard 2: no shard started or finished in 8 s "
+        "(resources.extract.idle_timeout_s): hung, killed with its processes"
+    )
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _running(child):
+        time.sleep(0.1)
+    assert not _running(child)
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie awaiting its reaper is not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
