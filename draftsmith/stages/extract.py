@@ -746,12 +746,10 @@ def _engine_process(
     kw: dict[str, Any],
     runner: Callable[..., None] = run_engine,
 ) -> None:
-    """A spawned engine: its own GPUs, its own process group (what a timeout kills: vLLM's workers too),
-    its log lines named, its progress and a failure told to the parent (the failure in one line with the
+    """A spawned engine: its own GPUs, its log lines named, its progress and a failure told to the parent (the failure in one line with the
     shard it was on), SIGTERM when the parent dies (no orphan holding GPUs). `runner`: run_engine (a
     stand-in in tests)."""
     os.environ["CUDA_VISIBLE_DEVICES"] = devices  # before anything initialises CUDA
-    os.setpgid(0, 0)
     from draftsmith.backends.server import _set_parent_death_signal
 
     _set_parent_death_signal()
@@ -780,10 +778,25 @@ def idle_engines(last: dict[int, float], alive: set[int], now: float, timeout: f
     return sorted(i for i in alive if now - last[i] >= timeout)
 
 
-def kill_group(pid: int) -> None:
-    """SIGKILL an engine's process group (it and the processes it started: vLLM's workers)."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every live descendant of it, from /proc (Linux)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):  # gone meanwhile
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    tree, frontier = [pid], [pid]
+    while frontier:
+        frontier = [p for p, parent in parents.items() if parent in frontier]
+        tree += frontier
+    return tree
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL an engine and the processes it started (vLLM's workers), listed before any dies: an orphan
+    would leave the tree."""
+    for p in process_tree(pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, signal.SIGKILL)
 
 
 def extract_shards(
@@ -872,14 +885,18 @@ def run_engine_processes(
     queue: ShardQueue,
     devices: list[str],
     kw: dict[str, Any],
-    idle_timeout_s: float,
+    idle_timeout_s: float | None = None,
     runner: Callable[..., None] = run_engine,
 ) -> None:
     """One spawned process per engine (CUDA_VISIBLE_DEVICES = devices[i]), all taking from `queue`;
     waits for every one (the others go on when one fails: their shards are stashed), then raises
     EngineFailed naming the first failure. An engine that neither starts nor finishes a shard for
     idle_timeout_s (resources.extract.idle_timeout_s: a stuck collective never returns) is killed with
-    its process group, named with the shard it was on."""
+    the processes it started, named with the shard it was on (None: the schema's default)."""
+    if idle_timeout_s is None:
+        from draftsmith.core.config import section_defaults
+
+        idle_timeout_s = float(section_defaults("resources.extract")["idle_timeout_s"])
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     procs = [
@@ -915,7 +932,7 @@ def run_engine_processes(
                 f"{on}: no shard started or finished in {idle_timeout_s:g} s "
                 "(resources.extract.idle_timeout_s): hung, killed with its processes",
             )
-            kill_group(procs[i].pid)
+            kill_tree(procs[i].pid)
             last[i] = float("inf")  # killed once
     while not results.empty():
         drain(0.1)

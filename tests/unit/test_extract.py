@@ -912,6 +912,26 @@ def sleeping_engine(queue, starting, finished, pid_file: str, **kw) -> None:
     time.sleep(300)
 
 
+def failing_engine(queue, starting, finished, **kw) -> None:
+    """A stand-in engine that finishes its first shard and fails on its second."""
+    first = queue.take()
+    starting(first)
+    finished(first)
+    starting(queue.take())
+    raise ValueError("no such layer")
+
+
+def test_a_failing_engine_is_named_with_its_shard_in_one_line():
+    import draftsmith.stages.extract as ex
+
+    with pytest.raises(ex.EngineFailed) as err:
+        ex.run_engine_processes(ex.ShardQueue([4, 3]), [""], {}, runner=failing_engine)
+    assert str(err.value) == (
+        "extraction engine 0 of 1 (CUDA devices none) failed: shard 3: ValueError: no such layer; the shards "
+        "finished are stashed and a rerun reuses them"
+    )
+
+
 def test_a_hung_engine_is_killed_with_its_processes_naming_it_and_its_shard(tmp_path):
     import draftsmith.stages.extract as ex
 
