@@ -742,7 +742,7 @@ def tensor_parallel_errors(config: dict[str, Any], heads: int, kv_heads: int, wh
     engine after the job queued and the weights loaded): an explicit tensor_parallel (or
     --tensor-parallel-size), and evaluation's, which is its GPU count. memory.engine_layout's own choice
     (tensor_parallel 0) only picks splits vLLM accepts."""
-    from draftsmith.core.memory import heads_error, server_arg
+    from draftsmith.core.devices import heads_error, server_arg
 
     res = config["resources"]
     layouts: list[tuple[str, int]] = []

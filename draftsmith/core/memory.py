@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.core.cost import DEVICES
+from draftsmith.core.devices import heads_error, server_arg
 
 GB = 1e9  # what the tables print (the figures the issue and vendors quote)
 GIB = 2**30
@@ -485,16 +486,6 @@ class StageNeed:
         return None if self.budget is None else self.total <= self.budget
 
 
-def server_arg(args: list[Any], name: str) -> str | None:
-    args = [str(a) for a in args or []]
-    for i, a in enumerate(args):
-        if a == name and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith(name + "="):
-            return a.split("=", 1)[1]
-    return None
-
-
 def _vllm_need(
     stage: str,
     size: TargetSize,
@@ -520,19 +511,6 @@ def _vllm_need(
             f"KV room {max(room, 0) / GB:.1f} GB = {max(room, 0) / max(kv, 1):.1f} such sequences"
         )
     return need
-
-
-def heads_error(tp: int, heads: int, kv_heads: int) -> str | None:
-    """Why vLLM refuses `tp` tensor-parallel GPUs for a target of `heads` query heads and `kv_heads` key-value
-    heads (0: latent attention or unknown), else None: vLLM's attention layers split the query heads evenly
-    and the kv heads evenly, or replicate them evenly where fewer than the GPUs."""
-    if tp <= 1 or heads <= 0:
-        return None
-    if heads % tp:
-        return f"{tp} does not divide the target's {heads} attention heads"
-    if kv_heads and (kv_heads % tp if kv_heads >= tp else tp % kv_heads):
-        return f"{tp} neither divides nor is a multiple of the target's {kv_heads} key-value heads"
-    return None
 
 
 def largest_head_split(size: TargetSize, gpus: int) -> int:
