@@ -875,7 +875,7 @@ def extract_shards(
             run_engine(queue, **kw)
         else:
             devices = engine_devices(parse_visible(os.environ.get("CUDA_VISIBLE_DEVICES")), gpus, tp, engines)
-            run_engine_processes(queue, devices, kw, s.idle_timeout_s)
+            run_engine_processes(queue, devices, kw)
     for k, out in enumerate(out_paths):
         publish(stashed_path(stash, k), Path(out))
     return reused
@@ -885,18 +885,14 @@ def run_engine_processes(
     queue: ShardQueue,
     devices: list[str],
     kw: dict[str, Any],
-    idle_timeout_s: float | None = None,
     runner: Callable[..., None] = run_engine,
 ) -> None:
     """One spawned process per engine (CUDA_VISIBLE_DEVICES = devices[i]), all taking from `queue`;
     waits for every one (the others go on when one fails: their shards are stashed), then raises
     EngineFailed naming the first failure. An engine that neither starts nor finishes a shard for
-    idle_timeout_s (resources.extract.idle_timeout_s: a stuck collective never returns) is killed with
-    the processes it started, named with the shard it was on (None: the schema's default)."""
-    if idle_timeout_s is None:
-        from draftsmith.core.config import section_defaults
-
-        idle_timeout_s = float(section_defaults("resources.extract")["idle_timeout_s"])
+    kw["settings"].idle_timeout_s (resources.extract.idle_timeout_s: a stuck collective never returns) is
+    killed with the processes it started, named with the shard it was on."""
+    idle_timeout_s = kw["settings"].idle_timeout_s
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     procs = [

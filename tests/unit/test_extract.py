@@ -925,7 +925,7 @@ def test_a_failing_engine_is_named_with_its_shard_in_one_line():
     import draftsmith.stages.extract as ex
 
     with pytest.raises(ex.EngineFailed) as err:
-        ex.run_engine_processes(ex.ShardQueue([4, 3]), [""], {}, runner=failing_engine)
+        ex.run_engine_processes(ex.ShardQueue([4, 3]), [""], {"settings": settings()}, runner=failing_engine)
     assert str(err.value) == (
         "extraction engine 0 of 1 (CUDA devices none) failed: shard 3: ValueError: no such layer; the shards "
         "finished are stashed and a rerun reuses them"
@@ -939,7 +939,8 @@ def test_a_hung_engine_is_killed_with_its_processes_naming_it_and_its_shard(tmp_
     pid_file = tmp_path / "child.pid"
     t0 = time.monotonic()
     with pytest.raises(ex.EngineFailed) as err:
-        ex.run_engine_processes(queue, [""], {"pid_file": str(pid_file)}, 8, runner=sleeping_engine)
+        kw = {"settings": settings(idle_timeout_s=8), "pid_file": str(pid_file)}
+        ex.run_engine_processes(queue, [""], kw, runner=sleeping_engine)
     assert time.monotonic() - t0 < 120
     assert str(err.value).startswith(
         "extraction engine 0 of 1 (CUDA devices none) failed: shard 2: no shard started or finished in 8 s "
