@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.core.cost import DEVICES
+from draftsmith.core.devices import heads_error, server_arg
 
 GB = 1e9  # what the tables print (the figures the issue and vendors quote)
 GIB = 2**30
@@ -269,6 +270,7 @@ class TargetSize:
     max_position_embeddings: int
     tied: bool
     dtype_bytes: float = 2.0  # of the config's dtype (what the weights would take unquantized per parameter)
+    attention_heads: int = 0  # query heads (0: unknown, no constraint on the tensor-parallel size)
 
     def kv_bytes_per_token(self, tp: int) -> float:
         """KV cache bytes of one token on each of `tp` tensor-parallel GPUs (vLLM: kv heads split over
@@ -345,6 +347,7 @@ def target_size(
         max_position_embeddings=_int(config, "max_position_embeddings", default=4096),
         tied=tied,
         dtype_bytes=dtype_bytes,
+        attention_heads=nh,
     )
 
 
@@ -483,16 +486,6 @@ class StageNeed:
         return None if self.budget is None else self.total <= self.budget
 
 
-def server_arg(args: list[Any], name: str) -> str | None:
-    args = [str(a) for a in args or []]
-    for i, a in enumerate(args):
-        if a == name and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith(name + "="):
-            return a.split("=", 1)[1]
-    return None
-
-
 def _vllm_need(
     stage: str,
     size: TargetSize,
@@ -520,6 +513,15 @@ def _vllm_need(
     return need
 
 
+def largest_head_split(size: TargetSize, gpus: int) -> int:
+    """The most GPUs per engine, dividing `gpus`, that vLLM accepts for this target's heads (1 always is)."""
+    return max(
+        t
+        for t in range(1, gpus + 1)
+        if gpus % t == 0 and not heads_error(t, size.attention_heads, size.kv_heads)
+    )
+
+
 def engine_layout(
     size: TargetSize,
     gpus: int,
@@ -534,7 +536,10 @@ def engine_layout(
     dividing `gpus`, whose budget holds the weights' share, vLLM's reserve and the KV cache of the
     engine's share of the `in_flight` requests at `seq_len` tokens each (a split that would leave each
     engine too little KV to batch its requests is no gain); all of them when the device's memory is
-    unknown or nothing smaller fits (the plan then says whether that does). No GPUs: one CPU engine."""
+    unknown or nothing smaller fits (the plan then says whether that does). Only splits of the target's
+    attention heads vLLM accepts are chosen (6 GPUs for 32 heads: 3 engines of 2 at most; heads_error);
+    an explicit tensor_parallel that vLLM would refuse is config.tensor_parallel_errors' to refuse at
+    start. No GPUs: one CPU engine."""
     if gpus <= 0:
         return 1, 1
     if tensor_parallel:
@@ -543,15 +548,17 @@ def engine_layout(
                 f"tensor_parallel {tensor_parallel} does not divide the job's {gpus} GPUs into engines"
             )
         return tensor_parallel, gpus // tensor_parallel
+    most = largest_head_split(size, gpus)  # "all of them", as far as the heads split
     if memory is None:
-        return gpus, 1
+        return most, gpus // most
     tp = 1
-    while tp < gpus:
+    while tp < most:
         share = math.ceil(in_flight / (gpus // tp))
-        if gpus % tp == 0 and _vllm_need("", size, tp, seq_len * share, utilization, memory, "").fits:
+        fits = _vllm_need("", size, tp, seq_len * share, utilization, memory, "").fits
+        if gpus % tp == 0 and not heads_error(tp, size.attention_heads, size.kv_heads) and fits:
             return tp, gpus // tp
         tp *= 2
-    return gpus, 1
+    return most, gpus // most
 
 
 def generate_layout(

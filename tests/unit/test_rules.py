@@ -48,6 +48,8 @@ OPERATIONAL = {
         "gpus": 1,
         "gpu_memory_utilization": 0.5,
         "tensor_parallel": 1,
+        "scratch": "/dev/shm",
+        "idle_timeout_s": 60,
     },
     "train": {
         "threads": 3,
