@@ -35,7 +35,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from draftsmith.backends.common import attention_backend_for, log_cause, vllm_child_env
+from draftsmith.backends.common import attention_backend_for, log_cause, note_engine_start, vllm_child_env
 from draftsmith.backends.openai import OpenAIChatBackend, OpenAIClient
 from draftsmith.backends.vllm_api import API_SERVER_MODULE
 from draftsmith.core.config import server_args_error, server_host_error
@@ -303,6 +303,8 @@ class VllmServer:
         out.write(f"$ {' '.join(cmd)}\n".encode())
         out.flush()
         self._install_handlers()
+        if self.module == API_SERVER_MODULE:  # a test's stand-in server loads no engine
+            note_engine_start("generation server")
         started = time.monotonic()
         try:
             self.proc = subprocess.Popen(

@@ -202,3 +202,20 @@ def test_the_client_sends_no_hub_token_and_no_key_in_the_clear(monkeypatch, base
     monkeypatch.setenv("MY_KEY", "secret")
     assert OpenAIClient.from_env("https://example.org/v1", "MY_KEY").api_key == "secret"
     assert OpenAIClient.from_env("http://localhost:8000/v1", "MY_KEY").api_key == "secret"
+
+
+def test_each_engine_start_is_logged_with_the_test_that_started_it(tmp_path, monkeypatch):
+    from draftsmith.backends.common import note_engine_start
+
+    log = tmp_path / "engines.tsv"
+    monkeypatch.setenv("DRAFTSMITH_ENGINE_LOG", str(log))
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/e2e/test_x.py::test_y (call)")
+    note_engine_start("evaluation plain k=3")
+    note_engine_start("generation server")
+    assert log.read_text().splitlines() == [
+        "tests/e2e/test_x.py::test_y\tevaluation plain k=3",
+        "tests/e2e/test_x.py::test_y\tgeneration server",
+    ]
+    monkeypatch.delenv("DRAFTSMITH_ENGINE_LOG")
+    note_engine_start("nothing logged")
+    assert len(log.read_text().splitlines()) == 2

