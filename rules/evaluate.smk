@@ -19,6 +19,8 @@ OFFLINE_EVAL = (
 )
 VLLM_EVAL = {f"vllm_{name}": f"results/eval/{name}/vllm.json" for name in HELDOUT} if EVAL["vllm"] else {}
 VLLM_RUNS = "results/eval/.runs"
+# the pre-flight's lines lead the report where it ran (it runs before vLLM's measurement, with it)
+SUMMARY_PREFLIGHT = {"preflight": PREFLIGHT} if EVAL["vllm"] else {}
 if not (EVAL["offline"] or EVAL["vllm"]):
     raise ValueError("evaluate.offline: false needs evaluate.vllm: true (the drafter must be measured)")
 
@@ -203,6 +205,7 @@ rule eval_summary:
         **OFFLINE_EVAL,
         **VLLM_EVAL,
         **DRAFTER_FILES,
+        **SUMMARY_PREFLIGHT,
         manifest=data_config,
         target=TARGET,
         metrics=rules.train.output.metrics,
@@ -234,7 +237,7 @@ rule eval_summary:
             "results/eval/per_forward.png",
             caption="../report/per_forward.rst",
             category="Evaluation",
-            labels={"figure": "tokens per target forward and speedup"},
+            labels={"figure": "projected speedup against concurrency"},
         ),
     log:
         "logs/eval_summary.log",
@@ -253,8 +256,10 @@ rule eval_summary:
         # what the model card names as the target
         target_source=section_json("target", ["model", "revision", "gguf_wheel", "gguf_file"]),
         drafter=drafter_dir,
+        preflight=["--preflight-json", PREFLIGHT] if EVAL["vllm"] else [],
     shell:
-        "draftsmith eval-summary {params.sets:q} --manifest {input.manifest:q} --drafter {params.drafter:q}"
+        "draftsmith eval-summary {params.sets:q} {params.preflight:q} --manifest {input.manifest:q}"
+        " --drafter {params.drafter:q}"
         ' --target {input.target:q} --metrics {input.metrics:q} --out "$(dirname {output.summary:q})"'
         " --settings {params.settings:q} --vocab {input.vocab:q}"
         " --prompts-summary {input.prompts_summary:q} --target-source {params.target_source:q} 2>&1 | tee {log:q}"

@@ -443,7 +443,10 @@ def test_summary_report_and_gate(pipeline, offline, untrained, tmp_path):
     speed = next(c for c in summary["checks"] if c["name"] == "speedup")
     assert speed["status"] == "info"  # measured on a CPU
     html = (out / "summary.html").read_text()
-    assert "<table>" in html and "Gate: PASSED" in html and html.index("Verdict") < html.index("<table>")
+    assert "<table>" in html and "Gate: PASSED" in html
+    assert (
+        html.index("Decision per held-out set") < html.index("Verdict") < html.index("<table class='wide'>")
+    )
     assert html.count("data:image/png;base64,") == 3  # the plots, inside the page
     assert (
         (out / "summary.tsv")
