@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from draftsmith.core.benchmarks import BENCHMARKS
 from draftsmith.core.hub import cached_file, hub_target_dir, is_hub_id, local_parent, offline
 
 SCHEMA_PATH = Path(__file__).parents[1] / "config.schema.yaml"
@@ -303,7 +304,8 @@ VALUE_CHECKS = {
     ("target", "gguf_wheel"): (str, requirement_error),
     ("prompts", "sharegpt_wheel"): (str, requirement_error),
     ("prompts", "code_wheels"): (list, requirements_error),
-    ("evaluate", "humaneval_wheel"): (str, requirement_error),
+    # each benchmark's wheel (evaluate.humaneval_wheel, evaluate.mtbench_wheel)
+    **{("evaluate", b.wheel_setting): (str, requirement_error) for b in BENCHMARKS.values()},
     ("generate", "base_url"): (str, url_error),
     ("generate", "server_args"): (list, server_args_error),
     ("generate", "api_key_env"): (str, api_key_env_error),
@@ -704,7 +706,7 @@ def wildcard_path_errors(config: dict[str, Any]) -> list[str]:
 # Prompt files up to this size are read at start (~1 s); a larger one is left to the job that reads it.
 INPUT_CHECK_MAX_BYTES = 256 * 2**20
 # evaluate.heldout_sets values that name a packaged or produced set rather than a file
-NAMED_HELDOUT_SETS = ("heldout", "handwritten", "humaneval")
+NAMED_HELDOUT_SETS = ("heldout", "handwritten", *BENCHMARKS)
 # the old name of "heldout", refused with the new one (it read as the dataset split, prompts.split)
 RENAMED_HELDOUT_SOURCE = "split"
 
