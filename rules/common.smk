@@ -7,6 +7,7 @@ from pathlib import Path
 from snakemake.utils import validate
 
 import draftsmith
+from draftsmith.core.benchmarks import BENCHMARKS
 from draftsmith.core.config import (
     ConfigSource,
     combination_errors,
@@ -238,15 +239,15 @@ def heldout_prompts(wildcards):
 
 def heldout_prompt_file(name):
     """The prompt file of a held-out set: "heldout" = the prompts stage's held-out prompts, "handwritten" =
-    the packaged hand-written set, "humaneval" = HumanEval from its wheel (rule humaneval_prompts),
-    anything else = a prompt file of the user's."""
+    the packaged hand-written set, a benchmark's name ("humaneval", "mtbench") = its prompts from its
+    wheel (rule benchmark_prompts), anything else = a prompt file of the user's."""
     source = config["evaluate"]["heldout_sets"][name]
     if source == "heldout":
         return rules.prompts.output.heldout
     if source == "handwritten":
         return workdir_path(Path(draftsmith.__file__).parent / "data" / "heldout_handwritten.jsonl")
-    if source == "humaneval":
-        return rules.humaneval_prompts.output[0]
+    if source in BENCHMARKS:
+        return f"resources/data/{source}.jsonl"
     return source
 
 

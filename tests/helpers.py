@@ -404,8 +404,10 @@ _TARGET = {"model": "resources/SmolLM2-135M-Instruct", "revision": None, "gguf_w
            "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}  # fmt: skip
 
 
-def tiny_summary() -> dict:
-    """A summary as `draftsmith eval-summary` writes it, from two held-out sets' measurements."""
+def tiny_summary(fair: bool = False, preflight: dict | None = None) -> dict:
+    """A summary as `draftsmith eval-summary` writes it, from two held-out sets' measurements; `fair`:
+    measured as a bench would (engines alone, paired), so its speed here is shown; `preflight`: the
+    pre-flight's preflight.json."""
     other = method([4 + i % 3 for i in range(N)], [40] * N, [[3 + i % 3, 1, 0] for i in range(N)])
     sets = {}
     for name, trained in (("heldout", TRAINED), ("handwritten", other)):
@@ -413,6 +415,8 @@ def tiny_summary() -> dict:
         sets[name] = {
             "offline": {**off, "prompts": f"{name}.jsonl", "max_new_tokens": 64, "temperature": 0.0}
         }
+        if fair:
+            sets[name]["offline"]["fair"] = True
     origin = provenance(_MANIFEST, _EXPORT_CONFIG, _BY_SOURCE, _VOCAB, _PROMPTS, _TARGET)
     target, drafter = ModelCost(1e9, 0.0, 1.0, 1e5, 24), ModelCost(5e7, 0.0, 1.0, 4e3, 1)
     points = [ServingPoint(DEVICES["H100-80GB"], b, 600) for b in (1, 32)]
@@ -424,7 +428,17 @@ def tiny_summary() -> dict:
         for name, r in sets.items()
     }
     return summarize(
-        sets, _MANIFEST, _EXPORT_CONFIG, [], "fp", _METRICS, GateSettings(), projections, origin, serving=None
+        sets,
+        _MANIFEST,
+        _EXPORT_CONFIG,
+        [],
+        "fp",
+        _METRICS,
+        GateSettings(),
+        projections,
+        origin,
+        serving=None,
+        preflight_result=preflight,
     )
 
 

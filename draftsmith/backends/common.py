@@ -161,10 +161,25 @@ def output_tail(lines: int = 200) -> Iterator[collections.deque[str]]:
                 reader.join(timeout=2.0)  # what a dead worker wrote is in the pipe already
 
 
+ENGINE_LOG_ENV = "DRAFTSMITH_ENGINE_LOG"
+
+
+def note_engine_start(what: str) -> None:
+    """One line per vLLM engine start in the file DRAFTSMITH_ENGINE_LOG names, when set (the test suite
+    sets it and counts the starts per test: each one costs seconds to minutes on a CPU). The test running
+    when the engine started (PYTEST_CURRENT_TEST, inherited by every process it starts) is recorded."""
+    path = os.environ.get(ENGINE_LOG_ENV)
+    if path:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "-").rsplit(" (", 1)[0]
+        with open(path, "a", encoding="utf-8") as fh:  # one short append per line: no interleaving
+            fh.write(f"{test}\t{what}\n")
+
+
 @contextlib.contextmanager
 def vllm_start(what: str) -> Iterator[None]:
     """Around the construction of a vLLM engine: a failure becomes VllmStartError naming the root
     cause from the output of vLLM's processes (log_cause), not the parent's 'see root cause above'."""
+    note_engine_start(what)
     with output_tail() as tail:
         try:
             yield

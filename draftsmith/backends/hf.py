@@ -117,6 +117,7 @@ class HfExtractor:
 
     def __init__(self, model, aux_layer_ids: list[int]):
         self.model = model
+        self.device = next(model.parameters()).device  # the job's first GPU, or the CPU
         self.aux_layer_ids = list(aux_layer_ids)
         self.lm_head_weight = self.model.get_output_embeddings().weight.detach()
         self.compiled = False
@@ -124,11 +125,13 @@ class HfExtractor:
         self._captured = self._hooks.enter_context(capture_aux(self.model, self.aux_layer_ids))
 
     @classmethod
-    def from_target(cls, target: str, aux_layer_ids: list[int], dtype: str = "bfloat16") -> HfExtractor:
+    def from_target(
+        cls, target: str, aux_layer_ids: list[int], dtype: str = "bfloat16", device: str = "cpu"
+    ) -> HfExtractor:
         from draftsmith.core.target import load_target
 
         model, _ = load_target(target, getattr(torch, dtype))
-        return cls(model, aux_layer_ids)
+        return cls(model.to(device), aux_layer_ids)
 
     def compile(self) -> float:
         """Compile the decoder layers' and the final norm's forward, then warm them up; returns seconds.
@@ -154,7 +157,8 @@ class HfExtractor:
         """The forward pass of a capture: (final [B, W, H], aux [B, W, H] per aux layer); `collect`
         splits them per sequence (extraction does that in a worker thread while the next forward runs)."""
         self._captured.clear()
-        final = self.model.model(input_ids=pad_right(sequences), use_cache=False).last_hidden_state
+        ids = pad_right(sequences).to(self.device)
+        final = self.model.model(input_ids=ids, use_cache=False).last_hidden_state
         return final, [self._captured[k] for k in self.aux_layer_ids]
 
     @torch.inference_mode()
@@ -163,6 +167,8 @@ class HfExtractor:
     ) -> list[tuple[Tensor, Tensor]]:
         """`forward`'s batch as capture returns it."""
         final, aux = raw
+        # the writer compresses on the CPU: one copy per tensor of the batch (none on a CPU)
+        final, aux = final.cpu(), [a.cpu() for a in aux]
         out = []
         for row, seq in enumerate(sequences):
             n = seq.numel()

@@ -36,7 +36,13 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from draftsmith.backends.common import attention_backend_for, log_cause, vllm_child_env, vllm_on_cpu
+from draftsmith.backends.common import (
+    attention_backend_for,
+    log_cause,
+    note_engine_start,
+    vllm_child_env,
+    vllm_on_cpu,
+)
 from draftsmith.backends.openai import OpenAIChatBackend, OpenAIClient
 from draftsmith.backends.vllm_api import API_SERVER_MODULE
 from draftsmith.core.config import server_args_error, server_host_error
@@ -347,6 +353,8 @@ class VllmServer:
         out.write(f"$ {' '.join(cmd)}\n".encode())
         out.flush()
         self._install_handlers()
+        if self.module == API_SERVER_MODULE:  # a test's stand-in server loads no engine
+            note_engine_start("generation server")
         started = time.monotonic()
         try:
             self.proc = subprocess.Popen(

@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from draftsmith.core.benchmarks import BENCHMARKS
 from draftsmith.core.hub import cached_file, hub_target_dir, is_hub_id, local_parent, offline
 
 SCHEMA_PATH = Path(__file__).parents[1] / "config.schema.yaml"
@@ -23,6 +24,7 @@ SCHEMA_PATH = Path(__file__).parents[1] / "config.schema.yaml"
 EMBEDDED_TARGET = "resources/SmolLM2-135M-Instruct"
 # Its config.json fields the checks need, for a dry run before it is materialised.
 EMBEDDED_TARGET_CONFIG = {"num_hidden_layers": 30, "vocab_size": 49152}
+EMBEDDED_TARGET_HEADS = (9, 3)  # (attention heads, key-value heads) of SmolLM2-135M
 
 
 @cache
@@ -302,7 +304,8 @@ VALUE_CHECKS = {
     ("target", "gguf_wheel"): (str, requirement_error),
     ("prompts", "sharegpt_wheel"): (str, requirement_error),
     ("prompts", "code_wheels"): (list, requirements_error),
-    ("evaluate", "humaneval_wheel"): (str, requirement_error),
+    # each benchmark's wheel (evaluate.humaneval_wheel, evaluate.mtbench_wheel)
+    **{("evaluate", b.wheel_setting): (str, requirement_error) for b in BENCHMARKS.values()},
     ("generate", "base_url"): (str, url_error),
     ("generate", "server_args"): (list, server_args_error),
     ("generate", "api_key_env"): (str, api_key_env_error),
@@ -638,6 +641,7 @@ def combination_errors(config: dict[str, Any]) -> list[str]:
     if config["prompts"]["code_prompts"] and not config["prompts"]["code_wheels"]:
         errors.append("prompts.code_wheels: prompts.code_prompts asks for code prompts but names no wheel")
     errors += wildcard_path_errors(config)
+    errors += cpu_setting_errors(config)
     evaluate = config["evaluate"]
     for name, source in evaluate["heldout_sets"].items():
         if source == RENAMED_HELDOUT_SOURCE:  # else read as a prompt file named "split", missing
@@ -649,6 +653,29 @@ def combination_errors(config: dict[str, Any]) -> list[str]:
     unknown = sorted(set(evaluate["set_num_prompts"]) - set(evaluate["heldout_sets"]))
     if unknown:
         errors.append(f"evaluate.set_num_prompts: {unknown} are not held-out sets (evaluate.heldout_sets)")
+    return errors
+
+
+def cpu_setting_errors(config: dict[str, Any]) -> list[str]:
+    """The schema's CPU defaults where a stage holds GPUs, refused in one line each. Refused, not replaced:
+    --enforce-eager sits in a list the user may have written (dropping it would rewrite their command), and
+    a device-dependent extract.vllm_eager would change the extraction's recorded settings and so rerun every
+    CPU extraction. The shipped GPU configs set both. (extract.backend transformers is replaced instead: it
+    runs on the job's first GPU, stages/extract.transformers_device.)"""
+    res, errors = config["resources"], []
+    gen, ext = config["generate"], config["extract"]
+    gen_gpus, ext_gpus = int(res["generate"]["gpus"]), int(res["extract"]["gpus"])
+    eager_server = "--enforce-eager" in map(str, gen["server_args"] or [])
+    if gen_gpus > 0 and gen["backend"] == "vllm-server" and eager_server:
+        errors.append(
+            f"generate.server_args: --enforce-eager (the CPU default) on resources.generate.gpus {gen_gpus} "
+            "serves without CUDA graphs, several times slower: drop it from generate.server_args"
+        )
+    if ext_gpus > 0 and ext["backend"] == "vllm" and ext["vllm_eager"]:
+        errors.append(
+            f"extract.vllm_eager: true (the CPU default) on resources.extract.gpus {ext_gpus} runs vLLM without "
+            "CUDA graphs or torch.compile: set extract.vllm_eager false"
+        )
     return errors
 
 
@@ -679,7 +706,7 @@ def wildcard_path_errors(config: dict[str, Any]) -> list[str]:
 # Prompt files up to this size are read at start (~1 s); a larger one is left to the job that reads it.
 INPUT_CHECK_MAX_BYTES = 256 * 2**20
 # evaluate.heldout_sets values that name a packaged or produced set rather than a file
-NAMED_HELDOUT_SETS = ("heldout", "handwritten", "humaneval")
+NAMED_HELDOUT_SETS = ("heldout", "handwritten", *BENCHMARKS)
 # the old name of "heldout", refused with the new one (it read as the dataset split, prompts.split)
 RENAMED_HELDOUT_SOURCE = "split"
 
@@ -854,6 +881,48 @@ def read_target_config(model: str | Path) -> dict[str, Any]:
     return out
 
 
+def target_heads(model: str | Path) -> tuple[int, int]:
+    """(attention heads, key-value heads) of the target's language model; key-value heads 0 for latent
+    attention (MLA: one latent, replicated on every GPU) and 0 heads where config.json names none."""
+    config = text_config_json(model)
+    heads = config.get("num_attention_heads")
+    heads = heads if isinstance(heads, int) else 0
+    if config.get("kv_lora_rank") is not None:
+        return heads, 0
+    kv = config.get("num_key_value_heads")
+    return heads, kv if isinstance(kv, int) else heads
+
+
+def tensor_parallel_errors(config: dict[str, Any], heads: int, kv_heads: int, where: str) -> list[str]:
+    """The vLLM stages whose GPUs per engine the target's heads cannot be split over (vLLM refuses the
+    engine after the job queued and the weights loaded): an explicit tensor_parallel (or
+    --tensor-parallel-size), and evaluation's, which is its GPU count. memory.engine_layout's own choice
+    (tensor_parallel 0) only picks splits vLLM accepts."""
+    from draftsmith.core.devices import heads_error, server_arg
+
+    res = config["resources"]
+    layouts: list[tuple[str, int]] = []
+    if res["generate"]["gpus"] > 0 and config["generate"]["backend"] == "vllm-server":
+        args = config["generate"].get("server_args") or []
+        given = server_arg(args, "--tensor-parallel-size") or server_arg(args, "-tp")
+        key = (
+            "generate.server_args (--tensor-parallel-size)" if given else "resources.generate.tensor_parallel"
+        )
+        layouts.append((key, int(given or res["generate"]["tensor_parallel"])))
+    if res["extract"]["gpus"] > 0 and config["extract"]["backend"] == "vllm":
+        layouts.append(("resources.extract.tensor_parallel", int(res["extract"]["tensor_parallel"])))
+    if res["evaluate"]["gpus"] > 0 and config["evaluate"].get("vllm"):
+        layouts.append(("resources.evaluate.gpus", int(res["evaluate"]["gpus"])))  # one engine on all of them
+    errors = []
+    for key, tp in layouts:
+        reason = heads_error(tp, heads, kv_heads)
+        if reason:
+            errors.append(
+                f"{key}: {tp} GPUs per vLLM engine, but {reason} ({where}): vLLM refuses that layout"
+            )
+    return errors
+
+
 def aux_layer_errors(ids: list[int], num_layers: int) -> list[str]:
     """Problems of input-convention aux ids for a target of num_layers layers (1 <= k < L, sorted, unique).
 
@@ -901,6 +970,7 @@ def target_checks(config: dict[str, Any]) -> tuple[list[str], list[str]]:
     target = config["target"]
     model = target["model"]
     target_cfg, where = None, model
+    heads = EMBEDDED_TARGET_HEADS  # read from the config.json below where there is one
     if is_embedded_target(model) and not Path(model, "config.json").is_file():
         if target["gguf_wheel"]:
             target_cfg = EMBEDDED_TARGET_CONFIG
@@ -928,6 +998,7 @@ def target_checks(config: dict[str, Any]) -> tuple[list[str], list[str]]:
         else:
             try:
                 target_cfg, where = read_target_config(config_json.parent), str(config_json.parent)
+                heads = target_heads(config_json.parent)
             except ValueError as err:
                 errors.append(f"target.model: {err}")
     elif not Path(model).exists() and (parent := local_parent(str(model))):
@@ -945,12 +1016,14 @@ def target_checks(config: dict[str, Any]) -> tuple[list[str], list[str]]:
     else:
         try:
             target_cfg = read_target_config(model)
+            heads = target_heads(model)
         except ValueError as err:
             errors.append(f"target.model: {err}")
     if target_cfg is not None:
         errors += target_config_errors(
             target_cfg, config["extract"]["aux_layers"], config["vocab"]["size"], where
         )
+        errors += tensor_parallel_errors(config, *heads, where)
     if config["vocab"]["size"] < 1:
         errors.append(f"vocab.size: {config['vocab']['size']} must be at least 1")
     k, ttt = config["evaluate"]["num_draft_tokens"], config["train"]["ttt_steps"]

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 DEFAULT_LOCK_DIR = ".snakemake/draftsmith-gpus"
 POLL_SECONDS = 0.5
@@ -251,3 +251,30 @@ def exec_with_devices(assignment: Assignment, command: Sequence[str], env: Mappi
     sys.stdout.flush()
     sys.stderr.flush()
     os.execvpe(command[0], list(command), child_env)
+
+
+# ------------------------------------------------------------- what vLLM accepts of a layout
+
+
+def server_arg(args: list[Any], name: str) -> str | None:
+    """The value of flag `name` in vLLM server arguments (`--name V` or `--name=V`); None if absent."""
+    args = [str(a) for a in args or []]
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def heads_error(tp: int, heads: int, kv_heads: int) -> str | None:
+    """Why vLLM refuses `tp` tensor-parallel GPUs for a target of `heads` query heads and `kv_heads` key-value
+    heads (0: latent attention or unknown), else None: vLLM's attention layers split the query heads evenly
+    and the kv heads evenly, or replicate them evenly where fewer than the GPUs."""
+    if tp <= 1 or heads <= 0:
+        return None
+    if heads % tp:
+        return f"{tp} does not divide the target's {heads} attention heads"
+    if kv_heads and (kv_heads % tp if kv_heads >= tp else tp % kv_heads):
+        return f"{tp} neither divides nor is a multiple of the target's {kv_heads} key-value heads"
+    return None

@@ -74,6 +74,12 @@ class Dist:
             torch.distributed.destroy_process_group()
 
 
+def rank_threads(threads: int, world: int) -> int:
+    """A rank's share of the job's CPU threads: every rank of a node is one process of the same job, so
+    each taking the whole count oversubscribes the CPUs world-fold (8 ranks x 32 threads on 32 CPUs)."""
+    return max(1, threads // max(1, world))
+
+
 def become_torchrun(nproc: int, module_args: Sequence[str]) -> None:
     """Replace this process by torchrun starting `nproc` copies of `python -m MODULE ARGS` on this machine
     (each then finds WORLD_SIZE set and runs as one rank); nothing when nproc is 1 or already a rank."""

@@ -351,10 +351,14 @@ class TTTKV:
         self.bias: Tensor | None = None  # [T, steps * T] additive: 0 where seen, -inf where masked
 
     def ensure_bias(self, T: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Build the accepted view's mask now (attend builds it at step 1 otherwise)."""
+        """Build the accepted view's mask now (attend builds it at step 1 otherwise), in rows of
+        `aligned_width` elements: CUDA's memory-efficient SDPA copies a mask whose row stride is not a
+        multiple of 8 into a padded one on every call (steps x T is mostly not: +2.7 GB at 8K tokens and
+        7 steps); a view of a wider allocation has the same values and an aligned stride."""
         if self.bias is None and not self.prefix_lag and self.steps is not None:
             full = ttt_mask(T, self.steps, 0, device)
-            self.bias = torch.zeros(full.shape, dtype=dtype, device=device).masked_fill_(~full, float("-inf"))
+            wide = torch.zeros(T, aligned_width(full.shape[1]), dtype=dtype, device=device)
+            self.bias = wide[:, : full.shape[1]].masked_fill_(~full, float("-inf"))
 
     def with_past(self, keys: Sequence[Tensor], values: Sequence[Tensor]) -> TTTKV:
         """A new view holding these earlier steps' keys and values and this one's mask: a TTT step as a
@@ -371,6 +375,15 @@ class TTTKV:
             return ttt_attention(q, self.keys, self.values, n - 1 if self.prefix_lag else 0)
         self.ensure_bias(T, q.dtype, q.device)
         return ttt_attention(q, self.keys, self.values, mask=self.bias[:, : n * T])
+
+
+MASK_ALIGN = 8  # elements: torch's preprocess_mask (aten/src/ATen/native/transformers/attention.cpp)
+
+
+def aligned_width(n: int, align: int | None = None) -> int:
+    """`n` rounded up to a multiple of `align` (default MASK_ALIGN): the row stride of the TTT mask."""
+    align = MASK_ALIGN if align is None else align
+    return -(-n // align) * align
 
 
 def ttt_prefix_mask(T: int, lag: int, device: torch.device | None = None) -> Tensor:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.core.cost import DEVICES
+from draftsmith.core.devices import heads_error, server_arg
 
 GB = 1e9  # what the tables print (the figures the issue and vendors quote)
 GIB = 2**30
@@ -269,6 +270,7 @@ class TargetSize:
     max_position_embeddings: int
     tied: bool
     dtype_bytes: float = 2.0  # of the config's dtype (what the weights would take unquantized per parameter)
+    attention_heads: int = 0  # query heads (0: unknown, no constraint on the tensor-parallel size)
     expert_bytes: float = (
         0.0  # of weight_bytes, the routed experts' (split over the GPUs by expert parallelism)
     )
@@ -356,6 +358,7 @@ def target_size(
         max_position_embeddings=_int(config, "max_position_embeddings", default=4096),
         tied=tied,
         dtype_bytes=dtype_bytes,
+        attention_heads=nh,
         expert_bytes=experts,
     )
 
@@ -500,16 +503,6 @@ class StageNeed:
         return None if self.budget is None else self.total <= self.budget
 
 
-def server_arg(args: list[Any], name: str) -> str | None:
-    args = [str(a) for a in args or []]
-    for i, a in enumerate(args):
-        if a == name and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith(name + "="):
-            return a.split("=", 1)[1]
-    return None
-
-
 def _vllm_need(
     stage: str,
     size: TargetSize,
@@ -559,6 +552,15 @@ def hidden_state_bytes_per_token(size: TargetSize, captured_layers: int) -> floa
     return captured_layers * size.hidden_size * size.dtype_bytes
 
 
+def largest_head_split(size: TargetSize, gpus: int) -> int:
+    """The most GPUs per engine, dividing `gpus`, that vLLM accepts for this target's heads (1 always is)."""
+    return max(
+        t
+        for t in range(1, gpus + 1)
+        if gpus % t == 0 and not heads_error(t, size.attention_heads, size.kv_heads)
+    )
+
+
 def engine_layout(
     size: TargetSize,
     gpus: int,
@@ -575,7 +577,10 @@ def engine_layout(
     dividing `gpus`, whose budget holds the weights' share, vLLM's reserve and the KV cache of the
     engine's share of the `in_flight` requests at `seq_len` tokens each (a split that would leave each
     engine too little KV to batch its requests is no gain); all of them when the device's memory is
-    unknown or nothing smaller fits (the plan then says whether that does). No GPUs: one CPU engine.
+    unknown or nothing smaller fits (the plan then says whether that does). Only splits of the target's
+    attention heads vLLM accepts are chosen (6 GPUs for 32 heads: 3 engines of 2 at most; heads_error);
+    an explicit tensor_parallel that vLLM would refuse is config.tensor_parallel_errors' to refuse at
+    start. No GPUs: one CPU engine.
     expert_parallel_ok (a server: one DP group): for an MLA MoE target, one GPU per engine with the experts
     split over all of them (data-parallel attention, expert parallelism; uses_expert_parallel) where that
     holds more sequences than the tensor-parallel layout, whose every GPU keeps every sequence's latent."""
@@ -587,10 +592,11 @@ def engine_layout(
                 f"tensor_parallel {tensor_parallel} does not divide the job's {gpus} GPUs into engines"
             )
         return tensor_parallel, gpus // tensor_parallel
+    most = largest_head_split(size, gpus)  # "all of them", as far as the heads split
     if memory is None:
-        return gpus, 1
+        return most, gpus // most
     chosen = _tensor_parallel_layout(
-        size, gpus, seq_len, utilization, memory, in_flight, state_bytes_per_token
+        size, gpus, most, seq_len, utilization, memory, in_flight, state_bytes_per_token
     )
     if expert_parallel_ok and size.mla_moe and gpus > 1:
         tp_seqs = sequences_held(size, *chosen, seq_len, utilization, memory)
@@ -621,14 +627,17 @@ def sequences_held(
 def _tensor_parallel_layout(
     size: TargetSize,
     gpus: int,
+    most: int,
     seq_len: int,
     utilization: float,
     memory: float,
     in_flight: int,
     state_bytes_per_token: float,
 ) -> tuple[int, int]:
+    """engine_layout's tensor-parallel choice: the fewest GPUs (a power of two, a split of the heads vLLM
+    accepts) that hold the weights and the engine's share of the requests; else `most`."""
     tp = 1
-    while tp < gpus:
+    while tp < most:
         share = math.ceil(in_flight / (gpus // tp))
         need = _vllm_need(
             "",
@@ -640,10 +649,10 @@ def _tensor_parallel_layout(
             "",
             state_bytes_per_token=state_bytes_per_token,
         )
-        if gpus % tp == 0 and need.fits:
+        if gpus % tp == 0 and not heads_error(tp, size.attention_heads, size.kv_heads) and need.fits:
             return tp, gpus // tp
         tp *= 2
-    return gpus, 1
+    return most, gpus // most
 
 
 def generate_layout(

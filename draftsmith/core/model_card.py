@@ -123,6 +123,10 @@ def speed_section(summary: dict[str, Any]) -> list[str]:
         return []
     concurrency = projection.get("concurrency") or []
     where = (projection.get("points") or ["?"])[0].split(", concurrency")[0]
+    # speed measured here only where a measurement was fair (engines alone, paired): else no column
+    fair = any(
+        m.get("speedup") is not None for h in summary["headline"].values() for m in h["methods"].values()
+    )
     lines = [
         "",
         f"## Speed at the serving point ({where})",
@@ -131,12 +135,16 @@ def speed_section(summary: dict[str, Any]) -> list[str]:
         f"first), each method at its best draft length k, with its {summary.get('level', 0.95):.0%} interval "
         "over prompts: measured tokens per target forward times the cost model's plain-step / method-step "
         "time (the drafter's own passes, the verify step, the free methods' lookup; draftsmith/core/cost.py). "
-        "Speed measured on the evaluation machine beside it.",
+        + (
+            "Speed measured on the evaluation machine beside it (engines alone, paired rounds)."
+            if fair
+            else "Speed measured on the evaluation machine is not shown: its engines ran beside other jobs."
+        ),
         "",
         "| held-out set | method | k | tokens per target forward at k | "
         + " | ".join(f"concurrency {b}" for b in concurrency)
-        + " | measured here |",
-        "|---|---|---|---|" + "---|" * len(concurrency) + "---|",
+        + (" | measured here |" if fair else " |"),
+        "|---|---|---|---|" + "---|" * len(concurrency) + ("---|" if fair else ""),
     ]
     for name, h in summary["headline"].items():
         for key in ordered(list(h["methods"])):
@@ -155,7 +163,7 @@ def speed_section(summary: dict[str, Any]) -> list[str]:
                      for v, iv in zip(m["projected_speedup"], ivs, strict=False)]  # fmt: skip
             measured = f"{m['speedup']:.2f}x" if m.get("speedup") is not None else "-"
             lines.append(f"| {name} | {method(key).label} | {m.get('k')} | {at_k} | " + " | ".join(cells)
-                         + f" | {measured} |")  # fmt: skip
+                         + (f" | {measured} |" if fair else " |"))  # fmt: skip
     for r in summary.get("rows", []):  # measured offline only: shown, never ranked
         if r.get("key") == "hybrid" and r.get("serving"):
             sv = r["serving"]
@@ -165,7 +173,7 @@ def speed_section(summary: dict[str, Any]) -> list[str]:
                 f"| {r['heldout']} | {method('hybrid').label} (projection only: offline, {r['prompts']} prompts) | "
                 f"{sv['k']} | {_num(sv['tokens_per_forward'])}{_interval(sv['tokens_per_forward_interval'])} | "
                 + " | ".join(cells)
-                + " | - |"
+                + (" | - |" if fair else " |")
             )
     return lines + [""]
 

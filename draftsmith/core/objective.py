@@ -351,6 +351,12 @@ def ttt_loss(
                 mass = draft_mass[b, src[t]] if draft_mass is not None else None
                 per_position = lk_terms(per_position, *lk, mass, objective, all_sum)
             total = total + weighted_step_loss(per_position, b, j, batch, objective, step_counts, counts)
+        if parallel and total.requires_grad and not any(counts[1:]):
+            # no mask slot trained (always so with ttt_steps 1): mask_hidden's gradient is an explicit 0, not
+            # None, so DDP (find_unused_parameters=False) still gets it from this rank. Cheaper than DDP's
+            # find_unused_parameters, which walks the autograd graph every step for every kind; 1 and N
+            # processes alike see a zero gradient (AdamW: no change at weight_decay 0)
+            total = total + 0.0 * mask_state.sum()
     return total, read_step_stats(sums, teacher_correct, batch, counts)
 
 

@@ -27,6 +27,7 @@ from draftsmith.core.cost import (
     speedup_factor,
 )
 from draftsmith.core.policy import (
+    ceiling,
     drafter_room,
     method_kind,
     methods_at_k,
@@ -104,7 +105,8 @@ def set_projection(
     first point puts the judged candidates (the trained drafter, the free methods, plain decoding) in
     order, best first. With the trained drafter measured: its room (`drafter_room`: ceiling and
     break-even against the best free method at each point, its measured acceptance per position). With
-    `grid` (one point per concurrency of draftsmith.core.policy.concurrency_grid): the serving policy."""
+    `grid` (one point per concurrency of draftsmith.core.policy.concurrency_grid): the serving policy,
+    and the trained drafter's ceiling over that grid (`drafter_ceiling`, at its best k)."""
     max_k = int(results["num_draft_tokens"])
     methods = {}
     for key, method in results["methods"].items():
@@ -128,6 +130,11 @@ def set_projection(
         out["drafter_room"] = room(results, methods, target, drafters["eagle3"], points)
     if grid:
         out["policy"] = serving_policy(methods_at_k(results, drafters), target, drafters, grid)
+        if drafters.get("eagle3") is not None:
+            # the line no training can cross, drawn over the grid beside the methods' (report.plot_per_forward)
+            out["policy"]["drafter_ceiling"] = [
+                max(ceiling(target, drafters["eagle3"], k, p) for k in range(1, max_k + 1)) for p in grid
+            ]
     return out
 
 

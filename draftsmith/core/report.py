@@ -2,11 +2,15 @@
 HTML, and the plots `snakemake --report` embeds. Nothing here decides anything (draftsmith.core.verdict does).
 
     format_verdict, format_checks    the gate's words, verdict first
+    decision_rows       per set what to serve, its projected speedup, where it pays, the drafter's room
     format_table, format_tsv, format_html, write_report
     plot_training       loss and per-TTT-step accuracy during training, validation points
     plot_acceptance     acceptance per draft position over every decode step, with intervals, per set
-    plot_per_forward    tokens per target forward with intervals per method and held-out set; measured and
-                        projected speedup (serving point, chosen k)
+    plot_per_forward    per set, projected speedup against concurrency over the policy's grid: one line
+                        per method, the drafter's ceiling dashed, 1.0x and the crossover marked
+
+Speed measured here (tokens/s, its ratio to plain decoding) is shown only where a measurement says it
+was measured fairly (`speed_fair`); GPU projections and CPU measurements never share a chart.
 
 Plots use matplotlib's Agg canvas directly: no display, no global pyplot state.
 """
@@ -20,7 +24,7 @@ from typing import Any
 
 from draftsmith.core.atomic import atomic_path, write_json, write_text
 from draftsmith.core.checks import checks_of, order_checks
-from draftsmith.core.methods import method
+from draftsmith.core.methods import method, ordered
 
 # ---------------------------------------------------------------------------------------------- verdict
 
@@ -163,15 +167,22 @@ COLUMNS = [
     ("speedup", "speedup here"),
     ("outputs", "outputs"),
 ]
+SPEED_HERE = ("tokens_per_s", "speedup")  # shown only where measured fairly
+
+
+def columns(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """The table's columns: the speed measured here only where some row was measured fairly."""
+    fair = any(r.get("speed_fair") for r in summary["rows"])
+    return [(k, t) for k, t in COLUMNS if fair or k not in SPEED_HERE]
 
 
 def _body(summary: dict[str, Any]) -> list[list[str]]:
-    return [[_cell(r, k) for k, _ in COLUMNS] for r in summary["rows"]]
+    return [[_cell(r, k) for k, _ in columns(summary)] for r in summary["rows"]]
 
 
 def format_table(summary: dict[str, Any]) -> str:
     """The summary table as aligned text."""
-    header = [title for _, title in COLUMNS]
+    header = [title for _, title in columns(summary)]
     body = _body(summary)
     widths = [max(len(x) for x in col) for col in zip(header, *body, strict=True)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))]
@@ -195,6 +206,11 @@ def _footnote(summary: dict[str, Any]) -> str:
             "acceptance at K (est.) or re-measured in vLLM at k. Speed measured here on a CPU is not that "
             "hardware."
         )
+    if not any(r.get("speed_fair") for r in summary.get("rows", [])):
+        lines.append(
+            "speed here (tokens/s on this machine) not shown: its engines ran beside other jobs, not alone, "
+            "in paired rounds on the same prompts."
+        )
     if any(r.get("key") == "hybrid" for r in summary.get("rows", [])):
         lines.append(
             "hybrid (suffix decoding where its tree drafts, the trained drafter elsewhere, as TensorRT-LLM "
@@ -205,29 +221,114 @@ def _footnote(summary: dict[str, Any]) -> str:
 
 
 def format_tsv(summary: dict[str, Any]) -> str:
-    header = "\t".join(title for _, title in COLUMNS)
+    header = "\t".join(title for _, title in columns(summary))
     return "\n".join([header, *("\t".join(row) for row in _body(summary))]) + "\n"
 
 
-def format_html(summary: dict[str, Any], plots: dict[str, str] | None = None) -> str:
-    """A self-contained HTML page: the verdict, the summary table, the diagnosis and the plots (`plots`:
-    title -> base64 PNG), which Snakemake's report embeds too."""
+def _pays(policy: dict[str, Any] | None, key: str | None) -> str:
+    """Where the chosen method pays, from the serving policy: the best method per range of
+    concurrencies, then the chosen method's crossover (past it, plain decoding beats it)."""
+    if not policy:
+        return "no serving policy (evaluate.serving not set)"
+    where = format_by_load(policy["best"])
+    if key and key != "plain" and key in policy.get("crossover", {}):
+        cross = policy["crossover"][key]
+        name = method(key).label
+        if cross is None:
+            where += f"; {name} beats plain decoding up to {policy['grid'][-1]} (the grid's end)"
+        elif cross == 0:
+            where += f"; {name} never beats plain decoding"
+        else:
+            where += f"; crossover: {name} beats plain decoding up to {cross}, not past it"
+    return where
 
-    def table(header: list[str], rows: list[list[str]]) -> str:
+
+def _room(room: dict[str, Any] | None) -> str:
+    """The trained drafter's measured acceptance per position against its break-even."""
+    if not room:
+        return "no trained drafter measured"
+    measured = " / ".join(f"{a:.2f}" for a in room["position_acceptance"])
+    beat = room["to_beat"]
+    to_beat = f"{_named({'method': beat['method']})} {beat['speedup']:.2f}x"
+    if room["break_even"] is None:
+        need = f"none reaches {to_beat}: its ceiling is {room['ceiling']:.2f}x"
+    else:
+        need = f"break-even {room['break_even']:.2f} to match {to_beat} (ceiling {room['ceiling']:.2f}x)"
+    return f"accepts {measured} per position; {need}"
+
+
+DECISION = ["held-out set", "serve", "projected speedup [interval]", "where it pays (concurrency)",
+            "trained drafter: acceptance vs break-even"]  # fmt: skip
+
+
+def _check_value(check: Any, summary: dict[str, Any]) -> str:
+    """A check's value as the page shows it: the speed check's figure only where measured fairly."""
+    if check.group == "speed" and not any(r.get("speed_fair") for r in summary["rows"]):
+        return "not shown: the engines ran beside other jobs (no fair measurement)"
+    return check.value
+
+
+def decision_rows(summary: dict[str, Any]) -> list[list[str]]:
+    """Per held-out set the decision a reader needs first: the method and k to serve, its projected
+    speedup at the serving point's first concurrency with its interval, the concurrencies where it pays
+    (the policy's ranges and crossover) and the drafter's acceptance against its break-even."""
+    rows = []
+    for s in summary["verdict"].get("per_set", []):
+        info = summary["heldout_sets"].get(s["heldout"], {})
+        speedup = "not projected"
+        if s.get("projected_speedup"):
+            iv = (s.get("projected_intervals") or [None])[0]
+            where = (s.get("points") or ["?"])[0].split(", context")[0]
+            speedup = f"{s['projected_speedup'][0]:.2f}x" + (f" [{iv[0]:.2f}, {iv[1]:.2f}]" if iv else "")
+            speedup += f" ({where})"
+        serve = _named(s) if s.get("method") else s["deploy"]
+        rows.append([s["heldout"], serve, speedup, _pays(info.get("policy"), s.get("method")),
+                     _room(info.get("acceptance_vs_break_even"))])  # fmt: skip
+    return rows
+
+
+def category_rows(summary: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Tokens per target forward per prompt category (MT-Bench's), one row per set and category."""
+    keys = ordered([k for info in summary["heldout_sets"].values() for c in (info.get("by_category") or {}).values()
+                    for k in c["methods"]])  # fmt: skip
+    rows = []
+    for name, info in summary["heldout_sets"].items():
+        for category, c in (info.get("by_category") or {}).items():
+            cells = [f"{c['methods'][k]:.3f}" if c["methods"].get(k) is not None else "-" for k in keys]
+            rows.append([name, category, str(c["prompts"]), *cells])
+    return ["held-out set", "category", "prompts", *(method(k).label for k in keys)], rows
+
+
+def format_html(
+    summary: dict[str, Any], plots: dict[str, str] | None = None, chart: str | None = None
+) -> str:
+    """A self-contained HTML page read at a glance: the pre-flight's lines (where it ran), the decision
+    per held-out set, the projected speedup against concurrency (`chart`: base64 PNG), then the verdict,
+    the tables, the gate's diagnosis and the other plots (`plots`: title -> base64 PNG), which
+    Snakemake's report embeds too."""
+
+    def table(header: list[str], rows: list[list[str]], cls: str = "") -> str:
         head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
         body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows)
-        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+        opening = f"<table class='{cls}'>" if cls else "<table>"
+        return f"{opening}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
-    results = table([title for _, title in COLUMNS], _body(summary))
+    results = table([title for _, title in columns(summary)], _body(summary), "wide")
     checks = order_checks(checks_of(summary))
     diagnosis = table(
         ["check", "status", "value", "threshold", "where to look"],
-        [[c.name, c.status.upper(), c.value, c.threshold, c.where if c.missed else ""] for c in checks],
-    )
+        [[c.name, c.status.upper(), _check_value(c, summary), c.threshold, c.where if c.missed else ""]
+         for c in checks],
+    )  # fmt: skip
     gate = "PASSED" if summary["gate_passed"] else "FAILED"
+    # everything wraps inside 1280 px: long cells break, the wide table shrinks its type
     style = (
-        "body{font-family:sans-serif;font-size:14px}table{border-collapse:collapse;margin:8px 0}"
-        "td,th{border:1px solid #bbb;padding:3px 8px;text-align:left}th{background:#eee}"
+        "body{font-family:sans-serif;font-size:14px;max-width:1240px;margin:8px auto}"
+        "table{border-collapse:collapse;margin:8px 0;width:100%}"
+        "td,th{border:1px solid #bbb;padding:3px 6px;text-align:left;vertical-align:top;"
+        "overflow-wrap:break-word}th{background:#eee}table.wide{font-size:11px}"
+        "pre{white-space:pre-wrap;overflow-wrap:break-word}.pre{background:#f6f6f6;padding:4px 10px}"
+        "img{max-width:100%}"
     )
     sets = ", ".join(
         f"{name}: {s['num_prompts']} prompts, {s['plain_tokens']} tokens"
@@ -235,16 +336,29 @@ def format_html(summary: dict[str, Any], plots: dict[str, str] | None = None) ->
     )
     notes = "".join(f"<p>{html.escape(line)}</p>" for line in _footnote(summary).splitlines())
     figures = "".join(
-        f"<h2>{html.escape(title)}</h2><img style='max-width:100%' src='data:image/png;base64,{data}'>"
+        f"<h2>{html.escape(title)}</h2><img src='data:image/png;base64,{data}'>"
         for title, data in (plots or {}).items()
     )
+    first = ""
+    pre = summary.get("preflight")
+    if pre and pre.get("lines"):
+        lines = "".join(f"<li>{html.escape(line)}</li>" for line in pre["lines"])
+        first = f"<div class='pre'><h2>Pre-flight, before training</h2><ul>{lines}</ul></div>"
+    lead = (
+        f"<h2>Projected speedup against concurrency</h2><img src='data:image/png;base64,{chart}'>"
+        if chart
+        else ""
+    )
+    header, rows = category_rows(summary)
+    categories = f"<h2>Tokens per target forward per category</h2>{table(header, rows)}" if rows else ""
     return (
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>draftsmith evaluation</title>"
-        f"<style>{style}</style></head><body>"
+        f"<style>{style}</style></head><body>{first}"
+        f"<h2>Decision per held-out set</h2>{table(DECISION, decision_rows(summary))}{lead}"
         f"<h2>Verdict</h2><pre>{html.escape(format_verdict(summary['verdict']))}</pre>"
         f"<h2>Evaluation: {html.escape(sets)}; up to {summary['max_new_tokens']} new tokens, "
         f"{summary['num_draft_tokens']} draft tokens, temperature {summary['temperature']}</h2>{results}{notes}"
-        f"<h2>Gate: {gate}</h2>{diagnosis}{figures}</body></html>\n"
+        f"{categories}<h2>Gate: {gate}</h2>{diagnosis}{figures}</body></html>\n"
     )
 
 
@@ -258,15 +372,12 @@ def write_report(out_dir: str | Path, summary: dict[str, Any], metrics_rows: lis
     plot_training(out_dir / "training.png", metrics_rows)
     plot_acceptance(out_dir / "acceptance.png", summary)
     plot_per_forward(out_dir / "per_forward.png", summary)
-    plots = {
-        title: base64.b64encode((out_dir / name).read_bytes()).decode("ascii")
-        for title, name in (
-            ("Tokens per target forward and speedup", "per_forward.png"),
-            ("Acceptance per draft position", "acceptance.png"),
-            ("Training", "training.png"),
-        )
-    }
-    write_text(out_dir / "summary.html", format_html(summary, plots))
+
+    def encoded(name: str) -> str:
+        return base64.b64encode((out_dir / name).read_bytes()).decode("ascii")
+
+    plots = {"Acceptance per draft position": encoded("acceptance.png"), "Training": encoded("training.png")}
+    write_text(out_dir / "summary.html", format_html(summary, plots, chart=encoded("per_forward.png")))
 
 
 # ----------------------------------------------------------------------------------------------- plots
@@ -333,8 +444,9 @@ def plot_training(path: str | Path, rows: list[dict[str, Any]]) -> None:
             )
     right.set_ylim(0, 1.02)
     right.set_xlabel("optimizer step")
-    right.set_ylabel("top-1 accuracy (filled: the data's token; hollow: the target's top-1)")
-    right.set_title("accuracy per TTT step (step j = draft position j+1)")
+    right.set_ylabel("top-1 accuracy")  # what filled and hollow mean goes in the title: a long label is cut
+    right.set_title("accuracy per TTT step (step j = draft position j+1)\nfilled: the data's token; "
+                    "hollow: the target's top-1", fontsize=10)  # fmt: skip
     right.legend(fontsize=7, ncol=2)
     _save(fig, path)
 
@@ -383,47 +495,60 @@ def plot_acceptance(path: str | Path, summary: dict[str, Any]) -> None:
 
 
 def plot_per_forward(path: str | Path, summary: dict[str, Any]) -> None:
-    """Left: tokens per target forward with its interval per method, measurement and held-out set (plain
-    decoding = 1). Right: the speedup measured here and the one projected for memory-bound decoding."""
-    fig = _figure(13, 4.4)
-    left, right = fig.subplots(1, 2)
-    labels, ticks, x = [], [], 0.0
-    for heldout in summary["heldout_sets"]:
-        for r in _method_rows(summary, heldout):
-            color = method(r["key"]).color
-            hatch = "" if r["measured_by"] == "offline" else "//"
-            value = r["tokens_per_forward"]
-            below, above = _err(value, r.get("tokens_per_forward_interval"))
-            left.bar(x, value, yerr=[[below], [above]], capsize=3, color=color, hatch=hatch,
-                     edgecolor="black", lw=0.5)  # fmt: skip
-            left.text(x, value + above, f"{value:.2f}", ha="center", va="bottom", fontsize=7)
-            right.bar(x - 0.2, r["speedup"], 0.4, color=color, hatch=hatch, edgecolor="black", lw=0.5)
-            if r.get("projected_speedup"):
-                projected = r["projected_speedup"][0]
-                iv = (r.get("projected_intervals") or [None])[0]
-                below, above = _err(projected, iv)
-                right.bar(x + 0.2, projected, 0.4, yerr=[[below], [above]], capsize=2, color="white",
-                          edgecolor=color, lw=1.5)  # fmt: skip
-                right.text(x + 0.2, projected + above, f"{projected:.2f}\nk={r['k']}", ha="center",
-                           va="bottom", fontsize=6)  # fmt: skip
-            ticks.append(x)
-            labels.append(f"{method(r['key']).short}\n{r['measured_by']}\n{heldout}")
-            x += 1
-        x += 0.6  # a gap between held-out sets
-    titles = [
-        (
-            left,
-            f"tokens per target forward, every step counted ({summary['level']:.0%} interval over prompts)",
-        ),
-        (
-            right,
-            "speedup over plain decoding: measured here (filled), projected at the serving point's first "
-            f"concurrency at the chosen k (outline; {((summary.get('projection') or {}).get('points') or ['-'])[0]})",
-        ),
-    ]
-    for ax, title in titles:
-        ax.axhline(1.0, color="black", lw=0.8)
-        ax.set_xticks(ticks)
-        ax.set_xticklabels(labels, fontsize=6)
-        ax.set_title(title, fontsize=9)
+    """Per held-out set, one panel: projected speedup over plain decoding against concurrency over the
+    serving policy's grid, one line per method at its best k there, the trained drafter's ceiling
+    (every draft accepted) dashed, 1.0x (plain decoding) and each method's crossover marked. Projections
+    only: speed measured on this machine is another device and never shares the chart."""
+    sets = list(summary["heldout_sets"])
+    ncols = min(len(sets), 2)
+    nrows = -(-len(sets) // ncols)
+    fig = _figure(6.2 * ncols, 5.0 * nrows)
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    points = {s["heldout"]: (s.get("points") or [""])[0] for s in summary["verdict"].get("per_set", [])}
+    for ax, name in zip(axes, sets, strict=False):
+        policy = summary["heldout_sets"][name].get("policy")
+        if not policy:
+            ax.text(0.5, 0.5, "not projected (no evaluate.serving)", ha="center", va="center",
+                    transform=ax.transAxes)  # fmt: skip
+            ax.set_title(name, fontsize=10)
+            continue
+        grid = policy["grid"]
+        crossed = False
+        for key in ordered(list(policy["methods"])):
+            at = policy["methods"][key]
+            m = method(key)
+            ax.plot(grid, [e["speedup"] for e in at], "o-", color=m.color, lw=1.6, ms=4,
+                    label=f"{m.short} (best k: {_k_range(at)})")  # fmt: skip
+            cross = policy["crossover"].get(key)
+            if cross:  # the last concurrency where it still beats plain decoding
+                y = next(e["speedup"] for e in at if e["concurrency"] == cross)
+                ax.plot([cross], [y], "X", color=m.color, ms=11, mec="black",
+                        label=None if crossed else "crossover (last load it pays)")  # fmt: skip
+                crossed = True
+        if policy.get("drafter_ceiling"):
+            ax.plot(grid, policy["drafter_ceiling"], "--", color=method("eagle3").color, lw=1.4,
+                    label="drafter ceiling (every draft accepted)")  # fmt: skip
+        ax.axhline(1.0, color="black", lw=1.0, ls=":", label="plain decoding (1.0x)")
+        plain = [e["concurrency"] for e in policy["best"] if e["method"] == "plain"]
+        if plain:  # where no speculation is the best choice: shaded, past the set's crossover
+            ax.axvspan(plain[0] / 2**0.5, grid[-1] * 2**0.5, color="grey", alpha=0.12,
+                       label=f"serve plain decoding (from {plain[0]})")  # fmt: skip
+            ax.set_xlim(grid[0] / 2**0.5, grid[-1] * 2**0.5)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(grid)
+        ax.set_xticklabels([str(c) for c in grid], fontsize=8)
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel("projected speedup over plain decoding")
+        where = points.get(name, "").split(", concurrency")[0]
+        ax.set_title(f"{name}: projected on {where}" if where else name, fontsize=10)
+        # below the axes: a legend never hides a line
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
+        ax.grid(alpha=0.3)
+    for ax in axes[len(sets) :]:
+        ax.set_visible(False)
     _save(fig, path)
+
+
+def _k_range(at: list[dict[str, Any]]) -> str:
+    ks = sorted({e["k"] for e in at})
+    return str(ks[0]) if len(ks) == 1 else f"{ks[0]}-{ks[-1]}"

@@ -2,9 +2,10 @@
 
 The figure that compares methods is tokens per target forward, every decode step counted, with its
 interval over prompts; beside it the share of steps that had a draft, vLLM's tau and acceptance per draft
-position under their own names (counted over the steps that had a draft), the speed measured here, and
-the speedup projected for hardware where decoding is memory-bound (draftsmith.core.cost). The gate's checks and
-verdict (draftsmith.core.verdict) come with it.
+position under their own names (counted over the steps that had a draft), the speed measured here only
+where it was measured fairly (`fair: true`), and the speedup projected to the serving point
+(draftsmith.core.cost). The gate's checks and verdict (draftsmith.core.verdict), tokens per target
+forward per prompt category (MT-Bench's) and the pre-flight's lines come with it.
 
     summarize(...)        offline.json + vllm.json per held-out set, data_config.json, the export,
                           metrics.jsonl -> the summary dict (rows with intervals, headline, checks, verdict,
@@ -120,7 +121,7 @@ def summary_rows(
                 "projected_speedup": [1.0] * len(concurrencies) if by == judged and concurrencies else None,
                 "projected_intervals": None, "tau": None, "tau_interval": None,
                 "acceptance_per_position": None, "acceptance_intervals": None,
-                "tokens_per_s": data["plain"]["tokens_per_s"], "speedup": 1.0, "outputs": "reference",
+                **_speed_here(data, data["plain"]["tokens_per_s"], 1.0), "outputs": "reference",
             })  # fmt: skip
         keys = ordered(
             set(results["offline"]["methods"]) | set((results.get("vllm") or {}).get("methods", {}))
@@ -147,10 +148,55 @@ def summary_rows(
                     "projected_intervals": serving["projected_intervals"] if serving else None,
                     "tau": m["tau"], "acceptance_per_position": m["acceptance_rate_per_position"],
                     "per_step_acceptance": _per_step(m),
-                    "tokens_per_s": m["tokens_per_s"], "speedup": m["speedup"],
+                    **_speed_here(data, m["tokens_per_s"], m["speedup"]),
                     "outputs": _outputs(by, m, data),
                 })  # fmt: skip
     return rows
+
+
+def fair_speed(data: dict[str, Any]) -> bool:
+    """Whether a measurement's tokens/s may be shown: only one that says so (`fair: true`: engines alone,
+    paired rounds, the same prompts, as a bench would run them). The evaluation's engines run beside
+    other jobs, so its own ratios are noise plus whoever else ran."""
+    return data.get("fair") is True
+
+
+def _speed_here(data: dict[str, Any], tokens_per_s: float, speedup: float) -> dict[str, Any]:
+    """The speed measured here, kept only where it was measured fairly (None otherwise: not shown)."""
+    fair = fair_speed(data)
+    return {
+        "tokens_per_s": tokens_per_s if fair else None,
+        "speedup": speedup if fair else None,
+        "speed_fair": fair,
+    }
+
+
+def category_of(prompt_id: str) -> str | None:
+    """A prompt's category where its id carries one ("writing/81": MT-Bench's), else None."""
+    head, sep, _ = str(prompt_id).partition("/")
+    return head if sep else None
+
+
+def by_category(data: dict[str, Any]) -> dict[str, Any] | None:
+    """Tokens per target forward per prompt category and method (plain decoding: 1.0), from the
+    per-prompt rows of one measurement; None unless its prompt ids name two categories or more."""
+    categories = {p: category_of(p) for p in data.get("prompt_ids") or []}
+    if None in categories.values() or len(set(categories.values())) < 2:
+        return None
+    out: dict[str, Any] = {}
+    for c in dict.fromkeys(categories.values()):  # in the set's order
+        out[c] = {"prompts": sum(v == c for v in categories.values()), "methods": {}}
+    for key in ordered(list(data.get("methods", {}))):
+        counts: dict[str, list[int]] = {}
+        for r in data["methods"][key].get("per_prompt") or []:
+            c = categories.get(r["id"])
+            if c is not None:
+                tokens_forwards = counts.setdefault(c, [0, 0])
+                tokens_forwards[0] += int(r["tokens"])
+                tokens_forwards[1] += int(r["forwards"])
+        for c, (tokens, forwards) in counts.items():
+            out[c]["methods"][key] = tokens / forwards if forwards else None
+    return out
 
 
 def _per_step(m: dict[str, Any]) -> list[float] | None:
@@ -239,6 +285,17 @@ def acceptance_vs_break_even(projection: dict[str, Any] | None) -> dict[str, Any
         "ceiling": room["ceiling"][0],
         "to_beat": {"method": room["to_beat_method"][0], "speedup": room["to_beat"][0]},
         "point": projection["points"][0],
+    }
+
+
+def _preflight_brief(preflight: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What the report shows of the pre-flight: its one line per set and whether a drafter could pay."""
+    if not preflight:
+        return None
+    return {
+        "lines": [s["line"] for s in preflight.get("sets", {}).values() if s.get("line")],
+        "drafter_can_pay": preflight.get("drafter_can_pay"),
+        "mode": preflight.get("mode"),
     }
 
 
@@ -351,11 +408,13 @@ def summarize(
     origin: dict[str, Any] | None = None,
     *,
     serving: dict[str, Any] | None,
+    preflight_result: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Everything the report, the gate and the model card need, in one JSON-able dict. sets: held-out
     set name -> {"offline": offline.json, "vllm": vllm.json or None}; projections: `project_sets` (the
     serving point's figures); origin: `provenance` (None: from the manifest and export alone); serving:
-    evaluate.serving, as projected."""
+    evaluate.serving, as projected; preflight_result: the pre-flight's preflight.json (its lines lead
+    the report)."""
     checks = diagnose(
         sets, manifest, export_config, export_problems, current_fingerprint, metrics_rows, settings,
         projections=projections,
@@ -374,6 +433,7 @@ def summarize(
                 "vllm_measured": r.get("vllm") is not None,
                 "policy": (projections or {}).get(name, {}).get("policy"),
                 "acceptance_vs_break_even": acceptance_vs_break_even((projections or {}).get(name)),
+                "by_category": by_category(r["vllm"] if r.get("vllm") else r["offline"]),
             }
             for name, r in sets.items()
         },
@@ -395,6 +455,8 @@ def summarize(
         if projections
         else None,
         "rows": rows,
+        "speed_fair": any(r["speed_fair"] for r in rows),
+        "preflight": _preflight_brief(preflight_result),
         "learning": learning_curve(metrics_rows),
         "settings": {
             "gate": settings.all_modes,
@@ -450,10 +512,12 @@ def summarize_files(
     vocab_path: str | Path | None = None,
     prompts_summary: str | Path | None = None,
     target_source: dict[str, Any] | None = None,
+    preflight_json: str | Path | None = None,
 ) -> dict[str, Any]:
     """Load the evaluation's inputs, summarise, and write summary.{json,tsv,html} and the plots to out
     (training writes its TensorBoard curves itself, as it goes). The vocabulary map, the prompts
-    stage's summary and the config's target section (`target_source`) go into the provenance."""
+    stage's summary and the config's target section (`target_source`) go into the provenance; the
+    pre-flight's preflight.json (`preflight_json`), where it exists, leads the report."""
     from draftsmith.core.chat import template_fingerprint
     from draftsmith.core.export_formats import check_against_target
     from draftsmith.core.report import write_report
@@ -481,10 +545,17 @@ def summarize_files(
     )
     summary = summarize(
         sets, manifest, export_config, problems, fingerprint, rows, settings, projections, origin,
-        serving=serving,
+        serving=serving, preflight_result=_read_optional(preflight_json),
     )  # fmt: skip
     write_report(out, summary, rows)
     return summary
+
+
+def _read_optional(path: str | Path | None) -> dict[str, Any] | None:
+    """A JSON input that may not exist (the pre-flight does not run without vLLM)."""
+    if path is None or not Path(path).is_file():
+        return None
+    return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
 def _untrained_export(sets: dict[str, dict[str, Any]]) -> str | None:
@@ -548,6 +619,10 @@ class SummaryPaths:
         "The prompts stage's summary.json: where the training prompts came from, for the model card.",
         exists=True,
     )
+    preflight_json: str | None = arg(
+        "--preflight-json",
+        "The pre-flight's preflight.json: its lines lead summary.html. Skipped where it does not exist.",
+    )
     target_source: dict[str, Any] | None = arg(
         "--target-source",
         "The config's target section (model, revision, gguf_wheel, gguf_file) as JSON: what the model "
@@ -575,6 +650,7 @@ def run(paths: SummaryPaths, settings: SummarySettings) -> list[str]:
         paths.offline, paths.vllm, paths.manifest, paths.drafter, paths.target, paths.metrics, paths.out,
         settings.gate_settings(), settings.serving, vocab_path=paths.vocab,
         prompts_summary=paths.prompts_summary, target_source=paths.target_source,
+        preflight_json=paths.preflight_json,
     )  # fmt: skip
     gate = "passes" if summary["gate_passed"] else "FAILS"
     return [format_verdict(summary["verdict"]), f"summary written to {paths.out}; gate {gate}"]

@@ -21,6 +21,7 @@ import multiprocessing
 import os
 import queue as queue_module
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -103,7 +104,7 @@ COMPILE_MIN_SECONDS = 300.0  # "auto" compiles when eager compute would take lon
 
 @from_schema(
     "extract",
-    ops=("threads", "gpus", "gpu_memory_utilization", "tensor_parallel"),
+    ops=("threads", "gpus", "gpu_memory_utilization", "tensor_parallel", "scratch", "idle_timeout_s"),
     paths={"dtype": "target.dtype"},
     unset=("threads",),
 )
@@ -124,6 +125,72 @@ class ExtractSettings:
     gpus: int
     gpu_memory_utilization: float
     tensor_parallel: int
+    scratch: str | None  # vLLM's per-request states files: node-local (None or "": $TMPDIR)
+    idle_timeout_s: int  # an engine without progress this long is killed (run_engine_processes)
+
+
+SCRATCH_PREFIX = ".draftsmith-extract-"  # + the job's pid: leftovers of a killed job are recognised
+
+
+def scratch_root(setting: str | None) -> Path:
+    """resources.extract.scratch, else $TMPDIR, else the system's temporary folder (tempfile's choice):
+    node-local storage, not the results file system (no flock on Lustre, a network round trip on NFS)."""
+    return Path(setting) if setting else Path(tempfile.gettempdir())
+
+
+def make_scratch(root: Path) -> Path:
+    """A fresh folder for one job's vLLM states files under `root`, named after this process; folders of
+    earlier jobs on this node whose process is gone are removed first (/dev/shm outlives a killed job)."""
+    root.mkdir(parents=True, exist_ok=True)
+    for old in root.glob(f"{SCRATCH_PREFIX}*"):
+        pid = old.name[len(SCRATCH_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-", dir=root))
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's: not ours to remove
+    return True
+
+
+def in_flight_states(
+    batch_tokens: int, longest: int, engines: int, stored_layers: int, hidden: int, dtype: str
+) -> tuple[int, int]:
+    """(tokens, bytes) of the raw states files vLLM may hold in the scratch folder at once: per engine the
+    batch being captured and the one being read back (extraction overlaps them), a batch being at most
+    batch_tokens tokens or one longer sample; every value in the compute dtype."""
+    tokens = 2 * max(batch_tokens, longest) * engines
+    value = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return tokens, tokens * stored_layers * hidden * value
+
+
+def check_scratch_room(folder: Path, tokens: int, need: int) -> None:
+    """NotEnoughDisk in one line naming the folder and both figures when `folder` cannot hold `need`."""
+    free = shutil.disk_usage(folder).free
+    if free < need:
+        raise NotEnoughDisk(
+            f"resources.extract.scratch: {folder} has {free / 1e9:.2f} GB free, but vLLM's states of the "
+            f"{tokens:,} tokens in flight need {need / 1e9:.2f} GB: name a larger node-local folder"
+        )
+
+
+def states_folder(
+    settings: ExtractSettings, stored_layers: int, hidden: int, dtype: str, longest: int, engines: int
+) -> Path:
+    """The scratch folder's room checked for `engines` engines' in-flight states, then a fresh folder in
+    it for this job (the vllm back-end's storage_dir)."""
+    root = scratch_root(settings.scratch)
+    root.mkdir(parents=True, exist_ok=True)
+    check_scratch_room(
+        root, *in_flight_states(settings.batch_tokens, longest, engines, stored_layers, hidden, dtype)
+    )
+    return make_scratch(root)
 
 
 def should_compile(mode: str, backend: str, eager_seconds: float) -> bool:
@@ -134,6 +201,26 @@ def should_compile(mode: str, backend: str, eager_seconds: float) -> bool:
     if backend != "transformers":
         return False
     return mode == "on" or (mode == "auto" and eager_seconds >= COMPILE_MIN_SECONDS)
+
+
+def transformers_device(gpus: int) -> str:
+    """Where the transformers back-end runs: the job's first GPU when it holds any (`draftsmith run`
+    made them visible), else the CPU; a job given GPUs CUDA cannot see (fake ones in tests) runs on the
+    CPU as before, with a warning."""
+    if gpus <= 0:
+        return "cpu"
+    if not torch.cuda.is_available():
+        log.warning(
+            "extract: resources.extract.gpus is %d but CUDA sees no GPU: the transformers back-end runs on the CPU",
+            gpus,
+        )
+        return "cpu"
+    if gpus > 1:
+        log.warning(
+            "extract: the transformers back-end runs on one of the job's %d GPUs (extract.backend vllm uses all)",
+            gpus,
+        )
+    return "cuda"
 
 
 def make_extractor(
@@ -152,7 +239,7 @@ def make_extractor(
     if backend == "transformers":
         from draftsmith.backends.hf import HfExtractor
 
-        return HfExtractor.from_target(target, layer_ids, dtype)
+        return HfExtractor.from_target(target, layer_ids, dtype, transformers_device(gpus))
     if backend == "vllm":
         from draftsmith.backends.vllm_extract import VllmExtractor
 
@@ -219,11 +306,19 @@ def extract_shard(
         "%s compute, %s storage, codec %s", shard, start, end - 1, layer_ids, backend, dtype, storage_dtype, codec,
     )  # fmt: skip
     own_backend = extractor is None
+    states = None  # vLLM's per-request states files: node-local scratch, not beside the outputs
     if own_backend:
-        extractor = make_extractor(
-            backend, target, layer_ids, dtype, gpus, max(lengths) + 1, scratch, s.vllm_eager,
-            s.gpu_memory_utilization,
-        )  # fmt: skip
+        if backend == "vllm":
+            states = states_folder(s, len(layer_ids) + 1, hidden, dtype, max(lengths), 1)
+        try:
+            extractor = make_extractor(
+                backend, target, layer_ids, dtype, gpus, max(lengths) + 1, states, s.vllm_eager,
+                s.gpu_memory_utilization,
+            )  # fmt: skip
+        except BaseException:
+            if states is not None:
+                shutil.rmtree(states, ignore_errors=True)
+            raise
     writer, estimate = None, {}
     try:
         plan, picks, measured, probed = probe_plan(
@@ -313,6 +408,8 @@ def extract_shard(
         if own_backend:
             extractor.close()
         shutil.rmtree(scratch, ignore_errors=True)
+        if states is not None:
+            shutil.rmtree(states, ignore_errors=True)
     stats["wall_seconds_with_write"] = round(time.perf_counter() - t0 + probe_seconds, 2)
     stats["cpu_seconds_with_write"] = round(time.process_time() - cpu0 + probe_cpu, 2)
     size = ""
@@ -619,13 +716,15 @@ def run_engine(
     settings: ExtractSettings,
     max_model_len: int,
     starting: Callable[[int], None] | None = None,
+    finished: Callable[[int], None] | None = None,
 ) -> None:
     """One engine: load the target once (when the queue has a shard for it), then extract shards from
     the queue into the stash, each sealed once complete, until the queue is empty. `settings.gpus`: the
-    engine's (tensor parallel), `settings.threads` its share; `starting(k)` is called as shard k starts."""
+    engine's (tensor parallel), `settings.threads` its share; `starting(k)` is called as shard k starts,
+    `finished(k)` once it is sealed."""
     s = settings
     layer_ids = resolve_aux_layers(s.aux_layers, text_config_dict(target)["num_hidden_layers"])
-    scratch = Path(tempfile.mkdtemp(prefix=".engine-", dir=stash))  # vLLM's states files
+    scratch = make_scratch(scratch_root(s.scratch))  # vLLM's states files (room checked by extract_shards)
     extractor = None
     try:
         while (shard := queue.take()) is not None:
@@ -639,15 +738,25 @@ def run_engine(
             path = stashed_path(stash, shard)
             extract_shard(target, tokens_path, shard, str(path), settings, extractor=extractor)
             seal([path], "extract")
+            if finished:
+                finished(shard)
     finally:
         if extractor is not None:
             extractor.close()
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _engine_process(index: int, devices: str, queue: ShardQueue, results: Any, kw: dict[str, Any]) -> None:
-    """A spawned engine: its own GPUs, its log lines named, a failure told to the parent in one line
-    (with the shard it was on), SIGTERM when the parent dies (no orphan holding GPUs)."""
+def _engine_process(
+    index: int,
+    devices: str,
+    queue: ShardQueue,
+    results: Any,
+    kw: dict[str, Any],
+    runner: Callable[..., None] = run_engine,
+) -> None:
+    """A spawned engine: its own GPUs, its log lines named, its progress and a failure told to the parent (the failure in one line with the
+    shard it was on), SIGTERM when the parent dies (no orphan holding GPUs). `runner`: run_engine (a
+    stand-in in tests)."""
     os.environ["CUDA_VISIBLE_DEVICES"] = devices  # before anything initialises CUDA
     from draftsmith.backends.server import _set_parent_death_signal
 
@@ -660,12 +769,42 @@ def _engine_process(index: int, devices: str, queue: ShardQueue, results: Any, k
     logging.getLogger("draftsmith").setLevel(logging.INFO)
     current: list[int] = []  # the shard being extracted
 
+    def starting(shard: int) -> None:
+        current.append(shard)
+        results.put((index, "start", shard))
+
     try:
-        run_engine(queue, starting=current.append, **kw)
+        runner(queue, starting=starting, finished=lambda k: results.put((index, "done", k)), **kw)
     except BaseException as err:
         where = f"shard {current[-1]}: " if current else ""
-        results.put((index, f"{where}{type(err).__name__}: {' '.join(str(err).split())}"))
+        results.put((index, "error", f"{where}{type(err).__name__}: {' '.join(str(err).split())}"))
         sys.exit(1)
+
+
+def idle_engines(last: dict[int, float], alive: set[int], now: float, timeout: float) -> list[int]:
+    """The live engines whose last progress (start, shard started or finished) is `timeout` seconds old."""
+    return sorted(i for i in alive if now - last[i] >= timeout)
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every live descendant of it, from /proc (Linux)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):  # gone meanwhile
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    tree, frontier = [pid], [pid]
+    while frontier:
+        frontier = [p for p, parent in parents.items() if parent in frontier]
+        tree += frontier
+    return tree
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL an engine and the processes it started (vLLM's workers), listed before any dies: an orphan
+    would leave the tree."""
+    for p in process_tree(pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, signal.SIGKILL)
 
 
 def extract_shards(
@@ -725,11 +864,22 @@ def extract_shards(
             s, compile=compile_mode, gpus=tp if gpus else 0,
             threads=max(1, s.threads // engines) if s.threads else None,
         )  # fmt: skip
+        if s.backend == "vllm":  # the engines of this job share the node's scratch: room for all, at start
+            config = text_config_dict(target)
+            stored = len(resolve_aux_layers(s.aux_layers, config["num_hidden_layers"])) + 1
+            root = scratch_root(s.scratch)
+            root.mkdir(parents=True, exist_ok=True)
+            dtype = compute_dtype(s.dtype, "cuda" if gpus else "cpu")
+            need = in_flight_states(
+                s.batch_tokens, max(lengths), engines, stored, config["hidden_size"], dtype
+            )
+            check_scratch_room(root, *need)
         kw = {
             "target": target, "tokens_path": tokens_path, "stash": stash, "settings": engine,
             "max_model_len": max(lengths) + 1,
         }  # fmt: skip
-        if engines == 1:
+        # vLLM on GPUs runs in engine processes even alone: a hung one (a stuck collective) can be killed
+        if engines == 1 and not (gpus and s.backend == "vllm"):
             run_engine(queue, **kw)
         else:
             devices = engine_devices(parse_visible(os.environ.get("CUDA_VISIBLE_DEVICES")), gpus, tp, engines)
@@ -739,27 +889,55 @@ def extract_shards(
     return reused
 
 
-def run_engine_processes(queue: ShardQueue, devices: list[str], kw: dict[str, Any]) -> None:
+def run_engine_processes(
+    queue: ShardQueue,
+    devices: list[str],
+    kw: dict[str, Any],
+    runner: Callable[..., None] = run_engine,
+) -> None:
     """One spawned process per engine (CUDA_VISIBLE_DEVICES = devices[i]), all taking from `queue`;
     waits for every one (the others go on when one fails: their shards are stashed), then raises
-    EngineFailed naming the first failure."""
+    EngineFailed naming the first failure. An engine that neither starts nor finishes a shard for
+    kw["settings"].idle_timeout_s (resources.extract.idle_timeout_s: a stuck collective never returns) is
+    killed with the processes it started, named with the shard it was on."""
+    idle_timeout_s = kw["settings"].idle_timeout_s
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     procs = [
-        context.Process(target=_engine_process, args=(i, d, queue, results, kw), name=f"extract-engine-{i}")
+        context.Process(
+            target=_engine_process, args=(i, d, queue, results, kw, runner), name=f"extract-engine-{i}"
+        )
         for i, d in enumerate(devices)
     ]
     for proc in procs:
         proc.start()
     errors: dict[int, str] = {}  # engine -> its failure, one line
+    last = dict.fromkeys(range(len(procs)), time.monotonic())  # engine -> its last progress
+    shard_of: dict[int, int] = {}  # engine -> the shard it is on
 
     def drain(timeout: float) -> None:
         with contextlib.suppress(queue_module.Empty):
-            index, error = results.get(timeout=timeout)
-            errors.setdefault(index, error)
+            index, kind, value = results.get(timeout=timeout)
+            last[index] = time.monotonic()
+            if kind == "start":
+                shard_of[index] = value
+            elif kind == "done":
+                shard_of.pop(index, None)
+            else:
+                errors.setdefault(index, value)
 
     while any(p.is_alive() for p in procs):
         drain(1.0)
+        alive = {i for i, p in enumerate(procs) if p.is_alive()}
+        for i in idle_engines(last, alive, time.monotonic(), idle_timeout_s):
+            on = f"shard {shard_of[i]}" if i in shard_of else "its load, before any shard"
+            errors.setdefault(
+                i,
+                f"{on}: no shard started or finished in {idle_timeout_s:g} s "
+                "(resources.extract.idle_timeout_s): hung, killed with its processes",
+            )
+            kill_tree(procs[i].pid)
+            last[i] = float("inf")  # killed once
     while not results.empty():
         drain(0.1)
     for i, proc in enumerate(procs):

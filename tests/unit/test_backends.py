@@ -217,3 +217,20 @@ def test_gpu_server_runs_vllm_serve_with_one_api_front_end_per_data_parallel_eng
     cpu = server_command("/m", 8000)
     assert cpu[1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model", "/m"]
     assert "--api-server-count" not in cpu
+
+
+def test_each_engine_start_is_logged_with_the_test_that_started_it(tmp_path, monkeypatch):
+    from draftsmith.backends.common import note_engine_start
+
+    log = tmp_path / "engines.tsv"
+    monkeypatch.setenv("DRAFTSMITH_ENGINE_LOG", str(log))
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/e2e/test_x.py::test_y (call)")
+    note_engine_start("evaluation plain k=3")
+    note_engine_start("generation server")
+    assert log.read_text().splitlines() == [
+        "tests/e2e/test_x.py::test_y\tevaluation plain k=3",
+        "tests/e2e/test_x.py::test_y\tgeneration server",
+    ]
+    monkeypatch.delenv("DRAFTSMITH_ENGINE_LOG")
+    note_engine_start("nothing logged")
+    assert len(log.read_text().splitlines()) == 2

@@ -209,6 +209,56 @@ def test_the_embedded_default_before_and_after_materialisation(in_tmp):
     assert errors and "(500 tokens" in errors[0]
 
 
+def test_a_tensor_parallel_size_that_does_not_split_the_heads_is_refused_at_start(in_tmp):
+    """vLLM refuses an engine whose GPUs do not divide the attention heads, after the job queued: TP 6 on
+    a 32-head target (Llama-3.1-8B) is refused at start naming the key; evaluation's TP is its GPU count."""
+    llama = json.loads(
+        (REPO / "tests" / "data" / "target-configs" / "llama-3.1-8b" / "config.json").read_text()
+    )
+    write_target(in_tmp / "llama", **llama)
+    target = {"model": "llama"}
+    six = {"gpus": 6, "tensor_parallel": 6}
+    errors, _ = checks(target=target, extract={"backend": "vllm"}, resources={"extract": six})
+    assert errors == [
+        "resources.extract.tensor_parallel: 6 GPUs per vLLM engine, but 6 does not divide the target's 32 "
+        "attention heads (llama): vLLM refuses that layout"
+    ]
+    errors, _ = checks(target=target, evaluate={"vllm": True}, resources={"evaluate": {"gpus": 6}})
+    assert len(errors) == 1 and errors[0].startswith("resources.evaluate.gpus: 6 GPUs per vLLM engine")
+    gen = {"backend": "vllm-server", "server_args": ["--tensor-parallel-size", "3"]}
+    errors, _ = checks(target=target, generate=gen, resources={"generate": {"gpus": 3}})
+    assert len(errors) == 1 and errors[0].startswith("generate.server_args (--tensor-parallel-size): 3 GPUs")
+    # 8 kv heads: TP 16 replicates them evenly, 32 heads split; TP 4 and 8 divide both
+    assert checks(
+        target=target, extract={"backend": "vllm"}, resources={"extract": {"gpus": 8, "tensor_parallel": 4}}
+    ) == ([], [])
+    # auto (tensor_parallel 0) is memory.engine_layout's to choose among the splits vLLM accepts
+    assert checks(target=target, extract={"backend": "vllm"}, resources={"extract": {"gpus": 6}}) == ([], [])
+
+
+def test_cpu_defaults_on_a_stage_with_gpus_are_refused_naming_the_key():
+    """generate.server_args' --enforce-eager and extract.vllm_eager: true are the schema's CPU defaults;
+    a stage holding GPUs with them is refused at start, one line each; GPU settings pass."""
+    gen = {"backend": "vllm-server"}
+    errors = combination_errors(filled({"generate": gen, "resources": {"generate": {"gpus": 8}}}))
+    assert errors == [
+        "generate.server_args: --enforce-eager (the CPU default) on resources.generate.gpus 8 serves without "
+        "CUDA graphs, several times slower: drop it from generate.server_args"
+    ]
+    fast = {**gen, "server_args": ["--max-model-len", "8192"]}
+    assert combination_errors(filled({"generate": fast, "resources": {"generate": {"gpus": 8}}})) == []
+    assert combination_errors(filled({"generate": gen})) == []  # on the CPU: the default stands
+    ext = {"backend": "vllm"}
+    errors = combination_errors(filled({"extract": ext, "resources": {"extract": {"gpus": 2}}}))
+    assert len(errors) == 1 and errors[0].startswith(
+        "extract.vllm_eager: true (the CPU default) on resources.extract.gpus 2"
+    )
+    compiled = {**ext, "vllm_eager": False}
+    assert combination_errors(filled({"extract": compiled, "resources": {"extract": {"gpus": 2}}})) == []
+    # the transformers back-end is not refused: it runs on the job's GPU (test_extract)
+    assert combination_errors(filled({"resources": {"extract": {"gpus": 1}}})) == []
+
+
 def test_more_drafts_than_trained_steps_is_a_warning(in_tmp):
     errors, warnings = checks(evaluate={"num_draft_tokens": 5}, train={"ttt_steps": 3})
     assert errors == []

@@ -36,7 +36,7 @@ from helpers import (
 )
 from safetensors.torch import load_file
 
-from draftsmith.core.distributed import Dist
+from draftsmith.core.distributed import Dist, rank_threads
 from draftsmith.core.loader import StreamingData, verify_share
 from draftsmith.core.manifest import load_manifest
 from draftsmith.core.objective import DraftingLoss, StepStats
@@ -278,3 +278,18 @@ def test_two_processes_in_micro_batches_train_the_single_process_weights(data: d
     for name in a:
         if a[name].is_floating_point():
             torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5)
+
+
+def test_peagle_with_one_ttt_step_trains_under_ddp(data: dict, tmp_path: Path) -> None:
+    """P-EAGLE's mask_hidden reaches the loss only through TTT steps >= 1: with ttt_steps 1 no rank uses
+    it, and DDP (find_unused_parameters=False) failed the second step waiting for its gradient."""
+    s = _settings(drafter={"kind": "peagle"}, ttt_steps=1, epochs=1, max_steps=2, checkpoint_every=0)
+    torchrun_train(data, tmp_path, s)
+    summary = json.loads((tmp_path / "drafter" / "train_summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 2
+
+
+def test_each_rank_takes_its_share_of_the_job_threads() -> None:
+    """train.threads is the job's count: 8 ranks on 32 CPUs take 4 each, never fewer than 1."""
+    assert rank_threads(32, 8) == 4 and rank_threads(32, 1) == 32
+    assert rank_threads(8, 3) == 2 and rank_threads(2, 8) == 1

@@ -234,6 +234,45 @@ def test_ttt_kv_shares_one_mask_across_steps():
     assert shared.bias.shape == (6, 18) and shared.bias.dtype == q.dtype
 
 
+def test_ttt_mask_rows_are_aligned_for_cuda_sdpa_and_the_loss_is_unchanged(monkeypatch):
+    """The shared TTT mask (steps x T columns: 3 x 12 = 36) lies in rows of 40 elements, a multiple of 8,
+    so CUDA's memory-efficient SDPA takes it as it is instead of copying it padded; every step's view
+    keeps that stride, and the loss and gradients equal those through a contiguous mask bit for bit."""
+    from helpers import make_drafter, objective
+
+    import draftsmith.core.drafter as drafter_module
+    from draftsmith.core.loader import Batch
+    from draftsmith.core.objective import ttt_loss
+
+    kv = TTTKV(steps=3)
+    kv.ensure_bias(12, torch.float32, torch.device("cpu"))
+    assert kv.bias.shape == (12, 36) and kv.bias.stride(-2) % 8 == 0 and kv.bias[:, :24].stride(-2) == 40
+    assert torch.equal(kv.bias.isfinite(), ttt_mask(12, 3))
+
+    model = make_drafter(seed=3)
+    cfg = model.cfg
+    g = torch.Generator().manual_seed(0)
+    B, T = 2, 12
+    ids = torch.randint(0, cfg.target_vocab_size, (B, T), generator=g)
+    lengths = torch.tensor([T, T - 3])
+    aux = torch.randn(B, T, cfg.num_aux * cfg.target_hidden_size, generator=g)
+    final = torch.randn(B, T, cfg.target_hidden_size, generator=g)
+    embed = torch.randn(cfg.target_vocab_size, cfg.hidden_size, generator=g)
+    teacher = torch.randn(cfg.draft_vocab_size, cfg.target_hidden_size, generator=g)
+    batch = Batch(ids, torch.arange(T)[None] < lengths[:, None], lengths, aux, final)
+
+    def loss_and_grads() -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        loss = ttt_loss(model, embed, teacher, batch, objective(3))[0]
+        loss.backward()
+        return [loss.detach(), *(p.grad.clone() for p in model.parameters())]
+
+    aligned = loss_and_grads()
+    monkeypatch.setattr(drafter_module, "MASK_ALIGN", 1)  # the contiguous [T, steps * T] mask of before
+    contiguous = loss_and_grads()
+    assert all(torch.equal(a, b) for a, b in zip(aligned, contiguous, strict=True))
+
+
 def test_rope_changes_the_drafter():
     """Same weights, llama3 vs plain RoPE: logits differ past the original context (the test above
     would pass with RoPE ignored altogether otherwise)."""

@@ -397,7 +397,12 @@ def test_summary_report_and_gate(pipeline, offline, untrained, tmp_path):
               "--manifest", pipeline["data"], "--drafter", pipeline["drafter"], "--target", pipeline["target"],
               "--metrics", pipeline["metrics"], "--out", out]  # fmt: skip
     relaxed = ["--check", "beats_free=warn", "--check", "beats_untrained=warn", "--max-acc-gap", 1.0]
-    printed = cli("eval-summary", *common, *relaxed)
+    # the pre-flight's lines lead the page where its preflight.json exists
+    preflight = tmp_path / "preflight.json"
+    preflight.write_text(
+        json.dumps({"sets": {"heldout": {"line": "heldout: serve suffix (k = 3) at 1.19x"}}})
+    )
+    printed = cli("eval-summary", *common, *relaxed, "--preflight-json", preflight)
     assert printed.startswith("VERDICT: ")
     for name in ("training.png", "acceptance.png", "per_forward.png"):
         assert (out / name).read_bytes()[:8] == PNG, name
@@ -443,7 +448,12 @@ def test_summary_report_and_gate(pipeline, offline, untrained, tmp_path):
     speed = next(c for c in summary["checks"] if c["name"] == "speedup")
     assert speed["status"] == "info"  # measured on a CPU
     html = (out / "summary.html").read_text()
-    assert "<table>" in html and "Gate: PASSED" in html and html.index("Verdict") < html.index("<table>")
+    assert "<table>" in html and "Gate: PASSED" in html
+    assert html.index("heldout: serve suffix (k = 3) at 1.19x") < html.index("Decision per held-out set")
+    assert summary["preflight"]["lines"] == ["heldout: serve suffix (k = 3) at 1.19x"]
+    assert (
+        html.index("Decision per held-out set") < html.index("Verdict") < html.index("<table class='wide'>")
+    )
     assert html.count("data:image/png;base64,") == 3  # the plots, inside the page
     assert (
         (out / "summary.tsv")

@@ -1,6 +1,8 @@
 """Capture, shards, token layout, vocab maps: the contracts between stages, on a tiny random Llama."""
 
 import json
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -636,6 +638,27 @@ def test_vllm_engine_gets_the_jobs_gpus_eager_setting_and_memory_share(monkeypat
     )
 
 
+def test_transformers_backend_runs_on_the_jobs_gpu_not_the_cpu(monkeypatch, tiny_llama):
+    """resources.extract.gpus > 0 with the transformers back-end: the target on the job's first GPU (it
+    loaded on the CPU while the job held the GPUs); GPUs CUDA cannot see (fake ones): the CPU as before.
+    Its captures come back on the CPU, where the writer compresses them."""
+    from draftsmith.backends.hf import HfExtractor
+    from draftsmith.stages.extract import make_extractor
+
+    devices = []
+    monkeypatch.setattr(HfExtractor, "from_target", lambda t, ids, dtype, device: devices.append(device))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    make_extractor("transformers", "T", [2], "bfloat16", 1, 2048, None, True, 0.8)
+    make_extractor("transformers", "T", [2], "float32", 0, 2048, None, True, 0.8)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    make_extractor("transformers", "T", [2], "float32", 2, 2048, None, True, 0.8)
+    assert devices == ["cuda", "cpu", "cpu"]
+    extractor = HfExtractor(tiny_llama, [1, 3])
+    ((aux, final),) = extractor.capture([torch.arange(7)])
+    assert extractor.device.type == "cpu" and aux.device.type == final.device.type == "cpu"
+    assert aux.shape == (7, 2, 64) and final.shape == (7, 64)
+
+
 # ---- the extraction job: engines, queue, stash ------------------------------------------------------------
 
 
@@ -862,3 +885,121 @@ def test_a_full_disk_says_what_the_shard_needs(tmp_path, tiny_llama, monkeypatch
     needed = messages[1].split("the shard needs about ")[1].split(")")[0]
     assert needed != "0 B" and needed[0].isdigit(), messages[1]
     assert not out.exists()
+
+
+def test_vllm_states_go_to_node_local_scratch_not_results(tmp_path, tiny_llama, monkeypatch):
+    """The vllm back-end's per-request states folder (its connector's storage path) lies under
+    resources.extract.scratch, not under results/ (Lustre without flock, NFS round trips); it is removed
+    after the job, and a killed earlier job's folder (its process gone) is removed at the next start."""
+    import draftsmith.stages.extract as ex
+    from draftsmith.backends.hf import HfExtractor
+
+    target = tmp_path / "target"
+    tiny_llama.save_pretrained(target)
+    tokens = tmp_path / "tokens.safetensors"
+    _tokens_file(tokens, [7, 30, 12, 25], [[0, 2], [2, 4]])
+    scratch = tmp_path / "scratch"
+    stale = scratch / f"{ex.SCRATCH_PREFIX}999999999-x"
+    stale.mkdir(parents=True)
+    storage = []
+
+    def extractor(backend, target, layer_ids, dtype, gpus, max_len, storage_dir, *rest):
+        storage.append(Path(storage_dir))
+        assert storage[-1].is_dir() and not stale.exists()
+        return HfExtractor(tiny_llama, layer_ids)
+
+    monkeypatch.setattr(ex, "make_extractor", extractor)
+    outs = [tmp_path / "results" / "hidden" / f"shard-{k}.safetensors" for k in range(2)]
+    s = settings(aux_layers=[1, 3], batch_tokens=60, compile="off", backend="vllm", scratch=str(scratch))
+    ex.extract_shards(str(target), str(tokens), [str(p) for p in outs], s)
+    (folder,) = storage
+    assert folder.parent == scratch and not folder.is_relative_to(tmp_path / "results")
+    assert list(scratch.iterdir()) == []  # the job's folder is gone with it
+    assert ex.scratch_root(None) == Path(tempfile.gettempdir())
+
+
+def test_a_scratch_folder_without_room_for_the_in_flight_states_is_refused_in_one_line(tmp_path, monkeypatch):
+    """Kimi-K2.5's 3 aux layers + final (7,168 wide, bf16): 57 KB a token; 8,192-token batches, two in flight
+    per engine: 0.94 GB for one engine. A folder with less is refused naming it and both figures."""
+    import draftsmith.stages.extract as ex
+
+    tokens, need = ex.in_flight_states(8192, 100, 1, 4, 7168, "bfloat16")
+    assert (tokens, need) == (16384, 16384 * 57344)
+    assert ex.in_flight_states(8192, 20000, 2, 4, 7168, "bfloat16")[0] == 80000  # a longer sample alone
+    monkeypatch.setattr(ex.shutil, "disk_usage", lambda p: shutil_usage(free=500_000_000))
+    with pytest.raises(ex.NotEnoughDisk) as err:
+        ex.check_scratch_room(tmp_path, tokens, need)
+    assert str(err.value) == (
+        f"resources.extract.scratch: {tmp_path} has 0.50 GB free, but vLLM's states of the 16,384 tokens in "
+        "flight need 0.94 GB: name a larger node-local folder"
+    )
+    monkeypatch.setattr(ex.shutil, "disk_usage", lambda p: shutil_usage(free=10**10))
+    ex.check_scratch_room(tmp_path, tokens, need)
+
+
+def shutil_usage(free: int):
+    import shutil
+
+    return shutil._ntuple_diskusage(total=2 * free, used=free, free=free)
+
+
+def sleeping_engine(queue, starting, finished, pid_file: str, **kw) -> None:
+    """A stand-in engine that hangs on its first shard (as a stuck collective does), with a child process
+    of its own (as vLLM's workers)."""
+    import subprocess
+    import time
+
+    starting(queue.take())
+    child = subprocess.Popen(["sleep", "300"])
+    Path(pid_file).write_text(str(child.pid))
+    time.sleep(300)
+
+
+def failing_engine(queue, starting, finished, **kw) -> None:
+    """A stand-in engine that finishes its first shard and fails on its second."""
+    first = queue.take()
+    starting(first)
+    finished(first)
+    starting(queue.take())
+    raise ValueError("no such layer")
+
+
+def test_a_failing_engine_is_named_with_its_shard_in_one_line():
+    import draftsmith.stages.extract as ex
+
+    with pytest.raises(ex.EngineFailed) as err:
+        ex.run_engine_processes(ex.ShardQueue([4, 3]), [""], {"settings": settings()}, runner=failing_engine)
+    assert str(err.value) == (
+        "extraction engine 0 of 1 (CUDA devices none) failed: shard 3: ValueError: no such layer; the shards "
+        "finished are stashed and a rerun reuses them"
+    )
+
+
+def test_a_hung_engine_is_killed_with_its_processes_naming_it_and_its_shard(tmp_path):
+    import draftsmith.stages.extract as ex
+
+    queue = ex.ShardQueue([2, 0, 1])
+    pid_file = tmp_path / "child.pid"
+    t0 = time.monotonic()
+    with pytest.raises(ex.EngineFailed) as err:
+        kw = {"settings": settings(idle_timeout_s=8), "pid_file": str(pid_file)}
+        ex.run_engine_processes(queue, [""], kw, runner=sleeping_engine)
+    assert time.monotonic() - t0 < 120
+    assert str(err.value).startswith(
+        "extraction engine 0 of 1 (CUDA devices none) failed: shard 2: no shard started or finished in 8 s "
+        "(resources.extract.idle_timeout_s): hung, killed with its processes"
+    )
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _running(child):
+        time.sleep(0.1)
+    assert not _running(child)
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie awaiting its reaper is not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

@@ -10,6 +10,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 
 import pytest
 from helpers import REPO, cli_env
@@ -197,3 +198,16 @@ def test_gpu_check_runs_the_prerequisites_before_installing():
     assert text.index("check_prereqs") < text.index("pip install") and text.index("nvidia-smi") < text.index(
         "check_prereqs"
     )
+
+
+def test_the_device_check_refuses_without_cuda_in_one_line():
+    """scripts/device-check.sh (the checks a lent GPU runs: bench/device_check.py) on this CPU machine:
+    one line on stderr, exit 1, nothing run."""
+    script = REPO / "scripts" / "device-check.sh"
+    env = {**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        "device-check: CUDA is not available here (torch sees no GPU, or no torch for "
+        f"{sys.executable}); run it on a GPU machine"
+    ]

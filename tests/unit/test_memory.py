@@ -18,6 +18,7 @@ from draftsmith.core.memory import (
     activation_bytes,
     device_memory,
     engine_layout,
+    heads_error,
     plan_config,
     refusal,
     safetensors_bytes,
@@ -199,3 +200,23 @@ def test_kimi_is_served_data_parallel_with_expert_parallelism_where_that_holds_m
     cmd = VllmServerBackend.server(settings, str(TARGETS / "kimi-k2.5"), str(tmp_path / "log")).command()
     assert cmd[cmd.index("--data-parallel-size") + 1] == "8" and "--enable-expert-parallel" in cmd
     assert "--tensor-parallel-size" not in cmd and cmd[cmd.index("--api-server-count") + 1] == "8"
+
+
+def test_engine_layout_chooses_only_splits_of_the_heads_vllm_accepts() -> None:
+    """6 GPUs for a 32-head target: never one engine of 6 (vLLM refuses it), engines of 2 at most, also
+    where the device's memory is unknown; MLA (Kimi) is split by its 64 query heads alone."""
+    llama = target_size(text_config_json(TARGETS / "llama-3.1-8b"))
+    kimi = target_size(text_config_json(TARGETS / "kimi-k2.5"))
+    h100 = device_memory({"gpu_model": "H100-80GB"}, detect=False)[0]
+    assert llama.attention_heads == 32 and kimi.attention_heads == 64 and kimi.kv_heads == 0
+    assert engine_layout(llama, 6, 8192, 0.9, None) == (2, 3)
+    assert engine_layout(llama, 6, 8192, 0.9, h100) == (1, 6)
+    assert engine_layout(llama, 7, 8192, 0.9, None) == (1, 7)
+    assert engine_layout(kimi, 6, 8192, 0.9, h100) == (
+        2,
+        3,
+    )  # does not fit: the plan says so, vLLM would load it
+    assert engine_layout(kimi, 8, 8192, 0.9, None) == (8, 1)
+    assert heads_error(6, 32, 8) == "6 does not divide the target's 32 attention heads"
+    assert heads_error(16, 32, 8) is None and heads_error(4, 32, 8) is None
+    assert heads_error(4, 64, 6) == "4 neither divides nor is a multiple of the target's 6 key-value heads"

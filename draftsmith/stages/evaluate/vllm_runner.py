@@ -134,7 +134,7 @@ def run_vllm_speculative(
     from vllm import LLM, SamplingParams
     from vllm.platforms import current_platform
 
-    from draftsmith.backends.common import attention_backend_for, single_process_on_cpu
+    from draftsmith.backends.common import attention_backend_for, note_engine_start, single_process_on_cpu
     from draftsmith.backends.vllm_cpu_sampling import fix_cpu_sampling
     from draftsmith.core.context import evaluation_model_len
     from draftsmith.core.devices import parse_visible
@@ -148,6 +148,7 @@ def run_vllm_speculative(
     backend = attention_backend_for(str(target), dtype)
     if max_model_len is None:
         max_model_len = evaluation_model_len(map(len, prompts_token_ids), max_new_tokens, num_draft_tokens)
+    note_engine_start(f"evaluation {method or 'plain'} k={num_draft_tokens}")
     t0 = time.perf_counter()
     llm = LLM(
         model=str(target),
