@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from draftsmith.core.context import sequence_tokens
 from draftsmith.core.cost import DEVICES
 from draftsmith.core.devices import heads_error, server_arg
 
@@ -821,7 +822,10 @@ def plan(
         tp = res["evaluate"]["gpus"]
         drafter = 2.0 * shape.params() if shape is not None else 0.0
         if ev.get("vllm"):
-            seq = int(ev.get("max_new_tokens", 512)) + int(config["extract"]["max_seq_len"])
+            # as the evaluation sizes its engines (context.sequence_tokens), for prompts up to extract.max_seq_len
+            seq = sequence_tokens(
+                int(config["extract"]["max_seq_len"]), int(ev["max_new_tokens"]), int(ev["num_draft_tokens"])
+            )
             needs.append(
                 _vllm_need(
                     "evaluate (vLLM)",

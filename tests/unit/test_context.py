@@ -105,3 +105,19 @@ def test_a_heldout_prompt_too_long_for_the_target_is_refused_at_start_by_file_an
     assert len(errors) == 1
     assert errors[0].startswith(f"prompts.heldout_path: {tmp_path / 'heldout.jsonl'}:2: the prompt is ")
     assert "of the 8,192 the target holds (max_position_embeddings)" in errors[0]
+
+
+def test_the_plans_evaluation_line_holds_what_the_evaluation_asks_vllm_for():
+    """The memory plan's evaluate (vLLM) line: a prompt of up to extract.max_seq_len with its whole answer
+    and the draft positions (context.sequence_tokens), as evaluate_vllm sizes its engines."""
+    from helpers import REPO
+
+    from draftsmith.core.config import merged_config_files, text_config_json, with_defaults
+    from draftsmith.core.memory import GIB, plan, target_size
+
+    config = with_defaults(merged_config_files([str(REPO / "configs" / "kimi-k2.5-8gpu.yaml")]))
+    size = target_size(
+        text_config_json(REPO / "tests" / "data" / "target-configs" / "kimi-k2.5"), None, "bfloat16"
+    )
+    (line,) = [n for n in plan(config, size, None, 141 * GIB) if n.stage == "evaluate (vLLM)"]
+    assert f"KV cache, one {8192 + 512 + 3 + DRAFT_MARGIN:,}-token sequence" in line.parts
