@@ -23,7 +23,7 @@ from draftsmith.core.config import (
     target_folder,
     workdir_path,
 )
-from draftsmith.core.memory import GIB, device_memory, plan_config, uses_gpus
+from draftsmith.core.memory import GIB, config_target, device_memory, plan_config, runtime_line, uses_gpus
 from draftsmith.core.memory import refusal as memory_refusal
 from draftsmith.core.memory import table as memory_table
 from draftsmith.core.digests import damage_under
@@ -75,6 +75,10 @@ if workflow.is_main_process and uses_gpus(config):
         print(f"warning: {err} (the GPU jobs check their line of it before vLLM loads)", file=sys.stderr)
     else:
         print(memory_table(GPU_PLAN, GPU_DEVICE), file=sys.stderr)
+        # the evaluation's engine loads against resources.evaluate.runtime (a job past it is killed)
+        EVAL_TIME = runtime_line(config, config_target(config)[0])
+        if EVAL_TIME and "TOO SHORT" in EVAL_TIME:
+            print(f"warning: {EVAL_TIME}", file=sys.stderr)
         if memory_refusal(GPU_PLAN, GPU_DEVICE):
             stop_at_start("GPU memory plan", [memory_refusal(GPU_PLAN, GPU_DEVICE)])
 # Jobs inherit this process's environment: every transformers / vLLM load of the target honours it

@@ -73,3 +73,14 @@ def test_each_gpu_job_checks_its_own_line_of_the_plan_before_vllm_loads(monkeypa
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
     with pytest.raises(ServerError, match=r"generate needs 80\.6 GB per GPU but has \d+\.\d GB"):
         VllmServerBackend.server(GenerateSettings.from_dict(values), target, "server.log")
+
+
+def test_an_evaluation_runtime_short_of_the_plan_is_a_warning_at_start(tmp_path):
+    """Issue 43 item 3: the evaluation's engine loads x load time against resources.evaluate.runtime."""
+    cache = tmp_path / "hub"
+    add_repo(cache, "moonshotai/Kimi-K2.5", {"config.json": KIMI_CONFIG})
+    overlay = {"resources": {"gpu_model": "H200-141GB", "evaluate": {"runtime": 60}}}
+    proc = dry_run(tmp_path, overlay, cache)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "warning: evaluation time (estimate): preflight 7 engine loads ~200 min" in proc.stderr
+    assert "resources.evaluate.runtime 60 min TOO SHORT" in proc.stderr
