@@ -766,6 +766,23 @@ def extract_need(
     return need
 
 
+def evaluate_need(
+    size: TargetSize, tp: int, seq_len: int, utilization: float, memory: float | None, drafter_bytes: float
+) -> StageNeed:
+    """The vLLM evaluation's line of the plan: the plan prints it for prompts up to extract.max_seq_len,
+    the job checks it again at its prompts' own length before an engine loads."""
+    return _vllm_need(
+        "evaluate (vLLM)",
+        size,
+        tp,
+        seq_len,
+        utilization,
+        memory,
+        "resources.evaluate.gpus (tensor parallel)",
+        {"drafter (bf16)": drafter_bytes},
+    )
+
+
 def plan(
     config: dict[str, Any],
     size: TargetSize,
@@ -826,18 +843,8 @@ def plan(
             seq = sequence_tokens(
                 int(config["extract"]["max_seq_len"]), int(ev["max_new_tokens"]), int(ev["num_draft_tokens"])
             )
-            needs.append(
-                _vllm_need(
-                    "evaluate (vLLM)",
-                    size,
-                    tp,
-                    seq,
-                    float(res["evaluate"]["gpu_memory_utilization"]),
-                    memory,
-                    "resources.evaluate.gpus (tensor parallel)",
-                    {"drafter (bf16)": drafter},
-                )
-            )
+            util = float(res["evaluate"]["gpu_memory_utilization"])
+            needs.append(evaluate_need(size, tp, seq, util, memory, drafter))
         if ev.get("offline"):
             parts = {  # draftsmith's decoder runs in float32
                 "target weights, float32 (first GPU)": size.weight_bytes * 4 / size.dtype_bytes,

@@ -121,3 +121,20 @@ def test_the_plans_evaluation_line_holds_what_the_evaluation_asks_vllm_for():
     )
     (line,) = [n for n in plan(config, size, None, 141 * GIB) if n.stage == "evaluate (vLLM)"]
     assert f"KV cache, one {8192 + 512 + 3 + DRAFT_MARGIN:,}-token sequence" in line.parts
+
+
+@needs_target
+def test_the_evaluation_job_checks_its_plan_line_before_any_engine(monkeypatch, tmp_path):
+    """Issue 43 item 4: the vLLM evaluation on GPUs checks its line of the plan again, at its prompts' own
+    length on the job's device (nvidia-smi), before an engine loads."""
+    import draftsmith.stages.evaluate.vllm_runner as runner
+
+    prompts = tmp_path / "p.jsonl"
+    write_prompts(prompts, ["Hi."])
+    monkeypatch.setattr("draftsmith.core.memory.detect_gpu_memory_gib", lambda: 0.5)
+    monkeypatch.setattr(runner, "run_vllm_subprocess", lambda **kw: pytest.fail("an engine was started"))
+    settings = EvaluateSettings(max_new_tokens=16, num_draft_tokens=3, gpus=1, dtype="bfloat16")
+    with pytest.raises(
+        ValueError, match=r"^evaluate \(vLLM\) needs \d+\.\d GB per GPU but has 0\.\d GB .*checked again"
+    ):
+        evaluate_vllm(DEFAULT_TARGET, {}, {"s": prompts}, {"s": tmp_path / "v.json"}, settings, None)

@@ -624,6 +624,7 @@ def evaluate_vllm(
     # the engines' context from the prompts (before any engine loads: a prompt too long is named here)
     check_context(target_path, prompt_sets, spans, encoded, max_new_tokens, num_draft_tokens)
     engine["max_model_len"] = evaluation_model_len(map(len, encoded), max_new_tokens, num_draft_tokens)
+    check_memory(target_path, drafters, settings, engine["max_model_len"])
     runs = method_runs(
         drafters, settings.ngram, settings.suffix, settings.ngram_lookup, settings.suffix_decoding
     )
@@ -703,6 +704,24 @@ def engine_cache(runs_dir: str | Path | None) -> contextlib.AbstractContextManag
     folder = Path(runs_dir).parent / ENGINE_CACHE
     folder.mkdir(parents=True, exist_ok=True)
     return contextlib.nullcontext(str(folder))
+
+
+def check_memory(
+    target_path: Path, drafters: dict[str, str | Path], settings: EvaluateSettings, max_model_len: int
+) -> None:
+    """The plan's evaluation line again, on this job's GPUs (nvidia-smi) at its prompts' length, before an
+    engine loads: ValueError with the figure (a 25-minute load would end out of memory)."""
+    if settings.gpus <= 0:
+        return
+    from draftsmith.core.config import text_config_json
+    from draftsmith.core.memory import device_memory, evaluate_need, refusal, safetensors_bytes, target_size
+
+    memory, device = device_memory({})
+    size = target_size(text_config_json(target_path), target_path, settings.dtype)
+    drafter = max((safetensors_bytes(path, 1 << 30) or 0.0 for path in drafters.values()), default=0.0)
+    need = evaluate_need(size, settings.gpus, max_model_len, settings.gpu_memory_utilization, memory, drafter)
+    if stop := refusal([need], device):
+        raise ValueError(f"{stop} (the memory plan, checked again by the job)")
 
 
 def check_context(
