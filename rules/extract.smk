@@ -68,7 +68,7 @@ rule extract:
         " draftsmith extract --target {input.target:q} --tokens {input.tokens:q}"
         " --settings {params.settings:q} --dtype {params.dtype:q} --threads {threads} --gpus {resources.gpu}"
         " --gpu-memory-utilization {resources.gpu_memory_utilization} --tensor-parallel {resources.tensor_parallel}"
-        " --gpu-memory-gib {resources.gpu_memory_gib} --scratch {resources.scratch:q}"
+        " --gpu-memory-gib {resources.gpu_memory_gib} --scratch={resources.scratch:q}"
         " --idle-timeout-s {resources.idle_timeout_s} {output:q} 2>&1 | tee {log:q}"
 
 

@@ -395,6 +395,12 @@ def run_planned(job: dict, workdir, monkeypatch, recorded: str) -> tuple[tuple, 
     ):
         (workdir / path).parent.mkdir(parents=True, exist_ok=True)
         (workdir / path).touch()
+    for flag, value in zip(args, args[1:], strict=False):  # held-out sets' files, benchmarks' included
+        if flag == "--prompts" and "=" in value:
+            path = workdir / value.split("=", 1)[1]
+            if not path.exists():  # never touch a real file (the packaged set, through the link below)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.touch()
     for folder in ("results/drafter", "results/eval/untrained_drafter"):
         (workdir / folder).mkdir(parents=True, exist_ok=True)
     # the packaged held-out set is planned relative to the working folder the plan was made in (the clone)

@@ -13,9 +13,7 @@ from draftsmith.core.context import DRAFT_MARGIN, context_errors, evaluation_mod
 from draftsmith.stages.evaluate import EvaluateSettings
 from draftsmith.stages.evaluate.stage import evaluate_vllm
 
-needs_target = pytest.mark.skipif(
-    not (DEFAULT_TARGET / "tokenizer.json").is_file(), reason="the default target is not materialised"
-)
+needs_target = pytest.mark.usefixtures("target_model")  # materialised once per session (conftest)
 # ~3,000 tokens of SmolLM2's vocabulary: "word N" repeated
 LONG = " ".join(f"word{i}" for i in range(1200))
 

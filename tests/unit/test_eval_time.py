@@ -55,9 +55,7 @@ def test_a_runtime_short_of_the_plan_is_said():
     assert "TOO SHORT" in runtime_line(config, size)
 
 
-@pytest.mark.skipif(
-    not (DEFAULT_TARGET / "tokenizer.json").is_file(), reason="default target not materialised"
-)
+@pytest.mark.usefixtures("target_model")
 def test_the_engines_share_one_compile_cache_beside_the_kept_runs(monkeypatch, tmp_path):
     """Every engine of the pre-flight and of the evaluation gets results/eval/.vllm-cache (VLLM_CACHE_ROOT
     under it), not a fresh temporary folder per job."""

@@ -544,19 +544,16 @@ def test_a_failing_write_stops_extraction_with_the_sequential_loops_error(tmp_pa
 
 
 @pytest.mark.slow
-def test_sample_source_travels_from_traces_to_the_manifest(tmp_path):
+def test_sample_source_travels_from_traces_to_the_manifest(tmp_path, target_model):
     """Real target: a regenerated-looking trace and an original-answer trace -> tokens -> one shard ->
     manifest. The shard's metadata lists each sample's source; the manifest reports agreement per
     source and gates on the regenerated sample only."""
-    from helpers import REPO
 
     from draftsmith.core.shards import read_shard_meta
     from draftsmith.stages.extract import extract_shard
     from draftsmith.stages.tokenize import tokenize_traces
 
-    target = REPO / "resources" / "SmolLM2-135M-Instruct"
-    if not (target / "config.json").is_file():
-        pytest.skip("the default target is not materialised (resources/)")
+    target = target_model
     user = {"role": "user", "content": "Name a colour."}
     rows = [
         {"id": "r", "messages": [user], "response": "Blue.", "source": "regenerated"},

@@ -30,6 +30,8 @@ from draftsmith.stages.generate import (
 from draftsmith.stages.tokenize import TokenizeSettings, trace_sequences, turn_contexts
 
 TARGET = REPO / "resources" / "SmolLM2-135M-Instruct"
+# the default target, materialised once per session where a fresh clone has none yet (conftest)
+pytestmark = pytest.mark.usefixtures("target_model")
 
 # A Qwen3-like thinking template: reasoning rendered in <think> for the last assistant turn only (older
 # turns lose their reasoning, as Qwen3 does), ChatML otherwise.

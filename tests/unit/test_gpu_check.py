@@ -86,7 +86,8 @@ def test_its_configuration_plans_every_gpu_stage_on_one_gpu_through_vllm(gpu_che
         if line.startswith("Shell command: draftsmith run --gpus")
     ]
     by_command = {line.split(" -- draftsmith ")[1].split()[0]: line for line in shells}
-    assert set(by_command) == {"generate", "extract", "train", "evaluate", "evaluate-vllm"}, by_command
+    expected = {"generate", "extract", "train", "evaluate", "evaluate-vllm", "preflight"}
+    assert set(by_command) == expected, by_command
     assert all("draftsmith run --gpus 1 --" in line for line in shells)
     assert (
         '"backend": "vllm-server"' in by_command["generate"]
@@ -94,10 +95,8 @@ def test_its_configuration_plans_every_gpu_stage_on_one_gpu_through_vllm(gpu_che
     )
     assert '"backend": "vllm"' in by_command["extract"] and '"vllm_eager": false' in by_command["extract"]
     assert '"precision": "bf16"' in by_command["train"] and '"max_steps": null' in by_command["train"]
-    assert (
-        "--dtype auto --gpus 1" in by_command["evaluate-vllm"]
-        and '"vllm_eager": true' not in by_command["evaluate-vllm"]
-    )
+    for vllm in ("evaluate-vllm", "preflight"):  # the pre-flight's engines are the evaluation's
+        assert "--dtype auto --gpus 1" in by_command[vllm] and '"vllm_eager": true' not in by_command[vllm]
 
 
 def test_its_gate_judges_what_a_tiny_target_can_show_not_speed(gpu_check_plan):
