@@ -26,6 +26,7 @@ from draftsmith.core.memory import GIB, device_memory, plan_config, uses_gpus
 from draftsmith.core.memory import refusal as memory_refusal
 from draftsmith.core.memory import table as memory_table
 from draftsmith.core.digests import damage_under, forced_rules, unreadable_under
+from draftsmith.core.runlock import lock_advice
 
 
 def config_layers():
@@ -61,7 +62,9 @@ stop_if_invalid(INPUT_ERRORS)
 FORCED = forced_rules(sys.argv)
 DAMAGED, DAMAGE_WARNINGS = damage_under("results", forced=FORCED) if workflow.is_main_process else ([], [])
 stop_at_start("damaged intermediate files", DAMAGED)
-for warning in TARGET_WARNINGS + INPUT_WARNINGS + DAMAGE_WARNINGS:
+# A lock left by a killed Snakemake: whether it is stale, and what to do, said before Snakemake's own error.
+LOCK_ADVICE = lock_advice(Path.cwd(), os.getpid(), sys.argv) if workflow.is_main_process else None
+for warning in TARGET_WARNINGS + INPUT_WARNINGS + DAMAGE_WARNINGS + [LOCK_ADVICE] * bool(LOCK_ADVICE):
     print(f"warning: {warning}", file=sys.stderr)
 # The pre-flight GPU memory plan (`draftsmith plan`): a GPU stage that cannot fit its device stops the
 # workflow here, before any job runs, instead of after a 25-minute weight load.
