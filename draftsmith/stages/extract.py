@@ -13,7 +13,6 @@ complete only hidden `.shard-k.safetensors.*` files exist, and the next run of t
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import logging
@@ -34,7 +33,7 @@ import torch
 from tqdm import tqdm
 
 from draftsmith.backends.common import VllmStartError
-from draftsmith.core.atomic import atomic_path
+from draftsmith.core.atomic import atomic_path, disk_full
 from draftsmith.core.devices import parse_visible
 from draftsmith.core.digests import file_sha256, intact, retouch, seal, seal_as, sidecar
 from draftsmith.core.estimate import (
@@ -57,15 +56,6 @@ from draftsmith.core.target import text_config_dict
 from draftsmith.core.tokens import load_tokens
 
 log = logging.getLogger(__name__)
-
-
-def disk_full(err: BaseException | None) -> bool:
-    """Whether an error (or what caused it, e.g. the shard writer's) is a full disk."""
-    while err is not None:
-        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
 
 
 def checked_positions(
