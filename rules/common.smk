@@ -119,16 +119,16 @@ DRAFTER_FILES = {
 def rule_writing(path):
     """The rule whose output `path` is (a file, or one in a directory output), None when none is."""
     for parent in [path, *map(str, Path(path).parents)]:
-        for rule in workflow.rules:
-            if rule.is_producer(parent):
-                return rule.name
+        for writer in workflow.rules:
+            if writer.is_producer(parent):
+                return writer.name
     return None
 
 
 def stop_if_unreadable():
     """Unsealed files a rule writes and a job reads (a vocab_map.pt copied without its hidden sidecar, a
-    summary.json of junk), parsed once every rule is known (Snakefile): a junk one stops the run naming
-    it, before Snakemake deletes the outputs of the job that reads it."""
+    summary.json of junk), parsed once all rules are known (Snakefile): a junk one stops the run naming it,
+    before Snakemake deletes the outputs of the job that reads it."""
     if workflow.is_main_process:
         stop_at_start("damaged intermediate files", unreadable_under("results", rule_writing, FORCED))
 
