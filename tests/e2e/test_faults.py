@@ -76,7 +76,8 @@ def test_bit_rot_and_truncation_are_caught_and_only_damaged_shards_redone(workfl
     assert "rerun with `snakemake --forcerun extract`" in out and ".done" not in out, out[-3000:]
     assert (root / "results" / "data_config.json").read_bytes() == manifest
     # the advice followed: the forced extraction makes the shard again, and the manifest job passes
-    run.snakemake("--forcerun", "extract", "results/data_config.json")
+    # (the target first: --forcerun takes every word after it)
+    run.snakemake("results/data_config.json", "--forcerun", "extract")
     again = json.loads((root / "results" / "data_config.json").read_text())
     assert [s["content_sha256"] for s in again["shards"]] == [s["content_sha256"] for s in first["shards"]]
 
@@ -122,7 +123,7 @@ def test_a_damaged_intermediate_stops_the_run_at_start_and_keeps_what_reads_it(w
     assert {p: p.read_bytes() for p in kept} == kept
     assert (run.results / "train" / "metrics.jsonl").is_file()
     # the named fix: the forced vocab stage makes it again (same tokens, same map)
-    run.snakemake("--forcerun", "vocab", "results/vocab_map.pt")
+    run.snakemake("results/vocab_map.pt", "--forcerun", "vocab")
     assert vocab.read_bytes() != bytes(data)
 
 
