@@ -32,6 +32,10 @@ include: "rules/evaluate.smk"
 include: "rules/export.smk"
 
 
+# every rule is known now: the unsealed intermediates they write are parsed (rules/common.smk)
+stop_if_unreadable()
+
+
 rule all:
     default_target: True
     input:

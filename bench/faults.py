@@ -768,6 +768,19 @@ def probe_config_null(p: Probe) -> str:
     return f"the card's target gets gguf_wheel {json.loads(match.group(1)).get('gguf_wheel')!r}"
 
 
+def _smallest_zip() -> bytes:
+    import io
+    import zipfile
+
+    data = io.BytesIO()
+    with zipfile.ZipFile(data, "w") as archive:
+        archive.writestr("archive/data.pkl", b"")
+    return data.getvalue()
+
+
+SMALLEST = {".json": b"{}", ".pt": _smallest_zip(), ".safetensors": (2).to_bytes(8, "little") + b"{}"}
+
+
 def _touched_run(p: Probe, workdir: Path, snakefile: Path, config: Path) -> subprocess.CompletedProcess:
     """Every planned output made (empty) and marked finished: a run as Snakemake records it, no model."""
     base = ["snakemake", "--snakefile", str(snakefile), "--directory", str(workdir), "--cores", "1"]
@@ -782,7 +795,8 @@ def _touched_run(p: Probe, workdir: Path, snakefile: Path, config: Path) -> subp
         out = workdir / line.split("\t")[0]
         if "." in out.name:
             out.parent.mkdir(parents=True, exist_ok=True)
-            out.touch()
+            # the smallest file of its kind: a start parses unsealed .json/.pt/.safetensors (issue 44)
+            out.write_bytes(SMALLEST.get(out.suffix, b""))
         else:
             out.mkdir(parents=True, exist_ok=True)
     return subprocess.run(
@@ -839,6 +853,217 @@ def probe_moved_checkout(p: Probe) -> str:
         return f"probe failed: {said(touched if touched.returncode else proc)}"
     rules = sorted(set(re.findall(r"^(?:local)?(?:rule|checkpoint) (\w+):", proc.stdout, re.M)) - {"all"})
     return f"reruns {', '.join(rules)}" if rules else "nothing reruns"
+
+
+# ---- issue 44, the rest: seals, unsealed inputs, the stash key, jobs that outlive their run, one-liners
+
+
+def _finished(p: Probe) -> str | None:
+    """A touched finished run in the probe's folder; the failure line where it could not be made."""
+    touched = _touched_run(p, p.root, p.checkout / "Snakefile", p.config({}))
+    return f"probe failed: {said(touched)}" if touched.returncode else None
+
+
+def probe_touch_rehashes(p: Probe) -> str:
+    """A sealed 8 MiB file whose mtime Snakemake's touch moved: is it hashed again at start?"""
+    proc = p.python(
+        """
+        import os, draftsmith.core.digests as d
+        from pathlib import Path
+        f = Path("results/hidden/shard-0.safetensors"); f.parent.mkdir(parents=True)
+        f.write_bytes(b"s" * 8 * 2**20); d.seal([f], "extract"); os.utime(f, ns=(5, 5))
+        n = []; real = d.file_sha256
+        d.file_sha256 = lambda *a: n.append(1) or real(*a)
+        d.damage(f)
+        print(f"hashed {len(n)} time(s) at start")
+        """
+    )
+    return proc.stdout.strip() or f"probe failed: {said(proc)}"
+
+
+def probe_shard_new_inode(p: Probe) -> str:
+    """A finished run's shard, sealed as the checkout's extract stage leaves it, replaced by a damaged copy
+    (a new inode, same size): what the next start says."""
+    if failed := _finished(p):
+        return failed
+    p.python(
+        """
+        import os
+        from pathlib import Path
+        from draftsmith.core import digests
+        out = Path("results/hidden/shard-0.safetensors")
+        stashed = Path("results/hidden/.done/k/shard-0.safetensors"); stashed.parent.mkdir(parents=True)
+        stashed.write_bytes(b"good" * 64); digests.seal([stashed], "extract")
+        out.unlink(); os.link(stashed, out)
+        if hasattr(digests, "seal_as"):
+            digests.seal_as(out, stashed)
+        Path("new").write_bytes(b"evil" * 64); os.replace("new", out)
+        """
+    )
+    return refused_or_planned(p, {})
+
+
+def probe_forcerun_extract_after_damage(p: Probe) -> str:
+    """The same damaged shard, with the advice followed (--forcerun extract): refused again, or planned."""
+    first = probe_shard_new_inode(p)
+    if not first.startswith("refused"):
+        return f"not refused in the first place: {first}"
+    proc = p.snakemake("-n", "--forcerun", "extract", config=p.root / "probe.yaml")
+    if proc.returncode:
+        return f"refused again, exit {proc.returncode}: {said(proc, 70)}"
+    return "planned: extract and what follows it"
+
+
+def _junk_after_run(name: str) -> Callable[[Probe], str]:
+    def probe(p: Probe) -> str:
+        if failed := _finished(p):
+            return failed
+        path = p.root / "results" / name
+        for side in path.parent.glob(f".{path.name}.*"):
+            side.unlink()  # a copy without its hidden sidecar (cp results/*)
+        path.write_bytes(b"junk")
+        return refused_or_planned(p, {}).replace(
+            ": fails in its job", ": their outputs deleted, then it fails"
+        )
+
+    return probe
+
+
+def probe_copied_run_stash_key(p: Probe) -> str:
+    """The extraction stash key of a target and of its copy elsewhere (cp -r: new path, new mtimes)."""
+    proc = p.python(
+        """
+        import shutil, time
+        from pathlib import Path
+        from draftsmith.stages.extract import RESULT_KEYS, stash_key
+        a = Path("a/target"); a.mkdir(parents=True)
+        (a / "config.json").write_text("{}"); (a / "model.safetensors").write_bytes(b"w")
+        Path("tokens").write_bytes(b"t"); s = {k: 1 for k in RESULT_KEYS}
+        time.sleep(0.01); shutil.copytree(a, "b/target")
+        same = stash_key("tokens", a, "bfloat16", s) == stash_key("tokens", "b/target", "bfloat16", s)
+        print("same key: the stash is reused" if same else "another key: both shards extracted again")
+        """
+    )
+    return proc.stdout.strip() or f"probe failed: {said(proc)}"
+
+
+def probe_identical_shards_retrain(p: Probe) -> str:
+    """A finished run whose shards were written again (large, so Snakemake sees only their mtime) and
+    whose manifest was made again to the same bytes: is train planned?"""
+    if failed := _finished(p):
+        return failed
+    later = time.time() + 60
+    for shard in (p.root / "results" / "hidden").glob("shard-*.safetensors"):
+        shard.write_bytes(SMALLEST[".safetensors"] + b" " * 2_000_000)
+        os.utime(shard, (later, later))
+    os.utime(p.root / "results" / "data_config.json", (later + 1, later + 1))
+    proc = p.snakemake("-n", config=p.root / "probe.yaml")
+    rules = set(re.findall(r"^(?:local)?(?:rule|checkpoint) (\w+):", proc.stdout + proc.stderr, re.M))
+    if proc.returncode:
+        return f"probe failed: {said(proc)}"
+    return "train planned: retrains" if "train" in rules else "train not planned"
+
+
+KILLED_PARENT = """
+import subprocess, sys, time
+cmd = [sys.executable, "-m", "draftsmith.cli", "run", "--gpus", "0", "--", "sleep", "47"]
+subprocess.Popen(["bash", "-c", " ".join(cmd) + " | cat"])
+time.sleep(60)
+"""
+
+
+def probe_kill_snakemake(p: Probe) -> str:
+    """kill -9 of a Snakemake stand-in (a script named snakemake) running `draftsmith run -- sleep 47`
+    under a shell, as a rule does: is the job gone 10 s later?"""
+    fake = p.root / "snakemake"
+    fake.write_text(f"#!{sys.executable}\n{KILLED_PARENT}")
+    fake.chmod(0o755)
+    owner = subprocess.Popen([str(fake)], env=p.env, cwd=p.root)
+
+    def jobs() -> list[int]:
+        found = []
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                if cmdline.read_bytes().split(b"\0")[:2] == [b"sleep", b"47"]:
+                    found.append(int(cmdline.parent.name))
+            except OSError:
+                continue
+        return found
+
+    deadline = time.monotonic() + 30
+    while not jobs() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    started = jobs()
+    owner.kill()
+    owner.wait()
+    time.sleep(10)
+    left = [pid for pid in started if pid in jobs()]
+    for pid in left:  # the probe's own orphans, by their pid
+        os.kill(pid, 9)
+    if not started:
+        return "probe failed: the job never started"
+    return f"job still running 10 s later (pid {left[0]})" if left else "job ended with its Snakemake"
+
+
+def probe_leftover_lock(p: Probe) -> str:
+    """A lock left by a killed Snakemake (no process works in the folder): what the next run says."""
+    if failed := _finished(p):
+        return failed
+    locks = p.root / ".snakemake" / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    (locks / "0.output.lock").write_text(str(p.root / "results" / "x") + "\n")
+    proc = p.snakemake("--forcerun", "gate", config=p.root / "probe.yaml")
+    ours = [line for line in proc.stderr.splitlines() if "lock of a Snakemake that no longer runs" in line]
+    tail = "says no process works there: --unlock is safe" if ours else "Snakemake's own: --unlock if sure"
+    return f"exit {proc.returncode}, {tail}"
+
+
+def _command_on_junk(*args: str, files: dict[str, bytes]) -> Callable[[Probe], str]:
+    def probe(p: Probe) -> str:
+        for name, data in files.items():
+            path = p.root / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+        target = ["--target", str(p.checkout / "resources" / "SmolLM2-135M-Instruct")]
+        cmd = ["draftsmith", *args, *(target if args[0] in ("export", "vocab", "eval-summary") else [])]
+        proc = subprocess.run(cmd, env=p.env, cwd=p.root, capture_output=True, text=True, timeout=300)
+        trace = " [+traceback]" if "Traceback" in proc.stderr + proc.stdout else ""
+        lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+        return f"exit {proc.returncode}, {len(lines)} line(s){trace}"
+
+    return probe
+
+
+def probe_checkpoint_disk_full(p: Probe) -> str:
+    """A checkpoint write that meets a full disk (ENOSPC from the weights' write)."""
+    proc = p.python(
+        """
+        import errno, torch
+        import draftsmith.core.checkpoints as c
+        def full(*a, **k):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        c.save_file = full
+        m = torch.nn.Linear(64, 64); o = torch.optim.AdamW(m.parameters())
+        s = torch.optim.lr_scheduler.LambdaLR(o, lambda i: 1.0)
+        try:
+            c.save_checkpoint("ck", 1, m, o, s, {}, [])
+        except Exception as err:
+            print(f"{type(err).__name__}: {err}"[:110])
+        """
+    )
+    return proc.stdout.strip() or f"probe failed: {said(proc)}"
+
+
+def probe_heldout_shortfall(p: Probe) -> str:
+    """5 usable prompts and prompts.num_heldout 16 (4 held out, 1 left to train on): said at start?"""
+    own = p.prompts("own.jsonl", n=5)
+    proc = p.snakemake(
+        "-n", config=p.config({"prompts": {"source": "jsonl", "path": str(own), "num_heldout": 16}})
+    )
+    warned = [line for line in proc.stderr.splitlines() if "warning: prompts.num_heldout" in line]
+    if proc.returncode:
+        return f"refused at start, exit {proc.returncode}: {said(proc, 70)}"
+    return "warning at start with the counts" if warned else "accepted without a word"
 
 
 PROBES = {
@@ -915,6 +1140,60 @@ PROBES = {
     ),
     "push: no card, a file named '*', a link to a secret (stand-in upload)": probe_push_star_and_link,
     "target.model models/llama missing, a local models/ exists": probe_local_path_like_hub_id,
+    "sealed 8 MiB file, mtime moved by Snakemake's touch": probe_touch_rehashes,
+    "shard replaced by a damaged copy (new inode, same size)": probe_shard_new_inode,
+    "the advice followed: --forcerun extract on that shard": probe_forcerun_extract_after_damage,
+    "junk vocab_map.pt without its sidecar (cp results/*)": _junk_after_run("vocab_map.pt"),
+    "junk results/eval/summary.json": _junk_after_run("eval/summary.json"),
+    "copied run: extraction stash key of a copied target": probe_copied_run_stash_key,
+    "shards rewritten, manifest rebuilt to the same bytes": probe_identical_shards_retrain,
+    "kill -9 of Snakemake with a draftsmith run job under its shell": probe_kill_snakemake,
+    "lock left by a killed Snakemake": probe_leftover_lock,
+    "export --summary junk.json": _command_on_junk(
+        "export",
+        "--drafter",
+        "d",
+        "--summary",
+        "s.json",
+        "--out-sglang",
+        "o1",
+        "--out-speculators",
+        "o2",
+        files={"s.json": b"{junk", "d/config.json": b"{}"},
+    ),
+    "eval-summary on a junk vllm.json": _command_on_junk(
+        "eval-summary",
+        "--vllm",
+        "heldout=v.json",
+        "--manifest",
+        "v.json",
+        "--drafter",
+        "d",
+        "--metrics",
+        "v.json",
+        "--out",
+        "e",
+        files={"v.json": b"{junk", "d/config.json": b"{}"},
+    ),
+    "vocab on a junk tokens file": _command_on_junk(
+        "vocab", "--tokens", "t.safetensors", "--out", "v.pt", files={"t.safetensors": b"junk"}
+    ),
+    "train on a junk manifest and vocab_map.pt": _command_on_junk(
+        "train",
+        "--manifest",
+        "m.json",
+        "--vocab",
+        "v.pt",
+        "--out",
+        "d",
+        "--checkpoints",
+        "c",
+        "--metrics",
+        "m.jsonl",
+        files={"m.json": b"{}", "v.pt": b"junk"},
+    ),
+    "disk full at a training checkpoint": probe_checkpoint_disk_full,
+    "5 usable prompts, prompts.num_heldout 16": probe_heldout_shortfall,
 }
 
 

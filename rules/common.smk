@@ -26,7 +26,8 @@ from draftsmith.core.config import (
 from draftsmith.core.memory import GIB, config_target, device_memory, plan_config, runtime_line, uses_gpus
 from draftsmith.core.memory import refusal as memory_refusal
 from draftsmith.core.memory import table as memory_table
-from draftsmith.core.digests import damage_under
+from draftsmith.core.digests import damage_under, forced_rules, unreadable_under
+from draftsmith.core.runlock import lock_advice
 
 
 def config_layers():
@@ -56,11 +57,15 @@ stop_if_invalid(TARGET_ERRORS + combination_errors(config))
 # Every prompt file a job will read, read now (cluster jobs re-parse this file: the main process did it).
 INPUT_ERRORS, INPUT_WARNINGS = input_file_errors(config) if workflow.is_main_process else ([], [])
 stop_if_invalid(INPUT_ERRORS)
-# Intermediates changed since their stage wrote them (draftsmith.core.digests: a stat, a hash where the mtime
-# moved), found before a job that reads one is run and its outputs deleted.
-DAMAGED, DAMAGE_WARNINGS = damage_under("results") if workflow.is_main_process else ([], [])
+# Intermediates changed since their stage wrote them (draftsmith.core.digests: a stat, a hash where the inode
+# changed), found before a job that reads one is run and its outputs deleted; a rule the user forces
+# (the advice given: --forcerun RULE) writes its file again, so its damage only warns.
+FORCED = forced_rules(sys.argv)
+DAMAGED, DAMAGE_WARNINGS = damage_under("results", forced=FORCED) if workflow.is_main_process else ([], [])
 stop_at_start("damaged intermediate files", DAMAGED)
-for warning in TARGET_WARNINGS + INPUT_WARNINGS + DAMAGE_WARNINGS:
+# A lock left by a killed Snakemake: whether it is stale, and what to do, said before Snakemake's own error.
+LOCK_ADVICE = lock_advice(Path.cwd(), os.getpid(), sys.argv) if workflow.is_main_process else None
+for warning in TARGET_WARNINGS + INPUT_WARNINGS + DAMAGE_WARNINGS + [LOCK_ADVICE] * bool(LOCK_ADVICE):
     print(f"warning: {warning}", file=sys.stderr)
 # The pre-flight GPU memory plan (`draftsmith plan`): a GPU stage that cannot fit its device stops the
 # workflow here, before any job runs, instead of after a 25-minute weight load. A Hub target not downloaded
@@ -117,6 +122,23 @@ DRAFTER_FILES = {
     "drafter_weights": "results/drafter/model.safetensors",
     "drafter_summary": "results/drafter/train_summary.json",
 }
+
+
+def rule_writing(path):
+    """The rule whose output `path` is (a file, or one in a directory output), None when none is."""
+    for parent in [path, *map(str, Path(path).parents)]:
+        for writer in workflow.rules:
+            if writer.is_producer(parent):
+                return writer.name
+    return None
+
+
+def stop_if_unreadable():
+    """Unsealed files a rule writes and a job reads (a vocab_map.pt copied without its hidden sidecar, a
+    summary.json of junk), parsed once all rules are known (Snakefile): a junk one stops the run naming it,
+    before Snakemake deletes the outputs of the job that reads it."""
+    if workflow.is_main_process:
+        stop_at_start("damaged intermediate files", unreadable_under("results", rule_writing, FORCED))
 
 
 def drafter_dir(wildcards, input):

@@ -8,6 +8,7 @@ which a serving process running as another user could not read.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -117,3 +118,12 @@ def write_jsonl(path: str | os.PathLike[str], rows: Any) -> int:
             fh.write(json.dumps(row, ensure_ascii=False) + "\n")
             n += 1
     return n
+
+
+def disk_full(err: BaseException | None) -> bool:
+    """Whether an error (or what caused it, e.g. a writer thread's) is a full disk or quota."""
+    while err is not None:
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        err = err.__cause__ or err.__context__
+    return False

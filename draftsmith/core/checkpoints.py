@@ -27,7 +27,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftsmith.core.atomic import atomic_dir, write_json, write_jsonl
+from draftsmith.core.atomic import atomic_dir, disk_full, write_json, write_jsonl
+from draftsmith.core.estimate import human_bytes
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,48 @@ def save_checkpoint(
     state.json (position, key), metrics.jsonl (rows so far), COMPLETE (last). Keeps the newest
     KEEP_CHECKPOINTS."""
     path = Path(folder) / f"step-{step}"
+    try:
+        _write_checkpoint(path, step, drafter, optimizer, scheduler, state, rows)
+    except OSError as err:
+        if not disk_full(err):
+            raise
+        raise CheckpointDiskFull(disk_full_message(path, checkpoint_bytes(drafter, optimizer))) from None
+    for old in list_checkpoints(folder)[:-KEEP_CHECKPOINTS]:
+        shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+class CheckpointDiskFull(RuntimeError):
+    """The disk filled up while a checkpoint was written (the message names the folder and the bytes)."""
+
+
+def checkpoint_bytes(drafter: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """About what one checkpoint takes: the weights and every tensor of the optimizer's state."""
+    tensors = list(drafter.state_dict().values())
+    tensors += [v for per_param in optimizer.state.values() for v in per_param.values() if torch.is_tensor(v)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def disk_full_message(path: Path, need: int) -> str:
+    """One line: where, how much a checkpoint needs, how much is free, and that a rerun resumes."""
+    folder = path.parent
+    free = shutil.disk_usage(folder).free if folder.is_dir() else 0
+    return (
+        f"{folder}: the disk is full writing checkpoint {path.name}: a checkpoint needs about "
+        f"{human_bytes(need)} ({need:,} bytes), {human_bytes(free)} free there; free space and rerun "
+        "(training resumes from the last complete checkpoint)"
+    )
+
+
+def _write_checkpoint(
+    path: Path,
+    step: int,
+    drafter: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    state: dict[str, Any],
+    rows: list[dict[str, Any]],
+) -> None:
     with atomic_dir(path) as tmp:
         weights = {k: v.detach().to("cpu").contiguous().clone() for k, v in drafter.state_dict().items()}
         save_file(weights, str(tmp / "model.safetensors"))
@@ -139,9 +182,6 @@ def save_checkpoint(
         write_json(tmp / "state.json", state)
         write_jsonl(tmp / METRICS_FILE, rows)
         (tmp / COMPLETE_MARKER).write_text(f"step {step}\n", encoding="utf-8")
-    for old in list_checkpoints(folder)[:-KEEP_CHECKPOINTS]:
-        shutil.rmtree(old, ignore_errors=True)
-    return path
 
 
 def load_checkpoint(

@@ -718,6 +718,7 @@ def input_file_errors(config: dict[str, Any]) -> tuple[list[str], list[str]]:
         BUILTIN_PROMPTS,
         PromptError,
         check_heldout_size,
+        heldout_shortfall,
         read_jsonl_prompts,
     )
 
@@ -763,6 +764,8 @@ def input_file_errors(config: dict[str, Any]) -> tuple[list[str], list[str]]:
                     check_heldout_size(0, prompts["num_heldout"], selected, path, counts["skipped"])
                 except PromptError as err:
                     errors.append(f"prompts.num_heldout: {err}")
+            elif shortfall := heldout_shortfall(prompts["num_heldout"], selected, path, counts["skipped"]):
+                warnings.append(shortfall)
     return errors, warnings
 
 

@@ -17,15 +17,21 @@ jobs both see every card and both start on GPU 0. `draftsmith run --gpus N -- CM
   job id: the devices of one allocation are shared only by the jobs running inside it (a local Snakemake
   inside `salloc`), never across allocations, even where a cgroup renumbers every job's devices from 0.
 - N=0 runs CMD with CUDA_VISIBLE_DEVICES="": a job that declared no GPU cannot quietly take one.
+- CMD dies with its run: it gets SIGTERM when its parent (the rule's shell) dies (Linux's parent-death
+  signal), and a small watcher sends it SIGTERM, then SIGKILL after ORPHAN_GRACE_SECONDS, once the
+  Snakemake it runs under is gone. A kill -9 of Snakemake leaves the rule's shell alive, so the signal
+  alone would leave the job (and its vLLM server) running as an orphan, writing while a rerun starts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import os
 import re
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -39,6 +45,9 @@ from typing import Any, NoReturn
 DEFAULT_LOCK_DIR = ".snakemake/draftsmith-gpus"
 POLL_SECONDS = 0.5
 WAIT_REPORT_SECONDS = 300.0  # repeat the "waiting" line this often, so a stuck job shows in its log
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+ORPHAN_POLL_SECONDS = 0.5
+ORPHAN_GRACE_SECONDS = 30.0  # a job told to stop (SIGTERM) stops its server first; then SIGKILL
 
 
 class DeviceError(Exception):
@@ -243,11 +252,108 @@ def acquire(
         time.sleep(poll)
 
 
+# ---- a job dies with its run --------------------------------------------------------------------------
+
+
+def proc_stat(pid: int, proc: Path = Path("/proc")) -> tuple[str, int, int] | None:
+    """(state, parent pid, start time) of a process from /proc (Linux), None when it is gone."""
+    try:
+        text = (proc / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rfind(")") + 2 :].split()  # after "pid (comm) ": state ppid ... starttime (22nd)
+    return fields[0], int(fields[1]), int(fields[19])
+
+
+def is_snakemake(pid: int, proc: Path = Path("/proc")) -> bool:
+    """Whether a process runs Snakemake (`snakemake ...`, `python .../snakemake ...`, `python -m snakemake`)."""
+    try:
+        argv = (proc / str(pid) / "cmdline").read_bytes().split(b"\0")[:3]
+    except OSError:
+        return False
+    return any(os.path.basename(arg.decode(errors="replace")).startswith("snakemake") for arg in argv)
+
+
+def snakemake_owner(pid: int, proc: Path = Path("/proc")) -> int | None:
+    """The nearest ancestor of `pid` that runs Snakemake, None when it runs under none."""
+    seen: set[int] = set()
+    while (stat := proc_stat(pid, proc)) is not None and stat[1] > 1 and pid not in seen:
+        seen.add(pid)
+        pid = stat[1]
+        if is_snakemake(pid, proc):
+            return pid
+    return None
+
+
+def alive(pid: int, started: int, proc: Path = Path("/proc")) -> bool:
+    """Whether the process that started at `started` still runs as `pid` (not a zombie, not a reused pid)."""
+    stat = proc_stat(pid, proc)
+    return stat is not None and stat[0] not in ("Z", "X") and stat[2] == started
+
+
+def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
+    """The kernel sends `sig` to this process when its parent dies (kept across exec; Linux only)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+
+
+def _watch(job: int, job_started: int, owner: int, owner_started: int, grace: float) -> None:
+    """The watcher's loop: when the owner is gone and the job is not, SIGTERM, then SIGKILL after `grace`."""
+    while alive(job, job_started):
+        if not alive(owner, owner_started):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(job, signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            while alive(job, job_started) and time.monotonic() < deadline:
+                time.sleep(ORPHAN_POLL_SECONDS)
+            if alive(job, job_started):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(job, signal.SIGKILL)
+            return
+        time.sleep(ORPHAN_POLL_SECONDS)
+
+
+def start_orphan_watcher(keep_fds: Collection[int], grace: float = ORPHAN_GRACE_SECONDS) -> None:
+    """Before this process execs its job: when it runs under Snakemake, a detached watcher (double fork:
+    no child of the job, which may wait for its own) ends the job once that Snakemake is gone. The
+    watcher holds none of the job's files: not its GPU locks (`keep_fds` are closed), not its output pipe."""
+    job = os.getpid()
+    owner = snakemake_owner(job)
+    job_stat, owner_stat = proc_stat(job), proc_stat(owner) if owner else None
+    if owner is None or job_stat is None or owner_stat is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    first = os.fork()
+    if first:
+        os.waitpid(first, 0)
+        return
+    try:
+        if os.fork():
+            os._exit(0)
+        for fd in keep_fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the job; the watcher ends with it
+        _watch(job, job_stat[2], owner, owner_stat[2], grace)
+    finally:
+        os._exit(0)
+
+
 def exec_with_devices(assignment: Assignment, command: Sequence[str], env: Mapping[str, str]) -> NoReturn:
-    """Replace this process by `command` with CUDA_VISIBLE_DEVICES set; the lock files stay open in it."""
+    """Replace this process by `command` with CUDA_VISIBLE_DEVICES set; the lock files stay open in it.
+    The job dies with its parent (the rule's shell) and with the Snakemake it runs under."""
     child_env = {**env, "CUDA_VISIBLE_DEVICES": assignment.visible}
     for fd in assignment.lock_fds:
         os.set_inheritable(fd, True)
+    parent = os.getppid()
+    start_orphan_watcher(assignment.lock_fds)
+    set_parent_death_signal(signal.SIGTERM)
+    if os.getppid() != parent:  # the parent died before the signal was set: it would never come
+        sys.exit("draftsmith run: its parent is gone; not starting the job")
     sys.stdout.flush()
     sys.stderr.flush()
     os.execvpe(command[0], list(command), child_env)

@@ -700,6 +700,22 @@ def check_heldout_size(
         )
 
 
+def heldout_shortfall(
+    asked: int, selected: int, input_path: str, skipped: dict[str, int] | None = None
+) -> str | None:
+    """The start's warning when the split cannot give prompts.num_heldout held-out prompts (it keeps one
+    for training): how many it will give, and how many stay to train on. A warning, not an error: the
+    evaluation still measures every held-out prompt there is and a small demo or test run may want
+    exactly that; the counts are said before any job runs, not only in the prompts job's log."""
+    got = min(asked, selected - 1)
+    if got >= asked or got <= 0:
+        return None
+    return (
+        f"prompts.num_heldout: {input_path}: {selected} usable prompt(s) give {got} held-out prompt(s), not "
+        f"the {asked} asked, and leave {selected - got} to train on{skipped_note(skipped)}"
+    )
+
+
 SKIP_REASONS = {
     "too_long": "longer than prompts.max_prompt_chars",
     "failed_request": "served requests that failed",

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from draftsmith.core.atomic import atomic_path
@@ -41,7 +41,14 @@ def write_tokens(
 
 
 def load_tokens(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(input_ids, loss_mask, offsets tensors, the metadata) of a tokens file."""
-    with safe_open(str(path), framework="pt") as f:
-        meta = json.loads(f.metadata()["draftsmith_tokens"])
-        return {k: f.get_tensor(k) for k in ("input_ids", "loss_mask", "offsets")}, meta
+    """(input_ids, loss_mask, offsets tensors, the metadata) of a tokens file; a file that is none is a
+    ValueError naming it (bad input: one line)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads((f.metadata() or {})["draftsmith_tokens"])
+            return {k: f.get_tensor(k) for k in ("input_ids", "loss_mask", "offsets")}, meta
+    except (SafetensorError, OSError, KeyError, TypeError, ValueError) as err:
+        why = f"{type(err).__name__}: {str(err)[:120]}"
+        raise ValueError(
+            f"{path}: not a tokens file ({why}); rerun with `snakemake --forcerun tokenize`"
+        ) from None

@@ -29,9 +29,21 @@ def save_vocab_map(path: str | Path, vocab: dict[str, Any]) -> None:
         torch.save(vocab, tmp)
 
 
+class VocabMapError(ValueError):
+    """A vocab_map.pt that is none (the message names the file and the rule that writes it again)."""
+
+
 def load_vocab_map(path: str | Path) -> dict[str, Any]:
-    vocab = torch.load(path, map_location="cpu", weights_only=True)
-    d2t, t2d = vocab["d2t"], vocab["t2d"]
+    try:
+        vocab = torch.load(path, map_location="cpu", weights_only=True)
+        d2t, t2d = vocab["d2t"], vocab["t2d"]
+        if not (torch.is_tensor(d2t) and torch.is_tensor(t2d)):
+            raise TypeError("d2t and t2d are no tensors")
+    except Exception as err:  # torch.load of junk raises many kinds (UnpicklingError, struct.error, ...)
+        why = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}" if str(err) else type(err).__name__
+        raise VocabMapError(
+            f"{path}: not a vocabulary map ({why}); rerun with `snakemake --forcerun vocab`"
+        ) from None
     if int(t2d.sum()) != d2t.numel():
         raise ValueError(f"{path}: t2d marks {int(t2d.sum())} tokens but d2t has {d2t.numel()}")
     return vocab

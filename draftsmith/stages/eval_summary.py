@@ -39,6 +39,17 @@ from draftsmith.core.verdict import (
 )
 
 
+def read_json_object(path: str | Path) -> dict[str, Any]:
+    """A JSON object from a file, or a ValueError naming the file (bad input: one line, exit 2)."""
+    try:
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as err:
+        raise ValueError(f"{path}: not valid JSON ({type(err).__name__}: {err})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: not a JSON object ({type(value).__name__})")
+    return value
+
+
 def read_metrics(path: str | Path | None) -> list[dict[str, Any]]:
     """metrics.jsonl rows (train/val/resume); [] when the file is absent."""
     if path is None or not Path(path).is_file():
@@ -382,11 +393,15 @@ def provenance(
 def samples_by_source(manifest_path: str | Path) -> dict[str, dict[str, int]]:
     """Samples and tokens per sample source ("regenerated", "original") over the manifest's shards,
     from their headers and token offsets only."""
-    from draftsmith.core.manifest import load_manifest
+    from draftsmith.core.manifest import DataError, load_manifest
     from draftsmith.core.shards import ShardReader
 
     out: dict[str, dict[str, int]] = {}
-    for shard in load_manifest(manifest_path)["shards"]:
+    try:
+        shards = load_manifest(manifest_path)["shards"]
+    except DataError as err:  # bad input here: one line, exit 2
+        raise ValueError(str(err)) from None
+    for shard in shards:
         with ShardReader(shard["path"]) as reader:
             sources = reader.meta.get("sample_sources") or ["regenerated"] * len(reader)
             for i, source in enumerate(sources):
@@ -488,11 +503,11 @@ def load_sets(offline: dict[str, str | Path], vllm: dict[str, str | Path]) -> di
         )
     sets = {}
     for name in offline or vllm:
-        served = json.loads(Path(vllm[name]).read_text(encoding="utf-8")) if name in vllm else None
+        served = read_json_object(vllm[name]) if name in vllm else None
         if not offline:
             sets[name] = {"offline": served, "vllm": served, "offline_measured": False}
             continue
-        off = json.loads(Path(offline[name]).read_text(encoding="utf-8"))
+        off = read_json_object(offline[name])
         if served is not None and served["prompt_ids"][: len(off["prompt_ids"])] != off["prompt_ids"]:
             raise ValueError(f"{vllm[name]} and {offline[name]} decoded different prompts; rerun both")
         sets[name] = {"offline": off, "vllm": served, "offline_measured": True}
@@ -524,8 +539,8 @@ def summarize_files(
     from draftsmith.core.target import load_tokenizer
 
     sets = load_sets(offline, vllm)
-    manifest = json.loads(Path(manifest_path).read_text(encoding="utf-8"))
-    export_config = json.loads((Path(drafter) / "config.json").read_text(encoding="utf-8"))
+    manifest = read_json_object(manifest_path)
+    export_config = read_json_object(Path(drafter) / "config.json")
     problems = check_against_target(drafter, target_path)
     fingerprint = template_fingerprint(load_tokenizer(target_path))
     rows = read_metrics(metrics)
@@ -539,7 +554,7 @@ def summarize_files(
         from draftsmith.core.vocab import load_vocab_map
 
         vocab = {k: v for k, v in load_vocab_map(vocab_path).items() if not hasattr(v, "shape")}
-    prompts = json.loads(Path(prompts_summary).read_text(encoding="utf-8")) if prompts_summary else None
+    prompts = read_json_object(prompts_summary) if prompts_summary else None
     origin = provenance(
         manifest, export_config, samples_by_source(manifest_path), vocab, prompts, target_source
     )
@@ -632,7 +647,7 @@ class SummaryPaths:
 
 
 Settings, Paths = SummarySettings, SummaryPaths
-EXITS = {ValueError: BAD_INPUT}
+EXITS = {ValueError: BAD_INPUT}  # a junk input file included: one line naming it
 
 
 def run(paths: SummaryPaths, settings: SummarySettings) -> list[str]:

@@ -13,7 +13,6 @@ complete only hidden `.shard-k.safetensors.*` files exist, and the next run of t
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import logging
@@ -35,9 +34,9 @@ import torch
 from tqdm import tqdm
 
 from draftsmith.backends.common import VllmStartError
-from draftsmith.core.atomic import atomic_path
+from draftsmith.core.atomic import atomic_path, disk_full
 from draftsmith.core.devices import parse_visible
-from draftsmith.core.digests import file_sha256, intact, retouch, seal, sidecar
+from draftsmith.core.digests import file_sha256, intact, retouch, seal, seal_as, sidecar
 from draftsmith.core.estimate import (
     NotEnoughDisk,
     check_free_disk,
@@ -50,6 +49,7 @@ from draftsmith.core.estimate import (
 )
 from draftsmith.core.layers import resolve_aux_layers
 from draftsmith.core.precision import compute_dtype
+from draftsmith.core.run_cache import target_identity
 from draftsmith.core.settings import from_schema
 from draftsmith.core.shards import Sample, ShardWriter, as_stored, remove_stale_temp_files
 from draftsmith.core.stage_args import BAD_INPUT, FAILED, arg
@@ -57,15 +57,6 @@ from draftsmith.core.target import text_config_dict
 from draftsmith.core.tokens import load_tokens
 
 log = logging.getLogger(__name__)
-
-
-def disk_full(err: BaseException | None) -> bool:
-    """Whether an error (or what caused it, e.g. the shard writer's) is a full disk."""
-    while err is not None:
-        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
 
 
 def checked_positions(
@@ -583,20 +574,14 @@ class EngineFailed(RuntimeError):
 
 def stash_key(tokens_path: str | Path, target: str | Path, dtype: str, settings: dict[str, Any]) -> str:
     """A digest of what decides a shard's bytes: the tokens file's content, the result settings
-    (RESULT_KEYS of `settings`), the compute dtype and the target (its folder, and the name, size and
-    mtime of each file in it: new weights at the same path are another target). 16 hex digits."""
-    folder = Path(target).resolve()
-    files = sorted(
-        (p.name, p.stat().st_size, p.stat().st_mtime_ns)
-        for p in folder.iterdir()
-        if not p.name.startswith(".") and p.is_file()
-    )
+    (RESULT_KEYS of `settings`), the compute dtype and the target by content (run_cache.target_identity:
+    its config.json and the name and size of each weight file), never its path or mtimes: a copied or
+    moved run, or target, reuses its stashed shards. 16 hex digits."""
     record = {
         "tokens_sha256": file_sha256(tokens_path),
         "settings": {key: settings[key] for key in RESULT_KEYS},
         "dtype": dtype,
-        "target": str(folder),
-        "target_files": files,
+        "target": target_identity(Path(target).resolve()),
     }
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -698,7 +683,8 @@ def job_layout(
 
 def publish(stashed: Path, out_path: Path) -> None:
     """The stashed shard as the job's output: a hard link (no copy of hundreds of GB), a copy across
-    file systems; atomic either way. Both get the time of now (outputs newer than the job's inputs)."""
+    file systems; atomic either way. Both get the time of now (outputs newer than the job's inputs). The
+    output is sealed with the stash's digest: a start checks the shard at the path the user knows."""
     retouch(stashed)
     with atomic_path(out_path) as tmp:
         tmp.unlink()
@@ -706,6 +692,7 @@ def publish(stashed: Path, out_path: Path) -> None:
             os.link(stashed, tmp)
         except OSError:
             shutil.copyfile(stashed, tmp)
+    seal_as(out_path, stashed)
 
 
 def run_engine(

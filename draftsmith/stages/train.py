@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from draftsmith.core.atomic import atomic_dir, write_json, write_jsonl
-from draftsmith.core.checkpoints import Run, open_run, resume_key
+from draftsmith.core.checkpoints import CheckpointDiskFull, Run, open_run, resume_key
 from draftsmith.core.config import SETTINGS_OPS
 from draftsmith.core.distributed import Dist, become_torchrun, init_distributed, launch_rank, rank_threads
 from draftsmith.core.drafter import Eagle3Drafter
@@ -66,7 +66,7 @@ from draftsmith.core.settings import from_schema, with_groups
 from draftsmith.core.stage_args import BAD_INPUT, arg
 from draftsmith.core.target import TargetHead, load_target_head
 from draftsmith.core.tracking import Curves, missing_trackers
-from draftsmith.core.vocab import load_vocab_map
+from draftsmith.core.vocab import VocabMapError, load_vocab_map
 
 log = logging.getLogger(__name__)
 
@@ -667,7 +667,9 @@ class UntrainedPaths:
 
 
 Settings, Paths = TrainSettings, TrainPaths
-EXITS = {DataError: BAD_INPUT}  # unusable data is bad input, as `draftsmith verify` says it
+# unusable data is bad input, as `draftsmith verify` says it; a full disk at a checkpoint is one line too
+# (exit 2 like the rest: what the user must change is outside the job; the run resumes once it is freed)
+EXITS = {DataError: BAD_INPUT, VocabMapError: BAD_INPUT, CheckpointDiskFull: BAD_INPUT}
 
 
 def run(paths: TrainPaths, settings: TrainSettings) -> list[str]:

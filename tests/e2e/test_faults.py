@@ -4,13 +4,13 @@ shards) and the outcome it must have. kill -9 during extraction is tests/e2e/tes
 
 | fault                                   | outcome asserted                                              |
 |-----------------------------------------|---------------------------------------------------------------|
-| flipped bit in a shard, mtime changed   | the manifest rule reruns and fails naming shard and sample     |
+| shard replaced by a flipped-bit copy    | refused at start naming it and --forcerun extract, which works |
 | truncated shard                         | one line naming the shard, no traceback                       |
 | damaged shards deleted, workflow rerun  | only they are re-extracted; same content digests as before    |
 | missing drafter config.json             | evaluate / evaluate-vllm: one line, exit 2, before any model  |
 | disk too small for a shard              | one line with the numbers, exit 1, nothing left behind        |
 | bad config values                       | the dry run fails naming the config key                       |
-| corrupt vocab_map.pt, mtime changed     | stopped at start naming it and rule vocab; the drafter kept    |
+| corrupt vocab_map.pt, mtime changed     | stopped at start naming it and --forcerun vocab; drafter kept  |
 | data_config.json deleted                | rebuilt to the same bytes; train does not rerun                |
 """
 
@@ -61,13 +61,25 @@ def _flip_state_bit(path: Path) -> None:
 def test_bit_rot_and_truncation_are_caught_and_only_damaged_shards_redone(workflow):
     run, target, first = workflow
     root, hidden = run.workdir, run.results / "hidden"
-    _flip_state_bit(hidden / "shard-1.safetensors")
-    # Snakemake sees a newer shard and reruns the manifest, which decodes every sample
+    manifest = (root / "results" / "data_config.json").read_bytes()
+    # a damaged copy put in its place (a new inode, as a copy or restore gives): its seal stops the run at
+    # start, named where the user sees it (not the stash copy), before the manifest job deletes anything
+    shutil.copy(hidden / "shard-1.safetensors", root / "copy-1")
+    _flip_state_bit(root / "copy-1")
+    (root / "copy-1").replace(hidden / "shard-1.safetensors")
     result = run.snakemake("results/data_config.json", check=False)
-    assert result.returncode != 0
+    assert result.returncode == 2
     out = _one_line_error(result)
-    assert "shard-1.safetensors: sample " in out and "re-extract this shard" in out, out[-3000:]
-    assert not (root / "results" / "data_config.json").exists()  # no manifest, no data
+    assert (
+        "results/hidden/shard-1.safetensors: damaged (its sha256 differs from what rule extract wrote)" in out
+    )
+    assert "rerun with `snakemake --forcerun extract`" in out and ".done" not in out, out[-3000:]
+    assert (root / "results" / "data_config.json").read_bytes() == manifest
+    # the advice followed: the forced extraction makes the shard again, and the manifest job passes
+    # (the target first: --forcerun takes every word after it)
+    run.snakemake("results/data_config.json", "--forcerun", "extract")
+    again = json.loads((root / "results" / "data_config.json").read_text())
+    assert [s["content_sha256"] for s in again["shards"]] == [s["content_sha256"] for s in first["shards"]]
 
     # a truncated shard: one line naming it, from `draftsmith manifest` as the rule runs it
     shard0 = hidden / "shard-0.safetensors"
@@ -107,12 +119,11 @@ def test_a_damaged_intermediate_stops_the_run_at_start_and_keeps_what_reads_it(w
         assert result.returncode == 2
         out = _one_line_error(result)
         assert "results/vocab_map.pt: damaged (its sha256 differs from what rule vocab wrote)" in out, out
-        assert "delete it and Snakemake reruns rule vocab" in out
+        assert "rerun with `snakemake --forcerun vocab`" in out
     assert {p: p.read_bytes() for p in kept} == kept
     assert (run.results / "train" / "metrics.jsonl").is_file()
-    # the named fix: without the file, the vocab stage makes it again (same tokens, same map)
-    vocab.unlink()
-    run.snakemake("results/vocab_map.pt")
+    # the named fix: the forced vocab stage makes it again (same tokens, same map)
+    run.snakemake("results/vocab_map.pt", "--forcerun", "vocab")
     assert vocab.read_bytes() != bytes(data)
 
 

@@ -396,6 +396,23 @@ def test_a_users_prompt_file_is_read_at_start_with_its_column_mapping(tmp_path):
     errors, _ = input_file_errors(config)
     assert errors and errors[0].startswith(f"prompts.path: {own}:1: expected one of keys")
     config = filled({"prompts": {"source": "jsonl", "path": str(own), "columns": {"messages": "chat"}}})
+    assert input_file_errors(config)[0] == []
+
+
+def test_fewer_held_out_prompts_than_asked_are_counted_at_start(tmp_path):
+    """After the too-long filter, 5 usable prompts give 4 held-out prompts of the 16 asked and leave 1 to
+    train on: said at start with the counts (a warning: the evaluation measures what there is)."""
+    own = tmp_path / "own.jsonl"
+    rows = [{"messages": [{"role": "user", "content": "Hi " * n}]} for n in (1, 2, 3, 4, 5, 400)]
+    own.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = filled({"prompts": {"source": "jsonl", "path": str(own), "max_prompt_chars": 100}})
+    errors, warnings = input_file_errors(config)
+    assert errors == []
+    assert warnings == [
+        f"prompts.num_heldout: {own}: 5 usable prompt(s) give 4 held-out prompt(s), not the 16 asked, and "
+        "leave 1 to train on; 1 more skipped (1 longer than prompts.max_prompt_chars)"
+    ]
+    config = filled({"prompts": {"source": "jsonl", "path": str(own), "num_heldout": 4}})
     assert input_file_errors(config) == ([], [])
 
 

@@ -3,6 +3,7 @@
 A fake device count (DRAFTSMITH_NUM_GPUS) stands in for the cards: the locking is the same either way.
 """
 
+import contextlib
 import os
 import select
 import signal
@@ -23,6 +24,7 @@ from draftsmith.core.devices import (
     lock_namespace,
     nvidia_smi_count,
     parse_visible,
+    proc_stat,
 )
 
 HOLD = "import os, time; print(os.environ['CUDA_VISIBLE_DEVICES'], flush=True); time.sleep(120)"
@@ -229,3 +231,94 @@ def test_a_lock_folder_that_is_a_link_is_refused_unless_named_as_shared(tmp_path
     with pytest.raises(DeviceError, match="is a link or another user's folder"):
         acquire(1, env={}, **kw)
     acquire(1, env={"DRAFTSMITH_GPU_LOCK_DIR": str(tmp_path / "link")}, **kw).release()
+
+
+# ---- a job dies with its run ---------------------------------------------------------------------------
+
+# A parent that starts `draftsmith run -- sleep 60` (through a shell and a pipe, as a rule's shell command
+# does), prints the job's pid and waits: kill -9 of it must end the job.
+PARENT = """
+import subprocess, sys, time
+shell = sys.argv[1] == "shell"
+cmd = [sys.executable, "-m", "draftsmith.cli", "run", "--gpus", "0", "--", "sleep", "60"]
+if shell:  # Snakemake's way: bash -c '... | tee log'; kill -9 of Snakemake leaves that shell alive
+    cmd = ["bash", "-c", " ".join(cmd) + " | cat"]
+proc = subprocess.Popen(cmd)
+time.sleep(60)
+"""
+
+
+def _job_pid(parent: int, deadline: float) -> int:
+    """The pid of the `sleep 60` under `parent` (draftsmith run execs into it)."""
+    while time.monotonic() < deadline:
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                argv = cmdline.read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if argv[:2] == [b"sleep", b"60"] and _descends(int(cmdline.parent.name), parent):
+                return int(cmdline.parent.name)
+        time.sleep(0.1)
+    raise AssertionError("the job never started")
+
+
+def _descends(pid: int, ancestor: int) -> bool:
+    from draftsmith.core.devices import proc_stat
+
+    while (stat := proc_stat(pid)) is not None and pid > 1:
+        if stat[1] == ancestor:
+            return True
+        pid = stat[1]
+    return False
+
+
+def _gone(pid: int, within: float) -> bool:
+    from draftsmith.core.devices import proc_stat
+
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        stat = proc_stat(pid)
+        if stat is None or stat[0] == "Z":
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("shell", ["direct", "shell"])
+def test_a_job_dies_with_its_killed_snakemake(tmp_path, shell):
+    """kill -9 of the Snakemake stand-in (a script named snakemake): its job ends within seconds, whether
+    draftsmith run is its child (the parent-death signal) or runs under a shell that survives it (the
+    watcher of the Snakemake ancestor)."""
+    fake = tmp_path / "snakemake"
+    fake.write_text(f"#!{sys.executable}\n{PARENT}")
+    fake.chmod(0o755)
+    owner = subprocess.Popen([str(fake), shell], env=_env(tmp_path))
+    job = None
+    try:
+        job = _job_pid(owner.pid, time.monotonic() + 30)
+        owner.kill()
+        owner.wait()
+        assert _gone(job, within=10), f"job {job} outlived its Snakemake"
+    finally:
+        owner.kill()
+        if job is not None and proc_stat(job) is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(job, signal.SIGKILL)
+
+
+def test_snakemake_owner_is_the_nearest_snakemake_ancestor(tmp_path):
+    from draftsmith.core.devices import is_snakemake, snakemake_owner
+
+    proc = tmp_path / "proc"
+    table = {
+        10: (1, b"/venv/bin/python\0/venv/bin/snakemake\0--cores\0"),
+        20: (10, b"bash\0-c\0x\0"),
+        30: (20, b"draftsmith\0run\0"),
+    }
+    for pid, (ppid, argv) in table.items():
+        (proc / str(pid)).mkdir(parents=True)
+        (proc / str(pid) / "stat").write_text(f"{pid} (x y) S {ppid} " + "0 " * 17 + "777 0\n")
+        (proc / str(pid) / "cmdline").write_bytes(argv)
+    assert is_snakemake(10, proc) and not is_snakemake(20, proc)
+    assert snakemake_owner(30, proc) == 10
+    assert snakemake_owner(10, proc) is None

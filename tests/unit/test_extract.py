@@ -1,6 +1,8 @@
 """Capture, shards, token layout, vocab maps: the contracts between stages, on a tiny random Llama."""
 
 import json
+import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -744,6 +746,27 @@ def test_stash_key_changes_with_what_decides_the_bytes_only(tmp_path):
     assert key != stash_key(tokens, target, "bfloat16", settings)
 
 
+def test_stash_key_is_the_targets_content_not_its_path(tmp_path):
+    """A copied run (or target) reuses its stashed shards: the key holds the target's config.json digest
+    and weight files' names and sizes (run_cache.target_identity), not its absolute path or mtimes."""
+    from draftsmith.stages.extract import RESULT_KEYS, stash_key
+
+    target = tmp_path / "a" / "target"
+    target.mkdir(parents=True)
+    (target / "config.json").write_text('{"hidden_size": 8}')
+    (target / "model.safetensors").write_bytes(b"weights")
+    tokens = tmp_path / "tokens.safetensors"
+    tokens.write_bytes(b"tokens")
+    settings = {key: 1 for key in RESULT_KEYS}
+    key = stash_key(tokens, target, "bfloat16", settings)
+    copy = tmp_path / "b" / "target"
+    shutil.copytree(target, copy)  # new path, new mtimes
+    os.utime(copy / "model.safetensors", ns=(1, 1))
+    assert stash_key(tokens, copy, "bfloat16", settings) == key
+    (copy / "config.json").write_text('{"hidden_size": 9}')
+    assert stash_key(tokens, copy, "bfloat16", settings) != key
+
+
 def test_prepare_stash_keeps_only_intact_sealed_shards_of_the_key(tmp_path):
     from draftsmith.core.digests import seal, sidecar
     from draftsmith.stages.extract import prepare_stash
@@ -754,7 +777,8 @@ def test_prepare_stash_keeps_only_intact_sealed_shards_of_the_key(tmp_path):
     for k in range(4):
         (stash / f"shard-{k}.safetensors").write_bytes(b"x" * (k + 1))
     seal([stash / f"shard-{k}.safetensors" for k in (0, 1, 3)], "extract")  # shard 2 died before its seal
-    (stash / "shard-3.safetensors").write_bytes(b"yyyy")  # same size, other bytes: the seal fails
+    (stash / "new").write_bytes(b"yyyy")
+    (stash / "new").rename(stash / "shard-3.safetensors")  # same size, new inode, other bytes: seal fails
     (stash / ".shard-2.safetensors.abc.data").write_bytes(b"partial")
     (stash / ".engine-x").mkdir()
     (root / "k0").mkdir()

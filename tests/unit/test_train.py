@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -888,3 +889,47 @@ def test_host_syncs_stay_out_of_the_ttt_loop(data: dict, monkeypatch, checkpoint
         for steps in (1, 3, 7)
     }
     assert reads[1] == reads[3] == reads[7] <= 3, reads
+
+
+# ------------------------------------------------------------------------------------- bad input, full disk
+
+
+def _invoke_train(data: dict, root: Path, vocab: Path | None = None, **over):
+    from click.testing import CliRunner
+
+    from draftsmith.cli import main
+
+    args = _cli_train({**data, "vocab": vocab or data["vocab"]}, root, settings(**over))[3:]
+    return CliRunner().invoke(main, args)
+
+
+def test_a_junk_vocab_map_is_one_line_exit_2(data: dict, tmp_path: Path) -> None:
+    junk = tmp_path / "vocab_map.pt"
+    junk.write_bytes(b"junk")
+    result = _invoke_train(data, tmp_path, vocab=junk)
+    assert result.exit_code == 2, result.output
+    line = result.output.strip()
+    assert "\n" not in line and "Traceback" not in line
+    assert line.startswith(f"error: {junk}: not a vocabulary map (") and "--forcerun vocab" in line
+
+
+def test_a_full_disk_at_a_checkpoint_is_one_line_naming_the_folder_and_the_bytes(
+    data: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    import draftsmith.core.checkpoints as checkpoints
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoints, "save_file", full)
+    result = _invoke_train(data, tmp_path, epochs=1, checkpoint_every=1)
+    assert result.exit_code == 2, result.output
+    line = result.output.strip().splitlines()[-1]
+    assert "Traceback" not in result.output
+    assert (
+        line.startswith(f"error: {tmp_path / 'checkpoints'}")
+        and "the disk is full writing checkpoint" in line
+    )
+    assert re.search(r"a checkpoint needs about [\d.,]+ [KMG]?B \([\d,]+ bytes\)", line), line

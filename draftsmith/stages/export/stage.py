@@ -117,7 +117,14 @@ def export_stage(
     ExportError for an export or target that cannot be exported, RuntimeError when a written form fails
     its checks."""
     from draftsmith.core.target import load_target_head, text_config_dict
+    from draftsmith.stages.export.card import SummaryError, render_cards
 
+    if summary_path is not None:  # a junk summary is refused before any export is written
+        folders = {"vllm": drafter_dir, "sglang": sglang_dir, "speculators": speculators_dir}
+        try:
+            render_cards(summary_path, folders, target_path)
+        except SummaryError as err:
+            raise ExportError(str(err)) from None
     target = text_config_dict(target_path)
     layers, vocab_size = target.get("num_hidden_layers"), target.get("vocab_size")
     if layers is None or vocab_size is None:
