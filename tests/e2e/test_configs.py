@@ -45,7 +45,7 @@ CONFIG_FILES = ["config.yaml", *(f"configs/{p.name}" for p in sorted((REPO / "co
 # The settings section behind each command's --settings JSON.
 SETTINGS_SECTION = {"target": "target", "prompts": "prompts", "generate": "generate", "tokenize": "extract",
                     "extract": "extract", "manifest": "extract", "vocab": "vocab", "train": "train",
-                    "untrained-drafter": "train", "evaluate": "evaluate", "evaluate-vllm": "evaluate",
+                    "untrained-drafter": "train", "evaluate": "evaluate", "evaluate-vllm": "evaluate", "preflight": "evaluate",
                     "eval-summary": "evaluate"}  # fmt: skip
 
 
@@ -343,14 +343,16 @@ def test_gpu_reservations(plan):
 
 def test_huge_targets_stay_out_of_the_workflow_processes(plan):
     """Kimi and Qwen3-235B: no offline evaluation (it would load the target with transformers); the
-    vLLM measurement feeds the summary. Llama-3.1-8B is measured both ways, on every held-out set. The
-    untrained baseline is built from the target's embedding, norm and lm_head only, and served by vLLM."""
+    vLLM measurement feeds the summary, and the untrained baseline (measured offline only: a random
+    drafter accepts next to nothing) is not built. Llama-3.1-8B is measured both ways, on every held-out
+    set; its untrained baseline is built from the target's embedding, norm and lm_head only."""
     name, jobs, _ = plan
-    assert [j["gpu"] for j in jobs["untrained_drafter"]] == [0]
     if name == "llama-3.1-8b":
-        assert [j["gpu"] for j in jobs["evaluate_offline"]] == [1, 1]  # heldout and handwritten
+        assert [j["gpu"] for j in jobs["untrained_drafter"]] == [0]
+        # heldout, handwritten, humaneval, mtbench
+        assert [j["gpu"] for j in jobs["evaluate_offline"]] == [1, 1, 1, 1]
         return
-    assert "evaluate_offline" not in jobs
+    assert "evaluate_offline" not in jobs and "untrained_drafter" not in jobs
     shell = jobs["eval_summary"][0]["shell"]
     assert "--vllm heldout=results/eval/heldout/vllm.json" in shell and "--offline" not in shell
 
