@@ -526,3 +526,31 @@ def test_identical_rewritten_shards_retrain_nothing(finished, tmp_path):
     # the manifest job has run again on them, to the same bytes (a checkpoint: train is judged after it)
     os.utime(workdir / "results" / "data_config.json", (later + 1, later + 1))
     assert "train" not in planned(workdir, {})
+
+
+def _jobs(workdir: Path, changes: dict) -> dict:
+    """rule name -> its jobs in a dry run of a fresh working folder."""
+    with SnakemakeApi(OutputSettings(quiet=QUIET)) as api:
+        wf, dag = _workflow(api, workdir, changes)
+        dag.execute_workflow(executor="local", pseudo_executor="dryrun")
+        jobs: dict = {}
+        for job in wf._workflow.dag.needrun_jobs(exclude_finished=False):
+            jobs.setdefault(job.rule.name, []).append(job)
+        return jobs
+
+
+def test_the_preflight_is_planned_before_generation(tmp_path):
+    """Know before you spend: on a fresh folder the pre-flight is planned, and first of every job it can
+    run beside (its priority), so that where it blocks nothing has been generated; it needs no output of
+    generation. Without the vLLM measurement there is no pre-flight."""
+    (tmp_path / "target").mkdir()
+    config = {"num_hidden_layers": 30, "vocab_size": 49152, "model_type": "llama"}
+    (tmp_path / "target" / "config.json").write_text(json.dumps(config))
+    jobs = _jobs(tmp_path, {})
+    (preflight,) = jobs["preflight"]
+    assert preflight.priority > max(
+        j.priority for name, js in jobs.items() if name != "preflight" for j in js
+    )
+    upstream = {str(f) for f in preflight.input}
+    assert not any("traces" in f or "hidden" in f or "drafter" in f for f in upstream), upstream
+    assert "preflight" not in _jobs(tmp_path, {"evaluate": {"vllm": False}})
