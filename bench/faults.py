@@ -35,6 +35,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
 import harness  # noqa: E402
 
+from draftsmith.core.digests import smallest_readable  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 MODULES = ["tests/e2e/test_extract_kill.py", "tests/e2e/test_faults.py"]
 
@@ -768,19 +770,6 @@ def probe_config_null(p: Probe) -> str:
     return f"the card's target gets gguf_wheel {json.loads(match.group(1)).get('gguf_wheel')!r}"
 
 
-def _smallest_zip() -> bytes:
-    import io
-    import zipfile
-
-    data = io.BytesIO()
-    with zipfile.ZipFile(data, "w") as archive:
-        archive.writestr("archive/data.pkl", b"")
-    return data.getvalue()
-
-
-SMALLEST = {".json": b"{}", ".pt": _smallest_zip(), ".safetensors": (2).to_bytes(8, "little") + b"{}"}
-
-
 def _touched_run(p: Probe, workdir: Path, snakefile: Path, config: Path) -> subprocess.CompletedProcess:
     """Every planned output made (empty) and marked finished: a run as Snakemake records it, no model."""
     base = ["snakemake", "--snakefile", str(snakefile), "--directory", str(workdir), "--cores", "1"]
@@ -796,7 +785,7 @@ def _touched_run(p: Probe, workdir: Path, snakefile: Path, config: Path) -> subp
         if "." in out.name:
             out.parent.mkdir(parents=True, exist_ok=True)
             # the smallest file of its kind: a start parses unsealed .json/.pt/.safetensors (issue 44)
-            out.write_bytes(SMALLEST.get(out.suffix, b""))
+            out.write_bytes(smallest_readable(out.suffix))
         else:
             out.mkdir(parents=True, exist_ok=True)
     return subprocess.run(
@@ -954,7 +943,7 @@ def probe_identical_shards_retrain(p: Probe) -> str:
         return failed
     later = time.time() + 60
     for shard in (p.root / "results" / "hidden").glob("shard-*.safetensors"):
-        shard.write_bytes(SMALLEST[".safetensors"] + b" " * 2_000_000)
+        shard.write_bytes(smallest_readable(".safetensors") + b" " * 2_000_000)
         os.utime(shard, (later, later))
     os.utime(p.root / "results" / "data_config.json", (later + 1, later + 1))
     proc = p.snakemake("-n", config=p.root / "probe.yaml")

@@ -251,6 +251,20 @@ def parse_error(path: Path) -> str | None:
     return None
 
 
+def smallest_readable(suffix: str) -> bytes:
+    """The smallest file of a kind `parse_error` accepts (JSON, a torch zip archive, a safetensors
+    header; empty for any other kind): what tests and benches make a fake finished run of."""
+    if suffix == ".pt":
+        import io
+        import zipfile
+
+        data = io.BytesIO()
+        with zipfile.ZipFile(data, "w") as archive:
+            archive.writestr("archive/data.pkl", b"")
+        return data.getvalue()
+    return {".json": b"{}", ".safetensors": (2).to_bytes(8, "little") + b"{}"}.get(suffix, b"")
+
+
 def unreadable_under(
     root: str | os.PathLike[str],
     writer: Callable[[str], str | None],

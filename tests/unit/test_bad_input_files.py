@@ -6,10 +6,13 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from helpers import DEFAULT_TARGET
 
 from draftsmith.cli import main
 
-TARGET = "resources/SmolLM2-135M-Instruct"
+TARGET = str(DEFAULT_TARGET)
+# the default target, materialised once per session where a fresh clone has none yet (conftest)
+pytestmark = pytest.mark.usefixtures("target_model")
 
 
 def _one_line(result, name: Path) -> str:

@@ -19,6 +19,8 @@ from snakemake.settings.types import (
     ResourceSettings,
 )
 
+from draftsmith.core.digests import smallest_readable
+
 TINY = REPO / "tests" / "config.tiny.yaml"
 # A target folder with just the config.json fields the start-up checks read (the embedded default's).
 BASE = {"target": {"model": "target", "gguf_wheel": None}}
@@ -104,21 +106,6 @@ def planned(workdir: Path, changes: dict) -> set[str]:
         return {job.rule.name for job in wf._workflow.dag.needrun_jobs(exclude_finished=False)}
 
 
-def _zip() -> bytes:
-    import io
-    import zipfile
-
-    data = io.BytesIO()
-    with zipfile.ZipFile(data, "w") as archive:
-        archive.writestr("archive/data.pkl", b"")
-    return data.getvalue()
-
-
-# what the start parses of an unsealed file (draftsmith.core.digests.unreadable_under): the fake outputs
-# are the smallest files of their kind, not empty ones
-PARSEABLE = {".json": b"{}", ".pt": _zip(), ".safetensors": (2).to_bytes(8, "little") + b"{}"}
-
-
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory) -> Path:
     workdir = tmp_path_factory.mktemp("finished")
@@ -135,7 +122,7 @@ def finished(tmp_path_factory) -> Path:
                     path.mkdir(parents=True, exist_ok=True)
                 else:
                     path.parent.mkdir(parents=True, exist_ok=True)
-                    path.write_bytes(PARSEABLE.get(path.suffix, b""))
+                    path.write_bytes(smallest_readable(path.suffix))
     with SnakemakeApi(OutputSettings(quiet=QUIET)) as api:
         _, dag = _workflow(api, workdir, {}, forceall=True)
         dag.execute_workflow(executor="local", pseudo_executor="touch")
@@ -521,7 +508,7 @@ def test_identical_rewritten_shards_retrain_nothing(finished, tmp_path):
     later = time.time() + 60
     for shard in (workdir / "results" / "hidden").glob("shard-*.safetensors"):
         # a real shard's size: above Snakemake's checksum limit (1 MB), only its mtime is seen
-        shard.write_bytes(PARSEABLE[".safetensors"] + b" " * 2_000_000)
+        shard.write_bytes(smallest_readable(".safetensors") + b" " * 2_000_000)
         os.utime(shard, (later, later))
     # the manifest job has run again on them, to the same bytes (a checkpoint: train is judged after it)
     os.utime(workdir / "results" / "data_config.json", (later + 1, later + 1))
