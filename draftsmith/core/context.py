@@ -11,8 +11,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-# vLLM's scheduler keeps a request below max_model_len - 1 and writes the k draft positions past the
-# sequence's end: one slot of room beyond prompt + answer + k.
+# vLLM's scheduler keeps a request below max_model_len - 1 and shortens the draft of a request whose
+# draft slots would pass it: a measurement near the end of an answer would then differ from the offline
+# decoder's, which never shortens. Parallel drafting (P-EAGLE) fills up to 2k slots past the sequence (k
+# catch-up and k mask slots), so room for 2k, and one slot more.
 DRAFT_MARGIN = 1
 # A chat template's own tokens per message (role headers, separators) and for the generation prompt: a
 # generous bound, for the byte-length test below (SmolLM2's: 5 per message, Llama-3's: 5, Kimi's: 4).
@@ -20,8 +22,8 @@ TEMPLATE_TOKENS = 64
 
 
 def sequence_tokens(prompt_tokens: int, max_new_tokens: int, num_draft_tokens: int) -> int:
-    """Token slots one request needs in vLLM: its prompt, its whole answer, the draft positions, margin."""
-    return prompt_tokens + max_new_tokens + num_draft_tokens + DRAFT_MARGIN
+    """Token slots one request needs in vLLM: its prompt, its whole answer, room for a parallel draft."""
+    return prompt_tokens + max_new_tokens + 2 * num_draft_tokens + DRAFT_MARGIN
 
 
 def evaluation_model_len(prompt_lengths: Iterable[int], max_new_tokens: int, num_draft_tokens: int) -> int:

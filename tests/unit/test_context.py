@@ -25,9 +25,9 @@ def write_prompts(path, texts: list[str]) -> None:
 def test_the_length_is_the_longest_prompt_with_its_answer_and_the_drafts():
     assert (
         evaluation_model_len([10, 300, 42], max_new_tokens=64, num_draft_tokens=5)
-        == 300 + 64 + 5 + DRAFT_MARGIN
+        == 300 + 64 + 2 * 5 + DRAFT_MARGIN
     )
-    assert evaluation_model_len([], 8, 3) == 8 + 3 + DRAFT_MARGIN
+    assert evaluation_model_len([], 8, 3) == 8 + 2 * 3 + DRAFT_MARGIN
 
 
 def test_a_prompt_past_the_targets_context_is_named_by_file_and_line():
@@ -65,7 +65,7 @@ def test_evaluate_vllm_sizes_its_engines_from_the_prompts(monkeypatch, tmp_path)
         evaluate_vllm(DEFAULT_TARGET, {}, {"s": prompts}, {"s": tmp_path / "v.json"}, settings, None)
     longest = max(len(p) for p in asked[0]["prompts_token_ids"])
     assert longest > 2048
-    assert asked[0]["max_model_len"] == longest + 16 + 3 + DRAFT_MARGIN
+    assert asked[0]["max_model_len"] == longest + 16 + 2 * 3 + DRAFT_MARGIN
 
 
 @needs_target
@@ -118,7 +118,7 @@ def test_the_plans_evaluation_line_holds_what_the_evaluation_asks_vllm_for():
         text_config_json(REPO / "tests" / "data" / "target-configs" / "kimi-k2.5"), None, "bfloat16"
     )
     (line,) = [n for n in plan(config, size, None, 141 * GIB) if n.stage == "evaluate (vLLM)"]
-    assert f"KV cache, one {8192 + 512 + 3 + DRAFT_MARGIN:,}-token sequence" in line.parts
+    assert f"KV cache, one {8192 + 512 + 2 * 3 + DRAFT_MARGIN:,}-token sequence" in line.parts
 
 
 @needs_target
