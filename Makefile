@@ -3,6 +3,8 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.draftsmith-installed
+# pytest-xdist workers: one per core, at most 4 (scripts/test.sh the same)
+TEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n > 4 ? 4 : n )))
 # Rules call the `draftsmith` command: the venv's bin comes first whether or not it is activated.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
@@ -38,11 +40,11 @@ lint: setup
 # No -x: one failure must not hide the rest. Set-up, lint, unit and end-to-end tests, each timed
 # (scripts/test.sh prints the phases and each test phase's 30 slowest tests).
 test:
-	VENV=$(VENV) bash scripts/test.sh
+	VENV=$(VENV) TEST_WORKERS=$(TEST_WORKERS) bash scripts/test.sh
 
 # Unit tests only (seconds to a few minutes): no workflow runs, no servers.
 test-fast: setup
-	$(VENV)/bin/pytest -q -ra tests/unit -m "not slow"
+	$(VENV)/bin/pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup tests/unit -m "not slow"
 
 # The workflow on a real single-node SLURM cluster with fake GPUs, started here (root, Debian or Ubuntu),
 # compared with a local run; prints the cluster's set-up time, both wall times and the GPUs each job got.

