@@ -36,6 +36,8 @@ lint: setup
 	$(VENV)/bin/snakemake --lint
 	# the import contract (pyproject.toml [tool.importlinter]): cli > stages > backends > core, stages independent, no cycles
 	$(VENV)/bin/lint-imports
+	# the type checker over draftsmith/ (pyproject.toml [tool.mypy]): 0 errors
+	$(VENV)/bin/mypy
 
 # No -x: one failure must not hide the rest. Set-up, lint, unit and end-to-end tests, each timed
 # (scripts/test.sh prints the phases and each test phase's 30 slowest tests).

@@ -1,7 +1,7 @@
 """Ablation of the TTT objective: which of the differences between draftsmith's trainer and SpecForge's
 matter, measured on the same data, steps and seed.
 
-    python bench/ablate.py [--data results/data_config.json] [--vocab results/vocab_map.pt]
+    python -m bench.ablate [--data results/data_config.json] [--vocab results/vocab_map.pt]
                            [--variants baseline,random_head,...] [--epochs 3] [--jobs 2]
                            [--seeds 0,1] [--measure-prompts 16 --prompts heldout=PATH,handwritten=PATH]
                            [--json results/bench/ablate.json]
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -29,8 +28,7 @@ from typing import Any
 
 import click
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
-import harness  # noqa: E402
+from bench import harness
 
 REFERENCE = {"name": "SpecForge 0.2.0 (same shards and budget)", "val_acc": [0.240, 0.195, 0.175]}
 
@@ -168,7 +166,7 @@ def run_variant(
     if (
         summary["val_agreement"] is None and settings.val_fraction > 0
     ):  # stopped by max_steps before an epoch end
-        import peer_validate
+        from bench.peer import validate as peer_validate
 
         scored = peer_validate.validation(root / "drafter", Path(data), Path(vocab), values)
         summary = {**summary, "val_acc": scored["acc"], "val_agreement": scored["agreement"]}

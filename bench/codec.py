@@ -1,7 +1,7 @@
 """Shard codec benchmark: compression ratio and encode/decode MB/s of candidate codecs on real states,
 and the two storage dtypes side by side.
 
-    python bench/codec.py [--shard results/hidden/shard-0.safetensors] [--json results/bench/codec.json]
+    python -m bench.codec [--shard results/hidden/shard-0.safetensors] [--json results/bench/codec.json]
 
 All candidates are lossless and run in this one process on the same bytes (the bf16 aux + final states
 of one bfloat16 shard), single-threaded, each sample encoded and decoded on its own as a shard stores it
@@ -22,7 +22,6 @@ the same for both. Bytes per token are the stored states' (the blob), exact.
 from __future__ import annotations
 
 import gzip
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -33,6 +32,7 @@ import numpy as np
 import torch
 import zstandard
 
+from bench import harness
 from draftsmith.core.shards import (
     MANTISSA_LEVEL,
     STORAGE_DTYPES,
@@ -51,9 +51,6 @@ from draftsmith.core.shards import (
     split_slots,
     store,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
-import harness  # noqa: E402
 
 
 def _planes_encoder(level: int, per_layer: bool, low_level: int | None = None) -> tuple[Callable, Callable]:

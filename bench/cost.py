@@ -1,7 +1,7 @@
 """The cost model (draftsmith.core.cost) against vLLM-CPU: each method's predicted and measured speedup over
 plain decoding, per concurrency, side by side in one run.
 
-    python bench/cost.py [--target resources/SmolLM2-135M-Instruct] [--drafter results/drafter]
+    python -m bench.cost [--target resources/SmolLM2-135M-Instruct] [--drafter results/drafter]
                          [--prompts draftsmith/data/heldout_handwritten.jsonl] [--num-prompts 16]
                          [--max-new-tokens 64] [--k 3] [--concurrency 1,8] [--json results/bench/cost.json]
 
@@ -36,6 +36,8 @@ from pathlib import Path
 import click
 import torch
 
+from bench import harness
+from bench.harness import median, median_seconds
 from draftsmith.core.cost import (
     Device,
     ServingPoint,
@@ -45,10 +47,6 @@ from draftsmith.core.cost import (
     target_cost,
 )
 from draftsmith.core.stats import bootstrap_ratio
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
-import harness  # noqa: E402
-from harness import median, median_seconds  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 METHODS = ("plain", "eagle3", "ngram", "suffix")

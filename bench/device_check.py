@@ -1,7 +1,7 @@
 """Checks a lent single-GPU machine can run in minutes (scripts/device-check.sh; issue 43): torch and
 transformers only, no vLLM, no network, no model weights.
 
-    python bench/device_check.py [--quick] [--device cuda]
+    python -m bench.device_check [--quick] [--device cuda]
 
 Prints one table (format in docs/gpu.md, "Checks on a lent GPU"):
 
@@ -34,18 +34,17 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 try:  # the image's torch and transformers; draftsmith's own small dependencies may be missing there
-    from draftsmith.core import drafter as drafter_module  # noqa: E402
-    from draftsmith.core.config import merged_config_files, text_config_json, with_defaults  # noqa: E402
-    from draftsmith.core.drafter import KINDS, TTTKV, DrafterConfig  # noqa: E402
-    from draftsmith.core.kinds import drafter_loss, new_drafter  # noqa: E402
-    from draftsmith.core.loader import Batch  # noqa: E402
-    from draftsmith.core.memory import GB, drafter_shape, train_memory  # noqa: E402
-    from draftsmith.core.objective import DraftingLoss, Objective  # noqa: E402
-    from draftsmith.core.target import load_target_config  # noqa: E402
-    from draftsmith.stages.train import TrainSettings  # noqa: E402
+    from draftsmith.core import drafter as drafter_module
+    from draftsmith.core.config import merged_config_files, text_config_json, with_defaults
+    from draftsmith.core.drafter import KINDS, TTTKV, DrafterConfig
+    from draftsmith.core.kinds import drafter_loss, new_drafter
+    from draftsmith.core.loader import Batch
+    from draftsmith.core.memory import GB, drafter_shape, train_memory
+    from draftsmith.core.objective import DraftingLoss, Objective
+    from draftsmith.core.target import load_target_config
+    from draftsmith.stages.train import TrainSettings
 except ModuleNotFoundError as err:
     print(
         f"device-check: needs the Python package {err.name!r}, which {sys.executable} lacks: install or carry its wheel"
@@ -290,7 +289,9 @@ def table(rows: list[Row], header: str) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.device_check", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run, e.g. on a CPU)")
     args = parser.parse_args()

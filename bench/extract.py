@@ -1,7 +1,7 @@
 """Extraction benchmark: the naive way of dumping hidden states vs draftsmith's extraction, on the same
 samples in one process, against this machine's measured matmul ceilings.
 
-    python bench/extract.py [--tokens results/tokens.safetensors] [--json results/bench/extract.json]
+    python -m bench.extract [--tokens results/tokens.safetensors] [--json results/bench/extract.json]
 
 Variants (interleaved over --repeats rounds in bench/harness.py's alternating order, so background load
 hits all alike; rates are medians, ratios are medians of each round's paired ratio):
@@ -46,7 +46,6 @@ import io
 import itertools
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -55,15 +54,13 @@ from typing import Any
 import click
 import torch
 
+from bench import harness
+from bench.harness import median
 from draftsmith.backends.hf import HfExtractor
 from draftsmith.core.layers import resolve_aux_layers
 from draftsmith.core.target import load_target
 from draftsmith.core.tokens import load_tokens, write_tokens
 from draftsmith.stages.extract import ExtractSettings, extract_shard
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
-import harness  # noqa: E402
-from harness import median  # noqa: E402
 
 TINY_RUN_TOKENS = "/tmp/wf/results/tokens.safetensors"
 DEFAULT_TARGET = "resources/SmolLM2-135M-Instruct"

@@ -1,7 +1,7 @@
 """The fault matrix: run every fault scenario against the real workflow and print what happened.
 
-    python bench/faults.py [--json results/bench/faults.json] [-k EXPR]
-    python bench/faults.py --probes [--before DIR] [-k TEXT]
+    python -m bench.faults [--json results/bench/faults.json] [-k EXPR]
+    python -m bench.faults --probes [--before DIR] [-k TEXT]
 
 The scenarios and the outcome each must have live in tests/e2e/test_faults.py and
 tests/e2e/test_extract_kill.py (one place: the assertions are the matrix); this runs them with pytest
@@ -32,10 +32,8 @@ from typing import Any
 import click
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
-import harness  # noqa: E402
-
-from draftsmith.core.digests import smallest_readable  # noqa: E402
+from bench import harness
+from draftsmith.core.digests import smallest_readable
 
 REPO = Path(__file__).resolve().parents[1]
 MODULES = ["tests/e2e/test_extract_kill.py", "tests/e2e/test_faults.py"]
@@ -384,8 +382,7 @@ def probe_target_without_layer_count(p: Probe) -> str:
 def probe_vllm_that_does_not_start(p: Probe) -> str:
     """`draftsmith extract --backend vllm` on the real default target with a KV cache larger than the
     machine (VLLM_CPU_KVCACHE_SPACE): vLLM's worker fails at start. A minute or two per checkout."""
-    sys.path.insert(0, str(REPO / "tests"))
-    from helpers import random_sequences, write_sample_tokens
+    from tests.helpers import random_sequences, write_sample_tokens
 
     target = REPO / "resources" / "SmolLM2-135M-Instruct"
     if not (target / "config.json").is_file():

@@ -1,6 +1,6 @@
 """Generation throughput: the transformers back-end (batched) vs a vLLM server (concurrent requests), paired.
 
-    python bench/generate.py [--prompts results/prompts/train.jsonl] [--num-prompts 32]
+    python -m bench.generate [--prompts results/prompts/train.jsonl] [--num-prompts 32]
                              [--max-new-tokens 64] [--repeats 2] [--json results/bench/generate.json]
 
 Every variant runs the real generate stage (`generate_traces`) on the same prompts (the first N of
@@ -21,19 +21,16 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import click
 
+from bench import harness
+from bench.harness import median
 from draftsmith.core.prompt_sources import BUILTIN_PROMPTS
 from draftsmith.stages.generate import GenerateSettings, generate_traces
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
-import harness  # noqa: E402
-from harness import median  # noqa: E402
 
 
 def _ints(text: str) -> list[int]:

@@ -1,8 +1,8 @@
 """What every bench shares: alternating paired rounds, medians and paired ratios with an interval, the
 machine a figure was measured on, base training settings, and the result as a table and a JSON file.
 
-A bench imports it as `harness`: running as a script, its folder is first on `sys.path`; loaded by
-path (tests), it puts its folder there first (the two lines above its `import harness`).
+A bench imports it as `from bench import harness`; every bench runs from the repository root as
+`python -m bench.<name>` (the peer benchmark: `python -m bench.peer`).
 
     rounds = alternating_rounds({"plain": run_plain, "writing": run_writing}, 12)
     ratios = paired_ratios(rounds["plain"], rounds["writing"])

@@ -1,7 +1,7 @@
 """Bytes the TTT loss keeps for the backward pass, measured, and the per-token coefficients of
 draftsmith/core/memory.py fitted to them.
 
-    python bench/memory.py            # measure scaled-down drafters, fit, print the coefficients
+    python -m bench.memory            # measure scaled-down drafters, fit, print the coefficients
 
 What is counted: every tensor autograd saves during `ttt_loss` (torch.autograd.graph.saved_tensors_hooks)
 plus, with activation checkpointing, the tensors the checkpoints hold alive (found through the garbage
@@ -23,13 +23,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from draftsmith.core import objective as objective_module  # noqa: E402
-from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
-from draftsmith.core.loader import Batch  # noqa: E402
-from draftsmith.core.memory import CHECKPOINTED, CURRENT, DrafterShape, activation_bytes  # noqa: E402
-from draftsmith.core.objective import Objective, ttt_loss  # noqa: E402
+from draftsmith.core import objective as objective_module
+from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter
+from draftsmith.core.loader import Batch
+from draftsmith.core.memory import CHECKPOINTED, CURRENT, DrafterShape, activation_bytes
+from draftsmith.core.objective import Objective, ttt_loss
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Learning curves: drafter quality against training tokens, to tell "more data" from "longer training".
 
-    python bench/quality.py [--data results/data_config.json] [--vocab results/vocab_map.pt]
+    python -m bench.quality [--data results/data_config.json] [--vocab results/vocab_map.pt]
                             [--summary results/eval/summary.json] [--config config.yaml]
                             [--fractions 0.25,0.5,1] [--epochs 1,3] [--out results/bench/quality]
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,10 +26,8 @@ from typing import Any
 
 import click
 
+from bench import harness
 from draftsmith.core.atomic import atomic_path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
-import harness  # noqa: E402
 
 
 def _floats(text: str) -> list[float]:

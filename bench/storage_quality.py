@@ -8,7 +8,7 @@ float8_e4m3fn shards of the same tokens, compared where it matters:
   drafts): each target forward yields one token plus the drafts it accepts), with the paired difference
   and its interval over prompts; tau (1 + accepted / drafts) beside it under its own name.
 
-    python bench/storage_quality.py --bf16 RUN/results --fp8 FP8/results --config config.yaml \
+    python -m bench.storage_quality --bf16 RUN/results --fp8 FP8/results --config config.yaml \
         --set split=RUN/results/prompts/heldout.jsonl --set handwritten=draftsmith/data/heldout_handwritten.jsonl
 
 Each results folder holds data_config.json and drafter/; the vocabulary map is the bf16 run's (it is
@@ -20,7 +20,6 @@ Prints the table and writes --out/storage_quality.json.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ import click
 import torch
 import yaml
 
+from bench import harness
 from draftsmith.core.export_formats import load_drafter
 from draftsmith.core.loader import StreamingData
 from draftsmith.core.manifest import load_manifest
@@ -36,9 +36,6 @@ from draftsmith.core.stats import bootstrap_ratio, bootstrap_tau, paired_differe
 from draftsmith.core.target import load_target_head
 from draftsmith.core.vocab import load_vocab_map
 from draftsmith.stages.train import TrainSettings
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
-import harness  # noqa: E402
 
 DTYPES = ("bf16", "fp8")
 

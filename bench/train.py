@@ -1,8 +1,8 @@
 """Training benchmarks, one command each (every one prints a table and writes JSON):
 
-    python bench/train.py loader [--data results/data_config.json] [--vocab results/vocab_map.pt]
+    python -m bench.train loader [--data results/data_config.json] [--vocab results/vocab_map.pt]
                                  [--json results/bench/train.json]
-    python bench/train.py attention [--tokens 8192] [--heads 1,2] [--json results/bench/attention.json]
+    python -m bench.train attention [--tokens 8192] [--heads 1,2] [--json results/bench/attention.json]
 
 `loader`: can the loader feed training? Loader samples/s and tokens/s alone vs what training consumes,
 on real shards, side by side in one process. Measured, each the median of --repeats rounds (the rounds of all variants interleave, so a busy
@@ -32,7 +32,6 @@ cores: training 152 tokens/s with 2 threads, 409 with 1).
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable
@@ -43,6 +42,8 @@ from typing import Any
 import click
 import torch
 
+from bench import harness
+from bench.harness import median
 from draftsmith.core.atomic import write_json
 from draftsmith.core.kinds import build_drafter
 from draftsmith.core.loader import Batch, InMemoryData, StreamingData, step_plan
@@ -53,10 +54,6 @@ from draftsmith.core.shards import ShardWriter, iter_samples, read_shard_meta
 from draftsmith.core.target import load_target_head
 from draftsmith.core.vocab import load_vocab_map
 from draftsmith.stages.train import TrainSettings
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
-import harness  # noqa: E402
-from harness import median  # noqa: E402
 
 
 def zstd_copy(manifest: dict[str, Any], folder: Path) -> dict[str, Any]:

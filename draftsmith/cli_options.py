@@ -207,7 +207,7 @@ def arg_param(name: str, a: Arg) -> click.Parameter:
         kind = (
             base
             if a.minimum is None
-            else (click.IntRange if base is int else click.FloatRange)(min=a.minimum)
+            else (click.IntRange(min=int(a.minimum)) if base is int else click.FloatRange(min=a.minimum))
         )
     else:
         kind = str

@@ -190,10 +190,11 @@ def length_batches(lengths: list[int], batch_size: int, batch_tokens: int | None
     batches: list[list[int]] = []
     for i in order:
         last = batches[-1] if batches else None
-        fits = last is not None and len(last) < batch_size
-        if fits and batch_tokens is not None:
-            fits = (len(last) + 1) * lengths[i] <= batch_tokens  # sorted: lengths[i] is the widest
-        if fits:
+        if (
+            last is not None
+            and len(last) < batch_size
+            and (batch_tokens is None or (len(last) + 1) * lengths[i] <= batch_tokens)
+        ):  # sorted: lengths[i] is the widest
             last.append(i)
         else:
             batches.append([i])

@@ -184,7 +184,7 @@ class OpenAIClient:
             raise EndpointError(
                 f"{self.base_url}/models: HTTP {status}, not an OpenAI-compatible server: {str(body)[:200]}"
             )
-        served = {m.get("id"): m for m in body["data"] if isinstance(m, dict)}
+        served = {m["id"]: m for m in body["data"] if isinstance(m, dict) and isinstance(m.get("id"), str)}
         if self.model is None:
             if len(served) != 1:
                 raise EndpointError(

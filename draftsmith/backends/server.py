@@ -388,6 +388,7 @@ class VllmServer:
         health = urllib.request.Request(
             self.base_url.removesuffix("/v1") + "/health", headers={"Authorization": f"Bearer {self.api_key}"}
         )
+        assert self.proc is not None  # start() launched it
         while True:
             code = self.proc.poll()
             if code is not None:
@@ -465,7 +466,7 @@ class VllmServerBackend(OpenAIChatBackend):
         self, server: VllmServer, client: OpenAIClient, settings: Any, render: Callable, fingerprint: str
     ):
         super().__init__(client, settings, render, fingerprint)
-        self.server = server
+        self.vllm_server = server  # not `server`: that is the static method building one
         self.model = str(server.model)  # the target folder, not the served alias
         self.startup_seconds = server.startup_seconds
 
@@ -523,4 +524,4 @@ class VllmServerBackend(OpenAIChatBackend):
 
     def close(self) -> None:
         self.client.close()
-        self.server.stop()
+        self.vllm_server.stop()

@@ -283,8 +283,8 @@ def _members(cls: ast.ClassDef) -> set[str]:
             names.add(node.target.id)
         elif isinstance(node, ast.Assign):
             names.update(t.id for t in node.targets if isinstance(t, ast.Name))
-    for node in ast.walk(cls):
-        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+    for inner in ast.walk(cls):
+        targets = inner.targets if isinstance(inner, ast.Assign) else [getattr(inner, "target", None)]
         for t in targets:
             if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
                 names.add(t.attr)

@@ -22,13 +22,16 @@ import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith.core.atomic import atomic_dir, disk_full, write_json, write_jsonl
 from draftsmith.core.estimate import human_bytes
+
+if TYPE_CHECKING:  # the optimizers import the drafter; checkpoints only save what they are given
+    from draftsmith.core.optimizers import Chain
 
 log = logging.getLogger(__name__)
 
@@ -111,15 +114,15 @@ def list_checkpoints(folder: str | Path) -> list[Path]:
     found = [
         p for p in root.iterdir() if p.is_dir() and step_of(p) is not None and (p / COMPLETE_MARKER).is_file()
     ]
-    return sorted(found, key=step_of)
+    return sorted(found, key=lambda p: int(p.name[5:]))  # step-N folders only (step_of is not None)
 
 
 def save_checkpoint(
     folder: str | Path,
     step: int,
     drafter: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    optimizer: torch.optim.Optimizer | Chain,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | Chain,
     state: dict[str, Any],
     rows: list[dict[str, Any]],
 ) -> Path:
@@ -142,7 +145,7 @@ class CheckpointDiskFull(RuntimeError):
     """The disk filled up while a checkpoint was written (the message names the folder and the bytes)."""
 
 
-def checkpoint_bytes(drafter: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+def checkpoint_bytes(drafter: torch.nn.Module, optimizer: torch.optim.Optimizer | Chain) -> int:
     """About what one checkpoint takes: the weights and every tensor of the optimizer's state."""
     tensors = list(drafter.state_dict().values())
     tensors += [v for per_param in optimizer.state.values() for v in per_param.values() if torch.is_tensor(v)]
@@ -164,8 +167,8 @@ def _write_checkpoint(
     path: Path,
     step: int,
     drafter: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    optimizer: torch.optim.Optimizer | Chain,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | Chain,
     state: dict[str, Any],
     rows: list[dict[str, Any]],
 ) -> None:
@@ -187,8 +190,8 @@ def _write_checkpoint(
 def load_checkpoint(
     path: Path,
     drafter: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    optimizer: torch.optim.Optimizer | Chain,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | Chain,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Restore weights, optimizer, scheduler and RNG in place -> (state.json, metrics rows)."""
     device = next(drafter.parameters()).device
@@ -264,7 +267,7 @@ def find_resume(
     if not done:
         return None, others
     latest = done[-1]
-    if step_of(latest) >= stop_at:
+    if int(latest.name[5:]) >= stop_at:
         say(
             logging.INFO,
             "%s is where this run stops: the run had finished, so it trains afresh (a rerun on purpose, "
@@ -302,8 +305,8 @@ class Run:
         self,
         step: int,
         drafter: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        optimizer: torch.optim.Optimizer | Chain,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | Chain,
         state: dict[str, Any],
         rows: list[dict[str, Any]],
     ) -> None:
@@ -316,8 +319,8 @@ def open_run(
     key: dict,
     stop_at: int,
     drafter: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    optimizer: torch.optim.Optimizer | Chain,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | Chain,
     *,
     fresh: bool,
     dist: Any,

@@ -52,7 +52,7 @@ def documented_functions(source: str) -> list[ast.FunctionDef]:
             continue
         if ast.get_docstring(node) is None or len(node.body) < 2:
             continue
-        if MIN_LINES <= node.end_lineno - node.lineno + 1 <= MAX_LINES:
+        if MIN_LINES <= (node.end_lineno or node.lineno) - node.lineno + 1 <= MAX_LINES:  # None: no positions
             found.append(node)
     return found
 

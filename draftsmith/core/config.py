@@ -9,6 +9,7 @@ import math
 import os
 import re
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -984,9 +985,10 @@ def target_checks(config: dict[str, Any]) -> tuple[list[str], list[str]]:
             )
     elif is_hub_target(target):
         folder = Path(target_folder(target))
-        config_json = folder / "config.json"
-        if not config_json.is_file():
-            config_json = cached_file(model, "config.json", target.get("revision"))
+        local_json = folder / "config.json"
+        config_json = (
+            local_json if local_json.is_file() else cached_file(model, "config.json", target.get("revision"))
+        )
         if config_json is None and offline():
             errors.append(
                 f"target.model: {model} is not a local folder; as a Hugging Face Hub id it is not in the Hub "
@@ -1052,7 +1054,7 @@ def with_defaults(values: dict[str, Any], spec: dict[str, Any] | None = None) ->
     return out
 
 
-def merged_config_files(paths: list[str | Path]) -> dict[str, Any]:
+def merged_config_files(paths: Sequence[str | Path]) -> dict[str, Any]:
     """Config files merged key by key in order (later ones win), as `snakemake --configfile` does."""
 
     def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

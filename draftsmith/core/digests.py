@@ -208,7 +208,8 @@ def damage_under(
     """(errors, warnings) of every sealed file under `root` (see `damage`), named where the user sees it:
     hidden folders (extraction's stash, results/hidden/.done/) are left to the stage that keeps them,
     which checks each stashed shard before it reuses it; the shards it publishes are sealed themselves."""
-    errors, warnings = [], []
+    errors: list[str] = []
+    warnings: list[str] = []
     root = Path(root)
     if not root.is_dir():
         return errors, warnings

@@ -374,6 +374,7 @@ class TTTKV:
         if self.prefix_lag or self.steps is None or n == 1:
             return ttt_attention(q, self.keys, self.values, n - 1 if self.prefix_lag else 0)
         self.ensure_bias(T, q.dtype, q.device)
+        assert self.bias is not None  # ensure_bias built it
         return ttt_attention(q, self.keys, self.values, mask=self.bias[:, : n * T])
 
 
@@ -453,7 +454,7 @@ class CacheKV:
         return 0 if self.k is None else self.k.shape[2]
 
     def crop(self, length: int) -> None:
-        if self.k is not None:
+        if self.k is not None and self.v is not None:
             self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -516,10 +517,16 @@ class MidLayer(nn.Module):
         return residual + self.mlp(self.post_attention_layernorm(residual))  # pre-final-norm state
 
 
-class DraftHead:
+class DraftHead(nn.Module):
     """What every drafter kind shares around its layers: the draw of its linear layers, an lm_head over the
     draft vocabulary with the target's ids (d2t / t2d buffers) and a final norm, both startable from the
     target's. The module sets `cfg`, `lm_head`, `norm` and calls `register_vocab_map` in its constructor."""
+
+    cfg: DrafterConfig
+    lm_head: nn.Linear
+    norm: RMSNorm
+    d2t: Tensor
+    t2d: Tensor
 
     def register_vocab_map(self) -> None:
         # target_id = draft_id + d2t[draft_id]; t2d marks target ids that have a draft id

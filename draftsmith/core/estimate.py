@@ -72,12 +72,13 @@ def padded_tokens(lengths: list[int]) -> int:
     return len(lengths) * max(lengths) if lengths else 0
 
 
-def probe_batches(plan: list[list[int]], budget_tokens: int, count: int = 3) -> list[int]:
+def probe_batches(plan: list[list[int]], budget_tokens: float, count: int = 3) -> list[int]:
     """Indices of up to `count` batches of a length-sorted plan to time: spread over the plan (short,
     middle, long rows) so that the estimate sees its shape mix, within a budget of padded tokens."""
     lengths = [padded_tokens(b) for b in plan]
     picks = sorted({round(q * (len(plan) - 1)) for q in np.linspace(0.25, 0.75, count)} if plan else set())
-    chosen, spent = [], 0
+    chosen: list[int] = []
+    spent = 0
     for i in sorted(picks, key=lambda i: abs(i - (len(plan) - 1) / 2)):  # the middle one first
         if chosen and spent + lengths[i] > budget_tokens:
             continue
@@ -190,7 +191,8 @@ def estimate_lines(
         "raw_bytes": raw[storage_dtype],
         "raw_bytes_by_dtype": raw,
     }
-    ratios = (measured or {}).get("codec_ratio") or {}
+    measured = measured or {}
+    ratios = measured.get("codec_ratio") or {}
     compressed = {dtype: int(raw[dtype] * ratio) for dtype, ratio in ratios.items()}
     lines = [f"{int(num_tokens):,} tokens x {stored_layers} layers (aux + final) x {hidden_size:,} values:"]
     for dtype in STORAGE_DTYPES:

@@ -23,14 +23,14 @@ import torch
 from torch import Tensor
 
 from draftsmith.core.manifest import load_manifest, verify_manifest
-from draftsmith.core.settings import from_schema
+from draftsmith.core.settings import SchemaSettings, from_schema
 from draftsmith.core.shards import Sample, ShardError, ShardReader, content_digest
 
 log = logging.getLogger(__name__)
 
 
 @from_schema("train", ops=("loader_threads",))
-class BatchSettings:
+class BatchSettings(SchemaSettings):
     """The train keys the loader reads (TrainSettings' `batching` group): which samples are held out and
     how they are batched; meanings in config.schema.yaml."""
 

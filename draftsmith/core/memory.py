@@ -620,7 +620,7 @@ def sequences_held(
     ep = tp * engines if uses_expert_parallel(size, tp, engines) else 0
     need = _vllm_need("", size, tp, seq_len, utilization, memory, "", expert_parallel=ep)
     kv = size.kv_bytes_per_token(tp) * seq_len
-    if not need.fits:
+    if need.budget is None or not need.fits:
         return 0.0
     return engines * (need.budget - need.total + kv) / max(kv, 1)
 
@@ -860,7 +860,7 @@ def plan(
 def refusal(needs: list[StageNeed], device: str) -> str | None:
     """One line naming the first stage that does not fit, its figure and what to change; None if all fit."""
     for need in needs:
-        if need.fits is False:
+        if need.fits is False and need.budget is not None:  # fits is False: the budget is known
             return (
                 f"{need.stage} needs {need.total / GB:.1f} GB per GPU but has {need.budget / GB:.1f} GB "
                 f"({device}): change {need.setting}, or use GPUs with more memory"

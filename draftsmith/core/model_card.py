@@ -313,6 +313,8 @@ def verdict_config(
     if choice["method"] == "suffix":  # serve with the cross-request cache the measurement used
         own.setdefault("max_cached_requests", schema_default("evaluate.suffix_decoding.max_cached_requests"))
     config = speculative_config(choice["method"], drafter, choice["k"], own)
+    if config is None:
+        return None
     if schedule and len(schedule) > 1:
         config["num_speculative_tokens"] = max(choice["k"], *(k for *_, k in schedule))
         config["num_speculative_tokens_per_batch_size"] = schedule
@@ -365,21 +367,21 @@ def verdict_serve_lines(summary: dict[str, Any], folders: dict[str, str], target
         config = verdict_config(s, folders.get("vllm", "DRAFTER"), settings, drafter_kind(summary), schedule)
         by_choice.setdefault(json.dumps(config) if config else "", []).append(s["heldout"])
     lines = ["What the verdict names (vLLM):", ""]
-    for config, sets in by_choice.items():
+    for config_json, sets in by_choice.items():
         lines += [f"For {', '.join(sets)}:", "", "```bash"]
         lines.append(
-            f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(config)}"
-            if config
+            f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(config_json)}"
+            if config_json
             else f"vllm serve {shlex.quote(target)}  # no speculation"
         )
         lines += ["```", ""]
-        if "num_speculative_tokens_per_batch_size" in config:
+        if "num_speculative_tokens_per_batch_size" in config_json:
             lines += [
                 "The draft length follows the load (`num_speculative_tokens_per_batch_size`: batch-size "
                 "ranges and their k, 0 = off), as the serving policy projects it.",
                 "",
             ]
-        if config and json.loads(config)["method"] == "suffix":
+        if config_json and json.loads(config_json)["method"] == "suffix":
             lines += suffix_notes(summary, sets)
     if len(by_choice) > 1:
         lines += [
@@ -394,7 +396,7 @@ def verdict_serve_lines(summary: dict[str, Any], folders: dict[str, str], target
 
 def serve_section(summary: dict[str, Any], folders: dict[str, str], target: str) -> list[str]:
     k = summary.get("num_draft_tokens") or 3
-    first = next(iter((summary.get("headline") or {}).values()), {})
+    first: dict[str, Any] = next(iter((summary.get("headline") or {}).values()), {})
     if (first.get("methods") or {}).get("eagle3", {}).get("k"):
         k = first["methods"]["eagle3"]["k"]  # the drafter's best draft length at the serving point
     lines = ["## Serve", "", *verdict_serve_lines(summary, folders, target)]

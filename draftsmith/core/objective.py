@@ -24,11 +24,11 @@ from draftsmith.core.distributed import Dist
 from draftsmith.core.drafter import TTTKV, Eagle3Drafter
 from draftsmith.core.loader import Batch
 from draftsmith.core.precision import train_precision
-from draftsmith.core.settings import from_schema
+from draftsmith.core.settings import SchemaSettings, from_schema
 
 
 @from_schema("train", ops=("checkpoint_ttt",))
-class ObjectiveSettings:
+class ObjectiveSettings(SchemaSettings):
     """The train keys the TTT objective is built from (TrainSettings' `objective` group): a new loss
     knob is its schema entry, a field here and the Objective field of the same name that uses it.
     Meanings in config.schema.yaml."""
@@ -182,7 +182,7 @@ class Objective:
     ) -> Objective:
         """Every field from the setting of the same name, but the step weights (ttt_step_weights, else
         ttt_decay**j) and the precision (resolved for the device)."""
-        derived = {
+        derived: dict[str, Any] = {
             "step_weights": tuple(
                 settings.ttt_step_weights or (settings.ttt_decay**j for j in range(settings.ttt_steps))
             ),
@@ -303,6 +303,7 @@ def ttt_loss(
             kv.ensure_bias(T, hidden.dtype, device)  # shared by every step's recomputation
         parallel = drafter.cfg.kind == "peagle"
         if parallel:  # steps j >= 1 are mask slots: the mask token and fuse(mask_hidden), no recurrence
+            assert drafter.cfg.mask_token_id is not None  # a peagle config has one
             mask_ids = torch.full_like(batch.input_ids, drafter.cfg.mask_token_id)  # [B, T]
             mask_state = drafter.fused_mask().expand(B, T, -1)  # [B, T, H]
         for j in range(steps):
@@ -349,7 +350,8 @@ def ttt_loss(
                     teacher_correct = (drafter.draft_to_target(wanted) == real).sum()
             if objective.lk_loss != "none":
                 mass = draft_mass[b, src[t]] if draft_mass is not None else None
-                per_position = lk_terms(per_position, *lk, mass, objective, all_sum)
+                logp, p = lk  # the head's extra outputs under an LK loss
+                per_position = lk_terms(per_position, logp, p, mass, objective, all_sum)
             total = total + weighted_step_loss(per_position, b, j, batch, objective, step_counts, counts)
         if parallel and total.requires_grad and not any(counts[1:]):
             # no mask slot trained (always so with ttt_steps 1): mask_hidden's gradient is an explicit 0, not
@@ -545,4 +547,4 @@ class DraftingLoss(torch.nn.Module):
         return (loss if loss.requires_grad else loss + self.zero()), stats
 
     def zero(self) -> Tensor:
-        return sum(p.sum() for p in self.parameters()) * 0.0
+        return torch.stack([p.sum() for p in self.parameters()]).sum() * 0.0

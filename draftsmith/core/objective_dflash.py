@@ -88,6 +88,7 @@ def dflash_loss(
     Na = anchors.numel()
     slot_of = torch.zeros(T, dtype=torch.long, device=device)
     slot_of[anchors] = torch.arange(Na, device=device)  # anchor position -> its block's index
+    assert drafter.cfg.mask_token_id is not None  # a dflash config has one
     ids, block_positions = dflash_block_inputs(batch.input_ids, drafter.cfg.mask_token_id, K, anchors)
     mask = dflash_anchor_mask(anchors, T, K)  # [(K+1)Na, T + (K+1)Na]
     positions = torch.arange(T, device=device).expand(B, T)

@@ -5,6 +5,7 @@ then cosine decay (`lr_factor`)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -33,16 +34,16 @@ def make_optimizer(drafter: Eagle3Drafter, settings: OptimizerSettings) -> torch
     """AdamW over every trainable parameter (weight decay on matrices only); with optimizer "muon",
     torch's Muon over the weight matrices instead and AdamW over the rest (`muon_split`)."""
     named = [(n, p) for n, p in drafter.named_parameters() if p.requires_grad]
-    muon = muon_split(named) if settings.optimizer == "muon" else set()
-    rest = [p for n, p in named if n not in muon]
+    muon_names = muon_split(named) if settings.optimizer == "muon" else set()
+    rest = [p for n, p in named if n not in muon_names]
     groups = [
         {"params": [p for p in rest if p.dim() >= 2], "weight_decay": settings.weight_decay},
         {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
     ]
     adamw = torch.optim.AdamW(groups, lr=settings.lr, betas=(0.9, settings.adam_beta2))
-    if not muon:
+    if not muon_names:
         return adamw
-    matrices = [p for n, p in named if n in muon]
+    matrices = [p for n, p in named if n in muon_names]
     lr, decay = settings.lr * settings.muon_lr_scale, settings.muon_weight_decay
     # match_rms_adamw: updates scaled to AdamW's RMS (Moonshot's rule), as speculators configures it
     muon = Muon(matrices, lr=lr, weight_decay=decay, adjust_lr_fn="match_rms_adamw")
@@ -50,7 +51,7 @@ def make_optimizer(drafter: Eagle3Drafter, settings: OptimizerSettings) -> torch
     return Chain(adamw, muon)
 
 
-def muon_split(named: list[tuple[str, Tensor]]) -> set[str]:
+def muon_split(named: Sequence[tuple[str, Tensor]]) -> set[str]:
     """The parameters Muon trains: matrices with both dimensions > 1 except the output head (speculators'
     rule, after Keller Jordan's Muon: orthogonalised updates suit the inner weight matrices only)."""
     return {n for n, p in named if p.dim() == 2 and min(p.shape) > 1 and "lm_head" not in n}
@@ -64,10 +65,9 @@ class Muon(torch.optim.Muon):
     fp32_newton_schulz = False
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]  # torch overloads it by closure
         if not self.fp32_newton_schulz:
-            super().step(closure)
-            return
+            return super().step(closure)
         for group in self.param_groups:
             for param in (p for p in group["params"] if p.grad is not None):
                 grad, momentum = param.grad, group["momentum"]
@@ -79,6 +79,7 @@ class Muon(torch.optim.Muon):
                 )
                 param.mul_(1 - group["lr"] * group["weight_decay"])
                 param.add_(update, alpha=-_adjust_lr(group["lr"], group["adjust_lr_fn"], param.shape))
+        return None
 
 
 def newton_schulz(update: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float) -> Tensor:
@@ -97,12 +98,17 @@ class Chain:
     """Optimizers (AdamW's first: its groups lead `param_groups`) or their LR schedulers, stepped and saved
     as one, so that the loop and the checkpoints treat Muon + AdamW as one optimizer."""
 
-    def __init__(self, *parts: torch.optim.Optimizer):
+    def __init__(self, *parts: Any):  # optimizers, or LR schedulers: what each method needs, they have
         self.parts = parts
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return [group for part in self.parts for group in part.param_groups]
+
+    @property
+    def state(self) -> dict[Any, Any]:
+        """Every part's per-parameter state (each parameter is in one part): what a checkpoint holds."""
+        return {param: kept for part in self.parts for param, kept in part.state.items()}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for part in self.parts:

@@ -112,7 +112,7 @@ def drafter_room(
     """At each point (to_beat: the speedup to match there, one per point), per k = 1..max_k the drafter's
     ceiling and break-even; then the highest ceiling (over k: no training beats it at any k) and the
     lowest break-even (the easiest k to win at; None when no k can)."""
-    by_k = [
+    by_k: list[dict[str, Any]] = [
         {
             "k": k,
             "ceiling": [ceiling(target, drafter, k, p) for p in points],
@@ -176,13 +176,11 @@ def serving_policy(
         )
         per_method[key] = []
         for i, c in enumerate(concurrency):  # the shortest k among equals, as cost.best_draft_length
-            best = max(options, key=lambda o, i=i: (o["projected_speedup"][i], -o["k"]))
-            per_method[key].append(
-                {"concurrency": c, "k": best["k"], "speedup": best["projected_speedup"][i]}
-            )
-    best = []
+            top = max(options, key=lambda o: (o["projected_speedup"][i], -o["k"]))
+            per_method[key].append({"concurrency": c, "k": top["k"], "speedup": top["projected_speedup"][i]})
+    best: list[dict[str, Any]] = []
     for i, c in enumerate(concurrency):
-        entry = {"concurrency": c, "method": "plain", "k": 0, "speedup": 1.0}
+        entry: dict[str, Any] = {"concurrency": c, "method": "plain", "k": 0, "speedup": 1.0}
         for key, at in per_method.items():
             if at[i]["speedup"] > entry["speedup"]:
                 entry = {"concurrency": c, "method": key, "k": at[i]["k"], "speedup": at[i]["speedup"]}

@@ -73,7 +73,7 @@ def method_projection(
             "measured": True, "outputs_equal_plain": remeasured.get("outputs_equal_plain"),
         }  # fmt: skip
     for option in options:
-        _, lo, hi = bootstrap_ratio(*option["counts"], *bootstrap)
+        _, lo, hi = bootstrap_ratio(option["counts"][0], option["counts"][1], *bootstrap)
         option["tokens_per_forward_interval"] = [lo, hi]
         option["projected_intervals"] = [[lo * f, hi * f] for f in option["speedup_factor"]]
     return {"kind": kind, "chosen_k": chosen, "measured_k": max_k, "options": options}
@@ -119,7 +119,7 @@ def set_projection(
     candidates = {k: chosen(p)["projected_speedup"][0] for k, p in methods.items() if k != "untrained"}
     candidates["plain"] = 1.0
     ranking = sorted(candidates, key=lambda k: -candidates[k])
-    out = {
+    out: dict[str, Any] = {
         "points": [describe_point(p) for p in points],
         "concurrency": [p.concurrency for p in points],
         "device": points[0].device.name,

@@ -495,6 +495,7 @@ def load_hf_dataset(path: str, split: str, subset: str | None, revision: str | N
             "prompts.source 'dataset' reads through the `datasets` package: pip install 'draftsmith[datasets]'"
         ) from None
     local = Path(path)
+    kwargs: dict[str, Any]  # load_dataset's keyword arguments
     if local.is_file():
         builder = DATASET_BUILDERS.get(local.suffix.lower())
         if builder is None:
@@ -658,6 +659,7 @@ def read_sharegpt_wheel(wheel: str | Path, max_prompt_chars: int) -> tuple[list[
             if prompt is not None and _too_long(prompt, max_prompt_chars):
                 prompt, reason = None, "too_long"
             if prompt is None:
+                assert reason is not None  # every refused record has its reason
                 skipped[reason] += 1
                 continue
             seen.add(prompt["id"])

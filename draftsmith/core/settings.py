@@ -7,7 +7,7 @@ checked against the schema's types, enums and bounds whenever an object is built
 schema, and a new setting is one schema entry plus one annotated line:
 
     @from_schema("train", ops=("checkpoint_every", "loader_threads"), unset=("threads",))
-    class TrainSettings:
+    class TrainSettings(SchemaSettings):
         epochs: int
         lr: float
         ...
@@ -23,13 +23,54 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
-from functools import cache
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar
 
 from draftsmith.core.config import renamed_hint, schema, spec_default
 
 T = TypeVar("T")
+
+
+class SchemaSettings:
+    """The base of every `from_schema` class: what the decorator gives it, declared where a type checker
+    sees it (no checker follows what a class decorator adds). A class whose fields are not all its own
+    (`with_groups`) derives from GroupedSettings instead."""
+
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+    schema_section: ClassVar[str]
+    schema_paths: ClassVar[dict[str, str]]
+    unset_fields: ClassVar[tuple[str, ...]]
+
+    if TYPE_CHECKING:  # the dataclass's own __init__ (every field has the schema's default)
+
+        def __init__(self, **values: Any) -> None: ...
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> Self:
+        """Build from a dict (a config section, a saved to_dict): missing keys take the schema's defaults;
+        a key that is neither a field nor a scheduler knob of resources.<section> (gpus, runtime) is an
+        error."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        section = cls.schema_section
+        scheduler = set(schema_spec("resources").get("properties", {}).get(section, {}).get("properties", {}))
+        unknown = sorted(set(values) - names - scheduler)
+        if unknown:
+            raise ValueError(f"unknown {section} settings: {', '.join(unknown)}")
+        return cls(**{k: v for k, v in values.items() if k in names})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class GroupedSettings(SchemaSettings):
+    """A `with_groups` class: its groups' fields and the group properties are added when it is built,
+    out of a type checker's sight, so reading them is unchecked (Any)."""
+
+    if TYPE_CHECKING:
+
+        def __getattr__(self, name: str) -> Any: ...
+
 
 REGISTRY: list[type] = []  # every settings class built here (tests/unit/test_settings.py checks them all)
 
@@ -79,7 +120,7 @@ def from_schema(
 ) -> Callable[[type[T]], type[T]]:
     """Class decorator: a dataclass of `section`'s settings with the schema's defaults and checks (see
     the module doc). The class may define `check(self)` for rules across fields (run after the schema's);
-    it gains `from_dict`, `to_dict` and `schema_paths`."""
+    it derives from SchemaSettings (`from_dict`, `to_dict`, `schema_paths`)."""
 
     def build(cls: type[T]) -> type[T]:
         where = field_paths(cls, section, ops, paths)
@@ -94,7 +135,9 @@ def from_schema(
                 )
             default = None if name in unset else schema_default(where[name])
             if isinstance(default, (dict, list)):
-                setattr(cls, name, dataclasses.field(default_factory=lambda d=default: copy.deepcopy(d)))
+                setattr(
+                    cls, name, dataclasses.field(default_factory=functools.partial(copy.deepcopy, default))
+                )
             else:
                 setattr(cls, name, default)
         missing = [
@@ -102,12 +145,12 @@ def from_schema(
         ]
         if missing:
             raise TypeError(f"{cls.__name__}: {missing} are not in the schema and have no default")
-        cls.schema_section = section  # type: ignore[attr-defined]
-        cls.schema_paths = where  # type: ignore[attr-defined]
-        cls.unset_fields = tuple(unset)  # type: ignore[attr-defined]
+        if not issubclass(cls, SchemaSettings):
+            raise TypeError(f"{cls.__name__}: a settings class derives from SchemaSettings")
+        cls.schema_section = section
+        cls.schema_paths = where
+        cls.unset_fields = tuple(unset)
         cls.__post_init__ = _post_init  # type: ignore[attr-defined]
-        cls.from_dict = classmethod(_from_dict)  # type: ignore[attr-defined]
-        cls.to_dict = dataclasses.asdict  # type: ignore[attr-defined]
         out = dataclasses.dataclass(cls)
         REGISTRY.append(out)
         return out
@@ -115,7 +158,7 @@ def from_schema(
     return build
 
 
-@cache
+@functools.cache
 def _validator(paths: tuple[tuple[str, str], ...]) -> Any:
     import jsonschema
 
@@ -150,16 +193,9 @@ def _post_init(self: Any) -> None:
         check()
 
 
-def _from_dict(cls: type[T], values: Mapping[str, Any]) -> T:
-    """Build from a dict (a config section, a saved to_dict): missing keys take the schema's defaults;
-    a key that is neither a field nor a scheduler knob of resources.<section> (gpus, runtime) is an error."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    section = cls.schema_section  # type: ignore[attr-defined]
-    scheduler = set(schema_spec("resources").get("properties", {}).get(section, {}).get("properties", {}))
-    unknown = sorted(set(values) - names - scheduler)
-    if unknown:
-        raise ValueError(f"unknown {section} settings: {', '.join(unknown)}")
-    return cls(**{k: v for k, v in values.items() if k in names})
+def _group_value(self: Any, group: type, names: tuple[str, ...]) -> Any:
+    """A `with_groups` property: the group built from the settings object's values of its fields."""
+    return group(**{k: getattr(self, k) for k in names})
 
 
 def with_groups(**groups: type) -> Callable[[type[T]], type[T]]:
@@ -189,7 +225,7 @@ def with_groups(**groups: type) -> Callable[[type[T]], type[T]]:
         )
         for name, group in groups.items():
             names = tuple(f.name for f in dataclasses.fields(group))
-            setattr(cls, name, property(lambda self, g=group, n=names: g(**{k: getattr(self, k) for k in n})))
+            setattr(cls, name, property(functools.partial(_group_value, group=group, names=names)))
         return cls
 
     return build

@@ -78,7 +78,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
@@ -230,9 +230,9 @@ def sample_digest(input_ids: Tensor, loss_mask: Tensor, stored: Stored | np.ndar
     h = hashlib.sha256(struct.pack("<QQQ", num_tokens, num_slots - 1, hidden))
     h.update(input_ids.to(torch.int64).contiguous().numpy().tobytes())
     h.update(loss_mask.to(torch.uint8).contiguous().numpy().tobytes())
-    h.update(memoryview(np.ascontiguousarray(stored.values)).cast("B"))  # no copy; hashlib drops the GIL
+    h.update(np.ascontiguousarray(stored.values).data.cast("B"))  # no copy; hashlib drops the GIL
     if stored.scales is not None:
-        h.update(memoryview(np.ascontiguousarray(stored.scales, dtype="<f4")).cast("B"))
+        h.update(np.ascontiguousarray(stored.scales, dtype="<f4").data.cast("B"))
     return h.hexdigest()
 
 
@@ -365,7 +365,7 @@ class ShardWriter:
         )
         self._header_room = -(-(HEADER_ROOM + ids_room + 2 * len(json.dumps(meta))) // 8) * 8
         self._data.seek(8 + self._header_room)  # the states start here; the gap is filled at close()
-        self._final = None
+        self._final: IO[bytes] | None = None
         if codec == "none":  # aux and final are separate tensors: the final states wait in their own file
             self._final = tempfile.NamedTemporaryFile(  # noqa: SIM115
                 prefix=f".{self.path.name}.", suffix=".final", dir=self.path.parent, delete=False
@@ -375,10 +375,11 @@ class ShardWriter:
         self.ids: list[str] = []
         self._input_ids: list[Tensor] = []
         self._masks: list[Tensor] = []
-        self._index: list[list[list[int]]] = []
+        self._index: list[list[list[list[int]]]] = []  # per sample, per frame pair: [[offset, size]] x 2
         self._scales: list[np.ndarray] = []  # codec none, float8: [A + 1, T] per sample
         self._digests: list[str] = []  # sample_sha256, in add() order (one writer thread keeps it)
-        self.num_aux = self.hidden_size = None
+        self.num_aux: int | None = None
+        self.hidden_size: int | None = None
         self.bytes_written = 0  # state bytes (blob, or aux + final + scales), all the file's bulk
         self.tokens_written = 0  # tokens whose states are in bytes_written (the queue holds the rest)
         self.cpu_seconds = 0.0  # the writer thread's CPU time: what writing costs the cores
@@ -422,8 +423,9 @@ class ShardWriter:
         self._digests.append(sample_digest(sample.input_ids, sample.loss_mask, stored))
         if self.codec == "none":
             aux = np.ascontiguousarray(stored.values[:-1].transpose(1, 0, 2))  # [T, A, H]
-            self._data.write(aux)
-            self._final.write(stored.values[-1])  # [T, H]
+            assert self._final is not None  # codec none opens it
+            self._data.write(aux.data)
+            self._final.write(stored.values[-1].data)  # [T, H]
             self.bytes_written += stored.values.nbytes
             if stored.scales is not None:
                 self._scales.append(stored.scales)
@@ -482,6 +484,7 @@ class ShardWriter:
             ]
             scale_bytes = sum(sc.nbytes for sc in self._scales)
             assert self.bytes_written == aux_bytes + n_tok * hidden * size + scale_bytes
+            assert self._final is not None  # codec none opens it
             self._final.flush()
             with open(self._final.name, "rb") as src:
                 shutil.copyfileobj(src, self._data, 1 << 24)
@@ -504,7 +507,7 @@ class ShardWriter:
         for name, tensor in small.items():
             code, size = _DTYPES[tensor.dtype]
             tensors.append((name, code, list(tensor.shape), tensor.numel() * size))
-            self._data.write(tensor.contiguous().view(torch.uint8).numpy())
+            self._data.write(tensor.contiguous().view(torch.uint8).numpy().data)
         self._data.flush()
 
         header_meta = {
@@ -633,7 +636,7 @@ def decode_sample(
     """One sample's frames -> its stored states (bf16 bit patterns [A + 1, T, H] uint16, or float8
     codes and scales), without intermediate copies. zstd checks each frame's content checksum
     (ZstdError on a mismatch)."""
-    view = memoryview(blob)
+    view = blob.data
     slots, n = len(index), num_tokens * hidden
     if storage_dtype == "float8_e4m3fn":
         codes = np.empty((slots, n), dtype=np.uint8)
@@ -750,6 +753,7 @@ class ShardReader:
             final_scales = self.read_array("final_scales", a, b)  # [T]
             return Stored(values, np.concatenate([aux_scales.T, final_scales[None]]))
         # the sample's frames lie back to back: one read, offsets rebased onto it
+        assert self._index is not None  # zstd-planes shards have one
         frames = self._index[i]
         first = min(off for slot in frames for off, _ in slot)
         last = max(off + size for slot in frames for off, size in slot)

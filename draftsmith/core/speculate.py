@@ -393,6 +393,7 @@ class PEagleProposer(Eagle3Proposer):
         self.draft_logits = [self.logits]  # [1, Vd] per draft
         if k > 1:
             keep, device = self.kv.length, self.drafter.d2t.device
+            assert self.drafter.cfg.mask_token_id is not None  # a peagle config has one
             ids = torch.full((1, k - 1), self.drafter.cfg.mask_token_id, dtype=torch.long, device=device)
             positions = self.position + 1 + torch.arange(k - 1, device=device)[None]  # [1, k-1]
             hidden = self.drafter.fused_mask().expand(1, k - 1, -1)  # [1, k-1, H]
@@ -531,7 +532,7 @@ class HybridProposer:
 # ----------------------------------------------------------------------------- decoding
 
 
-def _new_cache(target: nn.Module):
+def _new_cache(target: Any):  # a transformers causal LM (its `config`)
     from transformers import DynamicCache
 
     return DynamicCache(config=target.config)

@@ -35,7 +35,7 @@ from draftsmith.core.checks import Check
 from draftsmith.core.engines import ENGINE_CONVENTIONS, draft_positions_warning, trained_ttt_steps
 from draftsmith.core.methods import method
 from draftsmith.core.projection import chosen, method_counts
-from draftsmith.core.settings import from_schema, schema_spec
+from draftsmith.core.settings import SchemaSettings, from_schema, schema_spec
 from draftsmith.core.stats import bootstrap_ratio, paired_difference
 
 # every check that evaluate.gate can make blocking, with its default mode (the schema's)
@@ -69,7 +69,7 @@ def _status(ok: bool, blocking: bool = True) -> str:
         "resamples": "evaluate.bootstrap_resamples",
     },
 )
-class GateSettings:
+class GateSettings(SchemaSettings):
     """What the gate judges with: which checks block (evaluate.gate, every check given its mode), the
     tolerances, and the bootstrap's level and resamples. Defaults and choices in config.schema.yaml."""
 
@@ -156,8 +156,8 @@ def check_beats(
         return Check(name, "skip", f"{method(baseline).label} not measured", threshold, where, blocking,
                      "alternatives", heldout)  # fmt: skip
     (by, a), (other_by, b) = trained, other
-    ours = bootstrap_ratio(*a, *settings.bootstrap)[0]
-    theirs = bootstrap_ratio(*b, *settings.bootstrap)[0]
+    ours = bootstrap_ratio(a[0], a[1], *settings.bootstrap)[0]
+    theirs = bootstrap_ratio(b[0], b[1], *settings.bootstrap)[0]
     diff, lo, hi = paired_difference(a, b, *settings.bootstrap)
     measured = by if by == other_by else f"{by} vs {other_by}"
     value = (
@@ -554,7 +554,7 @@ def drafter_room_of(projection: dict[str, Any] | None) -> dict[str, Any] | None:
     method's, or plain decoding's 1.0x) and by what, its break-even and measured acceptance per
     position; None where the projection has none."""
     room = (projection or {}).get("drafter_room")
-    if not room:
+    if not room or projection is None:
         return None
     return {
         "ceiling": room["ceiling"][0],

@@ -14,7 +14,7 @@ import torch
 
 from draftsmith.core.estimate import codec_ratios, estimate_lines, probe_plan
 from draftsmith.core.precision import compute_dtype
-from draftsmith.core.settings import from_schema
+from draftsmith.core.settings import SchemaSettings, from_schema
 from draftsmith.core.shards import Sample, ShardError, ShardReader
 from draftsmith.core.stage_args import BAD_INPUT, arg
 
@@ -22,7 +22,7 @@ RATIO_TOKENS = 50_000  # tokens of a shard that shard_codec_ratios encodes: rati
 
 
 @from_schema("extract", paths={"dtype": "target.dtype"})
-class EstimateSettings:
+class EstimateSettings(SchemaSettings):
     """The extraction settings an estimate is for: what the job would capture, compress and store."""
 
     aux_layers: list[int] | None

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from draftsmith.core.cost import FORMULA
 from draftsmith.core.methods import PLAIN, method, ordered
 from draftsmith.core.projection import method_projection, set_projection, summary_of
-from draftsmith.core.settings import from_schema
+from draftsmith.core.settings import SchemaSettings, from_schema
 from draftsmith.core.stage_args import BAD_INPUT, arg
 from draftsmith.core.stats import bootstrap_ratio
 from draftsmith.core.verdict import (
@@ -78,8 +79,8 @@ def intervals(results: dict[str, Any], prompt_ids: list[str], settings: GateSett
     if per_forward is None or per_draft is None:
         return {"tokens_per_forward_interval": None, "tau_interval": None, "acceptance_intervals": None,
                 "per_step_intervals": None}  # fmt: skip
-    _, lo, hi = bootstrap_ratio(*per_forward, *settings.bootstrap)
-    _, tau_lo, tau_hi = bootstrap_ratio(*per_draft, *settings.bootstrap)
+    _, lo, hi = bootstrap_ratio(per_forward[0], per_forward[1], *settings.bootstrap)
+    _, tau_lo, tau_hi = bootstrap_ratio(per_draft[0], per_draft[1], *settings.bootstrap)
     rows = {r["id"]: r for r in results["per_prompt"]}
     k = len(results["acceptance_rate_per_position"])
     per_pos, per_step = [], []
@@ -192,16 +193,17 @@ def by_category(data: dict[str, Any]) -> dict[str, Any] | None:
     """Tokens per target forward per prompt category and method (plain decoding: 1.0), from the
     per-prompt rows of one measurement; None unless its prompt ids name two categories or more."""
     categories = {p: category_of(p) for p in data.get("prompt_ids") or []}
-    if None in categories.values() or len(set(categories.values())) < 2:
+    named = {p: c for p, c in categories.items() if c is not None}
+    if len(named) < len(categories) or len(set(named.values())) < 2:
         return None
     out: dict[str, Any] = {}
-    for c in dict.fromkeys(categories.values()):  # in the set's order
+    for c in dict.fromkeys(named.values()):  # in the set's order
         out[c] = {"prompts": sum(v == c for v in categories.values()), "methods": {}}
     for key in ordered(list(data.get("methods", {}))):
         counts: dict[str, list[int]] = {}
         for r in data["methods"][key].get("per_prompt") or []:
-            c = categories.get(r["id"])
-            if c is not None:
+            category = named.get(r["id"])
+            if category is not None:
                 tokens_forwards = counts.setdefault(c, [0, 0])
                 tokens_forwards[0] += int(r["tokens"])
                 tokens_forwards[1] += int(r["forwards"])
@@ -214,6 +216,7 @@ def _per_step(m: dict[str, Any]) -> list[float] | None:
     """Acceptance at each draft position over every decode step (the steps that did not draft count as
     rejections): what a position buys per step, comparable across methods that draft on few steps."""
     rows = m.get("per_prompt")
+    per_pos: list[Any] | None
     if rows and all(r.get("accepted_per_pos") is not None for r in rows):
         per_pos = [sum(col) for col in zip(*(r["accepted_per_pos"] for r in rows), strict=True)]
         forwards = sum(r["forwards"] for r in rows)
@@ -247,7 +250,7 @@ def project_sets(
     sets: dict[str, dict[str, Any]],
     serving: dict[str, Any],
     target_path: str | Path,
-    drafters: dict[str, str | Path],
+    drafters: Mapping[str, str | Path],
     settings: GateSettings,
 ) -> dict[str, dict[str, Any]]:
     """Every set's judged measurement projected to the serving point (evaluate.serving), with the serving
@@ -288,7 +291,7 @@ def acceptance_vs_break_even(projection: dict[str, Any] | None) -> dict[str, Any
     the first concurrency, its lowest over k (None: no k can), and its ceiling there (every draft
     accepted, its best k); None without the drafter's projection."""
     room = (projection or {}).get("drafter_room")
-    if not room:
+    if not room or projection is None:
         return None
     return {
         "position_acceptance": room["position_acceptance"],
@@ -491,7 +494,7 @@ def summarize(
 # ------------------------------------------------------------------------------------------- from files
 
 
-def load_sets(offline: dict[str, str | Path], vllm: dict[str, str | Path]) -> dict[str, dict[str, Any]]:
+def load_sets(offline: Mapping[str, str | Path], vllm: Mapping[str, str | Path]) -> dict[str, dict[str, Any]]:
     """Held-out set name -> {"offline": ..., "vllm": ... or None}, read from the files. With vLLM on, the
     offline run is the contract check on the first `evaluate.offline_num_prompts` of the prompts vLLM
     decoded: offline prompt ids that are not the first of vLLM's are an error. Without any offline
@@ -515,8 +518,8 @@ def load_sets(offline: dict[str, str | Path], vllm: dict[str, str | Path]) -> di
 
 
 def summarize_files(
-    offline: dict[str, str | Path],
-    vllm: dict[str, str | Path],
+    offline: Mapping[str, str | Path],
+    vllm: Mapping[str, str | Path],
     manifest_path: str | Path,
     drafter: str | Path,
     target_path: str | Path,
@@ -596,7 +599,7 @@ def _method_settings(sets: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 @from_schema("evaluate", paths={"modes": "evaluate.gate", "level": "evaluate.interval_level",
                                 "resamples": "evaluate.bootstrap_resamples"})  # fmt: skip
-class SummarySettings:
+class SummarySettings(SchemaSettings):
     """What the summary judges with (GateSettings' keys) and the serving point it projects to."""
 
     modes: dict[str, str]

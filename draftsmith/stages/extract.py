@@ -50,7 +50,7 @@ from draftsmith.core.estimate import (
 from draftsmith.core.layers import resolve_aux_layers
 from draftsmith.core.precision import compute_dtype
 from draftsmith.core.run_cache import target_identity
-from draftsmith.core.settings import from_schema
+from draftsmith.core.settings import SchemaSettings, from_schema
 from draftsmith.core.shards import Sample, ShardWriter, as_stored, remove_stale_temp_files
 from draftsmith.core.stage_args import BAD_INPUT, FAILED, arg
 from draftsmith.core.target import text_config_dict
@@ -99,7 +99,7 @@ COMPILE_MIN_SECONDS = 300.0  # "auto" compiles when eager compute would take lon
     paths={"dtype": "target.dtype"},
     unset=("threads",),
 )
-class ExtractSettings:
+class ExtractSettings(SchemaSettings):
     """What the extract stage computes and stores (the `extract` section's result keys), the compute
     dtype, and how the job runs (resources.extract: threads, GPUs and their engine layout)."""
 
@@ -252,6 +252,11 @@ def temp_prefix(out_path: str | Path) -> str:
     return f".{Path(out_path).name}."
 
 
+def compile_mode_of(value: str | bool) -> str:
+    """extract.compile as "on"/"off"/its mode name (YAML may give true/false)."""
+    return value if isinstance(value, str) else ("on" if value else "off")
+
+
 def extract_shard(
     target: str,
     tokens_path: str,
@@ -267,7 +272,7 @@ def extract_shard(
     s = settings
     aux_layers, dtype, batch_tokens, threads, gpus = s.aux_layers, s.dtype, s.batch_tokens, s.threads, s.gpus
     codec, zstd_level, storage_dtype, backend = s.codec, s.zstd_level, s.storage_dtype, s.backend
-    compile = {True: "on", False: "off"}.get(s.compile, s.compile)  # type: ignore[call-overload]
+    compile = compile_mode_of(s.compile)
     if threads:
         torch.set_num_threads(threads)
     dtype = compute_dtype(dtype, "cuda" if gpus else "cpu")
@@ -310,7 +315,8 @@ def extract_shard(
             if states is not None:
                 shutil.rmtree(states, ignore_errors=True)
             raise
-    writer, estimate = None, {}
+    writer: ShardWriter | None = None
+    estimate: dict[str, Any] = {}
     try:
         plan, picks, measured, probed = probe_plan(
             lengths, batch_tokens, sample_tokens, extractor.capture, codec, zstd_level, scratch
@@ -406,6 +412,7 @@ def extract_shard(
     size = ""
     if out_path:
         file_bytes = Path(out_path).stat().st_size
+        assert writer is not None  # out_path: the states went through it
         stats["file_bytes"] = file_bytes
         size = (
             f", {human_bytes(file_bytes)} written ({human_bytes(writer.bytes_written)} states + "
@@ -816,7 +823,7 @@ def extract_shards(
             "shards (rerun tokenize)"
         )
     s = settings
-    compile_mode = {True: "on", False: "off"}.get(s.compile, s.compile)  # type: ignore[call-overload]
+    compile_mode = compile_mode_of(s.compile)
     result = {
         "aux_layers": s.aux_layers, "batch_tokens": s.batch_tokens, "storage_dtype": s.storage_dtype,
         "codec": s.codec, "zstd_level": s.zstd_level, "backend": s.backend, "compile": compile_mode,
@@ -923,7 +930,9 @@ def run_engine_processes(
                 f"{on}: no shard started or finished in {idle_timeout_s:g} s "
                 "(resources.extract.idle_timeout_s): hung, killed with its processes",
             )
-            kill_tree(procs[i].pid)
+            pid = procs[i].pid
+            if pid is not None:  # started
+                kill_tree(pid)
             last[i] = float("inf")  # killed once
     while not results.empty():
         drain(0.1)
@@ -977,7 +986,7 @@ def run(paths: ExtractPaths, settings: ExtractSettings) -> list[str]:
     one = paths.shard is not None
     if one != (paths.out is not None) or one == bool(paths.shard_files):
         raise ValueError("extract: give SHARD_FILE... (every shard), or --shard K with --out FILE (one)")
-    if one:
+    if paths.shard is not None:  # `one`
         extract_shard(paths.target, paths.tokens, paths.shard, paths.out, settings)
     else:
         device = {"gpu_memory_gib": paths.gpu_memory_gib or None}

@@ -45,7 +45,7 @@ from draftsmith.core.atomic import atomic_path, write_json, write_jsonl
 from draftsmith.core.chat import render_prompt, template_fingerprint
 from draftsmith.core.config import SETTINGS_OPS
 from draftsmith.core.prompt_sources import PromptError, conversation_answers, read_prompt_file
-from draftsmith.core.settings import from_schema
+from draftsmith.core.settings import SchemaSettings, from_schema
 from draftsmith.core.stage_args import BAD_INPUT, FAILED, arg
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class GenerateError(RuntimeError):
 
 
 @from_schema("generate", ops=SETTINGS_OPS["generate"], paths={"dtype": "target.dtype"})
-class GenerateSettings:
+class GenerateSettings(SchemaSettings):
     """The `generate` config section with its operational knobs (resources.generate) and the target's
     dtype; defaults, choices and meanings in config.schema.yaml."""
 
@@ -468,6 +468,7 @@ def generate_traces(
                 failures[conv.id] = failure
                 bar.finished(0, 0, dropped=len(conv.points))
             else:
+                assert backend is not None  # results come from it
                 row = trace_row(conv, settings.backend, backend.model, fingerprint)
                 sink.write(row)
                 done[conv.id] = row

@@ -14,7 +14,7 @@ from typing import Any
 from draftsmith import __version__
 from draftsmith.core.atomic import write_json
 from draftsmith.core.manifest import MANIFEST_VERSION, DataError, allowed_shard_dirs, shard_location
-from draftsmith.core.settings import from_schema
+from draftsmith.core.settings import SchemaSettings, from_schema
 from draftsmith.core.shards import ShardError, read_shard_meta, verify_shard
 from draftsmith.core.stage_args import FAILED, arg
 from draftsmith.core.target import text_config_dict
@@ -41,7 +41,7 @@ def _by_source(stats: list[dict[str, Any]]) -> dict[str, float | None]:
 
 
 @from_schema("extract")
-class ManifestSettings:
+class ManifestSettings(SchemaSettings):
     """The `extract` key the manifest checks the shards against."""
 
     min_teacher_agreement: float

@@ -11,14 +11,14 @@ from collections.abc import Sequence
 
 from draftsmith.core.atomic import write_json, write_jsonl
 from draftsmith.core.prompt_sources import PromptError, check_heldout_size, load_source, read_prompt_file
-from draftsmith.core.settings import from_schema
+from draftsmith.core.settings import SchemaSettings, from_schema
 from draftsmith.core.stage_args import BAD_INPUT, arg
 
 log = logging.getLogger(__name__)
 
 
 @from_schema("prompts")
-class PromptSettings:
+class PromptSettings(SchemaSettings):
     """The `prompts` settings that choose the prompts (sharegpt_wheel and code_wheels name downloads,
     which reach the stage as files: see prepare_prompts)."""
 

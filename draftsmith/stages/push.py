@@ -22,7 +22,7 @@ import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -48,9 +48,13 @@ class PushFailed(RuntimeError):
 class HubApi(Protocol):
     """The two calls of huggingface_hub.HfApi that a push makes."""
 
-    def create_repo(self, repo_id: str, **kwargs: Any) -> Any: ...
+    # read-only callables, not methods: HfApi's take keyword arguments of their own, which a protocol
+    # method's `**kwargs` would refuse
+    @property
+    def create_repo(self) -> Callable[..., Any]: ...
 
-    def create_commit(self, repo_id: str, **kwargs: Any) -> Any: ...
+    @property
+    def create_commit(self) -> Callable[..., Any]: ...
 
 
 @dataclass

@@ -25,7 +25,7 @@ from draftsmith.core.config import (
     target_config_errors,
 )
 from draftsmith.core.hub import HubError, snapshot
-from draftsmith.core.settings import from_schema
+from draftsmith.core.settings import SchemaSettings, from_schema
 from draftsmith.core.stage_args import BAD_INPUT, FAILED, arg
 from draftsmith.core.target import TargetError
 
@@ -35,7 +35,7 @@ class TargetCheckError(TargetError):
 
 
 @from_schema("target")
-class TargetSettings:
+class TargetSettings(SchemaSettings):
     """Where the target comes from: a Hub id (`model`, at `revision`) or the embedded default's wheel."""
 
     model: str

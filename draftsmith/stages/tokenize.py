@@ -19,7 +19,7 @@ from draftsmith.core.chat import (
     template_fingerprint,
     training_sequence,
 )
-from draftsmith.core.settings import from_schema
+from draftsmith.core.settings import SchemaSettings, from_schema
 from draftsmith.core.stage_args import BAD_INPUT, arg
 from draftsmith.core.target import check_target_dir, load_tokenizer
 from draftsmith.core.tokens import write_tokens
@@ -85,7 +85,7 @@ def trace_sequences(tokenizer: Any, row: dict[str, Any]) -> list[tuple[str, list
 
 
 @from_schema("extract")
-class TokenizeSettings:
+class TokenizeSettings(SchemaSettings):
     """The `extract` keys tokenize decides: the shard plan and the longest sample."""
 
     num_shards: int
@@ -136,7 +136,7 @@ def tokenize_traces(
         "shards": [list(b) for b in bounds],
     }
     write_tokens(out_path, ids_all, mask_all, offsets, meta)
-    summary = {
+    summary: dict[str, Any] = {
         "samples": len(sample_ids),
         "tokens": len(ids_all),
         "masked_tokens": int(sum(mask_all)),

@@ -60,9 +60,9 @@ from draftsmith.core.objective import (
     noise_seed,
     with_noise,
 )
-from draftsmith.core.optimizers import make_optimizer, make_scheduler
+from draftsmith.core.optimizers import Chain, make_optimizer, make_scheduler
 from draftsmith.core.precision import train_precision
-from draftsmith.core.settings import from_schema, with_groups
+from draftsmith.core.settings import GroupedSettings, from_schema, with_groups
 from draftsmith.core.stage_args import BAD_INPUT, arg
 from draftsmith.core.target import TargetHead, load_target_head
 from draftsmith.core.tracking import Curves, missing_trackers
@@ -79,7 +79,7 @@ PROGRESS_EVERY_S = 10.0  # log a training progress line at most this often (vali
 
 @from_schema("train", ops=SETTINGS_OPS["train"], unset=("threads",))
 @with_groups(objective=ObjectiveSettings, batching=BatchSettings)
-class TrainSettings:
+class TrainSettings(GroupedSettings):
     """The `train` config section and the train job's operational knobs; defaults, choices and meanings
     in config.schema.yaml (the objective and optimiser choices were picked by bench/ablate.py). The loss's
     knobs are the `objective` group's (core/objective.py: ObjectiveSettings), the loader's the `batching`
@@ -119,8 +119,8 @@ def train_step(
     model: torch.nn.Module,
     batch: Batch | None | list[Batch | None],
     objective: Objective,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    optimizer: torch.optim.Optimizer | Chain,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | Chain,
     settings: TrainSettings,
     dist: Dist,
     step: int,
@@ -141,15 +141,16 @@ def train_step(
                 generator.manual_seed(noise_seed(settings.seed, step, dist.rank, m))
                 part = replace(part, aux=with_noise(part.aux, objective.noise_std, generator))
         moved.append(part)
-    counts = dist.all_sum(counts.to(dist.device)).tolist()  # the whole batch's, over all ranks
+    totals = dist.all_sum(counts.to(dist.device)).tolist()  # the whole batch's, over all ranks
     optimizer.zero_grad(set_to_none=True)
     stats = StepStats.zeros(objective.ttt_steps)
     for m, part in enumerate(moved):
         last = m == len(moved) - 1
         # DistributedDataParallel sums the gradients in the last backward only
-        sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
+        no_sync = getattr(model, "no_sync", None)
+        sync = contextlib.nullcontext() if last or no_sync is None else no_sync()
         with sync:
-            loss, part_stats = model(part, objective, counts)
+            loss, part_stats = model(part, objective, totals)
             if dist.world > 1:
                 loss = loss * dist.world  # a share of the whole batch's loss; DDP averages the gradients
             loss.backward()

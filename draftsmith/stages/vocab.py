@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from draftsmith.core.config import read_target_config
-from draftsmith.core.settings import from_schema
+from draftsmith.core.settings import SchemaSettings, from_schema
 from draftsmith.core.stage_args import BAD_INPUT, arg
 from draftsmith.core.tokens import load_tokens
 from draftsmith.core.vocab import save_vocab_map, vocab_maps
@@ -66,7 +66,7 @@ def build_vocab_map(masked_tokens: Tensor, target_vocab_size: int, draft_vocab_s
 
 
 @from_schema("vocab")
-class VocabSettings:
+class VocabSettings(SchemaSettings):
     size: int  # draft vocabulary size
 
 

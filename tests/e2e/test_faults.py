@@ -1,6 +1,6 @@
 """The fault matrix as code: each fault done to a real workflow (Snakemake, the real target, real
 shards) and the outcome it must have. kill -9 during extraction is tests/e2e/test_extract_kill.py;
-`python bench/faults.py` runs both modules and prints the matrix.
+`python -m bench.faults` runs both modules and prints the matrix.
 
 | fault                                   | outcome asserted                                              |
 |-----------------------------------------|---------------------------------------------------------------|

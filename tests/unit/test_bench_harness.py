@@ -3,21 +3,16 @@ and their intervals, the table)."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 from pathlib import Path
 
 import pytest
 
-HARNESS = Path(__file__).resolve().parents[2] / "bench" / "harness.py"
-
 
 @pytest.fixture(scope="module")
 def harness():
-    spec = importlib.util.spec_from_file_location("bench_harness", HARNESS)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("bench.harness")
 
 
 def test_rounds_alternate_the_order_and_pair_by_round(harness) -> None:

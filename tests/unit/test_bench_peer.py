@@ -1,10 +1,10 @@
-"""bench/peer.py and its stage modules (bench/peer_*.py): the shard converter writes SpecForge's offline
+"""bench.peer (`python -m bench.peer`) and its stage modules (bench/peer/*.py): the shard converter writes SpecForge's offline
 EAGLE-3 format from draftsmith's split, and the pure helpers the comparison rests on (step plan,
 teacher-in-vocabulary mask, tokens per forward); the command loads every stage module."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 from pathlib import Path
@@ -20,40 +20,36 @@ from draftsmith.core.objective import ttt_step_targets
 from draftsmith.core.target import load_target_head
 from draftsmith.core.vocab import load_vocab_map
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 OFFLINE_KEYS = {"input_ids", "loss_mask", "aux_hidden_state", "hidden_state"}
 
 
 def load(name: str):
-    """bench/<name>.py loaded by path (it puts bench/ on sys.path for its siblings)."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """bench.peer's module `name` (bench/peer/<name>.py; the command: "__main__")."""
+    return importlib.import_module(f"bench.peer.{name}")
 
 
 @pytest.fixture(scope="module")
 def peer_convert():
-    return load("peer_convert")
+    return load("convert")
 
 
 @pytest.fixture(scope="module")
 def peer_train():
-    return load("peer_train")
+    return load("train")
 
 
 @pytest.fixture(scope="module")
 def peer_diff():
-    return load("peer_diff")
+    return load("diff")
 
 
 @pytest.fixture(scope="module")
 def peer_vllm():
-    return load("peer_vllm")
+    return load("vllm")
 
 
 def test_the_command_loads_every_stage_module() -> None:
-    peer = load("peer")
+    peer = load("__main__")
     assert peer.main.name == "main" and "--diff" in {o for p in peer.main.params for o in p.opts}
 
 

@@ -1,20 +1,14 @@
 """bench/quality.py: the learning-curve bench splits one vLLM batch back into its held-out sets and
 compares against the run's own n-gram figures."""
 
-import importlib.util
-from pathlib import Path
+import importlib
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "quality.py"
 
 
 @pytest.fixture(scope="module")
 def quality():
-    spec = importlib.util.spec_from_file_location("bench_quality", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("bench.quality")
 
 
 def _counts(accepted: int, drafts: int, per_pos: list[int], tokens: int = 10) -> dict:

@@ -5,6 +5,7 @@ test module never depends on another, and each helper has one import path."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from helpers import REPO
@@ -29,7 +30,34 @@ def test_no_test_module_helper_or_bench_imports_a_test_module_or_conftest() -> N
     shared = [p for p in sorted(TESTS.glob("*.py")) if p.name != "conftest.py"]
     found = {
         (p.relative_to(REPO).as_posix(), name)
-        for p in [*modules, *shared, *sorted((REPO / "bench").glob("*.py"))]
+        for p in [*modules, *shared, *sorted((REPO / "bench").rglob("*.py"))]
         for name in imported_modules(p) & test_names
     }
     assert found == set(), "import shared test code from tests/helpers.py instead"
+
+
+def test_bench_is_a_package_that_edits_no_sys_path() -> None:
+    """Each bench runs as `python -m bench.<name>` and imports its siblings as `bench.<name>`: no bench
+    puts a folder on sys.path (a script run by path, or a test loading one, would shadow or miss them)."""
+    edits = [
+        p.relative_to(REPO).as_posix()
+        for p in sorted((REPO / "bench").rglob("*.py"))
+        if re.search(r"sys\.path\.(insert|append)", p.read_text())
+    ]
+    assert (
+        edits == []
+        and (REPO / "bench" / "__init__.py").is_file()
+        and (REPO / "bench" / "peer" / "__main__.py").is_file()
+    )
+
+
+def test_every_documented_bench_command_names_a_bench_module() -> None:
+    """`python -m bench.<name>` in README.md, docs/, configs/ and scripts/ names a module in bench/, and no
+    document still runs a bench by path (`python bench/<name>.py`)."""
+    texts = {p: p.read_text() for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),
+             *sorted((REPO / "configs").glob("*.yaml")), *sorted((REPO / "scripts").glob("*"))] if p.is_file()}  # fmt: skip
+    named = {m for text in texts.values() for m in re.findall(r"-m (bench(?:\.\w+)+)", text)}
+    missing = {m for m in named if not (REPO / (m.replace(".", "/") + ".py")).is_file()
+               and not (REPO / m.replace(".", "/") / "__main__.py").is_file()}  # fmt: skip
+    by_path = {p.name for p, text in texts.items() if re.search(r"python3? bench/", text)}
+    assert named and missing == set() and by_path == set()

@@ -3,8 +3,7 @@ from config.json and safetensors headers, and the pre-flight plan of every shipp
 
 from __future__ import annotations
 
-import importlib.util
-import sys
+import importlib
 from pathlib import Path
 
 import pytest
@@ -31,11 +30,7 @@ TARGETS = ROOT / "tests" / "data" / "target-configs"  # the real targets' config
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_memory", ROOT / "bench" / "memory.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("bench.memory")
 
 
 @pytest.mark.parametrize("index", [0, 2, 9])  # 96 and 384 tokens, Kimi-like proportions

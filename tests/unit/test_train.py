@@ -725,6 +725,22 @@ def test_muon_trains_the_weight_matrices_and_adamw_the_rest(data: dict) -> None:
     assert muon.param_groups[0]["lr"] == pytest.approx(1e-2) and optimizer.param_groups[0]["lr"] == 1e-3
 
 
+def test_a_checkpoint_of_muon_and_adamw_counts_both_states(data: dict) -> None:
+    """The disk-full message's figure (checkpoint_bytes) reads the Chain's state as an optimizer's."""
+    from draftsmith.core.checkpoints import checkpoint_bytes
+
+    drafter, _, _ = build(data)
+    optimizer = make_optimizer(drafter, settings(optimizer="muon"))
+    weights = checkpoint_bytes(drafter, optimizer)
+    sum(p.sum() for p in drafter.parameters()).backward()
+    optimizer.step()
+    states = [
+        v for part in optimizer.parts for s in part.state.values() for v in s.values() if torch.is_tensor(v)
+    ]
+    assert len(optimizer.state) == sum(len(part.state) for part in optimizer.parts) > 0
+    assert checkpoint_bytes(drafter, optimizer) == weights + sum(t.numel() * t.element_size() for t in states)
+
+
 @pytest.mark.parametrize("shape", [(48, 96), (96, 48)])
 def test_muon_in_fp32_steps_as_torchs_bf16_muon(shape: tuple[int, int]) -> None:
     """A run training in fp32 orthogonalises in fp32 (`Muon.fp32_newton_schulz`), torch's Muon in bf16:

@@ -150,7 +150,7 @@ def _check_speculators_fields(config: dict[str, Any]) -> list[str]:
         problems.append(
             f"transformer_layer_config.model_type is {layer.get('model_type')!r}, expected 'llama'"
         )
-    spec = config.get("speculators_config")
+    spec: Any = config.get("speculators_config")  # anything: a wrong shape is caught below
     try:
         tokens = spec["proposal_methods"][0]["speculative_tokens"]
         verifier = spec["verifier"]["name_or_path"]
@@ -358,7 +358,7 @@ def check_export(
     if rope.get("rope_theta", config.get("rope_theta")) is None:
         problems.append("rope_theta is missing (rope_parameters.rope_theta or rope_theta)")
     required = ("hidden_size", "num_attention_heads", "intermediate_size", "rms_norm_eps", "vocab_size")
-    engine_keys = ("draft_vocab_size", "target_hidden_size")
+    engine_keys: tuple[str, ...] = ("draft_vocab_size", "target_hidden_size")
     if engine != "speculators":
         engine_keys += ("num_aux_hidden_states",)
     missing = [k for k in (*required, *engine_keys) if k not in config]

@@ -32,6 +32,7 @@ import importlib.util
 import logging
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,7 @@ from draftsmith.core.run_cache import (
     run_key,
     target_identity,
 )
-from draftsmith.core.settings import from_schema, schema_default
+from draftsmith.core.settings import SchemaSettings, from_schema, schema_default
 from draftsmith.core.speculate import (
     HybridProposer,
     NgramProposer,
@@ -80,7 +81,7 @@ SUFFIX_DEFAULT = schema_default("evaluate.suffix_decoding")
     paths={"dtype": "target.dtype"},
     unset=("threads",),
 )
-class EvaluateSettings:
+class EvaluateSettings(SchemaSettings):
     """What both measurements take: the `evaluate` section's measurement keys, target.dtype (vLLM's dtype
     on GPUs) and the job's operational knobs (resources.evaluate); meanings in config.schema.yaml."""
 
@@ -284,7 +285,7 @@ def _mismatch(prompt_id: str, plain: list[int], spec: list[int]) -> dict[str, An
 
 def evaluate_offline(
     target_path: str | Path,
-    drafters: dict[str, str | Path],
+    drafters: Mapping[str, str | Path],
     prompts_path: str | Path,
     out_path: str | Path,
     settings: EvaluateSettings,
@@ -565,9 +566,9 @@ def vllm_engine(settings: EvaluateSettings) -> dict[str, Any]:
 
 def evaluate_vllm(
     target_path: str | Path,
-    drafters: dict[str, str | Path],
-    prompt_sets: dict[str, str | Path],
-    out_paths: dict[str, str | Path],
+    drafters: Mapping[str, str | Path],
+    prompt_sets: Mapping[str, str | Path],
+    out_paths: Mapping[str, str | Path],
     settings: EvaluateSettings,
     log_dir: str | Path | None,
     runs_dir: str | Path | None = None,
@@ -617,7 +618,8 @@ def evaluate_vllm(
     if unknown:
         raise ValueError(f"prompt counts for {unknown}, which are not held-out sets here")
     sets = {name: read_eval_prompts(path, caps[name]) for name, path in prompt_sets.items()}
-    spans, encoded = {}, []  # set -> (start, end) in the one batch
+    spans: dict[str, tuple[int, int]] = {}  # set -> (start, end) in the one batch
+    encoded: list[Any] = []
     for name, prompts in sets.items():
         spans[name] = (len(encoded), len(encoded) + len(prompts))
         encoded += encode_prompts(tokenizer, prompts)
@@ -707,7 +709,7 @@ def engine_cache(runs_dir: str | Path | None) -> contextlib.AbstractContextManag
 
 
 def check_memory(
-    target_path: Path, drafters: dict[str, str | Path], settings: EvaluateSettings, max_model_len: int
+    target_path: Path, drafters: Mapping[str, str | Path], settings: EvaluateSettings, max_model_len: int
 ) -> None:
     """The plan's evaluation line again, on this job's GPUs (nvidia-smi) at its prompts' length, before an
     engine loads: ValueError with the figure (a 25-minute load would end out of memory)."""
@@ -726,7 +728,7 @@ def check_memory(
 
 def check_context(
     target_path: Path,
-    prompt_sets: dict[str, str | Path],
+    prompt_sets: Mapping[str, str | Path],
     spans: dict[str, tuple[int, int]],
     encoded: list[list[int]],
     max_new_tokens: int,
@@ -764,7 +766,7 @@ class MethodRun:
 
 
 def method_runs(
-    drafters: dict[str, str | Path],
+    drafters: Mapping[str, str | Path],
     ngram: bool,
     suffix: bool,
     ngram_lookup: dict[str, int],
@@ -868,7 +870,7 @@ def _vllm_set_summaries(
     runs: list[MethodRun],
     sets: dict[str, list[dict]],
     spans: dict[str, tuple[int, int]],
-    prompt_sets: dict[str, str | Path],
+    prompt_sets: Mapping[str, str | Path],
     num_draft_tokens: int,
     *,
     engine: dict[str, Any],
@@ -901,7 +903,8 @@ def _vllm_set_summaries(
         for run in runs[1:]:
             name = run.name
             total = vllm_method_summary(raw[name], plain_tps, num_draft_tokens)
-            rows = counts[name][a:b] if counts[name] is not None else None
+            counted = counts[name]
+            rows = counted[a:b] if counted is not None else None
             methods[name] = {
                 "kind": run.kind,
                 "drafter": run.drafter,

@@ -1,4 +1,4 @@
-"""bench/peer.py's vllm stage: every export in real vLLM on the run's held-out sets, tokens per target
+"""bench.peer's vllm stage: every export in real vLLM on the run's held-out sets, tokens per target
 forward with paired intervals against SpecForge's drafter."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""bench/peer.py's table: validation accuracy per TTT step of every drafter and tokens per target forward
+"""bench.peer's table: validation accuracy per TTT step of every drafter and tokens per target forward
 in vLLM per held-out set."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""bench/peer.py's convert stage: this run's shards and vocabulary in SpecForge's offline EAGLE-3 format."""
+"""bench.peer's convert stage: this run's shards and vocabulary in SpecForge's offline EAGLE-3 format."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """draftsmith's trainer against SpecForge 0.2.0's, at equal data (issue 23, item 4).
 
 \b
-    python bench/peer.py [--data results/data_config.json] [--vocab results/vocab_map.pt]
+    python -m bench.peer [--data results/data_config.json] [--vocab results/vocab_map.pt]
                          [--config config.yaml] [--settings '{"epochs": 3}'] [--work results/bench/peer]
                          [--venv ~/.cache/draftsmith/peer-venv] [--skip-vllm] [--json results/bench/peer.json]
-    python bench/peer.py --diff [--diff-samples 2] [--diff-max-len 256]   # the differential check only
+    python -m bench.peer --diff [--diff-samples 2] [--diff-max-len 256]   # the differential check only
 
 Both trainers get the same training samples (draftsmith's split of this run's shards, truncated to
 train.max_seq_len), the same epochs, learning rate, TTT steps, draft vocabulary (vocab_map.pt) and the
@@ -20,7 +20,7 @@ Stages, each kept in --work and reused by a rerun with the same inputs (--fresh 
   install    SpecForge's side environment (--venv): draftsmith's own CPU torch wheel from the local pip
              find-links (checked with `pip install --dry-run`: no CUDA package may come along), then
              `specforge==0.2.0` without its GPU/online requirements (sglang, triton, wandb, its CUDA torch)
-             and the few packages its offline EAGLE-3 path imports. bench/peer_shim.py applies the CPU
+             and the few packages its offline EAGLE-3 path imports. bench/peer/shim.py applies the CPU
              workarounds at run time; nothing in the side environment is edited.
   convert    the shards to SpecForge's offline format: one `data_NNNNN.ckpt` per sample (input_ids,
              loss_mask, aux_hidden_state [1, T, 3H] = the aux states concatenated, hidden_state [1, T, H]
@@ -29,7 +29,7 @@ Stages, each kept in --work and reused by a rerun with the same inputs (--fresh 
              (LlamaForCausalLMEagle3, draft_vocab_size from the vocab map, aux ids in SpecForge's "output of
              layer k" convention: draftsmith's "input" ids minus one, the same tensors).
   draftsmith `draftsmith.stages.train.train` with the run's settings.
-  specforge  `specforge train` (through peer_shim.py) on the converted data, then its checkpoint loaded
+  specforge  `specforge train` (through bench/peer/shim.py) on the converted data, then its checkpoint loaded
              into draftsmith's drafter (the weight names are the same: fc, midlayer.*, norm, lm_head, d2t,
              t2d) and exported exactly like draftsmith's own.
   evaluate   validation accuracy (the drafter's top-1 = the data's next token) and agreement (= the
@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -68,15 +67,20 @@ import click
 
 # This file runs the stages in order; each stage is its own module beside it: peer_install, peer_convert,
 # peer_train (both trainers), peer_validate (evaluate), peer_vllm, peer_diff, and peer_report (the table).
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
-import harness  # noqa: E402
-from peer_convert import convert  # noqa: E402
-from peer_diff import diff_table, run_diff  # noqa: E402
-from peer_install import install, local_torch_spec  # noqa: E402
-from peer_report import table  # noqa: E402
-from peer_train import draftsmith_steps, import_specforge, specforge_plan, train_draftsmith, train_specforge  # noqa: E402
-from peer_validate import paired_acc_interval, validation  # noqa: E402
-from peer_vllm import eval_settings, heldout_sets, vllm_measure, vllm_table_rows  # noqa: E402
+from bench import harness
+from bench.peer.convert import convert
+from bench.peer.diff import diff_table, run_diff
+from bench.peer.install import install, local_torch_spec
+from bench.peer.report import table
+from bench.peer.train import (
+    draftsmith_steps,
+    import_specforge,
+    specforge_plan,
+    train_draftsmith,
+    train_specforge,
+)
+from bench.peer.validate import paired_acc_interval, validation
+from bench.peer.vllm import eval_settings, heldout_sets, vllm_measure, vllm_table_rows
 
 
 def log(msg: str) -> None:

@@ -1,4 +1,4 @@
-"""bench/peer.py's install stage: SpecForge 0.2.0's side environment (its own venv on draftsmith's CPU
+"""bench.peer's install stage: SpecForge 0.2.0's side environment (its own venv on draftsmith's CPU
 torch, without its GPU/online requirements) and the environment its processes run in."""
 
 from __future__ import annotations
@@ -32,7 +32,13 @@ SPECFORGE_DEPS = (
     "psutil",
     "numpy",
 )
-SHIM = Path(__file__).with_name("peer_shim.py")
+SHIM = Path(__file__).with_name("shim.py")
+
+
+def shim_command(venv: Path, *args: str) -> list[str]:
+    """The shim run by the side environment's Python. -P: its folder (bench/peer/, whose stage modules are
+    named train, vllm, ...) must not come first on sys.path, where it would shadow SpecForge's imports."""
+    return [str(venv / "bin" / "python"), "-P", str(SHIM), *args]
 
 
 def pip(venv: Path, *args: str, capture: bool = False) -> subprocess.CompletedProcess:
@@ -81,7 +87,7 @@ def install(venv: Path, torch_spec: str, log: Callable[[str], None]) -> dict[str
     log(f"installing into {venv}: {' '.join(plan) or 'nothing new'}")
     pip(venv, "install", "--quiet", *deps)
     pip(venv, "install", "--quiet", "--no-deps", SPECFORGE)
-    check = subprocess.run([str(venv / "bin" / "python"), str(SHIM), "check"], capture_output=True, text=True)
+    check = subprocess.run(shim_command(venv, "check"), capture_output=True, text=True)
     if check.returncode != 0:
         raise click.ClickException(f"SpecForge does not import in {venv}:\n{check.stderr[-3000:]}")
     info = {

@@ -1,4 +1,4 @@
-"""SpecForge 0.2.0 on a CPU, for bench/peer.py: runs in SpecForge's own side environment (its venv), never
+"""SpecForge 0.2.0 on a CPU, for bench.peer: runs in SpecForge's own side environment (its venv), never
 in draftsmith's, and changes nothing on disk: every CPU workaround is applied here, in this process, at
 run time (shared/research/peer-trainers.md lists them):
 
@@ -13,14 +13,14 @@ run time (shared/research/peer-trainers.md lists them):
 3. `LogSoftmaxLoss` (that Triton kernel's autograd function) is replaced by `TorchSoftCE`: the same
    maths in plain torch — per row, -sum_v p_v * log_softmax(logits)_v, zero where the position mask is 0,
    summed and divided by the number of rows B*T (the kernel's `.mean()` over rows).
-4. Config values, written by bench/peer.py: `training.attention_backend: sdpa` (flex attention has no CPU
+4. Config values, written by bench.peer: `training.attention_backend: sdpa` (flex attention has no CPU
    backward), `training.fsdp_sharding: NO_SHARD`, `data.dataloader_num_workers: 0`.
 
-    python bench/peer_shim.py train --config run.yaml [dotted.override=value ...]
-    python bench/peer_shim.py diff --config run.yaml --inputs diff_in.pt --out diff_out.pt
-    python bench/peer_shim.py check          # the stand-ins apply and SpecForge's modules import
+    python -P bench/peer/shim.py train --config run.yaml [dotted.override=value ...]
+    python -P bench/peer/shim.py diff --config run.yaml --inputs diff_in.pt --out diff_out.pt
+    python -P bench/peer/shim.py check          # the stand-ins apply and SpecForge's modules import
 
-`diff` is bench/peer.py's differential check, SpecForge's side: it builds the drafter exactly as
+`diff` is bench.peer's differential check, SpecForge's side: it builds the drafter exactly as
 `specforge train` would from the same config (its own initialisation, vocab map, frozen embedding and
 target head), in float32, and runs SpecForge's own EAGLE-3 step (`Eagle3TrainStrategy.forward_loss`) on
 the samples it is given, once per TTT depth 1..n, saving the initial weights, the per-step losses and
@@ -130,7 +130,7 @@ def build_step(config_path: str, overrides: list[str]):
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    """One batch of samples (bench/peer.py's `diff_in.pt`), SpecForge's step at every TTT depth."""
+    """One batch of samples (bench.peer's `diff_in.pt`), SpecForge's step at every TTT depth."""
     from specforge.algorithms.eagle3.data import normalize_offline_sample
     from specforge.runtime.contracts import TrainBatch
 
@@ -179,17 +179,15 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="peer_shim", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="bench/peer/shim.py", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("check", help="apply the stand-ins and import SpecForge's EAGLE-3 model")
     train = sub.add_parser("train", help="`specforge train` with the CPU stand-ins")
     train.add_argument("--config", required=True)
     train.add_argument("overrides", nargs="*", help="dotted overrides, as `specforge train` takes them")
-    diff = sub.add_parser("diff", help="SpecForge's side of bench/peer.py --diff")
+    diff = sub.add_parser("diff", help="SpecForge's side of bench.peer --diff")
     diff.add_argument("--config", required=True)
-    diff.add_argument(
-        "--inputs", required=True, help="samples (+ optional initial weights) from bench/peer.py"
-    )
+    diff.add_argument("--inputs", required=True, help="samples (+ optional initial weights) from bench.peer")
     diff.add_argument("--out", required=True)
     diff.add_argument("--seed", type=int, default=0)
     diff.add_argument(

@@ -1,4 +1,4 @@
-"""bench/peer.py's evaluate stage: validation accuracy and agreement per TTT step of each export by
+"""bench.peer's evaluate stage: validation accuracy and agreement per TTT step of each export by
 draftsmith's evaluator, and paired intervals of their differences."""
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
-"""bench/peer.py --diff: the differential check of draftsmith's loss and gradients against SpecForge's on
-the same initial weights and samples (bench/peer.py's docstring)."""
+"""bench.peer --diff: the differential check of draftsmith's loss and gradients against SpecForge's on
+the same initial weights and samples (bench.peer's docstring)."""
 
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -14,14 +13,12 @@ import click
 import torch
 from torch import Tensor
 
+from bench.peer.convert import specforge_sample
+from bench.peer.install import shim_command, side_env
+from bench.peer.train import specforge_run_config
 from draftsmith.core.atomic import write_json
 from draftsmith.core.loader import StreamingData, collate
 from draftsmith.core.shards import Sample
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules, also when loaded by path
-from peer_convert import specforge_sample  # noqa: E402
-from peer_install import SHIM, side_env  # noqa: E402
-from peer_train import specforge_run_config  # noqa: E402
 
 
 def teacher_in_vocab_mask(batch: Any, teacher_full: Tensor, t2d: Tensor, mask_offset: int) -> Tensor:
@@ -120,8 +117,8 @@ def run_diff(
     torch.save({"samples": raw, "weights": None}, out / "diff_in.pt")
     t0 = time.perf_counter()
     proc = subprocess.run(
-        [str(venv / "bin" / "python"), str(SHIM), "diff", "--config", str(out / "run.json"),
-         "--inputs", str(out / "diff_in.pt"), "--out", str(out / "diff_out.pt")],
+        shim_command(venv, "diff", "--config", str(out / "run.json"),
+                     "--inputs", str(out / "diff_in.pt"), "--out", str(out / "diff_out.pt")),
         capture_output=True, text=True, env=side_env(threads), cwd=out,
     )  # fmt: skip
     if proc.returncode != 0:

@@ -1,4 +1,4 @@
-"""bench/peer.py's draftsmith and specforge stages: both trainers at equal data (the optimizer step plan,
+"""bench.peer's draftsmith and specforge stages: both trainers at equal data (the optimizer step plan,
 SpecForge's run config), each one's training, and SpecForge's weights exported as draftsmith's drafter."""
 
 from __future__ import annotations
@@ -7,7 +7,6 @@ import hashlib
 import json
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -16,12 +15,10 @@ import click
 import torch
 from torch import Tensor
 
+from bench.peer.install import shim_command, side_env
 from draftsmith.core.atomic import write_json
 from draftsmith.core.loader import StreamingData
 from draftsmith.core.manifest import load_manifest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules, also when loaded by path
-from peer_install import SHIM, side_env  # noqa: E402
 
 
 def draftsmith_steps(manifest_path: Path, settings: dict[str, Any]) -> tuple[int, int]:
@@ -179,7 +176,7 @@ def train_specforge(
     log_path = out / "train.log"
     with open(log_path, "w", encoding="utf-8") as fh:
         proc = subprocess.run(
-            [str(venv / "bin" / "python"), str(SHIM), "train", "--config", str(out / "run.json")],
+            shim_command(venv, "train", "--config", str(out / "run.json")),
             stdout=fh, stderr=subprocess.STDOUT, env=side_env(threads), cwd=out,
         )  # fmt: skip
     wall = time.perf_counter() - t0
