@@ -39,8 +39,8 @@ sys.path.insert(0, str(ROOT))
 try:  # the image's torch and transformers; draftsmith's own small dependencies may be missing there
     from draftsmith.core import drafter as drafter_module  # noqa: E402
     from draftsmith.core.config import merged_config_files, text_config_json, with_defaults  # noqa: E402
-    from draftsmith.core.drafter import KINDS, TTTKV, DrafterConfig  # noqa: E402
-    from draftsmith.core.kinds import drafter_loss, new_drafter  # noqa: E402
+    from draftsmith.core.drafter import TTTKV, DrafterConfig  # noqa: E402
+    from draftsmith.core.kinds import KINDS, drafter_loss, new_drafter  # noqa: E402
     from draftsmith.core.loader import Batch  # noqa: E402
     from draftsmith.core.memory import GB, drafter_shape, train_memory  # noqa: E402
     from draftsmith.core.objective import DraftingLoss, Objective  # noqa: E402

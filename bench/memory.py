@@ -99,6 +99,7 @@ def _measure(case: Case, checkpoint_ttt: bool, seed: int) -> int:
         target_hidden_size=H,
         target_vocab_size=V,
         draft_vocab_size=case.draft_vocab,
+        kind="eagle3",
     )
     drafter = Eagle3Drafter(cfg).train()
     embed, teacher = torch.randn(V, H), torch.randn(case.draft_vocab, H)

@@ -28,6 +28,7 @@ from draftsmith.cli import main
 from draftsmith.core.checkpoints import list_checkpoints
 from draftsmith.core.cost import DEVICES, ModelCost, ServingPoint
 from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter
+from draftsmith.core.kinds import new_drafter
 from draftsmith.core.layers import capture_aux, stack_aux
 from draftsmith.core.objective import Objective
 from draftsmith.core.projection import set_projection
@@ -300,7 +301,8 @@ EXPORT_AUX_IDS = [2, 4, 5]  # "input" convention
 
 
 def make_drafter(seed: int = 0, target_hidden_size: int = 40, **kind: Any) -> Eagle3Drafter:
-    """A small random drafter with a draft vocabulary of EXPORT_DRAFT_VOCAB of EXPORT_TARGET_VOCAB ids."""
+    """A small random drafter of any kind (EAGLE-3 unless `kind` says; its model class from the kind's
+    record) with a draft vocabulary of EXPORT_DRAFT_VOCAB of EXPORT_TARGET_VOCAB ids."""
     torch.manual_seed(seed)
     cfg = DrafterConfig(
         hidden_size=48,
@@ -315,9 +317,9 @@ def make_drafter(seed: int = 0, target_hidden_size: int = 40, **kind: Any) -> Ea
         target_vocab_size=EXPORT_TARGET_VOCAB,
         draft_vocab_size=EXPORT_DRAFT_VOCAB,
         num_aux=3,
-        **kind,  # kind=..., mask_token_id=...
+        **{"kind": "eagle3", **kind},  # kind=..., mask_token_id=...
     )
-    model = Eagle3Drafter(cfg)
+    model = new_drafter(cfg)
     ids = torch.sort(torch.randperm(EXPORT_TARGET_VOCAB)[:EXPORT_DRAFT_VOCAB]).values
     model.set_vocab_map(*vocab_maps(ids, EXPORT_TARGET_VOCAB))
     with torch.no_grad():

@@ -35,6 +35,8 @@ from typing import Any
 
 from safetensors import safe_open
 
+from draftsmith.core.kinds import kind, kind_of_export
+
 EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
 FREE_METHODS = ("ngram", "suffix")  # what the engine serves without a drafter model
 
@@ -266,17 +268,9 @@ def drafter_cost(export_dir: str | Path, bytes_per_parameter: float = 2.0) -> Mo
     config = json.loads((Path(export_dir) / "config.json").read_text(encoding="utf-8"))
     layers = int(config.get("num_hidden_layers") or 1)
     kv = kv_elements_per_token({**config, "num_hidden_layers": layers}) if config.get("hidden_size") else 0.0
-    return ModelCost(params, 0.0, 1.0, kv * bytes_per_parameter, layers, drafting_of(config))
-
-
-def drafting_of(config: dict[str, Any]) -> str:
-    """How an export drafts (ModelCost.drafting), from what vLLM reads: a DFlash architecture drafts a
-    block, a mask token id means parallel drafting (P-EAGLE), else a chain."""
-    if any(str(a).startswith("DFlash") for a in config.get("architectures") or []):
-        return "block"
-    if config.get("mask_token_id", config.get("pard_token")) is not None:
-        return "parallel"
-    return "chain"
+    return ModelCost(
+        params, 0.0, 1.0, kv * bytes_per_parameter, layers, kind(kind_of_export(config)).drafting
+    )
 
 
 def serving_points(serving: dict[str, Any], context_tokens: float) -> list[ServingPoint]:

@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from draftsmith.core.kinds import kind, kind_of_export
+
 ENGINES = ("vllm", "sglang", "speculators")
 # the layer-id convention each engine applies to the aux ids it reads
 ENGINE_CONVENTIONS = {"vllm": "input", "sglang": "output", "speculators": "input"}
@@ -32,25 +34,15 @@ def draft_positions_warning(num_draft_tokens: int, ttt_steps: int | None) -> str
     )
 
 
-# what vLLM must be told beside a drafter of each kind (train.drafter.kind) that plain eagle3 does not say
-KIND_FIELDS: dict[str, dict[str, Any]] = {
-    "dflash": {"method": "dflash"},
-    "peagle": {"parallel_drafting": True},
-}
-
-
 def drafting_fields(drafter: str | Path) -> dict[str, Any]:
-    """What vLLM must be told beside a trained drafter's folder, read from its config.json: a DFlash
-    export is served by method dflash; a P-EAGLE one (a mask token id) with parallel drafting (vLLM would
-    otherwise chain it as EAGLE-3). A folder not written yet (serve commands in a model card) says nothing."""
+    """What vLLM must be told beside a trained drafter's folder: its kind's `vllm_fields`, the kind read
+    from its config.json (`kind_of_export`): a DFlash export is served by method dflash, a P-EAGLE one with
+    parallel drafting (vLLM would otherwise chain it as EAGLE-3). A folder not written yet (serve commands
+    in a model card) says nothing."""
     path = Path(drafter) / "config.json"
     if not path.is_file():
         return {}
-    config = json.loads(path.read_text(encoding="utf-8"))
-    if any(str(a).startswith("DFlash") for a in config.get("architectures") or []):
-        return KIND_FIELDS["dflash"]
-    parallel = config.get("mask_token_id", config.get("pard_token")) is not None
-    return KIND_FIELDS["peagle"] if parallel else {}
+    return dict(kind(kind_of_export(json.loads(path.read_text(encoding="utf-8")))).vllm_fields)
 
 
 def speculative_config(

@@ -157,7 +157,13 @@ def two_layers(run) -> dict:
     for variant in ("tied", "own"):
         out = r / f"drafter-2-layers-{variant}"
         save_dflash(
-            two_layer_copy(one, variant == "own"), out, AUX_IDS, str(run["target"]), None, torch.float32
+            two_layer_copy(one, variant == "own"),
+            out,
+            AUX_IDS,
+            str(run["target"]),
+            "vllm",
+            None,
+            torch.float32,
         )
         drafter, _ = load_dflash(out)
         offline = []
