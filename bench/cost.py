@@ -70,11 +70,13 @@ def measure_cpu() -> dict[str, float]:
 
 def measure(target: str, drafter: str, encoded: list[list[int]], max_new: int, k: int, b: int) -> dict:
     """Every method at concurrency b, each on a fresh vLLM engine."""
-    from draftsmith.stages.evaluate import NGRAM_DEFAULT, SUFFIX_DEFAULT, vllm_prompt_counts
+    from draftsmith.core.methods import FREE_METHODS
+    from draftsmith.core.methods import METHODS as RECORDS
+    from draftsmith.stages.evaluate import vllm_prompt_counts
     from draftsmith.stages.evaluate.vllm_runner import run_vllm_subprocess
 
     # the free methods as the evaluation runs them (the schema's settings)
-    settings = {"ngram": NGRAM_DEFAULT, "suffix": SUFFIX_DEFAULT}
+    settings = {key: RECORDS[key].own_settings({}) for key in FREE_METHODS}
     ids = [f"p{i}" for i in range(len(encoded))]
     out = {}
     with tempfile.TemporaryDirectory(prefix="draftsmith-bench-cost-") as cache:

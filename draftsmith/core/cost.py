@@ -36,9 +36,9 @@ from typing import Any
 from safetensors import safe_open
 
 from draftsmith.core.kinds import kind, kind_of_export
+from draftsmith.core.methods import FREE_METHODS
 
 EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
-FREE_METHODS = ("ngram", "suffix")  # what the engine serves without a drafter model
 
 FORMULA = (
     "projected speedup = tokens per target forward at k x t_plain / t_step(method, k); t_forward = overhead + "

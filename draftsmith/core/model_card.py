@@ -296,13 +296,11 @@ def verdict_config(
     `schedule`: the serving policy's num_speculative_tokens_per_batch_size (draftsmith.core.policy),
     carried where it has more than one range (vLLM caps each range's k at num_speculative_tokens)."""
     from draftsmith.core.engines import speculative_config
-    from draftsmith.core.settings import schema_default
 
     if choice.get("method") in (None, "plain") or not choice.get("k"):
         return None
+    # the settings the measurement used (a free method's; the schema's defaults under them)
     own = dict((settings or {}).get(choice["method"]) or {})
-    if choice["method"] == "suffix":  # serve with the cross-request cache the measurement used
-        own.setdefault("max_cached_requests", schema_default("evaluate.suffix_decoding.max_cached_requests"))
     config = speculative_config(choice["method"], drafter, choice["k"], own)
     if schedule and len(schedule) > 1:
         config["num_speculative_tokens"] = max(choice["k"], *(k for *_, k in schedule))

@@ -422,9 +422,14 @@ def ngram_propose(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list
 class NgramProposer:
     """n-gram prompt lookup (vLLM's `ngram` method) as a Proposer: no model, no aux states."""
 
-    def __init__(self, min_n: int = 2, max_n: int = 4):
+    def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
         self.tokens: list[int] = []
+
+    @classmethod
+    def from_settings(cls, lookup: dict[str, Any]) -> NgramProposer:
+        """From evaluate.ngram_lookup (min, max: vLLM's prompt_lookup_min / prompt_lookup_max)."""
+        return cls(int(lookup["min"]), int(lookup["max"]))
 
     def reset(self, prompt_ids: Sequence[int] = ()) -> None:
         self.tokens = [int(t) for t in prompt_ids]
@@ -450,10 +455,10 @@ class SuffixProposer:
 
     def __init__(
         self,
-        max_tree_depth: int = 24,
-        max_spec_factor: float = 1.0,
-        min_token_prob: float = 0.1,
-        max_cached_requests: int = 0,
+        max_tree_depth: int,
+        max_spec_factor: float,
+        min_token_prob: float,
+        max_cached_requests: int,
     ):
         from arctic_inference.suffix_decoding import SuffixDecodingCache
 
@@ -468,6 +473,11 @@ class SuffixProposer:
         self.tokens: list[int] = []
         self.prompt_len = 0
         self.request = 0
+
+    @classmethod
+    def from_settings(cls, suffix_decoding: dict[str, Any]) -> SuffixProposer:
+        """From evaluate.suffix_decoding (its keys are this class's arguments, as vLLM's suffix_decoding_*)."""
+        return cls(**suffix_decoding)
 
     def reset(self, prompt_ids: Sequence[int] = ()) -> None:
         if self.request in self.cache.active_requests:

@@ -336,11 +336,14 @@ def test_export_refuses_a_drafter_of_another_kind(tmp_path) -> None:
         save_dflash(model, tmp_path / "d", [2, 4, 5], "/t", "vllm", None, torch.float32)
 
 
-def test_vllm_speculative_config_for_dflash() -> None:
-    assert speculative_config("dflash", "d", 3) == {
+def test_vllm_speculative_config_for_dflash(tmp_path) -> None:
+    """A DFlash export is measured as the trained drafter and served by vLLM's method dflash (its kind's
+    vllm_fields), whatever folder it is in."""
+    out = save_dflash(drafter(), tmp_path / "d", [2, 4, 5], "/t", "vllm", None, torch.float32)
+    assert speculative_config("eagle3", str(out), 3) == {
         "method": "dflash",
-        "model": "d",
+        "model": str(out),
         "num_speculative_tokens": 3,
     }
     with pytest.raises(ValueError, match="drafter folder"):
-        speculative_config("dflash", None, 3)
+        speculative_config("eagle3", None, 3)

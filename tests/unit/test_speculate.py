@@ -9,6 +9,7 @@ import torch
 from helpers import fp_tolerance
 
 from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter
+from draftsmith.core.methods import METHODS
 from draftsmith.core.speculate import (
     Eagle3Proposer,
     NgramProposer,
@@ -444,7 +445,7 @@ def test_suffix_speculation_is_lossless_and_drafts_from_the_sequence_itself(targ
         proposer.tokens == ids[0].tolist() + plain[:-1] or proposer.tokens[: ids.shape[1]] == ids[0].tolist()
     )
     # a fresh request: the pattern 5, 6 was followed by 7 in the prompt, so it is drafted
-    fresh = SuffixProposer(max_cached_requests=0)
+    fresh = METHODS["suffix"].offline_proposer({"max_cached_requests": 0})
     fresh.reset([5, 6, 7, 8, 5, 6, 7, 8, 5, 6])
     assert fresh.propose(2)[:1] == [7]
     # a second prompt starts its own request: nothing of the first is cached with max_cached_requests 0
@@ -457,7 +458,9 @@ def test_the_hybrid_drafts_with_the_tree_else_the_drafter_losslessly(target, dra
 
     ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 9, 5, 6]])
     plain = greedy_decode(target, ids, 30, eos_ids=[])
-    hybrid = HybridProposer(SuffixProposer(), Eagle3Proposer(drafter, target.get_input_embeddings()))
+    hybrid = HybridProposer(
+        METHODS["suffix"].offline_proposer({}), Eagle3Proposer(drafter, target.get_input_embeddings())
+    )
     res = speculative_decode(target, hybrid, None, AUX, ids, 30, 3, eos_ids=[])
     assert res.tokens == plain
     assert len(hybrid.sources) == res.steps and set(hybrid.sources) <= {"suffix", "drafter"}
