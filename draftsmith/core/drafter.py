@@ -563,7 +563,7 @@ class Eagle3Drafter(DraftHead, nn.Module):
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
-        if cfg.kind not in ("eagle3", "eagle3.1", "peagle"):
+        if kind(cfg.kind).load("model") is not Eagle3Drafter:
             raise ValueError(f"Eagle3Drafter cannot be a {cfg.kind!r} drafter")
         self.cfg = cfg
         self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)

@@ -301,7 +301,7 @@ def ttt_loss(
         hidden = drafter.fuse(batch.aux.float())  # [B, T, H]
         if checkpointed and steps > 1:
             kv.ensure_bias(T, hidden.dtype, device)  # shared by every step's recomputation
-        parallel = drafter.cfg.kind == "peagle"
+        parallel = drafter.cfg.parallel  # P-EAGLE (the one parallel kind of this layer)
         if parallel:  # steps j >= 1 are mask slots: the mask token and fuse(mask_hidden), no recurrence
             mask_ids = torch.full_like(batch.input_ids, drafter.cfg.mask_token_id)  # [B, T]
             mask_state = drafter.fused_mask().expand(B, T, -1)  # [B, T, H]

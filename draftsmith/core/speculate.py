@@ -55,6 +55,7 @@ from torch import Tensor, nn
 
 from draftsmith.core.chat import eos_token_ids
 from draftsmith.core.drafter import CacheKV, Eagle3Drafter
+from draftsmith.core.kinds import drafter_proposer
 from draftsmith.core.layers import capture_aux, stack_aux
 
 # ----------------------------------------------------------------------------- pure index logic
@@ -652,8 +653,7 @@ def speculative_decode(
     if isinstance(drafter, Eagle3Drafter):
         if embed is None:
             raise ValueError("an Eagle3Drafter needs the target's input embedding (embed)")
-        eagle = PEagleProposer if drafter.cfg.kind == "peagle" else Eagle3Proposer
-        proposer: Proposer = eagle(drafter, embed)
+        proposer: Proposer = drafter_proposer(drafter, embed)  # as vLLM serves its kind
     else:
         proposer = drafter
     seq = [int(t) for t in input_ids[0].tolist()]
