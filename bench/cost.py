@@ -44,6 +44,7 @@ from draftsmith.core.cost import (
     step_seconds,
     target_cost,
 )
+from draftsmith.core.settings import schema_default
 from draftsmith.core.stats import bootstrap_ratio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
@@ -148,11 +149,14 @@ def main(
     first = concurrencies[0]
     plain = measured[first]["plain"]
     steps = plain["tokens"] / min(first, len(encoded))
-    overhead = plain["seconds"] / steps - step_seconds("plain", 0, tcost, ServingPoint(bare, first, context))
+    lookup_us = schema_default("evaluate.serving.lookup_us")
+    overhead = plain["seconds"] / steps - step_seconds(
+        "plain", 0, tcost, ServingPoint(bare, first, context, 1, 4.0, lookup_us)
+    )
     device = Device("cpu", cpu["bandwidth_gb_s"], cpu["tflops"], max(overhead, 0.0) * 1e3, None, 1.0, 1.0)
     rows = []
     for b in concurrencies:
-        point = ServingPoint(device, b, context, bytes_per_parameter=4.0)
+        point = ServingPoint(device, b, context, 1, 4.0, lookup_us)
         base = measured[b]["plain"]
         for method in METHODS[1:]:
             m = measured[b][method]

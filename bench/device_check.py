@@ -140,8 +140,9 @@ def train_case(
         max_seq_len=int(tr["max_seq_len"]),
         world=max(1, int(res["gpus"])),
         ttt_steps=int(tr["ttt_steps"]),
-        micro_batch_tokens=int(res.get("micro_batch_tokens", 0)),
+        micro_batch_tokens=int(res["micro_batch_tokens"]),
         checkpoint_ttt=checkpoint_ttt,
+        lk_loss=str(tr["lk_loss"]),
     )
     seq = plan.seq_len if not quick else 64
     rows = max(1, plan.tokens_per_pass // plan.seq_len) if not quick else 1

@@ -482,7 +482,8 @@ def probe_redirect_keeps_key(p: Probe) -> str:
         here = ThreadingHTTPServer(("127.0.0.1", 0), Here)
         for s in (other, here):
             threading.Thread(target=s.serve_forever, daemon=True).start()
-        OpenAIClient(f"http://127.0.0.1:{here.server_address[1]}/v1", api_key="sk-secret").check()
+        OpenAIClient(f"http://127.0.0.1:{here.server_address[1]}/v1", api_key="sk-secret", timeout_s=10.0,
+                     max_retries=0, backoff_base_s=0.0, request_token_ids=True).check()
         print("the other origin got the key" if seen[0] else "the key stayed with its origin")
         """
     )

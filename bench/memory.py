@@ -168,7 +168,13 @@ def main() -> None:
             got = measure(case, checkpoint_ttt)
             coefficients = CHECKPOINTED if checkpoint_ttt else CURRENT
             model = activation_bytes(
-                case.shape(), case.tokens, case.tokens, case.steps, p_bytes=4, coefficients=coefficients
+                case.shape(),
+                case.tokens,
+                case.tokens,
+                case.steps,
+                checkpoint_ttt,
+                p_bytes=4,
+                coefficients=coefficients,
             )
             print(
                 f"  H {case.hidden} heads {case.heads}x{case.head_dim} kv {case.kv_heads} I {case.intermediate} "

@@ -106,12 +106,14 @@ class ModelCost:
 
 @dataclass(frozen=True)
 class ServingPoint:
+    """One point of evaluate.serving (`serving_points` builds them; the schema holds the defaults)."""
+
     device: Device
     concurrency: int
     context_tokens: float
-    tensor_parallel: int = 1
-    bytes_per_parameter: float = 2.0
-    lookup_us: float = 20.0  # a free method's lookup, per request and step (CPU side)
+    tensor_parallel: int
+    bytes_per_parameter: float
+    lookup_us: float  # a free method's lookup, per request and step (CPU side)
 
 
 def forward_seconds(model: ModelCost, point: ServingPoint, tokens_per_sequence: float) -> float:
@@ -233,7 +235,7 @@ def kv_elements_per_token(config: dict) -> float:
     return layers * 2 * kv_heads * head_dim
 
 
-def target_cost(target_path: str | Path, bytes_per_parameter: float = 2.0) -> ModelCost:
+def target_cost(target_path: str | Path, bytes_per_parameter: float) -> ModelCost:
     """The target's forward: its weights by name (the embedding is not read, only a few rows; the
     lm_head is, or the tied embedding in its place), routed experts apart."""
     from draftsmith.core.target import text_config_dict
@@ -258,7 +260,7 @@ def target_cost(target_path: str | Path, bytes_per_parameter: float = 2.0) -> Mo
     )
 
 
-def drafter_cost(export_dir: str | Path, bytes_per_parameter: float = 2.0) -> ModelCost:
+def drafter_cost(export_dir: str | Path, bytes_per_parameter: float) -> ModelCost:
     """One drafter pass of an export: everything but the vocabulary maps and the target's embedding
     that speculators' format carries; its one layer's KV cache."""
     import json
@@ -274,8 +276,12 @@ def drafter_cost(export_dir: str | Path, bytes_per_parameter: float = 2.0) -> Mo
 
 
 def serving_points(serving: dict[str, Any], context_tokens: float) -> list[ServingPoint]:
-    """evaluate.serving -> one point per concurrency (the first is the one the verdict decides at).
-    A preset device's figures are replaced by those the settings give."""
+    """evaluate.serving (the schema's defaults under the keys it gives) -> one point per concurrency (the
+    first is the one the verdict decides at). A preset device's figures are replaced by those the settings
+    give."""
+    from draftsmith.core.settings import schema_default
+
+    serving = {**schema_default("evaluate.serving"), **serving}
     name = serving["device"]
     if name not in DEVICES:
         raise ValueError(f"evaluate.serving.device: unknown device {name!r}; known: {', '.join(DEVICES)}")
@@ -297,9 +303,9 @@ def serving_points(serving: dict[str, Any], context_tokens: float) -> list[Servi
             device=device,
             concurrency=int(b),
             context_tokens=float(context),
-            tensor_parallel=int(serving.get("tensor_parallel") or 1),
-            bytes_per_parameter=float(serving.get("bytes_per_parameter") or 2.0),
-            lookup_us=float(serving.get("lookup_us") or 0.0),
+            tensor_parallel=int(serving["tensor_parallel"]),
+            bytes_per_parameter=float(serving["bytes_per_parameter"]),
+            lookup_us=float(serving["lookup_us"]),
         )
         for b in serving["concurrency"]
     ]

@@ -174,7 +174,7 @@ class Objective:
     lk_loss: str  # "none": soft cross-entropy; "alpha" / "lambda": the LK losses (see `ttt_loss`)
     lk_kl_scale: float
     lk_kl_decay: float
-    checkpoint_ttt: bool = False  # activation checkpointing per TTT step (memory, not results)
+    checkpoint_ttt: bool  # activation checkpointing per TTT step (memory, not results)
 
     @classmethod
     def from_settings(

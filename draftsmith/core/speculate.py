@@ -579,7 +579,7 @@ def sample_decode(
     input_ids: Tensor,
     max_new_tokens: int,
     eos_ids: Iterable[int] | int | None,
-    temperature: float = 0.0,
+    temperature: float,
     generator: torch.Generator | None = None,
 ) -> list[int]:
     """Plain decoding, one token per target forward: greedy at temperature 0, else sampling from
@@ -632,7 +632,7 @@ def speculative_decode(
     max_new_tokens: int,
     num_draft_tokens: int,
     eos_ids: Iterable[int] | int | None,
-    temperature: float = 0.0,
+    temperature: float,
     generator: torch.Generator | None = None,
     draft_sampling: str = "greedy",
 ) -> SpecResult:

@@ -796,7 +796,7 @@ def chosen_lengths(
         target_cost,
     )
 
-    bytes_per = float(serving.get("bytes_per_parameter") or 2.0)
+    bytes_per = float(serving["bytes_per_parameter"])
     target = target_cost(target_path, bytes_per)
     drafters = {run.name: drafter_cost(run.drafter, bytes_per) for run in runs if run.drafter}
     out: dict[str, set[int]] = {}
