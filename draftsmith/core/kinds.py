@@ -44,9 +44,11 @@ class Kind:
     vllm_fields: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     # the export forms written for it: those whose reader is known to serve it as trained
     forms: tuple[str, ...] = ("vllm",)
-    norms: bool = (
-        False  # EAGLE 3.1's RMSNorm on each aux state and post-norm recurrence (fc_norm, norm_output)
-    )
+    # its own export form's checks (export_formats.check.check_dflash_export's signature); None: the
+    # EAGLE-3 form's, which check_export makes itself
+    checker: str | None = None
+    # EAGLE 3.1's RMSNorm on each aux state and post-norm recurrence (fc_norm, norm_output)
+    norms: bool = False
     layers: bool = False  # may stack more than one decoder layer (train.drafter.num_layers)
 
     @property
@@ -80,7 +82,8 @@ KINDS: dict[str, Kind] = {
              "draftsmith.core.objective_dflash:dflash_loss", "draftsmith.core.dflash:DFlashProposer",
              "draftsmith.core.dflash:dflash_param_count", "draftsmith.core.export_formats.vllm_dflash:save_dflash",
              "draftsmith.core.export_formats.vllm_dflash:load_dflash", "block",
-             MappingProxyType({"method": "dflash"}), layers=True),
+             MappingProxyType({"method": "dflash"}), layers=True,
+             checker="draftsmith.core.export_formats.check:check_dflash_export"),
     )
 }  # fmt: skip
 

@@ -30,6 +30,7 @@ from typing import Any
 from draftsmith.core.context import sequence_tokens
 from draftsmith.core.cost import DEVICES
 from draftsmith.core.devices import heads_error, server_arg
+from draftsmith.core.methods import METHODS
 
 GB = 1e9  # what the tables print (the figures the issue and vendors quote)
 GIB = 2**30
@@ -1003,7 +1004,7 @@ def evaluation_engines(config: dict[str, Any]) -> dict[str, int]:
     drafter never runs in vLLM), each with the re-measures of a shorter chosen k that may follow: per
     method at most one per held-out set and per shorter k."""
     ev = config["evaluate"]
-    free = int(bool(ev.get("ngram"))) + int(bool(ev.get("suffix")))
+    free = sum(bool(ev.get(m.measure)) for m in METHODS.values() if m.free and m.measure)
     k = int(ev["num_draft_tokens"])
     sets = max(1, len(ev.get("heldout_sets") or {}))
     again = min(sets, k - 1) if ev.get("remeasure_chosen_k") and ev.get("serving") else 0

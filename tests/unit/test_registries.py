@@ -34,7 +34,8 @@ def test_the_schema_kinds_are_the_registry() -> None:
 @pytest.mark.parametrize("name", list(KINDS))
 def test_every_dotted_path_resolves(name: str) -> None:
     record = kind(name)
-    for attribute in ("model", "loss", "proposer", "param_count", "writer", "reader"):
+    attributes = ("model", "loss", "proposer", "param_count", "writer", "reader")
+    for attribute in (*attributes, "checker") if record.checker else attributes:
         assert callable(record.load(attribute)), f"{name}.{attribute} = {getattr(record, attribute)}"
     # every writer takes save_drafter's arguments, in its order
     expected = list(inspect.signature(save_eagle3).parameters)

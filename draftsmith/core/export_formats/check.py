@@ -10,7 +10,6 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from draftsmith.core.dflash import DFLASH_KIND
 from draftsmith.core.drafter import DrafterConfig
 from draftsmith.core.engines import ENGINE_CONVENTIONS, ENGINES
 from draftsmith.core.export_formats.common import (
@@ -26,7 +25,7 @@ from draftsmith.core.export_formats.common import (
 from draftsmith.core.export_formats.load import drafter_config_from_export, engine_of, engine_view
 from draftsmith.core.export_formats.speculators import native_names
 from draftsmith.core.export_formats.vllm_dflash import load_dflash
-from draftsmith.core.kinds import kind_of_export
+from draftsmith.core.kinds import kind, kind_of_export, resolve
 from draftsmith.core.layers import aux_order_problem, convert_layer_ids
 
 
@@ -316,8 +315,9 @@ def check_export(
     if damaged:
         return damaged
     raw = json.loads(cfg_path.read_text(encoding="utf-8"))
-    if kind_of_export(raw) == DFLASH_KIND:  # its own form and checks
-        return check_dflash_export(export_dir, raw, target_num_layers, target_vocab_size, engine or "vllm")
+    own = kind(kind_of_export(raw)).checker  # a kind with its own form checks it itself (DFlash)
+    if own:
+        return resolve(own)(export_dir, raw, target_num_layers, target_vocab_size, engine or "vllm")
     engine = engine or engine_of(raw)
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; expected one of {list(ENGINES)}")
