@@ -99,8 +99,12 @@ def validation_projection(drafter: Path, agreement: list[float | None]) -> dict[
         per_forward += chain
     serving = {**schema_default("evaluate.serving"), "concurrency": list(PROJECTED_CONCURRENCY)}
     points = serving_points(serving, 700.0)
+    bytes_per = serving["bytes_per_parameter"]
     factors = [
-        speedup_factor("eagle3", len(rates), target_cost(target), p, drafter_cost(drafter)) for p in points
+        speedup_factor(
+            "eagle3", len(rates), target_cost(target, bytes_per), p, drafter_cost(drafter, bytes_per)
+        )
+        for p in points
     ]
     return {"tokens_per_forward": per_forward, "projected_speedup": [per_forward * f for f in factors]}
 
@@ -132,8 +136,13 @@ def measure_set(
     serving = {**schema_default("evaluate.serving"), "concurrency": list(PROJECTED_CONCURRENCY)}
     context = sum(len(o) for o in results["plain"]["outputs"]) / max(1, len(results["plain"]["outputs"]))
     points = serving_points(serving, context)
+    bytes_per = serving["bytes_per_parameter"]
     projected = set_projection(
-        results, target_cost(target), {"eagle3": drafter_cost(drafter)}, points, (0.95, 1000, 0)
+        results,
+        target_cost(target, bytes_per),
+        {"eagle3": drafter_cost(drafter, bytes_per)},
+        points,
+        (0.95, 1000, 0),
     )
     out = {}
     for key, method in results["methods"].items():

@@ -46,6 +46,7 @@ from draftsmith.core.cost import (
     step_seconds,
     target_cost,
 )
+from draftsmith.core.settings import schema_default
 from draftsmith.core.stats import bootstrap_ratio
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,11 +69,13 @@ def measure_cpu() -> dict[str, float]:
 
 def measure(target: str, drafter: str, encoded: list[list[int]], max_new: int, k: int, b: int) -> dict:
     """Every method at concurrency b, each on a fresh vLLM engine."""
-    from draftsmith.stages.evaluate import NGRAM_DEFAULT, SUFFIX_DEFAULT, vllm_prompt_counts
+    from draftsmith.core.methods import FREE_METHODS
+    from draftsmith.core.methods import METHODS as RECORDS
+    from draftsmith.stages.evaluate import vllm_prompt_counts
     from draftsmith.stages.evaluate.vllm_runner import run_vllm_subprocess
 
     # the free methods as the evaluation runs them (the schema's settings)
-    settings = {"ngram": NGRAM_DEFAULT, "suffix": SUFFIX_DEFAULT}
+    settings = {key: RECORDS[key].own_settings({}) for key in FREE_METHODS}
     ids = [f"p{i}" for i in range(len(encoded))]
     out = {}
     with tempfile.TemporaryDirectory(prefix="draftsmith-bench-cost-") as cache:
@@ -144,11 +147,14 @@ def main(
     first = concurrencies[0]
     plain = measured[first]["plain"]
     steps = plain["tokens"] / min(first, len(encoded))
-    overhead = plain["seconds"] / steps - step_seconds("plain", 0, tcost, ServingPoint(bare, first, context))
+    lookup_us = schema_default("evaluate.serving.lookup_us")
+    overhead = plain["seconds"] / steps - step_seconds(
+        "plain", 0, tcost, ServingPoint(bare, first, context, 1, 4.0, lookup_us)
+    )
     device = Device("cpu", cpu["bandwidth_gb_s"], cpu["tflops"], max(overhead, 0.0) * 1e3, None, 1.0, 1.0)
     rows = []
     for b in concurrencies:
-        point = ServingPoint(device, b, context, bytes_per_parameter=4.0)
+        point = ServingPoint(device, b, context, 1, 4.0, lookup_us)
         base = measured[b]["plain"]
         for method in METHODS[1:]:
             m = measured[b][method]

@@ -38,8 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 try:  # the image's torch and transformers; draftsmith's own small dependencies may be missing there
     from draftsmith.core import drafter as drafter_module
     from draftsmith.core.config import merged_config_files, text_config_json, with_defaults
-    from draftsmith.core.drafter import KINDS, TTTKV, DrafterConfig
-    from draftsmith.core.kinds import drafter_loss, new_drafter
+    from draftsmith.core.drafter import TTTKV, DrafterConfig
+    from draftsmith.core.kinds import KINDS, drafter_loss, new_drafter
     from draftsmith.core.loader import Batch
     from draftsmith.core.memory import GB, drafter_shape, train_memory
     from draftsmith.core.objective import DraftingLoss, Objective
@@ -139,8 +139,9 @@ def train_case(
         max_seq_len=int(tr["max_seq_len"]),
         world=max(1, int(res["gpus"])),
         ttt_steps=int(tr["ttt_steps"]),
-        micro_batch_tokens=int(res.get("micro_batch_tokens", 0)),
+        micro_batch_tokens=int(res["micro_batch_tokens"]),
         checkpoint_ttt=checkpoint_ttt,
+        lk_loss=str(tr["lk_loss"]),
     )
     seq = plan.seq_len if not quick else 64
     rows = max(1, plan.tokens_per_pass // plan.seq_len) if not quick else 1

@@ -331,7 +331,8 @@ from draftsmith.core.export_formats import save_drafter
 from draftsmith.core.vocab import vocab_maps
 cfg = DrafterConfig(hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
                     intermediate_size=80, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512,
-                    target_hidden_size=48, target_vocab_size=256, draft_vocab_size=96, num_aux=3)
+                    target_hidden_size=48, target_vocab_size=256, draft_vocab_size=96, kind="eagle3",
+                    num_aux=3)
 model = Eagle3Drafter(cfg)
 model.set_vocab_map(*vocab_maps(torch.arange(96) * 2, 256))
 save_drafter(model, "drafter", [2, 4, 5], "target")
@@ -478,7 +479,8 @@ def probe_redirect_keeps_key(p: Probe) -> str:
         here = ThreadingHTTPServer(("127.0.0.1", 0), Here)
         for s in (other, here):
             threading.Thread(target=s.serve_forever, daemon=True).start()
-        OpenAIClient(f"http://127.0.0.1:{here.server_address[1]}/v1", api_key="sk-secret").check()
+        OpenAIClient(f"http://127.0.0.1:{here.server_address[1]}/v1", api_key="sk-secret", timeout_s=10.0,
+                     max_retries=0, backoff_base_s=0.0, request_token_ids=True).check()
         print("the other origin got the key" if seen[0] else "the key stayed with its origin")
         """
     )

@@ -97,6 +97,7 @@ def _measure(case: Case, checkpoint_ttt: bool, seed: int) -> int:
         target_hidden_size=H,
         target_vocab_size=V,
         draft_vocab_size=case.draft_vocab,
+        kind="eagle3",
     )
     drafter = Eagle3Drafter(cfg).train()
     embed, teacher = torch.randn(V, H), torch.randn(case.draft_vocab, H)
@@ -165,7 +166,13 @@ def main() -> None:
             got = measure(case, checkpoint_ttt)
             coefficients = CHECKPOINTED if checkpoint_ttt else CURRENT
             model = activation_bytes(
-                case.shape(), case.tokens, case.tokens, case.steps, p_bytes=4, coefficients=coefficients
+                case.shape(),
+                case.tokens,
+                case.tokens,
+                case.steps,
+                checkpoint_ttt,
+                p_bytes=4,
+                coefficients=coefficients,
             )
             print(
                 f"  H {case.hidden} heads {case.heads}x{case.head_dim} kv {case.kv_heads} I {case.intermediate} "

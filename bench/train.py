@@ -45,7 +45,7 @@ import torch
 from bench import harness
 from bench.harness import median
 from draftsmith.core.atomic import write_json
-from draftsmith.core.kinds import build_drafter
+from draftsmith.core.drafter import build_drafter
 from draftsmith.core.loader import Batch, InMemoryData, StreamingData, step_plan
 from draftsmith.core.manifest import load_manifest
 from draftsmith.core.objective import Objective, ttt_loss

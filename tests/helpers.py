@@ -24,13 +24,16 @@ import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
 
+from draftsmith.backends.openai import OpenAIClient
 from draftsmith.cli import main
 from draftsmith.core.checkpoints import list_checkpoints
-from draftsmith.core.cost import DEVICES, ModelCost, ServingPoint
+from draftsmith.core.cost import DEVICES, Device, ModelCost, ServingPoint
 from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter
+from draftsmith.core.kinds import new_drafter
 from draftsmith.core.layers import capture_aux, stack_aux
 from draftsmith.core.objective import Objective
 from draftsmith.core.projection import set_projection
+from draftsmith.core.settings import schema_default
 from draftsmith.core.shards import Sample, iter_samples, read_header, verify_shard, write_shard
 from draftsmith.core.target import file_sha256, load_target_head
 from draftsmith.core.verdict import GateSettings
@@ -300,7 +303,8 @@ EXPORT_AUX_IDS = [2, 4, 5]  # "input" convention
 
 
 def make_drafter(seed: int = 0, target_hidden_size: int = 40, **kind: Any) -> Eagle3Drafter:
-    """A small random drafter with a draft vocabulary of EXPORT_DRAFT_VOCAB of EXPORT_TARGET_VOCAB ids."""
+    """A small random drafter of any kind (EAGLE-3 unless `kind` says; its model class from the kind's
+    record) with a draft vocabulary of EXPORT_DRAFT_VOCAB of EXPORT_TARGET_VOCAB ids."""
     torch.manual_seed(seed)
     cfg = DrafterConfig(
         hidden_size=48,
@@ -315,9 +319,9 @@ def make_drafter(seed: int = 0, target_hidden_size: int = 40, **kind: Any) -> Ea
         target_vocab_size=EXPORT_TARGET_VOCAB,
         draft_vocab_size=EXPORT_DRAFT_VOCAB,
         num_aux=3,
-        **kind,  # kind=..., mask_token_id=...
+        **{"kind": "eagle3", **kind},  # kind=..., mask_token_id=...
     )
-    model = Eagle3Drafter(cfg)
+    model = new_drafter(cfg)
     ids = torch.sort(torch.randperm(EXPORT_TARGET_VOCAB)[:EXPORT_DRAFT_VOCAB]).values
     model.set_vocab_map(*vocab_maps(ids, EXPORT_TARGET_VOCAB))
     with torch.no_grad():
@@ -404,6 +408,32 @@ _TARGET = {"model": "resources/SmolLM2-135M-Instruct", "revision": None, "gguf_w
            "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}  # fmt: skip
 
 
+# a serving point's figures beside device, concurrency and context: the schema's (evaluate.serving)
+POINT_DEFAULTS = {
+    k: schema_default(f"evaluate.serving.{k}")
+    for k in ("tensor_parallel", "bytes_per_parameter", "lookup_us")
+}
+
+
+# an OpenAIClient's knobs as the generate stage's settings give them: the schema's
+CLIENT_SETTINGS = {
+    "timeout_s": schema_default("resources.generate.timeout_s"),
+    "max_retries": schema_default("resources.generate.max_retries"),
+    "backoff_base_s": schema_default("resources.generate.backoff_s"),
+    "request_token_ids": schema_default("generate.request_token_ids"),
+}
+
+
+def openai_client(base_url: str, model: str | None = None, **over: Any) -> OpenAIClient:
+    """An OpenAIClient with the schema's knobs where `over` gives none."""
+    return OpenAIClient(base_url, model, **{**CLIENT_SETTINGS, **over})
+
+
+def serving_point(device: Device, concurrency: int, context_tokens: float, **over: Any) -> ServingPoint:
+    """A ServingPoint with the schema's figures where `over` gives none."""
+    return ServingPoint(device, concurrency, context_tokens, **{**POINT_DEFAULTS, **over})
+
+
 def tiny_summary(fair: bool = False, preflight: dict | None = None) -> dict:
     """A summary as `draftsmith eval-summary` writes it, from two held-out sets' measurements; `fair`:
     measured as a bench would (engines alone, paired), so its speed here is shown; `preflight`: the
@@ -419,8 +449,8 @@ def tiny_summary(fair: bool = False, preflight: dict | None = None) -> dict:
             sets[name]["offline"]["fair"] = True
     origin = provenance(_MANIFEST, _EXPORT_CONFIG, _BY_SOURCE, _VOCAB, _PROMPTS, _TARGET)
     target, drafter = ModelCost(1e9, 0.0, 1.0, 1e5, 24), ModelCost(5e7, 0.0, 1.0, 4e3, 1)
-    points = [ServingPoint(DEVICES["H100-80GB"], b, 600) for b in (1, 32)]
-    grid = [ServingPoint(DEVICES["H100-80GB"], b, 600) for b in (1, 2, 4, 8, 16, 32)]  # the policy's
+    points = [serving_point(DEVICES["H100-80GB"], b, 600) for b in (1, 32)]
+    grid = [serving_point(DEVICES["H100-80GB"], b, 600) for b in (1, 2, 4, 8, 16, 32)]  # the policy's
     projections = {
         name: set_projection(
             r["offline"], target, {"eagle3": drafter}, points, GateSettings().bootstrap, grid

@@ -86,7 +86,7 @@ def run_diff(
     samples: int, max_len: int, threads: int | None, out: Path,
 ) -> dict[str, Any]:  # fmt: skip
     """The differential check (module docstring)."""
-    from draftsmith.core.kinds import build_drafter
+    from draftsmith.core.drafter import build_drafter
     from draftsmith.core.objective import Objective, ttt_loss
     from draftsmith.stages.train import TrainSettings, load_inputs
 

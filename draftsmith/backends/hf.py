@@ -57,8 +57,8 @@ def generate_batch(
     max_new_tokens: int,
     eos_ids: set[int],
     pad_id: int,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
+    temperature: float,
+    top_p: float,
     on_tokens: Callable[[int], None] | None = None,
 ) -> list[Generation]:
     """Left-pad a batch of prompt ids and generate (greedy when temperature == 0); on_tokens(n) hears

@@ -120,11 +120,12 @@ class OpenAIClient:
         base_url: str,
         model: str | None = None,
         api_key: str | None = None,
-        timeout_s: float = 600.0,
-        max_retries: int = 4,
-        backoff_base_s: float = 1.0,
+        *,
+        timeout_s: float,
+        max_retries: int,
+        backoff_base_s: float,
+        request_token_ids: bool,
         sampling: dict[str, Any] | None = None,
-        request_token_ids: bool = True,
     ):
         self.base_url = normalize_base_url(base_url)
         self.model = model

@@ -515,6 +515,7 @@ class VllmServerBackend(OpenAIChatBackend):
                 max_retries=settings.max_retries,
                 backoff_base_s=settings.backoff_s,
                 sampling=settings.sampling(),
+                request_token_ids=settings.request_token_ids,
             )
             client.check()
         except BaseException:

@@ -35,8 +35,10 @@ from typing import Any
 
 from safetensors import safe_open
 
+from draftsmith.core.kinds import kind, kind_of_export
+from draftsmith.core.methods import FREE_METHODS
+
 EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
-FREE_METHODS = ("ngram", "suffix")  # what the engine serves without a drafter model
 
 FORMULA = (
     "projected speedup = tokens per target forward at k x t_plain / t_step(method, k); t_forward = overhead + "
@@ -104,12 +106,14 @@ class ModelCost:
 
 @dataclass(frozen=True)
 class ServingPoint:
+    """One point of evaluate.serving (`serving_points` builds them; the schema holds the defaults)."""
+
     device: Device
     concurrency: int
     context_tokens: float
-    tensor_parallel: int = 1
-    bytes_per_parameter: float = 2.0
-    lookup_us: float = 20.0  # a free method's lookup, per request and step (CPU side)
+    tensor_parallel: int
+    bytes_per_parameter: float
+    lookup_us: float  # a free method's lookup, per request and step (CPU side)
 
 
 def forward_seconds(model: ModelCost, point: ServingPoint, tokens_per_sequence: float) -> float:
@@ -231,7 +235,7 @@ def kv_elements_per_token(config: dict) -> float:
     return layers * 2 * kv_heads * head_dim
 
 
-def target_cost(target_path: str | Path, bytes_per_parameter: float = 2.0) -> ModelCost:
+def target_cost(target_path: str | Path, bytes_per_parameter: float) -> ModelCost:
     """The target's forward: its weights by name (the embedding is not read, only a few rows; the
     lm_head is, or the tied embedding in its place), routed experts apart."""
     from draftsmith.core.target import text_config_dict
@@ -256,7 +260,7 @@ def target_cost(target_path: str | Path, bytes_per_parameter: float = 2.0) -> Mo
     )
 
 
-def drafter_cost(export_dir: str | Path, bytes_per_parameter: float = 2.0) -> ModelCost:
+def drafter_cost(export_dir: str | Path, bytes_per_parameter: float) -> ModelCost:
     """One drafter pass of an export: everything but the vocabulary maps and the target's embedding
     that speculators' format carries; its one layer's KV cache."""
     import json
@@ -266,22 +270,18 @@ def drafter_cost(export_dir: str | Path, bytes_per_parameter: float = 2.0) -> Mo
     config = json.loads((Path(export_dir) / "config.json").read_text(encoding="utf-8"))
     layers = int(config.get("num_hidden_layers") or 1)
     kv = kv_elements_per_token({**config, "num_hidden_layers": layers}) if config.get("hidden_size") else 0.0
-    return ModelCost(params, 0.0, 1.0, kv * bytes_per_parameter, layers, drafting_of(config))
-
-
-def drafting_of(config: dict[str, Any]) -> str:
-    """How an export drafts (ModelCost.drafting), from what vLLM reads: a DFlash architecture drafts a
-    block, a mask token id means parallel drafting (P-EAGLE), else a chain."""
-    if any(str(a).startswith("DFlash") for a in config.get("architectures") or []):
-        return "block"
-    if config.get("mask_token_id", config.get("pard_token")) is not None:
-        return "parallel"
-    return "chain"
+    return ModelCost(
+        params, 0.0, 1.0, kv * bytes_per_parameter, layers, kind(kind_of_export(config)).drafting
+    )
 
 
 def serving_points(serving: dict[str, Any], context_tokens: float) -> list[ServingPoint]:
-    """evaluate.serving -> one point per concurrency (the first is the one the verdict decides at).
-    A preset device's figures are replaced by those the settings give."""
+    """evaluate.serving (the schema's defaults under the keys it gives) -> one point per concurrency (the
+    first is the one the verdict decides at). A preset device's figures are replaced by those the settings
+    give."""
+    from draftsmith.core.settings import schema_default
+
+    serving = {**schema_default("evaluate.serving"), **serving}
     name = serving["device"]
     if name not in DEVICES:
         raise ValueError(f"evaluate.serving.device: unknown device {name!r}; known: {', '.join(DEVICES)}")
@@ -303,9 +303,9 @@ def serving_points(serving: dict[str, Any], context_tokens: float) -> list[Servi
             device=device,
             concurrency=int(b),
             context_tokens=float(context),
-            tensor_parallel=int(serving.get("tensor_parallel") or 1),
-            bytes_per_parameter=float(serving.get("bytes_per_parameter") or 2.0),
-            lookup_us=float(serving.get("lookup_us") or 0.0),
+            tensor_parallel=int(serving["tensor_parallel"]),
+            bytes_per_parameter=float(serving["bytes_per_parameter"]),
+            lookup_us=float(serving["lookup_us"]),
         )
         for b in serving["concurrency"]
     ]

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
@@ -37,7 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from draftsmith.core.target import text_config
+from draftsmith.core.kinds import KINDS, LEGACY_KIND, drafter_param_count, kind, new_drafter
+from draftsmith.core.settings import schema_default
+from draftsmith.core.target import TargetHead, text_config
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +56,7 @@ SHAPE_KEYS = (
 # The drafter rotates its whole head by 1-D token positions, whatever the target's layers do.
 TARGET_ONLY_ROPE_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
 LAYER_INITS = ("fan_in", "normal")
-# What a drafter is (train.drafter.kind): EAGLE-3 drafts k tokens in k chained passes; EAGLE 3.1 is the
-# same with each aux state normalised before the fusion and the post-norm state fed back (vLLM's `fc_norm`
-# and `norm_output` flags); P-EAGLE drafts all k in one pass (mask tokens after the first, vLLM's
-# `parallel_drafting`); DFlash is its own model (core/dflash.py): one pass over a block of mask tokens.
-KINDS = ("eagle3", "eagle3.1", "peagle", "dflash")
+# What a drafter is (train.drafter.kind): one record each in core/kinds.py.
 # Keys of the `train.drafter` section that are not the layer's shape.
 KIND_KEYS = ("kind", "num_layers", "mask_token_id")
 MLA_HEAD_DIM = 128  # published MLA-target drafters (Kimi-K2.5): Llama-style heads of 128
@@ -76,28 +75,28 @@ class DrafterConfig:
     target_hidden_size: int
     target_vocab_size: int
     draft_vocab_size: int
+    kind: str  # a key of core/kinds.KINDS (train.drafter.kind)
     num_aux: int = 3
     # transformers' rope_parameters without rope_theta: {"rope_type": "llama3", "factor": 8.0, ...};
     # None = plain RoPE
     rope_scaling: dict[str, Any] | None = None
-    kind: str = "eagle3"  # one of KINDS (checkpoints written before kinds existed are EAGLE-3)
     num_layers: int = 1
     mask_token_id: int | None = None  # the token of the mask slots (peagle, dflash)
 
     @property
     def fc_norm(self) -> bool:
         """EAGLE 3.1: an RMSNorm on each aux state before `fc`."""
-        return self.kind == "eagle3.1"
+        return kind(self.kind).norms
 
     @property
     def norm_output(self) -> bool:
         """EAGLE 3.1: the post-norm state is the recurrent one (vLLM's `norm_output`)."""
-        return self.kind == "eagle3.1"
+        return kind(self.kind).norms
 
     @property
     def parallel(self) -> bool:
         """All k drafts in one drafter pass (P-EAGLE, DFlash) rather than k chained ones."""
-        return self.kind in ("peagle", "dflash")
+        return kind(self.kind).masked
 
     @classmethod
     def from_target(
@@ -114,8 +113,9 @@ class DrafterConfig:
         unknown = sorted(set(shape) - set(SHAPE_KEYS) - set(KIND_KEYS))
         if unknown:
             raise ValueError(f"train.drafter: unknown keys {unknown}; known: {list(SHAPE_KEYS + KIND_KEYS)}")
+        name = shape.pop("kind", None) or schema_default("train.drafter.kind")
         kind_fields = kind_settings(
-            shape.pop("kind", None), shape.pop("num_layers", None), shape.pop("mask_token_id", None), text
+            name, shape.pop("num_layers", None), shape.pop("mask_token_id", None), text
         )
         dims = derived_shape(text)
         dims.update({k: v for k, v in shape.items() if v is not None})
@@ -148,31 +148,34 @@ class DrafterConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> DrafterConfig:
+        """From `to_dict`'s output (an export's draftsmith block, a checkpoint); one written before kinds
+        existed has no kind and is EAGLE-3."""
+        return cls(**{"kind": LEGACY_KIND, **fields})
+
     def rope_parameters(self) -> dict[str, Any]:
         """transformers / vLLM `rope_parameters` of this drafter."""
         return {"rope_theta": self.rope_theta, "rope_type": "default", **(self.rope_scaling or {})}
 
 
-def kind_settings(
-    kind: str | None, num_layers: int | None, mask_token_id: int | None, text: Any
-) -> dict[str, Any]:
+def kind_settings(name: str, num_layers: int | None, mask_token_id: int | None, text: Any) -> dict[str, Any]:
     """The kind fields of a DrafterConfig from the `train.drafter` keys (None = derived): one layer; the
     mask token of parallel kinds is the target vocabulary's last id (rarely a real next token; only its
     frozen embedding row is read: the learnt part of a mask slot is `mask_hidden` / the layers)."""
-    kind = kind or "eagle3"
-    if kind not in KINDS:
-        raise ValueError(f"train.drafter.kind={kind!r} must be one of {list(KINDS)}")
+    record = kind(name)
     layers = num_layers or 1
-    if layers != 1 and kind != "dflash":
+    if layers != 1 and not record.layers:
+        stacked = [k.name for k in KINDS.values() if k.layers]
         raise ValueError(
-            f"train.drafter.num_layers={layers}: the EAGLE kinds train one layer here; more are for dflash"
+            f"train.drafter.num_layers={layers}: {name} trains one layer here; more are for {stacked}"
         )
     mask = None
-    if kind in ("peagle", "dflash"):
+    if record.masked:
         mask = int(text.vocab_size) - 1 if mask_token_id is None else int(mask_token_id)
         if not 0 <= mask < int(text.vocab_size):
             raise ValueError(f"train.drafter.mask_token_id={mask} is outside the target vocabulary")
-    return {"kind": kind, "num_layers": layers, "mask_token_id": mask}
+    return {"kind": name, "num_layers": layers, "mask_token_id": mask}
 
 
 def is_mla(config: Any) -> bool:
@@ -248,7 +251,8 @@ def param_count(cfg: DrafterConfig) -> int:
         2 * H * d * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) + cfg.num_attention_heads * d * H
     )
     mlp = 3 * H * cfg.intermediate_size
-    kind_extra = cfg.num_aux * cfg.target_hidden_size if cfg.fc_norm or cfg.kind == "peagle" else 0
+    # EAGLE 3.1's fc_norm weights, or P-EAGLE's mask_hidden: one [A x Ht] vector either way
+    kind_extra = cfg.num_aux * cfg.target_hidden_size if cfg.fc_norm or cfg.parallel else 0
     return fc + attn + mlp + 4 * H + cfg.draft_vocab_size * H + kind_extra
 
 
@@ -566,7 +570,7 @@ class Eagle3Drafter(DraftHead, nn.Module):
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
-        if cfg.kind not in ("eagle3", "eagle3.1", "peagle"):
+        if kind(cfg.kind).load("model") is not Eagle3Drafter:
             raise ValueError(f"Eagle3Drafter cannot be a {cfg.kind!r} drafter")
         self.cfg = cfg
         self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
@@ -574,7 +578,7 @@ class Eagle3Drafter(DraftHead, nn.Module):
             self.fc_norm = nn.ModuleList(
                 RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(cfg.num_aux)
             )
-        if cfg.kind == "peagle":  # vLLM: mask_hidden [1, A*Ht]; small draw so mask slots start distinct
+        if cfg.parallel:  # P-EAGLE; vLLM: mask_hidden [1, A*Ht]; small draw so mask slots start distinct
             self.mask_hidden = nn.Parameter(torch.randn(1, cfg.num_aux * cfg.target_hidden_size) * 0.02)
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -603,3 +607,44 @@ class Eagle3Drafter(DraftHead, nn.Module):
         output), positions [B, T] -> (draft logits [B, T, Vd], recurrent hidden [B, T, H])."""
         prenorm = self.midlayer(embeds, hidden, positions, kv)
         return self.lm_head(self.norm(prenorm)), self.recurrent(prenorm)
+
+
+class DrafterInit(Protocol):
+    """The settings a drafter's initial weights follow (train.TrainSettings has them)."""
+
+    seed: int
+    drafter: dict[str, Any]
+    layer_init: str
+    head_init: str
+
+
+def build_drafter(
+    target: TargetHead,
+    d2t: Tensor,
+    t2d: Tensor,
+    num_aux: int,
+    settings: DrafterInit,
+    device: torch.device | str,
+) -> tuple[nn.Module, Tensor, Tensor]:
+    """-> (the drafter of the kind settings.drafter names at its initial weights, in train mode; the frozen
+    target embedding [V, Ht]; the teacher weight [Vd, Ht] = the target's lm_head rows of the draft ids),
+    on device.
+
+    The initial weights are a function of settings.seed: every data-parallel rank builds the same
+    drafter. settings.drafter shapes it; layer_init "normal" draws every linear N(0, 0.02), "fan_in" keeps
+    torch's default U(+-1/sqrt(fan_in)); head_init "target" then copies lm_head rows and the final norm
+    from the target, "random" keeps the drafter's own draw (SpecForge)."""
+    cfg = DrafterConfig.from_target(target.config, d2t.numel(), num_aux, settings.drafter)
+    log.info("drafter: %s, %.1f M parameters", describe(cfg), drafter_param_count(cfg) / 1e6)
+    random.seed(settings.seed)
+    torch.manual_seed(settings.seed)
+    drafter = new_drafter(cfg)
+    if settings.layer_init != "normal":  # the constructor's draw is "normal"
+        drafter.init_linears(settings.layer_init)
+    drafter.set_vocab_map(d2t, t2d)
+    if settings.head_init == "target":
+        drafter.init_from_target(target.lm_head, target.norm)
+    drafter.to(device).train()
+    embed = target.embed.to(device)  # frozen, not part of the drafter
+    draft_ids = torch.arange(cfg.draft_vocab_size) + d2t  # target id of each draft id
+    return drafter, embed, target.lm_head[draft_ids].to(device)

@@ -9,6 +9,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from draftsmith.core.kinds import kind, kind_of_export
+from draftsmith.core.methods import METHODS
+
 ENGINES = ("vllm", "sglang", "speculators")
 # the layer-id convention each engine applies to the aux ids it reads
 ENGINE_CONVENTIONS = {"vllm": "input", "sglang": "output", "speculators": "input"}
@@ -32,25 +35,15 @@ def draft_positions_warning(num_draft_tokens: int, ttt_steps: int | None) -> str
     )
 
 
-# what vLLM must be told beside a drafter of each kind (train.drafter.kind) that plain eagle3 does not say
-KIND_FIELDS: dict[str, dict[str, Any]] = {
-    "dflash": {"method": "dflash"},
-    "peagle": {"parallel_drafting": True},
-}
-
-
 def drafting_fields(drafter: str | Path) -> dict[str, Any]:
-    """What vLLM must be told beside a trained drafter's folder, read from its config.json: a DFlash
-    export is served by method dflash; a P-EAGLE one (a mask token id) with parallel drafting (vLLM would
-    otherwise chain it as EAGLE-3). A folder not written yet (serve commands in a model card) says nothing."""
+    """What vLLM must be told beside a trained drafter's folder: its kind's `vllm_fields`, the kind read
+    from its config.json (`kind_of_export`): a DFlash export is served by method dflash, a P-EAGLE one with
+    parallel drafting (vLLM would otherwise chain it as EAGLE-3). A folder not written yet (serve commands
+    in a model card) says nothing."""
     path = Path(drafter) / "config.json"
     if not path.is_file():
         return {}
-    config = json.loads(path.read_text(encoding="utf-8"))
-    if any(str(a).startswith("DFlash") for a in config.get("architectures") or []):
-        return KIND_FIELDS["dflash"]
-    parallel = config.get("mask_token_id", config.get("pard_token")) is not None
-    return KIND_FIELDS["peagle"] if parallel else {}
+    return dict(kind(kind_of_export(json.loads(path.read_text(encoding="utf-8")))).vllm_fields)
 
 
 def speculative_config(
@@ -59,37 +52,42 @@ def speculative_config(
     num_speculative_tokens: int,
     method_settings: dict[str, Any] | None = None,
 ) -> dict[str, Any] | None:
-    """vLLM's speculative_config for a method: eagle3 (a trained drafter's folder, served as its export
-    says: `drafting_fields`), dflash, ngram (method_settings:
-    the lookup's min and max n-gram length), suffix (method_settings: evaluate.suffix_decoding's keys,
-    written as vLLM's suffix_decoding_* fields), or None (plain)."""
-    settings = method_settings or {}
+    """vLLM's speculative_config for a method of core/methods.py at draft length k (its record's
+    `vllm_config`; `method_settings`: a free method's own settings, the schema's defaults filled in), or
+    None (plain)."""
     if method is None:
         return None
-    if method == "eagle3":
-        if not drafter:
-            raise ValueError("method 'eagle3' needs a drafter folder")
-        return {
-            "method": "eagle3",
-            "model": str(drafter),
-            "num_speculative_tokens": num_speculative_tokens,
-            **drafting_fields(drafter),
-        }
-    if method == "dflash":  # a DFlash export (core/export_formats/vllm_dflash.py)
-        if not drafter:
-            raise ValueError("method 'dflash' needs a drafter folder")
-        return {"method": "dflash", "model": str(drafter), "num_speculative_tokens": num_speculative_tokens}
-    if method == "ngram":
-        return {
-            "method": "ngram",
-            "num_speculative_tokens": num_speculative_tokens,
-            "prompt_lookup_min": int(settings.get("min", 2)),
-            "prompt_lookup_max": int(settings.get("max", 4)),
-        }
-    if method == "suffix":
-        return {
-            "method": "suffix",
-            "num_speculative_tokens": num_speculative_tokens,  # a maximum: it drafts what its tree supports
-            **{f"suffix_decoding_{key}": value for key, value in sorted(settings.items())},
-        }
-    raise ValueError(f"unknown speculative method {method!r}; expected eagle3, dflash, ngram, suffix or None")
+    if method not in METHODS or METHODS[method].vllm is None:
+        served = [k for k, m in METHODS.items() if m.vllm]
+        raise ValueError(f"unknown speculative method {method!r}; expected one of {served} or None")
+    return METHODS[method].vllm_config(drafter, num_speculative_tokens, method_settings or {})
+
+
+def drafter_config(drafter: str | None, k: int, settings: dict[str, Any]) -> dict[str, Any]:
+    """A drafter's: its export folder, served as its kind says (`drafting_fields`: a DFlash export by
+    method dflash, a P-EAGLE one with parallel drafting)."""
+    if not drafter:
+        raise ValueError("a drafter method needs a drafter folder")
+    return {
+        "method": "eagle3",
+        "model": str(drafter),
+        "num_speculative_tokens": k,
+        **drafting_fields(drafter),
+    }
+
+
+def ngram_config(drafter: str | None, k: int, settings: dict[str, Any]) -> dict[str, Any]:
+    """n-gram lookup's: the lookup's min and max n-gram length (evaluate.ngram_lookup)."""
+    return {
+        "method": "ngram",
+        "num_speculative_tokens": k,
+        "prompt_lookup_min": int(settings["min"]),
+        "prompt_lookup_max": int(settings["max"]),
+    }
+
+
+def suffix_config(drafter: str | None, k: int, settings: dict[str, Any]) -> dict[str, Any]:
+    """Suffix decoding's: evaluate.suffix_decoding's keys as vLLM's suffix_decoding_* fields; k is a
+    maximum (it drafts what its tree supports)."""
+    fields = {f"suffix_decoding_{key}": value for key, value in sorted(settings.items())}
+    return {"method": "suffix", "num_speculative_tokens": k, **fields}

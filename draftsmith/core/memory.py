@@ -30,6 +30,7 @@ from typing import Any
 from draftsmith.core.context import sequence_tokens
 from draftsmith.core.cost import DEVICES
 from draftsmith.core.devices import heads_error, server_arg
+from draftsmith.core.methods import METHODS
 
 GB = 1e9  # what the tables print (the figures the issue and vendors quote)
 GIB = 2**30
@@ -162,7 +163,7 @@ def activation_bytes(
     tokens: int,
     seq_len: int,
     steps: int,
-    checkpoint_ttt: bool = False,
+    checkpoint_ttt: bool,
     p_bytes: int = 2,
     coefficients: Coefficients | None = None,
 ) -> float:
@@ -221,9 +222,9 @@ def train_memory(
     max_seq_len: int,
     world: int,
     ttt_steps: int,
-    micro_batch_tokens: int = 0,
-    checkpoint_ttt: bool = False,
-    lk_loss: str = "none",
+    micro_batch_tokens: int,
+    checkpoint_ttt: bool,
+    lk_loss: str,
     cuda: bool = True,
     coefficients: Coefficients | None = None,
     share_tokens: int | None = None,
@@ -568,7 +569,7 @@ def engine_layout(
     seq_len: int,
     utilization: float,
     memory: float | None,
-    tensor_parallel: int = 0,
+    tensor_parallel: int,
     in_flight: int = 1,
     state_bytes_per_token: float = 0.0,
     expert_parallel_ok: bool = False,
@@ -816,9 +817,9 @@ def plan(
             max_seq_len=int(tr["max_seq_len"]),
             world=world,
             ttt_steps=int(tr["ttt_steps"]),
-            micro_batch_tokens=int(res["train"].get("micro_batch_tokens", 0)),
-            checkpoint_ttt=bool(res["train"].get("checkpoint_ttt", False)),
-            lk_loss=str(tr.get("lk_loss", "none")),
+            micro_batch_tokens=int(res["train"]["micro_batch_tokens"]),
+            checkpoint_ttt=bool(res["train"]["checkpoint_ttt"]),
+            lk_loss=str(tr["lk_loss"]),
             coefficients=coefficients,
             share_tokens=share_tokens,
         )
@@ -1003,7 +1004,7 @@ def evaluation_engines(config: dict[str, Any]) -> dict[str, int]:
     drafter never runs in vLLM), each with the re-measures of a shorter chosen k that may follow: per
     method at most one per held-out set and per shorter k."""
     ev = config["evaluate"]
-    free = int(bool(ev.get("ngram"))) + int(bool(ev.get("suffix")))
+    free = sum(bool(ev.get(m.measure)) for m in METHODS.values() if m.free and m.measure)
     k = int(ev["num_draft_tokens"])
     sets = max(1, len(ev.get("heldout_sets") or {}))
     again = min(sets, k - 1) if ev.get("remeasure_chosen_k") and ev.get("serving") else 0

@@ -19,6 +19,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from draftsmith.core.kinds import LEGACY_KIND, kind
 from draftsmith.core.methods import method, ordered
 
 CARD_NAME = "README.md"
@@ -53,20 +54,10 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
-# the card's name for each drafter kind (train.drafter.kind) and its Hub tag
-KIND_NAMES = {
-    "eagle3": "EAGLE-3",
-    "eagle3.1": "EAGLE 3.1",
-    "peagle": "P-EAGLE (parallel drafting)",
-    "dflash": "DFlash",
-}
-KIND_TAGS = {"eagle3": "eagle3", "eagle3.1": "eagle3", "peagle": "p-eagle", "dflash": "dflash"}
-
-
 def drafter_kind(summary: dict[str, Any]) -> str:
     """The trained drafter's kind, from the training settings its export recorded (EAGLE-3 before kinds)."""
     training = (summary.get("provenance") or {}).get("training") or {}
-    return ((training.get("settings") or {}).get("drafter") or {}).get("kind") or "eagle3"
+    return ((training.get("settings") or {}).get("drafter") or {}).get("kind") or LEGACY_KIND
 
 
 def metadata(summary: dict[str, Any], engine: str) -> str:
@@ -77,7 +68,7 @@ def metadata(summary: dict[str, Any], engine: str) -> str:
     data = ModelCardData(
         base_model=base_model(target),
         library_name=LIBRARIES[engine],
-        tags=[KIND_TAGS[drafter_kind(summary)], "speculative-decoding", "draft-model", "draftsmith", engine],
+        tags=[kind(drafter_kind(summary)).tag, "speculative-decoding", "draft-model", "draftsmith", engine],
         pipeline_tag="text-generation",
     )
     return data.to_yaml()
@@ -297,28 +288,26 @@ def verdict_config(
     choice: dict[str, Any],
     drafter: str,
     settings: dict[str, Any] | None,
-    kind: str = "eagle3",
+    kind_name: str,
     schedule: list[list[int]] | None = None,
 ) -> dict[str, Any] | None:
-    """vLLM's speculative_config for what a set's verdict deploys (None: no speculation); `kind`: the
-    trained drafter's, which says how vLLM serves it where `drafter` is not a folder here (a Hub id);
+    """vLLM's speculative_config for what a set's verdict deploys (None: no speculation); `kind_name`:
+    the trained drafter's kind, which says how vLLM serves it where `drafter` is not a folder here (a Hub id);
     `schedule`: the serving policy's num_speculative_tokens_per_batch_size (draftsmith.core.policy),
     carried where it has more than one range (vLLM caps each range's k at num_speculative_tokens)."""
-    from draftsmith.core.engines import KIND_FIELDS, speculative_config
-    from draftsmith.core.settings import schema_default
+    from draftsmith.core.engines import speculative_config
 
     if choice.get("method") in (None, "plain") or not choice.get("k"):
         return None
+    # the settings the measurement used (a free method's; the schema's defaults under them)
     own = dict((settings or {}).get(choice["method"]) or {})
-    if choice["method"] == "suffix":  # serve with the cross-request cache the measurement used
-        own.setdefault("max_cached_requests", schema_default("evaluate.suffix_decoding.max_cached_requests"))
     config = speculative_config(choice["method"], drafter, choice["k"], own)
     if config is None:
         return None
     if schedule and len(schedule) > 1:
         config["num_speculative_tokens"] = max(choice["k"], *(k for *_, k in schedule))
         config["num_speculative_tokens_per_batch_size"] = schedule
-    return {**config, **KIND_FIELDS.get(kind, {})} if choice["method"] == "eagle3" else config
+    return {**config, **kind(kind_name).vllm_fields} if choice["method"] == "eagle3" else config
 
 
 def set_policy(summary: dict[str, Any], heldout: str) -> dict[str, Any] | None:
@@ -449,11 +438,11 @@ def render_card(summary: dict[str, Any], engine: str, folders: dict[str, str], t
     data, vocabulary and training, and the serve commands (`folders`: engine -> the folder or Hub id of
     each export; `target`: what to serve the target from)."""
     name = Path(str((summary.get("provenance") or {}).get("target", {}).get("path") or target)).name
-    kind = KIND_NAMES[drafter_kind(summary)]
+    name_of_kind = kind(drafter_kind(summary)).card_name
     intro = [
-        f"# {kind} drafter for {name} ({ENGINE_NAMES[engine]} export)",
+        f"# {name_of_kind} drafter for {name} ({ENGINE_NAMES[engine]} export)",
         "",
-        f"A speculative-decoding ({kind}) drafter trained by draftsmith for `{name}`, in the form "
+        f"A speculative-decoding ({name_of_kind}) drafter trained by draftsmith for `{name}`, in the form "
         f"{ENGINE_NAMES[engine]} loads. Before anyone deploys it, it was measured on held-out prompts against "
         "what costs nothing: the engine's free methods (n-gram lookup, suffix decoding) and the untrained drafter.",
         "",

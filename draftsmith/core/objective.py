@@ -174,7 +174,7 @@ class Objective:
     lk_loss: str  # "none": soft cross-entropy; "alpha" / "lambda": the LK losses (see `ttt_loss`)
     lk_kl_scale: float
     lk_kl_decay: float
-    checkpoint_ttt: bool = False  # activation checkpointing per TTT step (memory, not results)
+    checkpoint_ttt: bool  # activation checkpointing per TTT step (memory, not results)
 
     @classmethod
     def from_settings(
@@ -301,7 +301,7 @@ def ttt_loss(
         hidden = drafter.fuse(batch.aux.float())  # [B, T, H]
         if checkpointed and steps > 1:
             kv.ensure_bias(T, hidden.dtype, device)  # shared by every step's recomputation
-        parallel = drafter.cfg.kind == "peagle"
+        parallel = drafter.cfg.parallel  # P-EAGLE (the one parallel kind of this layer)
         if parallel:  # steps j >= 1 are mask slots: the mask token and fuse(mask_hidden), no recurrence
             assert drafter.cfg.mask_token_id is not None  # a peagle config has one
             mask_ids = torch.full_like(batch.input_ids, drafter.cfg.mask_token_id)  # [B, T]

@@ -25,18 +25,15 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from draftsmith.core.cost import (
-    FREE_METHODS,
-    ModelCost,
-    ServingPoint,
-    draft_length_options,
-    projected_speedup,
-)
+from draftsmith.core.cost import ModelCost, ServingPoint, draft_length_options, projected_speedup
+from draftsmith.core.kinds import KINDS
+from draftsmith.core.methods import DRAFTED, FREE_METHODS, METHODS
+from draftsmith.core.methods import method as method_record
 
-DRAFTED = "eagle3"  # cost.step_seconds' kind for a trained drafter: drafts as its shape says
-DRAFTING_SHAPES = ("chain", "parallel", "block")  # EAGLE-3 (k passes), P-EAGLE, DFlash (one pass each)
-SCHEDULED = (DRAFTED, "ngram")  # what vLLM serves with a per-batch-size k; suffix: a static k only
-UNSERVED = ("untrained", "hybrid")  # a control and an offline-only projection: never in a policy
+# the kinds' drafting shapes: EAGLE-3 (k passes), P-EAGLE, DFlash (one pass each)
+DRAFTING_SHAPES = tuple(dict.fromkeys(k.drafting for k in KINDS.values()))
+SCHEDULED = tuple(k for k, m in METHODS.items() if m.per_batch_k)  # suffix: vLLM serves a static k only
+UNSERVED = tuple(k for k, m in METHODS.items() if not m.served)  # a control, an offline-only projection
 TOLERANCE = 1e-4  # of the break-even acceptance
 
 
@@ -139,8 +136,8 @@ def drafter_room(
 
 
 def method_kind(key: str, method: dict[str, Any]) -> str:
-    """A measured method's kind as the cost model reads it (results before kinds: ngram or a drafter)."""
-    return method.get("kind") or ("ngram" if key == "ngram" else DRAFTED)
+    """A measured method's kind as the cost model reads it (results before kinds: its record's)."""
+    return method.get("kind") or method_record(key).cost or DRAFTED
 
 
 def methods_at_k(results: dict[str, Any], drafters: dict[str, ModelCost]) -> dict[str, dict[str, Any]]:

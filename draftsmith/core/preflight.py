@@ -26,11 +26,10 @@ from draftsmith.core.cost import (
     draft_length_options,
     kv_elements_per_token,
 )
+from draftsmith.core.kinds import kind
 from draftsmith.core.memory import drafter_shape
 from draftsmith.core.policy import drafter_room
-
-# how each drafter kind drafts k tokens (cost.ModelCost.drafting), before there is an export to read it from
-KIND_DRAFTING = {"eagle3": "chain", "eagle3.1": "chain", "peagle": "parallel", "dflash": "block"}
+from draftsmith.core.settings import schema_default
 
 
 def planned_drafter_cost(
@@ -43,15 +42,16 @@ def planned_drafter_cost(
     aux = plan.get("aux_layers")
     config = {"train": {"drafter": drafter}, "vocab": {"size": plan["vocab_size"]}}
     shape = drafter_shape(config, target_config, len(aux) if aux else 3)
-    kind = drafter.get("kind") or "eagle3"
-    layers = int(drafter.get("num_layers") or 1) if kind == "dflash" else 1
+    # how its kind drafts k tokens (cost.ModelCost.drafting), before there is an export to read it from
+    record = kind(drafter.get("kind") or schema_default("train.drafter.kind"))
+    layers = int(drafter.get("num_layers") or 1) if record.layers else 1
     kv = kv_elements_per_token({
         "num_hidden_layers": layers, "num_attention_heads": shape.num_attention_heads,
         "num_key_value_heads": shape.num_key_value_heads, "head_dim": shape.head_dim,
         "hidden_size": shape.hidden_size,
     })  # fmt: skip
     params = float(shape.params()) * layers  # DFlash: the layer's weights once per layer (an estimate)
-    return ModelCost(params, 0.0, 1.0, kv * bytes_per_parameter, layers, KIND_DRAFTING[kind])
+    return ModelCost(params, 0.0, 1.0, kv * bytes_per_parameter, layers, record.drafting)
 
 
 def free_best(

@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from draftsmith.core.cost import (
-    FREE_METHODS,
     ModelCost,
     ServingPoint,
     best_draft_length,
@@ -26,6 +25,7 @@ from draftsmith.core.cost import (
     draft_length_options,
     speedup_factor,
 )
+from draftsmith.core.methods import FREE_METHODS
 from draftsmith.core.policy import (
     ceiling,
     drafter_room,

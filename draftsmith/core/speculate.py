@@ -55,6 +55,7 @@ from torch import Tensor, nn
 
 from draftsmith.core.chat import eos_token_ids
 from draftsmith.core.drafter import CacheKV, Eagle3Drafter
+from draftsmith.core.kinds import drafter_proposer
 from draftsmith.core.layers import capture_aux, stack_aux
 
 # ----------------------------------------------------------------------------- pure index logic
@@ -423,9 +424,14 @@ def ngram_propose(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list
 class NgramProposer:
     """n-gram prompt lookup (vLLM's `ngram` method) as a Proposer: no model, no aux states."""
 
-    def __init__(self, min_n: int = 2, max_n: int = 4):
+    def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
         self.tokens: list[int] = []
+
+    @classmethod
+    def from_settings(cls, lookup: dict[str, Any]) -> NgramProposer:
+        """From evaluate.ngram_lookup (min, max: vLLM's prompt_lookup_min / prompt_lookup_max)."""
+        return cls(int(lookup["min"]), int(lookup["max"]))
 
     def reset(self, prompt_ids: Sequence[int] = ()) -> None:
         self.tokens = [int(t) for t in prompt_ids]
@@ -451,10 +457,10 @@ class SuffixProposer:
 
     def __init__(
         self,
-        max_tree_depth: int = 24,
-        max_spec_factor: float = 1.0,
-        min_token_prob: float = 0.1,
-        max_cached_requests: int = 0,
+        max_tree_depth: int,
+        max_spec_factor: float,
+        min_token_prob: float,
+        max_cached_requests: int,
     ):
         from arctic_inference.suffix_decoding import SuffixDecodingCache
 
@@ -469,6 +475,11 @@ class SuffixProposer:
         self.tokens: list[int] = []
         self.prompt_len = 0
         self.request = 0
+
+    @classmethod
+    def from_settings(cls, suffix_decoding: dict[str, Any]) -> SuffixProposer:
+        """From evaluate.suffix_decoding (its keys are this class's arguments, as vLLM's suffix_decoding_*)."""
+        return cls(**suffix_decoding)
 
     def reset(self, prompt_ids: Sequence[int] = ()) -> None:
         if self.request in self.cache.active_requests:
@@ -569,7 +580,7 @@ def sample_decode(
     input_ids: Tensor,
     max_new_tokens: int,
     eos_ids: Iterable[int] | int | None,
-    temperature: float = 0.0,
+    temperature: float,
     generator: torch.Generator | None = None,
 ) -> list[int]:
     """Plain decoding, one token per target forward: greedy at temperature 0, else sampling from
@@ -622,7 +633,7 @@ def speculative_decode(
     max_new_tokens: int,
     num_draft_tokens: int,
     eos_ids: Iterable[int] | int | None,
-    temperature: float = 0.0,
+    temperature: float,
     generator: torch.Generator | None = None,
     draft_sampling: str = "greedy",
 ) -> SpecResult:
@@ -643,8 +654,7 @@ def speculative_decode(
     if isinstance(drafter, Eagle3Drafter):
         if embed is None:
             raise ValueError("an Eagle3Drafter needs the target's input embedding (embed)")
-        eagle = PEagleProposer if drafter.cfg.kind == "peagle" else Eagle3Proposer
-        proposer: Proposer = eagle(drafter, embed)
+        proposer: Proposer = drafter_proposer(drafter, embed)  # as vLLM serves its kind
     else:
         proposer = drafter
     seq = [int(t) for t in input_ids[0].tolist()]

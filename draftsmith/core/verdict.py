@@ -33,24 +33,16 @@ from typing import Any
 
 from draftsmith.core.checks import Check
 from draftsmith.core.engines import ENGINE_CONVENTIONS, draft_positions_warning, trained_ttt_steps
-from draftsmith.core.methods import method
+from draftsmith.core.methods import FREE_METHODS, METHODS, PLAIN, method
 from draftsmith.core.projection import chosen, method_counts
 from draftsmith.core.settings import SchemaSettings, from_schema, schema_spec
 from draftsmith.core.stats import bootstrap_ratio, paired_difference
 
 # every check that evaluate.gate can make blocking, with its default mode (the schema's)
 DEFAULT_MODES = {name: spec["default"] for name, spec in schema_spec("evaluate.gate")["properties"].items()}
-ACTIONS = (
-    "deploy drafter",
-    "deploy suffix decoding",
-    "deploy n-gram",
-    "no speculation",
-    "more data",
-    "train longer",
-    "contract broken",
-)
-DEPLOY_ACTION = {"eagle3": "deploy drafter", "suffix": "deploy suffix decoding", "ngram": "deploy n-gram",
-                 "plain": "no speculation"}  # fmt: skip
+# what deploys each servable method (its record's `deploy`), plain decoding's "no speculation" last
+DEPLOY_ACTION = {m.key: m.deploy for m in (*METHODS.values(), PLAIN) if m.deploy}
+ACTIONS = (*DEPLOY_ACTION.values(), "more data", "train longer", "contract broken")
 FIGURE = "tokens per target forward"
 # per-prompt counts (numerator, denominator) of the judged figure and of vLLM's tau - 1
 PER_FORWARD = ("tokens", "forwards")
@@ -180,7 +172,7 @@ def check_beats_free(
         f"(evaluate.gate.beats_free: {mode})"
     )
     methods = (projection or {}).get("methods", {})
-    free = {k: p for k, p in methods.items() if p["kind"] in ("ngram", "suffix")}
+    free = {k: p for k, p in methods.items() if p["kind"] in FREE_METHODS}
     if "eagle3" not in methods or not free:
         missing = "the trained drafter" if "eagle3" not in methods else "no free method"
         return Check(name, "skip", f"{missing} measured with per-prompt counts", threshold,

@@ -258,7 +258,7 @@ def project_sets(
     from draftsmith.core.cost import drafter_cost, serving_points, target_cost
     from draftsmith.core.policy import concurrency_grid
 
-    bytes_per = float(serving.get("bytes_per_parameter") or 2.0)
+    bytes_per = float(serving["bytes_per_parameter"])
     target = target_cost(target_path, bytes_per)
     costs = {key: drafter_cost(path, bytes_per) for key, path in drafters.items()}
     out = {}

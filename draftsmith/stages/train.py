@@ -20,7 +20,7 @@ restricted to the draft vocabulary, uniform noise 0.05 on the aux states; `train
 for the weight matrices); SpecForge `core/lk_loss.py` and arXiv 2602.23881 (the LK losses).
 
 Around this file, in draftsmith/core/: objective.py computes the objective above (`Objective`,
-`ttt_loss`, `DraftingLoss`), optimizers.py the optimizers and LR schedule, kinds.py builds the drafter
+`ttt_loss`, `DraftingLoss`), optimizers.py the optimizers and LR schedule, drafter.py builds the drafter
 (`build_drafter`), loader.py streams the batches, distributed.py holds the data-parallel process group,
 checkpoints.py decides what to resume and saves. Layout here: settings -> one step (`train_step`,
 `validate`) -> the record (metrics rows, position, summary) -> `train()` -> `write_drafter` ->
@@ -46,9 +46,9 @@ from draftsmith.core.atomic import atomic_dir, write_json, write_jsonl
 from draftsmith.core.checkpoints import CheckpointDiskFull, Run, open_run, resume_key
 from draftsmith.core.config import SETTINGS_OPS
 from draftsmith.core.distributed import Dist, become_torchrun, init_distributed, launch_rank, rank_threads
-from draftsmith.core.drafter import Eagle3Drafter
+from draftsmith.core.drafter import Eagle3Drafter, build_drafter
 from draftsmith.core.export_formats import check_export, save_drafter
-from draftsmith.core.kinds import build_drafter, drafter_loss
+from draftsmith.core.kinds import drafter_loss
 from draftsmith.core.layers import convert_layer_ids
 from draftsmith.core.loader import Batch, BatchSettings, StreamingData, step_plan, verify_share
 from draftsmith.core.manifest import DataError, load_manifest

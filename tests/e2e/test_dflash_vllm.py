@@ -116,7 +116,9 @@ def run(tmp_path_factory, target_model) -> dict:
             plain.append(greedy_decode(lm, ids, MAX_NEW_TOKENS, eos))
             proposer = DFlashProposer(drafter, embed)
             offline.append(
-                speculative_decode(lm, proposer, None, AUX_IDS, ids, MAX_NEW_TOKENS, SPEC_TOKENS, eos)
+                speculative_decode(
+                    lm, proposer, None, AUX_IDS, ids, MAX_NEW_TOKENS, SPEC_TOKENS, eos, temperature=0.0
+                )
             )
     torch.set_num_threads(threads)
     served = run_vllm_subprocess(
@@ -157,7 +159,13 @@ def two_layers(run) -> dict:
     for variant in ("tied", "own"):
         out = r / f"drafter-2-layers-{variant}"
         save_dflash(
-            two_layer_copy(one, variant == "own"), out, AUX_IDS, str(run["target"]), None, torch.float32
+            two_layer_copy(one, variant == "own"),
+            out,
+            AUX_IDS,
+            str(run["target"]),
+            "vllm",
+            None,
+            torch.float32,
         )
         drafter, _ = load_dflash(out)
         offline = []
@@ -165,7 +173,7 @@ def two_layers(run) -> dict:
             for p in run["prompts"]:
                 proposer = DFlashProposer(drafter, embed)
                 spec = speculative_decode(lm, proposer, None, AUX_IDS, torch.tensor([p]), MAX_NEW_TOKENS,
-                                          SPEC_TOKENS, run["eos"])  # fmt: skip
+                                          SPEC_TOKENS, run["eos"], temperature=0.0)  # fmt: skip
                 offline.append(histogram(spec.accepted, SPEC_TOKENS))
         served = run_vllm_subprocess(
             str(run["target"]), str(out), "dflash", run["prompts"], MAX_NEW_TOKENS, SPEC_TOKENS, "float32",

@@ -22,7 +22,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-from helpers import REPO
+from helpers import CLIENT_SETTINGS, REPO, openai_client
 
 from draftsmith.backends.openai import (
     EndpointError,
@@ -319,14 +319,14 @@ def test_transient_errors_are_retried_then_succeed(fake):
             (503, {"error": {"message": "busy"}}) if n < 3 else (200, FakeOpenAI.completion("ok"))
         )
     )
-    client = OpenAIClient(srv.url, "m", max_retries=4, backoff_base_s=0.01)
+    client = openai_client(srv.url, "m", max_retries=4, backoff_base_s=0.01)
     assert client.chat([{"role": "user", "content": "hi"}]).text == "ok"
     assert len(srv.requests) == 3
 
 
 def test_client_errors_are_not_retried(fake):
     srv = fake(reply=lambda body, n: (400, {"error": {"message": "prompt too long"}}))
-    client = OpenAIClient(srv.url, "m", max_retries=4, backoff_base_s=0.01)
+    client = openai_client(srv.url, "m", max_retries=4, backoff_base_s=0.01)
     with pytest.raises(RequestFailed, match="HTTP 400: prompt too long") as err:
         client.chat([{"role": "user", "content": "hi"}])
     assert err.value.status == 400 and len(srv.requests) == 1
@@ -334,7 +334,7 @@ def test_client_errors_are_not_retried(fake):
 
 def test_timeout_is_retried_and_reported(fake):
     srv = fake(delay=1.0)
-    client = OpenAIClient(srv.url, "m", timeout_s=0.2, max_retries=1, backoff_base_s=0.01)
+    client = openai_client(srv.url, "m", timeout_s=0.2, max_retries=1, backoff_base_s=0.01)
     with pytest.raises(RequestFailed, match="timed out") as err:
         client.chat([{"role": "user", "content": "hi"}])
     assert err.value.attempts == 2
@@ -343,15 +343,15 @@ def test_timeout_is_retried_and_reported(fake):
 def test_wrong_model_or_dead_endpoint_stop_at_once(fake, tmp_path):
     srv = fake(model="served")
     with pytest.raises(EndpointError, match=r"does not serve model 'other'; it serves \['served'\]"):
-        OpenAIClient(srv.url, "other").check()
-    client = OpenAIClient(srv.url)
+        openai_client(srv.url, "other").check()
+    client = openai_client(srv.url)
     assert client.check() == ["served"] and client.model == "served"  # the only model is picked
     client.model = "other"  # a 404 mid-run (e.g. the model was swapped) is fatal, not per prompt
     with pytest.raises(EndpointError, match="does not exist"):
         client.chat([{"role": "user", "content": "hi"}])
     srv.close()
     with pytest.raises(EndpointError, match="cannot reach"):
-        OpenAIClient(srv.url, "served").check()
+        openai_client(srv.url, "served").check()
     # the stage turns it into one clear stop before any prompt is sent
     with pytest.raises(GenerateError, match="cannot reach"):
         run_stage(tmp_path, srv.url)
@@ -394,9 +394,9 @@ def test_the_api_key_is_not_sent_on_to_another_origin_after_a_redirect():
     elsewhere, seen_elsewhere, elsewhere_url = _recorder()
     redirector, seen_here, here_url = _recorder(redirect_to=elsewhere_url)
     try:
-        assert OpenAIClient(here_url + "/v1", api_key="sk-secret").check() == ["m"]  # followed
+        assert openai_client(here_url + "/v1", api_key="sk-secret").check() == ["m"]  # followed
         assert seen_here.seen == ["Bearer sk-secret"] and seen_elsewhere.seen == [None]
-        OpenAIClient(elsewhere_url + "/v1", api_key="sk-secret").check()  # sent where it was meant for
+        openai_client(elsewhere_url + "/v1", api_key="sk-secret").check()  # sent where it was meant for
         assert seen_elsewhere.seen == [None, "Bearer sk-secret"]
     finally:
         for httpd in (elsewhere, redirector):
@@ -407,9 +407,12 @@ def test_the_api_key_is_not_sent_on_to_another_origin_after_a_redirect():
 def test_api_key_comes_from_the_environment(monkeypatch):
     monkeypatch.delenv("DRAFTSMITH_TEST_KEY", raising=False)
     with pytest.raises(EndpointError, match="DRAFTSMITH_TEST_KEY"):
-        OpenAIClient.from_env("http://127.0.0.1:1", "DRAFTSMITH_TEST_KEY")
+        OpenAIClient.from_env("http://127.0.0.1:1", "DRAFTSMITH_TEST_KEY", **CLIENT_SETTINGS)
     monkeypatch.setenv("DRAFTSMITH_TEST_KEY", "sk-test")
-    assert OpenAIClient.from_env("http://127.0.0.1:1", "DRAFTSMITH_TEST_KEY").api_key == "sk-test"
+    assert (
+        OpenAIClient.from_env("http://127.0.0.1:1", "DRAFTSMITH_TEST_KEY", **CLIENT_SETTINGS).api_key
+        == "sk-test"
+    )
 
 
 # ----------------------------------------------------------------------------- the stage against the double
@@ -779,7 +782,7 @@ def test_openai_engine_against_real_vllm(vllm_server, tmp_path, monkeypatch):
     base_url, api_key = vllm_server
     # the server takes its run's key only: another local user cannot use it
     with pytest.raises(EndpointError, match="HTTP 401, the API key was refused"):
-        OpenAIClient(base_url).check()
+        openai_client(base_url).check()
     prompts = REPO / "draftsmith" / "data" / "prompts.jsonl"
     subset = tmp_path / "p.jsonl"
     subset.write_text("".join(prompts.read_text().splitlines(keepends=True)[:4]))

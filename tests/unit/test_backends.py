@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from helpers import CLIENT_SETTINGS
 
 from draftsmith.backends.common import (
     VllmStartError,
@@ -198,10 +199,10 @@ def test_the_key_is_required_on_every_route(monkeypatch):
 def test_the_client_sends_no_hub_token_and_no_key_in_the_clear(monkeypatch, base_url, variable, reason):
     monkeypatch.setenv(variable, "secret")
     with pytest.raises(EndpointError, match=f"^generate.api_key_env: {reason}"):
-        OpenAIClient.from_env(base_url, variable)
+        OpenAIClient.from_env(base_url, variable, **CLIENT_SETTINGS)
     monkeypatch.setenv("MY_KEY", "secret")
-    assert OpenAIClient.from_env("https://example.org/v1", "MY_KEY").api_key == "secret"
-    assert OpenAIClient.from_env("http://localhost:8000/v1", "MY_KEY").api_key == "secret"
+    assert OpenAIClient.from_env("https://example.org/v1", "MY_KEY", **CLIENT_SETTINGS).api_key == "secret"
+    assert OpenAIClient.from_env("http://localhost:8000/v1", "MY_KEY", **CLIENT_SETTINGS).api_key == "secret"
 
 
 def test_gpu_server_runs_vllm_serve_with_one_api_front_end_per_data_parallel_engine(monkeypatch):

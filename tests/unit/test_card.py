@@ -254,9 +254,11 @@ def test_suffix_decodings_command_is_what_was_measured_and_says_where_to_stop():
     summary["heldout_sets"]["heldout"]["policy"] = _by_load("suffix", LOADED)
     summary["heldout_sets"]["handwritten"]["policy"] = _by_load("suffix", [(1, 3, 1.5), (32, 3, 1.1)])
     card = render_card(summary, "vllm", {"vllm": "results/drafter"}, "t")
+    # the measured settings, the schema's defaults under those the summary records
     assert (
         """--speculative-config '{"method": "suffix", "num_speculative_tokens": 3, """
-        """"suffix_decoding_max_cached_requests": 0, "suffix_decoding_max_tree_depth": 24}'""" in card
+        """"suffix_decoding_max_cached_requests": 0, "suffix_decoding_max_spec_factor": 1.0, """
+        """"suffix_decoding_max_tree_depth": 24, "suffix_decoding_min_token_prob": 0.1}'""" in card
     )
     assert "num_speculative_tokens_per_batch_size" not in card  # vLLM serves suffix with a static k only
     assert "needs `arctic-inference` installed" in card

@@ -4,6 +4,7 @@ histograms, and the model against published GPU measurements of EAGLE-3 (docs/ev
 from __future__ import annotations
 
 import pytest
+from helpers import serving_point
 
 from draftsmith.core.cost import (
     DEVICES,
@@ -31,7 +32,7 @@ EAGLE3_8B = ModelCost(0.4e9, 0.0, 1.0, 2 * 8 * 128 * 2, 1)
 
 
 def point(b: int = 1, context: float = 700, **kw) -> ServingPoint:
-    return ServingPoint(kw.pop("device", H100), b, context, **kw)
+    return serving_point(kw.pop("device", H100), b, context, **kw)
 
 
 def test_a_decode_step_reads_the_weights_once_per_forward():
@@ -104,10 +105,10 @@ def test_drafter_cost_reads_how_an_export_drafts(tmp_path):
 
     chain = save_drafter(make_drafter(), tmp_path / "chain", EXPORT_AUX_IDS, "t")
     parallel = save_drafter(make_drafter(kind="peagle", mask_token_id=3), tmp_path / "p", EXPORT_AUX_IDS, "t")
-    assert (drafter_cost(chain).drafting, drafter_cost(parallel).drafting) == ("chain", "parallel")
+    assert (drafter_cost(chain, 2.0).drafting, drafter_cost(parallel, 2.0).drafting) == ("chain", "parallel")
     config = json.loads((chain / "config.json").read_text())
     (chain / "config.json").write_text(json.dumps({**config, "architectures": ["DFlashDraftModel"]}))
-    assert drafter_cost(chain).drafting == "block"
+    assert drafter_cost(chain, 2.0).drafting == "block"
     from draftsmith.core.engines import speculative_config
 
     # the trained drafter's method ("eagle3" in the evaluation) is served as its export says

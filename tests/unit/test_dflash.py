@@ -300,7 +300,7 @@ def test_proposer_samples_drafts_with_their_distributions() -> None:
 def test_export_config_and_tensors(tmp_path) -> None:
     model = drafter(num_layers=1)
     aux_ids = [2, 4, 5]  # input convention
-    out = save_dflash(model, tmp_path / "d", aux_ids, "/targets/t", {"training": {"settings": {"ttt_steps": 3}}},
+    out = save_dflash(model, tmp_path / "d", aux_ids, "/targets/t", "vllm", {"training": {"settings": {"ttt_steps": 3}}},
                       torch.float32)  # fmt: skip
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
@@ -333,14 +333,17 @@ def test_export_refuses_a_drafter_of_another_kind(tmp_path) -> None:
     model = drafter()
     model.cfg = replace(model.cfg, kind="eagle3")
     with pytest.raises(ValueError, match="kind"):
-        save_dflash(model, tmp_path / "d", [2, 4, 5], "/t", None, torch.float32)
+        save_dflash(model, tmp_path / "d", [2, 4, 5], "/t", "vllm", None, torch.float32)
 
 
-def test_vllm_speculative_config_for_dflash() -> None:
-    assert speculative_config("dflash", "d", 3) == {
+def test_vllm_speculative_config_for_dflash(tmp_path) -> None:
+    """A DFlash export is measured as the trained drafter and served by vLLM's method dflash (its kind's
+    vllm_fields), whatever folder it is in."""
+    out = save_dflash(drafter(), tmp_path / "d", [2, 4, 5], "/t", "vllm", None, torch.float32)
+    assert speculative_config("eagle3", str(out), 3) == {
         "method": "dflash",
-        "model": "d",
+        "model": str(out),
         "num_speculative_tokens": 3,
     }
     with pytest.raises(ValueError, match="drafter folder"):
-        speculative_config("dflash", None, 3)
+        speculative_config("eagle3", None, 3)

@@ -68,6 +68,7 @@ def small_cfg(rope: dict, **over) -> DrafterConfig:
         target_hidden_size=24,
         target_vocab_size=50,
         draft_vocab_size=20,
+        kind="eagle3",
         num_aux=3,
     )
     return DrafterConfig(**{**base, **over})

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import NGRAM, TRAINED, N, results
+from helpers import NGRAM, TRAINED, N, results, serving_point
 
-from draftsmith.core.cost import DEVICES, ModelCost, ServingPoint, projected_speedup
+from draftsmith.core.cost import DEVICES, ModelCost, projected_speedup
 from draftsmith.core.projection import set_projection
 from draftsmith.core.report import format_table, format_tsv
 from draftsmith.core.verdict import GateSettings
@@ -34,7 +34,7 @@ def test_rows_carry_intervals():
     }
     target = ModelCost(1e9, 0.0, 1.0, 1e5, 24)
     drafter = ModelCost(5e7, 0.0, 1.0, 4e3, 1)
-    points = [ServingPoint(DEVICES["H100-80GB"], b, 600) for b in (1, 32)]
+    points = [serving_point(DEVICES["H100-80GB"], b, 600) for b in (1, 32)]
     projections = {"heldout": set_projection(sets["heldout"]["vllm"], target, {"eagle3": drafter}, points,
                                            GateSettings().bootstrap)}  # fmt: skip
     rows = summary_rows(sets, GateSettings(), projections)

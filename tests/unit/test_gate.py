@@ -8,9 +8,10 @@ from __future__ import annotations
 import math
 
 import pytest
+from helpers import serving_point
 
 from draftsmith.core.checks import Check, order_checks
-from draftsmith.core.cost import DEVICES, ModelCost, ServingPoint
+from draftsmith.core.cost import DEVICES, ModelCost
 from draftsmith.core.projection import set_projection
 from draftsmith.core.report import format_checks, format_verdict
 from draftsmith.core.verdict import (
@@ -39,7 +40,7 @@ from draftsmith.stages.gate import GateFailed, enforce
 # a Llama-3.1-8B-like target and its EAGLE-3 drafter (~5% of its bytes per pass), served on an H100
 TARGET = ModelCost(7.5e9, 0.0, 1.0, 131072, 32)
 DRAFTER = ModelCost(4e8, 0.0, 1.0, 4096, 1)
-POINTS = [ServingPoint(DEVICES["H100-80GB"], b, 700) for b in (1, 32)]
+POINTS = [serving_point(DEVICES["H100-80GB"], b, 700) for b in (1, 32)]
 
 EXPORT = {
     "eagle_aux_hidden_state_layer_ids": [2, 15, 27],

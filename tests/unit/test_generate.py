@@ -229,7 +229,7 @@ def test_token_ticker_counts_tokens_before_eos(tiny_llama):
     from draftsmith.backends.hf import generate_batch
 
     ticks = []
-    gens = generate_batch(tiny_llama, [[5, 6, 7], [8, 9]], 12, {3, 4}, 0, on_tokens=ticks.append)
+    gens = generate_batch(tiny_llama, [[5, 6, 7], [8, 9]], 12, {3, 4}, 0, 0.0, 1.0, on_tokens=ticks.append)
     assert len(ticks) >= 1 and sum(ticks) == sum(len(g.response_ids) for g in gens)
 
 

@@ -39,7 +39,7 @@ def test_activation_model_matches_saved_tensors(bench, index: int) -> None:
     valid, measured with saved_tensors_hooks on a 1/64-scale drafter) within 10%; on the CPU p is fp32."""
     case = bench.CASES[index]
     measured = bench.measure(case)
-    predicted = activation_bytes(case.shape(), case.tokens, case.tokens, case.steps, p_bytes=4)
+    predicted = activation_bytes(case.shape(), case.tokens, case.tokens, case.steps, False, p_bytes=4)
     assert abs(predicted / measured - 1) < 0.10, (case, measured, predicted)
 
 
@@ -48,7 +48,7 @@ def test_checkpointed_model_matches_what_the_checkpoints_keep(bench, index: int)
     case = bench.CASES[index]
     measured = bench.measure(case, checkpoint_ttt=True)
     predicted = activation_bytes(
-        case.shape(), case.tokens, case.tokens, case.steps, p_bytes=4, coefficients=CHECKPOINTED
+        case.shape(), case.tokens, case.tokens, case.steps, True, p_bytes=4, coefficients=CHECKPOINTED
     )
     assert abs(predicted / measured - 1) < 0.10, (case, measured, predicted)
     assert measured < bench.measure(case) / 3  # what checkpointing is for
@@ -126,16 +126,25 @@ def test_engine_layout_takes_the_fewest_gpus_that_hold_the_target() -> None:
     }
     sizes["kimi-k2.5"] = target_size(text_config_json(TARGETS / "kimi-k2.5"))
     h100, h200 = (device_memory({"gpu_model": g}, detect=False)[0] for g in ("H100-80GB", "H200-141GB"))
-    assert engine_layout(sizes["llama-3.1-8b"], 8, 8192, 0.9, h100) == (1, 8)
-    assert engine_layout(sizes["qwen3-235b-a22b"], 8, 8192, 0.9, h100) == (8, 1)
-    assert engine_layout(sizes["qwen3-235b-a22b"], 8, 8192, 0.9, h200) == (4, 2)
+    assert engine_layout(sizes["llama-3.1-8b"], 8, 8192, 0.9, h100, tensor_parallel=0) == (1, 8)
+    assert engine_layout(sizes["qwen3-235b-a22b"], 8, 8192, 0.9, h100, tensor_parallel=0) == (8, 1)
+    assert engine_layout(sizes["qwen3-235b-a22b"], 8, 8192, 0.9, h200, tensor_parallel=0) == (4, 2)
     # 128 requests in flight: 64 per engine of 4 would not fit their KV (25 GB in ~12 GB of room)
-    assert engine_layout(sizes["qwen3-235b-a22b"], 8, 8192, 0.9, h200, in_flight=128) == (8, 1)
-    assert engine_layout(sizes["llama-3.1-8b"], 8, 8192, 0.9, h100, in_flight=256) == (1, 8)
-    assert engine_layout(sizes["kimi-k2.5"], 8, 8192, 0.92, h200) == (8, 1)
-    assert engine_layout(sizes["llama-3.1-8b"], 8, 8192, 0.9, None) == (8, 1)  # memory unknown: as before
+    assert engine_layout(sizes["qwen3-235b-a22b"], 8, 8192, 0.9, h200, in_flight=128, tensor_parallel=0) == (
+        8,
+        1,
+    )
+    assert engine_layout(sizes["llama-3.1-8b"], 8, 8192, 0.9, h100, in_flight=256, tensor_parallel=0) == (
+        1,
+        8,
+    )
+    assert engine_layout(sizes["kimi-k2.5"], 8, 8192, 0.92, h200, tensor_parallel=0) == (8, 1)
+    assert engine_layout(sizes["llama-3.1-8b"], 8, 8192, 0.9, None, tensor_parallel=0) == (
+        8,
+        1,
+    )  # memory unknown: as before
     assert engine_layout(sizes["llama-3.1-8b"], 8, 8192, 0.9, h100, tensor_parallel=2) == (2, 4)
-    assert engine_layout(sizes["llama-3.1-8b"], 0, 8192, 0.9, h100) == (1, 1)
+    assert engine_layout(sizes["llama-3.1-8b"], 0, 8192, 0.9, h100, tensor_parallel=0) == (1, 1)
     with pytest.raises(ValueError, match="tensor_parallel 3 does not divide the job's 8 GPUs"):
         engine_layout(sizes["llama-3.1-8b"], 8, 8192, 0.9, h100, tensor_parallel=3)
 
@@ -204,14 +213,14 @@ def test_engine_layout_chooses_only_splits_of_the_heads_vllm_accepts() -> None:
     kimi = target_size(text_config_json(TARGETS / "kimi-k2.5"))
     h100 = device_memory({"gpu_model": "H100-80GB"}, detect=False)[0]
     assert llama.attention_heads == 32 and kimi.attention_heads == 64 and kimi.kv_heads == 0
-    assert engine_layout(llama, 6, 8192, 0.9, None) == (2, 3)
-    assert engine_layout(llama, 6, 8192, 0.9, h100) == (1, 6)
-    assert engine_layout(llama, 7, 8192, 0.9, None) == (1, 7)
-    assert engine_layout(kimi, 6, 8192, 0.9, h100) == (
+    assert engine_layout(llama, 6, 8192, 0.9, None, tensor_parallel=0) == (2, 3)
+    assert engine_layout(llama, 6, 8192, 0.9, h100, tensor_parallel=0) == (1, 6)
+    assert engine_layout(llama, 7, 8192, 0.9, None, tensor_parallel=0) == (1, 7)
+    assert engine_layout(kimi, 6, 8192, 0.9, h100, tensor_parallel=0) == (
         2,
         3,
     )  # does not fit: the plan says so, vLLM would load it
-    assert engine_layout(kimi, 8, 8192, 0.9, None) == (8, 1)
+    assert engine_layout(kimi, 8, 8192, 0.9, None, tensor_parallel=0) == (8, 1)
     assert heads_error(6, 32, 8) == "6 does not divide the target's 32 attention heads"
     assert heads_error(16, 32, 8) is None and heads_error(4, 32, 8) is None
     assert heads_error(4, 64, 6) == "4 neither divides nor is a multiple of the target's 6 key-value heads"

@@ -7,6 +7,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from helpers import serving_point
 
 from draftsmith.core.cost import (
     DEVICES,
@@ -44,7 +45,7 @@ SMOL_DRAFTER = ModelCost(23e6, 0.0, 1.0, 2 * 3 * 64 * 2, 1)
 
 
 def point(b: int = 1, context: float = 700) -> ServingPoint:
-    return ServingPoint(H100, b, context)
+    return serving_point(H100, b, context)
 
 
 GRID = [point(b) for b in (1, 2, 4, 8, 16, 32, 64, 128, 256)]

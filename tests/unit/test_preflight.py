@@ -4,8 +4,9 @@ drafter's cost before it exists, and the one line that says whether a drafter ca
 from __future__ import annotations
 
 import pytest
+from helpers import serving_point
 
-from draftsmith.core.cost import DEVICES, ModelCost, ServingPoint
+from draftsmith.core.cost import DEVICES, ModelCost
 from draftsmith.core.memory import drafter_shape
 from draftsmith.core.preflight import (
     blocked_message,
@@ -44,7 +45,7 @@ def test_the_planned_drafter_costs_what_its_shape_says():
 
 
 def test_plain_decoding_is_the_choice_when_no_free_method_pays():
-    points = [ServingPoint(H100, 1, 500)]
+    points = [serving_point(H100, 1, 500)]
     # a free method that never drafts: 1.0 tokens per forward, plus its lookup
     rows = _rows(60, 60, [0, 0, 0], 0)
     assert free_best({"ngram": {"per_prompt": rows}}, 3, SMOL_135M, points) == [
@@ -58,7 +59,7 @@ def test_plain_decoding_is_the_choice_when_no_free_method_pays():
 def test_a_small_target_leaves_no_room_and_the_line_names_what_to_serve():
     """The issue's figure: for a 135M target on an H100 even a perfect drafter projects about 1.05x, below
     suffix decoding measured at 1.26x; no training can change that."""
-    points = [ServingPoint(H100, b, 500) for b in (1, 8)]
+    points = [serving_point(H100, b, 500) for b in (1, 8)]
     drafter = planned_drafter_cost(PLAN, SMOL_CONFIG, 2.0)
     suffix = _rows(126, 100, [20, 5, 1], 40)
     outlook = set_outlook({"suffix": {"per_prompt": suffix}}, 3, SMOL_135M, drafter, points)
@@ -75,7 +76,7 @@ def test_a_small_target_leaves_no_room_and_the_line_names_what_to_serve():
 def test_past_the_free_methods_crossover_a_perfect_drafter_could_still_pay():
     """At 32 requests suffix decoding's verify steps cost more than its drafts save (plain decoding is the
     choice there), while a perfect drafter would still gain: the pre-flight says up to which load."""
-    points = [ServingPoint(H100, b, 500) for b in (1, 8, 32)]
+    points = [serving_point(H100, b, 500) for b in (1, 8, 32)]
     drafter = planned_drafter_cost(PLAN, SMOL_CONFIG, 2.0)
     suffix = _rows(126, 100, [20, 5, 1], 40)
     outlook = set_outlook({"suffix": {"per_prompt": suffix}}, 3, SMOL_135M, drafter, points)
@@ -86,7 +87,7 @@ def test_past_the_free_methods_crossover_a_perfect_drafter_could_still_pay():
 def test_a_large_target_leaves_room_and_says_up_to_which_load():
     llama = ModelCost(8.03e9 - 0.525e9, 0.0, 1.0, 32 * 2 * 8 * 128 * 2, 32)
     drafter = ModelCost(0.4e9, 0.0, 1.0, 2 * 8 * 128 * 2, 1)
-    points = [ServingPoint(H100, b, 700) for b in (1, 8, 32)]
+    points = [serving_point(H100, b, 700) for b in (1, 8, 32)]
     ngram = _rows(110, 100, [8, 2, 0], 30)
     outlook = set_outlook({"ngram": {"per_prompt": ngram}}, 3, llama, drafter, points)
     assert outlook["room"][0] and outlook["any_room"]

@@ -9,6 +9,7 @@ import torch
 from helpers import fp_tolerance
 
 from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter
+from draftsmith.core.methods import METHODS
 from draftsmith.core.speculate import (
     Eagle3Proposer,
     NgramProposer,
@@ -178,7 +179,9 @@ def test_perfect_proposer_accepts_everything(target, k):
     steps = 4
     max_new = 1 + steps * (k + 1)  # the prefill token, then full chains that end exactly at the limit
     ref = reference(target, ids, max_new + k + 1)
-    res = speculative_decode(target, ReferenceProposer(ref), None, AUX, ids, max_new, k, eos_ids=None)
+    res = speculative_decode(
+        target, ReferenceProposer(ref), None, AUX, ids, max_new, k, eos_ids=None, temperature=0.0
+    )
     assert res.tokens == ref[ids.shape[1] :][:max_new]
     assert res.steps == steps and res.accepted == [k] * steps
     assert res.tau == k + 1
@@ -189,7 +192,15 @@ def test_wrong_proposer_accepts_nothing(target):
     ids, k, max_new = prompt(22, 4), 3, 12
     ref = reference(target, ids, max_new + k + 1)
     res = speculative_decode(
-        target, ReferenceProposer(ref, lambda s, i: False), None, AUX, ids, max_new, k, eos_ids=None
+        target,
+        ReferenceProposer(ref, lambda s, i: False),
+        None,
+        AUX,
+        ids,
+        max_new,
+        k,
+        eos_ids=None,
+        temperature=0.0,
     )
     assert res.tokens == ref[ids.shape[1] :][:max_new]
     assert res.steps == max_new - 1 and res.tau == 1.0
@@ -207,7 +218,7 @@ def test_partial_acceptance_accounting(target, k):
     ids, max_new = prompt(23, 7), 30
     ref = reference(target, ids, max_new + k + 1)
     proposer = ReferenceProposer(ref, correct)
-    res = speculative_decode(target, proposer, None, AUX, ids, max_new, k, eos_ids=None)
+    res = speculative_decode(target, proposer, None, AUX, ids, max_new, k, eos_ids=None, temperature=0.0)
     assert res.tokens == ref[ids.shape[1] :][:max_new]
     assert res.accepted == proposer.expected
     assert 0 < sum(res.accepted) < k * res.steps
@@ -225,7 +236,9 @@ def test_partial_acceptance_accounting(target, k):
 def test_speculative_equals_greedy(target, drafter, k, seed, length):
     ids, max_new = prompt(seed, length), 23
     plain = greedy_decode(target, ids, max_new, eos_ids=[])
-    res = speculative_decode(target, drafter, target.get_input_embeddings(), AUX, ids, max_new, k, eos_ids=[])
+    res = speculative_decode(
+        target, drafter, target.get_input_embeddings(), AUX, ids, max_new, k, eos_ids=[], temperature=0.0
+    )
     assert res.tokens == plain
     assert len(plain) == max_new  # max_new_tokens hit exactly
     assert res.steps >= 1 and len(res.accepted) == res.steps
@@ -245,7 +258,9 @@ def test_speculative_stops_at_eos(target, drafter, k):
         eos = [e for e in eos if e not in free[:stop_at]]
         plain = greedy_decode(target, ids, 40, eos_ids=eos)
         assert plain == free[: stop_at + 1]
-        res = speculative_decode(target, drafter, target.get_input_embeddings(), AUX, ids, 40, k, eos_ids=eos)
+        res = speculative_decode(
+            target, drafter, target.get_input_embeddings(), AUX, ids, 40, k, eos_ids=eos, temperature=0.0
+        )
         assert res.tokens == plain
         return
     pytest.skip("no prompt produced a fresh token to use as eos")
@@ -253,7 +268,9 @@ def test_speculative_stops_at_eos(target, drafter, k):
 
 def test_max_new_tokens_one(target, drafter):
     ids = prompt(5, 3)
-    res = speculative_decode(target, drafter, target.get_input_embeddings(), AUX, ids, 1, 3, eos_ids=None)
+    res = speculative_decode(
+        target, drafter, target.get_input_embeddings(), AUX, ids, 1, 3, eos_ids=None, temperature=0.0
+    )
     assert res.tokens == greedy_decode(target, ids, 1, eos_ids=None)
     assert res.steps == 0 and res.tau == 1.0
 
@@ -306,7 +323,7 @@ def test_drafter_cache_and_aux_bookkeeping(target, drafter, k):
     ids, max_new = prompt(31, 9), 40
     ref = reference(target, ids, max_new + k + 1)
     proposer = OracleMixProposer(drafter, target.get_input_embeddings(), ref, seed=k)
-    res = speculative_decode(target, proposer, None, AUX, ids, max_new, k, eos_ids=None)
+    res = speculative_decode(target, proposer, None, AUX, ids, max_new, k, eos_ids=None, temperature=0.0)
     assert res.tokens == ref[ids.shape[1] :][:max_new]
     assert all(n >= lead for n, lead in zip(res.accepted, proposer.leads, strict=True))
     assert any(n > 0 for n in res.accepted) and any(n < k for n in res.accepted)
@@ -328,9 +345,9 @@ def test_drafter_cache_and_aux_bookkeeping(target, drafter, k):
 def test_bad_arguments(target, drafter):
     embed = target.get_input_embeddings()
     with pytest.raises(ValueError):
-        speculative_decode(target, drafter, embed, AUX, prompt(1, 3), 5, 0, eos_ids=None)
+        speculative_decode(target, drafter, embed, AUX, prompt(1, 3), 5, 0, eos_ids=None, temperature=0.0)
     with pytest.raises(ValueError):
-        speculative_decode(target, drafter, None, AUX, prompt(1, 3), 5, 2, eos_ids=None)
+        speculative_decode(target, drafter, None, AUX, prompt(1, 3), 5, 2, eos_ids=None, temperature=0.0)
     with pytest.raises(ValueError):
         greedy_decode(target, prompt(1, 3), 0, eos_ids=None)
 
@@ -415,7 +432,9 @@ def test_ngram_speculation_is_lossless_and_counts_like_vllm(target):
     ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 9, 5, 6]])
     max_new = 30
     plain = greedy_decode(target, ids, max_new, eos_ids=[])
-    res = speculative_decode(target, NgramProposer(2, 4), None, [], ids, max_new, 3, eos_ids=[])
+    res = speculative_decode(
+        target, NgramProposer(2, 4), None, [], ids, max_new, 3, eos_ids=[], temperature=0.0
+    )
     assert res.tokens == plain
     assert res.drafts >= 1 and any(m == 0 for m in res.drafted)  # steps without a match exist
     assert res.drafts == sum(1 for m in res.drafted if m > 0) < res.steps
@@ -437,14 +456,14 @@ def test_suffix_speculation_is_lossless_and_drafts_from_the_sequence_itself(targ
     proposer = SuffixProposer(
         max_tree_depth=24, max_spec_factor=1.0, min_token_prob=0.1, max_cached_requests=0
     )
-    res = speculative_decode(target, proposer, None, [], ids, max_new, 3, eos_ids=[])
+    res = speculative_decode(target, proposer, None, [], ids, max_new, 3, eos_ids=[], temperature=0.0)
     assert res.tokens == plain
     assert res.drafts >= 1 and all(0 <= m <= 3 for m in res.drafted)
     assert (
         proposer.tokens == ids[0].tolist() + plain[:-1] or proposer.tokens[: ids.shape[1]] == ids[0].tolist()
     )
     # a fresh request: the pattern 5, 6 was followed by 7 in the prompt, so it is drafted
-    fresh = SuffixProposer(max_cached_requests=0)
+    fresh = METHODS["suffix"].offline_proposer({"max_cached_requests": 0})
     fresh.reset([5, 6, 7, 8, 5, 6, 7, 8, 5, 6])
     assert fresh.propose(2)[:1] == [7]
     # a second prompt starts its own request: nothing of the first is cached with max_cached_requests 0
@@ -457,8 +476,10 @@ def test_the_hybrid_drafts_with_the_tree_else_the_drafter_losslessly(target, dra
 
     ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 9, 5, 6]])
     plain = greedy_decode(target, ids, 30, eos_ids=[])
-    hybrid = HybridProposer(SuffixProposer(), Eagle3Proposer(drafter, target.get_input_embeddings()))
-    res = speculative_decode(target, hybrid, None, AUX, ids, 30, 3, eos_ids=[])
+    hybrid = HybridProposer(
+        METHODS["suffix"].offline_proposer({}), Eagle3Proposer(drafter, target.get_input_embeddings())
+    )
+    res = speculative_decode(target, hybrid, None, AUX, ids, 30, 3, eos_ids=[], temperature=0.0)
     assert res.tokens == plain
     assert len(hybrid.sources) == res.steps and set(hybrid.sources) <= {"suffix", "drafter"}
     # the drafter drafts every step the tree left empty: every step drafted something

@@ -13,8 +13,7 @@ import twins
 import draftsmith.core.target as target_mod
 import draftsmith.stages.target as target_stage
 from draftsmith.backends.hf import HfExtractor
-from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter, param_count
-from draftsmith.core.kinds import build_drafter
+from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter, build_drafter, param_count
 from draftsmith.core.target import (
     TargetError,
     head_tensor_names,

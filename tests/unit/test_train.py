@@ -33,9 +33,8 @@ from helpers import (
 from safetensors.torch import load_file
 
 from draftsmith.core.checkpoints import list_checkpoints, step_of
-from draftsmith.core.drafter import TTTKV
+from draftsmith.core.drafter import TTTKV, build_drafter
 from draftsmith.core.export_formats import check_export, load_drafter
-from draftsmith.core.kinds import build_drafter
 from draftsmith.core.loader import collate
 from draftsmith.core.objective import (
     EVAL_MASK_OFFSET,

@@ -65,8 +65,13 @@ def test_speculative_config_per_method():
     assert speculative_config("ngram", None, 3, {"min": 3, "max": 5}) == {
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 3, "prompt_lookup_max": 5,
     }  # fmt: skip
-    suffix = speculative_config("suffix", None, 4, {"max_tree_depth": 24, "max_cached_requests": 0})
+    # a free method's settings given in part: the schema's defaults fill the rest
+    assert speculative_config("ngram", None, 3, {"max": 6})["prompt_lookup_max"] == 6
+    suffix = speculative_config("suffix", None, 4, {"max_tree_depth": 12})
     assert suffix == {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_cached_requests": 0,
-                      "suffix_decoding_max_tree_depth": 24}  # fmt: skip
+                      "suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_max_tree_depth": 12,
+                      "suffix_decoding_min_token_prob": 0.1}  # fmt: skip
     with pytest.raises(ValueError, match="unknown speculative method 'medusa'"):
         speculative_config("medusa", None, 3)
+    with pytest.raises(ValueError, match="unknown speculative method 'hybrid'"):  # measured offline only
+        speculative_config("hybrid", None, 3)

@@ -22,9 +22,10 @@ from draftsmith.core.export_formats.common import (
     needs_vocab_map,
     norm_flags,
 )
-from draftsmith.core.export_formats.load import drafter_config_from_export, engine_of, engine_view, is_dflash
+from draftsmith.core.export_formats.load import drafter_config_from_export, engine_of, engine_view
 from draftsmith.core.export_formats.speculators import native_names
 from draftsmith.core.export_formats.vllm_dflash import load_dflash
+from draftsmith.core.kinds import kind, kind_of_export, resolve
 from draftsmith.core.layers import aux_order_problem, convert_layer_ids
 
 
@@ -50,7 +51,7 @@ def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[tuple[int, ...], torc
     }
     if cfg.fc_norm:  # EAGLE 3.1: one norm per aux state
         shapes.update({f"fc_norm.{i}.weight": ((cfg.target_hidden_size,), None) for i in range(cfg.num_aux)})
-    if cfg.kind == "peagle":  # vLLM refuses parallel drafting without it
+    if cfg.parallel:  # P-EAGLE; vLLM refuses parallel drafting without it
         shapes["mask_hidden"] = ((1, cfg.num_aux * cfg.target_hidden_size), None)
     if needs_vocab_map(cfg):
         shapes["d2t"] = ((cfg.draft_vocab_size,), torch.int64)
@@ -246,7 +247,7 @@ def _trained_norm_flags(raw: dict[str, Any]) -> dict[str, bool]:
     export EAGLE 3.1's pair when both are set (the layer draftsmith implements), else all off."""
     block = raw.get("draftsmith") or {}
     if isinstance(block.get("drafter_config"), dict):
-        return norm_flags(DrafterConfig(**block["drafter_config"]))
+        return norm_flags(DrafterConfig.from_dict(block["drafter_config"]))
     try:
         view = engine_view(raw)
     except ValueError:
@@ -314,8 +315,9 @@ def check_export(
     if damaged:
         return damaged
     raw = json.loads(cfg_path.read_text(encoding="utf-8"))
-    if is_dflash(raw):
-        return check_dflash_export(export_dir, raw, target_num_layers, target_vocab_size, engine or "vllm")
+    own = kind(kind_of_export(raw)).checker  # a kind with its own form checks it itself (DFlash)
+    if own:
+        return resolve(own)(export_dir, raw, target_num_layers, target_vocab_size, engine or "vllm")
     engine = engine or engine_of(raw)
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; expected one of {list(ENGINES)}")

@@ -80,7 +80,7 @@ def norm_flags(cfg: DrafterConfig) -> dict[str, bool]:
 
 def parallel_fields(cfg: DrafterConfig) -> dict[str, Any]:
     """P-EAGLE: the mask slots' token id, which vLLM's parallel drafting reads from `mask_token_id`."""
-    return {"mask_token_id": cfg.mask_token_id} if cfg.kind == "peagle" else {}
+    return {"mask_token_id": cfg.mask_token_id} if cfg.parallel else {}
 
 
 def layer_fields(cfg: DrafterConfig, dtype_name: str) -> dict[str, Any]:

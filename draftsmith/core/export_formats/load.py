@@ -11,7 +11,6 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from draftsmith.core.dflash import ARCHITECTURE
 from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter, split_rope
 from draftsmith.core.export_formats.common import (
     CONFIG_NAME,
@@ -21,12 +20,7 @@ from draftsmith.core.export_formats.common import (
     norm_flags,
 )
 from draftsmith.core.export_formats.speculators import native_names
-from draftsmith.core.export_formats.vllm_dflash import load_dflash
-
-
-def is_dflash(config: dict[str, Any]) -> bool:
-    """A DFlash export (vLLM's DFlashDraftModel form), which has its own reader and checks."""
-    return ARCHITECTURE in (config.get("architectures") or [])
+from draftsmith.core.kinds import kind, kind_of_export
 
 
 def engine_of(config: dict[str, Any]) -> str:
@@ -65,7 +59,7 @@ def drafter_config_from_export(config: dict[str, Any], engine_fields: bool = Fal
     `engine_fields` is set, from the fields an engine reads (either format)."""
     block = config.get("draftsmith") or {}
     if "drafter_config" in block and not engine_fields:
-        return DrafterConfig(**block["drafter_config"])
+        return DrafterConfig.from_dict(block["drafter_config"])
     config = engine_view(config)
     # transformers >= 5 writes rope_parameters; older exports rope_theta + rope_scaling
     rope = config.get("rope_parameters") or {
@@ -90,29 +84,26 @@ def drafter_config_from_export(config: dict[str, Any], engine_fields: bool = Fal
         target_vocab_size=config["vocab_size"],
         draft_vocab_size=config.get("draft_vocab_size") or config["vocab_size"],
         num_aux=config.get("num_aux_hidden_states") or (len(ids) if ids else 3),
-        kind=foreign_kind(config),
+        kind=kind_of_export(config),
         mask_token_id=config.get("mask_token_id", config.get("pard_token")),
     )
-
-
-def foreign_kind(config: dict[str, Any]) -> str:
-    """The kind of an export without a draftsmith block, from the fields vLLM reads: a mask token id =
-    parallel drafting (P-EAGLE), fc_norm with norm_output = EAGLE 3.1 (other flag sets are refused by
-    `load_drafter`)."""
-    if config.get("mask_token_id", config.get("pard_token")) is not None:
-        return "peagle"
-    return "eagle3.1" if config.get("fc_norm") and config.get("norm_output") else "eagle3"
 
 
 def load_drafter(
     export_dir: str | Path, dtype: torch.dtype = torch.float32
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Rebuild the drafter of an export (native or speculators format, draftsmith's or foreign) and load
-    its weights strictly -> (model in eval mode, config)."""
+    its weights strictly -> (model in eval mode, config), by the reader of its kind (`kind_of_export`)."""
+    config = json.loads((Path(export_dir) / CONFIG_NAME).read_text(encoding="utf-8"))
+    return kind(kind_of_export(engine_view(config))).load("reader")(export_dir, dtype)
+
+
+def load_eagle3(
+    export_dir: str | Path, dtype: torch.dtype = torch.float32
+) -> tuple[nn.Module, dict[str, Any]]:
+    """The reader of the EAGLE-3 family's exports (eagle3, eagle3.1, peagle; `load_drafter` picks it)."""
     export_dir = Path(export_dir)
     config = json.loads((export_dir / CONFIG_NAME).read_text(encoding="utf-8"))
-    if is_dflash(config):
-        return load_dflash(export_dir, dtype)
     cfg = drafter_config_from_export(config)
     view = engine_view(config)
     on = sorted(k for k in NORM_FLAGS if view.get(k))

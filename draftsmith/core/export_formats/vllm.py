@@ -23,7 +23,7 @@ from draftsmith.core.export_formats.common import (
     validate_for_export,
     write_files,
 )
-from draftsmith.core.export_formats.vllm_dflash import save_dflash
+from draftsmith.core.kinds import kind
 from draftsmith.core.layers import convert_layer_ids
 
 
@@ -64,14 +64,25 @@ def save_drafter(
     extra: dict[str, Any] | None = None,
     dtype: torch.dtype = torch.bfloat16,
 ) -> Path:
-    """Write config.json + model.safetensors into out_dir (float tensors in `dtype`; d2t int64, t2d bool).
+    """Write config.json + model.safetensors into out_dir (float tensors in `dtype`; d2t int64, t2d bool)
+    by the writer of the drafter's kind (core/kinds.py: `save_eagle3` below, DFlash's
+    `vllm_dflash.save_dflash`).
 
-    out_dir is written in place: wrap the call in `atomic_dir` for an all-or-nothing export. A DFlash
-    drafter is written in vLLM's DFlash form (`vllm_dflash.save_dflash`).
+    out_dir is written in place: wrap the call in `atomic_dir` for an all-or-nothing export.
     """
-    if model.cfg.kind == "dflash":
-        if convention_engine != "vllm":
-            raise ValueError(f"a DFlash drafter is written for vLLM only, not {convention_engine!r}")
-        return save_dflash(model, out_dir, aux_layer_ids, target_path, extra, dtype)
+    writer = kind(model.cfg.kind).load("writer")
+    return writer(model, out_dir, aux_layer_ids, target_path, convention_engine, extra, dtype)
+
+
+def save_eagle3(
+    model: Eagle3Drafter,
+    out_dir: str | Path,
+    aux_layer_ids: list[int],
+    target_path: str,
+    convention_engine: str = "vllm",
+    extra: dict[str, Any] | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Path:
+    """The EAGLE-3 family's writer (eagle3, eagle3.1, peagle): the native form for vLLM or SGLang."""
     config = export_config(model.cfg, aux_layer_ids, target_path, convention_engine, dtype, extra)
     return write_files(Path(out_dir), config, state_tensors(model, dtype))

@@ -79,14 +79,17 @@ def save_dflash(
     out_dir: str | Path,
     aux_layer_ids: list[int],
     target_path: str,
+    convention_engine: str = "vllm",
     extra: dict[str, Any] | None = None,
     dtype: torch.dtype = torch.bfloat16,
     *,
     block_size: int | None = None,
 ) -> Path:
     """Write config.json + model.safetensors into out_dir (float tensors in `dtype`; d2t int64, t2d bool;
-    no vocab map for a full-size draft vocabulary). Written in place: wrap in `atomic_dir` for an
-    all-or-nothing export."""
+    no vocab map for a full-size draft vocabulary): the DFlash kind's writer (`save_drafter`'s signature;
+    vLLM's form only). Written in place: wrap in `atomic_dir` for an all-or-nothing export."""
+    if convention_engine != "vllm":
+        raise ValueError(f"a DFlash drafter is written for vLLM only, not {convention_engine!r}")
     config = dflash_export_config(model.cfg, aux_layer_ids, target_path, dtype, extra, block_size)
     return write_files(Path(out_dir), config, state_tensors(model, dtype))
 
@@ -101,7 +104,7 @@ def load_dflash(
     block = config.get("draftsmith") or {}
     if "drafter_config" not in block:
         raise ValueError(f"{export_dir / CONFIG_NAME}: no draftsmith block; not a draftsmith DFlash export")
-    cfg = DrafterConfig(**block["drafter_config"])
+    cfg = DrafterConfig.from_dict(block["drafter_config"])
     model = DFlashDrafter(cfg)
     state = load_file(str(export_dir / WEIGHTS_NAME))
     if not needs_vocab_map(cfg):  # a full-size draft vocabulary: the identity map

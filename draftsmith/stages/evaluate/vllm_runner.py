@@ -38,6 +38,7 @@ import click
 from draftsmith.backends.common import log_cause
 from draftsmith.backends.vllm_api import SPEC_METRICS
 from draftsmith.core.engines import speculative_config
+from draftsmith.core.settings import schema_default
 
 RESULT_MARKER = "DRAFTSMITH_VLLM_RESULT "  # prefix of the result line on stdout
 
@@ -224,7 +225,7 @@ def run_vllm_subprocess(
     temperature: float,
     gpu_memory_utilization: float | None,
     cache_dir: str | Path | None = None,
-    timeout: float = 900,
+    timeout: float | None = None,
     log_path: str | Path | None = None,
     run_name: str | None = None,
     **kwargs: Any,
@@ -232,9 +233,12 @@ def run_vllm_subprocess(
     """run_vllm_speculative in a child `python -m draftsmith.stages.evaluate.vllm_runner` -> its result dict.
 
     vLLM never enters the calling process. The child's output goes to log_path (when given); a failure
-    raises RuntimeError with the tail of that output. Past `timeout` seconds (engine load included) the
-    child and everything it started are killed and VllmTimeout says so in one line, naming the log.
+    raises RuntimeError with the tail of that output. Past `timeout` seconds (engine load included; None:
+    the schema's resources.evaluate.vllm_timeout_s) the child and everything it started are killed and
+    VllmTimeout says so in one line, naming the log.
     """
+    if timeout is None:
+        timeout = float(schema_default("resources.evaluate.vllm_timeout_s"))
     request = {
         "target": str(target),
         "drafter_path": str(drafter_path) if drafter_path else None,

@@ -23,16 +23,13 @@ from draftsmith.core.export_formats.common import (
 )
 from draftsmith.core.export_formats.sglang import sglang_config
 from draftsmith.core.export_formats.speculators import speculators_export_config, speculators_names
+from draftsmith.core.kinds import KINDS, kind
 
-# The kinds each engine's form is written for: those its reader is known to serve as trained. SGLang's
-# EAGLE-3 reader has not been checked against EAGLE 3.1's norms or parallel drafting; speculators' format
-# carries EAGLE 3.1's flags, which vLLM's reader of that format copies.
-ENGINE_KINDS = {"sglang": ("eagle3",), "speculators": ("eagle3", "eagle3.1")}
 NOT_WRITTEN = "NOT_WRITTEN.md"
 
 
 def not_written_note(engine: str, kind: str) -> str:
-    served = ", ".join(ENGINE_KINDS[engine])
+    served = ", ".join(k.name for k in KINDS.values() if engine in k.forms)
     return (
         f"# No {engine} form for this drafter\n\ndraftsmith writes the {engine} form for {served} drafters only; "
         f"this one is {kind!r}, which draftsmith has not checked that {engine} serves as trained. Serve the vLLM "
@@ -50,7 +47,7 @@ def export_engines(
 ) -> dict[str, Path]:
     """From the trained vLLM export, write the SGLang and speculators forms (the same tensors, bit for
     bit; only names and config differ), each atomically and each passing its engine's checks -> the
-    folders written. A form not written for the drafter's kind (ENGINE_KINDS) is a folder with a note.
+    folders written. A form not written for the drafter's kind (its `Kind.forms`) is a folder with a note.
 
     The speculators form also carries the target's input embedding [V, Ht] as `embed_tokens.weight`,
     as speculators' own checkpoints do: its loader fills a missing one with zeros, not the verifier's."""
@@ -62,7 +59,7 @@ def export_engines(
     block = config["draftsmith"] if "drafter_config" in (config.get("draftsmith") or {}) else None
     if block is None:
         raise ValueError(f"{drafter_dir / CONFIG_NAME} has no draftsmith block: not a draftsmith export")
-    cfg = DrafterConfig(**block["drafter_config"])
+    cfg = DrafterConfig.from_dict(block["drafter_config"])
     input_ids = [int(i) for i in block["aux_layer_ids_input"]]
     target = block["target"]
     dtype = DTYPES[config.get("torch_dtype", "bfloat16")]
@@ -76,7 +73,7 @@ def export_engines(
             f"[{cfg.target_vocab_size}, {cfg.hidden_size}]"
         )
     outs = {"sglang": Path(sglang_dir), "speculators": Path(speculators_dir)}
-    for engine in [e for e in outs if cfg.kind not in ENGINE_KINDS[e]]:
+    for engine in [e for e in outs if e not in kind(cfg.kind).forms]:
         with atomic_dir(outs.pop(engine)) as tmp:
             write_text(tmp / NOT_WRITTEN, not_written_note(engine, cfg.kind))
     forms = {}
