@@ -32,6 +32,7 @@ from draftsmith.core.verdict import (
     PER_FORWARD,
     GateSettings,
     diagnose,
+    fair_speed,
     learning_curve,
     passed,
     per_prompt_counts,
@@ -163,13 +164,6 @@ def summary_rows(
                     "outputs": _outputs(by, m, data),
                 })  # fmt: skip
     return rows
-
-
-def fair_speed(data: dict[str, Any]) -> bool:
-    """Whether a measurement's tokens/s may be shown: only one that says so (`fair: true`: engines alone,
-    paired rounds, the same prompts, as a bench would run them). The evaluation's engines run beside
-    other jobs, so its own ratios are noise plus whoever else ran."""
-    return data.get("fair") is True
 
 
 def _speed_here(data: dict[str, Any], tokens_per_s: float, speedup: float) -> dict[str, Any]:
