@@ -53,6 +53,9 @@ def drafting_fields(drafter: str | Path) -> dict[str, Any]:
     return KIND_FIELDS["peagle"] if parallel else {}
 
 
+SCHEDULE_KEY = "num_speculative_tokens_per_batch_size"  # vLLM's speculative_config field
+
+
 def speculative_config(
     method: str | None,
     drafter: str | None,
@@ -63,9 +66,14 @@ def speculative_config(
     says: `drafting_fields`), dflash, ngram (method_settings:
     the lookup's min and max n-gram length), suffix (method_settings: evaluate.suffix_decoding's keys,
     written as vLLM's suffix_decoding_* fields), or None (plain)."""
-    settings = method_settings or {}
+    settings = dict(method_settings or {})
     if method is None:
         return None
+    # a serving policy's k per batch size (core/policy.vllm_schedule), for the methods vLLM schedules
+    schedule = settings.pop(SCHEDULE_KEY, None)
+    if schedule is not None and method not in ("eagle3", "ngram"):
+        raise ValueError(f"{SCHEDULE_KEY}: vLLM schedules eagle3 and ngram, not {method!r}")
+    scheduled = {SCHEDULE_KEY: [list(map(int, r)) for r in schedule]} if schedule is not None else {}
     if method == "eagle3":
         if not drafter:
             raise ValueError("method 'eagle3' needs a drafter folder")
@@ -74,6 +82,7 @@ def speculative_config(
             "model": str(drafter),
             "num_speculative_tokens": num_speculative_tokens,
             **drafting_fields(drafter),
+            **scheduled,
         }
     if method == "dflash":  # a DFlash export (core/export_formats/vllm_dflash.py)
         if not drafter:
@@ -85,6 +94,7 @@ def speculative_config(
             "num_speculative_tokens": num_speculative_tokens,
             "prompt_lookup_min": int(settings.get("min", 2)),
             "prompt_lookup_max": int(settings.get("max", 4)),
+            **scheduled,
         }
     if method == "suffix":
         return {

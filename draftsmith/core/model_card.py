@@ -304,7 +304,7 @@ def verdict_config(
     trained drafter's, which says how vLLM serves it where `drafter` is not a folder here (a Hub id);
     `schedule`: the serving policy's num_speculative_tokens_per_batch_size (draftsmith.core.policy),
     carried where it has more than one range (vLLM caps each range's k at num_speculative_tokens)."""
-    from draftsmith.core.engines import KIND_FIELDS, speculative_config
+    from draftsmith.core.engines import KIND_FIELDS, SCHEDULE_KEY, speculative_config
     from draftsmith.core.settings import schema_default
 
     if choice.get("method") in (None, "plain") or not choice.get("k"):
@@ -315,7 +315,7 @@ def verdict_config(
     config = speculative_config(choice["method"], drafter, choice["k"], own)
     if schedule and len(schedule) > 1:
         config["num_speculative_tokens"] = max(choice["k"], *(k for *_, k in schedule))
-        config["num_speculative_tokens_per_batch_size"] = schedule
+        config[SCHEDULE_KEY] = schedule
     return {**config, **KIND_FIELDS.get(kind, {})} if choice["method"] == "eagle3" else config
 
 
