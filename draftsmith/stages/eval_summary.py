@@ -297,8 +297,11 @@ def _preflight_brief(preflight: dict[str, Any] | None) -> dict[str, Any] | None:
     """What the report shows of the pre-flight: its one line per set and whether a drafter could pay."""
     if not preflight:
         return None
+    sets = list(preflight.get("sets", {}).values())
     return {
-        "lines": [s["line"] for s in preflight.get("sets", {}).values() if s.get("line")],
+        # the serving point's projection, then this CPU's where a measured profile gave one
+        "lines": [s["line"] for s in sets if s.get("line")]
+        + [s["this_cpu"]["line"] for s in sets if (s.get("this_cpu") or {}).get("line")],
         "drafter_can_pay": preflight.get("drafter_can_pay"),
         "mode": preflight.get("mode"),
     }
