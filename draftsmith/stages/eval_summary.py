@@ -246,10 +246,10 @@ def project_sets(
 ) -> dict[str, dict[str, Any]]:
     """Every set's judged measurement projected to the serving point (evaluate.serving), with the serving
     policy over its concurrency grid (1, 2, 4, ... to the largest configured)."""
-    from draftsmith.core.cost import drafter_cost, serving_points, target_cost
+    from draftsmith.core.cost import drafter_cost, serving_bytes, serving_points, target_cost
     from draftsmith.core.policy import concurrency_grid
 
-    bytes_per = float(serving.get("bytes_per_parameter") or 2.0)
+    bytes_per = serving_bytes(serving)
     target = target_cost(target_path, bytes_per)
     costs = {key: drafter_cost(path, bytes_per) for key, path in drafters.items()}
     out = {}

@@ -23,6 +23,7 @@ from draftsmith.core.cost import (
     kv_elements_per_token,
     overhead_counts,
     projected_speedup,
+    serving_bytes,
     serving_points,
     step_seconds,
 )
@@ -285,6 +286,7 @@ def test_this_cpu_takes_its_measured_profile(tmp_path):
     assert (d.name, d.layer_overhead_ms, d.token_overhead_us, d.bandwidth_efficiency) == (
         "this-cpu (2-core Xeon)", 1.1, 350.0, 1.0)  # fmt: skip
     assert points[0].bytes_per_parameter == 4.0 and points[0].lookup_us == 150.0  # as measured
+    assert serving_bytes(serving) == 4.0 and serving_bytes({**serving, "device": "H100-80GB"}) == 2.0
     with pytest.raises(
         ValueError, match=r"evaluate.serving.profile: .*missing.json does not exist.*bench/cost.py"
     ):

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.core.atomic import write_json
-from draftsmith.core.cost import THIS_CPU, describe_point, serving_points, target_cost
+from draftsmith.core.cost import THIS_CPU, describe_point, serving_bytes, serving_points, target_cost
 from draftsmith.core.policy import concurrency_grid
 from draftsmith.core.preflight import blocked_message, outlook_line, planned_drafter_cost, set_outlook
 from draftsmith.core.stage_args import arg
@@ -59,9 +59,7 @@ def preflight(paths: PreflightPaths, settings: EvaluateSettings) -> dict[str, An
         paths.target, {}, paths.prompts, set_paths, settings, paths.log_dir, paths.runs_dir
     )
     serving = settings.serving
-    drafter = planned_drafter_cost(
-        paths.plan, text_config_dict(paths.target), float(serving["bytes_per_parameter"])
-    )
+    drafter = planned_drafter_cost(paths.plan, text_config_dict(paths.target), serving_bytes(serving))
     here = this_cpu_view(serving)
     sets = {}
     for name, summary in summaries.items():

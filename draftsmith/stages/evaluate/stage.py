@@ -802,11 +802,12 @@ def chosen_lengths(
         best_draft_length,
         draft_length_options,
         drafter_cost,
+        serving_bytes,
         serving_points,
         target_cost,
     )
 
-    bytes_per = float(serving.get("bytes_per_parameter") or 2.0)
+    bytes_per = serving_bytes(serving)
     target = target_cost(target_path, bytes_per)
     drafters = {run.name: drafter_cost(run.drafter, bytes_per) for run in runs if run.drafter}
     out: dict[str, set[int]] = {}
