@@ -30,7 +30,8 @@ What it does, in this order:
 5. --schedule: the serving policy over the grid 1, 2, 4, ... up to the largest B, from the drafter's
    acceptance measured at the first B (n-gram lookup's without a drafter); its vLLM schedule
    (num_speculative_tokens_per_batch_size) served at the first and the last B beside the static best k
-   (the policy's k at the first B) and plain decoding, --rounds times in alternating order.
+   (the policy's k at the first B) and plain decoding, --rounds times in alternating order (one round
+   at the static k = --k: the calibration's runs of plain decoding and of the method stand for those two).
 
 A CPU is not a GPU: a small target's decode here is overhead-bound, which is exactly the term that makes
 a drafter's passes expensive. The GPU side is checked against published measurements
@@ -234,7 +235,11 @@ def schedule_bench(
             "schedule": lambda b=b: run_method(target, drafter, method, encoded, max_new, max(k, static_k), b, cache,
                                                schedule=schedule),
         }  # fmt: skip
-        runs = harness.alternating_rounds(variants, rounds)
+        if rounds == 1 and static_k == k:  # one round: plain and the static k are the calibration's runs
+            runs = {"plain": [measured[b]["plain"]], f"static k={k}": [measured[b][method]],
+                    "schedule": [variants["schedule"]()]}  # fmt: skip
+        else:
+            runs = harness.alternating_rounds(variants, rounds)
         rates = {name: [r["tokens_per_s"] for r in rs] for name, rs in runs.items()}
         better = max(("plain", f"static k={static_k}"), key=lambda n: median(rates[n]))
         ratios = harness.paired_ratios(runs["schedule"], runs[better], lambda r: r["tokens_per_s"])
