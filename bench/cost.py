@@ -324,7 +324,7 @@ def main(
             s = row["schedule_over_better"]
             rates = ", ".join(f"{n} {v:.1f}" for n, v in row["tokens_per_s"].items())
             print(f"  B={row['concurrency']}: tok/s {rates}; schedule / {row['better_static']} "
-                  f"{s['median']:.2f}x [{s['low']:.2f}, {s['high']:.2f}] over {s['rounds']} round(s)")  # fmt: skip
+                  f"{s['median']:.2f}x [{s['low']:.2f}, {s['high']:.2f}] over {len(s['rounds'])} round(s)")  # fmt: skip
     errors = [abs(r["error"]) for r in rows]
     out_of_fit = [abs(r["error"]) for r in rows if not r["in_fit"]]
     print(f"|error| median {median(errors):.1%}, max {max(errors):.1%} (out of the fit: max "
