@@ -305,6 +305,15 @@ def vllm_set_options(outputs=True):
 PREFLIGHT = "results/preflight/preflight.json"
 
 
+def serving_profile_input(wildcards=None):
+    """This CPU's measured serving profile (bench/cost.py) as an input of the jobs that project speed:
+    always with evaluate.serving.device: this-cpu (missing: Snakemake names it), else where it exists
+    (the pre-flight and the verdict then also report this CPU's projection). A new profile reruns them."""
+    serving = config["evaluate"]["serving"]
+    path = serving["profile"]
+    return {"serving_profile": path} if serving["device"] == "this-cpu" or os.path.isfile(path) else {}
+
+
 def drafter_plan():
     """What the pre-flight costs a drafter by, before one exists: its kind and shape, the draft
     vocabulary and the aux layers (draftsmith.core.preflight.planned_drafter_cost)."""

@@ -132,6 +132,7 @@ rule evaluate_offline:
 rule preflight:
     input:
         unpack(heldout_prompt_inputs),
+        **serving_profile_input(),
         target=TARGET,
     output:
         summary=PREFLIGHT,
@@ -170,6 +171,7 @@ rule preflight:
 rule evaluate_vllm:
     input:
         unpack(heldout_prompt_inputs),
+        **serving_profile_input(),
         **DRAFTER_FILES,
         target=TARGET,
         preflight=rules.preflight.output.summary,
@@ -207,6 +209,7 @@ rule evaluate_vllm:
 
 rule eval_summary:
     input:
+        **serving_profile_input(),
         **OFFLINE_EVAL,
         **VLLM_EVAL,
         **DRAFTER_FILES,

@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from safetensors import safe_open
 
 from draftsmith.core.kinds import kind, kind_of_export
@@ -60,6 +61,10 @@ class Device:
     bandwidth_efficiency: float = 0.8
     flops_efficiency: float = 0.6
     allreduce_us: float = 10.0  # per all-reduce of one decode step's activations (NVLink)
+    # the per-forward overhead's split where one fixed figure is wrong (a CPU: measured, `fit_overheads`):
+    # per layer of the model (a 1-layer drafter pays 1/30 of a 30-layer target's) and per token decoded
+    layer_overhead_ms: float = 0.0
+    token_overhead_us: float = 0.0
 
 
 # Peaks: the vendors' data sheets (SXM parts, dense bf16). memory_gib: what torch reports as the card's
@@ -125,7 +130,10 @@ def forward_seconds(model: ModelCost, point: ServingPoint, tokens_per_sequence: 
     memory = (weight_bytes + kv_bytes) / tp / (d.bandwidth_gb_s * 1e9 * d.bandwidth_efficiency)
     compute = 2 * model.active_parameters * tokens / tp / (d.tflops * 1e12 * d.flops_efficiency)
     comm = 2 * model.layers * d.allreduce_us * 1e-6 if tp > 1 else 0.0
-    return d.overhead_ms * 1e-3 + memory + compute + comm
+    overhead = (
+        d.overhead_ms * 1e-3 + model.layers * d.layer_overhead_ms * 1e-3 + tokens * d.token_overhead_us * 1e-6
+    )
+    return overhead + memory + compute + comm
 
 
 def step_seconds(
@@ -275,16 +283,131 @@ def drafter_cost(export_dir: str | Path, bytes_per_parameter: float) -> ModelCos
     )
 
 
+# ------------------------------------------------------------------------------------ calibration
+
+OVERHEAD_TERMS = ("overhead_ms", "layer_overhead_ms", "token_overhead_us")
+OVERHEAD_UNITS = (1e-3, 1e-3, 1e-6)  # seconds per unit of each term
+# evaluate.serving.device: the profile bench/cost.py measured here (evaluate.serving.profile)
+THIS_CPU = "this-cpu"
+
+
+def overhead_counts(
+    kind: str,
+    k: int,
+    target: ModelCost,
+    point: ServingPoint,
+    drafter: ModelCost | None = None,
+    draft_share: float = 1.0,
+) -> tuple[float, tuple[float, float, float]]:
+    """One decode step of a method split as the cost model charges it: (the seconds its bytes, FLOPs and
+    lookup cost with no overhead, (forwards, layer-forwards, tokens)), the three counts each overhead
+    term multiplies. Read off step_seconds on devices with one unit term each, so the split is the
+    model's own (step time = bare + sum(count x term), linear in the terms)."""
+    zero = replace(point.device, overhead_ms=0.0, layer_overhead_ms=0.0, token_overhead_us=0.0)
+    bare = step_seconds(kind, k, target, replace(point, device=zero), drafter, draft_share)
+    counts = []
+    for term, unit in zip(OVERHEAD_TERMS, OVERHEAD_UNITS, strict=True):
+        one = replace(point, device=replace(zero, **{term: 1.0}))  # type: ignore[arg-type]
+        counts.append((step_seconds(kind, k, target, one, drafter, draft_share) - bare) / unit)
+    return bare, (counts[0], counts[1], counts[2])
+
+
+def fit_overheads(
+    observations: Sequence[tuple[tuple[float, float, float], float]],
+) -> dict[str, float]:
+    """The overhead terms (OVERHEAD_TERMS, in their units) that best explain measured step times: each
+    observation is (the step's counts from overhead_counts, its measured seconds minus the bare seconds).
+    Least squares with every term >= 0 (a negative overhead is no cost), exact over the 7 subsets of
+    the three terms; a term the data cannot tell apart from the others stays 0."""
+    if not observations:
+        raise ValueError("fit_overheads: no observations")
+    a = np.array([[c * u for c, u in zip(counts, OVERHEAD_UNITS, strict=True)] for counts, _ in observations])
+    y = np.array([seconds for _, seconds in observations])
+    best: tuple[float, np.ndarray] = (float(y @ y), np.zeros(3))  # all terms 0
+    for mask in range(1, 8):
+        cols = [i for i in range(3) if mask >> i & 1]
+        sub = a[:, cols]
+        if np.linalg.matrix_rank(sub) < len(cols):
+            continue  # collinear over these observations: not identifiable
+        x, *_ = np.linalg.lstsq(sub, y, rcond=None)
+        if (x < 0).any():
+            continue
+        residual = y - sub @ x
+        if float(residual @ residual) < best[0] - 1e-18:
+            full = np.zeros(3)
+            full[cols] = x
+            best = (float(residual @ residual), full)
+    return {term: float(v) for term, v in zip(OVERHEAD_TERMS, best[1], strict=True)}
+
+
+PROFILE_KEYS = ("bandwidth_gb_s", "tflops", *OVERHEAD_TERMS)
+
+
+def load_profile(path: str | Path) -> tuple[Device, dict[str, Any]]:
+    """A serving profile bench/cost.py wrote (this CPU's measured figures and fitted overheads) -> the
+    device and the profile's serving settings (bytes_per_parameter, lookup_us: as it was measured).
+    Bad input: a ValueError naming the file and the key."""
+    import json
+
+    where = Path(path)
+    if not where.is_file():
+        raise ValueError(
+            f"evaluate.serving.profile: {where} does not exist; measure this CPU first: python -m bench.cost "
+            f"--profile {where}"
+        )
+    try:
+        profile = json.loads(where.read_text(encoding="utf-8"))
+        figures = profile["device"]
+        values = {key: float(figures[key]) for key in PROFILE_KEYS}
+        settings = {key: float(profile[key]) for key in ("bytes_per_parameter", "lookup_us")}
+    except (ValueError, KeyError, TypeError) as err:
+        why = f"no key {err}" if isinstance(err, KeyError) else f"{type(err).__name__}: {err}"
+        raise ValueError(
+            f"{where}: not a serving profile ({why}); rewrite it with python -m bench.cost"
+        ) from None
+    bad = [
+        key
+        for key, v in values.items()
+        if not math.isfinite(v) or v < 0 or (v == 0 and key in PROFILE_KEYS[:2])
+    ]
+    if bad:
+        raise ValueError(f"{where}: device.{bad[0]} = {values[bad[0]]} is not a measured figure")
+    device = Device(str(figures.get("name") or THIS_CPU), memory_gib=None, bandwidth_efficiency=1.0,
+                    flops_efficiency=1.0, **values)  # fmt: skip
+    return device, settings
+
+
+def serving_bytes(serving: dict[str, Any]) -> float:
+    """Bytes a parameter (and a KV-cache element) weighs at the serving point of evaluate.serving: the
+    measured profile's for this-cpu (vLLM-CPU decodes in float32 there), else bytes_per_parameter."""
+    if serving["device"] == THIS_CPU:
+        return load_profile(serving.get("profile") or "")[1]["bytes_per_parameter"]
+    if serving.get("bytes_per_parameter") is None:
+        from draftsmith.core.settings import schema_default
+
+        return float(schema_default("evaluate.serving.bytes_per_parameter"))
+    return float(serving["bytes_per_parameter"])
+
+
 def serving_points(serving: dict[str, Any], context_tokens: float) -> list[ServingPoint]:
     """evaluate.serving (the schema's defaults under the keys it gives) -> one point per concurrency (the
     first is the one the verdict decides at). A preset device's figures are replaced by those the settings
-    give."""
+    give; `this-cpu` takes them from the measured profile (evaluate.serving.profile), its bytes per
+    parameter and lookup time included."""
     from draftsmith.core.settings import schema_default
 
     serving = {**schema_default("evaluate.serving"), **serving}
     name = serving["device"]
+    if name == THIS_CPU:
+        device, measured = load_profile(serving.get("profile") or "")
+        return [
+            replace(p, device=device, **measured)
+            for p in serving_points({**serving, "device": next(iter(DEVICES))}, context_tokens)
+        ]
     if name not in DEVICES:
-        raise ValueError(f"evaluate.serving.device: unknown device {name!r}; known: {', '.join(DEVICES)}")
+        raise ValueError(
+            f"evaluate.serving.device: unknown device {name!r}; known: {', '.join(DEVICES)}, {THIS_CPU}"
+        )
     overrides = {
         field: serving[key]
         for key, field in (

@@ -80,6 +80,14 @@ def rank_threads(threads: int, world: int) -> int:
     return max(1, threads // max(1, world))
 
 
+def usable_threads(threads: int) -> int:
+    """`threads`, at most the cores this process may run on (its affinity: a cpuset, taskset, a test
+    worker's share): torch's threads spin-wait at every barrier, so two threads on one core ran the
+    offline evaluation over 10x slower than one."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(threads, cores))
+
+
 def become_torchrun(nproc: int, module_args: Sequence[str]) -> None:
     """Replace this process by torchrun starting `nproc` copies of `python -m MODULE ARGS` on this machine
     (each then finds WORLD_SIZE set and runs as one rank); nothing when nproc is 1 or already a rank."""

@@ -46,6 +46,9 @@ def drafting_fields(drafter: str | Path) -> dict[str, Any]:
     return dict(kind(kind_of_export(json.loads(path.read_text(encoding="utf-8")))).vllm_fields)
 
 
+SCHEDULE_KEY = "num_speculative_tokens_per_batch_size"  # vLLM's speculative_config field
+
+
 def speculative_config(
     method: str | None,
     drafter: str | None,
@@ -60,7 +63,16 @@ def speculative_config(
     if method not in METHODS or METHODS[method].vllm is None:
         served = [k for k, m in METHODS.items() if m.vllm]
         raise ValueError(f"unknown speculative method {method!r}; expected one of {served} or None")
-    return METHODS[method].vllm_config(drafter, num_speculative_tokens, method_settings or {})
+    settings = dict(method_settings or {})
+    # a serving policy's k per batch size (core/policy.vllm_schedule), for the methods vLLM schedules
+    schedule = settings.pop(SCHEDULE_KEY, None)
+    if schedule is not None and not METHODS[method].per_batch_k:
+        scheduled = [k for k, m in METHODS.items() if m.per_batch_k]
+        raise ValueError(f"{SCHEDULE_KEY}: vLLM schedules {scheduled}, not {method!r}")
+    config = METHODS[method].vllm_config(drafter, num_speculative_tokens, settings)
+    if schedule is not None:
+        config[SCHEDULE_KEY] = [list(map(int, r)) for r in schedule]
+    return config
 
 
 def drafter_config(drafter: str | None, k: int, settings: dict[str, Any]) -> dict[str, Any]:

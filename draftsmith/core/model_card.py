@@ -295,7 +295,7 @@ def verdict_config(
     the trained drafter's kind, which says how vLLM serves it where `drafter` is not a folder here (a Hub id);
     `schedule`: the serving policy's num_speculative_tokens_per_batch_size (draftsmith.core.policy),
     carried where it has more than one range (vLLM caps each range's k at num_speculative_tokens)."""
-    from draftsmith.core.engines import speculative_config
+    from draftsmith.core.engines import SCHEDULE_KEY, speculative_config
 
     if choice.get("method") in (None, "plain") or not choice.get("k"):
         return None
@@ -306,7 +306,7 @@ def verdict_config(
         return None
     if schedule and len(schedule) > 1:
         config["num_speculative_tokens"] = max(choice["k"], *(k for *_, k in schedule))
-        config["num_speculative_tokens_per_batch_size"] = schedule
+        config[SCHEDULE_KEY] = schedule
     return {**config, **kind(kind_name).vllm_fields} if choice["method"] == "eagle3" else config
 
 

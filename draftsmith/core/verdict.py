@@ -200,9 +200,28 @@ def speed_blocks(mode: str, device: str | None) -> bool:
     return mode == "block"
 
 
+def fair_speed(data: dict[str, Any]) -> bool:
+    """Whether a measurement's tokens/s may be shown or judged: only one that says so (`fair: true`:
+    engines alone, paired rounds, the same prompts, as a bench would run them). The evaluation's engines
+    run beside other jobs, so its own ratios are noise plus whoever else ran."""
+    return data.get("fair") is True
+
+
+UNFAIR_SPEED = (
+    "not judged: the engines ran beside other jobs (no fair measurement: engines alone, paired rounds)"
+)
+
+
 def check_speedup(
-    engine: str, speedup: float | None, ngram_speedup: float | None, device: str | None, mode: str
+    engine: str,
+    speedup: float | None,
+    ngram_speedup: float | None,
+    device: str | None,
+    mode: str,
+    fair: bool,
 ) -> Check:
+    """speedup: the measured tokens/s ratio, judged only where `fair` (else skipped with a note: an
+    unfair ratio would pass or block on whoever else ran)."""
     blocking = speed_blocks(mode, device)
     threshold = f"> 1.0x plain decoding (evaluate.gate.speedup: {mode}, measured on {device or 'unknown'})"
     where = (
@@ -211,6 +230,8 @@ def check_speedup(
     )
     if speedup is None:
         return Check("speedup", "skip", "not measured", threshold, where, blocking, "speed")
+    if not fair:
+        return Check("speedup", "skip", UNFAIR_SPEED, threshold, where, blocking, "speed")
     value = f"{speedup:.2f}x plain ({engine})" + (
         f"; n-gram lookup {ngram_speedup:.2f}x" if ngram_speedup is not None else ""
     )
@@ -663,7 +684,7 @@ def diagnose(
     data, by = (first["vllm"], "vLLM") if key in served else (first["offline"], "offline")
     ngram = data["methods"].get("ngram")
     checks.append(check_speedup(by, data["methods"][key]["speedup"], ngram["speedup"] if ngram else None,
-                                data.get("device"), settings.mode("speedup")))  # fmt: skip
+                                data.get("device"), settings.mode("speedup"), fair_speed(data)))  # fmt: skip
     contract = [
         check_teacher_agreement(manifest),
         check_chat_template(manifest, current_fingerprint),

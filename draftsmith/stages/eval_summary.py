@@ -33,6 +33,7 @@ from draftsmith.core.verdict import (
     PER_FORWARD,
     GateSettings,
     diagnose,
+    fair_speed,
     learning_curve,
     passed,
     per_prompt_counts,
@@ -166,13 +167,6 @@ def summary_rows(
     return rows
 
 
-def fair_speed(data: dict[str, Any]) -> bool:
-    """Whether a measurement's tokens/s may be shown: only one that says so (`fair: true`: engines alone,
-    paired rounds, the same prompts, as a bench would run them). The evaluation's engines run beside
-    other jobs, so its own ratios are noise plus whoever else ran."""
-    return data.get("fair") is True
-
-
 def _speed_here(data: dict[str, Any], tokens_per_s: float, speedup: float) -> dict[str, Any]:
     """The speed measured here, kept only where it was measured fairly (None otherwise: not shown)."""
     fair = fair_speed(data)
@@ -255,10 +249,10 @@ def project_sets(
 ) -> dict[str, dict[str, Any]]:
     """Every set's judged measurement projected to the serving point (evaluate.serving), with the serving
     policy over its concurrency grid (1, 2, 4, ... to the largest configured)."""
-    from draftsmith.core.cost import drafter_cost, serving_points, target_cost
+    from draftsmith.core.cost import drafter_cost, serving_bytes, serving_points, target_cost
     from draftsmith.core.policy import concurrency_grid
 
-    bytes_per = float(serving["bytes_per_parameter"])
+    bytes_per = serving_bytes(serving)
     target = target_cost(target_path, bytes_per)
     costs = {key: drafter_cost(path, bytes_per) for key, path in drafters.items()}
     out = {}
@@ -306,8 +300,11 @@ def _preflight_brief(preflight: dict[str, Any] | None) -> dict[str, Any] | None:
     """What the report shows of the pre-flight: its one line per set and whether a drafter could pay."""
     if not preflight:
         return None
+    sets = list(preflight.get("sets", {}).values())
     return {
-        "lines": [s["line"] for s in preflight.get("sets", {}).values() if s.get("line")],
+        # the serving point's projection, then this CPU's where a measured profile gave one
+        "lines": [s["line"] for s in sets if s.get("line")]
+        + [s["this_cpu"]["line"] for s in sets if (s.get("this_cpu") or {}).get("line")],
         "drafter_can_pay": preflight.get("drafter_can_pay"),
         "mode": preflight.get("mode"),
     }

@@ -37,6 +37,7 @@ from draftsmith.backends.common import VllmStartError
 from draftsmith.core.atomic import atomic_path, disk_full
 from draftsmith.core.devices import parse_visible
 from draftsmith.core.digests import file_sha256, intact, retouch, seal, seal_as, sidecar
+from draftsmith.core.distributed import usable_threads
 from draftsmith.core.estimate import (
     NotEnoughDisk,
     check_free_disk,
@@ -274,7 +275,7 @@ def extract_shard(
     codec, zstd_level, storage_dtype, backend = s.codec, s.zstd_level, s.storage_dtype, s.backend
     compile = compile_mode_of(s.compile)
     if threads:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(usable_threads(threads))
     dtype = compute_dtype(dtype, "cuda" if gpus else "cpu")
     tensors, meta = load_tokens(tokens_path)
     if shard >= len(meta["shards"]):

@@ -45,7 +45,14 @@ import torch
 from draftsmith.core.atomic import atomic_dir, write_json, write_jsonl
 from draftsmith.core.checkpoints import CheckpointDiskFull, Run, open_run, resume_key
 from draftsmith.core.config import SETTINGS_OPS
-from draftsmith.core.distributed import Dist, become_torchrun, init_distributed, launch_rank, rank_threads
+from draftsmith.core.distributed import (
+    Dist,
+    become_torchrun,
+    init_distributed,
+    launch_rank,
+    rank_threads,
+    usable_threads,
+)
 from draftsmith.core.drafter import Eagle3Drafter, build_drafter
 from draftsmith.core.export_formats import check_export, save_drafter
 from draftsmith.core.kinds import drafter_loss
@@ -446,7 +453,7 @@ def train(
         raise DataError(refusal(unproven))
     settings = replace(settings, precision=train_precision(settings.precision, dist.device))
     if settings.threads is not None:  # the job's count, shared by the ranks
-        torch.set_num_threads(rank_threads(settings.threads, dist.world))
+        torch.set_num_threads(usable_threads(rank_threads(settings.threads, dist.world)))
     manifest, vocab, target = load_inputs(manifest_path, vocab_path)
     data = StreamingData.from_manifest(manifest, settings.batching)
     steps_per_epoch = [len(data.epoch_batches(e)) for e in range(settings.epochs)]

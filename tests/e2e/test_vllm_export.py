@@ -1,5 +1,6 @@
-"""The exported drafter in real vLLM (CPU): it loads through speculative_config={"method": "eagle3"},
-vLLM drafts with it, and the target accepts some of its drafts. The speculators-format export of the
+"""The exported drafter in real vLLM (CPU): it loads through speculative_config={"method": "eagle3"}
+with the card's num_speculative_tokens_per_batch_size schedule, vLLM drafts with it, and the target
+accepts some of its drafts. The speculators-format export of the
 same weights (`draftsmith export`) loads through vLLM's speculators reader and drafts exactly the same.
 
 The data is made here, by the workflow's own commands on a few built-in prompts with the real default
@@ -17,6 +18,8 @@ import pytest
 import torch
 from helpers import REPO, cli
 
+from draftsmith.core.engines import SCHEDULE_KEY
+from draftsmith.core.policy import vllm_schedule
 from draftsmith.stages.evaluate.vllm_runner import run_vllm_subprocess, spec_decode_summary
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -66,13 +69,22 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"root": r, "drafter": r / "drafter", "prompts": prompts, "summary": summary}
 
 
+# a serving policy as the card carries it: the drafter pays up to 8 concurrent requests, not past them
+POLICY = {"methods": {"eagle3": [{"concurrency": 8, "k": SPEC_TOKENS, "speedup": 1.2},
+                                 {"concurrency": 256, "k": SPEC_TOKENS, "speedup": 0.9}]}}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def greedy(trained: dict) -> dict:
-    """The exported drafter in vLLM, greedy, on the prompts it was trained on."""
+    """The exported drafter in vLLM, greedy, on the prompts it was trained on, served with the card's
+    schedule (num_speculative_tokens_per_batch_size; the 6 prompts stay in its first range: k = 3)."""
     root = trained["root"]
+    schedule = vllm_schedule(POLICY, "eagle3")
+    assert schedule == [[1, 8, SPEC_TOKENS], [9, 256, 0]]
     return run_vllm_subprocess(
         str(TARGET), str(trained["drafter"]), "eagle3", trained["prompts"], MAX_NEW_TOKENS, SPEC_TOKENS,
         "float32", cache_dir=root / "vllm-cache", log_path=root / "vllm.log", seed=0, temperature=0.0, gpu_memory_utilization=None,
+        method_settings={SCHEDULE_KEY: schedule},
     )  # fmt: skip
 
 

@@ -10,6 +10,7 @@ from helpers import tiny_summary
 from huggingface_hub import ModelCard
 
 from draftsmith.core.atomic import write_json
+from draftsmith.core.engines import SCHEDULE_KEY, speculative_config
 from draftsmith.core.methods import method as method_of
 from draftsmith.core.model_card import CARD_NAME, EMBEDDED_BASE_MODEL, base_model, render_card
 from draftsmith.stages.export.card import write_cards
@@ -244,6 +245,16 @@ def test_the_serve_commands_carry_the_policys_schedule():
     summary["heldout_sets"]["heldout"]["policy"] = _by_load("ngram", [(1, 3, 1.5), (2, 3, 1.4)])
     card = render_card(summary, "vllm", {"vllm": "results/drafter"}, "t")
     assert "num_speculative_tokens_per_batch_size" not in card
+
+
+def test_an_engine_run_takes_a_schedule_where_vllm_schedules():
+    # what bench/cost.py --schedule and the e2e test hand vLLM: the card's ranges, for eagle3 and n-gram
+    schedule = [[1, 4, 3], [5, 16, 1], [17, 256, 0]]
+    ngram = speculative_config("ngram", None, 3, {"min": 2, "max": 4, SCHEDULE_KEY: schedule})
+    assert ngram[SCHEDULE_KEY] == schedule and ngram["prompt_lookup_max"] == 4
+    assert SCHEDULE_KEY not in speculative_config("ngram", None, 3, {"min": 2})
+    with pytest.raises(ValueError, match="vLLM schedules eagle3 and ngram, not 'suffix'"):
+        speculative_config("suffix", None, 3, {SCHEDULE_KEY: schedule})
 
 
 def test_suffix_decodings_command_is_what_was_measured_and_says_where_to_stop():

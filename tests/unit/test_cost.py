@@ -6,8 +6,11 @@ from __future__ import annotations
 import pytest
 from helpers import serving_point
 
+from draftsmith.core.atomic import write_json
 from draftsmith.core.cost import (
     DEVICES,
+    THIS_CPU,
+    Device,
     ModelCost,
     ServingPoint,
     accepted_at,
@@ -15,10 +18,13 @@ from draftsmith.core.cost import (
     draft_length_options,
     drafter_cost,
     drafting_seconds,
+    fit_overheads,
     forward_seconds,
     forwards_at,
     kv_elements_per_token,
+    overhead_counts,
     projected_speedup,
+    serving_bytes,
     serving_points,
     step_seconds,
 )
@@ -205,3 +211,91 @@ def test_the_hybrid_pays_full_drafter_passes_only_where_the_drafter_drafts():
     hybrid = step_seconds("hybrid", 3, LLAMA_8B, p, EAGLE3_8B, draft_share=1.0, drafter_share=0.25)
     assert hybrid == pytest.approx(base + (0.25 * 3 + 0.75) * one_pass)
     assert base < hybrid < step_seconds("eagle3", 3, LLAMA_8B, p, EAGLE3_8B) + p.lookup_us * 1e-6
+
+
+# ------------------------------------------------------------------------- this CPU's calibration
+
+# SmolLM2-135M-like target and its one-layer drafter in float32 on a 2-core CPU (figures of the kind
+# bench/cost.py measures; the overhead terms are what the fit must recover)
+SMOL = ModelCost(1.35e8, 0.0, 1.0, 30 * 2 * 3 * 64 * 4, 30)
+SMOL_DRAFTER = ModelCost(2.6e7, 0.0, 1.0, 2 * 3 * 64 * 4, 1)
+CPU = Device("cpu", 28.9, 0.347, 4.0, None, 1.0, 1.0, layer_overhead_ms=1.1, token_overhead_us=350.0)
+
+
+def cpu_point(b: int, device: Device = CPU) -> ServingPoint:
+    return ServingPoint(device, b, 300, bytes_per_parameter=4.0, lookup_us=0.0)
+
+
+def test_overhead_counts_are_the_models_own_split():
+    bare, counts = overhead_counts("plain", 0, SMOL, cpu_point(4))
+    assert counts == pytest.approx((1, 30, 4))  # one forward of 30 layers over 4 tokens
+    k = 3  # a chain drafter: the target over 4 x (1 + k) tokens, k passes of 1 layer over 4 tokens
+    bare_e, counts_e = overhead_counts("eagle3", k, SMOL, cpu_point(4), SMOL_DRAFTER)
+    assert counts_e == pytest.approx((1 + k, 30 + k, 4 * (1 + k) + k * 4))
+    assert bare_e > bare > 0
+    # a free method drafts on some steps only: the target's tokens count that share
+    _, counts_n = overhead_counts("ngram", k, SMOL, cpu_point(4), draft_share=0.5)
+    assert counts_n == pytest.approx((1, 30, 4 * (1 + k * 0.5)))
+
+
+def observed(device: Device, kinds=("plain", "eagle3"), k: int = 3) -> list:
+    rows = []
+    for b in (1, 4, 16):
+        for kind in kinds:
+            kk = 0 if kind == "plain" else k
+            bare, counts = overhead_counts(kind, kk, SMOL, cpu_point(b), SMOL_DRAFTER)
+            rows.append((counts, step_seconds(kind, kk, SMOL, cpu_point(b, device), SMOL_DRAFTER) - bare))
+    return rows
+
+
+def test_the_fit_recovers_the_overhead_split_from_plain_and_the_drafters_steps():
+    fit = fit_overheads(observed(CPU))
+    assert fit == pytest.approx({"overhead_ms": 4.0, "layer_overhead_ms": 1.1, "token_overhead_us": 350.0})
+    # one fixed overhead fitted from plain decoding alone charges the drafter's pass a whole forward's
+    # overhead (the -56% on this CPU); the split charges it one layer's
+    calibrated = Device("cpu", 28.9, 0.347, bandwidth_efficiency=1.0, flops_efficiency=1.0, **fit)
+    lumped = Device("cpu", 28.9, 0.347, 4.0 + 30 * 1.1 + 0.35, None, 1.0, 1.0)  # plain's at B = 1
+    truth = step_seconds("eagle3", 3, SMOL, cpu_point(1), SMOL_DRAFTER)
+    assert step_seconds("eagle3", 3, SMOL, cpu_point(1, calibrated), SMOL_DRAFTER) == pytest.approx(truth)
+    assert step_seconds("eagle3", 3, SMOL, cpu_point(1, lumped), SMOL_DRAFTER) > 1.5 * truth
+
+
+def test_the_fit_keeps_every_term_non_negative():
+    # steps that shrink as the batch grows would need a negative per-token cost: that term stays 0
+    rows = [((1, 30, b), 0.05 - 0.0001 * b) for b in (1, 4, 16)]
+    fit = fit_overheads(rows)
+    assert fit["token_overhead_us"] == 0 and min(fit.values()) >= 0
+    # plain decoding alone cannot tell a fixed cost from a per-layer one (always 30 layers): one of
+    # them carries it, the total is kept
+    fit = fit_overheads([((1, 30, b), 0.04 + b * 1e-4) for b in (1, 4, 16)])
+    assert fit["overhead_ms"] + 30 * fit["layer_overhead_ms"] == pytest.approx(40.0)
+    assert fit["token_overhead_us"] == pytest.approx(100.0)
+    with pytest.raises(ValueError, match="no observations"):
+        fit_overheads([])
+
+
+def test_this_cpu_takes_its_measured_profile(tmp_path):
+    path = tmp_path / "this-cpu.json"
+    figures = {"name": "this-cpu (2-core Xeon)", "bandwidth_gb_s": 28.9, "tflops": 0.347, "overhead_ms": 4.0,
+               "layer_overhead_ms": 1.1, "token_overhead_us": 350.0}  # fmt: skip
+    write_json(path, {"device": figures, "bytes_per_parameter": 4.0, "lookup_us": 150.0})
+    serving = {"device": THIS_CPU, "profile": str(path), "concurrency": [1, 16], "context_tokens": None,
+               "bytes_per_parameter": 2.0, "lookup_us": 20.0}  # fmt: skip
+    points = serving_points(serving, context_tokens=300.0)
+    assert [p.concurrency for p in points] == [1, 16]
+    d = points[0].device
+    assert (d.name, d.layer_overhead_ms, d.token_overhead_us, d.bandwidth_efficiency) == (
+        "this-cpu (2-core Xeon)", 1.1, 350.0, 1.0)  # fmt: skip
+    assert points[0].bytes_per_parameter == 4.0 and points[0].lookup_us == 150.0  # as measured
+    assert serving_bytes(serving) == 4.0 and serving_bytes({**serving, "device": "H100-80GB"}) == 2.0
+    with pytest.raises(
+        ValueError, match=r"evaluate.serving.profile: .*missing.json does not exist.*bench/cost.py"
+    ):
+        serving_points({**serving, "profile": str(tmp_path / "missing.json")}, 300.0)
+    write_json(path, {"device": {**figures, "tflops": None}, "bytes_per_parameter": 4.0, "lookup_us": 1.0})
+    with pytest.raises(ValueError, match=r"this-cpu.json: not a serving profile \(TypeError"):
+        serving_points(serving, 300.0)
+    del figures["overhead_ms"]
+    write_json(path, {"device": figures, "bytes_per_parameter": 4.0, "lookup_us": 1.0})
+    with pytest.raises(ValueError, match=r"not a serving profile \(no key 'overhead_ms'\)"):
+        serving_points(serving, 300.0)

@@ -446,7 +446,7 @@ def test_summary_report_and_gate(pipeline, offline, untrained, tmp_path):
         "tau_gap (eagle3, heldout)",
     } <= set(names)
     speed = next(c for c in summary["checks"] if c["name"] == "speedup")
-    assert speed["status"] == "info"  # measured on a CPU
+    assert speed["status"] == "skip"  # the evaluation's engines are no fair measurement: not judged
     html = (out / "summary.html").read_text()
     assert "<table>" in html and "Gate: PASSED" in html
     assert html.index("heldout: serve suffix (k = 3) at 1.19x") < html.index("Decision per held-out set")

@@ -27,6 +27,7 @@ from draftsmith.core.verdict import (
     check_tau_gap,
     check_teacher_agreement,
     diagnose,
+    fair_speed,
     learning_curve,
     on_prompts,
     per_prompt_counts,
@@ -178,16 +179,25 @@ def test_beats_untrained_on_tokens_per_forward():
 
 
 def test_speedup_blocks_on_gpu_only_in_auto():
-    cpu = check_speedup("vLLM", 0.63, 0.8, "cpu", "auto")
+    cpu = check_speedup("vLLM", 0.63, 0.8, "cpu", "auto", True)
     assert (
         cpu.status == "info" and not cpu.blocking and "informational" in cpu.value and "n-gram" in cpu.value
     )
-    gpu = check_speedup("vLLM", 0.63, None, "cuda", "auto")
+    gpu = check_speedup("vLLM", 0.63, None, "cuda", "auto", True)
     assert gpu.failed and "cuda" in gpu.threshold
-    assert check_speedup("vLLM", 1.8, None, "cuda", "auto").status == "pass"
-    assert check_speedup("offline", 0.63, None, "cpu", "block").failed
-    assert check_speedup("offline", 0.63, None, "cuda", "warn").status == "warn"
-    assert check_speedup("vLLM", None, None, "cpu", "auto").status == "skip"
+    assert check_speedup("vLLM", 1.8, None, "cuda", "auto", True).status == "pass"
+    assert check_speedup("offline", 0.63, None, "cpu", "block", True).failed
+    assert check_speedup("offline", 0.63, None, "cuda", "warn", True).status == "warn"
+    assert check_speedup("vLLM", None, None, "cpu", "auto", True).status == "skip"
+
+
+def test_speedup_judges_only_a_fair_figure():
+    # engines beside other jobs: the ratio is not judged either way, in any mode, and says why
+    for figure in (0.63, 1.8):
+        for mode in ("auto", "block", "warn"):
+            unfair = check_speedup("vLLM", figure, None, "cuda", mode, False)
+            assert unfair.status == "skip" and not unfair.failed and "engines alone" in unfair.value
+    assert fair_speed({"fair": True}) and not fair_speed({}) and not fair_speed({"fair": "yes"})
 
 
 def test_settings_reject_unknown_checks_and_modes():
@@ -510,7 +520,7 @@ def test_diagnose_judges_vllm_per_prompt_counts_on_every_set():
     assert "projected" in by["beats_free (heldout)"].value
     assert "vLLM vs offline" in by["beats_untrained (heldout)"].value  # untrained only measured offline
     assert by["beats_free (handwritten)"].failed and "suffix" in by["beats_free (handwritten)"].value
-    assert by["speedup"].status == "info" and "0.60x plain (vLLM)" in by["speedup"].value
+    assert by["speedup"].status == "skip" and "engines alone" in by["speedup"].value  # ran beside others
     assert by["tau_gap (eagle3, handwritten)"].status == "skip"
     v = verdict(checks, projections)
     assert v["heldout"] == "handwritten" and v["action"] == "more data"  # gap 0.19 > 0.15
@@ -522,10 +532,13 @@ def test_diagnose_judges_vllm_per_prompt_counts_on_every_set():
     checks = diagnose(sets, MANIFEST, EXPORT, [], FINGERPRINT, rows, relaxed, projections=projections)
     enforce(checks)
     assert verdict(checks, projections)["action"] == "more data"
-    # on a GPU the slow drafter blocks
-    gpu = {**split, "vllm": {**split["vllm"], "device": "cuda"}}
+    # on a GPU the slow drafter blocks, measured fairly; measured beside other jobs it is not judged
+    gpu = {**split, "vllm": {**split["vllm"], "device": "cuda", "fair": True}}
     checks = diagnose({"heldout": gpu}, MANIFEST, EXPORT, [], FINGERPRINT, rows, relaxed)
     assert next(c for c in checks if c.name == "speedup").failed
+    crowded = {**split, "vllm": {**split["vllm"], "device": "cuda"}}
+    checks = diagnose({"heldout": crowded}, MANIFEST, EXPORT, [], FINGERPRINT, rows, relaxed)
+    assert next(c for c in checks if c.name == "speedup").status == "skip"
 
 
 def test_tau_gap_on_the_offline_prompts_only():

@@ -111,3 +111,21 @@ def test_a_large_target_leaves_room_and_says_up_to_which_load():
 )
 def test_only_an_estimate_that_could_change_the_decision_is_measured_again(best, expected):
     assert remeasure_targets(best, 3, 0.1) == expected
+
+
+def test_this_cpus_projection_is_added_where_its_profile_exists(tmp_path):
+    from draftsmith.core.atomic import write_json
+    from draftsmith.stages.eval_summary import _preflight_brief
+    from draftsmith.stages.evaluate.preflight import this_cpu_view
+
+    profile = tmp_path / "this-cpu.json"
+    serving = {"device": "H100-80GB", "profile": str(profile), "concurrency": [1, 8]}
+    assert this_cpu_view(serving) is None  # no profile measured: the GPU projection alone
+    write_json(profile, {"device": {"bandwidth_gb_s": 28.9, "tflops": 0.35, "overhead_ms": 4.0,
+                                    "layer_overhead_ms": 1.1, "token_overhead_us": 350.0},
+                         "bytes_per_parameter": 4.0, "lookup_us": 20.0})  # fmt: skip
+    assert this_cpu_view(serving) == {**serving, "device": "this-cpu"}
+    assert this_cpu_view({**serving, "device": "this-cpu"}) is None  # already the point that decides
+    # the report leads with the serving point's lines, then this CPU's
+    sets = {"a": {"line": "a: H100", "this_cpu": {"line": "a: this CPU"}}, "b": {"line": "b: H100"}}
+    assert _preflight_brief({"sets": sets})["lines"] == ["a: H100", "b: H100", "a: this CPU"]

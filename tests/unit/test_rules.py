@@ -199,6 +199,19 @@ def test_a_result_setting_plans_its_stage_and_downstream(finished, changes, expe
     assert planned(finished, changes) == expected
 
 
+def test_a_measured_cpu_profile_plans_what_projects_speed(finished):
+    # bench/cost.py wrote this CPU's serving profile (evaluate.serving.profile): the pre-flight and the
+    # verdict add its projection; nothing upstream of them reruns
+    profile = finished / "results" / "bench" / "this-cpu.json"
+    profile.parent.mkdir(parents=True, exist_ok=True)
+    profile.write_text("{}")
+    try:
+        assert planned(finished, {}) == {"preflight", *AFTER_TRAINING} - {"evaluate_offline"}
+    finally:
+        profile.unlink()
+    assert planned(finished, {}) == set()
+
+
 # ----------------------------------------------------------------------------- checked at start
 
 

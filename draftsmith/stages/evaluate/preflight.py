@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.core.atomic import write_json
-from draftsmith.core.cost import describe_point, serving_points, target_cost
+from draftsmith.core.cost import THIS_CPU, describe_point, serving_bytes, serving_points, target_cost
 from draftsmith.core.policy import concurrency_grid
 from draftsmith.core.preflight import blocked_message, outlook_line, planned_drafter_cost, set_outlook
 from draftsmith.core.stage_args import arg
@@ -59,20 +59,13 @@ def preflight(paths: PreflightPaths, settings: EvaluateSettings) -> dict[str, An
         paths.target, {}, paths.prompts, set_paths, settings, paths.log_dir, paths.runs_dir
     )
     serving = settings.serving
-    bytes_per = float(serving["bytes_per_parameter"])
-    target = target_cost(paths.target, bytes_per)
-    drafter = planned_drafter_cost(paths.plan, text_config_dict(paths.target), bytes_per)
+    drafter = planned_drafter_cost(paths.plan, text_config_dict(paths.target), serving_bytes(serving))
+    here = this_cpu_view(serving)
     sets = {}
     for name, summary in summaries.items():
-        points = serving_points(
-            {**serving, "concurrency": concurrency_grid(serving)}, summary["context_tokens"]
-        )
-        outlook = set_outlook(summary["methods"], settings.num_draft_tokens, target, drafter, points)
-        sets[name] = {
-            **outlook,
-            "serving_point": describe_point(points[0]),
-            "line": outlook_line(name, outlook, points[0].device.name),
-        }
+        sets[name] = set_entry(name, summary, serving, settings, paths)
+        if here:  # beside the projection that decides: this CPU's, measured where the run is
+            sets[name]["this_cpu"] = set_entry(name, summary, here, settings, paths)
     result = {
         "target": str(paths.target),
         "drafter_plan": paths.plan,
@@ -88,6 +81,35 @@ def preflight(paths: PreflightPaths, settings: EvaluateSettings) -> dict[str, An
     return result
 
 
+def this_cpu_view(serving: dict[str, Any]) -> dict[str, Any] | None:
+    """evaluate.serving as this CPU (its measured profile, bench/cost.py) where the serving point is
+    another device and the profile exists; None otherwise (nothing to add)."""
+    if serving["device"] == THIS_CPU or not Path(serving.get("profile") or "").is_file():
+        return None
+    return {**serving, "device": THIS_CPU}
+
+
+def set_entry(
+    name: str,
+    summary: dict[str, Any],
+    serving: dict[str, Any],
+    settings: EvaluateSettings,
+    paths: PreflightPaths,
+) -> dict[str, Any]:
+    """One set's outlook over the serving grid of `serving`, the models costed at the points' bytes per
+    parameter (a CPU profile's float32, a GPU's bf16)."""
+    points = serving_points({**serving, "concurrency": concurrency_grid(serving)}, summary["context_tokens"])
+    bytes_per = points[0].bytes_per_parameter
+    target = target_cost(paths.target, bytes_per)
+    drafter = planned_drafter_cost(paths.plan, text_config_dict(paths.target), bytes_per)
+    outlook = set_outlook(summary["methods"], settings.num_draft_tokens, target, drafter, points)
+    return {
+        **outlook,
+        "serving_point": describe_point(points[0]),
+        "line": outlook_line(name, outlook, points[0].device.name),
+    }
+
+
 def run_preflight(paths: PreflightPaths, settings: EvaluateSettings) -> Iterator[str]:
     """The pre-flight: plain decoding, n-gram lookup and suffix decoding measured in vLLM on every
     held-out set (needs the vllm extra), and per set and concurrency of evaluate.serving the best choice
@@ -98,6 +120,9 @@ def run_preflight(paths: PreflightPaths, settings: EvaluateSettings) -> Iterator
     result = preflight(paths, settings)
     for entry in result["sets"].values():
         yield entry["line"]
+    for entry in result["sets"].values():
+        if entry.get("this_cpu"):
+            yield entry["this_cpu"]["line"]
     if not result["drafter_can_pay"]:
         message = blocked_message(result["sets"])
         if settings.preflight == "block":

@@ -42,6 +42,7 @@ import torch
 from draftsmith.core.atomic import write_json
 from draftsmith.core.chat import eos_token_ids
 from draftsmith.core.context import context_errors, evaluation_model_len
+from draftsmith.core.distributed import usable_threads
 from draftsmith.core.kinds import drafter_proposer
 from draftsmith.core.methods import DRAFTED, METHODS, method
 from draftsmith.core.run_cache import (
@@ -311,7 +312,7 @@ def evaluate_offline(
     )
     temperature, seed = settings.temperature, settings.seed
     if settings.threads and settings.threads > 0:
-        torch.set_num_threads(settings.threads)
+        torch.set_num_threads(usable_threads(settings.threads))
     target_path, out_path = Path(target_path), Path(out_path)
     unknown = sorted(set(drafters) - set(EAGLE_METHODS))
     if unknown:
@@ -794,11 +795,12 @@ def chosen_lengths(
         best_draft_length,
         draft_length_options,
         drafter_cost,
+        serving_bytes,
         serving_points,
         target_cost,
     )
 
-    bytes_per = float(serving["bytes_per_parameter"])
+    bytes_per = serving_bytes(serving)
     target = target_cost(target_path, bytes_per)
     drafters = {run.name: drafter_cost(run.drafter, bytes_per) for run in runs if run.drafter}
     out: dict[str, set[int]] = {}
