@@ -76,7 +76,8 @@ class Dist:
 
 def rank_threads(threads: int, world: int) -> int:
     """A rank's share of the job's CPU threads: every rank of a node is one process of the same job, so
-    each taking the whole count oversubscribes the CPUs world-fold (8 ranks x 32 threads on 32 CPUs)."""
+    each taking the whole count oversubscribes the CPUs world-fold (8 ranks x 32 threads on 32 CPUs).
+    An extraction job's engines share its threads the same way."""
     return max(1, threads // max(1, world))
 
 

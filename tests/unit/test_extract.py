@@ -512,7 +512,7 @@ def test_a_failing_write_stops_extraction_with_the_sequential_loops_error(tmp_pa
             raise ValueError("sample s: cannot be written")
         add(self, sample)
 
-    def full(self, sample, encoder):
+    def full(self, *encoded):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     out = tmp_path / "hidden" / "shard-0.safetensors"
@@ -852,6 +852,59 @@ def test_extract_shards_loads_once_stashes_and_reuses_what_a_killed_run_finished
     loads.clear(), extracted.clear()
     assert run() == [0, 1, 2] and loads == [] and extracted == []
     assert [verify_shard(p) for p in outs] == digests
+
+
+def test_each_engine_takes_its_share_of_the_jobs_threads_and_compresses_with_it(
+    tmp_path, tiny_llama, monkeypatch
+):
+    """resources.extract.threads is the job's (the rule's --threads): its engines share it, 32 threads over
+    8 engines of 1 GPU taking 4 each (never fewer than 1), and an engine's shard writer encodes with its
+    share (a pool: one zstd thread alone keeps up with ~0.4 GB/s, a GPU's prefill yields ~1 GB/s; issue 43
+    item 9)."""
+    import draftsmith.stages.extract as ex
+    from draftsmith.backends.hf import HfExtractor
+
+    target = tmp_path / "target"
+    tiny_llama.save_pretrained(target)
+    tokens = tmp_path / "tokens.safetensors"
+    _tokens_file(tokens, [7, 30, 12, 25, 9, 18, 11, 5], [[k, k + 1] for k in range(8)])
+    outs = [str(tmp_path / "hidden" / f"shard-{k}.safetensors") for k in range(8)]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    monkeypatch.setattr(ex, "job_layout", lambda *a, **k: (1, 8))  # the plan's layout for an 8B target
+    engines = []
+
+    class Recorded(Exception):
+        pass
+
+    def processes(queue, devices, kw):
+        engines.append((devices, kw["settings"].threads, kw["settings"].gpus))
+        raise Recorded
+
+    monkeypatch.setattr(ex, "run_engine_processes", processes)
+    for job_threads, engine_threads in ((32, 4), (12, 1), (4, 1), (None, None)):
+        s = settings(aux_layers=[1, 3], backend="vllm", gpus=8, vllm_eager=False, threads=job_threads,
+                     scratch=str(tmp_path / "s"))  # fmt: skip
+        with pytest.raises(Recorded):
+            ex.extract_shards(str(target), str(tokens), outs, s)
+        assert engines.pop() == ([str(i) for i in range(8)], engine_threads, 1), job_threads
+    writers = []
+
+    class Writer(ShardWriter):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            writers.append(self.threads)
+
+    monkeypatch.setattr(ex, "ShardWriter", Writer)
+    before = torch.get_num_threads()
+    try:
+        for engine_threads, pool in ((3, 3), (None, 1)):
+            s = settings(aux_layers=[1, 3], batch_tokens=60, compile="off", threads=engine_threads)
+            ex.extract_shard(
+                str(target), str(tokens), 1, outs[1], s, extractor=HfExtractor(tiny_llama, [1, 3])
+            )
+            assert writers.pop() == pool
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_extract_shards_refuses_a_shard_count_the_tokens_do_not_plan(tmp_path):
