@@ -992,6 +992,60 @@ def test_vllm_states_go_to_node_local_scratch_not_results(tmp_path, tiny_llama, 
     assert ex.scratch_root(None) == Path(tempfile.gettempdir())
 
 
+def test_extraction_runs_where_the_results_file_system_refuses_flock(tmp_path, tiny_llama, monkeypatch):
+    """results/ on a file system without flock (Lustre mounted so: flock fails with ENOLCK, as a stand-in
+    makes every lock under results/ fail here): the job's engine locks each of vLLM's per-request states
+    files as the connector does (a lock file beside it, flock LOCK_EX) in node-local scratch, so the
+    shards are written; the same lock under results/ fails as vLLM's first request would."""
+    import errno
+    import fcntl
+
+    import draftsmith.stages.extract as ex
+    from draftsmith.backends.hf import HfExtractor
+    from draftsmith.core.shards import verify_shard
+
+    results = tmp_path / "results"
+    flock = fcntl.flock
+
+    def no_flock_under_results(fd, operation):
+        if Path(os.readlink(f"/proc/self/fd/{fd if isinstance(fd, int) else fd.fileno()}")).is_relative_to(
+            results
+        ):
+            raise OSError(errno.ENOLCK, "No locks available")
+        return flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", no_flock_under_results)
+    target = tmp_path / "target"
+    tiny_llama.save_pretrained(target)
+    tokens = tmp_path / "tokens.safetensors"
+    _tokens_file(tokens, [7, 30, 12, 25], [[0, 2], [2, 4]])
+    locked = []
+
+    def lock_states_file(folder: Path) -> None:  # the connector's _submit_async_write, per request
+        fd = os.open(folder / "req-0.safetensors.lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            locked.append(folder)
+        finally:
+            os.close(fd)
+
+    def extractor(backend, target, layer_ids, dtype, gpus, max_len, storage_dir, *rest):
+        lock_states_file(Path(storage_dir))
+        return HfExtractor(tiny_llama, layer_ids)
+
+    monkeypatch.setattr(ex, "make_extractor", extractor)
+    outs = [results / "hidden" / f"shard-{k}.safetensors" for k in range(2)]
+    s = settings(
+        aux_layers=[1, 3], batch_tokens=60, compile="off", backend="vllm", scratch=str(tmp_path / "scratch")
+    )
+    ex.extract_shards(str(target), str(tokens), [str(p) for p in outs], s)
+    assert len(locked) == 1 and not locked[0].is_relative_to(results)
+    assert all(verify_shard(p) for p in outs)
+    with pytest.raises(OSError) as err:  # the stand-in bites: vLLM's states under results/ would fail
+        lock_states_file(outs[0].parent)
+    assert err.value.errno == errno.ENOLCK
+
+
 def test_a_scratch_folder_without_room_for_the_in_flight_states_is_refused_in_one_line(tmp_path, monkeypatch):
     """Kimi-K2.5's 3 aux layers + final (7,168 wide, bf16): 57 KB a token; 8,192-token batches, two in flight
     per engine: 0.94 GB for one engine. A folder with less is refused naming it and both figures."""
