@@ -96,11 +96,16 @@ def launch_rank() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def wants_cuda(device: str | torch.device | None) -> bool:
+    """Whether init_distributed(device) runs on CUDA (None: when it is available)."""
+    return torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+
+
 def init_distributed(device: str | torch.device | None) -> Dist:
     """Join the torchrun process group when WORLD_SIZE > 1: nccl on CUDA (rank r on cuda:LOCAL_RANK),
     gloo on CPU. Otherwise a single process on `device` (default: CUDA when available)."""
     rank, world = launch_rank()
-    use_cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+    use_cuda = wants_cuda(device)
     if world == 1:
         return Dist(device=torch.device(device or ("cuda" if use_cuda else "cpu")))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
