@@ -35,6 +35,14 @@ machine use --threads 1 (a 2-thread OpenMP forward on oversubscribed cores spins
 slower, by amounts that swamp the overlap and differ between the loops). Without
 the default target (resources/), --target tiny runs a random 8-layer twin of SmolLM2 on random tokens.
 
+Writer throughput (--writer-threads, alone with --only-writer): the bench's shard is extracted once
+(codec none); its samples, held in memory, are then written as zstd-planes shards by ShardWriter with
+each thread count of --writer-threads, in alternating rounds. Writer rate = raw bf16 state bytes / wall
+seconds from the first add() to the finished file, and per CPU-second of the writer's threads; against
+the forward's rate here (the same states' bytes / seconds of the capture loop without writing) and a
+GPU engine's (--forward-gbps, the issue-43 figure for an H100's prefill: ~1 GB/s of states per engine):
+the threads a shard needs so that compression keeps up. Rates are medians with the rounds' range.
+
 Without --tokens, the tiny workflow run's tokens (/tmp/wf/results/tokens.safetensors) are used if they
 exist, else chat sequences made here from the built-in prompts; samples repeat until --min-tokens.
 """
@@ -44,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import io
 import itertools
+import math
 import os
 import statistics
 import tempfile
@@ -57,7 +66,9 @@ import torch
 from bench import harness
 from bench.harness import median
 from draftsmith.backends.hf import HfExtractor
+from draftsmith.core.config import section_defaults
 from draftsmith.core.layers import resolve_aux_layers
+from draftsmith.core.shards import ShardWriter, iter_samples
 from draftsmith.core.target import load_target
 from draftsmith.core.tokens import load_tokens, write_tokens
 from draftsmith.stages.extract import ExtractSettings, extract_shard
@@ -316,6 +327,97 @@ def print_pipeline(p: dict[str, Any]) -> None:
     )
 
 
+def writer_throughput(
+    target: str,
+    work: Path,
+    engine,
+    batch_tokens: int,
+    threads: int,
+    counts: list[int],
+    rounds: int,
+    forward_gbps: float,
+) -> dict[str, Any]:
+    """ShardWriter's zstd-planes rate per thread count over the bench's samples (extracted once, held in
+    memory), in alternating rounds, against the forward's rate here and a GPU engine's (forward_gbps)."""
+    tokens = str(work / "tokens.safetensors")
+    plain = str(work / "writer" / "plain.safetensors")
+    settings = {"dtype": "bfloat16", "batch_tokens": batch_tokens, "threads": threads, "compile": "off"}
+    with contextlib.redirect_stderr(io.StringIO()):
+        forward = extract_shard(
+            target, tokens, 0, None, ExtractSettings.from_dict(settings), extractor=engine
+        )
+        extract_shard(target, tokens, 0, plain, ExtractSettings.from_dict({**settings, "codec": "none"}),
+                      extractor=engine)  # fmt: skip
+    samples = list(iter_samples(plain))
+    # raw bf16, what a forward yields
+    state_bytes = sum(2 * (s.aux.numel() + s.final.numel()) for s in samples)
+    level = section_defaults("extract")["zstd_level"]
+    out = work / "writer" / "shard-0.safetensors"
+
+    def write(count: int) -> dict[str, float]:
+        start = time.perf_counter()
+        writer = ShardWriter(out, {}, "zstd-planes", level, "bfloat16", sample_ids=[s.id for s in samples],
+                             threads=count)  # fmt: skip
+        for sample in samples:
+            writer.add(sample)
+        writer.close()
+        seconds = time.perf_counter() - start
+        size = out.stat().st_size
+        out.unlink()
+        return {"seconds": seconds, "cpu_seconds": writer.cpu_seconds, "file_bytes": size}
+
+    runs = harness.alternating_rounds({str(c): (lambda c=c: write(c)) for c in counts}, rounds)
+    here_gbps = state_bytes / forward["seconds"] / 1e9
+    rows = {}
+    for c in counts:
+        r = runs[str(c)]
+        gbps = harness.ratio_summary([state_bytes / x["seconds"] / 1e9 for x in r])
+        per_cpu = harness.ratio_summary([state_bytes / x["cpu_seconds"] / 1e9 for x in r])
+        speedup = harness.ratio_summary(
+            harness.paired_ratios(runs[str(counts[0])], r, lambda x: x["seconds"])
+        )
+        rows[c] = {"gbps": gbps, "gb_per_cpu_second": per_cpu, "speedup": speedup,
+                   "ratio": r[0]["file_bytes"] / state_bytes}  # fmt: skip
+    per_thread = median(rows[c]["gb_per_cpu_second"]["median"] for c in counts)
+    return {
+        "samples": len(samples),
+        "state_bytes": state_bytes,
+        "zstd_level": level,
+        "rounds": rounds,
+        "speedup_against_threads": counts[0],  # each row's speedup: paired wall-time ratios against it
+        "forward_here_gbps": here_gbps,
+        "forward_gpu_gbps": forward_gbps,
+        "threads_to_keep_up": {
+            "here": math.ceil(here_gbps / per_thread),
+            "gpu": math.ceil(forward_gbps / per_thread),
+        },
+        "by_threads": rows,
+        "runs": runs,
+    }
+
+
+def print_writer(w: dict[str, Any]) -> None:
+    def cell(x: dict[str, float], spec: str = ".2f") -> str:
+        return f"{x['median']:{spec}} [{x['low']:{spec}}-{x['high']:{spec}}]"
+
+    first = w["speedup_against_threads"]
+    print(
+        f"\nwriter throughput, zstd-planes level {w['zstd_level']} ({w['samples']} samples, "
+        f"{w['state_bytes'] / 1e6:.1f} MB of bf16 states), medians [range] over {w['rounds']} alternating rounds:"
+    )
+    print(harness.format_table(
+        [("threads", ">7d"), ("GB/s (wall)", "<20s"), ("GB per CPU-s", "<20s"), (f"x {first} thread", "<20s"),
+         ("ratio", ">6.3f")],
+        [(c, cell(r["gbps"]), cell(r["gb_per_cpu_second"]), cell(r["speedup"]), r["ratio"])
+         for c, r in w["by_threads"].items()],
+    ))  # fmt: skip
+    need = w["threads_to_keep_up"]
+    print(
+        f"the forward yields {w['forward_here_gbps']:.3g} GB/s of states here ({need['here']} writer thread(s) keep up) "
+        f"and ~{w['forward_gpu_gbps']:.1f} GB/s per GPU engine (--forward-gbps): {need['gpu']} thread(s) per engine"
+    )
+
+
 def summarise(
     times: dict[str, list[tuple[float, float]]],
     clock: str,
@@ -413,7 +515,23 @@ def print_table(rows: dict[str, dict[str, Any]], title: str) -> None:
     "--only-pipeline", is_flag=True, help="Only the pipelined-loop comparison (no naive, no compile)."
 )
 @click.option(
-    "--json", "json_path", help="[results/bench/extract.json; with --only-pipeline extract-pipeline.json]"
+    "--writer-threads",
+    default="1,2,4",
+    show_default=True,
+    help="Thread counts of the writer-throughput rows, comma-separated (empty: skip).",
+)
+@click.option("--writer-rounds", default=5, show_default=True, help="Alternating rounds of the writer rows.")
+@click.option(
+    "--forward-gbps",
+    default=1.0,
+    show_default=True,
+    help="A GPU engine's states per second (GB/s) to size writer threads against.",
+)
+@click.option("--only-writer", is_flag=True, help="Only the writer-throughput rows (no naive, no compile).")
+@click.option(
+    "--json",
+    "json_path",
+    help="[results/bench/extract.json; with --only-pipeline extract-pipeline.json, --only-writer extract-writer.json]",
 )
 def main(
     tokens: str | None,
@@ -428,20 +546,49 @@ def main(
     overlap_pairs: int,
     pipeline_pairs: int,
     only_pipeline: bool,
+    writer_threads: str,
+    writer_rounds: int,
+    forward_gbps: float,
+    only_writer: bool,
     json_path: str | None,
 ) -> None:
     torch.set_num_threads(threads)
     load_before = harness.load_average()
     work = Path(tempfile.mkdtemp(prefix="bench-extract-"))
-    json_path = json_path or str(harness.result_path("extract-pipeline" if only_pipeline else "extract"))
+    counts = [int(c) for c in writer_threads.split(",") if c.strip()]
+    if only_writer and not counts:
+        raise click.UsageError("--only-writer needs --writer-threads")
+    name = "extract-pipeline" if only_pipeline else "extract-writer" if only_writer else "extract"
+    json_path = json_path or str(harness.result_path(name))
     if target == "tiny" or not Path(target, "config.json").is_file():
-        if not only_pipeline:
-            raise click.UsageError(f"{target}: no target there (the tiny twin is for --only-pipeline)")
+        if not (only_pipeline or only_writer):
+            raise click.UsageError(
+                f"{target}: no target there (the tiny twin is for --only-pipeline, --only-writer)"
+            )
         print(f"{target}: no target there; a random tiny twin of SmolLM2 on random tokens instead")
         target = tiny_twin(work)
         data = random_tokens(work / "tokens.safetensors", min_tokens)
     else:
         data = bench_tokens(tokens, target, min_tokens, work / "tokens.safetensors", made_up, max_tokens)
+    if only_writer:
+        n_tok = sum(data["lengths"])
+        print(f"{len(data['lengths'])} samples, {n_tok:,} tokens from {data['source']}; {threads} threads, "
+              f"{harness.cpu_name()}, load average {load_before}")  # fmt: skip
+        from transformers import AutoModelForCausalLM  # the twin has no tokenizer for load_target
+
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16).eval()
+        engine = HfExtractor(model, resolve_aux_layers(None, model.config.num_hidden_layers))
+        writer = writer_throughput(
+            target, work, engine, batch_tokens, threads, counts, writer_rounds, forward_gbps
+        )
+        print_writer(writer)
+        machine = harness.machine(load_before)
+        print(f"load average during the run: {load_before} -> {machine['load_average']['after']}")
+        harness.write_result(
+            {"target": target, "tokens": n_tok, "source": data["source"], "writer": writer, **machine},
+            json_path,
+        )
+        return
     if only_pipeline:
         n_tok = sum(data["lengths"])
         print(
@@ -562,6 +709,11 @@ def main(
     pipeline = None
     if pipeline_pairs:
         pipeline = pipeline_overlap(target, work, engines["off"], batch_tokens, threads, pipeline_pairs)
+    writer = None
+    if counts:
+        writer = writer_throughput(
+            target, work, engines["off"], batch_tokens, threads, counts, writer_rounds, forward_gbps
+        )
 
     measured = {key: [c for runs in beside.values() for c in runs] for key, beside in ceilings.items()}
     ceiling = {key: median(values) for key, values in measured.items()}
@@ -594,6 +746,8 @@ def main(
         )
     if pipeline:
         print_pipeline(pipeline)
+    if writer:
+        print_writer(writer)
     linear_best = max(linear_rates)
     print(
         f"upper bound: this model's linear layers alone, {batch_tokens} tokens at a time, reach "
@@ -617,6 +771,7 @@ def main(
             "linear_layers_gflops": {"best": linear_best, "rounds": linear_rates},
             "write_overlap_alternating_pairs": overlap,
             "pipeline": pipeline,
+            "writer": writer,
             "compile_seconds": compile_seconds,
             "variants": tables,
             **machine,  # cpu, threads, nproc, torch, load_average

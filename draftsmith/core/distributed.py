@@ -76,7 +76,8 @@ class Dist:
 
 def rank_threads(threads: int, world: int) -> int:
     """A rank's share of the job's CPU threads: every rank of a node is one process of the same job, so
-    each taking the whole count oversubscribes the CPUs world-fold (8 ranks x 32 threads on 32 CPUs)."""
+    each taking the whole count oversubscribes the CPUs world-fold (8 ranks x 32 threads on 32 CPUs).
+    An extraction job's engines share its threads the same way."""
     return max(1, threads // max(1, world))
 
 
@@ -103,11 +104,16 @@ def launch_rank() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def wants_cuda(device: str | torch.device | None) -> bool:
+    """Whether init_distributed(device) runs on CUDA (None: when it is available)."""
+    return torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+
+
 def init_distributed(device: str | torch.device | None) -> Dist:
     """Join the torchrun process group when WORLD_SIZE > 1: nccl on CUDA (rank r on cuda:LOCAL_RANK),
     gloo on CPU. Otherwise a single process on `device` (default: CUDA when available)."""
     rank, world = launch_rank()
-    use_cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+    use_cuda = wants_cuda(device)
     if world == 1:
         return Dist(device=torch.device(device or ("cuda" if use_cuda else "cpu")))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -767,6 +767,39 @@ def extract_need(
     return need
 
 
+def train_need(
+    train: dict[str, Any],
+    resources: dict[str, Any],
+    size: TargetSize,
+    shape: DrafterShape,
+    memory: float | None,
+    *,
+    coefficients: Coefficients | None = None,
+    share_tokens: int | None = None,
+) -> StageNeed:
+    """The training line of the plan (one rank of resources.gpus): the plan prints it and the train job
+    checks it again on its own GPUs before it loads the target's head or builds the drafter."""
+    world = int(resources["gpus"])
+    need = train_memory(
+        shape,
+        size.vocab_size,
+        batch_tokens=int(train["batch_tokens"]),
+        max_seq_len=int(train["max_seq_len"]),
+        world=world,
+        ttt_steps=int(train["ttt_steps"]),
+        micro_batch_tokens=int(resources["micro_batch_tokens"]),
+        checkpoint_ttt=bool(resources["checkpoint_ttt"]),
+        lk_loss=str(train["lk_loss"]),
+        coefficients=coefficients,
+        share_tokens=share_tokens,
+    )
+    parts = dict(need.parts)
+    parts[f"activations ({need.tokens_per_pass:,} tokens per pass)"] = parts.pop("activations")
+    budget = None if memory is None else TRAIN_UTILIZATION * memory
+    setting = "resources.train.micro_batch_tokens (smaller passes) or resources.train.checkpoint_ttt: true"
+    return StageNeed("train", world, parts, budget, setting)
+
+
 def evaluate_need(
     size: TargetSize, tp: int, seq_len: int, utilization: float, memory: float | None, drafter_bytes: float
 ) -> StageNeed:
@@ -809,30 +842,9 @@ def plan(
             needs.append(StageNeed("extract", 1, parts, memory, "extract.backend vllm (tensor parallel)"))
     tr = config["train"]
     if res["train"]["gpus"] > 0 and shape is not None:
-        world = res["train"]["gpus"]
-        tp_ = train_memory(
-            shape,
-            size.vocab_size,
-            batch_tokens=int(tr["batch_tokens"]),
-            max_seq_len=int(tr["max_seq_len"]),
-            world=world,
-            ttt_steps=int(tr["ttt_steps"]),
-            micro_batch_tokens=int(res["train"]["micro_batch_tokens"]),
-            checkpoint_ttt=bool(res["train"]["checkpoint_ttt"]),
-            lk_loss=str(tr["lk_loss"]),
-            coefficients=coefficients,
-            share_tokens=share_tokens,
-        )
-        parts = dict(tp_.parts)
-        parts[f"activations ({tp_.tokens_per_pass:,} tokens per pass)"] = parts.pop("activations")
-        budget = None if memory is None else TRAIN_UTILIZATION * memory
         needs.append(
-            StageNeed(
-                "train",
-                world,
-                parts,
-                budget,
-                "resources.train.micro_batch_tokens (smaller passes) or resources.train.checkpoint_ttt: true",
+            train_need(
+                tr, res["train"], size, shape, memory, coefficients=coefficients, share_tokens=share_tokens
             )
         )
     ev = config["evaluate"]

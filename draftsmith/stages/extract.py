@@ -37,7 +37,7 @@ from draftsmith.backends.common import VllmStartError
 from draftsmith.core.atomic import atomic_path, disk_full
 from draftsmith.core.devices import parse_visible
 from draftsmith.core.digests import file_sha256, intact, retouch, seal, seal_as, sidecar
-from draftsmith.core.distributed import usable_threads
+from draftsmith.core.distributed import rank_threads, usable_threads
 from draftsmith.core.estimate import (
     NotEnoughDisk,
     check_free_disk,
@@ -346,6 +346,8 @@ def extract_shard(
                 zstd_level,
                 storage_dtype,
                 sample_ids=meta["sample_ids"][start:end],
+                # the engine's share of the job's threads compresses (niced: a CPU forward goes first)
+                threads=threads or 1,
             )
         t0, cpu0 = time.perf_counter(), time.process_time()
         stats = _extract_loop(
@@ -857,7 +859,7 @@ def extract_shards(
         )  # fmt: skip
         engine = replace(
             s, compile=compile_mode, gpus=tp if gpus else 0,
-            threads=max(1, s.threads // engines) if s.threads else None,
+            threads=rank_threads(s.threads, engines) if s.threads else None,
         )  # fmt: skip
         if s.backend == "vllm":  # the engines of this job share the node's scratch: room for all, at start
             config = text_config_dict(target)

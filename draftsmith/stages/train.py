@@ -52,6 +52,7 @@ from draftsmith.core.distributed import (
     launch_rank,
     rank_threads,
     usable_threads,
+    wants_cuda,
 )
 from draftsmith.core.drafter import Eagle3Drafter, build_drafter
 from draftsmith.core.export_formats import check_export, save_drafter
@@ -445,6 +446,8 @@ def train(
     """
     throughput = Throughput()
     rank, world = launch_rank()
+    if wants_cuda(device):  # before the shards are decoded, the target's head loaded, the drafter built
+        check_memory(manifest_path, vocab_path, settings, world)
     unproven = (
         [] if settings.max_steps == 0 else verify_share(manifest_path, rank, world, settings.loader_threads)
     )
@@ -541,6 +544,31 @@ def train(
         write_drafter(drafter, out_dir, manifest, target_config, settings, summary)
     dist.finish()  # the drafter exists before any rank returns
     return summary
+
+
+def check_memory(
+    manifest_path: str | Path, vocab_path: str | Path, settings: TrainSettings, world: int
+) -> None:
+    """The plan's training line again, for one of this job's `world` ranks on its GPUs (nvidia-smi),
+    before anything loads: ValueError with the figure (a rank out of memory at its first long batch
+    would lose the job's hours). Reads only the manifest, the target's config.json and the vocab map."""
+    from draftsmith.core.config import text_config_json
+    from draftsmith.core.memory import device_memory, drafter_shape, target_size, train_need
+    from draftsmith.core.memory import refusal as plan_refusal
+
+    memory, device = device_memory({})
+    if memory is None:
+        return
+    manifest = load_manifest(manifest_path)
+    target_config = text_config_json(manifest["target"])
+    train = settings.to_dict()  # the train section and resources.train's knobs (micro_batch_tokens, ...)
+    draft_vocab = int(load_vocab_map(vocab_path)["d2t"].numel())
+    shape = drafter_shape(
+        {"train": train, "vocab": {"size": draft_vocab}}, target_config, int(manifest["num_aux"])
+    )
+    need = train_need(train, {**train, "gpus": world}, target_size(target_config), shape, memory)
+    if stop := plan_refusal([need], device):
+        raise ValueError(f"{stop} (the memory plan, checked again by the job)")
 
 
 def refusal(problems: list[str]) -> str:

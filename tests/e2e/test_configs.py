@@ -15,6 +15,7 @@ when no --configfile is given.
 import copy
 import importlib
 import json
+import os
 import re
 import shlex
 import shutil
@@ -462,6 +463,31 @@ def test_extract_runs_vllm_over_the_nodes_8_gpus_in_bfloat16_with_cuda_graphs(pl
         False,
     )
     assert settings.gpu_memory_utilization == 0.9 and settings.tensor_parallel == 0
+
+
+def test_each_extraction_engine_has_the_threads_to_compress_a_gpus_states(plan, monkeypatch):
+    """resources.extract.threads is the job's (the planned --threads, which Snakemake caps at --cores: here
+    the test machine's), shared by the engines of the memory plan's layout (on H100s; Kimi's on H200s):
+    each GPU engine gets at least 4, 3 to compress ~1 GB/s of states at ~0.4 GB per CPU-second
+    (bench/extract.py --only-writer) and one for vLLM's engine core (issue 43 item 9); Llama-3.1-8B runs
+    8 engines of 1 GPU."""
+    from draftsmith.core.config import section_defaults
+    from draftsmith.core.distributed import rank_threads
+    from draftsmith.stages.extract import job_layout
+
+    name, jobs, workdir = plan
+    (job,) = jobs["extract"]
+    args, _ = run_planned(job, workdir, monkeypatch, "draftsmith.stages.extract.extract_shards")
+    target, settings = args[0], args[3]
+    config = yaml.safe_load((REPO / "configs" / f"{name}.yaml").read_text())
+    max_seq_len = config["extract"].get("max_seq_len", section_defaults("extract")["max_seq_len"])
+    threads = config["resources"]["extract"]["threads"]
+    assert f"--threads {min(threads, os.cpu_count())} " in job["shell"]
+    device = {"gpu_memory_gib": 139.8 if name == "kimi-k2.5-8gpu" else 79.2}
+    _, engines = job_layout(target, settings.dtype, settings.backend, settings.gpus, max_seq_len,
+                            settings.gpu_memory_utilization, settings.tensor_parallel, device)  # fmt: skip
+    assert engines == (8 if name == "llama-3.1-8b" else 1), engines
+    assert rank_threads(threads, engines) >= 4, (name, threads, engines)
 
 
 def test_vllm_evaluation_is_the_served_setup(plan, monkeypatch):

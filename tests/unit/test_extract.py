@@ -512,7 +512,7 @@ def test_a_failing_write_stops_extraction_with_the_sequential_loops_error(tmp_pa
             raise ValueError("sample s: cannot be written")
         add(self, sample)
 
-    def full(self, sample, encoder):
+    def full(self, *encoded):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     out = tmp_path / "hidden" / "shard-0.safetensors"
@@ -854,6 +854,59 @@ def test_extract_shards_loads_once_stashes_and_reuses_what_a_killed_run_finished
     assert [verify_shard(p) for p in outs] == digests
 
 
+def test_each_engine_takes_its_share_of_the_jobs_threads_and_compresses_with_it(
+    tmp_path, tiny_llama, monkeypatch
+):
+    """resources.extract.threads is the job's (the rule's --threads): its engines share it, 32 threads over
+    8 engines of 1 GPU taking 4 each (never fewer than 1), and an engine's shard writer encodes with its
+    share (a pool: one zstd thread alone keeps up with ~0.4 GB/s, a GPU's prefill yields ~1 GB/s; issue 43
+    item 9)."""
+    import draftsmith.stages.extract as ex
+    from draftsmith.backends.hf import HfExtractor
+
+    target = tmp_path / "target"
+    tiny_llama.save_pretrained(target)
+    tokens = tmp_path / "tokens.safetensors"
+    _tokens_file(tokens, [7, 30, 12, 25, 9, 18, 11, 5], [[k, k + 1] for k in range(8)])
+    outs = [str(tmp_path / "hidden" / f"shard-{k}.safetensors") for k in range(8)]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    monkeypatch.setattr(ex, "job_layout", lambda *a, **k: (1, 8))  # the plan's layout for an 8B target
+    engines = []
+
+    class Recorded(Exception):
+        pass
+
+    def processes(queue, devices, kw):
+        engines.append((devices, kw["settings"].threads, kw["settings"].gpus))
+        raise Recorded
+
+    monkeypatch.setattr(ex, "run_engine_processes", processes)
+    for job_threads, engine_threads in ((32, 4), (12, 1), (4, 1), (None, None)):
+        s = settings(aux_layers=[1, 3], backend="vllm", gpus=8, vllm_eager=False, threads=job_threads,
+                     scratch=str(tmp_path / "s"))  # fmt: skip
+        with pytest.raises(Recorded):
+            ex.extract_shards(str(target), str(tokens), outs, s)
+        assert engines.pop() == ([str(i) for i in range(8)], engine_threads, 1), job_threads
+    writers = []
+
+    class Writer(ShardWriter):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            writers.append(self.threads)
+
+    monkeypatch.setattr(ex, "ShardWriter", Writer)
+    before = torch.get_num_threads()
+    try:
+        for engine_threads, pool in ((3, 3), (None, 1)):
+            s = settings(aux_layers=[1, 3], batch_tokens=60, compile="off", threads=engine_threads)
+            ex.extract_shard(
+                str(target), str(tokens), 1, outs[1], s, extractor=HfExtractor(tiny_llama, [1, 3])
+            )
+            assert writers.pop() == pool
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_extract_shards_refuses_a_shard_count_the_tokens_do_not_plan(tmp_path):
     from draftsmith.stages.extract import extract_shards
 
@@ -937,6 +990,60 @@ def test_vllm_states_go_to_node_local_scratch_not_results(tmp_path, tiny_llama, 
     assert folder.parent == scratch and not folder.is_relative_to(tmp_path / "results")
     assert list(scratch.iterdir()) == []  # the job's folder is gone with it
     assert ex.scratch_root(None) == Path(tempfile.gettempdir())
+
+
+def test_extraction_runs_where_the_results_file_system_refuses_flock(tmp_path, tiny_llama, monkeypatch):
+    """results/ on a file system without flock (Lustre mounted so: flock fails with ENOLCK, as a stand-in
+    makes every lock under results/ fail here): the job's engine locks each of vLLM's per-request states
+    files as the connector does (a lock file beside it, flock LOCK_EX) in node-local scratch, so the
+    shards are written; the same lock under results/ fails as vLLM's first request would."""
+    import errno
+    import fcntl
+
+    import draftsmith.stages.extract as ex
+    from draftsmith.backends.hf import HfExtractor
+    from draftsmith.core.shards import verify_shard
+
+    results = tmp_path / "results"
+    flock = fcntl.flock
+
+    def no_flock_under_results(fd, operation):
+        if Path(os.readlink(f"/proc/self/fd/{fd if isinstance(fd, int) else fd.fileno()}")).is_relative_to(
+            results
+        ):
+            raise OSError(errno.ENOLCK, "No locks available")
+        return flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", no_flock_under_results)
+    target = tmp_path / "target"
+    tiny_llama.save_pretrained(target)
+    tokens = tmp_path / "tokens.safetensors"
+    _tokens_file(tokens, [7, 30, 12, 25], [[0, 2], [2, 4]])
+    locked = []
+
+    def lock_states_file(folder: Path) -> None:  # the connector's _submit_async_write, per request
+        fd = os.open(folder / "req-0.safetensors.lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            locked.append(folder)
+        finally:
+            os.close(fd)
+
+    def extractor(backend, target, layer_ids, dtype, gpus, max_len, storage_dir, *rest):
+        lock_states_file(Path(storage_dir))
+        return HfExtractor(tiny_llama, layer_ids)
+
+    monkeypatch.setattr(ex, "make_extractor", extractor)
+    outs = [results / "hidden" / f"shard-{k}.safetensors" for k in range(2)]
+    s = settings(
+        aux_layers=[1, 3], batch_tokens=60, compile="off", backend="vllm", scratch=str(tmp_path / "scratch")
+    )
+    ex.extract_shards(str(target), str(tokens), [str(p) for p in outs], s)
+    assert len(locked) == 1 and not locked[0].is_relative_to(results)
+    assert all(verify_shard(p) for p in outs)
+    with pytest.raises(OSError) as err:  # the stand-in bites: vLLM's states under results/ would fail
+        lock_states_file(outs[0].parent)
+    assert err.value.errno == errno.ENOLCK
 
 
 def test_a_scratch_folder_without_room_for_the_in_flight_states_is_refused_in_one_line(tmp_path, monkeypatch):

@@ -6,6 +6,7 @@ after a ~600 GB download and a 25-minute load."""
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
@@ -84,3 +85,61 @@ def test_an_evaluation_runtime_short_of_the_plan_is_a_warning_at_start(tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "warning: evaluation time (estimate): preflight 7 engine loads ~200 min" in proc.stderr
     assert "resources.evaluate.runtime 60 min TOO SHORT" in proc.stderr
+
+
+def test_a_train_job_whose_plan_line_does_not_fit_refuses_before_loading_anything(tmp_path, monkeypatch):
+    """Issue 43 item 4, the train job: Kimi-K2.5's drafter on 8 H100s (nvidia-smi's 79.2 GiB) with each
+    rank's share in one pass (resources.train.micro_batch_tokens: 0) refuses in one line with the plan's
+    own figure, before its share of the shards is decoded, the target's head loaded or the drafter built;
+    in the shipped passes of 8,192 tokens it fits."""
+    import json
+
+    import torch
+    from helpers import make_tiny_data
+
+    import draftsmith.stages.train as train_stage
+    from draftsmith.core.config import merged_config_files, text_config_json, with_defaults
+    from draftsmith.core.memory import GB, plan_config
+    from draftsmith.core.vocab import save_vocab_map, vocab_maps
+
+    data = make_tiny_data(tmp_path / "data")
+    manifest = json.loads(Path(data["manifest"]).read_text())
+    manifest.update(target=str(KIMI_CONFIG.parent), num_aux=3, hidden_size=7168)
+    kimi_manifest = tmp_path / "data" / "kimi_data_config.json"  # beside the shards its paths name
+    kimi_manifest.write_text(json.dumps(manifest))
+    vocab = tmp_path / "vocab_map.pt"
+    d2t, t2d = vocab_maps(torch.arange(32000), 163840)
+    save_vocab_map(vocab, {"d2t": d2t, "t2d": t2d})
+
+    config = with_defaults(merged_config_files([str(KIMI)]))
+    config["resources"]["train"]["micro_batch_tokens"] = 0
+    config["resources"]["gpu_memory_gib"] = 79.2
+    (need,) = [
+        n
+        for n in plan_config(config, 79.2 * 2**30, text_config_json(KIMI_CONFIG.parent))
+        if n.stage == "train"
+    ]
+    assert not need.fits  # what `draftsmith plan` prints for this config
+
+    def loads(*a, **k):
+        raise AssertionError("loaded before the plan's line was checked")
+
+    for name in ("verify_share", "init_distributed", "load_target_head", "build_drafter"):
+        monkeypatch.setattr(train_stage, name, loads)
+    monkeypatch.setattr("draftsmith.core.memory.detect_gpu_memory_gib", lambda: 79.2)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "3")
+    settings = train_stage.TrainSettings.from_dict({**config["train"], "micro_batch_tokens": 0, "threads": 1})
+    with pytest.raises(ValueError) as err:
+        train_stage.train(kimi_manifest, vocab, tmp_path / "out", tmp_path / "ckpt", tmp_path / "m.jsonl",
+                          settings, device="cuda")  # fmt: skip
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(
+        f"train needs {need.total / GB:.1f} GB per GPU but has "
+    )
+    assert "(nvidia-smi (79.2 GiB)): change resources.train.micro_batch_tokens" in message
+    assert message.endswith("(the memory plan, checked again by the job)")
+    shipped = train_stage.TrainSettings.from_dict(
+        {**config["train"], "micro_batch_tokens": 8192, "threads": 1}
+    )
+    train_stage.check_memory(kimi_manifest, vocab, shipped, 8)  # fits: no error

@@ -220,6 +220,41 @@ def test_shard_header_outgrowing_its_room_still_writes_the_same_tensors(tmp_path
     assert verify_shard(in_place) == verify_shard(rewritten)
 
 
+@pytest.mark.parametrize(("codec", "dtype"), FORMS)
+def test_a_shard_compressed_by_several_threads_is_the_one_thread_shard(tmp_path, codec, dtype):
+    """ShardWriter(threads=4) encodes samples in a pool: every sample decodes to the same tensors, the
+    content digests are equal, and (each sample framed as one thread frames it, written in add() order)
+    so are the files' bytes; the encoding threads' CPU time is counted."""
+    samples = [_sample(i, 3 + 7 * i, hidden=64, seed=3) for i in range(12)]
+    paths = {}
+    for threads in (1, 4):
+        paths[threads] = tmp_path / f"shard-{threads}.safetensors"
+        writer = ShardWriter(paths[threads], _meta(), codec, level=1, storage_dtype=dtype, queue_size=2,
+                             sample_ids=[s.id for s in samples], threads=threads)  # fmt: skip
+        for sample in samples:
+            writer.add(sample)
+        writer.close()
+        assert writer.cpu_seconds > 0
+    one, four = (list(iter_samples(paths[t])) for t in (1, 4))
+    assert [s.id for s in four] == [s.id for s in samples]
+    for a, b, original in zip(one, four, samples, strict=True):
+        assert _equal(a, b) and _stored_equal(original, b, dtype)
+    assert verify_shard(paths[1]) == verify_shard(paths[4])
+    assert paths[1].read_bytes() == paths[4].read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard-1.safetensors", "shard-4.safetensors"]
+
+
+def test_a_failing_sample_in_the_pool_fails_the_shard_naming_it(tmp_path):
+    """An encoding thread's error reaches add() / close() as one thread's does; no file is left."""
+    bad = _sample(2, 4)
+    bad.aux[1, 0, 0] = float("nan")
+    with pytest.raises(RuntimeError, match="writing .*shard-0.safetensors failed") as err:
+        write_shard(tmp_path / "shard-0.safetensors", [_sample(0, 4), _sample(1, 4), bad, _sample(3, 4)],
+                    _meta(), codec="zstd-planes", level=1, storage_dtype="float8_e4m3fn", threads=3)  # fmt: skip
+    assert "sample s2: a hidden state is inf or nan" in str(err.value.__cause__)
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 def test_content_digest_depends_on_the_tensors_only(tmp_path, dtype):
     """Same tensors -> same digest, whatever the timing stats, codec or level; other tensors -> other."""
