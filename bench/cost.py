@@ -133,7 +133,9 @@ def run_method(
 
 
 def point_at(device: Device, b: int, context: float) -> ServingPoint:
-    return ServingPoint(device, b, context, bytes_per_parameter=BYTES_PER_PARAMETER, lookup_us=LOOKUP_US)
+    return ServingPoint(
+        device, b, context, tensor_parallel=1, bytes_per_parameter=BYTES_PER_PARAMETER, lookup_us=LOOKUP_US
+    )
 
 
 def calibrate(

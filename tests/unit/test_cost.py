@@ -223,7 +223,7 @@ CPU = Device("cpu", 28.9, 0.347, 4.0, None, 1.0, 1.0, layer_overhead_ms=1.1, tok
 
 
 def cpu_point(b: int, device: Device = CPU) -> ServingPoint:
-    return ServingPoint(device, b, 300, bytes_per_parameter=4.0, lookup_us=0.0)
+    return serving_point(device, b, 300, bytes_per_parameter=4.0, lookup_us=0.0)
 
 
 def test_overhead_counts_are_the_models_own_split():
@@ -289,7 +289,7 @@ def test_this_cpu_takes_its_measured_profile(tmp_path):
     assert points[0].bytes_per_parameter == 4.0 and points[0].lookup_us == 150.0  # as measured
     assert serving_bytes(serving) == 4.0 and serving_bytes({**serving, "device": "H100-80GB"}) == 2.0
     with pytest.raises(
-        ValueError, match=r"evaluate.serving.profile: .*missing.json does not exist.*bench/cost.py"
+        ValueError, match=r"evaluate.serving.profile: .*missing.json does not exist.*bench.cost"
     ):
         serving_points({**serving, "profile": str(tmp_path / "missing.json")}, 300.0)
     write_json(path, {"device": {**figures, "tflops": None}, "bytes_per_parameter": 4.0, "lookup_us": 1.0})
