@@ -89,6 +89,7 @@ SETTINGS_OPS = {
         "report_to",
         "micro_batch_tokens",
         "checkpoint_ttt",
+        "keep_hidden_cache",
     ),
     "evaluate": ("threads", "gpus", "gpu_memory_utilization", "vllm_timeout_s"),
 }
@@ -642,10 +643,10 @@ def combination_errors(config: dict[str, Any]) -> list[str]:
         errors.append("prompts.code_wheels: prompts.code_prompts asks for code prompts but names no wheel")
     errors += wildcard_path_errors(config)
     errors += cpu_setting_errors(config)
-    if config["train"]["hidden_states"] in ("hybrid", "auto"):
+    if config["train"]["hidden_states"] == "auto":
         errors.append(
-            f"train.hidden_states: {config['train']['hidden_states']} is not built yet; use files (shards on "
-            "disk) or stream (no shards: the train job captures the states every epoch)"
+            "train.hidden_states: auto is not built yet; use files (shards on disk), stream (no shards: the "
+            "train job captures the states every epoch) or hybrid (epoch 0 captures and caches them)"
         )
     evaluate = config["evaluate"]
     for name, source in evaluate["heldout_sets"].items():

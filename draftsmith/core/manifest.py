@@ -49,9 +49,9 @@ def shard_location(manifest_dir: str | Path, recorded: str, allowed: Sequence[Pa
 
 
 def is_stream(manifest: Mapping[str, Any]) -> bool:
-    """A stream manifest (train.hidden_states stream): no shards, the tokens file the train job captures
+    """A stream manifest (train.hidden_states stream or hybrid): no shards, the tokens file the train job captures
     states from, and what it captures (`stream`: the extract settings that decide the states)."""
-    return manifest.get("hidden_states") == "stream"
+    return manifest.get("hidden_states") in ("stream", "hybrid")
 
 
 def _manifest_shape_problem(manifest: Any) -> str | None:

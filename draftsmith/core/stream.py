@@ -11,6 +11,14 @@ pack_window), so the states held in memory at once are a few units', not an epoc
 function of (seed, epoch), as the files loader's, so a run resumes at (epoch, batch); every epoch
 captures again (one prefill of the data per epoch, validation's units included).
 
+hybrid (train.hidden_states: hybrid): the same, and every captured sample is also handed to the extract
+stage's shard writer, one cache shard per shard of the plan (`StateCache`: compressed, each sample's
+digest the one extraction records); once every unit of a shard that training or validation uses is
+written, the shard is closed, sealed and verified (every sample decoded against its digest), and from
+then on its units are read from it instead of captured: epoch 0 prefills, later epochs read. A killed
+run finds the finished cache shards intact and verifies them again; what was being written is captured
+again when first needed. The data are the same bits either way, so the plan and the weights are too.
+
 The teacher-agreement check of the extract stage runs on every unit the first time it is captured;
 once enough positions are checked, an agreement below extract.min_teacher_agreement stops training.
 
@@ -34,6 +42,7 @@ from typing import Any
 import torch
 
 from draftsmith.core.batch_plan import token_batches
+from draftsmith.core.digests import intact, seal
 from draftsmith.core.loader import (
     Batch,
     BatchSettings,
@@ -45,7 +54,16 @@ from draftsmith.core.loader import (
     prefetch,
     trainable,
 )
-from draftsmith.core.shards import Sample, split_slots, store
+from draftsmith.core.shards import (
+    Sample,
+    ShardError,
+    ShardReader,
+    ShardWriter,
+    remove_stale_temp_files,
+    split_slots,
+    store,
+    verify_shard,
+)
 from draftsmith.core.teacher import checked_positions, count_agreeing
 from draftsmith.core.tokens import load_tokens
 
@@ -96,6 +114,65 @@ def truncated(sample: Sample, max_tokens: int) -> Sample:
     return Sample(sample.id, sample.input_ids[:n], sample.loss_mask[:n], sample.aux[:n], sample.final[:n])
 
 
+class StateCache:
+    """hybrid's cache: per shard k of the tokens file's plan, `folder/shard-k.safetensors` written by the
+    extract stage's ShardWriter as its units are captured, then closed, sealed and verified; readable from
+    then on. A shard intact from an earlier (killed) job is verified and read at once."""
+
+    def __init__(self, folder: Path, shards: int, meta: dict[str, Any], codec: str, zstd_level: int):
+        self.folder, self.meta, self.codec, self.zstd_level = Path(folder), meta, codec, zstd_level
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.writers: dict[int, ShardWriter] = {}
+        self.readers: dict[int, ShardReader] = {}
+        self.where: dict[int, dict[str, int]] = {}  # shard -> sample id -> its index in the cache shard
+        self.bytes_written = 0
+        for k in range(shards):
+            path = self.path(k)
+            if intact(path):
+                try:
+                    self._open(k)
+                    continue
+                except ShardError as err:  # sealed but not what its digests say: written again
+                    log.warning("hybrid cache: %s; capturing its samples again", err)
+            path.unlink(missing_ok=True)
+            remove_stale_temp_files(path)  # a killed job's partial shard (and the seal of a damaged one)
+
+    def path(self, k: int) -> Path:
+        return self.folder / f"shard-{k}.safetensors"
+
+    def _open(self, k: int) -> None:
+        verify_shard(self.path(k))  # every sample against its digest, before anything reads it
+        reader = ShardReader(self.path(k))
+        self.readers[k], self.where[k] = reader, {sample_id: i for i, sample_id in enumerate(reader.ids)}
+
+    def read(self, k: int, sample_id: str) -> Sample:
+        return self.readers[k].read(self.where[k][sample_id])
+
+    def add(self, k: int, sample: Sample, storage_dtype: str) -> None:
+        if k not in self.writers:
+            self.writers[k] = ShardWriter(
+                self.path(k), dict(self.meta), self.codec, self.zstd_level, storage_dtype
+            )
+        self.writers[k].add(sample)
+
+    def finish(self, k: int) -> None:
+        """Close shard k's writer, seal the file as the extract stage seals its shards, verify and open it."""
+        writer = self.writers.pop(k)
+        writer.close({"final": "post_final_norm", "stats": {"written_by": "train (hidden_states hybrid)"}})
+        self.bytes_written += self.path(k).stat().st_size
+        seal([self.path(k)], "extract")
+        self._open(k)
+        log.info("hybrid cache: %s written and verified (%d samples)", self.path(k), len(self.where[k]))
+
+    def close(self) -> None:
+        for writer in self.writers.values():
+            writer.abort()
+        self.writers.clear()
+        for reader in self.readers.values():
+            reader.close()
+        self.readers.clear()
+
+
 class StreamedData(StreamingData):
     """StreamingData's interface (epoch plans of sample indices, `batches(plan)` prefetched in a
     background thread) over states captured on demand from a tokens file instead of read from shards."""
@@ -107,7 +184,8 @@ class StreamedData(StreamingData):
         spec: StreamSpec,
         settings: BatchSettings,
         prefetch_batches: int = 2,
-    ):
+        cache: StateCache | None = None,
+    ):  # cache: hybrid (use_cache)
         tensors, meta = load_tokens(tokens_path)
         self.input_ids, self.loss_mask = tensors["input_ids"], tensors["loss_mask"]
         self.offsets = tensors["offsets"].tolist()
@@ -117,6 +195,7 @@ class StreamedData(StreamingData):
         self.units = capture_units(self.offsets, meta["shards"], spec.batch_tokens)
         self.unit_of = {i: u for u, unit in enumerate(self.units) for i in unit}
         shard_of = {i: k for k, (a, b) in enumerate(meta["shards"]) for i in range(a, b)}
+        self.shard_of_unit = [shard_of.get(unit[0], 0) for unit in self.units]
         mask = self.loss_mask.numpy()
         refs, skipped = [], 0
         for i in range(n):
@@ -139,6 +218,18 @@ class StreamedData(StreamingData):
         self.teacher: dict[str, list[int]] = {}  # source -> [agreeing, checked]
         self.captured_tokens, self.capture_s = 0, 0.0
         self.lock = threading.Lock()  # the stats, read by the training thread
+        self.used = {self.unit_of[r.index] for r in refs}  # units training or validation reads
+        self.cache: StateCache | None = None
+        self.unwritten: dict[int, set[int]] = {}  # shard -> its used units not in the cache yet
+        if cache is not None:
+            self.use_cache(cache)
+
+    def use_cache(self, cache: StateCache) -> None:
+        """hybrid: write captured units into `cache`, and read those of its finished shards from it."""
+        self.cache, self.unwritten = cache, {}
+        for u in sorted(self.used):
+            if self.shard_of_unit[u] not in cache.readers:
+                self.unwritten.setdefault(self.shard_of_unit[u], set()).add(u)
 
     # ------------------------------------------------------------------------------- the plans
 
@@ -192,6 +283,12 @@ class StreamedData(StreamingData):
         """Capture unit u, keep its samples the plan still needs (as read back), and check teacher
         agreement the first time the unit is seen."""
         unit = self.units[u]
+        k = self.shard_of_unit[u]
+        if self.cache is not None and k in self.cache.readers:  # hybrid, written: read, not captured
+            for i in unit:
+                if remaining[i] > 0:
+                    ready[i] = truncated(self.cache.read(k, self.ids[i]), self.max_seq_len)
+            return
         sequences = [self.input_ids[self.offsets[i] : self.offsets[i + 1]] for i in unit]
         if self.engine is None:
             self.engine = self.open_engine()
@@ -204,6 +301,8 @@ class StreamedData(StreamingData):
         for i, (aux, final) in zip(unit, captured, strict=True):
             a, b = self.offsets[i], self.offsets[i + 1]
             sample = stored_sample(self.ids[i], self.input_ids[a:b], self.loss_mask[a:b], aux, final)
+            if self.cache is not None and u in self.unwritten.get(k, ()):
+                self.cache.add(k, sample, self.spec.storage_dtype)
             full = as_read(sample, self.spec.storage_dtype, sample.num_tokens)
             if remaining[i] > 0:
                 ready[i] = truncated(full, self.max_seq_len)
@@ -221,6 +320,11 @@ class StreamedData(StreamingData):
                 counts[1] += int(nxt.numel())
             self.checked_units.add(u)
             agree, checked = self.teacher.get("regenerated", [0, 0])
+        if self.cache is not None and u in self.unwritten.get(k, ()):
+            self.unwritten[k].discard(u)
+            if not self.unwritten[k]:  # every unit of shard k that is read is written: close and verify
+                del self.unwritten[k]
+                self.cache.finish(k)
         enough = checked >= MIN_CHECKED or len(self.checked_units) == len(self.units)
         if check and checked and enough and agree / checked < self.spec.min_teacher_agreement:
             raise TeacherDisagrees(
@@ -234,6 +338,8 @@ class StreamedData(StreamingData):
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+        if self.cache is not None:
+            self.cache.close()
 
     # ------------------------------------------------------------------------------- the record
 
@@ -242,8 +348,10 @@ class StreamedData(StreamingData):
         with self.lock:
             by_source = {k: (a / n if n else None) for k, (a, n) in sorted(self.teacher.items())}
             agree, checked = self.teacher.get("regenerated", [0, 0])
+            cached = self.cache is not None
             return {
-                "hidden_states": "stream",
+                "hidden_states": "hybrid" if cached else "stream",
+                "cache_bytes": self.cache.bytes_written if cached else 0,
                 "prefilled_tokens": self.captured_tokens,
                 "capture_s": round(self.capture_s, 3),
                 "units": len(self.units),

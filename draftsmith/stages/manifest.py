@@ -56,6 +56,8 @@ class ManifestSettings:
     compile: str | bool
     vllm_eager: bool
     dtype: str  # target.dtype: the compute dtype
+    codec: str  # hybrid: its cache shards'
+    zstd_level: int
 
 
 # the extract settings a stream manifest records: what decides the states a stream captures
@@ -63,11 +65,13 @@ STREAM_KEYS = ("aux_layers", "batch_tokens", "storage_dtype", "backend", "compil
 
 
 def build_stream_manifest(
-    tokens_path: str, out_path: str, target: str, settings: ManifestSettings
+    tokens_path: str, out_path: str, target: str, settings: ManifestSettings, mode: str = "stream"
 ) -> dict[str, Any]:
-    """data_config.json for train.hidden_states stream: no shards; the tokens file (its digest) and the
-    extract settings the train job captures the states with (core/stream.py). The teacher agreement is
-    measured by the train job as it captures."""
+    """The manifest for train.hidden_states stream or hybrid (`mode`): no shards; the tokens file (its
+    digest) and the extract settings the train job captures the states with (core/stream.py), for hybrid
+    also its cache shards' codec. The teacher agreement is measured by the train job as it captures."""
+    if mode not in ("stream", "hybrid"):
+        raise ValueError(f"manifest --cache: hidden_states mode {mode!r} is not stream or hybrid")
     out_dir = Path(out_path).parent
     tensors, meta = load_tokens(tokens_path)
     config = text_config_dict(target)
@@ -78,10 +82,12 @@ def build_stream_manifest(
     shard_location(out_dir, recorded, allowed_shard_dirs())
     compile_mode = {True: "on", False: "off"}.get(settings.compile, settings.compile)  # type: ignore[call-overload]
     stream = {key: getattr(settings, key) for key in STREAM_KEYS} | {"compile": compile_mode}
+    if mode == "hybrid":  # the cache shards' bytes (not their tensors)
+        stream |= {"codec": settings.codec, "zstd_level": settings.zstd_level}
     manifest = {
         "version": MANIFEST_VERSION,
         "draftsmith_version": __version__,
-        "hidden_states": "stream",
+        "hidden_states": mode,
         "target": str(target),
         "target_architecture": (config.get("architectures") or [None])[0],
         "num_layers": config["num_hidden_layers"],
@@ -109,8 +115,8 @@ def build_stream_manifest(
     }
     write_json(out_path, manifest)
     log.info(
-        "manifest: stream of %d samples, %d tokens from %s (aux layers %s, %s storage): no shards",
-        manifest["num_samples"], manifest["num_tokens"], tokens_path, layer_ids, settings.storage_dtype,
+        "manifest: %s of %d samples, %d tokens from %s (aux layers %s, %s storage): no shards",
+        mode, manifest["num_samples"], manifest["num_tokens"], tokens_path, layer_ids, settings.storage_dtype,
     )  # fmt: skip
     return manifest
 
@@ -217,6 +223,12 @@ class ManifestPaths:
         "job captures the states).",
         exists=True,
     )
+    cache: bool = arg(
+        "--cache",
+        "With --tokens: hybrid (train.hidden_states hybrid): the train job caches epoch 0's states in "
+        "shards that later epochs read.",
+        kind="flag",
+    )
 
 
 Settings, Paths = ManifestSettings, ManifestPaths
@@ -226,10 +238,14 @@ EXITS = {DataError: FAILED, ValueError: BAD_INPUT}
 def run(paths: ManifestPaths, settings: ManifestSettings) -> list[str]:
     """Check the shards and write data_config.json (last, atomically); with --tokens, a stream manifest
     (no shards: the train job captures the states)."""
-    if bool(paths.shards) == bool(paths.tokens):
-        raise ValueError("manifest: give SHARD... (extracted shards), or --tokens FILE (a stream manifest)")
+    if bool(paths.shards) == bool(paths.tokens) or (paths.cache and not paths.tokens):
+        raise ValueError(
+            "manifest: give SHARD... (extracted shards), or --tokens FILE [--cache] (a stream or hybrid manifest)"
+        )
     if paths.tokens:
-        build_stream_manifest(paths.tokens, paths.out, paths.target, settings)
+        build_stream_manifest(
+            paths.tokens, paths.out, paths.target, settings, "hybrid" if paths.cache else "stream"
+        )
     else:
         build_manifest(list(paths.shards), paths.out, paths.target, settings)
     return []

@@ -33,6 +33,7 @@ import contextlib
 import json
 import logging
 import math
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -65,7 +66,7 @@ from draftsmith.core.optimizers import make_optimizer, make_scheduler
 from draftsmith.core.precision import compute_dtype, train_precision
 from draftsmith.core.settings import from_schema, with_groups
 from draftsmith.core.stage_args import BAD_INPUT, arg
-from draftsmith.core.stream import StreamedData, StreamSpec, TeacherDisagrees
+from draftsmith.core.stream import StateCache, StreamedData, StreamSpec, TeacherDisagrees
 from draftsmith.core.target import TargetHead, load_target_head
 from draftsmith.core.tokens import load_tokens
 from draftsmith.core.tracking import Curves, missing_trackers
@@ -106,7 +107,8 @@ class TrainSettings:
     checkpoint_every: int  # also checkpoint every N steps (always at epoch ends); 0 = epoch ends only
     micro_batch_tokens: int  # a rank's share of a batch in passes of at most this many tokens; 0 = one pass
     report_to: list[str]  # trackers besides TensorBoard that get the live curves (wandb, mlflow)
-    hidden_states: str  # files | stream (the manifest says which data it is; the rule picks the manifest)
+    hidden_states: str  # files | stream | hybrid (the manifest says which; the rule picks the manifest)
+    keep_hidden_cache: bool  # hybrid: keep the cache shards after training (resources.train)
 
     def check(self) -> None:
         self.objective  # noqa: B018 (building the group runs its own checks: ObjectiveSettings.check)
@@ -474,6 +476,9 @@ def train(
     key = resume_key(settings, manifest, vocab, drafter.cfg)
     run = open_run(checkpoint_dir, key, stop_at, drafter, optimizer, scheduler, fresh=fresh, dist=dist)
     pos, resumed_from = resume_position(run, settings, dist)
+    cache = hybrid_cache(manifest, run.folder, dist) if isinstance(data, StreamedData) else None
+    if cache is not None:
+        data.use_cache(cache)
     curves = None
     if dist.main and log_dir is not None:
         ids = dict((run.state or {}).get("trackers") or {})  # the trackers' runs a resumed run continues
@@ -527,6 +532,8 @@ def train(
         checkpoint()
         last_saved = pos.step
     data.close()
+    if cache is not None and pos.step >= total_steps and not settings.keep_hidden_cache:
+        shutil.rmtree(cache.folder, ignore_errors=True)  # trained: a rerun would not read it
     if last_saved != pos.step:  # stopped since the last checkpoint
         checkpoint()
     metrics.close()
@@ -571,6 +578,22 @@ def open_data(manifest: dict[str, Any], settings: TrainSettings, device: torch.d
 
     spec = StreamSpec(s["storage_dtype"], int(s["batch_tokens"]), float(manifest["min_teacher_agreement"]))
     return StreamedData(tokens, engine, spec, settings.batching)
+
+
+def hybrid_cache(manifest: dict[str, Any], run_folder: Path, dist: Dist) -> StateCache | None:
+    """train.hidden_states hybrid: the cache of epoch 0's states in the run's checkpoint folder (its key
+    is the data's and the settings'), None for stream."""
+    if manifest["hidden_states"] != "hybrid":
+        return None
+    if dist.world > 1:  # every rank would write the same shards
+        raise ValueError(
+            "train.hidden_states hybrid with more than one training process is not built yet; use stream "
+            "or files"
+        )
+    s = manifest["stream"]
+    meta = {"aux_layer_ids": [int(i) for i in manifest["aux_layer_ids"]], "layer_convention": "input"}
+    shards = len(load_tokens(manifest["tokens"]["path"])[1]["shards"])
+    return StateCache(run_folder / "hidden", shards, meta, s["codec"], int(s["zstd_level"]))
 
 
 def refusal(problems: list[str]) -> str:
