@@ -45,5 +45,6 @@ rule all:
         rules.eval_summary.output.summary,
         rules.eval_summary.output.acceptance,
         rules.gate.output[0],
-        # asked for, so that a deleted manifest is made again (checkpoint manifest, rules/extract.smk)
-        rules.manifest.output[0],
+        # asked for, so that a deleted manifest is made again (checkpoint manifest, rules/extract.smk; in
+        # stream mode the stream manifest: nothing is extracted)
+        rules.stream_manifest.output[0] if STREAM else rules.manifest.output[0],

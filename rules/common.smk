@@ -151,10 +151,25 @@ def trained_drafter_dir(wildcards, output):
     return os.path.dirname(output.drafter_config)
 
 
+# train.hidden_states: files (extract writes shards, the manifest lists them) or stream / hybrid (no
+# shards: the train job captures the states from the tokens, hybrid caching epoch 0's in its checkpoint
+# folder; results/stream_config.json stands for the manifest).
+STREAM = config["train"]["hidden_states"] in ("stream", "hybrid")
+HYBRID = config["train"]["hidden_states"] == "hybrid"
+
+
 def data_config(wildcards):
-    """results/data_config.json, through checkpoint manifest (rules/extract.smk): its readers are planned
-    again once it is written, and an identical manifest does not retrain (content decides, not mtime)."""
+    """The manifest train reads: results/data_config.json, through checkpoint manifest (rules/extract.smk):
+    its readers are planned again once it is written, and an identical manifest does not retrain (content
+    decides, not mtime); in stream mode the stream manifest, which needs no extraction."""
+    if STREAM:
+        return rules.stream_manifest.output[0]
     return checkpoints.manifest.get().output[0]
+
+
+def train_shards():
+    """The shards train reads through the manifest (none in stream mode: nothing to extract)."""
+    return [] if STREAM else hidden_shards()
 
 
 def gpu_memory_gib():

@@ -95,3 +95,43 @@ checkpoint manifest:
     shell:
         "draftsmith manifest --target {input.target:q} --out {output:q}"
         " --settings {params.settings:q} {input.shards:q} 2>&1 | tee {log:q}"
+
+
+# train.hidden_states stream or hybrid: the manifest of the tokens file the train job captures the states
+# from (no shards, no extract job); the extract keys that decide the states are recorded in it, so
+# changing one retrains.
+rule stream_manifest:
+    input:
+        target=TARGET,
+        tokens=rules.tokenize.output[0],
+    output:
+        "results/stream_config.json",
+    log:
+        "logs/stream_manifest.log",
+    benchmark:
+        "benchmarks/stream_manifest.tsv"
+    conda:
+        "../envs/draftsmith.yaml"
+    resources:
+        runtime=config["resources"]["default"]["runtime"],
+        mem_mb=config["resources"]["default"]["mem_mb"],
+    params:
+        settings=section_json(
+            "extract",
+            [
+                "min_teacher_agreement",
+                "aux_layers",
+                "batch_tokens",
+                "storage_dtype",
+                "backend",
+                "compile",
+                "vllm_eager",
+            ]
+            # hybrid: its cache shards' bytes
+            + ["codec", "zstd_level"] * HYBRID,
+        ),
+        dtype=config["target"]["dtype"],
+        cache="--cache" if HYBRID else "",
+    shell:
+        "draftsmith manifest --target {input.target:q} --tokens {input.tokens:q} --out {output:q} {params.cache}"
+        " --settings {params.settings:q} --dtype {params.dtype:q} 2>&1 | tee {log:q}"

@@ -5,7 +5,7 @@ rule train:
         # read through the manifest; listed so executors without a shared filesystem stage them. Ancient:
         # their content reaches train through the manifest's content digests (a rewritten shard of other
         # content makes another manifest), so shards rewritten to the same bytes retrain nothing
-        shards=ancient(hidden_shards()),
+        shards=ancient(train_shards()),
     output:
         **DRAFTER_FILES,
         metrics="results/train/metrics.jsonl",
@@ -30,6 +30,11 @@ rule train:
             "--checkpoint-ttt" if config["resources"]["train"]["checkpoint_ttt"] else "--no-checkpoint-ttt"
         ),
         report_to=",".join(config["resources"]["train"]["report_to"]),
+        keep_hidden_cache=(
+            "--keep-hidden-cache"
+            if config["resources"]["train"]["keep_hidden_cache"]
+            else "--no-keep-hidden-cache"
+        ),
     params:
         settings=section_json("train"),
         drafter=trained_drafter_dir,
@@ -40,4 +45,4 @@ rule train:
         # one data-parallel process per GPU the job was granted (torchrun); on CPU one process
         " --settings {params.settings:q} --threads {threads} --checkpoint-every {resources.checkpoint_every}"
         " --loader-threads {resources.loader_threads} --micro-batch-tokens {resources.micro_batch_tokens}"
-        " {resources.checkpoint_ttt} --report-to={resources.report_to:q} --nproc $(( {resources.gpu} > 1 ? {resources.gpu} : 1 )) 2>&1 | tee {log:q}"
+        " {resources.checkpoint_ttt} {resources.keep_hidden_cache} --report-to={resources.report_to:q} --nproc $(( {resources.gpu} > 1 ? {resources.gpu} : 1 )) 2>&1 | tee {log:q}"

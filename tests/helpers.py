@@ -206,6 +206,37 @@ def make_tiny_data(root: Path) -> dict:
     }
 
 
+def make_stream_manifest(data: dict, root: Path, mode: str = "stream", **extract: Any) -> Path:
+    """make_tiny_data's samples as a tokens file (two shards) and its stream manifest (train.hidden_states
+    stream or hybrid: no shards, the train job captures the states), fp32 compute -> its path."""
+    from draftsmith.stages.manifest import ManifestSettings, build_stream_manifest
+
+    samples = data["samples"]
+    tokens = root / "tokens.safetensors"
+    write_sample_tokens(
+        tokens,
+        [s.input_ids.tolist() for s in samples],
+        [s.loss_mask.int().tolist() for s in samples],
+        [[0, len(samples) // 2], [len(samples) // 2, len(samples)]],
+    )
+    values = {"aux_layers": TINY_AUX_IDS, "dtype": "float32", "min_teacher_agreement": 0.5, **extract}
+    out = root / "stream_config.json"
+    build_stream_manifest(
+        str(tokens), str(out), str(data["target"]), ManifestSettings.from_dict(values), mode
+    )
+    return out
+
+
+def cli_train(manifest: Path, vocab: Path, root: Path, s: TrainSettings) -> list[str]:
+    """`draftsmith train` of this manifest into root/drafter, root/checkpoints, root/metrics.jsonl."""
+    return [
+        sys.executable, "-m", "draftsmith.cli", "train", "--manifest", str(manifest),
+        "--vocab", str(vocab), "--out", str(root / "drafter"),
+        "--checkpoints", str(root / "checkpoints"), "--metrics", str(root / "metrics.jsonl"),
+        "--settings", json.dumps(s.to_dict()),
+    ]  # fmt: skip
+
+
 def settings(**over) -> TrainSettings:
     """Training settings sized for make_tiny_data's data (2 epochs, 1 thread), with `over` changed."""
     base = {

@@ -128,9 +128,9 @@ class HfExtractor:
     def from_target(
         cls, target: str, aux_layer_ids: list[int], dtype: str = "bfloat16", device: str = "cpu"
     ) -> HfExtractor:
-        from draftsmith.core.target import load_target
+        from draftsmith.core.target import load_target_model
 
-        model, _ = load_target(target, getattr(torch, dtype))
+        model = load_target_model(target, getattr(torch, dtype))
         return cls(model.to(device), aux_layer_ids)
 
     def compile(self) -> float:

@@ -72,6 +72,11 @@ def resume_key(settings: Any, manifest: dict[str, Any], vocab: dict[str, Any], d
         "target": str(manifest.get("target")),
         "d2t_sha256": hashlib.sha256(vocab["d2t"].to(torch.int64).numpy().tobytes()).hexdigest(),
     }
+    if manifest.get("hidden_states") in (
+        "stream",
+        "hybrid",
+    ):  # no shards: the tokens and what is captured from them
+        data["stream"] = {"tokens_sha256": manifest["tokens"]["sha256"], **manifest["stream"]}
     kept = {k: v for k, v in settings.to_dict().items() if k not in RESUME_FREE_SETTINGS}
     return {"settings": kept, "data": data, "drafter": drafter_cfg.to_dict()}
 

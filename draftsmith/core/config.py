@@ -90,6 +90,7 @@ SETTINGS_OPS = {
         "report_to",
         "micro_batch_tokens",
         "checkpoint_ttt",
+        "keep_hidden_cache",
     ),
     "evaluate": ("threads", "gpus", "gpu_memory_utilization", "vllm_timeout_s"),
 }
@@ -643,6 +644,11 @@ def combination_errors(config: dict[str, Any]) -> list[str]:
         errors.append("prompts.code_wheels: prompts.code_prompts asks for code prompts but names no wheel")
     errors += wildcard_path_errors(config)
     errors += cpu_setting_errors(config)
+    if config["train"]["hidden_states"] == "auto":
+        errors.append(
+            "train.hidden_states: auto is not built yet; use files (shards on disk), stream (no shards: the "
+            "train job captures the states every epoch) or hybrid (epoch 0 captures and caches them)"
+        )
     evaluate = config["evaluate"]
     for name, source in evaluate["heldout_sets"].items():
         if source == RENAMED_HELDOUT_SOURCE:  # else read as a prompt file named "split", missing
@@ -662,7 +668,7 @@ def cpu_setting_errors(config: dict[str, Any]) -> list[str]:
     --enforce-eager sits in a list the user may have written (dropping it would rewrite their command), and
     a device-dependent extract.vllm_eager would change the extraction's recorded settings and so rerun every
     CPU extraction. The shipped GPU configs set both. (extract.backend transformers is replaced instead: it
-    runs on the job's first GPU, stages/extract.transformers_device.)"""
+    runs on the job's first GPU, backends/extraction.transformers_device.)"""
     res, errors = config["resources"], []
     gen, ext = config["generate"], config["extract"]
     gen_gpus, ext_gpus = int(res["generate"]["gpus"]), int(res["extract"]["gpus"])

@@ -232,6 +232,24 @@ def estimate_lines(
     return lines, result
 
 
+def mode_lines(result: dict[str, Any], epochs: int) -> list[str]:
+    """What each train.hidden_states mode costs for this data, from estimate_lines' record: the disk
+    for the states and how many prefills of the data (and their compute, when measured) it runs."""
+    size = result.get("compressed_bytes", result["raw_bytes"])
+    disk = human_bytes(size) + ("" if "compressed_bytes" in result else " (uncompressed)")
+    seconds = result.get("seconds")
+
+    def prefills(n: int) -> str:
+        return f"{n} prefill{'s' * (n != 1)}" + (f" (about {human_seconds(n * seconds)})" if seconds else "")
+
+    return [
+        f"train.hidden_states over {epochs} epoch(s):",
+        f"  files:  {disk} of shards on disk, {prefills(1)}",
+        f"  hybrid: {disk} of cache shards while training (removed after), {prefills(1)}",
+        f"  stream: 0 B on disk, {prefills(epochs)}: one per epoch",
+    ]
+
+
 class NotEnoughDisk(OSError):
     """The results disk cannot hold what a job is about to write; the message has the numbers."""
 
@@ -246,6 +264,11 @@ def disk_advice(codec: str, storage_dtype: str) -> str:
             ", or store half with extract.storage_dtype: float8_e4m3fn (lossy: within e4m3's rounding, "
             "see draftsmith/core/shards.py)"
         )
+    # the same states without shards on the results disk (docs/workflow.md)
+    advice += (
+        ", or train without shards: train.hidden_states: stream (0 B on disk, one prefill of the data per "
+        "epoch) or hybrid (the same shards as a cache in the checkpoint folder while training, one prefill)"
+    )
     return advice
 
 

@@ -58,6 +58,12 @@ class SampleRef:
     num_tokens: int
 
 
+def trainable(mask: Any, start: int, num_tokens: int) -> bool:
+    """Whether a sample of num_tokens tokens (after truncation) from `start` of a loss mask has a
+    position to train: some x_{t+2} (t >= 0) is an assistant token."""
+    return num_tokens > 2 and bool(mask[start + 2 : start + num_tokens].any())
+
+
 def index_samples(
     readers: list[ShardReader], max_seq_len: int, num_aux: int, hidden_size: int
 ) -> tuple[list[SampleRef], int]:
@@ -75,7 +81,7 @@ def index_samples(
         for i, sample_id in enumerate(reader.ids):
             a = reader.offsets[i]
             n = min(reader.num_tokens(i), max_seq_len)
-            if n > 2 and mask[a + 2 : a + n].any():
+            if trainable(mask, a, n):
                 refs.append(SampleRef(k, i, sample_id, n))
             else:
                 skipped += 1
@@ -252,6 +258,10 @@ class StreamingData:
     def close(self) -> None:
         for reader in self.readers:
             reader.close()
+
+    def stats(self) -> dict[str, Any]:
+        """Where the states came from (train_summary.json's hidden_states): here, shards on disk."""
+        return {"hidden_states": "files", "shards": len(self.readers)}
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
         """The batches of an epoch: a pure function of (seed, epoch), so a resumed run sees the same ones."""

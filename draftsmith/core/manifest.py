@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from draftsmith.core.digests import file_sha256
 from draftsmith.core.shards import ShardError, read_header, verify_shard
 
 MANIFEST_VERSION = 2  # 2: content_sha256 per shard
@@ -47,11 +48,28 @@ def shard_location(manifest_dir: str | Path, recorded: str, allowed: Sequence[Pa
     )
 
 
+def is_stream(manifest: Mapping[str, Any]) -> bool:
+    """A stream manifest (train.hidden_states stream or hybrid): no shards, the tokens file the train job captures
+    states from, and what it captures (`stream`: the extract settings that decide the states)."""
+    return manifest.get("hidden_states") in ("stream", "hybrid")
+
+
 def _manifest_shape_problem(manifest: Any) -> str | None:
     """What makes a parsed data_config.json unusable before any shard is looked at, or None."""
     if not isinstance(manifest, dict):
         return f"not a JSON object (a {type(manifest).__name__})"
     shards = manifest.get("shards")
+    if is_stream(manifest):
+        tokens = manifest.get("tokens")
+        if (
+            not isinstance(tokens, dict)
+            or not isinstance(tokens.get("path"), str)
+            or not tokens.get("sha256")
+        ):
+            return "a stream manifest without 'tokens' (path and sha256)"
+        if not isinstance(manifest.get("stream"), dict):
+            return "a stream manifest without its 'stream' settings"
+        shards = shards or [{"path": "", "bytes": 0}]  # none to check
     if not isinstance(shards, list) or not shards:
         return "no 'shards' list"
     for i, shard in enumerate(shards):
@@ -79,6 +97,13 @@ def load_manifest(path: str | Path) -> dict[str, Any]:
     if problem := _manifest_shape_problem(manifest):
         raise DataError(f"{path}: {problem}: not a data_config.json that `draftsmith manifest` wrote")
     allowed = allowed_shard_dirs()
+    if is_stream(manifest):  # the tokens file, confined as shards are
+        try:
+            manifest["tokens"]["path"] = shard_location(
+                path.parent, manifest["tokens"]["path"], allowed
+            ).resolve()
+        except DataError as err:
+            raise DataError(f"{path}: {err}") from None
     for shard in manifest["shards"]:
         try:
             shard["path"] = shard_location(path.parent, shard["path"], allowed).resolve()
@@ -94,6 +119,12 @@ def verify_manifest(path: str | Path, decode: bool = True) -> list[str]:
     checks every sample's digest as it reads it)."""
     manifest = load_manifest(path)
     problems = []
+    if is_stream(manifest):  # the states are captured as training reads them: the tokens must be these
+        tokens = manifest["tokens"]["path"]
+        if not tokens.is_file():
+            problems.append(f"{tokens}: missing (the stream manifest's tokens file)")
+        elif file_sha256(tokens) != manifest["tokens"]["sha256"]:
+            problems.append(f"{tokens}: sha256 differs from the stream manifest's; re-run the manifest rule")
     for shard in manifest["shards"]:
         p = shard["path"]
         if not p.is_file():

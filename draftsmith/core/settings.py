@@ -229,3 +229,8 @@ def with_groups(**groups: type) -> Callable[[type[T]], type[T]]:
         return cls
 
     return build
+
+
+def compile_mode_of(value: str | bool) -> str:
+    """extract.compile as "on"/"off"/its mode name (YAML may give true/false)."""
+    return value if isinstance(value, str) else ("on" if value else "off")

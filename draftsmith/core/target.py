@@ -52,9 +52,15 @@ def load_tokenizer(path: str | Path):
 
 
 def load_target(path: str | Path, dtype: torch.dtype = torch.float32):
-    """(model in eval mode, tokenizer) from a local HF folder. A multimodal wrapper that is no causal LM
-    itself (Kimi-K2.5: KimiK25ForConditionalGeneration) loads as its language model: the class of its
-    `text_config`, with the weights found under the wrapper's prefix (`language_model.`)."""
+    """(model in eval mode, tokenizer) from a local HF folder (see load_target_model)."""
+    return load_target_model(path, dtype), load_tokenizer(path)
+
+
+def load_target_model(path: str | Path, dtype: torch.dtype = torch.float32):
+    """The model in eval mode from a local HF folder, no tokenizer (extraction needs none). A multimodal
+    wrapper that is no causal LM itself (Kimi-K2.5: KimiK25ForConditionalGeneration) loads as its language
+    model: the class of its `text_config`, with the weights found under the wrapper's prefix
+    (`language_model.`)."""
     from transformers import AutoModelForCausalLM
 
     path = check_target_dir(path)
@@ -73,7 +79,7 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32):
             key_mapping=language_model_keys(path),
         )
     model.eval()
-    return model, load_tokenizer(path)
+    return model
 
 
 def language_model_keys(path: str | Path) -> dict[str, str]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from draftsmith.core.estimate import codec_ratios, estimate_lines, probe_plan
+from draftsmith.core.estimate import codec_ratios, estimate_lines, mode_lines, probe_plan
 from draftsmith.core.precision import compute_dtype
 from draftsmith.core.settings import SchemaSettings, from_schema
 from draftsmith.core.shards import Sample, ShardError, ShardReader
@@ -21,7 +21,7 @@ from draftsmith.core.stage_args import BAD_INPUT, arg
 RATIO_TOKENS = 50_000  # tokens of a shard that shard_codec_ratios encodes: ratios settle well before
 
 
-@from_schema("extract", paths={"dtype": "target.dtype"})
+@from_schema("extract", paths={"dtype": "target.dtype", "epochs": "train.epochs"})
 class EstimateSettings(SchemaSettings):
     """The extraction settings an estimate is for: what the job would capture, compress and store."""
 
@@ -31,6 +31,7 @@ class EstimateSettings(SchemaSettings):
     zstd_level: int
     storage_dtype: str
     dtype: str  # target.dtype: the compute dtype of a probe (auto resolves for this machine)
+    epochs: int  # train.epochs: the prefills a stream runs (mode_lines)
 
 
 def estimate_on_tokens(tokens_path: str, target_path: str, settings: EstimateSettings) -> list[str]:
@@ -39,7 +40,8 @@ def estimate_on_tokens(tokens_path: str, target_path: str, settings: EstimateSet
     measured, num_tokens, stored_layers, hidden_size = measure_on_tokens(
         tokens_path, target_path, s.aux_layers, compute_dtype(s.dtype), s.batch_tokens, s.codec, s.zstd_level
     )
-    return estimate_lines(num_tokens, stored_layers, hidden_size, measured, s.storage_dtype)[0]
+    lines, result = estimate_lines(num_tokens, stored_layers, hidden_size, measured, s.storage_dtype)
+    return lines + mode_lines(result, s.epochs)
 
 
 def estimate_by_hand(
@@ -49,9 +51,10 @@ def estimate_by_hand(
     `ratios_from` when given (ShardError, ValueError: not such a shard)."""
     s = settings
     measured = shard_codec_ratios(ratios_from, s.codec, s.zstd_level) if ratios_from else None
-    return estimate_lines(
+    lines, result = estimate_lines(
         num_tokens, stored_layers, hidden_size, measured, s.storage_dtype, ratios_source=ratios_from
-    )[0]
+    )
+    return lines + mode_lines(result, s.epochs)
 
 
 def shard_codec_ratios(

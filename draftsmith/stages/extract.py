@@ -34,6 +34,7 @@ import torch
 from tqdm import tqdm
 
 from draftsmith.backends.common import VllmStartError
+from draftsmith.backends.extraction import make_extractor, transformers_device  # noqa: F401 (re-exported)
 from draftsmith.core.atomic import atomic_path, disk_full
 from draftsmith.core.devices import parse_visible
 from draftsmith.core.digests import file_sha256, intact, retouch, seal, seal_as, sidecar
@@ -51,44 +52,14 @@ from draftsmith.core.estimate import (
 from draftsmith.core.layers import resolve_aux_layers
 from draftsmith.core.precision import compute_dtype
 from draftsmith.core.run_cache import target_identity
-from draftsmith.core.settings import SchemaSettings, from_schema
+from draftsmith.core.settings import SchemaSettings, compile_mode_of, from_schema
 from draftsmith.core.shards import Sample, ShardWriter, as_stored, remove_stale_temp_files
 from draftsmith.core.stage_args import BAD_INPUT, FAILED, arg
 from draftsmith.core.target import text_config_dict
+from draftsmith.core.teacher import checked_positions, count_agreeing, teacher_agreement  # noqa: F401
 from draftsmith.core.tokens import load_tokens
 
 log = logging.getLogger(__name__)
-
-
-def checked_positions(
-    final: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(final states [P, H], next tokens [P]) at the positions t whose next token t+1 is loss-masked:
-    from final[t] the target predicts token t+1, which the trace says it produced."""
-    positions = torch.nonzero(loss_mask[1:]).squeeze(-1)
-    return final[positions], input_ids[positions + 1]
-
-
-def count_agreeing(lm_head_weight: torch.Tensor, states: torch.Tensor, next_ids: torch.Tensor) -> int:
-    """How many rows have argmax(lm_head(state)) == next id, in chunks that bound the [rows, V] logits,
-    on lm_head's device (the job's GPU when it has one)."""
-    device, dtype = lm_head_weight.device, lm_head_weight.dtype
-    agree = torch.zeros((), dtype=torch.int64, device=device)  # summed there, read once (one host sync)
-    for i in range(0, states.shape[0], 512):
-        logits = states[i : i + 512].to(device, dtype) @ lm_head_weight.T
-        # max().indices is argmax (the first maximum); in bf16 on CPU it runs ~5x faster than argmax()
-        agree += (logits.max(-1).indices == next_ids[i : i + 512].to(device)).sum()
-    return int(agree)
-
-
-def teacher_agreement(
-    lm_head_weight: torch.Tensor, final: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor
-) -> tuple[int, int]:
-    """(agreeing, checked) over positions t whose next token t+1 is loss-masked.
-
-    final [T, H] is the stored post-norm state; the target predicts token t+1 from it."""
-    states, next_ids = checked_positions(final, input_ids, loss_mask)
-    return count_agreeing(lm_head_weight, states, next_ids), int(next_ids.numel())
 
 
 COMPILE_MIN_SECONDS = 300.0  # "auto" compiles when eager compute would take longer than this
@@ -195,67 +166,9 @@ def should_compile(mode: str, backend: str, eager_seconds: float) -> bool:
     return mode == "on" or (mode == "auto" and eager_seconds >= COMPILE_MIN_SECONDS)
 
 
-def transformers_device(gpus: int) -> str:
-    """Where the transformers back-end runs: the job's first GPU when it holds any (`draftsmith run`
-    made them visible), else the CPU; a job given GPUs CUDA cannot see (fake ones in tests) runs on the
-    CPU as before, with a warning."""
-    if gpus <= 0:
-        return "cpu"
-    if not torch.cuda.is_available():
-        log.warning(
-            "extract: resources.extract.gpus is %d but CUDA sees no GPU: the transformers back-end runs on the CPU",
-            gpus,
-        )
-        return "cpu"
-    if gpus > 1:
-        log.warning(
-            "extract: the transformers back-end runs on one of the job's %d GPUs (extract.backend vllm uses all)",
-            gpus,
-        )
-    return "cuda"
-
-
-def make_extractor(
-    backend: str,
-    target: str,
-    layer_ids: list[int],
-    dtype: str,
-    gpus: int,
-    max_model_len: int,
-    workdir: Path | None,
-    vllm_eager: bool,
-    gpu_memory_utilization: float | None,
-):
-    """An extraction back-end: `.capture(list of [T] ids) -> [(aux [T, A, H], final [T, H])]`,
-    `.lm_head_weight`, `.close()`."""
-    if backend == "transformers":
-        from draftsmith.backends.hf import HfExtractor
-
-        return HfExtractor.from_target(target, layer_ids, dtype, transformers_device(gpus))
-    if backend == "vllm":
-        from draftsmith.backends.vllm_extract import VllmExtractor
-
-        return VllmExtractor(
-            target,
-            layer_ids,
-            dtype,
-            tensor_parallel_size=max(1, gpus),
-            max_model_len=max_model_len,
-            storage_dir=workdir,
-            enforce_eager=vllm_eager,
-            gpu_memory_utilization=gpu_memory_utilization if gpus else None,  # GPUs only
-        )
-    raise ValueError(f"unknown extraction back-end {backend!r}; expected transformers or vllm")
-
-
 def temp_prefix(out_path: str | Path) -> str:
     """Every temporary file or folder of one shard's job starts with this (hidden, never a shard)."""
     return f".{Path(out_path).name}."
-
-
-def compile_mode_of(value: str | bool) -> str:
-    """extract.compile as "on"/"off"/its mode name (YAML may give true/false)."""
-    return value if isinstance(value, str) else ("on" if value else "off")
 
 
 def extract_shard(

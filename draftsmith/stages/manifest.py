@@ -13,11 +13,14 @@ from typing import Any
 
 from draftsmith import __version__
 from draftsmith.core.atomic import write_json
+from draftsmith.core.digests import file_sha256
+from draftsmith.core.layers import resolve_aux_layers
 from draftsmith.core.manifest import MANIFEST_VERSION, DataError, allowed_shard_dirs, shard_location
-from draftsmith.core.settings import SchemaSettings, from_schema
+from draftsmith.core.settings import SchemaSettings, compile_mode_of, from_schema
 from draftsmith.core.shards import ShardError, read_shard_meta, verify_shard
-from draftsmith.core.stage_args import FAILED, arg
+from draftsmith.core.stage_args import BAD_INPUT, FAILED, arg
 from draftsmith.core.target import text_config_dict
+from draftsmith.core.tokens import load_tokens
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +43,82 @@ def _by_source(stats: list[dict[str, Any]]) -> dict[str, float | None]:
     return {k: (a / n if n else None) for k, (a, n) in sorted(sums.items())}
 
 
-@from_schema("extract")
+@from_schema("extract", paths={"dtype": "target.dtype"})
 class ManifestSettings(SchemaSettings):
-    """The `extract` key the manifest checks the shards against."""
+    """The `extract` key the manifest checks the shards against; for a stream manifest also the keys
+    that decide the states the train job captures (those the extract rule passes)."""
 
     min_teacher_agreement: float
+    aux_layers: list[int] | None
+    batch_tokens: int
+    storage_dtype: str
+    backend: str
+    compile: str | bool
+    vllm_eager: bool
+    dtype: str  # target.dtype: the compute dtype
+    codec: str  # hybrid: its cache shards'
+    zstd_level: int
+
+
+# the extract settings a stream manifest records: what decides the states a stream captures
+STREAM_KEYS = ("aux_layers", "batch_tokens", "storage_dtype", "backend", "compile", "vllm_eager", "dtype")
+
+
+def build_stream_manifest(
+    tokens_path: str, out_path: str, target: str, settings: ManifestSettings, mode: str = "stream"
+) -> dict[str, Any]:
+    """The manifest for train.hidden_states stream or hybrid (`mode`): no shards; the tokens file (its
+    digest) and the extract settings the train job captures the states with (core/stream.py), for hybrid
+    also its cache shards' codec. The teacher agreement is measured by the train job as it captures."""
+    if mode not in ("stream", "hybrid"):
+        raise ValueError(f"manifest --cache: hidden_states mode {mode!r} is not stream or hybrid")
+    out_dir = Path(out_path).parent
+    tensors, meta = load_tokens(tokens_path)
+    config = text_config_dict(target)
+    layer_ids = resolve_aux_layers(settings.aux_layers, config["num_hidden_layers"])
+    recorded = os.path.relpath(tokens_path, out_dir)
+    if recorded.startswith(os.pardir):
+        recorded = os.path.abspath(tokens_path)
+    shard_location(out_dir, recorded, allowed_shard_dirs())
+    compile_mode = compile_mode_of(settings.compile)
+    stream = {key: getattr(settings, key) for key in STREAM_KEYS} | {"compile": compile_mode}
+    if mode == "hybrid":  # the cache shards' bytes (not their tensors)
+        stream |= {"codec": settings.codec, "zstd_level": settings.zstd_level}
+    manifest = {
+        "version": MANIFEST_VERSION,
+        "draftsmith_version": __version__,
+        "hidden_states": mode,
+        "target": str(target),
+        "target_architecture": (config.get("architectures") or [None])[0],
+        "num_layers": config["num_hidden_layers"],
+        "hidden_size": config["hidden_size"],
+        "vocab_size": config["vocab_size"],
+        "aux_layer_ids": layer_ids,
+        "layer_convention": "input",
+        "num_aux": len(layer_ids),
+        "final_hidden_state": "after the final norm: teacher logits = lm_head(final)",
+        "dtype": settings.storage_dtype,
+        "dtype_note": DTYPE_NOTES[settings.storage_dtype],
+        "codec": None,
+        "format": "no shards: the train job captures the states (draftsmith/core/stream.py)",
+        "chat_template_fingerprint": meta["template"],
+        "num_samples": len(meta["sample_ids"]),
+        "num_tokens": int(tensors["input_ids"].numel()),
+        "num_masked_tokens": int(tensors["loss_mask"].sum()),
+        "bytes": 0,
+        "teacher_agreement": None,  # measured by the train job (train_summary.json)
+        "teacher_agreement_by_source": {},
+        "min_teacher_agreement": settings.min_teacher_agreement,
+        "tokens": {"path": recorded, "sha256": file_sha256(tokens_path)},
+        "stream": stream,
+        "shards": [],
+    }
+    write_json(out_path, manifest)
+    log.info(
+        "manifest: %s of %d samples, %d tokens from %s (aux layers %s, %s storage): no shards",
+        mode, manifest["num_samples"], manifest["num_tokens"], tokens_path, layer_ids, settings.storage_dtype,
+    )  # fmt: skip
+    return manifest
 
 
 def build_manifest(
@@ -142,14 +216,36 @@ def build_manifest(
 class ManifestPaths:
     target: str = arg("--target", "Target model folder.", kind="dir", required=True, exists=True)
     out: str = arg("--out", "data_config.json to write.", required=True, sealed=True)
-    shards: tuple[str, ...] = arg("SHARD...", "", required=True, exists=True, multiple=True)
+    shards: tuple[str, ...] = arg("[SHARD]...", "", exists=True, multiple=True)
+    tokens: str | None = arg(
+        "--tokens",
+        "Instead of SHARDs: a stream manifest of this tokens file (train.hidden_states stream: the train "
+        "job captures the states).",
+        exists=True,
+    )
+    cache: bool = arg(
+        "--cache",
+        "With --tokens: hybrid (train.hidden_states hybrid): the train job caches epoch 0's states in "
+        "shards that later epochs read.",
+        kind="flag",
+    )
 
 
 Settings, Paths = ManifestSettings, ManifestPaths
-EXITS = {DataError: FAILED}
+EXITS = {DataError: FAILED, ValueError: BAD_INPUT}
 
 
 def run(paths: ManifestPaths, settings: ManifestSettings) -> list[str]:
-    """Check the shards and write data_config.json (last, atomically)."""
-    build_manifest(list(paths.shards), paths.out, paths.target, settings)
+    """Check the shards and write data_config.json (last, atomically); with --tokens, a stream manifest
+    (no shards: the train job captures the states)."""
+    if bool(paths.shards) == bool(paths.tokens) or (paths.cache and not paths.tokens):
+        raise ValueError(
+            "manifest: give SHARD... (extracted shards), or --tokens FILE [--cache] (a stream or hybrid manifest)"
+        )
+    if paths.tokens:
+        build_stream_manifest(
+            paths.tokens, paths.out, paths.target, settings, "hybrid" if paths.cache else "stream"
+        )
+    else:
+        build_manifest(list(paths.shards), paths.out, paths.target, settings)
     return []

@@ -33,6 +33,7 @@ import contextlib
 import json
 import logging
 import math
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -42,6 +43,7 @@ from typing import Any
 
 import torch
 
+from draftsmith.backends.extraction import make_extractor
 from draftsmith.core.atomic import atomic_dir, write_json, write_jsonl
 from draftsmith.core.checkpoints import CheckpointDiskFull, Run, open_run, resume_key
 from draftsmith.core.config import SETTINGS_OPS
@@ -59,7 +61,7 @@ from draftsmith.core.export_formats import check_export, save_drafter
 from draftsmith.core.kinds import drafter_loss
 from draftsmith.core.layers import convert_layer_ids
 from draftsmith.core.loader import Batch, BatchSettings, StreamingData, step_plan, verify_share
-from draftsmith.core.manifest import DataError, load_manifest
+from draftsmith.core.manifest import DataError, is_stream, load_manifest
 from draftsmith.core.objective import (
     DraftingLoss,
     Objective,
@@ -69,10 +71,12 @@ from draftsmith.core.objective import (
     with_noise,
 )
 from draftsmith.core.optimizers import Chain, make_optimizer, make_scheduler
-from draftsmith.core.precision import train_precision
+from draftsmith.core.precision import compute_dtype, train_precision
 from draftsmith.core.settings import GroupedSettings, from_schema, with_groups
 from draftsmith.core.stage_args import BAD_INPUT, arg
+from draftsmith.core.stream import StateCache, StreamedData, StreamSpec, TeacherDisagrees
 from draftsmith.core.target import TargetHead, load_target_head
+from draftsmith.core.tokens import load_tokens
 from draftsmith.core.tracking import Curves, missing_trackers
 from draftsmith.core.vocab import VocabMapError, load_vocab_map
 
@@ -111,6 +115,8 @@ class TrainSettings(GroupedSettings):
     checkpoint_every: int  # also checkpoint every N steps (always at epoch ends); 0 = epoch ends only
     micro_batch_tokens: int  # a rank's share of a batch in passes of at most this many tokens; 0 = one pass
     report_to: list[str]  # trackers besides TensorBoard that get the live curves (wandb, mlflow)
+    hidden_states: str  # files | stream | hybrid (the manifest says which; the rule picks the manifest)
+    keep_hidden_cache: bool  # hybrid: keep the cache shards after training (resources.train)
 
     def check(self) -> None:
         self.objective  # noqa: B018 (building the group runs its own checks: ObjectiveSettings.check)
@@ -374,6 +380,7 @@ def training_summary(
         "resumed_from_step": resumed_from,
         "world_size": dist.world,
         "device": str(dist.device),
+        "hidden_states": data.stats(),  # stream: tokens prefilled, capture time, teacher agreement
         "train_samples": len(data.train),
         "val_samples": len(data.val),
         "train_loss": stats.loss(objective.step_weights) if sum(stats.count) else None,
@@ -458,7 +465,7 @@ def train(
     if settings.threads is not None:  # the job's count, shared by the ranks
         torch.set_num_threads(usable_threads(rank_threads(settings.threads, dist.world)))
     manifest, vocab, target = load_inputs(manifest_path, vocab_path)
-    data = StreamingData.from_manifest(manifest, settings.batching)
+    data = open_data(manifest, settings, dist.device)
     steps_per_epoch = [len(data.epoch_batches(e)) for e in range(settings.epochs)]
     total_steps = sum(steps_per_epoch)  # the schedule's horizon; max_steps only stops early
     stop_at = total_steps if settings.max_steps is None else min(total_steps, settings.max_steps)
@@ -480,6 +487,9 @@ def train(
     key = resume_key(settings, manifest, vocab, drafter.cfg)
     run = open_run(checkpoint_dir, key, stop_at, drafter, optimizer, scheduler, fresh=fresh, dist=dist)
     pos, resumed_from = resume_position(run, settings, dist)
+    cache = hybrid_cache(manifest, run.folder, dist) if isinstance(data, StreamedData) else None
+    if cache is not None and isinstance(data, StreamedData):
+        data.use_cache(cache)
     curves = None
     if dist.main and log_dir is not None:
         ids = dict((run.state or {}).get("trackers") or {})  # the trackers' runs a resumed run continues
@@ -533,6 +543,8 @@ def train(
         checkpoint()
         last_saved = pos.step
     data.close()
+    if cache is not None and pos.step >= total_steps and not settings.keep_hidden_cache:
+        shutil.rmtree(cache.folder, ignore_errors=True)  # trained: a rerun would not read it
     if last_saved != pos.step:  # stopped since the last checkpoint
         checkpoint()
     metrics.close()
@@ -569,6 +581,55 @@ def check_memory(
     need = train_need(train, {**train, "gpus": world}, target_size(target_config), shape, memory)
     if stop := plan_refusal([need], device):
         raise ValueError(f"{stop} (the memory plan, checked again by the job)")
+
+
+def open_data(manifest: dict[str, Any], settings: TrainSettings, device: torch.device) -> StreamingData:
+    """The training data: the shards a manifest lists, or for a stream manifest the states captured by
+    an extraction engine of its settings as training asks for them (core/stream.py); the engine loads
+    at the first capture (an untrained drafter's export never loads it)."""
+    if not is_stream(manifest):
+        return StreamingData.from_manifest(manifest, settings.batching)
+    s = manifest["stream"]
+    tokens = manifest["tokens"]["path"]
+    _, meta = load_tokens(tokens)
+
+    def engine() -> Any:
+        if s["backend"] == "vllm" and device.type == "cuda":
+            raise ValueError(
+                "train.hidden_states stream with extract.backend vllm on a GPU: the engine's and the "
+                "trainer's memory share is not planned yet; use extract.backend transformers, or files"
+            )
+        where = "cuda" if device.type == "cuda" else "cpu"
+        scratch = Path(tempfile.mkdtemp(prefix="draftsmith-stream-")) if s["backend"] == "vllm" else None
+        extractor = make_extractor(
+            s["backend"], str(manifest["target"]), [int(i) for i in manifest["aux_layer_ids"]],
+            compute_dtype(s["dtype"], where), int(where == "cuda"), int(meta["max_seq_len"]) + 1, scratch,
+            s["vllm_eager"], None,
+        )  # fmt: skip
+        # "auto" compiles in the extract stage only past a time estimate the stream does not make
+        if s["compile"] == "on" and s["backend"] == "transformers":
+            extractor.compile()
+        log.info("stream: %s engine loaded for the states of %s", s["backend"], tokens)
+        return extractor
+
+    spec = StreamSpec(s["storage_dtype"], int(s["batch_tokens"]), float(manifest["min_teacher_agreement"]))
+    return StreamedData(tokens, engine, spec, settings.batching)
+
+
+def hybrid_cache(manifest: dict[str, Any], run_folder: Path, dist: Dist) -> StateCache | None:
+    """train.hidden_states hybrid: the cache of epoch 0's states in the run's checkpoint folder (its key
+    is the data's and the settings'), None for stream."""
+    if manifest["hidden_states"] != "hybrid":
+        return None
+    if dist.world > 1:  # every rank would write the same shards
+        raise ValueError(
+            "train.hidden_states hybrid with more than one training process is not built yet; use stream "
+            "or files"
+        )
+    s = manifest["stream"]
+    meta = {"aux_layer_ids": [int(i) for i in manifest["aux_layer_ids"]], "layer_convention": "input"}
+    shards = len(load_tokens(manifest["tokens"]["path"])[1]["shards"])
+    return StateCache(run_folder / "hidden", shards, meta, s["codec"], int(s["zstd_level"]))
 
 
 def refusal(problems: list[str]) -> str:
@@ -705,7 +766,9 @@ class UntrainedPaths:
 Settings, Paths = TrainSettings, TrainPaths
 # unusable data is bad input, as `draftsmith verify` says it; a full disk at a checkpoint is one line too
 # (exit 2 like the rest: what the user must change is outside the job; the run resumes once it is freed)
-EXITS = {DataError: BAD_INPUT, VocabMapError: BAD_INPUT, CheckpointDiskFull: BAD_INPUT}
+EXITS = {
+    DataError: BAD_INPUT, VocabMapError: BAD_INPUT, CheckpointDiskFull: BAD_INPUT, TeacherDisagrees: BAD_INPUT,
+}  # fmt: skip
 
 
 def run(paths: TrainPaths, settings: TrainSettings) -> list[str]:

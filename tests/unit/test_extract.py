@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -225,6 +226,15 @@ def test_estimate_by_hand_takes_codec_ratios_from_a_bf16_shard(tmp_path):
     assert "992.1 GB raw" in result.output and "496.3 GB raw" in result.output
     assert f"codec ratios measured on 120 tokens of {bf16}" in result.output
     assert result.output.count("with zstd-planes") == 2
+    # what each train.hidden_states mode costs (train.epochs: the schema's 6, or --epochs)
+    compressed = re.search(r"x 0\.\d+ -> about ([\d.]+ GB) with zstd-planes\s+<- extract", result.output)[1]
+    assert f"files:  {compressed} of shards on disk, 1 prefill" in result.output
+    assert f"hybrid: {compressed} of cache shards while training (removed after), 1 prefill" in result.output
+    assert "stream: 0 B on disk, 6 prefills: one per epoch" in result.output
+    two = CliRunner().invoke(main, [*args, "--epochs", "2"])
+    assert (
+        "stream: 0 B on disk, 2 prefills" in two.output and "992.1 GB (uncompressed) of shards" in two.output
+    )
     refused = CliRunner().invoke(main, [*args, "--ratios-from", str(fp8)])
     assert (
         refused.exit_code == 2

