@@ -11,7 +11,7 @@ the count with --keep-hidden-cache), and each command's peak resident memory (it
 table shows the mean over seeds with the seeds' range; accuracies are "equal" when the modes' ranges
 overlap (the seeds' spread is the yardstick, not a test).
 
-    python bench/hidden_modes.py --tokens RUN/results/tokens.safetensors --vocab RUN/results/vocab_map.pt \
+    python -m bench.hidden_modes --tokens RUN/results/tokens.safetensors --vocab RUN/results/vocab_map.pt \
         --target resources/SmolLM2-135M-Instruct --config config.yaml --seeds 0,1
 
 Writes --out (default results/bench/hidden_modes.json).
@@ -31,10 +31,8 @@ from typing import Any
 
 import click
 
+from bench import harness
 from draftsmith.core.config import section_from_file
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also when loaded by path
-import harness  # noqa: E402
 
 MODES = ("files", "stream", "hybrid")
 EXTRACT_KEYS = (

@@ -198,7 +198,7 @@ def by_category(data: dict[str, Any]) -> dict[str, Any] | None:
         for r in data["methods"][key].get("per_prompt") or []:
             category = named.get(r["id"])
             if category is not None:
-                tokens_forwards = counts.setdefault(c, [0, 0])
+                tokens_forwards = counts.setdefault(category, [0, 0])
                 tokens_forwards[0] += int(r["tokens"])
                 tokens_forwards[1] += int(r["forwards"])
         for c, (tokens, forwards) in counts.items():

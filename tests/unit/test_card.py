@@ -253,7 +253,7 @@ def test_an_engine_run_takes_a_schedule_where_vllm_schedules():
     ngram = speculative_config("ngram", None, 3, {"min": 2, "max": 4, SCHEDULE_KEY: schedule})
     assert ngram[SCHEDULE_KEY] == schedule and ngram["prompt_lookup_max"] == 4
     assert SCHEDULE_KEY not in speculative_config("ngram", None, 3, {"min": 2})
-    with pytest.raises(ValueError, match="vLLM schedules eagle3 and ngram, not 'suffix'"):
+    with pytest.raises(ValueError, match=r"vLLM schedules \['eagle3', 'ngram'\], not 'suffix'"):
         speculative_config("suffix", None, 3, {SCHEDULE_KEY: schedule})
 
 

@@ -13,7 +13,7 @@ from helpers import EXPORT_AUX_IDS, make_drafter
 
 from draftsmith.core.benchmarks import BENCHMARKS
 from draftsmith.core.config import NAMED_HELDOUT_SETS
-from draftsmith.core.cost import DEVICES
+from draftsmith.core.cost import DEVICES, THIS_CPU
 from draftsmith.core.engines import ENGINES, drafting_fields
 from draftsmith.core.export_formats import load_drafter, save_drafter
 from draftsmith.core.export_formats.vllm import save_eagle3
@@ -134,4 +134,4 @@ def test_the_cli_offers_every_benchmark() -> None:
 
 
 def test_the_schema_devices_are_the_cost_models() -> None:
-    assert schema_spec("evaluate.serving.device")["enum"] == list(DEVICES)
+    assert schema_spec("evaluate.serving.device")["enum"] == [*DEVICES, THIS_CPU]
