@@ -63,6 +63,7 @@ def worker_cores(cores: list[int], worker: int, workers: int) -> set[int]:
     return set(cores[worker * share : (worker + 1) * share])
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups into the tests' ids
 def pytest_collection_modifyitems(items):
     """Tests run by pytest-xdist worker in groups (`--dist loadgroup`): a module's tests together (its
     module fixtures built once), and every test that reads the shared tiny run together (built once)."""

@@ -1,5 +1,5 @@
 """A DFlash drafter trained by draftsmith on a tiny Qwen3 twin's own greedy traces, exported in vLLM's
-DFlash form, served by real vLLM (CPU) with speculative_config={"method": "dflash", ...}:
+DFlash form, served by real vLLM (CPU) as a drafter (the export's kind makes it {"method": "dflash", ...}):
 
   lossless         vLLM's greedy fp32 speculative outputs equal plain greedy decoding's
   offline == vLLM  vLLM accepts exactly the drafts draftsmith's own `speculative_decode` with the
@@ -122,7 +122,7 @@ def run(tmp_path_factory, target_model) -> dict:
             )
     torch.set_num_threads(threads)
     served = run_vllm_subprocess(
-        str(target), str(r / "drafter"), "dflash", prompts, MAX_NEW_TOKENS, SPEC_TOKENS, "float32",
+        str(target), str(r / "drafter"), "eagle3", prompts, MAX_NEW_TOKENS, SPEC_TOKENS, "float32",
         cache_dir=r / "vllm-cache", log_path=r / "vllm.log", seed=0, temperature=0.0,
         gpu_memory_utilization=None,
     )  # fmt: skip
@@ -176,7 +176,7 @@ def two_layers(run) -> dict:
                                           SPEC_TOKENS, run["eos"], temperature=0.0)  # fmt: skip
                 offline.append(histogram(spec.accepted, SPEC_TOKENS))
         served = run_vllm_subprocess(
-            str(run["target"]), str(out), "dflash", run["prompts"], MAX_NEW_TOKENS, SPEC_TOKENS, "float32",
+            str(run["target"]), str(out), "eagle3", run["prompts"], MAX_NEW_TOKENS, SPEC_TOKENS, "float32",
             cache_dir=r / "vllm-cache", log_path=r / f"vllm-2-layers-{variant}.log", seed=0, temperature=0.0,
             gpu_memory_utilization=None,
         )  # fmt: skip
