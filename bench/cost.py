@@ -97,11 +97,13 @@ def run_method(
 ) -> dict[str, Any]:  # fmt: skip
     """One fresh vLLM engine decoding the prompts with `method` at max_num_seqs b: tokens, seconds,
     per-prompt (tokens, target forwards) and acceptance, the mean step time."""
-    from draftsmith.stages.evaluate import NGRAM_DEFAULT, SUFFIX_DEFAULT, vllm_prompt_counts
+    from draftsmith.core.methods import FREE_METHODS
+    from draftsmith.core.methods import METHODS as RECORDS
+    from draftsmith.stages.evaluate import vllm_prompt_counts
     from draftsmith.stages.evaluate.vllm_runner import run_vllm_subprocess
 
     # the free methods as the evaluation runs them (the schema's settings)
-    settings = dict({"ngram": NGRAM_DEFAULT, "suffix": SUFFIX_DEFAULT}.get(method) or {})
+    settings = RECORDS[method].own_settings({}) if method in FREE_METHODS else {}
     if schedule is not None:
         settings[SCHEDULE_KEY] = schedule
     kind = None if method == "plain" else method
