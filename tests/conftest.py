@@ -19,7 +19,18 @@ TINY_RUN_FOLDER = "tiny run $(touch INJ1);touch INJ2&'q'"
 
 @pytest.fixture(scope="session")
 def target_model() -> Path:
-    """The real default target, materialised from its GGUF wheel if this checkout has not yet."""
+    """The real default target, materialised from its GGUF wheel if this checkout has not yet (by one
+    test worker: the others wait on the lock, then find it)."""
+    import fcntl
+
+    DEFAULT_TARGET.parent.mkdir(parents=True, exist_ok=True)
+    with open(DEFAULT_TARGET.parent / ".materialise.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        materialise_default_target()
+    return DEFAULT_TARGET
+
+
+def materialise_default_target() -> None:
     if not (DEFAULT_TARGET / "config.json").is_file():
         subprocess.run(
             [
@@ -33,7 +44,6 @@ def target_model() -> Path:
             check=True,
             env=cli_env(),
         )
-    return DEFAULT_TARGET
 
 
 def pytest_configure(config):
