@@ -33,18 +33,11 @@ import click
 
 from bench import harness
 from draftsmith.core.config import section_from_file
+from draftsmith.stages.extract import RESULT_KEYS
 
 MODES = ("files", "stream", "hybrid")
-EXTRACT_KEYS = (
-    "aux_layers",
-    "batch_tokens",
-    "storage_dtype",
-    "codec",
-    "zstd_level",
-    "backend",
-    "compile",
-    "vllm_eager",
-)
+# the extract settings that decide the shards' content (the stage's own list)
+EXTRACT_KEYS = RESULT_KEYS
 # the extract keys a stream manifest records (rules/extract.smk, stream_manifest), hybrid adds its codec
 STREAM_KEYS = ["min_teacher_agreement", "aux_layers", "batch_tokens", "storage_dtype", "backend", "compile",
                "vllm_eager"]  # fmt: skip
