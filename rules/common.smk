@@ -23,7 +23,7 @@ from draftsmith.core.config import (
     target_folder,
     workdir_path,
 )
-from draftsmith.core.memory import GIB, config_target, device_memory, plan_config, runtime_line, uses_gpus
+from draftsmith.core.memory import GIB, STREAM_MODES, config_target, device_memory, plan_config, runtime_line, uses_gpus
 from draftsmith.core.memory import refusal as memory_refusal
 from draftsmith.core.memory import table as memory_table
 from draftsmith.core.digests import damage_under, forced_rules, unreadable_under
@@ -154,8 +154,15 @@ def trained_drafter_dir(wildcards, output):
 # train.hidden_states: files (extract writes shards, the manifest lists them) or stream / hybrid (no
 # shards: the train job captures the states from the tokens, hybrid caching epoch 0's in its checkpoint
 # folder; results/stream_config.json stands for the manifest).
-STREAM = config["train"]["hidden_states"] in ("stream", "hybrid")
+STREAM = config["train"]["hidden_states"] in STREAM_MODES
 HYBRID = config["train"]["hidden_states"] == "hybrid"
+
+
+def train_processes():
+    """Training ranks (torchrun processes) of the train job: one per GPU, but those of a streamed job's
+    engine when it has GPUs of its own (resources.train.engine_gpus); one on a CPU."""
+    res = config["resources"]["train"]
+    return max(1, res["gpus"] - (res["engine_gpus"] if STREAM else 0))
 
 
 def data_config(wildcards):

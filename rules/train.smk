@@ -35,9 +35,11 @@ rule train:
             if config["resources"]["train"]["keep_hidden_cache"]
             else "--no-keep-hidden-cache"
         ),
+        engine_gpus=config["resources"]["train"]["engine_gpus"],
     params:
         settings=section_json("train"),
         drafter=trained_drafter_dir,
+        nproc=train_processes(),
     shell:
         "draftsmith run --gpus {resources.gpu} --"
         " draftsmith train --manifest {input.manifest:q} --vocab {input.vocab:q} --out {params.drafter:q}"
@@ -45,4 +47,5 @@ rule train:
         # one data-parallel process per GPU the job was granted (torchrun); on CPU one process
         " --settings {params.settings:q} --threads {threads} --checkpoint-every {resources.checkpoint_every}"
         " --loader-threads {resources.loader_threads} --micro-batch-tokens {resources.micro_batch_tokens}"
-        " {resources.checkpoint_ttt} {resources.keep_hidden_cache} --report-to={resources.report_to:q} --nproc $(( {resources.gpu} > 1 ? {resources.gpu} : 1 )) 2>&1 | tee {log:q}"
+        " {resources.checkpoint_ttt} {resources.keep_hidden_cache} --report-to={resources.report_to:q}"
+        " --engine-gpus {resources.engine_gpus} --nproc {params.nproc} 2>&1 | tee {log:q}"

@@ -91,6 +91,7 @@ SETTINGS_OPS = {
         "micro_batch_tokens",
         "checkpoint_ttt",
         "keep_hidden_cache",
+        "engine_gpus",
     ),
     "evaluate": ("threads", "gpus", "gpu_memory_utilization", "vllm_timeout_s"),
 }
@@ -649,6 +650,7 @@ def combination_errors(config: dict[str, Any]) -> list[str]:
             "train.hidden_states: auto is not built yet; use files (shards on disk), stream (no shards: the "
             "train job captures the states every epoch) or hybrid (epoch 0 captures and caches them)"
         )
+    errors += engine_gpus_errors(config["resources"]["train"], config["train"]["hidden_states"])
     evaluate = config["evaluate"]
     for name, source in evaluate["heldout_sets"].items():
         if source == RENAMED_HELDOUT_SOURCE:  # else read as a prompt file named "split", missing
@@ -661,6 +663,20 @@ def combination_errors(config: dict[str, Any]) -> list[str]:
     if unknown:
         errors.append(f"evaluate.set_num_prompts: {unknown} are not held-out sets (evaluate.heldout_sets)")
     return errors
+
+
+def engine_gpus_errors(train_resources: dict[str, Any], hidden_states: str) -> list[str]:
+    """resources.train.engine_gpus: an engine on GPUs of its own leaves the trainer one GPU (one rank:
+    the engine feeds one trainer process)."""
+    gpus, engine = int(train_resources["gpus"]), int(train_resources["engine_gpus"])
+    if not engine or hidden_states == "files":
+        return []
+    if gpus != engine + 1:
+        return [
+            f"resources.train.engine_gpus: {engine} GPUs for the engine need resources.train.gpus {engine + 1} "
+            f"(the trainer on one more; it has {gpus}), or engine_gpus 0 (an engine beside each trainer rank)"
+        ]
+    return []
 
 
 def cpu_setting_errors(config: dict[str, Any]) -> list[str]:

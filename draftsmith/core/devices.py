@@ -64,6 +64,42 @@ def parse_visible(value: str | None) -> list[str] | None:
     return [part.strip() for part in value.split(",") if part.strip()]
 
 
+def engine_visible_devices(value: str | None, engine_gpus: int, trainer_index: int) -> list[str]:
+    """The GPUs a streamed train job's extraction engine sees (resources.train.engine_gpus), from the job's
+    CUDA_VISIBLE_DEVICES `value` (unset: 0..n): 0 = the trainer rank's own GPU (`trainer_index`, its
+    cuda index), N = the first N GPUs (the trainer then runs on GPU N)."""
+    ids = parse_visible(value)
+    if ids is None:
+        ids = [str(i) for i in range(max(engine_gpus, trainer_index + 1))]
+    if engine_gpus:
+        return ids[:engine_gpus]
+    return [ids[trainer_index]]
+
+
+def trainer_index(engine_gpus: int, local_rank: int) -> int:
+    """The cuda index a training rank runs on: its local rank, after the engine's GPUs when the engine
+    has GPUs of its own (resources.train.engine_gpus)."""
+    return engine_gpus + local_rank
+
+
+@contextlib.contextmanager
+def visible_devices(ids: Sequence[str] | None) -> Iterator[None]:
+    """CUDA_VISIBLE_DEVICES set to `ids` inside the block (for the child processes started in it, such
+    as vLLM's engine core; this process's CUDA keeps the GPUs it already saw); None changes nothing."""
+    if ids is None:
+        yield
+        return
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
 def choose_slots(busy: Collection[int], total: int, n: int) -> list[int] | None:
     """The n lowest free slots of 0..total-1, or None while fewer than n are free."""
     if n > total:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.core.digests import file_sha256
+from draftsmith.core.memory import STREAM_MODES
 from draftsmith.core.shards import ShardError, read_header, verify_shard
 
 MANIFEST_VERSION = 2  # 2: content_sha256 per shard
@@ -51,7 +52,7 @@ def shard_location(manifest_dir: str | Path, recorded: str, allowed: Sequence[Pa
 def is_stream(manifest: Mapping[str, Any]) -> bool:
     """A stream manifest (train.hidden_states stream or hybrid): no shards, the tokens file the train job captures
     states from, and what it captures (`stream`: the extract settings that decide the states)."""
-    return manifest.get("hidden_states") in ("stream", "hybrid")
+    return manifest.get("hidden_states") in STREAM_MODES
 
 
 def _manifest_shape_problem(manifest: Any) -> str | None:

@@ -800,6 +800,80 @@ def train_need(
     return StageNeed("train", world, parts, budget, setting)
 
 
+STREAM_MODES = ("stream", "hybrid")  # train.hidden_states where the train job runs the extraction engine
+
+
+def stream_engine_share(trainer_bytes: float, memory: float) -> float:
+    """train.hidden_states stream / hybrid, engine and trainer on one GPU: the engine's share of the device
+    (vLLM's gpu_memory_utilization), what TRAIN_UTILIZATION of it leaves after the trainer's planned need."""
+    return max(TRAIN_UTILIZATION - trainer_bytes / memory, 0.0)
+
+
+def stream_train_needs(
+    config: dict[str, Any],
+    size: TargetSize,
+    shape: DrafterShape,
+    memory: float | None,
+    *,
+    coefficients: Coefficients | None = None,
+    share_tokens: int | None = None,
+) -> list[StageNeed]:
+    """The train job's two lines when it captures the states itself (train.hidden_states stream / hybrid):
+    its extraction engine and its trainer. resources.train.engine_gpus 0: every GPU of the job holds an
+    engine of its own (one GPU, capturing that rank's samples) beside a trainer rank, the engine at the
+    share the trainer leaves (stream_engine_share); N > 0: one engine tensor parallel over the first N GPUs
+    (at resources.extract.gpu_memory_utilization, as the extract job runs it), the trainer on the rest."""
+    res = config["resources"]["train"]
+    gpus, engine_gpus = int(res["gpus"]), int(res["engine_gpus"])
+    ext = config["extract"]
+    seq = int(ext["max_seq_len"])
+    states = hidden_state_bytes_per_token(size, captured_layers(ext, size))
+    trainer = train_need(
+        config["train"],
+        {**res, "gpus": gpus - engine_gpus if engine_gpus else gpus},
+        size,
+        shape,
+        memory,
+        coefficients=coefficients,
+        share_tokens=share_tokens,
+    )
+    if ext["backend"] != "vllm":  # transformers: the whole target in the train process, on its first GPU
+        parts = {"target weights (transformers)": size.weight_bytes, "activations": VLLM_RESERVE}
+        budget = None if memory is None else max(TRAIN_UTILIZATION * memory - trainer.total, 0.0)
+        setting = "extract.backend vllm (an engine of its own GPUs: resources.train.engine_gpus)"
+        trainer.stage = "train: trainer (beside the engine on the first GPU)"
+        return [StageNeed("train: engine (transformers, first GPU)", 1, parts, budget, setting), trainer]
+    if engine_gpus:
+        if problem := heads_error(engine_gpus, size.attention_heads, size.kv_heads):
+            raise ValueError(f"resources.train.engine_gpus {engine_gpus}: {problem}")
+        util = float(config["resources"]["extract"]["gpu_memory_utilization"])
+        setting = "resources.train.engine_gpus (the engine's GPUs) or extract.max_seq_len"
+        engine = _vllm_need(
+            "train: engine", size, engine_gpus, seq, util, memory, setting, state_bytes_per_token=states
+        )
+        trainer.stage = "train: trainer"
+        return [engine, trainer]
+    share = None if memory is None else stream_engine_share(trainer.total, memory)
+    setting = (
+        "resources.train.engine_gpus (the engine on GPUs of its own), resources.train.micro_batch_tokens "
+        "or extract.max_seq_len"
+    )
+    engine = _vllm_need(
+        "train: engine (each GPU)", size, 1, seq, share or 0.0, memory, setting, state_bytes_per_token=states
+    )
+    engine.gpus = gpus
+    trainer.stage = "train: trainer (each GPU)"
+    if memory is not None and share is not None:
+        engine.notes.insert(
+            0,
+            f"vLLM's gpu_memory_utilization {share:.2f}: {TRAIN_UTILIZATION:.0%} of the device less the "
+            f"trainer's {trainer.total / GB:.1f} GB",
+        )
+        trainer.budget = max(TRAIN_UTILIZATION * memory - engine.total, 0.0)
+        trainer.notes.append(f"beside the engine's {engine.total / GB:.1f} GB on the same GPU")
+    return [engine, trainer]
+
+
 def evaluate_need(
     size: TargetSize, tp: int, seq_len: int, utilization: float, memory: float | None, drafter_bytes: float
 ) -> StageNeed:
@@ -834,14 +908,19 @@ def plan(
     if res["generate"]["gpus"] > 0 and gen["backend"] == "vllm-server":
         needs.append(generate_need(gen.get("server_args") or [], res["generate"], size, memory))
     ext = config["extract"]
-    if res["extract"]["gpus"] > 0:
+    streamed = config["train"]["hidden_states"] in STREAM_MODES  # no extract job: the train job captures
+    if res["extract"]["gpus"] > 0 and not streamed:
         if ext["backend"] == "vllm":
             needs.append(extract_need(ext, res["extract"], size, memory))
         else:
             parts = {"target weights (one GPU)": size.weight_bytes, "activations, CUDA context": VLLM_RESERVE}
             needs.append(StageNeed("extract", 1, parts, memory, "extract.backend vllm (tensor parallel)"))
     tr = config["train"]
-    if res["train"]["gpus"] > 0 and shape is not None:
+    if res["train"]["gpus"] > 0 and shape is not None and streamed:
+        needs += stream_train_needs(
+            config, size, shape, memory, coefficients=coefficients, share_tokens=share_tokens
+        )
+    elif res["train"]["gpus"] > 0 and shape is not None:
         needs.append(
             train_need(
                 tr, res["train"], size, shape, memory, coefficients=coefficients, share_tokens=share_tokens

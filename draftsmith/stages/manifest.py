@@ -16,6 +16,7 @@ from draftsmith.core.atomic import write_json
 from draftsmith.core.digests import file_sha256
 from draftsmith.core.layers import resolve_aux_layers
 from draftsmith.core.manifest import MANIFEST_VERSION, DataError, allowed_shard_dirs, shard_location
+from draftsmith.core.memory import STREAM_MODES
 from draftsmith.core.settings import SchemaSettings, compile_mode_of, from_schema
 from draftsmith.core.shards import ShardError, read_shard_meta, verify_shard
 from draftsmith.core.stage_args import BAD_INPUT, FAILED, arg
@@ -70,7 +71,7 @@ def build_stream_manifest(
     """The manifest for train.hidden_states stream or hybrid (`mode`): no shards; the tokens file (its
     digest) and the extract settings the train job captures the states with (core/stream.py), for hybrid
     also its cache shards' codec. The teacher agreement is measured by the train job as it captures."""
-    if mode not in ("stream", "hybrid"):
+    if mode not in STREAM_MODES:
         raise ValueError(f"manifest --cache: hidden_states mode {mode!r} is not stream or hybrid")
     out_dir = Path(out_path).parent
     tensors, meta = load_tokens(tokens_path)

@@ -33,6 +33,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import shutil
 import tempfile
 import time
@@ -47,6 +48,7 @@ from draftsmith.backends.extraction import make_extractor
 from draftsmith.core.atomic import atomic_dir, write_json, write_jsonl
 from draftsmith.core.checkpoints import CheckpointDiskFull, Run, open_run, resume_key
 from draftsmith.core.config import SETTINGS_OPS
+from draftsmith.core.devices import engine_visible_devices, trainer_index, visible_devices
 from draftsmith.core.distributed import (
     Dist,
     become_torchrun,
@@ -62,6 +64,7 @@ from draftsmith.core.kinds import drafter_loss
 from draftsmith.core.layers import convert_layer_ids
 from draftsmith.core.loader import Batch, BatchSettings, StreamingData, step_plan, verify_share
 from draftsmith.core.manifest import DataError, is_stream, load_manifest
+from draftsmith.core.memory import STREAM_MODES, stream_engine_share
 from draftsmith.core.objective import (
     DraftingLoss,
     Objective,
@@ -117,6 +120,7 @@ class TrainSettings(GroupedSettings):
     report_to: list[str]  # trackers besides TensorBoard that get the live curves (wandb, mlflow)
     hidden_states: str  # files | stream | hybrid (the manifest says which; the rule picks the manifest)
     keep_hidden_cache: bool  # hybrid: keep the cache shards after training (resources.train)
+    engine_gpus: int  # stream / hybrid on GPUs: 0 = an engine beside each rank; N = the first N GPUs
 
     def check(self) -> None:
         self.objective  # noqa: B018 (building the group runs its own checks: ObjectiveSettings.check)
@@ -453,8 +457,9 @@ def train(
     """
     throughput = Throughput()
     rank, world = launch_rank()
+    planned = None
     if wants_cuda(device):  # before the shards are decoded, the target's head loaded, the drafter built
-        check_memory(manifest_path, vocab_path, settings, world)
+        planned = check_memory(manifest_path, vocab_path, settings, world)
     unproven = (
         [] if settings.max_steps == 0 else verify_share(manifest_path, rank, world, settings.loader_threads)
     )
@@ -465,7 +470,7 @@ def train(
     if settings.threads is not None:  # the job's count, shared by the ranks
         torch.set_num_threads(usable_threads(rank_threads(settings.threads, dist.world)))
     manifest, vocab, target = load_inputs(manifest_path, vocab_path)
-    data = open_data(manifest, settings, dist.device)
+    data = open_data(manifest, settings, dist.device, planned)
     steps_per_epoch = [len(data.epoch_batches(e)) for e in range(settings.epochs)]
     total_steps = sum(steps_per_epoch)  # the schedule's horizon; max_steps only stops early
     stop_at = total_steps if settings.max_steps is None else min(total_steps, settings.max_steps)
@@ -560,17 +565,18 @@ def train(
 
 def check_memory(
     manifest_path: str | Path, vocab_path: str | Path, settings: TrainSettings, world: int
-) -> None:
+) -> tuple[float, float] | None:
     """The plan's training line again, for one of this job's `world` ranks on its GPUs (nvidia-smi),
     before anything loads: ValueError with the figure (a rank out of memory at its first long batch
-    would lose the job's hours). Reads only the manifest, the target's config.json and the vocab map."""
+    would lose the job's hours). Reads only the manifest, the target's config.json and the vocab map.
+    -> (the rank's planned bytes, the device's bytes), None when the device is unknown."""
     from draftsmith.core.config import text_config_json
     from draftsmith.core.memory import device_memory, drafter_shape, target_size, train_need
     from draftsmith.core.memory import refusal as plan_refusal
 
     memory, device = device_memory({})
     if memory is None:
-        return
+        return None
     manifest = load_manifest(manifest_path)
     target_config = text_config_json(manifest["target"])
     train = settings.to_dict()  # the train section and resources.train's knobs (micro_batch_tokens, ...)
@@ -581,12 +587,20 @@ def check_memory(
     need = train_need(train, {**train, "gpus": world}, target_size(target_config), shape, memory)
     if stop := plan_refusal([need], device):
         raise ValueError(f"{stop} (the memory plan, checked again by the job)")
+    return need.total, memory
 
 
-def open_data(manifest: dict[str, Any], settings: TrainSettings, device: torch.device) -> StreamingData:
+def open_data(
+    manifest: dict[str, Any],
+    settings: TrainSettings,
+    device: torch.device,
+    planned: tuple[float, float] | None = None,
+) -> StreamingData:
     """The training data: the shards a manifest lists, or for a stream manifest the states captured by
     an extraction engine of its settings as training asks for them (core/stream.py); the engine loads
-    at the first capture (an untrained drafter's export never loads it)."""
+    at the first capture (an untrained drafter's export never loads it). On GPUs the vLLM engine runs
+    where resources.train.engine_gpus puts it (memory.stream_train_needs): beside this rank at the share
+    its `planned` (bytes, device bytes) leaves, or on the first engine_gpus GPUs."""
     if not is_stream(manifest):
         return StreamingData.from_manifest(manifest, settings.batching)
     s = manifest["stream"]
@@ -594,18 +608,23 @@ def open_data(manifest: dict[str, Any], settings: TrainSettings, device: torch.d
     _, meta = load_tokens(tokens)
 
     def engine() -> Any:
-        if s["backend"] == "vllm" and device.type == "cuda":
-            raise ValueError(
-                "train.hidden_states stream with extract.backend vllm on a GPU: the engine's and the "
-                "trainer's memory share is not planned yet; use extract.backend transformers, or files"
-            )
         where = "cuda" if device.type == "cuda" else "cpu"
         scratch = Path(tempfile.mkdtemp(prefix="draftsmith-stream-")) if s["backend"] == "vllm" else None
-        extractor = make_extractor(
-            s["backend"], str(manifest["target"]), [int(i) for i in manifest["aux_layer_ids"]],
-            compute_dtype(s["dtype"], where), int(where == "cuda"), int(meta["max_seq_len"]) + 1, scratch,
-            s["vllm_eager"], None,
-        )  # fmt: skip
+        on_gpus = where == "cuda" and s["backend"] == "vllm"
+        share = None
+        if on_gpus and not settings.engine_gpus and planned is not None:
+            share = stream_engine_share(*planned)
+        visible = engine_visible_devices(
+            os.environ.get("CUDA_VISIBLE_DEVICES"), settings.engine_gpus, device.index or 0
+        )
+        gpus = settings.engine_gpus or 1 if on_gpus else 0
+        # vLLM's engine core is a child process: it sees the GPUs visible while it starts
+        with visible_devices(visible if on_gpus else None):
+            extractor = make_extractor(
+                s["backend"], str(manifest["target"]), [int(i) for i in manifest["aux_layer_ids"]],
+                compute_dtype(s["dtype"], where), max(gpus, int(where == "cuda")), int(meta["max_seq_len"]) + 1,
+                scratch, s["vllm_eager"], share,
+            )  # fmt: skip
         # "auto" compiles in the extract stage only past a time estimate the stream does not make
         if s["compile"] == "on" and s["backend"] == "transformers":
             extractor.compile()
@@ -792,9 +811,12 @@ def run(paths: TrainPaths, settings: TrainSettings) -> list[str]:
     command += ["--log-dir", log_dir, "--settings", json.dumps(settings.to_dict())]
     become_torchrun(paths.nproc, command + (["--fresh"] if paths.fresh else []))
     # every rank decodes its share of the samples first: nothing unproven is trained on
+    device = None  # a streamed job's trainer after its engine's own GPUs (resources.train.engine_gpus)
+    if settings.engine_gpus and settings.hidden_states in STREAM_MODES and torch.cuda.is_available():
+        device = f"cuda:{trainer_index(settings.engine_gpus, 0)}"
     summary = train(
         paths.manifest, paths.vocab, paths.out, paths.checkpoints, paths.metrics, settings,
-        fresh=paths.fresh, log_dir=log_dir,
+        device=device, fresh=paths.fresh, log_dir=log_dir,
     )  # fmt: skip
     if launch_rank()[0] != 0:
         return []

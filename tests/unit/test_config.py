@@ -730,3 +730,14 @@ def test_the_packaged_held_out_set_is_named_relative_to_a_working_folder_holding
     assert workdir_path(packaged) == "draftsmith/data/heldout_handwritten.jsonl"
     monkeypatch.chdir(tmp_path)
     assert workdir_path(packaged) == str(packaged)
+
+
+def test_an_engine_on_gpus_of_its_own_leaves_the_trainer_exactly_one():
+    """resources.train.engine_gpus N (stream / hybrid): the trainer on one more GPU; files ignores it."""
+    from draftsmith.core.config import engine_gpus_errors
+
+    assert engine_gpus_errors({"gpus": 5, "engine_gpus": 4}, "stream") == []
+    assert engine_gpus_errors({"gpus": 8, "engine_gpus": 0}, "hybrid") == []
+    assert engine_gpus_errors({"gpus": 8, "engine_gpus": 8}, "files") == []
+    (error,) = engine_gpus_errors({"gpus": 8, "engine_gpus": 8}, "stream")
+    assert error.startswith("resources.train.engine_gpus: 8 GPUs for the engine need resources.train.gpus 9")

@@ -322,3 +322,17 @@ def test_snakemake_owner_is_the_nearest_snakemake_ancestor(tmp_path):
     assert is_snakemake(10, proc) and not is_snakemake(20, proc)
     assert snakemake_owner(30, proc) == 10
     assert snakemake_owner(10, proc) is None
+
+
+def test_a_streamed_jobs_engine_sees_its_ranks_gpu_or_the_first_engine_gpus():
+    """Issue 45 item 2: engine_gpus 0 = the rank's own GPU; N = the first N, the trainer on GPU N."""
+    from draftsmith.core.devices import engine_visible_devices, trainer_index, visible_devices
+
+    assert engine_visible_devices("4,5,6,7", 0, 2) == ["6"]
+    assert engine_visible_devices("4,5,6,7", 3, trainer_index(3, 0)) == ["4", "5", "6"]
+    assert trainer_index(3, 0) == 3 and trainer_index(0, 1) == 1
+    assert engine_visible_devices(None, 2, 2) == ["0", "1"]
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    with visible_devices(["3"]):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "3"
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == before

@@ -224,3 +224,54 @@ def test_engine_layout_chooses_only_splits_of_the_heads_vllm_accepts() -> None:
     assert heads_error(6, 32, 8) == "6 does not divide the target's 32 attention heads"
     assert heads_error(16, 32, 8) is None and heads_error(4, 32, 8) is None
     assert heads_error(4, 64, 6) == "4 neither divides nor is a multiple of the target's 6 key-value heads"
+
+
+def streamed(name: str, target: str, gpu: str, **train_resources) -> list:
+    """The plan of a shipped config with train.hidden_states stream and resources.train changed."""
+    config = with_defaults(
+        merged_config_files([ROOT / "configs" / f"{name}.yaml"]) | {"train": {"hidden_states": "stream"}}
+    )
+    config["target"]["model"] = str(TARGETS / target)
+    config["resources"]["train"].update(train_resources)
+    return plan_config(config, device_memory({"gpu_model": gpu}, detect=False)[0])
+
+
+def test_a_streamed_train_job_plans_its_engine_beside_each_trainer_rank_at_the_share_left():
+    """Issue 45 item 2: engine_gpus 0 puts an engine on each of the job's GPUs beside its trainer rank;
+    the engine's vLLM share is what 95% of the device leaves after the trainer, and both lines fit
+    together or are refused together. No extract line: the extract job does not run."""
+    from draftsmith.core.memory import TRAIN_UTILIZATION, stream_engine_share
+
+    needs = streamed("llama-3.1-8b", "llama-3.1-8b", "H100-80GB")
+    stages = [n.stage for n in needs]
+    assert "extract" not in stages and "train" not in stages
+    engine, trainer = (
+        next(n for n in needs if n.stage.startswith(f"train: {w}")) for w in ("engine", "trainer")
+    )
+    memory = device_memory({"gpu_model": "H100-80GB"}, detect=False)[0]
+    share = stream_engine_share(trainer.total, memory)
+    assert share == pytest.approx(TRAIN_UTILIZATION - trainer.total / memory)
+    assert engine.budget == pytest.approx(share * memory)
+    assert trainer.budget == pytest.approx(TRAIN_UTILIZATION * memory - engine.total)
+    assert engine.fits and trainer.fits and engine.total + trainer.total <= TRAIN_UTILIZATION * memory
+    assert any(f"gpu_memory_utilization {share:.2f}" in note for note in engine.notes)
+    assert refusal(needs, "H100-80GB") is None
+
+
+def test_a_target_too_large_to_share_a_gpu_is_refused_naming_engine_gpus_and_split_fits():
+    """Kimi-K2.5 (~594 GB) cannot sit beside a trainer on one GPU: refused in one line naming
+    resources.train.engine_gpus; on GPUs of its own (a split of its heads) the plan gives the engine and
+    the trainer a line each; a split vLLM refuses stops at start."""
+    needs = streamed("kimi-k2.5-8gpu", "kimi-k2.5", "H200-141GB")
+    line = refusal(needs, "H200-141GB")
+    assert line.startswith("train: engine (each GPU) needs") and "resources.train.engine_gpus" in line
+    split = streamed("kimi-k2.5-8gpu", "kimi-k2.5", "H200-141GB", gpus=9, engine_gpus=8)
+    engine, trainer = (next(n for n in split if n.stage == f"train: {w}") for w in ("engine", "trainer"))
+    assert engine.gpus == 8 and trainer.gpus == 1 and engine.fits and trainer.fits
+    with pytest.raises(ValueError, match="engine_gpus 7: 7 does not divide the target's 64 attention heads"):
+        streamed("kimi-k2.5-8gpu", "kimi-k2.5", "H200-141GB", gpus=8, engine_gpus=7)
+
+
+def test_files_mode_plans_no_engine_in_the_train_job():
+    needs = shipped("llama-3.1-8b", "llama-3.1-8b", "H100-80GB")
+    assert "train" in [n.stage for n in needs] and not any(n.stage.startswith("train:") for n in needs)

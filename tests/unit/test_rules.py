@@ -64,6 +64,7 @@ OPERATIONAL = {
         "micro_batch_tokens": 64,
         "checkpoint_ttt": True,
         "keep_hidden_cache": True,
+        "engine_gpus": 2,
     },
     "evaluate": {
         "threads": 3,
