@@ -9,6 +9,7 @@ from snakemake.utils import validate
 import draftsmith
 from draftsmith.core.benchmarks import BENCHMARKS
 from draftsmith.core.config import (
+    STREAM_MODES,
     ConfigSource,
     combination_errors,
     config_errors,
@@ -23,7 +24,8 @@ from draftsmith.core.config import (
     target_folder,
     workdir_path,
 )
-from draftsmith.core.memory import GIB, STREAM_MODES, config_target, device_memory, plan_config, runtime_line, uses_gpus
+from draftsmith.core.cost import serving_profile_errors
+from draftsmith.core.memory import GIB, config_target, device_memory, plan_config, runtime_line, uses_gpus
 from draftsmith.core.memory import refusal as memory_refusal
 from draftsmith.core.memory import table as memory_table
 from draftsmith.core.digests import damage_under, forced_rules, unreadable_under
@@ -56,7 +58,7 @@ TARGET_ERRORS, TARGET_WARNINGS = target_checks(config)
 stop_if_invalid(TARGET_ERRORS + combination_errors(config))
 # Every prompt file a job will read, read now (cluster jobs re-parse this file: the main process did it).
 INPUT_ERRORS, INPUT_WARNINGS = input_file_errors(config) if workflow.is_main_process else ([], [])
-stop_if_invalid(INPUT_ERRORS)
+stop_if_invalid(INPUT_ERRORS + serving_profile_errors(config["evaluate"]["serving"]))
 # Intermediates changed since their stage wrote them (draftsmith.core.digests: a stat, a hash where the inode
 # changed), found before a job that reads one is run and its outputs deleted; a rule the user forces
 # (the advice given: --forcerun RULE) writes its file again, so its damage only warns.

@@ -68,6 +68,8 @@ def deep_merge(base: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+STREAM_MODES = ("stream", "hybrid")  # train.hidden_states where the train job runs the extraction engine
+
 # The operational knobs a stage's library settings (GenerateSettings, TrainSettings) carry; the rest of
 # resources.<stage> (runtime, mem_mb, gpus) is for the scheduler only.
 SETTINGS_OPS = {
@@ -939,6 +941,9 @@ def tensor_parallel_errors(config: dict[str, Any], heads: int, kv_heads: int, wh
         layouts.append(("resources.extract.tensor_parallel", int(res["extract"]["tensor_parallel"])))
     if res["evaluate"]["gpus"] > 0 and config["evaluate"].get("vllm"):
         layouts.append(("resources.evaluate.gpus", int(res["evaluate"]["gpus"])))  # one engine on all of them
+    streamed = config["train"]["hidden_states"] in STREAM_MODES
+    if streamed and res["train"]["gpus"] > 0 and config["extract"]["backend"] == "vllm":
+        layouts.append(("resources.train.engine_gpus", int(res["train"]["engine_gpus"])))  # 0: one GPU each
     errors = []
     for key, tp in layouts:
         reason = heads_error(tp, heads, kv_heads)

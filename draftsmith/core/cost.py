@@ -377,6 +377,18 @@ def load_profile(path: str | Path) -> tuple[Device, dict[str, Any]]:
     return device, settings
 
 
+def serving_profile_errors(serving: dict[str, Any]) -> list[str]:
+    """evaluate.serving.device this-cpu: the measured profile it costs methods with, read at start (the
+    pre-flight, the first job, reads it)."""
+    if serving["device"] != THIS_CPU:
+        return []
+    try:
+        load_profile(serving.get("profile") or "")
+    except ValueError as err:
+        return [str(err)]
+    return []
+
+
 def serving_bytes(serving: dict[str, Any]) -> float:
     """Bytes a parameter (and a KV-cache element) weighs at the serving point of evaluate.serving: the
     measured profile's for this-cpu (vLLM-CPU decodes in float32 there), else bytes_per_parameter."""

@@ -15,8 +15,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from draftsmith.core.config import STREAM_MODES
 from draftsmith.core.digests import file_sha256
-from draftsmith.core.memory import STREAM_MODES
 from draftsmith.core.shards import ShardError, read_header, verify_shard
 
 MANIFEST_VERSION = 2  # 2: content_sha256 per shard

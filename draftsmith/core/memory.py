@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from draftsmith.core.config import STREAM_MODES
 from draftsmith.core.context import sequence_tokens
 from draftsmith.core.cost import DEVICES
 from draftsmith.core.devices import heads_error, server_arg
@@ -800,9 +801,6 @@ def train_need(
     return StageNeed("train", world, parts, budget, setting)
 
 
-STREAM_MODES = ("stream", "hybrid")  # train.hidden_states where the train job runs the extraction engine
-
-
 def stream_engine_share(trainer_bytes: float, memory: float) -> float:
     """train.hidden_states stream / hybrid, engine and trainer on one GPU: the engine's share of the device
     (vLLM's gpu_memory_utilization), what TRAIN_UTILIZATION of it leaves after the trainer's planned need."""
@@ -844,8 +842,6 @@ def stream_train_needs(
         trainer.stage = "train: trainer (beside the engine on the first GPU)"
         return [StageNeed("train: engine (transformers, first GPU)", 1, parts, budget, setting), trainer]
     if engine_gpus:
-        if problem := heads_error(engine_gpus, size.attention_heads, size.kv_heads):
-            raise ValueError(f"resources.train.engine_gpus {engine_gpus}: {problem}")
         util = float(config["resources"]["extract"]["gpu_memory_utilization"])
         setting = "resources.train.engine_gpus (the engine's GPUs) or extract.max_seq_len"
         engine = _vllm_need(

@@ -13,10 +13,10 @@ from typing import Any
 
 from draftsmith import __version__
 from draftsmith.core.atomic import write_json
+from draftsmith.core.config import STREAM_MODES
 from draftsmith.core.digests import file_sha256
 from draftsmith.core.layers import resolve_aux_layers
 from draftsmith.core.manifest import MANIFEST_VERSION, DataError, allowed_shard_dirs, shard_location
-from draftsmith.core.memory import STREAM_MODES
 from draftsmith.core.settings import SchemaSettings, compile_mode_of, from_schema
 from draftsmith.core.shards import ShardError, read_shard_meta, verify_shard
 from draftsmith.core.stage_args import BAD_INPUT, FAILED, arg

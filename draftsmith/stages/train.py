@@ -47,7 +47,7 @@ import torch
 from draftsmith.backends.extraction import make_extractor
 from draftsmith.core.atomic import atomic_dir, write_json, write_jsonl
 from draftsmith.core.checkpoints import CheckpointDiskFull, Run, open_run, resume_key
-from draftsmith.core.config import SETTINGS_OPS
+from draftsmith.core.config import SETTINGS_OPS, STREAM_MODES
 from draftsmith.core.devices import engine_visible_devices, trainer_index, visible_devices
 from draftsmith.core.distributed import (
     Dist,
@@ -64,7 +64,7 @@ from draftsmith.core.kinds import drafter_loss
 from draftsmith.core.layers import convert_layer_ids
 from draftsmith.core.loader import Batch, BatchSettings, StreamingData, step_plan, verify_share
 from draftsmith.core.manifest import DataError, is_stream, load_manifest
-from draftsmith.core.memory import STREAM_MODES, stream_engine_share
+from draftsmith.core.memory import stream_engine_share
 from draftsmith.core.objective import (
     DraftingLoss,
     Objective,

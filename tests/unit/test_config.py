@@ -741,3 +741,20 @@ def test_an_engine_on_gpus_of_its_own_leaves_the_trainer_exactly_one():
     assert engine_gpus_errors({"gpus": 8, "engine_gpus": 8}, "files") == []
     (error,) = engine_gpus_errors({"gpus": 8, "engine_gpus": 8}, "stream")
     assert error.startswith("resources.train.engine_gpus: 8 GPUs for the engine need resources.train.gpus 9")
+
+
+def test_this_cpu_without_its_measured_profile_is_refused_at_start(tmp_path):
+    """evaluate.serving.device this-cpu costs methods with bench/cost.py's profile: a missing or unreadable
+    one is one line at start, naming the key and the command that writes it."""
+    from draftsmith.core.cost import serving_profile_errors
+
+    missing = tmp_path / "this-cpu.json"
+    (error,) = serving_profile_errors({"device": "this-cpu", "profile": str(missing)})
+    assert error == (
+        f"evaluate.serving.profile: {missing} does not exist; measure this CPU first: python -m bench.cost "
+        f"--profile {missing}"
+    )
+    missing.write_text("{}")
+    (error,) = serving_profile_errors({"device": "this-cpu", "profile": str(missing)})
+    assert error.startswith(f"{missing}: not a serving profile (no key")
+    assert serving_profile_errors({"device": "H100-80GB", "profile": str(tmp_path / "none.json")}) == []

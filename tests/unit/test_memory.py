@@ -268,8 +268,18 @@ def test_a_target_too_large_to_share_a_gpu_is_refused_naming_engine_gpus_and_spl
     split = streamed("kimi-k2.5-8gpu", "kimi-k2.5", "H200-141GB", gpus=9, engine_gpus=8)
     engine, trainer = (next(n for n in split if n.stage == f"train: {w}") for w in ("engine", "trainer"))
     assert engine.gpus == 8 and trainer.gpus == 1 and engine.fits and trainer.fits
-    with pytest.raises(ValueError, match="engine_gpus 7: 7 does not divide the target's 64 attention heads"):
-        streamed("kimi-k2.5-8gpu", "kimi-k2.5", "H200-141GB", gpus=8, engine_gpus=7)
+    from draftsmith.core.config import tensor_parallel_errors
+
+    config = with_defaults(
+        merged_config_files([ROOT / "configs" / "kimi-k2.5-8gpu.yaml"])
+        | {"train": {"hidden_states": "stream"}}
+    )
+    config["resources"]["train"].update(gpus=8, engine_gpus=7)
+    errors = tensor_parallel_errors(config, 64, 0, "kimi-k2.5")
+    assert (
+        "resources.train.engine_gpus: 7 GPUs per vLLM engine, but 7 does not divide the target's 64"
+        in errors[0]
+    )
 
 
 def test_files_mode_plans_no_engine_in_the_train_job():
