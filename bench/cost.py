@@ -21,12 +21,12 @@ What it does, in this order:
    over target forwards per running request).
 3. Fits what the model does not derive (cost.fit_overheads, non-negative least squares on relative
    errors) from every run's wall time, priced as cost.run_seconds does: its decode steps plus the
-   prompts' prefill (the wall time vLLM reports includes it: at B = 16 it is a fifth of plain decoding's
-   run here). The terms: the per-forward overhead split three ways (fixed, per layer, per token: the
-   drafter's one-layer passes tell a per-layer cost from a fixed one) and each free method's own lookup
-   per request and step (vLLM's n-gram proposer costs milliseconds a request on this CPU): 3 + the free
-   methods measured, 5, against 12 run times (4 methods x 3 B). The fitted device and lookups are
-   written as a serving profile (`evaluate.serving.device: this-cpu` reads it from
+   prompts' prefill (the wall time vLLM reports includes it; the model prices it at about a third of
+   plain decoding's run at B = 16 here). The terms: the per-forward overhead split three ways (fixed, per
+   layer, per token: the drafter's one-layer passes tell a per-layer cost from a fixed one) and each free
+   method's own lookup per request and step (vLLM's n-gram proposer costs milliseconds a request on this
+   CPU): 3 + the free methods measured, 5, against 12 run times (4 methods x 3 B). The fitted device and
+   lookups are written as a serving profile (`evaluate.serving.device: this-cpu` reads it from
    evaluate.serving.profile).
 4. Predicts every method at every B with that device: speedup = the method's tokens per second over
    plain decoding's, each from cost.run_seconds; beside it the decode-only projection the verdict uses
