@@ -6,6 +6,8 @@ decoding per concurrency side by side, and (--schedule) the serving policy's sch
                          [--prompts draftsmith/data/heldout_handwritten.jsonl] [--num-prompts 16]
                          [--max-new-tokens 48] [--k 3] [--concurrency 1,4,16] [--schedule]
                          [--profile results/bench/this-cpu.json] [--json results/bench/cost.json]
+    python -m bench.cost --from-json results/bench/cost.json [--drafter DRAFTER]   (no engine: re-fit
+                         and re-compare the saved measurements, rewrite the profile and the JSON)
 
 What it does, in this order:
 
@@ -17,16 +19,21 @@ What it does, in this order:
    evaluation runs) decodes the same prompts; tokens per second over the generation time, tokens per
    target forward from vLLM's per-request acceptance histograms, and the mean step time (generation time
    over target forwards per running request).
-3. Fits the overhead the model does not derive, split three ways (cost.fit_overheads: fixed per forward,
-   per layer, per token; non-negative least squares), from the step times of plain decoding and of the
-   drafter at every B: plain decoding's steps are 30-layer forwards of B tokens, the drafter's are one
-   target forward of B x (1 + k) tokens plus k one-layer passes, so the drafter's pass is what tells a
-   per-layer overhead from a fixed one. The fitted device is written as a serving profile
-   (`evaluate.serving.device: this-cpu` reads it from evaluate.serving.profile).
-4. Predicts every method at every B with that device: speedup = tokens per target forward x t_plain /
-   t_method. The measured speedup is tokens/s of the method over plain's at the same B; error = predicted
-   / measured - 1. The drafter's rows are in the fit (in-sample); the free methods' are not. Per method,
-   the crossover (policy.crossover: the last B where it beats plain decoding) predicted vs measured.
+3. Fits what the model does not derive (cost.fit_overheads, non-negative least squares on relative
+   errors) from every run's wall time, priced as cost.run_seconds does: its decode steps plus the
+   prompts' prefill (the wall time vLLM reports includes it; the model prices it at about a third of
+   plain decoding's run at B = 16 here). The terms: the per-forward overhead split three ways (fixed, per
+   layer, per token: the drafter's one-layer passes tell a per-layer cost from a fixed one) and each free
+   method's own lookup per request and step (vLLM's n-gram proposer costs milliseconds a request on this
+   CPU): 3 + the free methods measured, 5, against 12 run times (4 methods x 3 B). The fitted device and
+   lookups are written as a serving profile (`evaluate.serving.device: this-cpu` reads it from
+   evaluate.serving.profile).
+4. Predicts every method at every B with that device: speedup = the method's tokens per second over
+   plain decoding's, each from cost.run_seconds; beside it the decode-only projection the verdict uses
+   (tokens per target forward x t_plain / t_method). The measured speedup is tokens/s of the method over
+   plain's at the same B; error = predicted / measured - 1. Every row is in the fit, so each is also
+   predicted out of sample: fitted on the other concurrencies only ("held out"). Per method, the
+   crossover (policy.crossover: the last B where it beats plain decoding) predicted vs measured.
 5. --schedule: the serving policy over the grid 1, 2, 4, ... up to the largest B, from the drafter's
    acceptance measured at the first B (n-gram lookup's without a drafter); its vLLM schedule
    (num_speculative_tokens_per_batch_size) served at the first and the last B beside the static best k
@@ -45,6 +52,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -55,29 +63,31 @@ from bench import harness
 from bench.harness import median, median_seconds
 from draftsmith.core.atomic import write_json
 from draftsmith.core.cost import (
+    OVERHEAD_TERMS,
     Device,
     ModelCost,
     ServingPoint,
     drafter_cost,
     fit_overheads,
     forward_seconds,
-    overhead_counts,
     projected_speedup,
+    run_seconds,
     target_cost,
+    term_counts,
 )
 from draftsmith.core.engines import SCHEDULE_KEY
+from draftsmith.core.methods import FREE_METHODS
 from draftsmith.core.policy import crossover, serving_policy, vllm_schedule
 from draftsmith.core.settings import schema_default
 from draftsmith.core.stats import bootstrap_ratio
 
 REPO = Path(__file__).resolve().parents[1]
 METHODS = ("plain", "eagle3", "ngram", "suffix")
-FITTED = ("plain", "eagle3")  # the step times the overhead split is fitted from
 BYTES_PER_PARAMETER = 4.0  # vLLM-CPU decodes the target and the drafter in float32 here
 LOOKUP_US = 20.0  # a free method's lookup per request and step, as the schema's serving point charges it
 
 
-def measure_cpu() -> dict[str, float]:
+def measure_cpu() -> dict[str, Any]:
     """Bandwidth of a float32 GEMV over a 256 MB matrix (GB/s) and the float32 matmul rate (TFLOP/s)."""
     torch.set_num_threads(os.cpu_count() or 1)
     weights, vector = torch.randn(8192, 8192), torch.randn(8192, 1)
@@ -88,6 +98,7 @@ def measure_cpu() -> dict[str, float]:
         "bandwidth_gb_s": weights.numel() * 4 / gemv / 1e9,
         "tflops": 2 * 2048**3 / gemm / 1e12,
         "threads": torch.get_num_threads(),
+        "name": harness.cpu_name(),
     }
 
 
@@ -97,7 +108,6 @@ def run_method(
 ) -> dict[str, Any]:  # fmt: skip
     """One fresh vLLM engine decoding the prompts with `method` at max_num_seqs b: tokens, seconds,
     per-prompt (tokens, target forwards) and acceptance, the mean step time."""
-    from draftsmith.core.methods import FREE_METHODS
     from draftsmith.core.methods import METHODS as RECORDS
     from draftsmith.stages.evaluate import vllm_prompt_counts
     from draftsmith.stages.evaluate.vllm_runner import run_vllm_subprocess
@@ -134,56 +144,106 @@ def run_method(
     return out
 
 
-def point_at(device: Device, b: int, context: float) -> ServingPoint:
+def point_at(device: Device, b: int, context: float, lookups: dict[str, float] | None = None) -> ServingPoint:
     return ServingPoint(
-        device, b, context, tensor_parallel=1, bytes_per_parameter=BYTES_PER_PARAMETER, lookup_us=LOOKUP_US
-    )
+        device, b, context, tensor_parallel=1, bytes_per_parameter=BYTES_PER_PARAMETER, lookup_us=LOOKUP_US,
+        method_lookup_us=lookups or {},
+    )  # fmt: skip
+
+
+def run_price(
+    method: str, m: dict[str, Any], b: int, tcost: ModelCost, dcost: ModelCost | None, k: int, context: float,
+    num_prompts: int, prompt_tokens: float,
+) -> tuple[int, Any]:  # fmt: skip
+    """A measured run as the model prices it: the batch the engine really ran (at most the prompts) and
+    seconds at a point -> cost.run_seconds of its steps (target forwards per running request) and its
+    prompts' prefill."""
+    running = min(b, num_prompts)
+    steps = sum(m["per_prompt"][1]) / running
+    kk, drafter = (0, None) if method == "plain" else (k, dcost if method == "eagle3" else None)
+
+    def price(point: ServingPoint) -> float:
+        return run_seconds(method, kk, tcost, point, steps, prompt_tokens, drafter, m["draft_share"] or 1.0)
+
+    return running, price
 
 
 def calibrate(
     cpu: dict[str, float], measured: dict[int, dict[str, Any]], tcost: ModelCost, dcost: ModelCost | None,
-    k: int, context: float, num_prompts: int,
-) -> Device:  # fmt: skip
-    """This CPU as the model's device: the measured rates at full efficiency, the overhead split fitted
-    from plain decoding's and the drafter's step times at every concurrency."""
+    k: int, context: float, num_prompts: int, prompt_tokens: float, concurrencies: list[int] | None = None,
+) -> tuple[Device, dict[str, float]]:  # fmt: skip
+    """This CPU as the model's device and each free method's own lookup (us a request and step): the
+    measured rates at full efficiency, the overhead split and the lookups fitted from every run's wall
+    time at the given concurrencies (all by default), relative errors."""
     bare = Device("this-cpu", cpu["bandwidth_gb_s"], cpu["tflops"], 0.0, None, 1.0, 1.0)
-    observations = []
+    lookups = [m for m in FREE_METHODS if any(m in methods for methods in measured.values())]
+    observations, weights = [], []
     for b, methods in measured.items():
-        point = point_at(bare, min(b, num_prompts), context)
-        for method in FITTED:
-            if method not in methods or (method == "eagle3" and dcost is None):
+        if concurrencies is not None and b not in concurrencies:
+            continue
+        for method, m in methods.items():
+            if method == "eagle3" and dcost is None:
                 continue
-            m = methods[method]
-            kk = 0 if method == "plain" else k
-            zero, counts = overhead_counts(method, kk, tcost, point, dcost, m["draft_share"] or 1.0)
-            observations.append((counts, m["step_seconds"] - zero))
-    fit = fit_overheads(observations)
-    return Device(f"this-cpu ({harness.cpu_name()})", cpu["bandwidth_gb_s"], cpu["tflops"],
-                  bandwidth_efficiency=1.0, flops_efficiency=1.0, **fit)  # fmt: skip
+            running, price = run_price(method, m, b, tcost, dcost, k, context, num_prompts, prompt_tokens)
+            zero, counts = term_counts(price, point_at(bare, running, context), lookups)
+            observations.append((counts, m["seconds"] - zero))
+            weights.append(1.0 / m["seconds"])
+    fit = fit_overheads(observations, lookups, weights)
+    device = Device(f"this-cpu ({cpu.get('name') or harness.cpu_name()})", cpu["bandwidth_gb_s"], cpu["tflops"],
+                    bandwidth_efficiency=1.0, flops_efficiency=1.0, **{t: fit[t] for t in OVERHEAD_TERMS})  # fmt: skip
+    return device, {m: fit[m] for m in lookups}
+
+
+def predicted_speedups(
+    measured: dict[int, dict[str, Any]], device: Device, lookups: dict[str, float], tcost: ModelCost,
+    dcost: ModelCost | None, k: int, context: float, num_prompts: int, prompt_tokens: float,
+) -> dict[tuple[int, str], float]:  # fmt: skip
+    """(B, method) -> the predicted tokens/s of the method's run over plain decoding's (cost.run_seconds)."""
+    rates = {}
+    for b, methods in measured.items():
+        for method, m in methods.items():
+            running, price = run_price(method, m, b, tcost, dcost, k, context, num_prompts, prompt_tokens)
+            rates[b, method] = m["tokens"] / price(point_at(device, running, context, lookups))
+    return {(b, method): rate / rates[b, "plain"] for (b, method), rate in rates.items() if method != "plain"}
 
 
 def predictions(
-    measured: dict[int, dict[str, Any]], device: Device, tcost: ModelCost, dcost: ModelCost | None,
-    k: int, context: float, num_prompts: int,
+    measured: dict[int, dict[str, Any]], cpu: dict[str, float], device: Device, lookups: dict[str, float],
+    tcost: ModelCost, dcost: ModelCost | None, k: int, context: float, num_prompts: int, prompt_tokens: float,
 ) -> list[dict[str, Any]]:  # fmt: skip
+    """Per concurrency and method: the run's predicted speedup (and fitted without that concurrency's
+    runs: held out), the decode-only projection the verdict uses, the measured speedup, the errors."""
+    args = (tcost, dcost, k, context, num_prompts, prompt_tokens)
+    fitted = predicted_speedups(measured, device, lookups, *args)
+    held_out = {}
+    if len(measured) > 2:  # fitted on the other concurrencies (5 terms need more than one's 4 runs)
+        for b in measured:
+            others = [c for c in measured if c != b]
+            d_b, l_b = calibrate(cpu, measured, tcost, dcost, k, context, num_prompts, prompt_tokens, others)
+            held_out.update({key: v for key, v in predicted_speedups(measured, d_b, l_b, *args).items()
+                             if key[0] == b})  # fmt: skip
     rows = []
     for b, methods in measured.items():
-        point, base = point_at(device, min(b, num_prompts), context), methods["plain"]
+        point, base = point_at(device, min(b, num_prompts), context, lookups), methods["plain"]
         for method in METHODS[1:]:
-            if method not in methods:
+            if method not in methods or (method == "eagle3" and dcost is None):
                 continue
             m = methods[method]
-            predicted = projected_speedup(m["tokens_per_forward"], method, k, tcost, point,
-                                          dcost if method == "eagle3" else None, m["draft_share"])  # fmt: skip
+            decode = projected_speedup(m["tokens_per_forward"], method, k, tcost, point,
+                                       dcost if method == "eagle3" else None, m["draft_share"])  # fmt: skip
             _, lo, hi = bootstrap_ratio(*m["per_prompt"])
-            scale = predicted / m["tokens_per_forward"]
+            predicted = fitted[b, method]
             actual = m["tokens_per_s"] / base["tokens_per_s"]
-            rows.append({"concurrency": b, "method": method, "k": k, "in_fit": method in FITTED,
+            out = held_out.get((b, method))
+            rows.append({"concurrency": b, "method": method, "k": k,
                          "tokens_per_forward": m["tokens_per_forward"], "tokens_per_forward_interval": [lo, hi],
                          "draft_share": m["draft_share"], "predicted_speedup": predicted,
-                         "predicted_interval": [lo * scale, hi * scale], "measured_speedup": actual,
-                         "error": predicted / actual - 1,
-                         "outputs_equal_plain": sum(a == p for a, p in zip(m["outputs"], base["outputs"], strict=True))})  # fmt: skip
+                         "decode_projection": decode,
+                         "decode_projection_interval": [decode * lo / m["tokens_per_forward"],
+                                                        decode * hi / m["tokens_per_forward"]],
+                         "measured_speedup": actual, "error": predicted / actual - 1,
+                         "held_out_speedup": out, "held_out_error": None if out is None else out / actual - 1,
+                         "outputs_equal_plain": m.get("outputs_equal_plain")})  # fmt: skip
     return rows
 
 
@@ -210,8 +270,8 @@ def crossovers(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def schedule_bench(
     target: str, drafter: str | None, encoded: list[list[int]], max_new: int, k: int,
-    measured: dict[int, dict[str, Any]], device: Device, tcost: ModelCost, dcost: ModelCost | None,
-    context: float, rounds: int, cache: str,
+    measured: dict[int, dict[str, Any]], device: Device, lookups: dict[str, float], tcost: ModelCost,
+    dcost: ModelCost | None, context: float, rounds: int, cache: str,
 ) -> dict[str, Any]:  # fmt: skip
     """The serving policy's vLLM schedule at the first and last concurrency against the static best k and
     plain decoding, `rounds` alternating rounds of fresh engines each."""
@@ -220,7 +280,7 @@ def schedule_bench(
     first = measured[concurrencies[0]][method]
     grid_b = [2**i for i in range(max(concurrencies).bit_length()) if 2**i <= max(concurrencies)]
     grid_b = sorted(set(grid_b) | set(concurrencies))
-    grid = [point_at(device, min(b, len(encoded)), context) for b in grid_b]
+    grid = [point_at(device, min(b, len(encoded)), context, lookups) for b in grid_b]
     by_k = {method: {"kind": method, "max_k": k, "per_prompt": first["rows"]}}
     policy = serving_policy(by_k, tcost, {"eagle3": dcost} if dcost else {}, grid)
     policy["grid"] = grid_b  # the concurrencies as vLLM counts them (the points cap at the prompts)
@@ -252,6 +312,124 @@ def schedule_bench(
             "policy": {"grid": grid_b, "methods": policy["methods"]}, "loads": table}  # fmt: skip
 
 
+def measure_runs(
+    target: str, drafter: str, prompts_path: str, num_prompts: int, max_new_tokens: int, k: int,
+    concurrencies: list[int], cache: str,
+) -> dict[str, Any]:  # fmt: skip
+    """This CPU's rates and every method's run at every concurrency in fresh vLLM engines (steps 1-2)."""
+    from draftsmith.core.target import load_tokenizer
+    from draftsmith.stages.evaluate import encode_prompts, read_eval_prompts
+
+    has_drafter = (Path(drafter) / "config.json").is_file()
+    methods = METHODS if has_drafter else tuple(m for m in METHODS if m != "eagle3")
+    if not has_drafter:
+        print(f"no drafter export at {drafter}: the drafter's rows and its pass in the fit are skipped",
+              file=sys.stderr)  # fmt: skip
+    cpu = measure_cpu()
+    print(f"this CPU: {cpu['bandwidth_gb_s']:.1f} GB/s (fp32 GEMV), {cpu['tflops'] * 1e3:.0f} GFLOP/s (fp32 "
+          f"matmul), {cpu['threads']} threads", file=sys.stderr)  # fmt: skip
+    encoded = encode_prompts(load_tokenizer(target), read_eval_prompts(prompts_path, num_prompts))
+    prompt_tokens = sum(len(p) for p in encoded)
+    tcost = target_cost(target, BYTES_PER_PARAMETER)
+    dcost = drafter_cost(drafter, BYTES_PER_PARAMETER) if has_drafter else None
+    t0 = time.perf_counter()
+    measured = {
+        b: {m: run_method(target, drafter, m, encoded, max_new_tokens, k, b, cache) for m in methods}
+        for b in concurrencies
+    }
+    for runs in measured.values():
+        for m in runs.values():
+            m["outputs_equal_plain"] = sum(
+                a == p for a, p in zip(m["outputs"], runs["plain"]["outputs"], strict=True)
+            )
+    return {"cpu": cpu, "measured": measured, "k": k, "num_prompts": len(encoded), "max_new_tokens": max_new_tokens,
+            "prompt_tokens": prompt_tokens, "context_tokens": prompt_tokens / len(encoded) + max_new_tokens / 2,
+            "target": target, "drafter": drafter if has_drafter else None, "tcost": tcost, "dcost": dcost,
+            "encoded": encoded, "vllm_seconds": time.perf_counter() - t0}  # fmt: skip
+
+
+def load_runs(path: str, target: str, drafter: str) -> dict[str, Any]:
+    """The runs a measurement saved (its JSON), as measure_runs returns them, for a re-analysis without an
+    engine. A JSON written before the models' shapes were saved prices them from --target / --drafter."""
+    import json
+
+    saved = json.loads(Path(path).read_text(encoding="utf-8"))
+    measured = {int(b): runs for b, runs in saved["measured"].items()}
+    for row in saved.get("rows", []):  # written before the runs kept it
+        measured[row["concurrency"]][row["method"]].setdefault(
+            "outputs_equal_plain", row.get("outputs_equal_plain")
+        )
+    models = saved.get("models") or {}
+    target = saved.get("target") or target
+    tcost = (
+        ModelCost(**models["target"]) if models.get("target") else target_cost(target, BYTES_PER_PARAMETER)
+    )
+    dcost = None
+    if models.get("drafter"):
+        dcost = ModelCost(**models["drafter"])
+    elif any("eagle3" in runs for runs in measured.values()):
+        drafter = saved.get("drafter") or drafter
+        if not (Path(drafter) / "config.json").is_file():
+            raise click.UsageError(
+                f"{path}: its runs include the drafter's; pass --drafter (the export it measured)"
+            )
+        dcost = drafter_cost(drafter, BYTES_PER_PARAMETER)
+    # the prompts' tokens: saved, else from the mean context (mean prompt + half the new tokens)
+    prompt_tokens = saved.get("prompt_tokens") or saved["num_prompts"] * (
+        saved["context_tokens"] - saved["max_new_tokens"] / 2)  # fmt: skip
+    cpu = {"name": (saved.get("machine") or {}).get("cpu"), **saved["cpu"]}
+    kept = ("k", "num_prompts", "max_new_tokens", "context_tokens", "vllm_seconds", "machine")
+    return {"cpu": cpu, **{key: saved[key] for key in kept}, "measured": measured, "prompt_tokens": prompt_tokens, "target": target,
+            "drafter": saved.get("drafter") or (drafter if dcost else None), "tcost": tcost, "dcost": dcost,
+            "schedule": saved.get("schedule")}  # fmt: skip
+
+
+def print_report(rows: list[dict[str, Any]], cross: dict[str, dict[str, Any]], device: Device,
+                 lookups: dict[str, float], fit: dict[str, Any], runs: dict[str, Any],
+                 sched: dict[str, Any] | None) -> None:  # fmt: skip
+    def pct(v: float | None) -> str:
+        return "-" if v is None else f"{v:+.1%}"
+
+    print(harness.format_table(
+        [("B", ">3"), ("method", "<7"), ("tok/fwd [95%]", "<20"), ("decode-only [95%]", "<21"),
+         ("predicted", ">9"), ("measured", ">8.2f"), ("error", ">7"), ("held out", ">8")],
+        [(r["concurrency"], r["method"],
+          f"{r['tokens_per_forward']:.3f} [{r['tokens_per_forward_interval'][0]:.2f}, "
+          f"{r['tokens_per_forward_interval'][1]:.2f}]",
+          f"{r['decode_projection']:.2f}x [{r['decode_projection_interval'][0]:.2f}, "
+          f"{r['decode_projection_interval'][1]:.2f}]",
+          f"{r['predicted_speedup']:.2f}x", r["measured_speedup"], pct(r["error"]), pct(r["held_out_error"]))
+         for r in rows],
+    ))  # fmt: skip
+    print("predicted: the run as vLLM timed it (decode steps + the prompts' prefill, cost.run_seconds), "
+          "fitted on every run; held out: fitted without that concurrency's runs; decode-only: the verdict's "
+          "projection (no prefill)")  # fmt: skip
+    for method, c in cross.items():
+        print(f"crossover {method}: predicted {c['predicted']}, measured {c['measured']} (last B beating plain; "
+              f"None = pays to the end, 0 = never){'' if c['within_one_step'] else '  OFF BY MORE THAN ONE STEP'}")  # fmt: skip
+    tcost, dcost = runs["tcost"], runs["dcost"]
+    one = point_at(device, 1, runs["context_tokens"], lookups)
+    print(f"one forward at B=1: target {forward_seconds(tcost, one, 1) * 1e3:.1f} ms"
+          + (f", drafter pass {forward_seconds(dcost, one, 1) * 1e3:.1f} ms" if dcost else ""))  # fmt: skip
+    print(f"fitted: {device.overhead_ms:.2f} ms a forward + {device.layer_overhead_ms:.3f} ms a layer + "
+          f"{device.token_overhead_us:.0f} us a token; lookup a request and step: "
+          + ", ".join(f"{m} {v:.0f} us" for m, v in lookups.items())
+          + f" ({fit['terms']} terms, {fit['nonzero']} nonzero, from {fit['observations']} run times)")  # fmt: skip
+    if sched:
+        print(f"schedule ({sched['method']}): {sched['schedule']}; static best k = {sched['static_k']}"
+              + ("  (as measured by the saved run, not re-derived)" if sched.get("from_json") else ""))  # fmt: skip
+        for row in sched["loads"]:
+            s = row["schedule_over_better"]
+            rates = ", ".join(f"{n} {v:.1f}" for n, v in row["tokens_per_s"].items())
+            print(f"  B={row['concurrency']}: tok/s {rates}; schedule / {row['better_static']} "
+                  f"{s['median']:.2f}x [{s['low']:.2f}, {s['high']:.2f}] over {len(s['rounds'])} round(s)")  # fmt: skip
+    errors = [abs(r["error"]) for r in rows]
+    held = [abs(r["held_out_error"]) for r in rows if r["held_out_error"] is not None]
+    print(f"|error| median {median(errors):.1%}, max {max(errors):.1%}"
+          + (f"; held out: median {median(held):.1%}, max {max(held):.1%}" if held else "")
+          + f"; {runs['vllm_seconds']:.0f} s of vLLM runs")  # fmt: skip
+
+
 @click.command()
 @click.option("--target", default="resources/SmolLM2-135M-Instruct", show_default=True)
 @click.option("--drafter", default="results/drafter", show_default=True,
@@ -266,87 +444,56 @@ def schedule_bench(
 @click.option("--profile", "profile_path", default=schema_default("evaluate.serving.profile"), show_default=True,
               help="Write this CPU's serving profile here (evaluate.serving.profile).")  # fmt: skip
 @click.option("--json", "json_path", default=str(harness.result_path("cost")), show_default=True)
+@click.option("--from-json", "from_json", default=None,
+              help="Re-analyse the runs a previous --json saved (no engine): fit, compare, write both files.")  # fmt: skip
 def main(
     target: str, drafter: str, prompts_path: str, num_prompts: int, max_new_tokens: int, k: int,
-    concurrency: str, with_schedule: bool, rounds: int, profile_path: str, json_path: str,
+    concurrency: str, with_schedule: bool, rounds: int, profile_path: str, json_path: str, from_json: str | None,
 ) -> None:  # fmt: skip
-    from draftsmith.core.target import load_tokenizer
-    from draftsmith.stages.evaluate import encode_prompts, read_eval_prompts
-
     load_before = harness.load_average()
-    concurrencies = [int(b) for b in concurrency.split(",")]
-    has_drafter = (Path(drafter) / "config.json").is_file()
-    methods = METHODS if has_drafter else tuple(m for m in METHODS if m != "eagle3")
-    if not has_drafter:
-        print(f"no drafter export at {drafter}: the drafter's rows and its pass in the fit are skipped",
-              file=sys.stderr)  # fmt: skip
-    cpu = measure_cpu()
-    print(f"this CPU: {cpu['bandwidth_gb_s']:.1f} GB/s (fp32 GEMV), {cpu['tflops'] * 1e3:.0f} GFLOP/s (fp32 "
-          f"matmul), {cpu['threads']} threads", file=sys.stderr)  # fmt: skip
-    encoded = encode_prompts(load_tokenizer(target), read_eval_prompts(prompts_path, num_prompts))
-    context = sum(len(p) for p in encoded) / len(encoded) + max_new_tokens / 2
-    tcost = target_cost(target, BYTES_PER_PARAMETER)
-    dcost = drafter_cost(drafter, BYTES_PER_PARAMETER) if has_drafter else None
-    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="draftsmith-bench-cost-") as cache:
-        measured = {
-            b: {m: run_method(target, drafter, m, encoded, max_new_tokens, k, b, cache) for m in methods}
-            for b in concurrencies
-        }
-        device = calibrate(cpu, measured, tcost, dcost, k, context, len(encoded))
-        rows = predictions(measured, device, tcost, dcost, k, context, len(encoded))
-        sched = None
-        if with_schedule:
-            sched = schedule_bench(target, drafter if has_drafter else None, encoded, max_new_tokens, k,
-                                   measured, device, tcost, dcost, context, rounds, cache)  # fmt: skip
-    wall = time.perf_counter() - t0
+        if from_json:
+            runs = load_runs(from_json, target, drafter)
+        else:
+            runs = measure_runs(target, drafter, prompts_path, num_prompts, max_new_tokens, k,
+                                [int(b) for b in concurrency.split(",")], cache)  # fmt: skip
+        measured, tcost, dcost, k = runs["measured"], runs["tcost"], runs["dcost"], runs["k"]
+        shape = (runs["context_tokens"], runs["num_prompts"], runs["prompt_tokens"])
+        device, lookups = calibrate(runs["cpu"], measured, tcost, dcost, k, *shape)
+        rows = predictions(measured, runs["cpu"], device, lookups, tcost, dcost, k, *shape)
+        sched = runs.get("schedule")
+        if sched:
+            sched = {**sched, "from_json": True}
+        elif with_schedule and not from_json:
+            sched = schedule_bench(target, runs["drafter"], runs["encoded"], runs["max_new_tokens"], k, measured,
+                                   device, lookups, tcost, dcost, runs["context_tokens"], rounds, cache)  # fmt: skip
     cross = crossovers(rows)
+    fit = {"terms": len(OVERHEAD_TERMS) + len(lookups),
+           "nonzero": sum(1 for v in (*(getattr(device, t) for t in OVERHEAD_TERMS), *lookups.values()) if v > 0),
+           "observations": sum(len(ms) for ms in measured.values())}  # fmt: skip
+    print_report(rows, cross, device, lookups, fit, runs, sched)
 
-    print(harness.format_table(
-        [("B", ">3"), ("method", "<7"), ("fit", "<3"), ("tok/fwd [95%]", "<20"), ("predicted [95%]", "<21"),
-         ("measured", ">8.2f"), ("error", ">+7.1%")],
-        [(r["concurrency"], r["method"], "in" if r["in_fit"] else "out",
-          f"{r['tokens_per_forward']:.3f} [{r['tokens_per_forward_interval'][0]:.2f}, "
-          f"{r['tokens_per_forward_interval'][1]:.2f}]",
-          f"{r['predicted_speedup']:.2f}x [{r['predicted_interval'][0]:.2f}, {r['predicted_interval'][1]:.2f}]",
-          r["measured_speedup"], r["error"]) for r in rows],
-    ))  # fmt: skip
-    for method, c in cross.items():
-        print(f"crossover {method}: predicted {c['predicted']}, measured {c['measured']} (last B beating plain; "
-              f"None = pays to the end, 0 = never){'' if c['within_one_step'] else '  OFF BY MORE THAN ONE STEP'}")  # fmt: skip
-    if dcost is not None:  # the drafter's pass as the fit charges it, beside the target's forward
-        one = point_at(device, 1, context)
-        print(f"one forward at B=1: target {forward_seconds(tcost, one, 1) * 1e3:.1f} ms, drafter pass "
-              f"{forward_seconds(dcost, one, 1) * 1e3:.1f} ms")  # fmt: skip
-    print(f"overhead split: {device.overhead_ms:.2f} ms a forward + {device.layer_overhead_ms:.3f} ms a layer + "
-          f"{device.token_overhead_us:.0f} us a token")  # fmt: skip
-    if sched:
-        print(f"schedule ({sched['method']}): {sched['schedule']}; static best k = {sched['static_k']}")
-        for row in sched["loads"]:
-            s = row["schedule_over_better"]
-            rates = ", ".join(f"{n} {v:.1f}" for n, v in row["tokens_per_s"].items())
-            print(f"  B={row['concurrency']}: tok/s {rates}; schedule / {row['better_static']} "
-                  f"{s['median']:.2f}x [{s['low']:.2f}, {s['high']:.2f}] over {len(s['rounds'])} round(s)")  # fmt: skip
-    errors = [abs(r["error"]) for r in rows]
-    out_of_fit = [abs(r["error"]) for r in rows if not r["in_fit"]]
-    print(f"|error| median {median(errors):.1%}, max {max(errors):.1%} (out of the fit: max "
-          f"{max(out_of_fit):.1%}); {wall:.0f} s of vLLM runs")  # fmt: skip
-
-    profile = {"device": {"name": device.name, **{k_: getattr(device, k_) for k_ in (
-                   "bandwidth_gb_s", "tflops", "overhead_ms", "layer_overhead_ms", "token_overhead_us")}},
-               "bytes_per_parameter": BYTES_PER_PARAMETER, "lookup_us": LOOKUP_US,
-               "measured": {"concurrency": concurrencies, "num_prompts": len(encoded),
-                            "max_new_tokens": max_new_tokens, "k": k, "target": target,
-                            "drafter": drafter if has_drafter else None, "machine": harness.machine(load_before)}}  # fmt: skip
+    machine = runs.get("machine") or harness.machine(load_before)
+    profile = {"device": {"name": device.name, **{k_: getattr(device, k_) for k_ in ("bandwidth_gb_s", "tflops",
+                                                                                    *OVERHEAD_TERMS)}},
+               "bytes_per_parameter": BYTES_PER_PARAMETER, "lookup_us": LOOKUP_US, "method_lookup_us": lookups,
+               "measured": {"concurrency": list(measured), "num_prompts": runs["num_prompts"],
+                            "max_new_tokens": runs["max_new_tokens"], "k": k, "target": runs["target"],
+                            "drafter": runs["drafter"], "machine": machine}}  # fmt: skip
     write_json(profile_path, profile)
     print(f"wrote the serving profile {profile_path} (evaluate.serving.device: this-cpu)")
-    harness.write_result({"cpu": cpu, "device": device.__dict__, "context_tokens": context,
-                          "num_prompts": len(encoded), "max_new_tokens": max_new_tokens, "k": k,
-                          "rows": rows, "crossover": cross, "schedule": sched,
-                          "measured": {str(b): {m: {k_: v for k_, v in d.items() if k_ not in ("outputs", "rows")}
-                                                for m, d in ms.items()} for b, ms in measured.items()},
+    errors = [abs(r["error"]) for r in rows]
+    saved_runs = {str(b): {m: {k_: v for k_, v in d.items() if k_ not in ("outputs", "rows")} for m, d in ms.items()}
+                  for b, ms in measured.items()}  # fmt: skip
+    harness.write_result({"cpu": runs["cpu"], "device": device.__dict__, "method_lookup_us": lookups, "fit": fit,
+                          "context_tokens": runs["context_tokens"], "prompt_tokens": runs["prompt_tokens"],
+                          "num_prompts": runs["num_prompts"], "max_new_tokens": runs["max_new_tokens"], "k": k,
+                          "target": runs["target"], "drafter": runs["drafter"],
+                          "models": {"target": asdict(tcost), "drafter": asdict(dcost) if dcost else None},
+                          "rows": rows, "crossover": cross, "schedule": sched, "measured": saved_runs,
                           "median_abs_error": median(errors), "max_abs_error": max(errors),
-                          "vllm_seconds": wall, "machine": harness.machine(load_before)}, json_path)  # fmt: skip
+                          "vllm_seconds": runs["vllm_seconds"], "machine": machine,
+                          "analysed_from": from_json}, json_path)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -442,7 +442,7 @@ _TARGET = {"model": "resources/SmolLM2-135M-Instruct", "revision": None, "gguf_w
 # a serving point's figures beside device, concurrency and context: the schema's (evaluate.serving)
 POINT_DEFAULTS = {
     k: schema_default(f"evaluate.serving.{k}")
-    for k in ("tensor_parallel", "bytes_per_parameter", "lookup_us")
+    for k in ("tensor_parallel", "bytes_per_parameter", "lookup_us", "method_lookup_us")
 }
 
 

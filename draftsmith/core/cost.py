@@ -12,6 +12,7 @@ tensor parallel degree, concurrency B, context length) one decode step of a meth
     plain          t_forward(target, 1)
     EAGLE-3 at k   t_forward(target, 1 + k) + k x t_forward(drafter, 1)      k sequential drafter passes
     n-gram, suffix t_forward(target, 1 + k x draft share) + B x lookup time   no model weights read
+                   (lookup time: the method's own where measured, method_lookup_us, else lookup_us)
     hybrid at k    t_forward(target, 1 + k x draft share) + B x lookup time + the drafter's passes: k on
                    the steps it drafts (the tree had nothing), 1 on the others (it catches up every step)
 
@@ -28,7 +29,7 @@ drafts k tokens accepts min(accepted, k) of them); the chosen k is re-measured i
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,14 @@ class ServingPoint:
     tensor_parallel: int
     bytes_per_parameter: float
     lookup_us: float  # a free method's lookup, per request and step (CPU side)
+    # a method's own lookup where it was measured (this CPU's profile fits it: vLLM's n-gram proposer
+    # costs milliseconds a request there), replacing lookup_us for that method
+    method_lookup_us: Mapping[str, float]
+
+
+def lookup_seconds(point: ServingPoint, kind: str) -> float:
+    """One step's lookup of a free method (or the hybrid's suffix tree) over the point's requests."""
+    return point.concurrency * point.method_lookup_us.get(kind, point.lookup_us) * 1e-6
 
 
 def forward_seconds(model: ModelCost, point: ServingPoint, tokens_per_sequence: float) -> float:
@@ -150,7 +159,7 @@ def step_seconds(
     on `draft_share` of steps, or hybrid (suffix decoding, the drafter on `drafter_share` of steps)."""
     if k == 0 or kind == "plain":
         return forward_seconds(target, point, 1)
-    lookup = point.concurrency * point.lookup_us * 1e-6
+    lookup = lookup_seconds(point, kind)
     if kind in FREE_METHODS:
         return forward_seconds(target, point, 1 + k * draft_share) + lookup
     if drafter is None:
@@ -162,6 +171,34 @@ def step_seconds(
             forward_seconds(target, point, 1 + k * draft_share) + lookup + drafter_share * drafting + catch_up
         )
     return forward_seconds(target, point, 1 + k) + drafting
+
+
+def prefill_seconds(model: ModelCost, point: ServingPoint, prompt_tokens: float) -> float:
+    """What a model's prefill of `prompt_tokens` prompt tokens adds to the steps it rides in (vLLM
+    schedules a prompt's chunk into a decode step, whose weights are read anyway): their FLOPs and their
+    per-token overhead."""
+    d = point.device
+    flop_rate = d.tflops * 1e12 * d.flops_efficiency * point.tensor_parallel
+    return prompt_tokens * (2 * model.active_parameters / flop_rate + d.token_overhead_us * 1e-6)
+
+
+def run_seconds(
+    kind: str,
+    k: int,
+    target: ModelCost,
+    point: ServingPoint,
+    steps: float,
+    prompt_tokens: float,
+    drafter: ModelCost | None = None,
+    draft_share: float = 1.0,
+) -> float:
+    """Requests served start to end as an engine's wall clock counts them: `steps` decode steps of the
+    method at the point and the prompts' prefill, the target's and, for a method that drafts with a
+    model, the drafter's (it runs over the prompt to catch up). What bench/cost.py compares with vLLM."""
+    prefill = prefill_seconds(target, point, prompt_tokens)
+    if k and drafter is not None and kind not in (*FREE_METHODS, "plain"):
+        prefill += prefill_seconds(drafter, point, prompt_tokens)
+    return steps * step_seconds(kind, k, target, point, drafter, draft_share) + prefill
 
 
 def drafting_seconds(drafter: ModelCost, point: ServingPoint, k: int) -> float:
@@ -291,6 +328,25 @@ OVERHEAD_UNITS = (1e-3, 1e-3, 1e-6)  # seconds per unit of each term
 THIS_CPU = "this-cpu"
 
 
+def term_counts(
+    price: Callable[[ServingPoint], float], point: ServingPoint, lookups: Sequence[str] = ()
+) -> tuple[float, tuple[float, ...]]:
+    """What `price` (seconds at a point: a step, a run) charges split as the fit sees it: (the seconds its
+    bytes, FLOPs and the lookups not fitted cost with no overhead, the count each fitted term multiplies:
+    OVERHEAD_TERMS in their units, then the lookup of each method of `lookups` in us). Read off `price`
+    at points with one unit term each, so the split is the model's own (linear in the terms)."""
+    zero_device = replace(point.device, overhead_ms=0.0, layer_overhead_ms=0.0, token_overhead_us=0.0)
+    zero_lookups = {**point.method_lookup_us, **dict.fromkeys(lookups, 0.0)}
+    zero = replace(point, device=zero_device, method_lookup_us=zero_lookups)
+    bare = price(zero)
+    units = [
+        replace(zero, device=replace(zero_device, **{term: 1.0}))  # type: ignore[arg-type]
+        for term in OVERHEAD_TERMS
+    ] + [replace(zero, method_lookup_us={**zero_lookups, method: 1.0}) for method in lookups]
+    scale = (*OVERHEAD_UNITS, *(1e-6 for _ in lookups))
+    return bare, tuple((price(one) - bare) / unit for one, unit in zip(units, scale, strict=True))
+
+
 def overhead_counts(
     kind: str,
     k: int,
@@ -298,34 +354,33 @@ def overhead_counts(
     point: ServingPoint,
     drafter: ModelCost | None = None,
     draft_share: float = 1.0,
-) -> tuple[float, tuple[float, float, float]]:
-    """One decode step of a method split as the cost model charges it: (the seconds its bytes, FLOPs and
-    lookup cost with no overhead, (forwards, layer-forwards, tokens)), the three counts each overhead
-    term multiplies. Read off step_seconds on devices with one unit term each, so the split is the
-    model's own (step time = bare + sum(count x term), linear in the terms)."""
-    zero = replace(point.device, overhead_ms=0.0, layer_overhead_ms=0.0, token_overhead_us=0.0)
-    bare = step_seconds(kind, k, target, replace(point, device=zero), drafter, draft_share)
-    counts = []
-    for term, unit in zip(OVERHEAD_TERMS, OVERHEAD_UNITS, strict=True):
-        one = replace(point, device=replace(zero, **{term: 1.0}))  # type: ignore[arg-type]
-        counts.append((step_seconds(kind, k, target, one, drafter, draft_share) - bare) / unit)
-    return bare, (counts[0], counts[1], counts[2])
+) -> tuple[float, tuple[float, ...]]:
+    """One decode step of a method split as the cost model charges it (term_counts of step_seconds):
+    (bare seconds, (forwards, layer-forwards, tokens)), the three counts each overhead term multiplies."""
+    return term_counts(lambda p: step_seconds(kind, k, target, p, drafter, draft_share), point)
 
 
 def fit_overheads(
-    observations: Sequence[tuple[tuple[float, float, float], float]],
+    observations: Sequence[tuple[Sequence[float], float]],
+    lookups: Sequence[str] = (),
+    weights: Sequence[float] | None = None,
 ) -> dict[str, float]:
-    """The overhead terms (OVERHEAD_TERMS, in their units) that best explain measured step times: each
-    observation is (the step's counts from overhead_counts, its measured seconds minus the bare seconds).
-    Least squares with every term >= 0 (a negative overhead is no cost), exact over the 7 subsets of
-    the three terms; a term the data cannot tell apart from the others stays 0."""
+    """The overhead terms (OVERHEAD_TERMS, in their units) and each method's lookup of `lookups` (us a
+    request and step) that best explain measured times: each observation is (its counts from
+    term_counts, its measured seconds minus the bare seconds). Least squares (each residual times its
+    weight: 1 / the measured seconds fits relative errors, what a speedup's error is) with every term
+    >= 0 (a negative cost is no cost), exact over every subset of the terms; a term the data cannot tell
+    apart from the others stays 0."""
     if not observations:
         raise ValueError("fit_overheads: no observations")
-    a = np.array([[c * u for c, u in zip(counts, OVERHEAD_UNITS, strict=True)] for counts, _ in observations])
-    y = np.array([seconds for _, seconds in observations])
-    best: tuple[float, np.ndarray] = (float(y @ y), np.zeros(3))  # all terms 0
-    for mask in range(1, 8):
-        cols = [i for i in range(3) if mask >> i & 1]
+    names = (*OVERHEAD_TERMS, *lookups)
+    scale = np.array([*OVERHEAD_UNITS, *(1e-6 for _ in lookups)])
+    w = np.ones(len(observations)) if weights is None else np.asarray(weights, dtype=np.float64)
+    a = np.array([counts for counts, _ in observations], dtype=np.float64) * scale * w[:, None]
+    y = np.array([seconds for _, seconds in observations]) * w
+    best: tuple[float, np.ndarray] = (float(y @ y), np.zeros(len(names)))  # all terms 0
+    for mask in range(1, 2 ** len(names)):
+        cols = [i for i in range(len(names)) if mask >> i & 1]
         sub = a[:, cols]
         if np.linalg.matrix_rank(sub) < len(cols):
             continue  # collinear over these observations: not identifiable
@@ -334,10 +389,10 @@ def fit_overheads(
             continue
         residual = y - sub @ x
         if float(residual @ residual) < best[0] - 1e-18:
-            full = np.zeros(3)
+            full = np.zeros(len(names))
             full[cols] = x
             best = (float(residual @ residual), full)
-    return {term: float(v) for term, v in zip(OVERHEAD_TERMS, best[1], strict=True)}
+    return {name: float(v) for name, v in zip(names, best[1], strict=True)}
 
 
 PROFILE_KEYS = ("bandwidth_gb_s", "tflops", *OVERHEAD_TERMS)
@@ -345,7 +400,8 @@ PROFILE_KEYS = ("bandwidth_gb_s", "tflops", *OVERHEAD_TERMS)
 
 def load_profile(path: str | Path) -> tuple[Device, dict[str, Any]]:
     """A serving profile bench/cost.py wrote (this CPU's measured figures and fitted overheads) -> the
-    device and the profile's serving settings (bytes_per_parameter, lookup_us: as it was measured).
+    device and the profile's serving settings (bytes_per_parameter, lookup_us and the methods' own
+    method_lookup_us: as it was measured; a profile written before the lookups were fitted has none).
     Bad input: a ValueError naming the file and the key."""
     import json
 
@@ -359,7 +415,10 @@ def load_profile(path: str | Path) -> tuple[Device, dict[str, Any]]:
         profile = json.loads(where.read_text(encoding="utf-8"))
         figures = profile["device"]
         values = {key: float(figures[key]) for key in PROFILE_KEYS}
-        settings = {key: float(profile[key]) for key in ("bytes_per_parameter", "lookup_us")}
+        settings: dict[str, Any] = {key: float(profile[key]) for key in ("bytes_per_parameter", "lookup_us")}
+        settings["method_lookup_us"] = {
+            str(m): float(v) for m, v in (profile.get("method_lookup_us") or {}).items()
+        }
     except (ValueError, KeyError, TypeError) as err:
         why = f"no key {err}" if isinstance(err, KeyError) else f"{type(err).__name__}: {err}"
         raise ValueError(
@@ -372,6 +431,7 @@ def load_profile(path: str | Path) -> tuple[Device, dict[str, Any]]:
     ]
     if bad:
         raise ValueError(f"{where}: device.{bad[0]} = {values[bad[0]]} is not a measured figure")
+    check_method_lookups(settings["method_lookup_us"], f"{where}: method_lookup_us")
     device = Device(str(figures.get("name") or THIS_CPU), memory_gib=None, bandwidth_efficiency=1.0,
                     flops_efficiency=1.0, **values)  # fmt: skip
     return device, settings
@@ -387,6 +447,17 @@ def serving_profile_errors(serving: dict[str, Any]) -> list[str]:
     except ValueError as err:
         return [str(err)]
     return []
+
+
+def check_method_lookups(lookups: Mapping[str, float], where: str) -> None:
+    """Each of a method's own lookup times names a method priced with a lookup and is a time (>= 0).
+    Bad input: a ValueError naming `where` and the method."""
+    for method, us in lookups.items():
+        if method not in (*FREE_METHODS, "hybrid"):
+            known = ", ".join((*FREE_METHODS, "hybrid"))
+            raise ValueError(f"{where}.{method}: not a method priced with a lookup ({known})")
+        if not math.isfinite(us) or us < 0:
+            raise ValueError(f"{where}.{method} = {us} is not a time in microseconds")
 
 
 def serving_bytes(serving: dict[str, Any]) -> float:
@@ -433,6 +504,8 @@ def serving_points(serving: dict[str, Any], context_tokens: float) -> list[Servi
     }
     device = replace(DEVICES[name], **overrides)
     context = serving.get("context_tokens") or context_tokens
+    lookups = {str(m): float(v) for m, v in serving["method_lookup_us"].items()}
+    check_method_lookups(lookups, "evaluate.serving.method_lookup_us")
     return [
         ServingPoint(
             device=device,
@@ -441,6 +514,7 @@ def serving_points(serving: dict[str, Any], context_tokens: float) -> list[Servi
             tensor_parallel=int(serving["tensor_parallel"]),
             bytes_per_parameter=float(serving["bytes_per_parameter"]),
             lookup_us=float(serving["lookup_us"]),
+            method_lookup_us=lookups,
         )
         for b in serving["concurrency"]
     ]

@@ -22,11 +22,15 @@ from draftsmith.core.cost import (
     forward_seconds,
     forwards_at,
     kv_elements_per_token,
+    lookup_seconds,
     overhead_counts,
+    prefill_seconds,
     projected_speedup,
+    run_seconds,
     serving_bytes,
     serving_points,
     step_seconds,
+    term_counts,
 )
 
 H100 = DEVICES["H100-80GB"]
@@ -199,8 +203,43 @@ def test_serving_points_from_the_settings():
     assert points[0].device.bandwidth_gb_s == 4000 and points[0].device.tflops == 989
     assert points[0].context_tokens == 321.0 and points[0].tensor_parallel == 2
     assert points[0].bytes_per_parameter == 1 and points[0].lookup_us == 5
+    assert points[0].method_lookup_us == {}  # the schema's: every method charged lookup_us
     with pytest.raises(ValueError, match="evaluate.serving.device: unknown device 'TPU'"):
         serving_points({**serving, "device": "TPU"}, 100)
+    points = serving_points({**serving, "method_lookup_us": {"ngram": 2500}}, 321.0)
+    assert points[1].method_lookup_us == {"ngram": 2500.0}
+    with pytest.raises(ValueError, match=r"evaluate.serving.method_lookup_us.eagle3: not a method priced"):
+        serving_points({**serving, "method_lookup_us": {"eagle3": 1}}, 321.0)
+
+
+def test_a_methods_own_lookup_replaces_the_shared_one_per_request():
+    p = point(8, method_lookup_us={"ngram": 2500.0})
+    assert lookup_seconds(p, "ngram") == pytest.approx(8 * 2500e-6)
+    assert lookup_seconds(p, "suffix") == pytest.approx(8 * p.lookup_us * 1e-6)  # not measured: shared
+    verify = forward_seconds(LLAMA_8B, p, 1 + 3 * 0.5)
+    assert step_seconds("ngram", 3, LLAMA_8B, p, draft_share=0.5) == pytest.approx(verify + 8 * 2500e-6)
+    # the GPU presets' points (the schema's {}) charge what they did: the published-figure tests hold
+    assert point(8).method_lookup_us == {}
+
+
+def test_a_run_pays_its_steps_and_the_prompts_prefill():
+    p = cpu_point(4)
+    # prefill rides in decode steps: the prompt tokens' FLOPs and per-token overhead, no weights re-read
+    flops = 2 * SMOL.active_parameters / (CPU.tflops * 1e12)
+    assert prefill_seconds(SMOL, p, 100) == pytest.approx(100 * (flops + CPU.token_overhead_us * 1e-6))
+    plain = run_seconds("plain", 0, SMOL, p, 32, 960)
+    assert plain == pytest.approx(32 * step_seconds("plain", 0, SMOL, p) + prefill_seconds(SMOL, p, 960))
+    # a drafter model also runs over the prompt; a free method has no model to prefill
+    eagle = run_seconds("eagle3", 3, SMOL, p, 25, 960, SMOL_DRAFTER)
+    assert eagle == pytest.approx(
+        25 * step_seconds("eagle3", 3, SMOL, p, SMOL_DRAFTER)
+        + prefill_seconds(SMOL, p, 960)
+        + prefill_seconds(SMOL_DRAFTER, p, 960)
+    )
+    ngram = run_seconds("ngram", 3, SMOL, p, 30, 960, draft_share=0.1)
+    assert ngram == pytest.approx(
+        30 * step_seconds("ngram", 3, SMOL, p, draft_share=0.1) + prefill_seconds(SMOL, p, 960)
+    )
 
 
 def test_the_hybrid_pays_full_drafter_passes_only_where_the_drafter_drafts():
@@ -222,8 +261,8 @@ SMOL_DRAFTER = ModelCost(2.6e7, 0.0, 1.0, 2 * 3 * 64 * 4, 1)
 CPU = Device("cpu", 28.9, 0.347, 4.0, None, 1.0, 1.0, layer_overhead_ms=1.1, token_overhead_us=350.0)
 
 
-def cpu_point(b: int, device: Device = CPU) -> ServingPoint:
-    return serving_point(device, b, 300, bytes_per_parameter=4.0, lookup_us=0.0)
+def cpu_point(b: int, device: Device = CPU, **lookups: float) -> ServingPoint:
+    return serving_point(device, b, 300, bytes_per_parameter=4.0, lookup_us=0.0, method_lookup_us=lookups)
 
 
 def test_overhead_counts_are_the_models_own_split():
@@ -258,6 +297,38 @@ def test_the_fit_recovers_the_overhead_split_from_plain_and_the_drafters_steps()
     truth = step_seconds("eagle3", 3, SMOL, cpu_point(1), SMOL_DRAFTER)
     assert step_seconds("eagle3", 3, SMOL, cpu_point(1, calibrated), SMOL_DRAFTER) == pytest.approx(truth)
     assert step_seconds("eagle3", 3, SMOL, cpu_point(1, lumped), SMOL_DRAFTER) > 1.5 * truth
+
+
+def test_the_fit_recovers_each_free_methods_lookup_from_whole_runs():
+    # runs priced as bench/cost.py prices vLLM's wall time (steps + prefill), n-gram's lookup 2.5 ms a
+    # request and step, suffix decoding's 0.4 ms: the fit (relative errors) recovers the five terms
+    truth = {"ngram": 2500.0, "suffix": 400.0}
+    rows, weights = [], []
+    for b in (1, 4, 16):
+        for kind, kk, drafter, share in (("plain", 0, None, 1.0), ("eagle3", 3, SMOL_DRAFTER, 1.0),
+                                         ("ngram", 3, None, 0.1), ("suffix", 3, None, 0.4)):  # fmt: skip
+
+            def price(p, kind=kind, kk=kk, drafter=drafter, share=share, b=b):
+                return run_seconds(kind, kk, SMOL, p, 512 / b, 960, drafter, share)
+
+            bare, counts = term_counts(price, cpu_point(b), ("ngram", "suffix"))
+            seconds = price(cpu_point(b, CPU, **truth))
+            rows.append((counts, seconds - bare))
+            weights.append(1 / seconds)
+            if kind == "ngram":  # its lookup counts its requests over its steps, and nothing else's
+                assert counts[3:] == pytest.approx((512 / b * b, 0.0))
+    fit = fit_overheads(rows, ("ngram", "suffix"), weights)
+    assert fit == pytest.approx({"overhead_ms": 4.0, "layer_overhead_ms": 1.1, "token_overhead_us": 350.0,
+                                 "ngram": 2500.0, "suffix": 400.0})  # fmt: skip
+
+
+def test_term_counts_keep_the_lookups_not_fitted_in_the_bare_seconds():
+    p = cpu_point(4, ngram=1000.0)
+    bare, counts = term_counts(lambda q: step_seconds("ngram", 3, SMOL, q, draft_share=0.5), p)
+    assert len(counts) == 3 and bare == pytest.approx(
+        step_seconds("ngram", 3, SMOL, cpu_point(4, Device("cpu", 28.9, 0.347, 0.0, None, 1.0, 1.0)),
+                     draft_share=0.5) + 4 * 1000e-6
+    )  # fmt: skip
 
 
 def test_the_fit_keeps_every_term_non_negative():
@@ -298,4 +369,13 @@ def test_this_cpu_takes_its_measured_profile(tmp_path):
     del figures["overhead_ms"]
     write_json(path, {"device": figures, "bytes_per_parameter": 4.0, "lookup_us": 1.0})
     with pytest.raises(ValueError, match=r"not a serving profile \(no key 'overhead_ms'\)"):
+        serving_points(serving, 300.0)
+    assert points[0].method_lookup_us == {}  # a profile written before the lookups were fitted
+    figures["overhead_ms"] = 4.0
+    write_json(path, {"device": figures, "bytes_per_parameter": 4.0, "lookup_us": 20.0,
+                      "method_lookup_us": {"ngram": 2600.0}})  # fmt: skip
+    assert serving_points(serving, 300.0)[1].method_lookup_us == {"ngram": 2600.0}
+    write_json(path, {"device": figures, "bytes_per_parameter": 4.0, "lookup_us": 20.0,
+                      "method_lookup_us": {"ngram": -1}})  # fmt: skip
+    with pytest.raises(ValueError, match=r"this-cpu.json: method_lookup_us.ngram = -1.0 is not a time"):
         serving_points(serving, 300.0)
