@@ -344,6 +344,7 @@ def test_mappings_of_entries_are_the_schemas_open_mappings():
         ("prompts", "columns"),
         ("evaluate", "heldout_sets"),
         ("evaluate", "set_num_prompts"),
+        ("evaluate", "serving", "method_lookup_us"),
         ("train", "drafter", "rope"),
     }
 
