@@ -35,7 +35,8 @@ What it does, in this order:
    predicted out of sample: fitted on the other concurrencies only ("held out"). Per method, the
    crossover (policy.crossover: the last B where it beats plain decoding) predicted vs measured.
 5. --schedule: the serving policy over the grid 1, 2, 4, ... up to the largest B, from the drafter's
-   acceptance measured at the first B (n-gram lookup's without a drafter); its vLLM schedule
+   acceptance measured at the first B, and n-gram lookup's from its own (the drafter's k = 0 still runs
+   the drafter each step to keep its KV cache; n-gram lookup's has no model to keep); each vLLM schedule
    (num_speculative_tokens_per_batch_size) served at the first and the last B beside the static best k
    (the policy's k at the first B) and plain decoding, --rounds times in alternating order (one round
    at the static k = --k: the calibration's runs of plain decoding and of the method stand for those two).
@@ -271,18 +272,18 @@ def crossovers(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def schedule_bench(
     target: str, drafter: str | None, encoded: list[list[int]], max_new: int, k: int,
     measured: dict[int, dict[str, Any]], device: Device, lookups: dict[str, float], tcost: ModelCost,
-    dcost: ModelCost | None, context: float, rounds: int, cache: str,
+    dcost: ModelCost | None, context: float, rounds: int, cache: str, method: str,
 ) -> dict[str, Any]:  # fmt: skip
-    """The serving policy's vLLM schedule at the first and last concurrency against the static best k and
-    plain decoding, `rounds` alternating rounds of fresh engines each."""
+    """The serving policy's vLLM schedule for `method` (eagle3: the drafter; ngram) at the first and last
+    concurrency against the static best k and plain decoding, `rounds` alternating rounds of fresh engines
+    each."""
     concurrencies = list(measured)
-    method = "eagle3" if dcost is not None else "ngram"
     first = measured[concurrencies[0]][method]
     grid_b = [2**i for i in range(max(concurrencies).bit_length()) if 2**i <= max(concurrencies)]
     grid_b = sorted(set(grid_b) | set(concurrencies))
     grid = [point_at(device, min(b, len(encoded)), context, lookups) for b in grid_b]
     by_k = {method: {"kind": method, "max_k": k, "per_prompt": first["rows"]}}
-    policy = serving_policy(by_k, tcost, {"eagle3": dcost} if dcost else {}, grid)
+    policy = serving_policy(by_k, tcost, {"eagle3": dcost} if dcost and method == "eagle3" else {}, grid)
     policy["grid"] = grid_b  # the concurrencies as vLLM counts them (the points cap at the prompts)
     for entry, b in zip(policy["methods"][method], grid_b, strict=True):
         entry["concurrency"] = b
@@ -381,12 +382,13 @@ def load_runs(path: str, target: str, drafter: str) -> dict[str, Any]:
     kept = ("k", "num_prompts", "max_new_tokens", "context_tokens", "vllm_seconds", "machine")
     return {"cpu": cpu, **{key: saved[key] for key in kept}, "measured": measured, "prompt_tokens": prompt_tokens, "target": target,
             "drafter": saved.get("drafter") or (drafter if dcost else None), "tcost": tcost, "dcost": dcost,
-            "schedule": saved.get("schedule")}  # fmt: skip
+            # one schedule per method since the n-gram schedule was added (one dict before)
+            "schedules": saved.get("schedules") or [s for s in [saved.get("schedule")] if s]}  # fmt: skip
 
 
 def print_report(rows: list[dict[str, Any]], cross: dict[str, dict[str, Any]], device: Device,
                  lookups: dict[str, float], fit: dict[str, Any], runs: dict[str, Any],
-                 sched: dict[str, Any] | None) -> None:  # fmt: skip
+                 schedules: list[dict[str, Any]]) -> None:  # fmt: skip
     def pct(v: float | None) -> str:
         return "-" if v is None else f"{v:+.1%}"
 
@@ -415,7 +417,7 @@ def print_report(rows: list[dict[str, Any]], cross: dict[str, dict[str, Any]], d
           f"{device.token_overhead_us:.0f} us a token; lookup a request and step: "
           + ", ".join(f"{m} {v:.0f} us" for m, v in lookups.items())
           + f" ({fit['terms']} terms, {fit['nonzero']} nonzero, from {fit['observations']} run times)")  # fmt: skip
-    if sched:
+    for sched in schedules:
         print(f"schedule ({sched['method']}): {sched['schedule']}; static best k = {sched['static_k']}"
               + ("  (as measured by the saved run, not re-derived)" if sched.get("from_json") else ""))  # fmt: skip
         for row in sched["loads"]:
@@ -461,17 +463,19 @@ def main(
         shape = (runs["context_tokens"], runs["num_prompts"], runs["prompt_tokens"])
         device, lookups = calibrate(runs["cpu"], measured, tcost, dcost, k, *shape)
         rows = predictions(measured, runs["cpu"], device, lookups, tcost, dcost, k, *shape)
-        sched = runs.get("schedule")
-        if sched:
-            sched = {**sched, "from_json": True}
-        elif with_schedule and not from_json:
-            sched = schedule_bench(target, runs["drafter"], runs["encoded"], runs["max_new_tokens"], k, measured,
-                                   device, lookups, tcost, dcost, runs["context_tokens"], rounds, cache)  # fmt: skip
+        schedules = [{**s, "from_json": True} for s in runs.get("schedules") or []]
+        if (
+            with_schedule and not from_json
+        ):  # the drafter's schedule and n-gram lookup's (no model: k = 0 free?)
+            schedules = [schedule_bench(target, runs["drafter"], runs["encoded"], runs["max_new_tokens"], k,
+                                        measured, device, lookups, tcost, dcost, runs["context_tokens"], rounds,
+                                        cache, method)
+                         for method in (["eagle3"] if dcost else []) + ["ngram"]]  # fmt: skip
     cross = crossovers(rows)
     fit = {"terms": len(OVERHEAD_TERMS) + len(lookups),
            "nonzero": sum(1 for v in (*(getattr(device, t) for t in OVERHEAD_TERMS), *lookups.values()) if v > 0),
            "observations": sum(len(ms) for ms in measured.values())}  # fmt: skip
-    print_report(rows, cross, device, lookups, fit, runs, sched)
+    print_report(rows, cross, device, lookups, fit, runs, schedules)
 
     machine = runs.get("machine") or harness.machine(load_before)
     profile = {"device": {"name": device.name, **{k_: getattr(device, k_) for k_ in ("bandwidth_gb_s", "tflops",
@@ -490,7 +494,7 @@ def main(
                           "num_prompts": runs["num_prompts"], "max_new_tokens": runs["max_new_tokens"], "k": k,
                           "target": runs["target"], "drafter": runs["drafter"],
                           "models": {"target": asdict(tcost), "drafter": asdict(dcost) if dcost else None},
-                          "rows": rows, "crossover": cross, "schedule": sched, "measured": saved_runs,
+                          "rows": rows, "crossover": cross, "schedules": schedules, "measured": saved_runs,
                           "median_abs_error": median(errors), "max_abs_error": max(errors),
                           "vllm_seconds": runs["vllm_seconds"], "machine": machine,
                           "analysed_from": from_json}, json_path)  # fmt: skip
