@@ -58,9 +58,24 @@ class SingleRankGroup(dist.ProcessGroup):
         if (rank, size) != (0, 1):
             raise ValueError(f"a single-rank process group is rank 0 of 1, not rank {rank} of {size}")
         super().__init__(rank, size)  # type: ignore[call-arg]  # the stub knows only the store's form
+        self._group_name = self._group_desc = ""
 
     def getBackendName(self) -> str:
         return BACKEND
+
+    # torch names a group through its backends, and this one has none: it keeps its own name and
+    # description (destroy_process_group unregisters a group by its name)
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
 
     def allreduce(  # type: ignore[override]  # the list form torch calls, not the stub's overloads
         self, tensors: list[Tensor], opts: Any = None

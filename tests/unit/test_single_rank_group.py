@@ -45,6 +45,10 @@ def test_a_world_of_one_asked_for_gloo_opens_no_listener(world_of_one):
     # the replacement lasts only while the context is open
     assert dist.new_group is dist.distributed_c10d.new_group
     assert dist.init_process_group is dist.distributed_c10d.init_process_group
+    # a group is known by its name: vLLM's shutdown destroys each group apart
+    assert cpu.group_name and cpu.group_name != device.group_name
+    dist.destroy_process_group(cpu)
+    dist.destroy_process_group(device)
 
 
 def test_each_collective_over_one_rank_is_exact(world_of_one):
