@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -111,6 +112,17 @@ class TinyRun:
         finished as the run); its config still names the run's target and prompt file."""
         shutil.copytree(self.workdir, dest, symlinks=True)
         return TinyRun(dest, self.config)
+
+
+def listeners() -> list[tuple[str, str, set[int]]]:
+    """(netid, local address:port, pids) of every listening TCP and UDP socket on this machine (`ss -ltunpH`:
+    the pids are shown for this user's processes)."""
+    out = subprocess.run(["ss", "-ltunpH"], capture_output=True, text=True, check=True).stdout
+    rows = []
+    for line in out.splitlines():
+        fields = line.split()
+        rows.append((fields[0], fields[4], {int(p) for p in re.findall(r"pid=(\d+)", line)}))
+    return rows
 
 
 # ------------------------------------------------------------------ tiny training data and training runs

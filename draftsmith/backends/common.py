@@ -204,6 +204,19 @@ def single_process_on_cpu(tensor_parallel_size: int) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
+# vLLM's worker class for an engine of one process on a CPU (vllm_one_process.py: no gloo TCP listeners)
+ONE_PROCESS_WORKER = "draftsmith.backends.vllm_one_process.OneProcessCPUWorker"
+
+
+def one_process_worker(processes: int, cpu: bool | None = None) -> str | None:
+    """The worker class to give vLLM (`worker_cls`, `--worker-cls`) for an engine of `processes` worker
+    processes: on a CPU (`cpu`, default: vllm_on_cpu()) with one, ONE_PROCESS_WORKER, whose torch.distributed
+    groups of one process open no socket where gloo's each listened on a TCP port of 127.0.0.1; else None
+    (vLLM's own worker: processes that talk need gloo's transport, and CUDA has its own)."""
+    on_cpu = vllm_on_cpu() if cpu is None else cpu
+    return ONE_PROCESS_WORKER if on_cpu and processes <= 1 else None
+
+
 @dataclass
 class Answer:
     """One assistant turn produced by a back-end."""

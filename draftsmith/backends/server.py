@@ -40,13 +40,14 @@ from draftsmith.backends.common import (
     attention_backend_for,
     log_cause,
     note_engine_start,
+    one_process_worker,
     vllm_child_env,
     vllm_on_cpu,
 )
 from draftsmith.backends.openai import OpenAIChatBackend, OpenAIClient
 from draftsmith.backends.vllm_api import API_SERVER_MODULE
 from draftsmith.core.config import server_args_error, server_host_error
-from draftsmith.core.devices import parse_visible
+from draftsmith.core.devices import parse_visible, server_arg
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +192,20 @@ def server_command(
         cmd += ["--data-parallel-size", str(data_parallel)]
     if on_gpu and gpu_memory_utilization is not None and not _has_flag(extra, "--gpu-memory-utilization"):
         cmd += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+    # one worker process on a CPU: its torch.distributed groups open no TCP listener (vllm_one_process.py)
+    if not on_gpu and (worker := one_process_worker(_processes(extra, tp, data_parallel))):
+        cmd += ["--worker-cls", worker]
     return cmd + extra
+
+
+def _processes(extra: list[str], tp: int, data_parallel: int) -> int:
+    """The engine's worker processes: tensor x pipeline x data parallel, from `extra` or derived."""
+
+    def size(flag: str, short: str, derived: int) -> int:
+        return int(server_arg(extra, flag) or server_arg(extra, short) or derived)
+
+    pp = size("--pipeline-parallel-size", "-pp", 1)
+    return size("--tensor-parallel-size", "-tp", tp) * pp * size("--data-parallel-size", "-dp", data_parallel)
 
 
 def server_env(
@@ -199,8 +213,10 @@ def server_env(
 ) -> dict[str, str]:
     """The server's environment: the job's devices only (Snakemake counts GPUs but assigns none), the
     API key it requires on every route (VLLM_API_KEY, read by vLLM and server_auth), and torch.distributed's
-    gloo sockets on loopback (GLOO_SOCKET_IFNAME): the engine's process group listens on the address the
-    host name resolves to otherwise, a network address on most machines; one server spans one machine."""
+    gloo sockets on loopback (GLOO_SOCKET_IFNAME): an engine of several processes (GPUs; tensor parallel on
+    a CPU) listens on the address the host name resolves to otherwise, a network address on most machines;
+    one server spans one machine. An engine of one process on a CPU opens none (server_command's
+    --worker-cls)."""
     env = vllm_child_env(dict(os.environ if base is None else base))
     if sys.platform == "linux":
         env["GLOO_SOCKET_IFNAME"] = "lo"

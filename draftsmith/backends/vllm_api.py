@@ -200,6 +200,13 @@ INTERNALS: tuple[Internal, ...] = (
         "CPU_MLA",
         "text",
     ),
+    # an engine of one process on a CPU without TCP listeners (backends/vllm_one_process.py)
+    _engine_arg("worker_cls", "LLM(worker_cls=...) and server flag --worker-cls (backends.common.one_process_worker)"),
+    Internal("OneProcessCPUWorker subclasses it", ("vllm/v1/worker/cpu_worker.py",), "CPUWorker.init_device"),
+    *(
+        Internal("vllm_one_process replaces it while the worker's groups start", ("vllm/distributed/parallel_state.py",), f"torch.distributed.{f}(", "text")
+        for f in ("init_process_group", "new_group")
+    ),
     # the OpenAI server (backends/server.py) and what the openai back-end reads (backends/openai.py)
     Internal("generate starts it with python -m", ("vllm/entrypoints/openai/api_server.py",), "", "main"),
     Internal("server flag --host", FRONTEND_ARGS, "FrontendArgs.host"),

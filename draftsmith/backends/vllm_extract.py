@@ -113,7 +113,12 @@ class VllmExtractor:
     ):
         from vllm import LLM
 
-        from draftsmith.backends.common import THREAD_CAPS, attention_backend_for, vllm_start
+        from draftsmith.backends.common import (
+            THREAD_CAPS,
+            attention_backend_for,
+            one_process_worker,
+            vllm_start,
+        )
         from draftsmith.core.target import read_head_tensors, text_config_dict, trust_remote_code
 
         config = text_config_dict(target)  # a wrapper's (Kimi-K2.5) text model settings
@@ -154,6 +159,7 @@ class VllmExtractor:
                     "kv_connector_extra_config": {"shared_storage_path": str(self._storage)},
                 },
                 **({"attention_backend": backend} if backend else {}),
+                **({"worker_cls": worker} if (worker := one_process_worker(tensor_parallel_size)) else {}),
             )
         self.load_seconds = time.perf_counter() - start
         # After vLLM has started: its workers own the GPUs' memory split; the head takes what is left.

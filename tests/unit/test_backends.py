@@ -11,9 +11,11 @@ import torch
 from helpers import CLIENT_SETTINGS
 
 from draftsmith.backends.common import (
+    ONE_PROCESS_WORKER,
     VllmStartError,
     attention_backend_for,
     log_cause,
+    one_process_worker,
     vllm_attention_backend,
     vllm_on_cpu,
     vllm_start,
@@ -134,6 +136,26 @@ def test_the_server_runs_the_middleware_that_requires_the_key_before_the_users_f
         server_command("/m", 1, extra_args=["--middleware", "mine.Open"])
     with pytest.raises(ServerError, match="--kv-events-config: not a flag generation may set"):
         server_command("/m", 1, extra_args=["--kv-events-config", "{}"])
+
+
+def test_an_engine_of_one_process_on_a_cpu_gets_the_worker_without_tcp_listeners(monkeypatch):
+    """Issue 44: vLLM's CPU worker opened a gloo TCP listener per torch.distributed group; an engine of one
+    process on a CPU is given OneProcessCPUWorker (backends/vllm_one_process.py), which opens none."""
+    monkeypatch.setenv("VLLM_TARGET_DEVICE", "cpu")
+    assert (
+        one_process_worker(1)
+        == ONE_PROCESS_WORKER
+        == "draftsmith.backends.vllm_one_process.OneProcessCPUWorker"
+    )
+    assert one_process_worker(2) is None and one_process_worker(1, cpu=False) is None
+    cmd = server_command("/m", 1, extra_args=["--enforce-eager"])
+    assert cmd[cmd.index("--worker-cls") + 1] == ONE_PROCESS_WORKER and cmd[-1] == "--enforce-eager"
+    for several in (["-tp", "2"], ["--pipeline-parallel-size=2"], ["--data-parallel-size", "2"]):
+        assert "--worker-cls" not in server_command("/m", 1, extra_args=several)  # gloo's transport is needed
+    monkeypatch.setenv("VLLM_TARGET_DEVICE", "cuda")
+    assert "--worker-cls" not in server_command("/m", 1, devices=["0"])
+    with pytest.raises(ServerError, match="--worker-cls: not a flag generation may set"):
+        server_command("/m", 1, extra_args=["--worker-cls", "mine.Worker"])
 
 
 def test_the_servers_environment_holds_its_key_and_keeps_gloo_on_loopback():

@@ -135,7 +135,12 @@ def run_vllm_speculative(
     from vllm import LLM, SamplingParams
     from vllm.platforms import current_platform
 
-    from draftsmith.backends.common import attention_backend_for, note_engine_start, single_process_on_cpu
+    from draftsmith.backends.common import (
+        attention_backend_for,
+        note_engine_start,
+        one_process_worker,
+        single_process_on_cpu,
+    )
     from draftsmith.backends.vllm_cpu_sampling import fix_cpu_sampling
     from draftsmith.core.context import evaluation_model_len
     from draftsmith.core.devices import parse_visible
@@ -166,6 +171,7 @@ def run_vllm_speculative(
         # per-request acceptance histograms; vLLM refuses the option without speculation
         **({"per_request_spec_decode_metrics": "summary"} if method else {}),
         **({"attention_backend": backend} if backend else {}),
+        **({"worker_cls": worker} if (worker := one_process_worker(tensor_parallel_size)) else {}),
     )
     load_seconds = time.perf_counter() - t0
     params = SamplingParams(
