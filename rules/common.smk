@@ -28,7 +28,7 @@ from draftsmith.core.memory import refusal as memory_refusal
 from draftsmith.core.memory import table as memory_table
 from draftsmith.core.digests import damage_under, forced_rules, unreadable_under
 from draftsmith.core.runlock import lock_advice
-from draftsmith.core.settings import rule_settings
+from draftsmith.core.settings import rule_ops, rule_settings
 from draftsmith.core.stage_settings import (
     ExtractSettings,
     GenerateSettings,
@@ -210,6 +210,12 @@ def settings_json(cls, only=None, drop=()):
     as stable JSON (draftsmith.core.settings.rule_settings). It is a param, so changing any of them reruns
     the stage; operational knobs live in `resources` instead."""
     return json.dumps(rule_settings(cls, config, only, drop), sort_keys=True)
+
+
+def ops_json(cls):
+    """The `--ops` of a command whose settings class is `cls`: its operational knobs (resources.<stage>)
+    as JSON (draftsmith.core.settings.rule_ops). A resource, not a param, so changing one reruns nothing."""
+    return json.dumps(rule_ops(cls, config), sort_keys=True)
 
 
 def prompt_settings():

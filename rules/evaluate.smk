@@ -149,8 +149,8 @@ rule preflight:
         gpu=config["resources"]["evaluate"]["gpus"],
         runtime=config["resources"]["evaluate"]["runtime"],
         mem_mb=config["resources"]["evaluate"]["mem_mb"],
-        gpu_memory_utilization=str(config["resources"]["evaluate"]["gpu_memory_utilization"]),
-        vllm_timeout_s=str(config["resources"]["evaluate"]["vllm_timeout_s"]),
+        # vLLM's memory share and timeout: a resource, so changing one reruns nothing
+        ops=ops_json(PreflightSettings),
     params:
         # each set's count: --set-num-prompts (vllm_set_options)
         settings=settings_json(PreflightSettings, drop=["set_num_prompts"]),
@@ -163,8 +163,7 @@ rule preflight:
         " draftsmith preflight --target {input.target:q} {params.sets:q} --drafter-plan {params.plan:q}"
         ' --out "$(dirname {output.summary:q})" --settings {params.settings:q} --runs-dir {params.runs:q}'
         " --dtype {params.dtype:q} --gpus {resources.gpu}"
-        " --gpu-memory-utilization {resources.gpu_memory_utilization}"
-        " --vllm-timeout-s {resources.vllm_timeout_s} --log-dir logs/vllm 2>&1 | tee {log:q}"
+        " --ops {resources.ops:q} --log-dir logs/vllm 2>&1 | tee {log:q}"
 
 
 # Every held-out set in one batch per method: each vLLM engine starts once (~20-30 s on a CPU). The
@@ -189,8 +188,8 @@ rule evaluate_vllm:
         gpu=config["resources"]["evaluate"]["gpus"],
         runtime=config["resources"]["evaluate"]["runtime"],
         mem_mb=config["resources"]["evaluate"]["mem_mb"],
-        gpu_memory_utilization=str(config["resources"]["evaluate"]["gpu_memory_utilization"]),
-        vllm_timeout_s=str(config["resources"]["evaluate"]["vllm_timeout_s"]),
+        # vLLM's memory share and timeout: a resource, so changing one reruns nothing
+        ops=ops_json(VllmEvaluateSettings),
     params:
         settings=settings_json(VllmEvaluateSettings, drop=["set_num_prompts"]),
         sets=vllm_set_options(),
@@ -204,8 +203,7 @@ rule evaluate_vllm:
         " draftsmith evaluate-vllm --target {input.target:q} --drafter {params.drafter:q}"
         " {params.sets:q} --settings {params.settings:q} --runs-dir {params.runs:q}"
         " --dtype {params.dtype:q} --gpus {resources.gpu}"
-        " --gpu-memory-utilization {resources.gpu_memory_utilization}"
-        " --vllm-timeout-s {resources.vllm_timeout_s} --log-dir logs/vllm 2>&1 | tee {log:q}"
+        " --ops {resources.ops:q} --log-dir logs/vllm 2>&1 | tee {log:q}"
 
 
 rule eval_summary:

@@ -40,12 +40,9 @@ rule extract:
         gpu=config["resources"]["extract"]["gpus"],
         runtime=config["resources"]["extract"]["runtime"],
         mem_mb=config["resources"]["extract"]["mem_mb"],
-        gpu_memory_utilization=str(config["resources"]["extract"]["gpu_memory_utilization"]),
-        tensor_parallel=config["resources"]["extract"]["tensor_parallel"],
         gpu_memory_gib=gpu_memory_gib(),
-        # operational: resources, not params, so that changing them reruns nothing ("" = $TMPDIR)
-        scratch=config["resources"]["extract"]["scratch"] or "",
-        idle_timeout_s=config["resources"]["extract"]["idle_timeout_s"],
+        # operational (engine layout, scratch folder, idle timeout): a resource, so changing one reruns nothing
+        ops=ops_json(ExtractSettings),
     params:
         # batch_tokens, backend, compile and vllm_eager change the bf16 rounding, storage_dtype the
         # stored values; codec and zstd_level the shard file's bytes (not its tensors)
@@ -54,10 +51,8 @@ rule extract:
     shell:
         "draftsmith run --gpus {resources.gpu} --"
         " draftsmith extract --target {input.target:q} --tokens {input.tokens:q}"
-        " --settings {params.settings:q} --dtype {params.dtype:q} --threads {threads} --gpus {resources.gpu}"
-        " --gpu-memory-utilization {resources.gpu_memory_utilization} --tensor-parallel {resources.tensor_parallel}"
-        " --gpu-memory-gib {resources.gpu_memory_gib} --scratch={resources.scratch:q}"
-        " --idle-timeout-s {resources.idle_timeout_s} {output:q} 2>&1 | tee {log:q}"
+        " --settings {params.settings:q} --ops {resources.ops:q} --dtype {params.dtype:q} --threads {threads}"
+        " --gpus {resources.gpu} --gpu-memory-gib {resources.gpu_memory_gib} {output:q} 2>&1 | tee {log:q}"
 
 
 # A checkpoint: the jobs that read the manifest are planned again once it is written, so a manifest

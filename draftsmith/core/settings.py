@@ -255,6 +255,20 @@ def rule_settings(
     return {keys[name]: config[section][keys[name]] for name in names}
 
 
+def ops_fields(cls: type[SchemaSettings]) -> dict[str, str]:
+    """resources.<section> key -> field name: the operational knobs of a settings class."""
+    prefix = f"resources.{cls.schema_section}."
+    return {path[len(prefix) :]: name for name, path in cls.schema_paths.items() if path.startswith(prefix)}
+
+
+def rule_ops(cls: type[SchemaSettings], config: Mapping[str, Any]) -> dict[str, Any]:
+    """What a rule passes as `--ops` to the command whose settings class is `cls`: the config's value of
+    each of its operational knobs (how the job runs, not what it computes), but threads, which Snakemake
+    gives the job (its {threads}, no more than the cores it has)."""
+    knobs = config["resources"][cls.schema_section]
+    return {key: knobs[key] for key in ops_fields(cls) if key != "threads"}
+
+
 def compile_mode_of(value: str | bool) -> str:
     """extract.compile as "on"/"off"/its mode name (YAML may give true/false)."""
     return value if isinstance(value, str) else ("on" if value else "off")

@@ -798,13 +798,13 @@ def _command_settings(command: str, args: list[str]):
     import click
 
     from draftsmith.cli import STAGES
-    from draftsmith.cli_options import settings_from, settings_param, settings_params
+    from draftsmith.cli_options import command_settings_params, settings_from
 
     module, function = STAGES[command].split(":")
     cls = typing.get_type_hints(getattr(importlib.import_module(module), function))["settings"]
     probe = click.Command(
         command,
-        params=[settings_param(cls.schema_section), *settings_params(cls)],
+        params=command_settings_params(cls),
         context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
     )
     options = dict(probe.make_context(command, list(args)).params)
