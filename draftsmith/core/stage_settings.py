@@ -1,8 +1,9 @@
 """Every command's settings class: the config keys it reads, torch-free.
 
 The Snakefile imports these (torch would slow every parse) and builds each rule's `--settings` from the
-class of the command it calls (`rule_settings`, rules/common.smk: `settings_json`); the command parses
-`--settings` into the same class (draftsmith/cli_options.py). A key is read by a command exactly when it
+class of the command it calls (`rule_settings`, rules/common.smk: `settings_json`), and its `--ops`
+from the class's operational knobs (`rule_ops`, `ops_json`); the command parses them into the same class
+(draftsmith/cli_options.py). A key is read by a command exactly when it
 is a field of its class, so a rule cannot drop one (tests/unit/test_rules.py plans every command with
 every key changed and finds each in the command it reaches). How a class is built from the schema:
 core/settings.py.
@@ -11,12 +12,14 @@ core/settings.py.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from draftsmith.core.config import SETTINGS_OPS
 from draftsmith.core.settings import GroupedSettings, SchemaSettings, from_schema, with_groups
 from draftsmith.core.tracking import missing_trackers
-from draftsmith.core.verdict import GateSettings
+
+if TYPE_CHECKING:  # the verdict's modules are imported where the summary judges, not at every parse
+    from draftsmith.core.verdict import GateSettings
 
 
 @from_schema("target")
@@ -373,5 +376,7 @@ class SummarySettings(SchemaSettings):
     serving: dict[str, Any]
 
     def gate_settings(self) -> GateSettings:
+        from draftsmith.core.verdict import GateSettings
+
         names = [f.name for f in dataclasses.fields(GateSettings) if f.name in self.schema_paths]
         return GateSettings(**{name: getattr(self, name) for name in names})
