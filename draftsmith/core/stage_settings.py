@@ -296,9 +296,10 @@ class EvaluateSettings(SchemaSettings):
     vllm_timeout_s: float
 
 
-# The evaluation's three commands each read a part of EvaluateSettings, which their stage code takes
-# (the fields not listed here take the schema's defaults there): what both measurements decode (the same
-# lengths, draft count, sampling and free methods' settings), and what each adds.
+# The evaluation's three commands each read a part of the section: what both measurements decode (the
+# same lengths, draft count, sampling and free methods' settings), and what each adds. Their stage code
+# takes these classes, so the type checker refuses a read of a field outside them; EvaluateSettings above
+# (every field of each) is what bench/ and the tests build.
 
 
 @from_schema("evaluate", ops=("threads", "gpus"), unset=("threads",))

@@ -13,18 +13,16 @@ from pathlib import Path
 
 from draftsmith.core.export_formats import export_draft_positions_warning
 from draftsmith.core.stage_args import BAD_INPUT, FAILED, GATE, arg
-from draftsmith.core.stage_settings import OfflineEvaluateSettings, VllmEvaluateSettings
+from draftsmith.core.stage_settings import EvaluateSettings, OfflineEvaluateSettings, VllmEvaluateSettings
 from draftsmith.stages.evaluate.preflight import PreflightBlocked, PreflightPaths, run_preflight
 from draftsmith.stages.evaluate.stage import (
     EAGLE_METHODS,
-    EvaluateSettings,
     NotLossless,
     VllmUnavailable,
     checked_drafters,
     counts_summary,
     encode_prompts,
     evaluate_offline,
-    evaluate_settings,
     evaluate_vllm,
     read_eval_prompts,
     vllm_engine,
@@ -101,7 +99,9 @@ EXITS = {ValueError: BAD_INPUT, NotLossless: FAILED, VllmUnavailable: FAILED, Me
          PreflightBlocked: GATE}  # fmt: skip
 
 
-def _drafters(paths: EvaluatePaths | EvaluateVllmPaths, settings: EvaluateSettings) -> dict[str, str]:
+def _drafters(
+    paths: EvaluatePaths | EvaluateVllmPaths, settings: OfflineEvaluateSettings | VllmEvaluateSettings
+) -> dict[str, str]:
     """The drafters to measure, each checked first (a broken export: one line, before anything loads)."""
     drafters = checked_drafters(paths.drafter, paths.untrained, paths.target)
     warning = export_draft_positions_warning(paths.drafter, settings.num_draft_tokens)
@@ -119,10 +119,9 @@ def run(paths: EvaluatePaths, settings: OfflineEvaluateSettings) -> list[str]:
     over plain decoding. Writes --out (JSON); `draftsmith eval-summary` and
     `draftsmith gate` turn it into the report and the verdict.
     """
-    measure = evaluate_settings(settings)
-    drafters = _drafters(paths, measure)
+    drafters = _drafters(paths, settings)
     try:
-        evaluate_offline(paths.target, drafters, paths.prompts, paths.out, measure)
+        evaluate_offline(paths.target, drafters, paths.prompts, paths.out, settings)
     except NotLossless as err:
         raise NotLossless(f"speculative decoding changed the output: {err}") from err
     return []
@@ -139,8 +138,7 @@ def run_vllm(paths: EvaluateVllmPaths, settings: VllmEvaluateSettings) -> list[s
     On a CPU vLLM runs eager in float32 (its tokens then equal the offline measurement's); on GPUs in the
     target's dtype, compiled, tensor parallel over --gpus.
     """
-    measure = evaluate_settings(settings)
-    drafters = _drafters(paths, measure)
+    drafters = _drafters(paths, settings)
     if paths.log_dir:
         Path(paths.log_dir).mkdir(parents=True, exist_ok=True)
     missing = [path for path in paths.prompts.values() if not Path(path).is_file()]
@@ -148,7 +146,7 @@ def run_vllm(paths: EvaluateVllmPaths, settings: VllmEvaluateSettings) -> list[s
         raise ValueError(f"--prompts: {missing[0]} does not exist")
     try:
         evaluate_vllm(
-            paths.target, drafters, paths.prompts, paths.out, measure, paths.log_dir, paths.runs_dir
+            paths.target, drafters, paths.prompts, paths.out, settings, paths.log_dir, paths.runs_dir
         )
     except (VllmUnavailable, ValueError):
         raise

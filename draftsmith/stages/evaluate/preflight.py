@@ -20,7 +20,7 @@ from draftsmith.core.preflight import blocked_message, outlook_line, planned_dra
 from draftsmith.core.stage_args import arg
 from draftsmith.core.stage_settings import PreflightSettings
 from draftsmith.core.target import text_config_dict
-from draftsmith.stages.evaluate.stage import EvaluateSettings, evaluate_settings, evaluate_vllm
+from draftsmith.stages.evaluate.stage import evaluate_vllm
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +50,14 @@ class PreflightPaths:
     )  # fmt: skip
 
 
-def preflight(paths: PreflightPaths, settings: EvaluateSettings) -> dict[str, Any]:
+def preflight(paths: PreflightPaths, settings: PreflightSettings) -> dict[str, Any]:
     """Measure the free methods in vLLM and write out/preflight.json; returns it."""
     out = Path(paths.out)
     set_paths = {name: str(out / name / "vllm.json") for name in paths.prompts}
     if paths.log_dir:
         Path(paths.log_dir).mkdir(parents=True, exist_ok=True)
     summaries = evaluate_vllm(
-        paths.target, {}, paths.prompts, set_paths, settings, paths.log_dir, paths.runs_dir
+        paths.target, {}, paths.prompts, set_paths, settings.vllm, paths.log_dir, paths.runs_dir
     )
     serving = settings.serving
     drafter = planned_drafter_cost(paths.plan, text_config_dict(paths.target), serving_bytes(serving))
@@ -94,7 +94,7 @@ def set_entry(
     name: str,
     summary: dict[str, Any],
     serving: dict[str, Any],
-    settings: EvaluateSettings,
+    settings: PreflightSettings,
     paths: PreflightPaths,
 ) -> dict[str, Any]:
     """One set's outlook over the serving grid of `serving`, the models costed at the points' bytes per
@@ -118,7 +118,7 @@ def run_preflight(paths: PreflightPaths, settings: PreflightSettings) -> Iterato
     per-position acceptance it must reach to beat that choice (its break-even). Where the ceiling is below
     the best free choice at every concurrency on every set, no training can help: with evaluate.preflight
     block the command exits 3 naming what to serve; with warn it says so."""
-    result = preflight(paths, evaluate_settings(settings))
+    result = preflight(paths, settings)
     for entry in result["sets"].values():
         yield entry["line"]
     for entry in result["sets"].values():
