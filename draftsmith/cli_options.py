@@ -20,7 +20,7 @@ from typing import Any
 import click
 
 from draftsmith.core.config import deep_merge, section_errors, settings_defaults
-from draftsmith.core.settings import schema_spec
+from draftsmith.core.settings import ops_fields, schema_spec
 from draftsmith.core.stage_args import BAD_INPUT, Arg, args_of
 
 _CLICK_TYPES = {"integer": int, "number": float, "string": str}
@@ -69,8 +69,9 @@ def resolve(settings_json: str | None, section: str) -> dict[str, Any]:
 
 
 def settings_from(cls: Any, settings_json: str | None, options: dict[str, Any]) -> Any:
-    """The settings object: resolve's values for the fields of the section and its knobs, then the options
-    given (a NAME=VALUE option's pairs over the JSON's); a value the schema refuses is bad input."""
+    """The settings object: resolve's values for the fields of the section and its knobs, then the --ops
+    JSON's knobs (options["ops_json"]), then the options given (a NAME=VALUE option's pairs over the
+    JSON's); a value the schema refuses is bad input."""
     section = cls.schema_section
     values = resolve(settings_json, section)
     fields: dict[str, Any] = {}
@@ -78,6 +79,14 @@ def settings_from(cls: Any, settings_json: str | None, options: dict[str, Any]) 
         where, key = path.rsplit(".", 1)
         if where in (section, f"resources.{section}") and key in values:
             fields[name] = values[key]
+    options = dict(options)
+    ops, knobs = json_object(options.pop("ops_json", None), "--ops"), ops_fields(cls)
+    unknown = sorted(set(ops) - set(knobs))
+    if unknown:
+        raise click.BadParameter(
+            f"unknown key(s) {', '.join(unknown)} (not in resources.{section})", param_hint="--ops"
+        )
+    fields.update({knobs[key]: value for key, value in ops.items()})
     for name, value in options.items():
         if isinstance(value, dict):
             fields[name] = {**(fields.get(name) or {}), **value}
@@ -186,6 +195,27 @@ def setting_option(name: str, path: str) -> click.Option | None:
     return click.Option([*decls, name], default=None, help=help, **kw)
 
 
+def ops_param(cls: Any) -> list[click.Option]:
+    """--ops, where a settings class has operational knobs: all of them in one JSON object."""
+    knobs = ops_fields(cls)
+    if not knobs:
+        return []
+    section = cls.schema_section
+    return [
+        click.Option(
+            ["--ops", "ops_json"],
+            help=f"The job's operational knobs (resources.{section}: {', '.join(knobs)}) as a JSON object "
+            "or @file: how it runs, not what it computes (the rules pass them as a resource, so changing "
+            "one reruns nothing); keys missing take the schema's defaults, options typed here override it.",
+        )
+    ]
+
+
+def command_settings_params(cls: Any) -> list[click.Parameter]:
+    """Every option a command takes for its settings: --settings, --ops and one per setting."""
+    return [settings_param(cls.schema_section), *ops_param(cls), *settings_params(cls)]
+
+
 def settings_params(cls: Any) -> list[click.Parameter]:
     """An option for every setting of a settings class that one option can give, in its fields' order."""
     options = [setting_option(name, path) for name, path in cls.schema_paths.items()]
@@ -243,7 +273,7 @@ def stage_command(name: str, run: Callable[..., Iterable[str]], exits: dict[type
     args = args_of(paths_class)
     params = [arg_param(field, a) for field, a in args.items()]
     if settings_class is not None:
-        params += [settings_param(settings_class.schema_section), *settings_params(settings_class)]
+        params += command_settings_params(settings_class)
     names = [p.name for p in params]
     clash = {n for n in names if names.count(n) > 1}
     if clash:

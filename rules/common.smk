@@ -30,6 +30,22 @@ from draftsmith.core.memory import refusal as memory_refusal
 from draftsmith.core.memory import table as memory_table
 from draftsmith.core.digests import damage_under, forced_rules, unreadable_under
 from draftsmith.core.runlock import lock_advice
+from draftsmith.core.settings import rule_ops, rule_settings
+from draftsmith.core.stage_settings import (
+    ExtractSettings,
+    GenerateSettings,
+    ManifestSettings,
+    OfflineEvaluateSettings,
+    PreflightSettings,
+    PromptSettings,
+    SummarySettings,
+    TargetSettings,
+    TokenizeSettings,
+    TrainSettings,
+    UntrainedSettings,
+    VllmEvaluateSettings,
+    VocabSettings,
+)
 
 
 def config_layers():
@@ -197,38 +213,29 @@ def hidden_shards():
     )
 
 
-def section_json(section, keys=None):
-    """A config section, or the keys of it that a stage uses, as stable JSON for `--settings`. It is a
-    param, so changing any of them reruns the stage; operational knobs live in `resources` instead."""
-    values = config[section]
-    if keys is not None:
-        values = {key: values[key] for key in keys}
-    return json.dumps(values, sort_keys=True)
+def settings_json(cls, only=None, drop=()):
+    """The `--settings` of a command whose settings class is `cls` (draftsmith.core.stage_settings): every
+    key of its section it reads, or those of them `only` / not in `drop` where the others do not apply,
+    as stable JSON (draftsmith.core.settings.rule_settings). It is a param, so changing any of them reruns
+    the stage; operational knobs live in `resources` instead."""
+    return json.dumps(rule_settings(cls, config, only, drop), sort_keys=True)
 
 
-# The prompts settings that change the selection, passed to the prompts rule as --settings.
-PROMPT_SETTINGS = [
-    "source",
-    "path",
-    "max_prompts",
-    "num_heldout",
-    "heldout_path",
-    "max_prompt_chars",
-    "seed",
-]
+def ops_json(cls):
+    """The `--ops` of a command whose settings class is `cls`: its operational knobs (resources.<stage>)
+    as JSON (draftsmith.core.settings.rule_ops). A resource, not a param, so changing one reruns nothing."""
+    return json.dumps(rule_ops(cls, config), sort_keys=True)
 
 
 def prompt_settings():
-    """PROMPT_SETTINGS as JSON, plus the dataset's split, subset and revision, the column mapping and the
-    code prompts where they apply: settings that do not apply change no params, so they rerun nothing."""
-    keys = list(PROMPT_SETTINGS)
-    if config["prompts"]["source"] == "dataset":
-        keys += ["split", "subset", "revision"]
-    if config["prompts"]["columns"]:
-        keys.append("columns")
-    if config["prompts"]["code_prompts"]:
-        keys.append("code_prompts")
-    return section_json("prompts", keys)
+    """The prompts command's settings as JSON; the dataset's split, subset and revision, the column
+    mapping and the code prompts only where they apply: settings that do not apply change no params, so
+    they rerun nothing."""
+    prompts = config["prompts"]
+    drop = [] if prompts["source"] == "dataset" else ["split", "subset", "revision"]
+    drop += [] if prompts["columns"] else ["columns"]
+    drop += [] if prompts["code_prompts"] else ["code_prompts"]
+    return settings_json(PromptSettings, drop=drop)
 
 
 def code_wheel_name(requirement):
@@ -349,22 +356,6 @@ def drafter_plan():
     return json.dumps(plan, sort_keys=True)
 
 
-# What both measurements decode: the same lengths, draft count, sampling and free methods' settings.
-MEASURED = ["max_new_tokens", "num_draft_tokens", "temperature", "seed", "ngram_lookup", "suffix_decoding"]
-# what the vLLM job also takes: the prompts, the methods, the serving point whose best draft lengths it
-# re-measures, eager or CUDA graphs (null: by device)
-VLLM_MEASURED = [
-    *MEASURED,
-    "num_prompts",
-    "ngram",
-    "suffix",
-    "serving",
-    "remeasure_chosen_k",
-    "remeasure_margin",
-    "vllm_eager",
-]
-
-
 def eval_summary_sets():
     """--offline/--vllm SET=PATH for every held-out set that each measured, in the configured order
     (with evaluate.offline off, only vLLM measured)."""
@@ -382,11 +373,6 @@ def offline_num_prompts(name):
     """The contract check's prompts of a held-out set: never more than vLLM decodes (0 = all)."""
     n, n_offline = set_num_prompts(name), config["evaluate"]["offline_num_prompts"]
     return n if n > 0 and (n_offline == 0 or n_offline > n) else n_offline
-
-
-# the offline job's settings besides MEASURED: suffix decoding's offline twin joins the contract check
-# (its tau gap to vLLM's is a warning), and the hybrid is measured offline only
-OFFLINE_MEASURED = [*MEASURED, "suffix", "hybrid"]
 
 
 def offline_options(wildcards):

@@ -13,7 +13,6 @@ wildcard_constraints:
 # Each measurement joins the summary when it is on. evaluate.offline: false keeps a huge target out of the
 # workflow's processes: vLLM's measurement alone fills the summary (no contract columns to compare).
 # the `evaluate` keys eval-summary reads besides gate and serving
-SUMMARY_KEYS = ["max_tau_gap", "max_acc_gap", "min_val_gain", "interval_level", "bootstrap_resamples"]
 OFFLINE_EVAL = (
     {f"offline_{name}": f"results/eval/{name}/offline.json" for name in HELDOUT} if EVAL["offline"] else {}
 )
@@ -85,7 +84,7 @@ rule untrained_drafter:
         mem_mb=config["resources"]["evaluate"]["mem_mb"],
     params:
         # what decides training's starting point, which the baseline is
-        settings=section_json("train", ["seed", "drafter", "head_init", "layer_init"]),
+        settings=settings_json(UntrainedSettings),
     shell:
         "draftsmith untrained-drafter --manifest {input.manifest:q} --vocab {input.vocab:q} --out {output:q}"
         " --settings {params.settings:q} --threads {threads} 2>&1 | tee {log:q}"
@@ -116,7 +115,8 @@ rule evaluate_offline:
         runtime=config["resources"]["evaluate"]["runtime"],
         mem_mb=config["resources"]["evaluate"]["mem_mb"],
     params:
-        settings=section_json("evaluate", OFFLINE_MEASURED),
+        # num_prompts and ngram: derived per set (offline_options)
+        settings=settings_json(OfflineEvaluateSettings, drop=["num_prompts", "ngram"]),
         offline=offline_options,
         untrained=untrained_option,
         drafter=drafter_dir,
@@ -149,10 +149,11 @@ rule preflight:
         gpu=config["resources"]["evaluate"]["gpus"],
         runtime=config["resources"]["evaluate"]["runtime"],
         mem_mb=config["resources"]["evaluate"]["mem_mb"],
-        gpu_memory_utilization=str(config["resources"]["evaluate"]["gpu_memory_utilization"]),
-        vllm_timeout_s=str(config["resources"]["evaluate"]["vllm_timeout_s"]),
+        # vLLM's memory share and timeout: a resource, so changing one reruns nothing
+        ops=ops_json(PreflightSettings),
     params:
-        settings=section_json("evaluate", [*VLLM_MEASURED, "preflight"]),
+        # each set's count: --set-num-prompts (vllm_set_options)
+        settings=settings_json(PreflightSettings, drop=["set_num_prompts"]),
         sets=vllm_set_options(outputs=False),
         dtype=config["target"]["dtype"],
         plan=drafter_plan(),
@@ -162,8 +163,7 @@ rule preflight:
         " draftsmith preflight --target {input.target:q} {params.sets:q} --drafter-plan {params.plan:q}"
         ' --out "$(dirname {output.summary:q})" --settings {params.settings:q} --runs-dir {params.runs:q}'
         " --dtype {params.dtype:q} --gpus {resources.gpu}"
-        " --gpu-memory-utilization {resources.gpu_memory_utilization}"
-        " --vllm-timeout-s {resources.vllm_timeout_s} --log-dir logs/vllm 2>&1 | tee {log:q}"
+        " --ops {resources.ops:q} --log-dir logs/vllm 2>&1 | tee {log:q}"
 
 
 # Every held-out set in one batch per method: each vLLM engine starts once (~20-30 s on a CPU). The
@@ -188,10 +188,10 @@ rule evaluate_vllm:
         gpu=config["resources"]["evaluate"]["gpus"],
         runtime=config["resources"]["evaluate"]["runtime"],
         mem_mb=config["resources"]["evaluate"]["mem_mb"],
-        gpu_memory_utilization=str(config["resources"]["evaluate"]["gpu_memory_utilization"]),
-        vllm_timeout_s=str(config["resources"]["evaluate"]["vllm_timeout_s"]),
+        # vLLM's memory share and timeout: a resource, so changing one reruns nothing
+        ops=ops_json(VllmEvaluateSettings),
     params:
-        settings=section_json("evaluate", VLLM_MEASURED),
+        settings=settings_json(VllmEvaluateSettings, drop=["set_num_prompts"]),
         sets=vllm_set_options(),
         # the target's dtype on GPUs (float32 on a CPU)
         dtype=config["target"]["dtype"],
@@ -203,8 +203,7 @@ rule evaluate_vllm:
         " draftsmith evaluate-vllm --target {input.target:q} --drafter {params.drafter:q}"
         " {params.sets:q} --settings {params.settings:q} --runs-dir {params.runs:q}"
         " --dtype {params.dtype:q} --gpus {resources.gpu}"
-        " --gpu-memory-utilization {resources.gpu_memory_utilization}"
-        " --vllm-timeout-s {resources.vllm_timeout_s} --log-dir logs/vllm 2>&1 | tee {log:q}"
+        " --ops {resources.ops:q} --log-dir logs/vllm 2>&1 | tee {log:q}"
 
 
 rule eval_summary:
@@ -260,9 +259,9 @@ rule eval_summary:
         sets=eval_summary_sets(),
         # the diagnosis' thresholds, the intervals, which checks block and the serving point the verdict
         # projects to
-        settings=section_json("evaluate", [*SUMMARY_KEYS, "gate", "serving"]),
+        settings=settings_json(SummarySettings),
         # what the model card names as the target
-        target_source=section_json("target", ["model", "revision", "gguf_wheel", "gguf_file"]),
+        target_source=settings_json(TargetSettings),
         drafter=drafter_dir,
         preflight=["--preflight-json", PREFLIGHT] if EVAL["vllm"] else [],
     shell:

@@ -14,7 +14,7 @@ rule tokenize:
         runtime=config["resources"]["default"]["runtime"],
         mem_mb=config["resources"]["default"]["mem_mb"],
     params:
-        settings=section_json("extract", ["num_shards", "max_seq_len"]),
+        settings=settings_json(TokenizeSettings),
     shell:
         "draftsmith tokenize --target {input.target:q} --traces {input.traces:q} --out {output:q}"
         " --settings {params.settings:q} 2>&1 | tee {log:q}"
@@ -40,36 +40,19 @@ rule extract:
         gpu=config["resources"]["extract"]["gpus"],
         runtime=config["resources"]["extract"]["runtime"],
         mem_mb=config["resources"]["extract"]["mem_mb"],
-        gpu_memory_utilization=str(config["resources"]["extract"]["gpu_memory_utilization"]),
-        tensor_parallel=config["resources"]["extract"]["tensor_parallel"],
         gpu_memory_gib=gpu_memory_gib(),
-        # operational: resources, not params, so that changing them reruns nothing ("" = $TMPDIR)
-        scratch=config["resources"]["extract"]["scratch"] or "",
-        idle_timeout_s=config["resources"]["extract"]["idle_timeout_s"],
+        # operational (engine layout, scratch folder, idle timeout): a resource, so changing one reruns nothing
+        ops=ops_json(ExtractSettings),
     params:
         # batch_tokens, backend, compile and vllm_eager change the bf16 rounding, storage_dtype the
         # stored values; codec and zstd_level the shard file's bytes (not its tensors)
-        settings=section_json(
-            "extract",
-            [
-                "aux_layers",
-                "batch_tokens",
-                "storage_dtype",
-                "codec",
-                "zstd_level",
-                "backend",
-                "compile",
-                "vllm_eager",
-            ],
-        ),
+        settings=settings_json(ExtractSettings),
         dtype=config["target"]["dtype"],
     shell:
         "draftsmith run --gpus {resources.gpu} --"
         " draftsmith extract --target {input.target:q} --tokens {input.tokens:q}"
-        " --settings {params.settings:q} --dtype {params.dtype:q} --threads {threads} --gpus {resources.gpu}"
-        " --gpu-memory-utilization {resources.gpu_memory_utilization} --tensor-parallel {resources.tensor_parallel}"
-        " --gpu-memory-gib {resources.gpu_memory_gib} --scratch={resources.scratch:q}"
-        " --idle-timeout-s {resources.idle_timeout_s} {output:q} 2>&1 | tee {log:q}"
+        " --settings {params.settings:q} --ops {resources.ops:q} --dtype {params.dtype:q} --threads {threads}"
+        " --gpus {resources.gpu} --gpu-memory-gib {resources.gpu_memory_gib} {output:q} 2>&1 | tee {log:q}"
 
 
 # A checkpoint: the jobs that read the manifest are planned again once it is written, so a manifest
@@ -91,7 +74,8 @@ checkpoint manifest:
         runtime=config["resources"]["default"]["runtime"],
         mem_mb=config["resources"]["default"]["mem_mb"],
     params:
-        settings=section_json("extract", ["min_teacher_agreement"]),
+        # the shards record the rest (a stream manifest records them instead)
+        settings=settings_json(ManifestSettings, only=["min_teacher_agreement"]),
     shell:
         "draftsmith manifest --target {input.target:q} --out {output:q}"
         " --settings {params.settings:q} {input.shards:q} 2>&1 | tee {log:q}"
@@ -116,20 +100,8 @@ rule stream_manifest:
         runtime=config["resources"]["default"]["runtime"],
         mem_mb=config["resources"]["default"]["mem_mb"],
     params:
-        settings=section_json(
-            "extract",
-            [
-                "min_teacher_agreement",
-                "aux_layers",
-                "batch_tokens",
-                "storage_dtype",
-                "backend",
-                "compile",
-                "vllm_eager",
-            ]
-            # hybrid: its cache shards' bytes
-            + ["codec", "zstd_level"] * HYBRID,
-        ),
+        # codec and zstd_level: hybrid's cache shards' bytes
+        settings=settings_json(ManifestSettings, drop=[] if HYBRID else ["codec", "zstd_level"]),
         dtype=config["target"]["dtype"],
         cache="--cache" if HYBRID else "",
     shell:

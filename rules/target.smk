@@ -15,7 +15,7 @@ if MATERIALISE_TARGET:
             runtime=config["resources"]["default"]["runtime"],
             mem_mb=config["resources"]["default"]["mem_mb"],
         params:
-            settings=section_json("target", ["gguf_wheel", "gguf_file"]),
+            settings=settings_json(TargetSettings, only=["gguf_wheel", "gguf_file"]),
         shell:
             "draftsmith target --out {output:q} --settings {params.settings:q} 2>&1 | tee {log:q}"
 
@@ -36,6 +36,6 @@ elif HUB_TARGET:
             runtime=config["resources"]["default"]["runtime"],
             mem_mb=config["resources"]["default"]["mem_mb"],
         params:
-            settings=section_json("target", ["model", "revision"]),
+            settings=settings_json(TargetSettings, only=["model", "revision"]),
         shell:
             "draftsmith target --out {output:q} --settings {params.settings:q} 2>&1 | tee {log:q}"

@@ -21,31 +21,18 @@ rule train:
         gpu=config["resources"]["train"]["gpus"],
         runtime=config["resources"]["train"]["runtime"],
         mem_mb=config["resources"]["train"]["mem_mb"],
-        # operational: checkpoints and loading change neither the batches nor their order
-        checkpoint_every=config["resources"]["train"]["checkpoint_every"],
-        loader_threads=config["resources"]["train"]["loader_threads"],
-        # operational: the same optimizer steps in smaller passes, or with activations recomputed
-        micro_batch_tokens=config["resources"]["train"]["micro_batch_tokens"],
-        checkpoint_ttt=(
-            "--checkpoint-ttt" if config["resources"]["train"]["checkpoint_ttt"] else "--no-checkpoint-ttt"
-        ),
-        report_to=",".join(config["resources"]["train"]["report_to"]),
-        keep_hidden_cache=(
-            "--keep-hidden-cache"
-            if config["resources"]["train"]["keep_hidden_cache"]
-            else "--no-keep-hidden-cache"
-        ),
-        engine_gpus=config["resources"]["train"]["engine_gpus"],
-    params:
-        settings=section_json("train"),
-        drafter=trained_drafter_dir,
+        # operational: checkpoints, loading, trackers, the same optimizer steps in smaller passes or with
+        # activations recomputed change neither the batches nor their order: a resource, rerunning nothing
+        ops=ops_json(TrainSettings),
+        # training ranks: the job's GPUs but a streamed engine's own (resources.train.engine_gpus)
         nproc=train_processes(),
+    params:
+        settings=settings_json(TrainSettings),
+        drafter=trained_drafter_dir,
     shell:
         "draftsmith run --gpus {resources.gpu} --"
         " draftsmith train --manifest {input.manifest:q} --vocab {input.vocab:q} --out {params.drafter:q}"
         " --checkpoints results/train/checkpoints --metrics {output.metrics:q}"
         # one data-parallel process per GPU the job was granted (torchrun); on CPU one process
-        " --settings {params.settings:q} --threads {threads} --checkpoint-every {resources.checkpoint_every}"
-        " --loader-threads {resources.loader_threads} --micro-batch-tokens {resources.micro_batch_tokens}"
-        " {resources.checkpoint_ttt} {resources.keep_hidden_cache} --report-to={resources.report_to:q}"
-        " --engine-gpus {resources.engine_gpus} --nproc {params.nproc} 2>&1 | tee {log:q}"
+        " --settings {params.settings:q} --ops {resources.ops:q} --threads {threads} --nproc {resources.nproc}"
+        " 2>&1 | tee {log:q}"

@@ -14,7 +14,7 @@ rule vocab:
         runtime=config["resources"]["default"]["runtime"],
         mem_mb=config["resources"]["default"]["mem_mb"],
     params:
-        settings=section_json("vocab"),
+        settings=settings_json(VocabSettings),
     shell:
         "draftsmith vocab --tokens {input.tokens:q} --target {input.target:q} --settings {params.settings:q}"
         " --out {output:q} 2>&1 | tee {log:q}"

@@ -23,23 +23,10 @@ import torch
 from torch import Tensor
 
 from draftsmith.core.manifest import load_manifest, verify_manifest
-from draftsmith.core.settings import SchemaSettings, from_schema
 from draftsmith.core.shards import Sample, ShardError, ShardReader, content_digest
+from draftsmith.core.stage_settings import BatchSettings
 
 log = logging.getLogger(__name__)
-
-
-@from_schema("train", ops=("loader_threads",))
-class BatchSettings(SchemaSettings):
-    """The train keys the loader reads (TrainSettings' `batching` group): which samples are held out and
-    how they are batched; meanings in config.schema.yaml."""
-
-    batch_tokens: int  # token budget per optimizer step (padded size of a batch of whole samples)
-    max_seq_len: int  # longer samples are truncated
-    val_fraction: float  # held-out samples, chosen by a hash of the sample id
-    seed: int  # the shuffle's (with the epoch)
-    pack_window: int
-    loader_threads: int  # background threads decoding the next batches; 0 = decode in the loop
 
 
 def is_validation(sample_id: str, val_fraction: float) -> bool:

@@ -24,35 +24,7 @@ from draftsmith.core.distributed import Dist
 from draftsmith.core.drafter import TTTKV, Eagle3Drafter
 from draftsmith.core.loader import Batch
 from draftsmith.core.precision import train_precision
-from draftsmith.core.settings import SchemaSettings, from_schema
-
-
-@from_schema("train", ops=("checkpoint_ttt",))
-class ObjectiveSettings(SchemaSettings):
-    """The train keys the TTT objective is built from (TrainSettings' `objective` group): a new loss
-    knob is its schema entry, a field here and the Objective field of the same name that uses it.
-    Meanings in config.schema.yaml."""
-
-    ttt_steps: int
-    ttt_decay: float  # step j weighs ttt_decay**j ...
-    ttt_step_weights: list[float] | None  # ... unless given here, one per step
-    lk_loss: str  # none | alpha | lambda: train on the expected acceptance too (LK losses)
-    lk_kl_scale: float
-    lk_kl_decay: float
-    noise_std: float  # uniform noise U(-std, std) on the aux states
-    precision: str  # auto | bf16 | fp32 (train_precision resolves auto per device)
-    loss_norm: str
-    mask_offset: int
-    loss_positions: str
-    ttt_prefix: str
-    ttt_positions: str
-    checkpoint_ttt: bool  # recompute each TTT step's activations in the backward pass (less memory)
-
-    def check(self) -> None:
-        weights = self.ttt_step_weights
-        if weights is not None and len(weights) != self.ttt_steps:
-            raise ValueError(f"train.ttt_step_weights: {len(weights)} weights for ttt_steps {self.ttt_steps}")
-
+from draftsmith.core.stage_settings import ObjectiveSettings
 
 EVAL_MASK_OFFSET = 2  # validation always scores the positions whose predicted token is an assistant token
 

@@ -231,6 +231,44 @@ def with_groups(**groups: type) -> Callable[[type[T]], type[T]]:
     return build
 
 
+def rule_settings(
+    cls: type[SchemaSettings],
+    config: Mapping[str, Any],
+    only: Sequence[str] | None = None,
+    drop: Sequence[str] = (),
+) -> dict[str, Any]:
+    """What a rule passes as `--settings` to the command whose settings class is `cls`: the config's value
+    of every field whose key is of the class's section (a field of another section, such as target.dtype,
+    and the resources.<section> knobs travel as options). `only` / `drop` narrow them to the fields that
+    apply to this call (a mode of the command, a field the rule derives and gives as an option); a name
+    that is no such field is an error, so no key is lost to a typo."""
+    section = cls.schema_section
+    keys = {
+        name: path.split(".", 1)[1]
+        for name, path in cls.schema_paths.items()
+        if path.startswith(f"{section}.") and path.count(".") == 1
+    }
+    unknown = sorted(set(only or ()).union(drop) - set(keys))
+    if unknown:
+        raise KeyError(f"{cls.__name__}: {unknown} are not settings of its {section} section")
+    names = [name for name in keys if (only is None or name in only) and name not in drop]
+    return {keys[name]: config[section][keys[name]] for name in names}
+
+
+def ops_fields(cls: type[SchemaSettings]) -> dict[str, str]:
+    """resources.<section> key -> field name: the operational knobs of a settings class."""
+    prefix = f"resources.{cls.schema_section}."
+    return {path[len(prefix) :]: name for name, path in cls.schema_paths.items() if path.startswith(prefix)}
+
+
+def rule_ops(cls: type[SchemaSettings], config: Mapping[str, Any]) -> dict[str, Any]:
+    """What a rule passes as `--ops` to the command whose settings class is `cls`: the config's value of
+    each of its operational knobs (how the job runs, not what it computes), but threads, which Snakemake
+    gives the job (its {threads}, no more than the cores it has)."""
+    knobs = config["resources"][cls.schema_section]
+    return {key: knobs[key] for key in ops_fields(cls) if key != "threads"}
+
+
 def compile_mode_of(value: str | bool) -> str:
     """extract.compile as "on"/"off"/its mode name (YAML may give true/false)."""
     return value if isinstance(value, str) else ("on" if value else "off")

@@ -14,24 +14,11 @@ import torch
 
 from draftsmith.core.estimate import codec_ratios, estimate_lines, mode_lines, probe_plan
 from draftsmith.core.precision import compute_dtype
-from draftsmith.core.settings import SchemaSettings, from_schema
 from draftsmith.core.shards import Sample, ShardError, ShardReader
 from draftsmith.core.stage_args import BAD_INPUT, arg
+from draftsmith.core.stage_settings import EstimateSettings
 
 RATIO_TOKENS = 50_000  # tokens of a shard that shard_codec_ratios encodes: ratios settle well before
-
-
-@from_schema("extract", paths={"dtype": "target.dtype", "epochs": "train.epochs"})
-class EstimateSettings(SchemaSettings):
-    """The extraction settings an estimate is for: what the job would capture, compress and store."""
-
-    aux_layers: list[int] | None
-    batch_tokens: int
-    codec: str
-    zstd_level: int
-    storage_dtype: str
-    dtype: str  # target.dtype: the compute dtype of a probe (auto resolves for this machine)
-    epochs: int  # train.epochs: the prefills a stream runs (mode_lines)
 
 
 def estimate_on_tokens(tokens_path: str, target_path: str, settings: EstimateSettings) -> list[str]:

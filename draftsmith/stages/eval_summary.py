@@ -24,8 +24,8 @@ from typing import Any
 from draftsmith.core.cost import FORMULA
 from draftsmith.core.methods import PLAIN, method, ordered
 from draftsmith.core.projection import method_projection, set_projection, summary_of
-from draftsmith.core.settings import SchemaSettings, from_schema
 from draftsmith.core.stage_args import BAD_INPUT, arg
+from draftsmith.core.stage_settings import SummarySettings
 from draftsmith.core.stats import bootstrap_ratio
 from draftsmith.core.verdict import (
     FIGURE,
@@ -592,24 +592,6 @@ def _method_settings(sets: dict[str, dict[str, Any]]) -> dict[str, Any]:
             if m.get("settings"):
                 out.setdefault(key, m["settings"])
     return out
-
-
-@from_schema("evaluate", paths={"modes": "evaluate.gate", "level": "evaluate.interval_level",
-                                "resamples": "evaluate.bootstrap_resamples"})  # fmt: skip
-class SummarySettings(SchemaSettings):
-    """What the summary judges with (GateSettings' keys) and the serving point it projects to."""
-
-    modes: dict[str, str]
-    max_tau_gap: float | None
-    max_acc_gap: float
-    min_val_gain: float
-    level: float
-    resamples: int
-    serving: dict[str, Any]
-
-    def gate_settings(self) -> GateSettings:
-        names = [f.name for f in dataclasses.fields(GateSettings) if f.name in self.schema_paths]
-        return GateSettings(**{name: getattr(self, name) for name in names})
 
 
 @dataclasses.dataclass

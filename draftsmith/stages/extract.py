@@ -52,9 +52,10 @@ from draftsmith.core.estimate import (
 from draftsmith.core.layers import resolve_aux_layers
 from draftsmith.core.precision import compute_dtype
 from draftsmith.core.run_cache import target_identity
-from draftsmith.core.settings import SchemaSettings, compile_mode_of, from_schema
+from draftsmith.core.settings import compile_mode_of
 from draftsmith.core.shards import Sample, ShardWriter, as_stored, remove_stale_temp_files
 from draftsmith.core.stage_args import BAD_INPUT, FAILED, arg
+from draftsmith.core.stage_settings import ExtractSettings
 from draftsmith.core.target import text_config_dict
 from draftsmith.core.teacher import checked_positions, count_agreeing, teacher_agreement  # noqa: F401
 from draftsmith.core.tokens import load_tokens
@@ -63,33 +64,6 @@ log = logging.getLogger(__name__)
 
 
 COMPILE_MIN_SECONDS = 300.0  # "auto" compiles when eager compute would take longer than this
-
-
-@from_schema(
-    "extract",
-    ops=("threads", "gpus", "gpu_memory_utilization", "tensor_parallel", "scratch", "idle_timeout_s"),
-    paths={"dtype": "target.dtype"},
-    unset=("threads",),
-)
-class ExtractSettings(SchemaSettings):
-    """What the extract stage computes and stores (the `extract` section's result keys), the compute
-    dtype, and how the job runs (resources.extract: threads, GPUs and their engine layout)."""
-
-    aux_layers: list[int] | None
-    batch_tokens: int
-    codec: str
-    zstd_level: int
-    storage_dtype: str  # how a shard stores the states (core/shards.py)
-    backend: str
-    compile: str | bool  # YAML reads a bare on/off as a boolean; should_compile takes auto/on/off
-    vllm_eager: bool
-    dtype: str  # target.dtype: the compute dtype (auto resolves per device, precision.compute_dtype)
-    threads: int | None  # None: torch's choice
-    gpus: int
-    gpu_memory_utilization: float
-    tensor_parallel: int
-    scratch: str | None  # vLLM's per-request states files: node-local (None or "": $TMPDIR)
-    idle_timeout_s: int  # an engine without progress this long is killed (run_engine_processes)
 
 
 SCRATCH_PREFIX = ".draftsmith-extract-"  # + the job's pid: leftovers of a killed job are recognised

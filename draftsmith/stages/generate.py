@@ -43,10 +43,9 @@ from draftsmith.backends.openai import EndpointError
 from draftsmith.backends.server import ServerError
 from draftsmith.core.atomic import atomic_path, write_json, write_jsonl
 from draftsmith.core.chat import render_prompt, template_fingerprint
-from draftsmith.core.config import SETTINGS_OPS
 from draftsmith.core.prompt_sources import PromptError, conversation_answers, read_prompt_file
-from draftsmith.core.settings import SchemaSettings, from_schema
 from draftsmith.core.stage_args import BAD_INPUT, FAILED, arg
+from draftsmith.core.stage_settings import GenerateSettings
 
 log = logging.getLogger(__name__)
 
@@ -55,58 +54,6 @@ TRUNCATED_WARN_SHARE = 0.2  # warn when more answers than this stop at max_new_t
 
 class GenerateError(RuntimeError):
     """The stage cannot finish (endpoint down, too many failures, mismatched template); says what to do."""
-
-
-@from_schema("generate", ops=SETTINGS_OPS["generate"], paths={"dtype": "target.dtype"})
-class GenerateSettings(SchemaSettings):
-    """The `generate` config section with its operational knobs (resources.generate) and the target's
-    dtype; defaults, choices and meanings in config.schema.yaml."""
-
-    backend: str
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    seed: int
-    dtype: str  # target.dtype; the back-end resolves auto for its device (precision.compute_dtype)
-    batch_size: int
-    batch_tokens: int
-    base_url: str | None
-    model: str | None
-    api_key_env: str | None
-    concurrency: int
-    timeout_s: float
-    max_retries: int
-    backoff_s: float
-    max_consecutive_failures: int
-    request_token_ids: bool
-    server_args: list[str]
-    server_host: str
-    server_startup_timeout_s: float
-    gpus: int  # the job's GPUs (resources.generate.gpus): the vllm-server back-end uses all of them
-    tensor_parallel: int  # GPUs per engine (0: memory.engine_layout decides); the rest data parallel
-    gpu_memory_utilization: float
-    reasoning: str
-    multi_turn: str
-    max_prompt_tokens: int
-    oversized_prompts: str
-    max_failed_fraction: float
-    original_answers_share: float
-    devices: list[str] | None = None  # vllm-server: the job's GPU ids (not a config key); None = inherited
-    gpu_memory_gib: float | None = None  # each GPU's memory for the engine layout (None: detected here)
-
-    def check(self) -> None:
-        """What the schema cannot say: the openai back-end needs an endpoint."""
-        if self.backend == "openai" and not self.base_url:
-            raise ValueError("generate.base_url is required with backend 'openai' (e.g. http://host:8000/v1)")
-
-    def sampling(self) -> dict[str, Any]:
-        """The request's sampling fields (same meaning as the transformers back-end's)."""
-        return {
-            "max_tokens": self.max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "seed": self.seed,
-        }
 
 
 # ----------------------------------------------------------------------------- the resume file

@@ -17,9 +17,10 @@ from draftsmith.core.config import STREAM_MODES
 from draftsmith.core.digests import file_sha256
 from draftsmith.core.layers import resolve_aux_layers
 from draftsmith.core.manifest import MANIFEST_VERSION, DataError, allowed_shard_dirs, shard_location
-from draftsmith.core.settings import SchemaSettings, compile_mode_of, from_schema
+from draftsmith.core.settings import compile_mode_of
 from draftsmith.core.shards import ShardError, read_shard_meta, verify_shard
 from draftsmith.core.stage_args import BAD_INPUT, FAILED, arg
+from draftsmith.core.stage_settings import ManifestSettings
 from draftsmith.core.target import text_config_dict
 from draftsmith.core.tokens import load_tokens
 
@@ -42,23 +43,6 @@ def _by_source(stats: list[dict[str, Any]]) -> dict[str, float | None]:
             acc = sums.setdefault(source, [0, 0])
             acc[0], acc[1] = acc[0] + c["agree"], acc[1] + c["checked"]
     return {k: (a / n if n else None) for k, (a, n) in sorted(sums.items())}
-
-
-@from_schema("extract", paths={"dtype": "target.dtype"})
-class ManifestSettings(SchemaSettings):
-    """The `extract` key the manifest checks the shards against; for a stream manifest also the keys
-    that decide the states the train job captures (those the extract rule passes)."""
-
-    min_teacher_agreement: float
-    aux_layers: list[int] | None
-    batch_tokens: int
-    storage_dtype: str
-    backend: str
-    compile: str | bool
-    vllm_eager: bool
-    dtype: str  # target.dtype: the compute dtype
-    codec: str  # hybrid: its cache shards'
-    zstd_level: int
 
 
 # the extract settings a stream manifest records: what decides the states a stream captures

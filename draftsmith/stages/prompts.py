@@ -11,29 +11,10 @@ from collections.abc import Sequence
 
 from draftsmith.core.atomic import write_json, write_jsonl
 from draftsmith.core.prompt_sources import PromptError, check_heldout_size, load_source, read_prompt_file
-from draftsmith.core.settings import SchemaSettings, from_schema
 from draftsmith.core.stage_args import BAD_INPUT, arg
+from draftsmith.core.stage_settings import PromptSettings
 
 log = logging.getLogger(__name__)
-
-
-@from_schema("prompts")
-class PromptSettings(SchemaSettings):
-    """The `prompts` settings that choose the prompts (sharegpt_wheel and code_wheels name downloads,
-    which reach the stage as files: see prepare_prompts)."""
-
-    source: str
-    path: str | None
-    split: str
-    subset: str | None
-    revision: str | None
-    columns: dict[str, str]
-    max_prompts: int
-    num_heldout: int
-    heldout_path: str | None
-    max_prompt_chars: int
-    seed: int
-    code_prompts: int
 
 
 # ----------------------------------------------------------------------------- selection and split

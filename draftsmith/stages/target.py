@@ -25,23 +25,13 @@ from draftsmith.core.config import (
     target_config_errors,
 )
 from draftsmith.core.hub import HubError, snapshot
-from draftsmith.core.settings import SchemaSettings, from_schema
 from draftsmith.core.stage_args import BAD_INPUT, FAILED, arg
+from draftsmith.core.stage_settings import TargetSettings
 from draftsmith.core.target import TargetError
 
 
 class TargetCheckError(TargetError):
     """Settings the target's config.json rules out (bad input, exit 2)."""
-
-
-@from_schema("target")
-class TargetSettings(SchemaSettings):
-    """Where the target comes from: a Hub id (`model`, at `revision`) or the embedded default's wheel."""
-
-    model: str
-    revision: str | None
-    gguf_wheel: str | None
-    gguf_file: str
 
 
 def materialize_target(

@@ -19,8 +19,8 @@ from draftsmith.core.chat import (
     template_fingerprint,
     training_sequence,
 )
-from draftsmith.core.settings import SchemaSettings, from_schema
 from draftsmith.core.stage_args import BAD_INPUT, arg
+from draftsmith.core.stage_settings import TokenizeSettings
 from draftsmith.core.target import check_target_dir, load_tokenizer
 from draftsmith.core.tokens import write_tokens
 
@@ -82,14 +82,6 @@ def trace_sequences(tokenizer: Any, row: dict[str, Any]) -> list[tuple[str, list
     (ids, mask), separate = merge_turns(seqs)
     # Turns that did not nest into the conversation (template rewrote history) become their own samples.
     return [(row["id"], ids, mask)] + [(f"{row['id']}#turn{k}", *seqs[k]) for k in separate]
-
-
-@from_schema("extract")
-class TokenizeSettings(SchemaSettings):
-    """The `extract` keys tokenize decides: the shard plan and the longest sample."""
-
-    num_shards: int
-    max_seq_len: int
 
 
 def tokenize_traces(

@@ -47,7 +47,7 @@ import torch
 from draftsmith.backends.extraction import make_extractor
 from draftsmith.core.atomic import atomic_dir, write_json, write_jsonl
 from draftsmith.core.checkpoints import CheckpointDiskFull, Run, open_run, resume_key
-from draftsmith.core.config import SETTINGS_OPS, STREAM_MODES
+from draftsmith.core.config import STREAM_MODES
 from draftsmith.core.devices import engine_visible_devices, trainer_index, visible_devices
 from draftsmith.core.distributed import (
     Dist,
@@ -62,25 +62,24 @@ from draftsmith.core.drafter import Eagle3Drafter, build_drafter
 from draftsmith.core.export_formats import check_export, save_drafter
 from draftsmith.core.kinds import drafter_loss
 from draftsmith.core.layers import convert_layer_ids
-from draftsmith.core.loader import Batch, BatchSettings, StreamingData, step_plan, verify_share
+from draftsmith.core.loader import Batch, StreamingData, step_plan, verify_share
 from draftsmith.core.manifest import DataError, is_stream, load_manifest
 from draftsmith.core.memory import stream_engine_share
 from draftsmith.core.objective import (
     DraftingLoss,
     Objective,
-    ObjectiveSettings,
     StepStats,
     noise_seed,
     with_noise,
 )
 from draftsmith.core.optimizers import Chain, make_optimizer, make_scheduler
 from draftsmith.core.precision import compute_dtype, train_precision
-from draftsmith.core.settings import GroupedSettings, from_schema, with_groups
 from draftsmith.core.stage_args import BAD_INPUT, arg
+from draftsmith.core.stage_settings import TrainSettings, UntrainedSettings
 from draftsmith.core.stream import StateCache, StreamedData, StreamSpec, TeacherDisagrees
 from draftsmith.core.target import TargetHead, load_target_head
 from draftsmith.core.tokens import load_tokens
-from draftsmith.core.tracking import Curves, missing_trackers
+from draftsmith.core.tracking import Curves
 from draftsmith.core.vocab import VocabMapError, load_vocab_map
 
 log = logging.getLogger(__name__)
@@ -90,44 +89,6 @@ PROGRESS_EVERY_S = 10.0  # log a training progress line at most this often (vali
 
 
 # ----------------------------------------------------------------------------------------------- settings
-
-
-@from_schema("train", ops=SETTINGS_OPS["train"], unset=("threads",))
-@with_groups(objective=ObjectiveSettings, batching=BatchSettings)
-class TrainSettings(GroupedSettings):
-    """The `train` config section and the train job's operational knobs; defaults, choices and meanings
-    in config.schema.yaml (the objective and optimiser choices were picked by bench/ablate.py). The loss's
-    knobs are the `objective` group's (core/objective.py: ObjectiveSettings), the loader's the `batching`
-    group's (core/loader.py: BatchSettings); the fields here are the rest."""
-
-    epochs: int
-    max_steps: int | None  # stop early (tests, the untrained drafter's 0); the LR schedule is unchanged
-    lr: float
-    weight_decay: float  # on matrices only (norm weights are not decayed)
-    warmup_steps: int
-    grad_clip: float  # max global grad norm
-    seed: int  # the drafter's initialisation (and the shuffle's, in `batching`)
-    head_init: str
-    adam_beta2: float
-    optimizer: str  # adamw | muon (Muon for the weight matrices, AdamW for the rest)
-    muon_lr_scale: float
-    muon_weight_decay: float
-    layer_init: str
-    drafter: dict[str, Any]  # train.drafter: explicit shape; nulls = derived from the target
-    threads: int | None  # torch.set_num_threads; None = torch's choice (the rule passes the job's)
-    checkpoint_every: int  # also checkpoint every N steps (always at epoch ends); 0 = epoch ends only
-    micro_batch_tokens: int  # a rank's share of a batch in passes of at most this many tokens; 0 = one pass
-    report_to: list[str]  # trackers besides TensorBoard that get the live curves (wandb, mlflow)
-    hidden_states: str  # files | stream | hybrid (the manifest says which; the rule picks the manifest)
-    keep_hidden_cache: bool  # hybrid: keep the cache shards after training (resources.train)
-    engine_gpus: int  # stream / hybrid on GPUs: 0 = an engine beside each rank; N = the first N GPUs
-
-    def check(self) -> None:
-        self.objective  # noqa: B018 (building the group runs its own checks: ObjectiveSettings.check)
-        missing = missing_trackers(self.report_to)
-        if missing:
-            names = ", ".join(missing)
-            raise ValueError(f"resources.train.report_to: {names} not installed (pip install {names})")
 
 
 # -------------------------------------------------------------------------------------- one step
@@ -829,8 +790,9 @@ def run(paths: TrainPaths, settings: TrainSettings) -> list[str]:
     ]
 
 
-def run_untrained(paths: UntrainedPaths, settings: TrainSettings) -> list[str]:
+def run_untrained(paths: UntrainedPaths, settings: UntrainedSettings) -> list[str]:
     """Export the untrained baseline: the drafter exactly as training starts it (0 steps, same seed),
     so the evaluation shows what training bought."""
-    export_untrained_drafter(paths.manifest, paths.vocab, paths.out, settings)
+    # training's other settings do not decide its starting point: the schema's defaults
+    export_untrained_drafter(paths.manifest, paths.vocab, paths.out, TrainSettings(**settings.to_dict()))
     return [f"untrained drafter (seed {settings.seed}) exported to {paths.out}"]

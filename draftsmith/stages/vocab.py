@@ -13,8 +13,8 @@ import torch
 from torch import Tensor
 
 from draftsmith.core.config import read_target_config
-from draftsmith.core.settings import SchemaSettings, from_schema
 from draftsmith.core.stage_args import BAD_INPUT, arg
+from draftsmith.core.stage_settings import VocabSettings
 from draftsmith.core.tokens import load_tokens
 from draftsmith.core.vocab import save_vocab_map, vocab_maps
 
@@ -63,11 +63,6 @@ def build_vocab_map(masked_tokens: Tensor, target_vocab_size: int, draft_vocab_s
         "distinct_tokens": int((counts > 0).sum()),
         "coverage": covered / total if total else 0.0,
     }
-
-
-@from_schema("vocab")
-class VocabSettings(SchemaSettings):
-    size: int  # draft vocabulary size
 
 
 def build_vocab(tokens_path: str, target_path: str, out_path: str, settings: VocabSettings) -> dict[str, Any]:

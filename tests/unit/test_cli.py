@@ -102,6 +102,24 @@ def test_schema_defaults_then_settings_then_options(tmp_path):
     assert summary(tmp_path)["heldout"] == 3
 
 
+def test_ops_json_gives_the_knobs_under_the_options():
+    """--ops (what the rules pass as a resource): the resources.<stage> knobs, over the schema's defaults
+    and under single options; a key that is no knob of the command, or a value the schema refuses, is
+    bad input naming it."""
+    from draftsmith.cli_options import settings_from
+    from draftsmith.core.stage_settings import GenerateSettings
+
+    assert "--ops" in invoke("generate", "--help").output
+    ops = json.dumps({"concurrency": 3, "timeout_s": 5})
+    built = settings_from(GenerateSettings, '{"max_new_tokens": 7}', {"ops_json": ops, "timeout_s": 9.0})
+    assert (built.max_new_tokens, built.concurrency, built.timeout_s) == (7, 3, 9.0)
+    with pytest.raises(click.BadParameter, match="max_new_tokens .not in resources.generate"):
+        settings_from(GenerateSettings, None, {"ops_json": '{"max_new_tokens": 3}'})
+    with pytest.raises(SystemExit) as exited:
+        settings_from(GenerateSettings, None, {"ops_json": '{"concurrency": 0}'})
+    assert exited.value.code == EXIT_BAD_INPUT
+
+
 # ----------------------------------------------------------------------------- logging
 
 

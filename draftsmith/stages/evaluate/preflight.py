@@ -18,8 +18,9 @@ from draftsmith.core.cost import THIS_CPU, describe_point, serving_bytes, servin
 from draftsmith.core.policy import concurrency_grid
 from draftsmith.core.preflight import blocked_message, outlook_line, planned_drafter_cost, set_outlook
 from draftsmith.core.stage_args import arg
+from draftsmith.core.stage_settings import PreflightSettings
 from draftsmith.core.target import text_config_dict
-from draftsmith.stages.evaluate.stage import EvaluateSettings, evaluate_vllm
+from draftsmith.stages.evaluate.stage import evaluate_vllm
 
 log = logging.getLogger(__name__)
 
@@ -49,14 +50,14 @@ class PreflightPaths:
     )  # fmt: skip
 
 
-def preflight(paths: PreflightPaths, settings: EvaluateSettings) -> dict[str, Any]:
+def preflight(paths: PreflightPaths, settings: PreflightSettings) -> dict[str, Any]:
     """Measure the free methods in vLLM and write out/preflight.json; returns it."""
     out = Path(paths.out)
     set_paths = {name: str(out / name / "vllm.json") for name in paths.prompts}
     if paths.log_dir:
         Path(paths.log_dir).mkdir(parents=True, exist_ok=True)
     summaries = evaluate_vllm(
-        paths.target, {}, paths.prompts, set_paths, settings, paths.log_dir, paths.runs_dir
+        paths.target, {}, paths.prompts, set_paths, settings.vllm, paths.log_dir, paths.runs_dir
     )
     serving = settings.serving
     drafter = planned_drafter_cost(paths.plan, text_config_dict(paths.target), serving_bytes(serving))
@@ -93,7 +94,7 @@ def set_entry(
     name: str,
     summary: dict[str, Any],
     serving: dict[str, Any],
-    settings: EvaluateSettings,
+    settings: PreflightSettings,
     paths: PreflightPaths,
 ) -> dict[str, Any]:
     """One set's outlook over the serving grid of `serving`, the models costed at the points' bytes per
@@ -110,7 +111,7 @@ def set_entry(
     }
 
 
-def run_preflight(paths: PreflightPaths, settings: EvaluateSettings) -> Iterator[str]:
+def run_preflight(paths: PreflightPaths, settings: PreflightSettings) -> Iterator[str]:
     """The pre-flight: plain decoding, n-gram lookup and suffix decoding measured in vLLM on every
     held-out set (needs the vllm extra), and per set and concurrency of evaluate.serving the best choice
     without training, a perfect drafter's projected speedup (its ceiling: every draft accepted) and the

