@@ -715,13 +715,14 @@ REACH = {
         },
         "train": {
             "threads": 3,
-            "gpus": 1,
+            "gpus": 2,
             "checkpoint_every": 3,
             "loader_threads": 0,
             "micro_batch_tokens": 64,
             "checkpoint_ttt": True,
             "keep_hidden_cache": True,
             "report_to": ["wandb"],
+            "engine_gpus": 1,  # a streamed engine on GPU 0, the trainer on GPU 1
         },
         "evaluate": {"threads": 3, "gpus": 1, "gpu_memory_utilization": 0.5, "vllm_timeout_s": 60},
     },
