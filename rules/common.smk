@@ -23,6 +23,7 @@ from draftsmith.core.config import (
     target_folder,
     workdir_path,
 )
+from draftsmith.core.hidden_plan import plan_hidden_states
 from draftsmith.core.memory import GIB, config_target, device_memory, plan_config, runtime_line, uses_gpus
 from draftsmith.core.memory import refusal as memory_refusal
 from draftsmith.core.memory import table as memory_table
@@ -54,6 +55,14 @@ validate(config, schema="../draftsmith/config.schema.yaml")
 # Against the target's config.json and each other, at parse time: before any job runs or any output is deleted.
 TARGET_ERRORS, TARGET_WARNINGS = target_checks(config)
 stop_if_invalid(TARGET_ERRORS + combination_errors(config))
+# train.hidden_states: auto becomes files, stream or hybrid from the states' bound and the free disk (one
+# line says which and why), and a files run whose shards cannot fit stops here (draftsmith.core.hidden_plan);
+# the rules follow the mode chosen (STREAM, HYBRID below: the manifest train reads says which to the job).
+HIDDEN_MODE, HIDDEN_LINE, HIDDEN_ERROR = plan_hidden_states(config)
+if workflow.is_main_process:
+    stop_if_invalid([HIDDEN_ERROR] if HIDDEN_ERROR else [])
+    if HIDDEN_LINE:
+        print(HIDDEN_LINE, file=sys.stderr)
 # Every prompt file a job will read, read now (cluster jobs re-parse this file: the main process did it).
 INPUT_ERRORS, INPUT_WARNINGS = input_file_errors(config) if workflow.is_main_process else ([], [])
 stop_if_invalid(INPUT_ERRORS)
@@ -151,11 +160,11 @@ def trained_drafter_dir(wildcards, output):
     return os.path.dirname(output.drafter_config)
 
 
-# train.hidden_states: files (extract writes shards, the manifest lists them) or stream / hybrid (no
-# shards: the train job captures the states from the tokens, hybrid caching epoch 0's in its checkpoint
-# folder; results/stream_config.json stands for the manifest).
-STREAM = config["train"]["hidden_states"] in ("stream", "hybrid")
-HYBRID = config["train"]["hidden_states"] == "hybrid"
+# train.hidden_states as planned above (auto resolved): files (extract writes shards, the manifest lists
+# them) or stream / hybrid (no shards: the train job captures the states from the tokens, hybrid caching
+# epoch 0's in its checkpoint folder; results/stream_config.json stands for the manifest).
+STREAM = HIDDEN_MODE in ("stream", "hybrid")
+HYBRID = HIDDEN_MODE == "hybrid"
 
 
 def data_config(wildcards):
