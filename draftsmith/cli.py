@@ -134,12 +134,14 @@ def plan_cmd(
     \b
       draftsmith plan --configfile configs/kimi-k2.5-8gpu.yaml --gpu-model H200-141GB
     """
+    from draftsmith.core.hidden_plan import plan_hidden_states
     from draftsmith.core.memory import plan_files
 
     try:
         lines, stop = plan_files(
-            list(configfiles or ["config.yaml"]), target_config, gpu_model, gpu_memory_gib
-        )
+            list(configfiles or ["config.yaml"]), target_config, gpu_model, gpu_memory_gib,
+            hidden_states=lambda config: plan_hidden_states(config)[0],  # auto as the workflow resolves it
+        )  # fmt: skip
     except ValueError as err:
         fail(str(err), EXIT_BAD_INPUT)
     click.echo("\n".join(lines))

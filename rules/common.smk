@@ -25,6 +25,7 @@ from draftsmith.core.config import (
     workdir_path,
 )
 from draftsmith.core.cost import serving_profile_errors
+from draftsmith.core.hidden_plan import plan_hidden_states
 from draftsmith.core.memory import GIB, config_target, device_memory, plan_config, runtime_line, uses_gpus
 from draftsmith.core.memory import refusal as memory_refusal
 from draftsmith.core.memory import table as memory_table
@@ -72,6 +73,14 @@ validate(config, schema="../draftsmith/config.schema.yaml")
 # Against the target's config.json and each other, at parse time: before any job runs or any output is deleted.
 TARGET_ERRORS, TARGET_WARNINGS = target_checks(config)
 stop_if_invalid(TARGET_ERRORS + combination_errors(config))
+# train.hidden_states: auto becomes files, stream or hybrid from the states' bound and the free disk (one
+# line says which and why), and a files run whose shards cannot fit stops here (draftsmith.core.hidden_plan);
+# the rules follow the mode chosen (STREAM, HYBRID below: the manifest train reads says which to the job).
+HIDDEN_MODE, HIDDEN_LINE, HIDDEN_ERROR = plan_hidden_states(config)
+if workflow.is_main_process:
+    stop_if_invalid([HIDDEN_ERROR] if HIDDEN_ERROR else [])
+    if HIDDEN_LINE:
+        print(HIDDEN_LINE, file=sys.stderr)
 # Every prompt file a job will read, read now (cluster jobs re-parse this file: the main process did it).
 INPUT_ERRORS, INPUT_WARNINGS = input_file_errors(config) if workflow.is_main_process else ([], [])
 stop_if_invalid(INPUT_ERRORS + serving_profile_errors(config["evaluate"]["serving"]))
@@ -93,7 +102,8 @@ for warning in TARGET_WARNINGS + INPUT_WARNINGS + DAMAGE_WARNINGS + [LOCK_ADVICE
 if workflow.is_main_process and uses_gpus(config):
     try:
         GPU_MEMORY, GPU_DEVICE = device_memory(config["resources"])
-        GPU_PLAN = plan_config(config, GPU_MEMORY)
+        # as the workflow runs: train.hidden_states auto resolved (a streamed train job plans its engine)
+        GPU_PLAN = plan_config({**config, "train": {**config["train"], "hidden_states": HIDDEN_MODE}}, GPU_MEMORY)
     except ValueError as err:
         print(f"warning: {err} (the GPU jobs check their line of it before vLLM loads)", file=sys.stderr)
     else:
@@ -169,11 +179,11 @@ def trained_drafter_dir(wildcards, output):
     return os.path.dirname(output.drafter_config)
 
 
-# train.hidden_states: files (extract writes shards, the manifest lists them) or stream / hybrid (no
-# shards: the train job captures the states from the tokens, hybrid caching epoch 0's in its checkpoint
-# folder; results/stream_config.json stands for the manifest).
-STREAM = config["train"]["hidden_states"] in STREAM_MODES
-HYBRID = config["train"]["hidden_states"] == "hybrid"
+# train.hidden_states as planned above (auto resolved): files (extract writes shards, the manifest lists
+# them) or stream / hybrid (no shards: the train job captures the states from the tokens, hybrid caching
+# epoch 0's in its checkpoint folder; results/stream_config.json stands for the manifest).
+STREAM = HIDDEN_MODE in STREAM_MODES
+HYBRID = HIDDEN_MODE == "hybrid"
 
 
 def train_processes():

@@ -647,11 +647,6 @@ def combination_errors(config: dict[str, Any]) -> list[str]:
         errors.append("prompts.code_wheels: prompts.code_prompts asks for code prompts but names no wheel")
     errors += wildcard_path_errors(config)
     errors += cpu_setting_errors(config)
-    if config["train"]["hidden_states"] == "auto":
-        errors.append(
-            "train.hidden_states: auto is not built yet; use files (shards on disk), stream (no shards: the "
-            "train job captures the states every epoch) or hybrid (epoch 0 captures and caches them)"
-        )
     errors += engine_gpus_errors(config["resources"]["train"], config["train"]["hidden_states"])
     evaluate = config["evaluate"]
     for name, source in evaluate["heldout_sets"].items():

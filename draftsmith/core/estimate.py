@@ -22,21 +22,14 @@ import numpy as np
 import torch
 
 from draftsmith.core.batch_plan import token_batches
+from draftsmith.core.hidden_plan import human_bytes, human_seconds, raw_state_bytes
 from draftsmith.core.shards import STORAGE_DTYPES, Sample, write_shard
 
-# per storage dtype: (bytes a value, bytes a row: one token's values in one layer)
-STORAGE_BYTES = {"bfloat16": (2, 0), "float8_e4m3fn": (1, 4)}  # float8: a float32 scale per row
 STORAGE_NOTES = {
     "bfloat16": "2 bytes a value",
     "float8_e4m3fn": "1 byte a value + a 4-byte scale per token and layer",
 }
 WARMUP_TOKENS = 32  # per row of the warm-up batch
-
-
-def raw_state_bytes(num_tokens: int, stored_layers: int, hidden_size: int, storage_dtype: str) -> int:
-    """Bytes of hidden states for `stored_layers` (aux + final) per token, stored as `storage_dtype`."""
-    value, row = STORAGE_BYTES[storage_dtype]
-    return int(num_tokens) * stored_layers * (hidden_size * value + row)
 
 
 def codec_ratios(samples: list[Sample], codec: str, level: int, workdir: Path) -> dict[str, float]:
@@ -51,20 +44,6 @@ def codec_ratios(samples: list[Sample], codec: str, level: int, workdir: Path) -
         path.unlink()
         ratios[dtype] = state_bytes / raw_state_bytes(tokens, stored_layers, hidden, dtype)
     return ratios
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    raise AssertionError
-
-
-def human_seconds(s: float) -> str:
-    h, rem = divmod(int(round(s)), 3600)
-    m, sec = divmod(rem, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{sec:02d}s"
 
 
 def padded_tokens(lengths: list[int]) -> int:

@@ -23,6 +23,7 @@ import re
 import shutil
 import struct
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -1047,11 +1048,13 @@ def plan_files(
     target_config: str | None,
     gpu_model: str | None,
     gpu_memory_gib: float | None,
+    hidden_states: Callable[[dict[str, Any]], str] | None = None,
 ) -> tuple[list[str], str | None]:
     """`draftsmith plan`: the lines to print for the config merged from `config_files` (as snakemake
     --configfile merges them), the target's config.json from the folder `target_config` when given, on
     the device `gpu_model` / `gpu_memory_gib` when given; and the refusal when a stage cannot fit. Raises
-    ValueError for an invalid config or a target without config.json."""
+    ValueError for an invalid config or a target without config.json. `hidden_states`: the mode the
+    workflow would run for the config (train.hidden_states auto resolved; default: as written)."""
     from draftsmith.core.config import config_errors, merged_config_files, text_config_json, with_defaults
 
     config = with_defaults(merged_config_files(config_files))
@@ -1066,6 +1069,8 @@ def plan_files(
     if target_config:
         config["target"]["model"] = target_config
     given = text_config_json(target_config) if target_config else None
+    if hidden_states is not None:
+        config["train"]["hidden_states"] = hidden_states(config)
     needs = plan_config(config, memory, given)
     if not needs:
         return ["no stage asks for GPUs (resources.<stage>.gpus): nothing to plan"], None

@@ -47,7 +47,6 @@ import torch
 from draftsmith.backends.extraction import make_extractor
 from draftsmith.core.atomic import atomic_dir, write_json, write_jsonl
 from draftsmith.core.checkpoints import CheckpointDiskFull, Run, open_run, resume_key
-from draftsmith.core.config import STREAM_MODES
 from draftsmith.core.devices import engine_visible_devices, trainer_index, visible_devices
 from draftsmith.core.distributed import (
     Dist,
@@ -773,7 +772,8 @@ def run(paths: TrainPaths, settings: TrainSettings) -> list[str]:
     become_torchrun(paths.nproc, command + (["--fresh"] if paths.fresh else []))
     # every rank decodes its share of the samples first: nothing unproven is trained on
     device = None  # a streamed job's trainer after its engine's own GPUs (resources.train.engine_gpus)
-    if settings.engine_gpus and settings.hidden_states in STREAM_MODES and torch.cuda.is_available():
+    # the manifest says the mode (train.hidden_states auto is resolved when the workflow starts)
+    if settings.engine_gpus and torch.cuda.is_available() and is_stream(load_manifest(paths.manifest)):
         device = f"cuda:{trainer_index(settings.engine_gpus, 0)}"
     summary = train(
         paths.manifest, paths.vocab, paths.out, paths.checkpoints, paths.metrics, settings,
