@@ -152,9 +152,14 @@ def test_the_plan_of_a_config_names_its_figures(tmp_path, monkeypatch):
     cfg["train"]["hidden_states"] = "files"
     mode, line, refusal = plan_hidden_states(cfg, tmp_path / "results")
     assert "files needs up to 506.9 MB of shards" in refusal and "100.0 MB is free" in refusal
-    cfg["extract"]["backend"], cfg["resources"]["train"]["gpus"] = "vllm", 1  # stream cannot run: a warning
+    # a vLLM engine beside the trainer on a GPU too small for both: stream cannot run, files only warns
+    cfg["extract"]["backend"], cfg["resources"]["train"]["gpus"] = "vllm", 1
+    cfg["resources"]["gpu_memory_gib"] = 0.5
     mode, line, refusal = plan_hidden_states(cfg, tmp_path / "results")
     assert refusal is None and line.startswith("warning: train.hidden_states: files needs up to 506.9 MB")
+    assert "the train job's engine and trainer do not fit its GPUs: train: engine (each GPU) needs" in line
+    cfg["resources"]["gpu_memory_gib"] = 80  # both fit: streaming is possible, so files is refused
+    assert plan_hidden_states(cfg, tmp_path / "results")[2].startswith("train.hidden_states: files needs")
 
 
 # the tiny configuration: 21 training prompts x extract.max_seq_len 256 = 5,376 tokens x 4 x 576 x 2 bytes
