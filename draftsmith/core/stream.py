@@ -50,7 +50,7 @@ from draftsmith.core.loader import (
     StreamingData,
     collate,
     is_validation,
-    pack_batches,
+    plan_batches,
     prefetch,
     trainable,
 )
@@ -93,6 +93,20 @@ def capture_units(offsets: list[int], shards: list[list[int]], batch_tokens: int
         lengths = [offsets[i + 1] - offsets[i] for i in range(start, end)]
         units += [[start + i for i in batch] for batch in token_batches(lengths, batch_tokens)]
     return units
+
+
+def unit_windows(
+    unit_order: list[int], units: list[list[int]], position: dict[int, int], min_samples: int
+) -> list[list[int]]:
+    """Consecutive runs of whole capture units (in `unit_order`) holding at least `min_samples` of the
+    samples `position` maps (global index -> train position): each run's train positions; the last run
+    takes what is left."""
+    windows: list[list[int]] = [[]]
+    for u in unit_order:
+        if len(windows[-1]) >= min_samples:
+            windows.append([])
+        windows[-1] += [position[i] for i in units[u] if i in position]
+    return [w for w in windows if w]
 
 
 def stored_sample(sample_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux, final) -> Sample:
@@ -235,17 +249,21 @@ class StreamedData(StreamingData):
     # ------------------------------------------------------------------------------- the plans
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
-        """An epoch's batches of train indices: the capture units in a seeded order, their training
-        samples packed within pack_window (longest first), in that order; a pure function of (seed, epoch)."""
+        """An epoch's batches of train indices, a pure function of (seed, epoch): the capture units in a
+        seeded order, taken as windows of whole units holding at least pack_window training samples;
+        each window planned as `files` plans a whole epoch (loader.plan_batches: its samples shuffled,
+        packed by length within pack_window, the batches shuffled). A window's states wait in memory
+        until its batches are trained, so memory is bounded by a window, not the epoch; a small data
+        set is one window, shuffled as `files` shuffles it."""
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         position = {r.index: k for k, r in enumerate(self.train)}
-        order = [position[i] for u in torch.randperm(len(self.units), generator=g).tolist()
-                 for i in self.units[u] if i in position]  # fmt: skip
         lengths = self.train_lengths()
-        if self.pack_window > 1:
-            windows = (order[i : i + self.pack_window] for i in range(0, len(order), self.pack_window))
-            order = [i for w in windows for i in sorted(w, key=lambda i: -lengths[i])]
-        return pack_batches(order, lengths, self.batch_tokens)
+        batches: list[list[int]] = []
+        for window in unit_windows(torch.randperm(len(self.units), generator=g).tolist(), self.units, position,
+                                   max(1, self.pack_window)):  # fmt: skip
+            planned = plan_batches([lengths[i] for i in window], self.batch_tokens, g, self.pack_window)
+            batches += [[window[j] for j in batch] for batch in planned]
+        return batches
 
     # ------------------------------------------------------------------------------ the batches
 

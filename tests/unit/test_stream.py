@@ -288,3 +288,16 @@ def test_a_killed_streamed_run_resumes_to_identical_weights(data, tmp_path, mode
     a = load_file(str(tmp_path / "full" / "drafter" / "model.safetensors"))
     b = load_file(str(killed / "drafter" / "model.safetensors"))
     assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_a_streams_epoch_is_shuffled_as_files_shuffles_within_windows_of_whole_units():
+    """The stream plans windows of whole capture units (memory: one window's states) holding at least
+    pack_window training samples; each window shuffled and packed as `files` plans an epoch, so a batch
+    mixes units and lengths do not run longest-first through the epoch."""
+    from draftsmith.core.stream import unit_windows
+
+    units = [[0, 1, 2], [3, 4], [5], [6, 7, 8, 9]]
+    position = {i: i for i in range(10) if i != 4}  # 4 is a validation sample
+    assert unit_windows([2, 0, 3, 1], units, position, 4) == [[5, 0, 1, 2], [6, 7, 8, 9], [3]]
+    assert unit_windows([0, 1, 2, 3], units, position, 100) == [[0, 1, 2, 3, 5, 6, 7, 8, 9]]
+    assert unit_windows([1], units, {}, 1) == []
