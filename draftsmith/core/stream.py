@@ -212,7 +212,7 @@ class StreamedData(StreamingData):
         self.shard_of_unit = [shard_of.get(unit[0], 0) for unit in self.units]
         mask = self.loss_mask.numpy()
         refs, skipped = [], 0
-        for i in range(n):
+        for i in (i for unit in self.units for i in unit):  # the order a shard stores them, as files reads
             a, length = self.offsets[i], min(self.offsets[i + 1] - self.offsets[i], settings.max_seq_len)
             if trainable(mask, a, length):
                 refs.append(SampleRef(shard_of.get(i, 0), i, self.ids[i], length))  # index: global
@@ -253,14 +253,17 @@ class StreamedData(StreamingData):
         seeded order, taken as windows of whole units holding at least pack_window training samples;
         each window planned as `files` plans a whole epoch (loader.plan_batches: its samples shuffled,
         packed by length within pack_window, the batches shuffled). A window's states wait in memory
-        until its batches are trained, so memory is bounded by a window, not the epoch; a small data
-        set is one window, shuffled as `files` shuffles it."""
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        position = {r.index: k for k, r in enumerate(self.train)}
+        until its batches are trained, so memory is bounded by a window, not the epoch. Data of one
+        window (at most pack_window training samples) gets the files plan itself: the same batches."""
+        key = self.seed * 1_000_003 + epoch
+        g = torch.Generator().manual_seed(key)  # the files plan's generator: one window = its very plan
         lengths = self.train_lengths()
+        if len(lengths) <= max(1, self.pack_window):
+            return plan_batches(lengths, self.batch_tokens, g, self.pack_window)
+        position = {r.index: k for k, r in enumerate(self.train)}
+        units = torch.randperm(len(self.units), generator=torch.Generator().manual_seed(2 * key + 1)).tolist()
         batches: list[list[int]] = []
-        for window in unit_windows(torch.randperm(len(self.units), generator=g).tolist(), self.units, position,
-                                   max(1, self.pack_window)):  # fmt: skip
+        for window in unit_windows(units, self.units, position, max(1, self.pack_window)):
             planned = plan_batches([lengths[i] for i in window], self.batch_tokens, g, self.pack_window)
             batches += [[window[j] for j in batch] for batch in planned]
         return batches

@@ -301,3 +301,19 @@ def test_a_streams_epoch_is_shuffled_as_files_shuffles_within_windows_of_whole_u
     assert unit_windows([2, 0, 3, 1], units, position, 4) == [[5, 0, 1, 2], [6, 7, 8, 9], [3]]
     assert unit_windows([0, 1, 2, 3], units, position, 100) == [[0, 1, 2, 3, 5, 6, 7, 8, 9]]
     assert unit_windows([1], units, {}, 1) == []
+
+
+def test_data_of_one_window_streams_in_the_batches_files_would_train(tmp_path):
+    """At most pack_window training samples: the stream's epoch plan is the files plan of the same
+    samples, batch for batch (equal data, equal order); more: windows of whole units."""
+    from draftsmith.core.loader import StreamingData
+
+    tokens = tokens_file(tmp_path / "tokens.safetensors")
+    spec = StreamSpec("bfloat16", 60, 0.0)
+    for window in (64, 2):
+        settings = batching(pack_window=window)
+        data = StreamedData(tokens, lambda: None, spec, settings)
+        files = StreamingData([], data.train, data.val, settings)
+        plans = [(data.epoch_batches(e), files.epoch_batches(e)) for e in range(3)]
+        assert all(sorted(i for b in ours for i in b) == list(range(len(data.train))) for ours, _ in plans)
+        assert all(ours == theirs for ours, theirs in plans) == (len(data.train) <= window)
