@@ -132,11 +132,14 @@ def spread(values: list[float]) -> str:
     help="Its train/extract sections.",
 )
 @click.option("--seeds", default="0,1", show_default=True, help="train.seed values, comma-separated.")
+@click.option(
+    "--modes", default=",".join(MODES), show_default=True, help="The modes to run, comma-separated."
+)
 @click.option("--epochs", type=int, help="Override train.epochs.")
 @click.option("--val-fraction", type=float, help="Override train.val_fraction (a small data set needs some).")
 @click.option("--dtype", default="auto", show_default=True, help="target.dtype (the compute dtype).")
 @click.option("--out", default=str(harness.result_path("hidden_modes")), show_default=True)
-def main(tokens, vocab, target, config_path, seeds, epochs, val_fraction, dtype, out) -> None:
+def main(tokens, vocab, target, config_path, seeds, modes, epochs, val_fraction, dtype, out) -> None:
     load_before = harness.load_average()
     every = section_from_file("extract", Path(config_path) if config_path else None)
     # the keys the extract rule passes (rules/extract.smk) and the manifests'
@@ -144,22 +147,25 @@ def main(tokens, vocab, target, config_path, seeds, epochs, val_fraction, dtype,
     overrides = {"epochs": epochs} if epochs else {}
     if val_fraction is not None:
         overrides["val_fraction"] = val_fraction
-    results: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
+    chosen = [m for m in MODES if m in modes.split(",")]
+    if not chosen or set(modes.split(",")) - set(MODES):
+        raise click.BadParameter(f"{modes!r}: the modes are {', '.join(MODES)}", param_hint="--modes")
+    results: dict[str, list[dict[str, Any]]] = {mode: [] for mode in chosen}
     seed_list = [int(s) for s in seeds.split(",")]
     for seed in seed_list:
         train = {**harness.base_settings(config_path, {**overrides, "seed": seed}), "threads": None}
-        for mode in harness.round_order(MODES, seed):  # the order flips per seed
+        for mode in harness.round_order(chosen, seed):  # the order flips per seed
             with tempfile.TemporaryDirectory(prefix=f"hidden-{mode}-") as tmp:
                 record = run_mode(mode, Path(tmp), tokens, vocab, target, extract, train, dtype)
             results[mode].append({"seed": seed, **record})
             print(f"seed {seed} {mode}: {record['seconds']:.1f} s, val acc {record['val_acc']}", flush=True)
-    steps = len(results["files"][0]["val_acc"] or [])
+    steps = len(results[chosen[0]][0]["val_acc"] or [])
     if not steps:
         raise click.ClickException("no validation samples: raise --val-fraction")
     columns = [("mode", "<7"), *[(f"val acc {j}", "<24") for j in range(steps)], ("s / epoch (train)", "<24"),
                ("extract s", ">9.1f"), ("MB written", ">10.1f"), ("peak MB", ">8.0f")]  # fmt: skip
     rows = []
-    for mode in MODES:
+    for mode in chosen:
         runs = results[mode]
         accs = [spread([r["val_acc"][j] for r in runs]) for j in range(steps)]
         rows.append([
