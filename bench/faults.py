@@ -1323,16 +1323,19 @@ def end_case(proc: subprocess.Popen, token: str) -> None:
     proc.wait()
 
 
-def probe_case(case: str, checkout: Path, root: Path, timeout_s: float) -> tuple[str, float]:
+def probe_case(
+    case: str, checkout: Path, root: Path, timeout_s: float, runner: str = RUN_CASE
+) -> tuple[str, float]:
     """(outcome, seconds) of one case against `checkout`, in a scratch folder `root`; "timeout" when it ran
-    past `timeout_s` (then killed with everything it started). Its output goes to root's .log beside it."""
+    past `timeout_s` (then killed with everything it started). Its output goes to root's .log beside it.
+    `runner`: the Python code the case's process runs, given case, checkout, root and the outcome's path."""
     token = f"{os.getpid()}-{root.parent.name}-{root.name}"
     log, out = root.with_suffix(".log"), root.with_suffix(".outcome")
     env = {**os.environ, CASE_ENV: token, "PYTHONPATH": str(REPO)}
     start = time.monotonic()
     with open(log, "wb") as fh:
         proc = subprocess.Popen(
-            [sys.executable, "-c", RUN_CASE, case, str(checkout), str(root), str(out)],
+            [sys.executable, "-c", runner, case, str(checkout), str(root), str(out)],
             cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
             start_new_session=True,
         )  # fmt: skip
