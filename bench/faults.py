@@ -986,7 +986,8 @@ shutil.copy(os.environ["MANIFEST"], command[command.index("--out") + 1])
 
 def probe_manifest_rebuilt(p: Probe) -> str:
     """A finished run whose data_config.json was deleted: the run makes it again to the same bytes (a
-    stand-in manifest command); which other jobs does that run start?"""
+    stand-in manifest command); which other jobs does that run start? (Jobs started, not work redone: a
+    real evaluation job may reuse its kept vLLM runs, results/eval/.runs, which a stand-in cannot show.)"""
     if failed := _finished(p):
         return failed
     manifest = p.root / "results" / "data_config.json"
@@ -1363,6 +1364,12 @@ def run_probes(
     short still has its finished rows."""
     cases = [c for c in PROBES if not select or any(part in c for part in select.split("|"))]
     rows: dict[str, dict[str, Any]] = {case: {"case": case} for case in cases}
+    run = {
+        "timeout_s": timeout_s,
+        "jobs": jobs,
+        "load_before": harness.load_average(),
+        "start": time.monotonic(),
+    }
     for side in checkouts:
         (tmp / side).mkdir(parents=True, exist_ok=True)
 
@@ -1378,7 +1385,7 @@ def run_probes(
         for future in as_completed(pending):
             future.result()
             done = [row for row in rows.values() if all(side in row for side in checkouts)]
-            write_probe_rows(done, list(checkouts), timeout_s, json_path)
+            write_probe_rows(done, list(checkouts), run, json_path)
     return list(rows.values())
 
 
@@ -1394,9 +1401,16 @@ def probe_table(rows: list[dict[str, Any]], sides: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_probe_rows(rows: list[dict[str, Any]], sides: list[str], timeout_s: float, json_path: str) -> None:
-    """The rows as JSON at `json_path` and as the markdown table beside it (.md)."""
-    harness.write_result({"probes": rows, "timeout_s": timeout_s, "cases": len(rows)}, json_path)
+def write_probe_rows(
+    rows: list[dict[str, Any]], sides: list[str], run: dict[str, Any], json_path: str
+) -> None:
+    """The rows as JSON at `json_path` (with the time limit, the cases at once, the wall seconds so far and
+    the machine's load) and as the markdown table beside it (.md)."""
+    result = {
+        "probes": rows, "cases": len(rows), "timeout_s": run["timeout_s"], "jobs": run["jobs"],
+        "wall_s": round(time.monotonic() - run["start"], 1), "machine": harness.machine(run["load_before"]),
+    }  # fmt: skip
+    harness.write_result(result, json_path, echo=lambda line: None)
     write_text(Path(json_path).with_suffix(".md"), probe_table(rows, sides))
 
 
@@ -1438,6 +1452,7 @@ def main(
         with tempfile.TemporaryDirectory(prefix="faults-") as tmp:
             rows = run_probes(checkouts, Path(tmp), select, timeout_s, json_path, jobs)
         print(probe_table(rows, list(checkouts)), end="")
+        print(f"wrote {json_path} and {Path(json_path).with_suffix('.md')}", file=sys.stderr)
         return
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "faults.xml"

@@ -4,6 +4,7 @@ behind cannot hang the table or leave anything running; the table's cells stay o
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import time
 from pathlib import Path
@@ -84,3 +85,13 @@ def test_the_table_keeps_one_cell_per_outcome(faults) -> None:
     assert (
         faults.probe_table([{"case": "c", "after": "ok"}], ["after"]).splitlines()[0] == "| case | outcome |"
     )
+
+
+def test_the_rows_so_far_are_written_as_json_and_markdown(faults, tmp_path) -> None:
+    rows = [{"case": "c", "before": "exit 1", "before_s": 2.0, "after": "exit 2", "after_s": 1.0}]
+    run = {"timeout_s": 300.0, "jobs": 2, "load_before": [0.5, 0.5, 0.5], "start": time.monotonic()}
+    faults.write_probe_rows(rows, ["before", "after"], run, str(tmp_path / "faults.json"))
+    written = json.loads((tmp_path / "faults.json").read_text())
+    assert written["probes"] == rows and written["cases"] == 1 and written["jobs"] == 2
+    assert written["machine"]["load_average"]["before"] == [0.5, 0.5, 0.5]
+    assert (tmp_path / "faults.md").read_text() == faults.probe_table(rows, ["before", "after"])
