@@ -1,7 +1,7 @@
 """The fault matrix: run every fault scenario against the real workflow and print what happened.
 
     python -m bench.faults [--json results/bench/faults.json] [-k EXPR]
-    python -m bench.faults --probes [--before DIR] [-k TEXT]
+    python -m bench.faults --probes [--before DIR] [-k TEXT] [--timeout 300] [--jobs 2]
 
 The scenarios and the outcome each must have live in tests/e2e/test_faults.py and
 tests/e2e/test_extract_kill.py (one place: the assertions are the matrix); this runs them with pytest
@@ -11,6 +11,10 @@ an expected failure, marked xfail, is a check that lands with another change).
 `--probes` does the bad inputs, hostile files and shared-machine cases of issue 26 to scratch
 workflows (dry runs and light commands, a minute or two) and says what each did; with `--before DIR`, a
 checkout of an earlier commit (`git archive COMMIT | tar -x -C DIR`), it prints case | before | after.
+Each case runs in a process of its own with stdin at /dev/null and a time limit (`--timeout`; past it the
+case and everything it started are killed and its cell says "timeout"); its output goes to a log, progress
+to stderr a line per case, and the finished rows to the JSON (and the .md table beside it) as they come,
+so a table cut short keeps its rows.
 """
 
 from __future__ import annotations
