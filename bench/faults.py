@@ -1101,18 +1101,53 @@ def probe_leftover_lock(p: Probe) -> str:
     return f"exit {proc.returncode}, {tail}"
 
 
-def _command_on_junk(*args: str, files: dict[str, bytes]) -> Callable[[Probe], str]:
+# Valid inputs beside the junk one, so a command gets as far as the junk file (made by the checkout's own
+# code in the probe's folder; argv[1] is the default target): a drafter export for that target, or the
+# tiny data of tests/helpers.py (a random target, its shards, manifest and vocab map) in data/.
+TARGET_DRAFTER = """
+import json, sys, torch
+from pathlib import Path
+from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter
+from draftsmith.core.export_formats import save_drafter
+from draftsmith.core.vocab import vocab_maps
+t = json.loads((Path(sys.argv[1]) / "config.json").read_text())
+layers, heads = t["num_hidden_layers"], t["num_attention_heads"]
+cfg = DrafterConfig(hidden_size=t["hidden_size"], num_attention_heads=heads,
+                    num_key_value_heads=t["num_key_value_heads"], head_dim=t["hidden_size"] // heads,
+                    intermediate_size=128, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=2048,
+                    target_hidden_size=t["hidden_size"], target_vocab_size=t["vocab_size"], draft_vocab_size=256,
+                    kind="eagle3", num_aux=3)
+model = Eagle3Drafter(cfg)
+model.set_vocab_map(*vocab_maps(torch.arange(256) * 2, t["vocab_size"]))
+save_drafter(model, "drafter", [2, layers // 2, layers - 3], sys.argv[1])
+"""
+TINY_DATA = (
+    "from pathlib import Path\nfrom tests.helpers import make_tiny_data\nmake_tiny_data(Path('data'))\n"
+)
+
+
+def _command_on_junk(*args: str, files: dict[str, bytes], setup: str = "") -> Callable[[Probe], str]:
+    """`draftsmith ARGS` (with --target, the default target, where the command takes one) after `setup`
+    made its valid inputs and `files` were written over them: exit status, lines, what it said, and which
+    of its outputs (o1, o2, out, e) it left."""
+
     def probe(p: Probe) -> str:
+        target = p.checkout / "resources" / "SmolLM2-135M-Instruct"
+        if setup:
+            made = p.python(setup, str(target))
+            if made.returncode:
+                return f"probe failed: {said(made)}"
         for name, data in files.items():
             path = p.root / name
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(data)
-        target = ["--target", str(p.checkout / "resources" / "SmolLM2-135M-Instruct")]
-        cmd = ["draftsmith", *args, *(target if args[0] in ("export", "vocab", "eval-summary") else [])]
+        takes = args[0] in ("export", "vocab", "eval-summary")
+        cmd = ["draftsmith", *args, *(["--target", str(target)] if takes else [])]
         proc = subprocess.run(cmd, env=p.env, cwd=p.root, capture_output=True, text=True, timeout=300)
-        trace = " [+traceback]" if "Traceback" in proc.stderr + proc.stdout else ""
         lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
-        return f"exit {proc.returncode}, {len(lines)} line(s){trace}"
+        left = [name for name in ("o1", "o2", "out", "e") if (p.root / name).exists()]
+        wrote = f"; wrote {', '.join(left)}" if left else ""
+        return f"exit {proc.returncode}, {len(lines)} line(s): {said(proc, 60)}{wrote}"
 
     return probe
 
@@ -1234,49 +1269,52 @@ PROBES = {
     "data_config.json deleted, rebuilt to the same bytes (stand-in manifest)": probe_manifest_rebuilt,
     "kill -9 of Snakemake with a draftsmith run job under its shell": probe_kill_snakemake,
     "lock left by a killed Snakemake": probe_leftover_lock,
-    "export --summary junk.json": _command_on_junk(
+    "export --summary junk.json (a drafter for the target)": _command_on_junk(
         "export",
         "--drafter",
-        "d",
+        "drafter",
         "--summary",
         "s.json",
         "--out-sglang",
         "o1",
         "--out-speculators",
         "o2",
-        files={"s.json": b"{junk", "d/config.json": b"{}"},
-    ),
-    "eval-summary on a junk vllm.json": _command_on_junk(
+        files={"s.json": b"{junk"},
+        setup=TARGET_DRAFTER,
+    ),  # fmt: skip
+    "eval-summary on a junk vllm.json (a drafter for the target)": _command_on_junk(
         "eval-summary",
         "--vllm",
         "heldout=v.json",
         "--manifest",
         "v.json",
         "--drafter",
-        "d",
+        "drafter",
         "--metrics",
         "v.json",
         "--out",
         "e",
-        files={"v.json": b"{junk", "d/config.json": b"{}"},
-    ),
+        files={"v.json": b"{junk"},
+        setup=TARGET_DRAFTER,
+    ),  # fmt: skip
     "vocab on a junk tokens file": _command_on_junk(
         "vocab", "--tokens", "t.safetensors", "--out", "v.pt", files={"t.safetensors": b"junk"}
     ),
-    "train on a junk manifest and vocab_map.pt": _command_on_junk(
+    "train on a junk vocab_map.pt (a good manifest)": _command_on_junk(
         "train",
         "--manifest",
-        "m.json",
+        "data/data_config.json",
         "--vocab",
-        "v.pt",
+        "data/vocab_map.pt",
         "--out",
-        "d",
+        "out",
         "--checkpoints",
         "c",
         "--metrics",
         "m.jsonl",
-        files={"m.json": b"{}", "v.pt": b"junk"},
-    ),
+        files={"data/vocab_map.pt": b"junk"},
+        setup=TINY_DATA,
+    ),  # fmt: skip
     "disk full at a training checkpoint": probe_checkpoint_disk_full,
     "disk full while extraction probes the codec": probe_extract_disk_full,
     "5 usable prompts, prompts.num_heldout 16": probe_heldout_shortfall,
@@ -1289,6 +1327,7 @@ PROBES = {
 # its own, a job orphaned by a kill) are found by that mark and killed with it.
 CASE_ENV = "DRAFTSMITH_FAULTS_CASE"
 RUN_CASE = "import sys; from bench.faults import run_case; run_case(*sys.argv[1:])"
+RUNNING: dict[str, subprocess.Popen] = {}  # token -> a case's process, while it runs
 
 
 def run_case(case: str, checkout: str, root: str, outcome_path: str) -> None:
@@ -1344,6 +1383,7 @@ def probe_case(
             cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
             start_new_session=True,
         )  # fmt: skip
+        RUNNING[token] = proc
         try:
             proc.wait(timeout=timeout_s)
             timed_out = False
@@ -1351,6 +1391,7 @@ def probe_case(
             timed_out = True
         finally:
             end_case(proc, token)
+            RUNNING.pop(token, None)
     seconds = time.monotonic() - start
     if timed_out:
         return f"timeout ({timeout_s:.0f} s)", seconds
@@ -1386,10 +1427,16 @@ def run_probes(
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         pending = [pool.submit(one, case, side) for case in cases for side in checkouts]
-        for future in as_completed(pending):
-            future.result()
-            done = [row for row in rows.values() if all(side in row for side in checkouts)]
-            write_probe_rows(done, list(checkouts), run, json_path)
+        try:
+            for future in as_completed(pending):
+                future.result()
+                done = [row for row in rows.values() if all(side in row for side in checkouts)]
+                write_probe_rows(done, list(checkouts), run, json_path)
+        except BaseException:  # Ctrl-C, SIGTERM (an outer time limit): the running cases end with the bench
+            pool.shutdown(wait=False, cancel_futures=True)
+            for token, proc in list(RUNNING.items()):
+                end_case(proc, token)
+            raise
     return list(rows.values())
 
 
@@ -1451,6 +1498,7 @@ def main(
     json_path: str, select: str | None, probes: bool, before: Path | None, timeout_s: float, jobs: int
 ) -> None:
     if probes or before:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds run_probes, which ends its cases
         checkouts = {"before": before.resolve()} if before else {}
         checkouts["after"] = REPO
         with tempfile.TemporaryDirectory(prefix="faults-") as tmp:
