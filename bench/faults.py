@@ -1,7 +1,7 @@
 """The fault matrix: run every fault scenario against the real workflow and print what happened.
 
     python -m bench.faults [--json results/bench/faults.json] [-k EXPR]
-    python -m bench.faults --probes [--before DIR] [-k TEXT]
+    python -m bench.faults --probes [--before DIR] [-k TEXT] [--timeout 300] [--jobs 2]
 
 The scenarios and the outcome each must have live in tests/e2e/test_faults.py and
 tests/e2e/test_extract_kill.py (one place: the assertions are the matrix); this runs them with pytest
@@ -11,14 +11,20 @@ an expected failure, marked xfail, is a check that lands with another change).
 `--probes` does the bad inputs, hostile files and shared-machine cases of issue 26 to scratch
 workflows (dry runs and light commands, a minute or two) and says what each did; with `--before DIR`, a
 checkout of an earlier commit (`git archive COMMIT | tar -x -C DIR`), it prints case | before | after.
+Each case runs in a process of its own with stdin at /dev/null and a time limit (`--timeout`; past it the
+case and everything it started are killed and its cell says "timeout"); its output goes to a log, progress
+to stderr a line per case, and the finished rows to the JSON (and the .md table beside it) as they come,
+so a table cut short keeps its rows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -26,6 +32,7 @@ import textwrap
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +40,7 @@ import click
 import yaml
 
 from bench import harness
+from draftsmith.core.atomic import write_text
 from draftsmith.core.digests import smallest_readable
 
 REPO = Path(__file__).resolve().parents[1]
@@ -869,26 +877,41 @@ def probe_touch_rehashes(p: Probe) -> str:
     return proc.stdout.strip() or f"probe failed: {said(proc)}"
 
 
-def probe_shard_new_inode(p: Probe) -> str:
-    """A finished run's shard, sealed as the checkout's extract stage leaves it, replaced by a damaged copy
-    (a new inode, same size): what the next start says."""
-    if failed := _finished(p):
-        return failed
-    p.python(
-        """
-        import os
-        from pathlib import Path
-        from draftsmith.core import digests
-        out = Path("results/hidden/shard-0.safetensors")
-        stashed = Path("results/hidden/.done/k/shard-0.safetensors"); stashed.parent.mkdir(parents=True)
-        stashed.write_bytes(b"good" * 64); digests.seal([stashed], "extract")
-        out.unlink(); os.link(stashed, out)
-        if hasattr(digests, "seal_as"):
-            digests.seal_as(out, stashed)
-        Path("new").write_bytes(b"evil" * 64); os.replace("new", out)
-        """
-    )
-    return refused_or_planned(p, {})
+SHARD_DAMAGE = """
+import os, sys
+from pathlib import Path
+from draftsmith.core import digests
+out = Path("results/hidden/shard-0.safetensors")
+stashed = Path("results/hidden/.done/k/shard-0.safetensors"); stashed.parent.mkdir(parents=True)
+stashed.write_bytes(b"good" * 64); digests.seal([stashed], "extract")
+out.unlink(); os.link(stashed, out)
+if hasattr(digests, "seal_as"):
+    digests.seal_as(out, stashed)
+if sys.argv[1] == "new inode":
+    Path("new").write_bytes(b"evil" * 64); os.replace("new", out)
+else:  # in place: the stash's copy (the same inode) is damaged with it
+    with open(out, "r+b") as fh:
+        fh.write(b"evil")
+"""
+
+
+def _damaged_shard(how: str) -> Callable[[Probe], str]:
+    """A finished run's shard, sealed as the checkout's extract stage leaves it (a hard link of its stashed
+    copy), then damaged `how` ("new inode": replaced by a damaged copy of the same size; "in place"):
+    what the next start says, and at which path."""
+
+    def probe(p: Probe) -> str:
+        if failed := _finished(p):
+            return failed
+        made = p.python(SHARD_DAMAGE, how)
+        if made.returncode:
+            return f"probe failed: {said(made)}"
+        return refused_or_planned(p, {})
+
+    return probe
+
+
+probe_shard_new_inode = _damaged_shard("new inode")
 
 
 def probe_forcerun_extract_after_damage(p: Probe) -> str:
@@ -952,6 +975,78 @@ def probe_identical_shards_retrain(p: Probe) -> str:
     return "train planned: retrains" if "train" in rules else "train not planned"
 
 
+# Stands in for `draftsmith` in the rules' shell commands: records the command it was given (through
+# `draftsmith run --gpus N --`), writes the saved manifest back for `manifest` and fails any other.
+MANIFEST_STAND_IN = """#!{python}
+import json, os, shutil, sys
+args = sys.argv[1:]
+command = args[args.index("--") + 2:] if args[:1] == ["run"] else args  # run --gpus N -- draftsmith ...
+open(os.environ["RECORD"], "a").write(json.dumps(command) + "\\n")
+if command[:1] != ["manifest"]:
+    sys.exit(1)
+shutil.copy(os.environ["MANIFEST"], command[command.index("--out") + 1])
+"""
+
+
+def probe_manifest_rebuilt(p: Probe) -> str:
+    """A finished run whose data_config.json was deleted: the run makes it again to the same bytes (a
+    stand-in manifest command); which other jobs does that run start? (Jobs started, not work redone: a
+    real evaluation job may reuse its kept vLLM runs, results/eval/.runs, which a stand-in cannot show.)"""
+    if failed := _finished(p):
+        return failed
+    manifest = p.root / "results" / "data_config.json"
+    saved = p.root / "data_config.saved"
+    shutil.copy(manifest, saved)
+    manifest.unlink()
+    bin_ = p.root / "stand-in"
+    bin_.mkdir()
+    (bin_ / "draftsmith").write_text(MANIFEST_STAND_IN.format(python=sys.executable))
+    (bin_ / "draftsmith").chmod(0o755)
+    record = p.root / "calls"
+    env = p.env
+    p.env = {**env, "PATH": f"{bin_}{os.pathsep}{env['PATH']}", "RECORD": str(record), "MANIFEST": str(saved)}
+    try:
+        proc = p.snakemake("--keep-going", config=p.root / "probe.yaml")
+    finally:
+        p.env = env
+    calls = [json.loads(line)[0] for line in record.read_text().splitlines()] if record.is_file() else []
+    if "manifest" not in calls:
+        return f"manifest not rebuilt: {said(proc, 70)}"
+    if manifest.read_bytes() != saved.read_bytes():
+        return "probe failed: the rebuilt manifest differs"
+    others = sorted(set(calls) - {"manifest"})
+    return f"rebuilt; then started {', '.join(others)}" if others else "rebuilt; nothing else started"
+
+
+EXTRACT_DISK_FULL = """
+import errno, sys
+import draftsmith.stages.extract as extract
+from draftsmith.cli import main
+from tests.helpers import random_sequences, write_sample_tokens
+ids, masks = random_sequences([40, 60])
+write_sample_tokens(__import__("pathlib").Path("tokens.safetensors"), ids, masks, [[0, 2]])
+def full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+extract.probe_plan = full  # the disk fills while the codec is probed, before the estimate
+sys.argv = ["draftsmith", "extract", "--target", sys.argv[1], "--tokens", "tokens.safetensors", "--shard", "0",
+            "--out", "hidden/shard-0.safetensors", "--compile", "off"]
+main()
+"""
+
+
+def probe_extract_disk_full(p: Probe) -> str:
+    """Extraction (transformers, the default target) on a disk that fills while it probes the codec:
+    the size the message says the shard needs."""
+    target = p.checkout / "resources" / "SmolLM2-135M-Instruct"
+    if not (target / "config.json").is_file():
+        return "probe skipped: the default target is not materialised (make setup)"
+    proc = p.python(EXTRACT_DISK_FULL, str(target))
+    needs = re.search(r"the shard needs ([^;)]*)", proc.stdout + proc.stderr)
+    if needs:
+        return f"exit {proc.returncode}: the shard needs {needs.group(1)}"
+    return f"exit {proc.returncode}: {said(proc, 90)}"
+
+
 KILLED_PARENT = """
 import subprocess, sys, time
 cmd = [sys.executable, "-m", "draftsmith.cli", "run", "--gpus", "0", "--", "sleep", "47"]
@@ -968,12 +1063,12 @@ def probe_kill_snakemake(p: Probe) -> str:
     fake.chmod(0o755)
     owner = subprocess.Popen([str(fake)], env=p.env, cwd=p.root)
 
-    def jobs() -> list[int]:
+    def jobs() -> list[int]:  # this case's own (its mark): another case may run the same job meanwhile
         found = []
-        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        for pid in marked(os.environ.get(CASE_ENV, "")):
             try:
-                if cmdline.read_bytes().split(b"\0")[:2] == [b"sleep", b"47"]:
-                    found.append(int(cmdline.parent.name))
+                if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:2] == [b"sleep", b"47"]:
+                    found.append(pid)
             except OSError:
                 continue
         return found
@@ -1006,18 +1101,53 @@ def probe_leftover_lock(p: Probe) -> str:
     return f"exit {proc.returncode}, {tail}"
 
 
-def _command_on_junk(*args: str, files: dict[str, bytes]) -> Callable[[Probe], str]:
+# Valid inputs beside the junk one, so a command gets as far as the junk file (made by the checkout's own
+# code in the probe's folder; argv[1] is the default target): a drafter export for that target, or the
+# tiny data of tests/helpers.py (a random target, its shards, manifest and vocab map) in data/.
+TARGET_DRAFTER = """
+import json, sys, torch
+from pathlib import Path
+from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter
+from draftsmith.core.export_formats import save_drafter
+from draftsmith.core.vocab import vocab_maps
+t = json.loads((Path(sys.argv[1]) / "config.json").read_text())
+layers, heads = t["num_hidden_layers"], t["num_attention_heads"]
+cfg = DrafterConfig(hidden_size=t["hidden_size"], num_attention_heads=heads,
+                    num_key_value_heads=t["num_key_value_heads"], head_dim=t["hidden_size"] // heads,
+                    intermediate_size=128, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=2048,
+                    target_hidden_size=t["hidden_size"], target_vocab_size=t["vocab_size"], draft_vocab_size=256,
+                    kind="eagle3", num_aux=3)
+model = Eagle3Drafter(cfg)
+model.set_vocab_map(*vocab_maps(torch.arange(256) * 2, t["vocab_size"]))
+save_drafter(model, "drafter", [2, layers // 2, layers - 3], sys.argv[1])
+"""
+TINY_DATA = (
+    "from pathlib import Path\nfrom tests.helpers import make_tiny_data\nmake_tiny_data(Path('data'))\n"
+)
+
+
+def _command_on_junk(*args: str, files: dict[str, bytes], setup: str = "") -> Callable[[Probe], str]:
+    """`draftsmith ARGS` (with --target, the default target, where the command takes one) after `setup`
+    made its valid inputs and `files` were written over them: exit status, lines, what it said, and which
+    of its outputs (o1, o2, out, e) it left."""
+
     def probe(p: Probe) -> str:
+        target = p.checkout / "resources" / "SmolLM2-135M-Instruct"
+        if setup:
+            made = p.python(setup, str(target))
+            if made.returncode:
+                return f"probe failed: {said(made)}"
         for name, data in files.items():
             path = p.root / name
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(data)
-        target = ["--target", str(p.checkout / "resources" / "SmolLM2-135M-Instruct")]
-        cmd = ["draftsmith", *args, *(target if args[0] in ("export", "vocab", "eval-summary") else [])]
+        takes = args[0] in ("export", "vocab", "eval-summary")
+        cmd = ["draftsmith", *args, *(["--target", str(target)] if takes else [])]
         proc = subprocess.run(cmd, env=p.env, cwd=p.root, capture_output=True, text=True, timeout=300)
-        trace = " [+traceback]" if "Traceback" in proc.stderr + proc.stdout else ""
         lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
-        return f"exit {proc.returncode}, {len(lines)} line(s){trace}"
+        left = [name for name in ("o1", "o2", "out", "e") if (p.root / name).exists()]
+        wrote = f"; wrote {', '.join(left)}" if left else ""
+        return f"exit {proc.returncode}, {len(lines)} line(s): {said(proc, 60)}{wrote}"
 
     return probe
 
@@ -1130,82 +1260,209 @@ PROBES = {
     "target.model models/llama missing, a local models/ exists": probe_local_path_like_hub_id,
     "sealed 8 MiB file, mtime moved by Snakemake's touch": probe_touch_rehashes,
     "shard replaced by a damaged copy (new inode, same size)": probe_shard_new_inode,
+    "shard damaged in place: the path the start names": _damaged_shard("in place"),
     "the advice followed: --forcerun extract on that shard": probe_forcerun_extract_after_damage,
     "junk vocab_map.pt without its sidecar (cp results/*)": _junk_after_run("vocab_map.pt"),
     "junk results/eval/summary.json": _junk_after_run("eval/summary.json"),
     "copied run: extraction stash key of a copied target": probe_copied_run_stash_key,
     "shards rewritten, manifest rebuilt to the same bytes": probe_identical_shards_retrain,
+    "data_config.json deleted, rebuilt to the same bytes (stand-in manifest)": probe_manifest_rebuilt,
     "kill -9 of Snakemake with a draftsmith run job under its shell": probe_kill_snakemake,
     "lock left by a killed Snakemake": probe_leftover_lock,
-    "export --summary junk.json": _command_on_junk(
+    "export --summary junk.json (a drafter for the target)": _command_on_junk(
         "export",
         "--drafter",
-        "d",
+        "drafter",
         "--summary",
         "s.json",
         "--out-sglang",
         "o1",
         "--out-speculators",
         "o2",
-        files={"s.json": b"{junk", "d/config.json": b"{}"},
-    ),
-    "eval-summary on a junk vllm.json": _command_on_junk(
+        files={"s.json": b"{junk"},
+        setup=TARGET_DRAFTER,
+    ),  # fmt: skip
+    "eval-summary on a junk vllm.json (a drafter for the target)": _command_on_junk(
         "eval-summary",
         "--vllm",
         "heldout=v.json",
         "--manifest",
         "v.json",
         "--drafter",
-        "d",
+        "drafter",
         "--metrics",
         "v.json",
         "--out",
         "e",
-        files={"v.json": b"{junk", "d/config.json": b"{}"},
-    ),
+        files={"v.json": b"{junk"},
+        setup=TARGET_DRAFTER,
+    ),  # fmt: skip
     "vocab on a junk tokens file": _command_on_junk(
         "vocab", "--tokens", "t.safetensors", "--out", "v.pt", files={"t.safetensors": b"junk"}
     ),
-    "train on a junk manifest and vocab_map.pt": _command_on_junk(
+    "train on a junk vocab_map.pt (a good manifest)": _command_on_junk(
         "train",
         "--manifest",
-        "m.json",
+        "data/data_config.json",
         "--vocab",
-        "v.pt",
+        "data/vocab_map.pt",
         "--out",
-        "d",
+        "out",
         "--checkpoints",
         "c",
         "--metrics",
         "m.jsonl",
-        files={"m.json": b"{}", "v.pt": b"junk"},
-    ),
+        files={"data/vocab_map.pt": b"junk"},
+        setup=TINY_DATA,
+    ),  # fmt: skip
     "disk full at a training checkpoint": probe_checkpoint_disk_full,
+    "disk full while extraction probes the codec": probe_extract_disk_full,
     "5 usable prompts, prompts.num_heldout 16": probe_heldout_shortfall,
 }
 
 
-def run_probes(checkout: Path, tmp: Path, select: str | None) -> dict[str, str]:
-    outcomes = {}
-    for i, (case, probe) in enumerate(PROBES.items()):
-        if select and not any(part in case for part in select.split("|")):
-            continue
+# Each case runs in a process of its own session with stdin at /dev/null (a probe that waits on a
+# server, a lock or a prompt cannot hang the table) and a time limit; every process it started carries
+# CASE_ENV in its environment, so the ones that left its session or outlived it (a server in a session of
+# its own, a job orphaned by a kill) are found by that mark and killed with it.
+CASE_ENV = "DRAFTSMITH_FAULTS_CASE"
+RUN_CASE = "import sys; from bench.faults import run_case; run_case(*sys.argv[1:])"
+RUNNING: dict[str, subprocess.Popen] = {}  # token -> a case's process, while it runs
+
+
+def run_case(case: str, checkout: str, root: str, outcome_path: str) -> None:
+    """One probe in this process (the child `probe_case` starts): its outcome written to `outcome_path`."""
+    try:
+        said_ = PROBES[case](Probe(Path(checkout), Path(root)))
+    except Exception as err:  # a probe that cannot run says so in its cell
+        said_ = f"probe failed: {type(err).__name__}: {str(err)[:80]}"
+    write_text(outcome_path, said_)
+
+
+def marked(token: str) -> list[int]:
+    """The live processes whose environment carries CASE_ENV=token (this bench's, by construction)."""
+    mark = f"{CASE_ENV}={token}".encode() + b"\0"
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
         try:
-            outcomes[case] = probe(Probe(checkout, tmp / f"probe-{i}"))
-        except Exception as err:  # a probe that cannot run says so in its cell
-            outcomes[case] = f"probe failed: {type(err).__name__}: {str(err)[:80]}"
-    return outcomes
+            if mark in b"\0" + environ.read_bytes():
+                found.append(int(environ.parent.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
 
 
-def print_probes(after: dict[str, str], before: dict[str, str] | None, json_path: str) -> None:
-    rows = [{"case": case, "before": (before or {}).get(case), "after": out} for case, out in after.items()]
-    if before is None:
-        print("| case | outcome |\n|---|---|")
-        print("\n".join(f"| {r['case']} | {r['after']} |" for r in rows))
-    else:
-        print("| case | before | after |\n|---|---|---|")
-        print("\n".join(f"| {r['case']} | {r['before']} | {r['after']} |" for r in rows))
-    harness.write_result({"probes": rows}, json_path)
+def end_case(proc: subprocess.Popen, token: str) -> None:
+    """SIGKILL a case's process, its tree and every process of its mark, all listed before any dies."""
+    from draftsmith.stages.extract import process_tree  # torch: not in every case's own process
+
+    pids = set(marked(token))
+    if proc.poll() is None:
+        pids |= set(process_tree(proc.pid))
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)  # start_new_session: the case leads its own group
+    for pid in pids - {os.getpid()}:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+
+
+def probe_case(
+    case: str, checkout: Path, root: Path, timeout_s: float, runner: str = RUN_CASE
+) -> tuple[str, float]:
+    """(outcome, seconds) of one case against `checkout`, in a scratch folder `root`; "timeout" when it ran
+    past `timeout_s` (then killed with everything it started). Its output goes to root's .log beside it.
+    `runner`: the Python code the case's process runs, given case, checkout, root and the outcome's path."""
+    token = f"{os.getpid()}-{root.parent.name}-{root.name}"
+    log, out = root.with_suffix(".log"), root.with_suffix(".outcome")
+    env = {**os.environ, CASE_ENV: token, "PYTHONPATH": str(REPO)}
+    start = time.monotonic()
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", runner, case, str(checkout), str(root), str(out)],
+            cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        RUNNING[token] = proc
+        try:
+            proc.wait(timeout=timeout_s)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            end_case(proc, token)
+            RUNNING.pop(token, None)
+    seconds = time.monotonic() - start
+    if timed_out:
+        return f"timeout ({timeout_s:.0f} s)", seconds
+    if out.is_file():
+        return out.read_text(), seconds
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    return f"probe crashed, exit {proc.returncode}: {lines[-1][:90] if lines else ''}", seconds
+
+
+def run_probes(
+    checkouts: dict[str, Path], tmp: Path, select: str | None, timeout_s: float, json_path: str, jobs: int = 1
+) -> list[dict[str, Any]]:
+    """Every selected case against each checkout (before, after), `jobs` of them at a time, a row per case
+    in the table's order; the whole rows so far written to `json_path` as each finishes, so a table cut
+    short still has its finished rows."""
+    cases = [c for c in PROBES if not select or any(part in c for part in select.split("|"))]
+    rows: dict[str, dict[str, Any]] = {case: {"case": case} for case in cases}
+    run = {
+        "timeout_s": timeout_s,
+        "jobs": jobs,
+        "load_before": harness.load_average(),
+        "start": time.monotonic(),
+    }
+    for side in checkouts:
+        (tmp / side).mkdir(parents=True, exist_ok=True)
+
+    def one(case: str, side: str) -> None:
+        root = tmp / side / f"probe-{list(PROBES).index(case)}"
+        outcome_, seconds = probe_case(case, checkouts[side], root, timeout_s)
+        rows[case][side], rows[case][f"{side}_s"] = outcome_, round(seconds, 1)
+        # progress on stderr: a long table shows where it is
+        print(f"{side:6s} {seconds:5.0f} s  {case}: {outcome_}", file=sys.stderr, flush=True)
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        pending = [pool.submit(one, case, side) for case in cases for side in checkouts]
+        try:
+            for future in as_completed(pending):
+                future.result()
+                done = [row for row in rows.values() if all(side in row for side in checkouts)]
+                write_probe_rows(done, list(checkouts), run, json_path)
+        except BaseException:  # Ctrl-C, SIGTERM (an outer time limit): the running cases end with the bench
+            pool.shutdown(wait=False, cancel_futures=True)
+            for token, proc in list(RUNNING.items()):
+                end_case(proc, token)
+            raise
+    return list(rows.values())
+
+
+def cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def probe_table(rows: list[dict[str, Any]], sides: list[str]) -> str:
+    """The markdown table: case | outcome, or case | before | after."""
+    heads = ["outcome"] if sides == ["after"] else sides
+    lines = [f"| case | {' | '.join(heads)} |", "|---" * (len(sides) + 1) + "|"]
+    lines += [f"| {cell(r['case'])} | {' | '.join(cell(r[side]) for side in sides)} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def write_probe_rows(
+    rows: list[dict[str, Any]], sides: list[str], run: dict[str, Any], json_path: str
+) -> None:
+    """The rows as JSON at `json_path` (with the time limit, the cases at once, the wall seconds so far and
+    the machine's load) and as the markdown table beside it (.md)."""
+    result = {
+        "probes": rows, "cases": len(rows), "timeout_s": run["timeout_s"], "jobs": run["jobs"],
+        "wall_s": round(time.monotonic() - run["start"], 1), "machine": harness.machine(run["load_before"]),
+    }  # fmt: skip
+    harness.write_result(result, json_path, echo=lambda line: None)
+    write_text(Path(json_path).with_suffix(".md"), probe_table(rows, sides))
 
 
 @click.command()
@@ -1222,11 +1479,32 @@ def print_probes(after: dict[str, str], before: dict[str, str] | None, json_path
     type=click.Path(file_okay=False, exists=True, path_type=Path),
     help="An earlier checkout to run the probes against too (implies --probes).",
 )
-def main(json_path: str, select: str | None, probes: bool, before: Path | None) -> None:
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=1),
+    default=300.0,
+    show_default=True,
+    help="Probes: seconds one case may take; past it the case and all it started are killed ('timeout').",
+)
+@click.option(
+    "--jobs",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Probes: cases (of either checkout) run at once; each case's processes are its own (marked).",
+)
+def main(
+    json_path: str, select: str | None, probes: bool, before: Path | None, timeout_s: float, jobs: int
+) -> None:
     if probes or before:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds run_probes, which ends its cases
+        checkouts = {"before": before.resolve()} if before else {}
+        checkouts["after"] = REPO
         with tempfile.TemporaryDirectory(prefix="faults-") as tmp:
-            old = run_probes(before.resolve(), Path(tmp) / "before", select) if before else None
-            print_probes(run_probes(REPO, Path(tmp) / "after", select), old, json_path)
+            rows = run_probes(checkouts, Path(tmp), select, timeout_s, json_path, jobs)
+        print(probe_table(rows, list(checkouts)), end="")
+        print(f"wrote {json_path} and {Path(json_path).with_suffix('.md')}", file=sys.stderr)
         return
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "faults.xml"
