@@ -103,7 +103,9 @@ if workflow.is_main_process and uses_gpus(config):
     try:
         GPU_MEMORY, GPU_DEVICE = device_memory(config["resources"])
         # as the workflow runs: train.hidden_states auto resolved (a streamed train job plans its engine)
-        GPU_PLAN = plan_config({**config, "train": {**config["train"], "hidden_states": HIDDEN_MODE}}, GPU_MEMORY)
+        GPU_PLAN = plan_config(
+            {**config, "train": {**config["train"], "hidden_states": HIDDEN_MODE}}, GPU_MEMORY
+        )
     except ValueError as err:
         print(f"warning: {err} (the GPU jobs check their line of it before vLLM loads)", file=sys.stderr)
     else:

@@ -17,7 +17,7 @@ OFFLINE_EVAL = (
     {f"offline_{name}": f"results/eval/{name}/offline.json" for name in HELDOUT} if EVAL["offline"] else {}
 )
 VLLM_EVAL = {f"vllm_{name}": f"results/eval/{name}/vllm.json" for name in HELDOUT} if EVAL["vllm"] else {}
-VLLM_RUNS = "results/eval/.runs"
+KEPT_RUNS = "results/eval/.runs"
 # the pre-flight's lines lead the report where it ran (it runs before vLLM's measurement, with it)
 SUMMARY_PREFLIGHT = {"preflight": PREFLIGHT} if EVAL["vllm"] else {}
 if not (EVAL["offline"] or EVAL["vllm"]):
@@ -120,11 +120,14 @@ rule evaluate_offline:
         offline=offline_options,
         untrained=untrained_option,
         drafter=drafter_dir,
+        # its result kept by what it measured: an identical rebuilt input (a deleted manifest made again)
+        # decodes nothing
+        runs=KEPT_RUNS,
     shell:
         "draftsmith run --gpus {resources.gpu} --"
         " draftsmith evaluate --target {input.target:q} --drafter {params.drafter:q} {params.untrained:q}"
         " --prompts {input.prompts:q} --out {output:q} --settings {params.settings:q} {params.offline:q}"
-        " --threads {threads} --gpus {resources.gpu} 2>&1 | tee {log:q}"
+        " --runs-dir {params.runs:q} --threads {threads} --gpus {resources.gpu} 2>&1 | tee {log:q}"
 
 
 # Know before you spend: plain decoding and the free methods in vLLM on every held-out set, before any
@@ -157,7 +160,7 @@ rule preflight:
         sets=vllm_set_options(outputs=False),
         dtype=config["target"]["dtype"],
         plan=drafter_plan(),
-        runs=VLLM_RUNS,
+        runs=KEPT_RUNS,
     shell:
         "draftsmith run --gpus {resources.gpu} --"
         " draftsmith preflight --target {input.target:q} {params.sets:q} --drafter-plan {params.plan:q}"
@@ -197,7 +200,7 @@ rule evaluate_vllm:
         dtype=config["target"]["dtype"],
         drafter=drafter_dir,
         # each engine run kept by what it measured (no output: a failed job's finished runs survive it)
-        runs=VLLM_RUNS,
+        runs=KEPT_RUNS,
     shell:
         "draftsmith run --gpus {resources.gpu} --"
         " draftsmith evaluate-vllm --target {input.target:q} --drafter {params.drafter:q}"

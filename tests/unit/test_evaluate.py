@@ -584,3 +584,42 @@ def test_a_vllm_run_past_its_time_limit_fails_in_one_line(monkeypatch, tmp_path)
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 1
     assert result.output.strip().splitlines() == [f"error: the vLLM measurement failed: {err.value}"]
+
+
+def test_an_offline_evaluation_is_kept_by_what_it_measured_and_reused(tmp_path, monkeypatch):
+    """A rerun of the same measurement (a deleted manifest rebuilt to the same bytes re-plans it) decodes
+    nothing: the kept result is written as the output. Another setting or drafter measures again; where
+    it runs (threads) does not."""
+    import draftsmith.stages.evaluate as ev
+    from draftsmith.core.atomic import write_json
+    from draftsmith.core.stage_settings import OfflineEvaluateSettings
+
+    target, drafter = tmp_path / "target", tmp_path / "drafter"
+    for folder in (target, drafter):
+        folder.mkdir()
+        (folder / "config.json").write_text('{"a": 1}')
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "hi"}\n')
+    decoded = []
+
+    def evaluate_offline(target, drafters, prompts, out, settings):
+        decoded.append(settings.max_new_tokens)
+        result = {"decoded": len(decoded)}
+        write_json(out, result)
+        return result
+
+    monkeypatch.setattr(ev, "evaluate_offline", evaluate_offline)
+    monkeypatch.setattr(ev, "_drafters", lambda paths, settings: {"eagle3": str(drafter)})
+
+    def run(out: str, **settings) -> dict:
+        paths = ev.EvaluatePaths(
+            str(target), str(drafter), None, str(prompts), str(tmp_path / out), str(tmp_path / "runs")
+        )
+        ev.run(paths, OfflineEvaluateSettings.from_dict(settings))
+        return json.loads((tmp_path / out).read_text())
+
+    assert run("a.json") == {"decoded": 1}
+    assert run("b.json", threads=1) == {"decoded": 1} and len(decoded) == 1  # kept: nothing decoded
+    assert run("c.json", max_new_tokens=7) == {"decoded": 2}
+    (drafter / "config.json").write_text('{"a": 2}')
+    assert run("d.json") == {"decoded": 3}

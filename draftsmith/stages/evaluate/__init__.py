@@ -11,7 +11,9 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from draftsmith.core.atomic import write_json
 from draftsmith.core.export_formats import export_draft_positions_warning
+from draftsmith.core.run_cache import RunCache
 from draftsmith.core.stage_args import BAD_INPUT, FAILED, GATE, arg
 from draftsmith.core.stage_settings import EvaluateSettings, OfflineEvaluateSettings, VllmEvaluateSettings
 from draftsmith.stages.evaluate.preflight import PreflightBlocked, PreflightPaths, run_preflight
@@ -24,6 +26,7 @@ from draftsmith.stages.evaluate.stage import (
     encode_prompts,
     evaluate_offline,
     evaluate_vllm,
+    offline_run_key,
     read_eval_prompts,
     vllm_engine,
     vllm_prompt_counts,
@@ -73,6 +76,12 @@ class DrafterPaths:
 class EvaluatePaths(DrafterPaths):
     prompts: str = arg("--prompts", "Held-out prompt JSONL.", required=True, exists=True)
     out: str = arg("--out", "Result JSON to write.", required=True)
+    runs_dir: str | None = arg(
+        "--runs-dir",
+        "Keep the finished evaluation's result here, by what it measured; a rerun of the same measurement "
+        "reuses it.",
+        kind="dir",
+    )
 
 
 @dataclass
@@ -120,10 +129,17 @@ def run(paths: EvaluatePaths, settings: OfflineEvaluateSettings) -> list[str]:
     `draftsmith gate` turn it into the report and the verdict.
     """
     drafters = _drafters(paths, settings)
+    kept = RunCache(paths.runs_dir)
+    key = offline_run_key(paths.target, drafters, paths.prompts, settings)
     try:
-        evaluate_offline(paths.target, drafters, paths.prompts, paths.out, settings)
-    except NotLossless as err:
+        result = kept.run(
+            key, lambda: evaluate_offline(paths.target, drafters, paths.prompts, paths.out, settings)
+        )
+    except NotLossless as err:  # raised before it is kept: a rerun measures it again
         raise NotLossless(f"speculative decoding changed the output: {err}") from err
+    if kept.reused:
+        write_json(paths.out, result)
+        log.info("offline evaluation kept from an earlier run (%s): nothing decoded", kept.path(key))
     return []
 
 

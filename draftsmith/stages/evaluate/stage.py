@@ -42,6 +42,7 @@ import torch
 from draftsmith.core.atomic import write_json
 from draftsmith.core.chat import eos_token_ids
 from draftsmith.core.context import context_errors, evaluation_model_len
+from draftsmith.core.digests import file_sha256
 from draftsmith.core.distributed import usable_threads
 from draftsmith.core.kinds import drafter_proposer
 from draftsmith.core.methods import DRAFTED, METHODS, method
@@ -416,6 +417,27 @@ def evaluate_offline(
             f"indexing); an exact float32 near-tie of the top two logits is possible but rare. See {out_path}."
         )
     return summary
+
+
+OFFLINE_PACKAGES = ("draftsmith", "torch", "transformers", "arctic-inference")  # what decodes offline
+
+
+def offline_run_key(
+    target: str | Path,
+    drafters: Mapping[str, str | Path],
+    prompts: str | Path,
+    settings: OfflineEvaluateSettings,
+) -> str:
+    """What decides an offline evaluation's result, as a run key (core.run_cache): the target's identity,
+    each drafter's bytes, the prompt file's, every setting but where it runs (threads, GPUs), and the
+    versions of what decodes. A copied run or an identical rebuilt input finds it; another drafter,
+    prompt or setting does not."""
+    measured = {k: v for k, v in settings.to_dict().items() if k not in ("threads", "gpus")}
+    return run_key({
+        "offline": 1, "target": target_identity(target), "prompts": file_sha256(prompts), "settings": measured,
+        "drafters": {name: export_identity(path) for name, path in sorted(drafters.items())},
+        "packages": package_versions(OFFLINE_PACKAGES),
+    })  # fmt: skip
 
 
 def _mean_accepted(results: list[SpecResult]) -> float:
