@@ -1354,7 +1354,7 @@ def marked(token: str) -> list[int]:
 
 def end_case(proc: subprocess.Popen, token: str) -> None:
     """SIGKILL a case's process, its tree and every process of its mark, all listed before any dies."""
-    from draftsmith.stages.extract import process_tree  # torch: not in every case's own process
+    from draftsmith.core.devices import process_tree
 
     pids = set(marked(token))
     if proc.poll() is None:

@@ -100,6 +100,26 @@ def visible_devices(ids: Sequence[str] | None) -> Iterator[None]:
             os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every live descendant of it (zombies left out), from /proc (Linux; just `pid` elsewhere):
+    what to signal so that no process an engine or a job started outlives it."""
+    children: dict[int, list[int]] = {}
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat_file.read_text()
+        except OSError:  # exited while we looked
+            continue
+        fields = text[text.rfind(")") + 2 :].split()  # after "pid (comm) ": state ppid ...
+        if len(fields) > 1 and fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(text.split(" ", 1)[0]))
+    found, todo = [pid], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
 def choose_slots(busy: Collection[int], total: int, n: int) -> list[int] | None:
     """The n lowest free slots of 0..total-1, or None while fewer than n are free."""
     if n > total:

@@ -36,7 +36,7 @@ from tqdm import tqdm
 from draftsmith.backends.common import VllmStartError
 from draftsmith.backends.extraction import make_extractor, transformers_device  # noqa: F401 (re-exported)
 from draftsmith.core.atomic import atomic_path, disk_full
-from draftsmith.core.devices import parse_visible
+from draftsmith.core.devices import parse_visible, process_tree
 from draftsmith.core.digests import file_sha256, intact, retouch, seal, seal_as, sidecar
 from draftsmith.core.distributed import rank_threads, usable_threads
 from draftsmith.core.estimate import (
@@ -668,19 +668,6 @@ def _engine_process(
 def idle_engines(last: dict[int, float], alive: set[int], now: float, timeout: float) -> list[int]:
     """The live engines whose last progress (start, shard started or finished) is `timeout` seconds old."""
     return sorted(i for i in alive if now - last[i] >= timeout)
-
-
-def process_tree(pid: int) -> list[int]:
-    """`pid` and every live descendant of it, from /proc (Linux)."""
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError, ValueError):  # gone meanwhile
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-    tree, frontier = [pid], [pid]
-    while frontier:
-        frontier = [p for p, parent in parents.items() if parent in frontier]
-        tree += frontier
-    return tree
 
 
 def kill_tree(pid: int) -> None:

@@ -336,3 +336,23 @@ def test_a_streamed_jobs_engine_sees_its_ranks_gpu_or_the_first_engine_gpus():
     with visible_devices(["3"]):
         assert os.environ["CUDA_VISIBLE_DEVICES"] == "3"
     assert os.environ.get("CUDA_VISIBLE_DEVICES") == before
+
+
+def test_a_process_tree_is_the_process_and_every_live_descendant():
+    """What `kill_tree`, the vLLM child's timeout and the fault bench signal: the process, its children,
+    theirs (in a session of their own too)."""
+    from draftsmith.core.devices import process_tree
+
+    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'], start_new_session=True); time.sleep(30)"
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.time() + 20
+        while time.time() < deadline and len(process_tree(proc.pid)) < 2:
+            time.sleep(0.05)
+        tree = process_tree(proc.pid)
+        assert tree[0] == proc.pid and len(tree) == 2, tree
+    finally:
+        for pid in reversed(process_tree(proc.pid)):
+            os.kill(pid, signal.SIGKILL)
+        proc.wait()
+    assert process_tree(proc.pid) == [proc.pid]  # gone: only the pid asked for

@@ -36,6 +36,7 @@ from helpers import (
 )
 from safetensors.torch import load_file
 
+from draftsmith.core.devices import process_tree
 from draftsmith.core.distributed import Dist, rank_threads
 from draftsmith.core.loader import StreamingData, verify_share
 from draftsmith.core.manifest import load_manifest
@@ -82,23 +83,6 @@ def torchrun_train(data: dict, root: Path, s, nproc: int = 2, ok: bool = True) -
     if ok:
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     return proc
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of a process, from /proc (Linux)."""
-    parents = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # gone meanwhile
-        parents[int(stat.parent.name)] = int(fields[1])
-    found, frontier = [], [pid]
-    while frontier:
-        children = [p for p, parent in parents.items() if parent in frontier]
-        found += children
-        frontier = children
-    return found
 
 
 def curve(root: Path, kind: str = "train") -> list[dict]:
@@ -165,7 +149,7 @@ def test_a_killed_two_process_run_resumes_exactly(data: dict, two, tmp_path: Pat
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None and not checkpoints_of(tmp_path):
         time.sleep(0.01)
-    for pid in [proc.pid, *descendants(proc.pid)]:  # torchrun and its workers (each in its own session)
+    for pid in process_tree(proc.pid):  # torchrun and its workers (each in its own session)
         os.kill(pid, signal.SIGKILL)
     out = proc.communicate()[0].decode(errors="replace")
     assert proc.returncode == -signal.SIGKILL, f"finished before the kill:\n{out[-3000:]}"

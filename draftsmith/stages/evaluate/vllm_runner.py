@@ -37,6 +37,7 @@ import click
 
 from draftsmith.backends.common import log_cause
 from draftsmith.backends.vllm_api import SPEC_METRICS
+from draftsmith.core.devices import process_tree
 from draftsmith.core.engines import speculative_config
 from draftsmith.core.settings import schema_default
 
@@ -288,25 +289,6 @@ class VllmTimeout(RuntimeError):
     """A vLLM child ran past its time limit (and was killed with everything it started)."""
 
 
-def descendants(pid: int) -> list[int]:
-    """Live processes started by `pid`, directly or not, from /proc (Linux; empty elsewhere)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:  # exited while we looked
-            continue
-        fields = text[text.rfind(")") + 2 :].split()  # after "pid (comm) ": state ppid ...
-        if fields and fields[0] != "Z":
-            children.setdefault(int(fields[1]), []).append(int(text.split(" ", 1)[0]))
-    found, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
-
-
 def run_with_timeout(cmd: list[str], env: dict[str, str], log_file: Path, timeout: float) -> int | None:
     """Run cmd with its output in log_file; its exit code, or None when it ran past `timeout` seconds:
     then it and everything it started (vLLM's engine core and GPU workers) are SIGKILLed, so no orphan
@@ -317,7 +299,7 @@ def run_with_timeout(cmd: list[str], env: dict[str, str], log_file: Path, timeou
         try:
             return proc.wait(timeout=timeout)
         except BaseException as err:  # the time limit, or an interruption: leave nothing running
-            for pid in [*descendants(proc.pid), proc.pid]:
+            for pid in reversed(process_tree(proc.pid)):  # the children first, then the child
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             proc.wait()
