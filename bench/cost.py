@@ -35,8 +35,7 @@ What it does, in this order:
    predicted out of sample: fitted on the other concurrencies only ("held out"). Per method, the
    crossover (policy.crossover: the last B where it beats plain decoding) predicted vs measured.
 5. --schedule: the serving policy over the grid 1, 2, 4, ... up to the largest B, from the drafter's
-   acceptance measured at the first B, and n-gram lookup's from its own (the drafter's k = 0 still runs
-   the drafter each step to keep its KV cache; n-gram lookup's has no model to keep); each vLLM schedule
+   acceptance measured at the first B, and n-gram lookup's from its own; each vLLM schedule
    (num_speculative_tokens_per_batch_size) served at the first and the last B beside the static best k
    (the policy's k at the first B) and plain decoding, --rounds times in alternating order (one round
    at the static k = --k: the calibration's runs of plain decoding and of the method stand for those two).
@@ -466,7 +465,7 @@ def main(
         schedules = [{**s, "from_json": True} for s in runs.get("schedules") or []]
         if (
             with_schedule and not from_json
-        ):  # the drafter's schedule and n-gram lookup's (no model: k = 0 free?)
+        ):  # the drafter's schedule and n-gram lookup's
             schedules = [schedule_bench(target, runs["drafter"], runs["encoded"], runs["max_new_tokens"], k,
                                         measured, device, lookups, tcost, dcost, runs["context_tokens"], rounds,
                                         cache, method)
