@@ -463,9 +463,7 @@ def main(
         device, lookups = calibrate(runs["cpu"], measured, tcost, dcost, k, *shape)
         rows = predictions(measured, runs["cpu"], device, lookups, tcost, dcost, k, *shape)
         schedules = [{**s, "from_json": True} for s in runs.get("schedules") or []]
-        if (
-            with_schedule and not from_json
-        ):  # the drafter's schedule and n-gram lookup's
+        if with_schedule and not from_json:  # the drafter's schedule and n-gram lookup's
             schedules = [schedule_bench(target, runs["drafter"], runs["encoded"], runs["max_new_tokens"], k,
                                         measured, device, lookups, tcost, dcost, runs["context_tokens"], rounds,
                                         cache, method)
