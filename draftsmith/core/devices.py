@@ -71,6 +71,11 @@ def engine_visible_devices(value: str | None, engine_gpus: int, trainer_index: i
     ids = parse_visible(value)
     if ids is None:
         ids = [str(i) for i in range(max(engine_gpus, trainer_index + 1))]
+    if len(ids) < max(engine_gpus, trainer_index + 1):
+        raise DeviceError(
+            f"the streamed extraction engine needs GPU {max(engine_gpus, trainer_index + 1) - 1}, but the job "
+            f"sees {len(ids)} (CUDA_VISIBLE_DEVICES={value!r}, resources.train.engine_gpus = {engine_gpus})"
+        )
     if engine_gpus:
         return ids[:engine_gpus]
     return [ids[trainer_index]]

@@ -574,12 +574,15 @@ def open_data(
         share = None
         if on_gpus and not settings.engine_gpus and planned is not None:
             share = stream_engine_share(*planned)
-        visible = engine_visible_devices(
-            os.environ.get("CUDA_VISIBLE_DEVICES"), settings.engine_gpus, device.index or 0
-        )
+        # on CPU the job's CUDA_VISIBLE_DEVICES is empty: there is no GPU to place the engine on
+        visible = None
+        if on_gpus:
+            visible = engine_visible_devices(
+                os.environ.get("CUDA_VISIBLE_DEVICES"), settings.engine_gpus, device.index or 0
+            )
         gpus = settings.engine_gpus or 1 if on_gpus else 0
         # vLLM's engine core is a child process: it sees the GPUs visible while it starts
-        with visible_devices(visible if on_gpus else None):
+        with visible_devices(visible):
             extractor = make_extractor(
                 s["backend"], str(manifest["target"]), [int(i) for i in manifest["aux_layer_ids"]],
                 compute_dtype(s["dtype"], where), max(gpus, int(where == "cuda")), int(meta["max_seq_len"]) + 1,

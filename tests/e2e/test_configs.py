@@ -31,6 +31,7 @@ from hubcache import add_repo
 
 from draftsmith import cli
 from draftsmith.core.config import read_numbers, replaced_mappings, schema
+from draftsmith.core.hidden_plan import FREE_BYTES_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -39,6 +40,7 @@ pytestmark = pytest.mark.slow
 TARGETS = REPO / "tests" / "data" / "target-configs"
 TARGET_DIRS = {"moonshotai/Kimi-K2.5": "kimi-k2.5", "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b",
                "Qwen/Qwen3-235B-A22B": "qwen3-235b-a22b"}  # fmt: skip
+NODE_DISK_BYTES = 30 * 10**12
 # Where commands are documented: the pages, and each config file's header (`#   snakemake ...`).
 DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 CONFIG_FILES = ["config.yaml", *(f"configs/{p.name}" for p in sorted((REPO / "configs").glob("*.yaml"))),
@@ -126,6 +128,9 @@ def env(tmp_path_factory) -> dict[str, str]:
     missing = str(cache / "none")
     environ.update(HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1", AWS_EC2_METADATA_DISABLED="true",
                    AWS_SHARED_CREDENTIALS_FILE=missing, AWS_CONFIG_FILE=missing)  # fmt: skip
+    # planned as on a GPU node's local NVMe (a DGX H100's 30 TB), where train.hidden_states auto keeps
+    # the states as files; this machine's disk streams them (test_states_that_do_not_fit_the_disk_stream)
+    environ[FREE_BYTES_ENV] = str(NODE_DISK_BYTES)
     return environ
 
 
@@ -328,6 +333,20 @@ def test_every_stage_is_planned(plan):
     # the Hub target is downloaded by a job of no GPUs, the id and revision its settings
     assert [j["gpu"] for j in jobs["target"]] == [0]
     assert f'"model": "{GPU_CONFIGS[name]}"' in jobs["target"][0]["shell"]
+
+
+@pytest.mark.parametrize("name", sorted(GPU_CONFIGS))
+def test_states_that_do_not_fit_the_disk_stream(clone, env, name):
+    """Issue 45: on a 2 TB disk each GPU config's states (2.7-4.7 TB bound) cannot be written; auto
+    streams them into the train job, says so in one line, and plans no extraction."""
+    command = dry_run_args(config_command(f"configs/{name}.yaml"))
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=clone, timeout=300,
+                          env={**env, FREE_BYTES_ENV: str(2 * 10**12)})  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "train.hidden_states auto -> stream: the states do not fit the disk" in proc.stderr, proc.stderr
+    jobs = by_rule(jobs_of(proc))
+    assert "extract" not in jobs and "manifest" not in jobs and "stream_manifest" in jobs, sorted(jobs)
+    assert "--manifest results/stream_config.json" in jobs["train"][0]["shell"]
 
 
 def test_gpu_reservations(plan):

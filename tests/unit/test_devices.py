@@ -332,6 +332,8 @@ def test_a_streamed_jobs_engine_sees_its_ranks_gpu_or_the_first_engine_gpus():
     assert engine_visible_devices("4,5,6,7", 3, trainer_index(3, 0)) == ["4", "5", "6"]
     assert trainer_index(3, 0) == 3 and trainer_index(0, 1) == 1
     assert engine_visible_devices(None, 2, 2) == ["0", "1"]
+    with pytest.raises(DeviceError, match="CUDA_VISIBLE_DEVICES=''"):
+        engine_visible_devices("", 0, 0)
     before = os.environ.get("CUDA_VISIBLE_DEVICES")
     with visible_devices(["3"]):
         assert os.environ["CUDA_VISIBLE_DEVICES"] == "3"
