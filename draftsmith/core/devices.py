@@ -68,13 +68,14 @@ def engine_visible_devices(value: str | None, engine_gpus: int, trainer_index: i
     """The GPUs a streamed train job's extraction engine sees (resources.train.engine_gpus), from the job's
     CUDA_VISIBLE_DEVICES `value` (unset: 0..n): 0 = the trainer rank's own GPU (`trainer_index`, its
     cuda index), N = the first N GPUs (the trainer then runs on GPU N)."""
+    needed = max(engine_gpus, trainer_index + 1)
     ids = parse_visible(value)
     if ids is None:
-        ids = [str(i) for i in range(max(engine_gpus, trainer_index + 1))]
-    if len(ids) < max(engine_gpus, trainer_index + 1):
+        ids = [str(i) for i in range(needed)]
+    if len(ids) < needed:
         raise DeviceError(
-            f"the streamed extraction engine needs GPU {max(engine_gpus, trainer_index + 1) - 1}, but the job "
-            f"sees {len(ids)} (CUDA_VISIBLE_DEVICES={value!r}, resources.train.engine_gpus = {engine_gpus})"
+            f"the streamed extraction engine needs GPU {needed - 1}, but the job sees {len(ids)} "
+            f"(CUDA_VISIBLE_DEVICES={value!r}, resources.train.engine_gpus = {engine_gpus})"
         )
     if engine_gpus:
         return ids[:engine_gpus]
