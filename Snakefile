@@ -4,7 +4,7 @@
 
 from snakemake.utils import min_version
 
-from draftsmith.core.config import config_file_error, stop_at_start
+from draftsmith.core.config.config import config_file_error, stop_at_start
 
 min_version("9.20")
 

@@ -88,8 +88,8 @@ def validation_projection(drafter: Path, agreement: list[float | None]) -> dict[
     draft position j were its acceptance there given the earlier ones accepted (the TTT view: each
     position scored on the real prefix), 1 + a0 + a0*a1 + ..., and that projected by the cost model at
     concurrency PROJECTED_CONCURRENCY (evaluate.serving's device, the drafter's own cost)."""
-    from draftsmith.core.cost import drafter_cost, serving_points, speedup_factor, target_cost
-    from draftsmith.core.settings import schema_default
+    from draftsmith.core.config.settings import schema_default
+    from draftsmith.core.evaluation.cost import drafter_cost, serving_points, speedup_factor, target_cost
 
     target = json.loads((drafter / "config.json").read_text())["draftsmith"]["target"]
     rates = [a or 0.0 for a in agreement]
@@ -124,9 +124,9 @@ def measure(
 def measure_set(
     drafter: Path, prompts: str, num_prompts: int, work: Path, evaluate: dict[str, Any]
 ) -> dict[str, Any]:
-    from draftsmith.core.cost import drafter_cost, serving_points, target_cost
-    from draftsmith.core.projection import chosen, set_projection
-    from draftsmith.core.settings import schema_default
+    from draftsmith.core.config.settings import schema_default
+    from draftsmith.core.evaluation.cost import drafter_cost, serving_points, target_cost
+    from draftsmith.core.evaluation.projection import chosen, set_projection
     from draftsmith.stages.evaluate import EvaluateSettings, evaluate_offline
 
     target = json.loads((drafter / "config.json").read_text())["draftsmith"]["target"]

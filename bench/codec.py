@@ -33,7 +33,7 @@ import torch
 import zstandard
 
 from bench import harness
-from draftsmith.core.shards import (
+from draftsmith.core.data.shards import (
     MANTISSA_LEVEL,
     STORAGE_DTYPES,
     PlaneEncoder,

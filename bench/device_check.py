@@ -7,7 +7,7 @@ Prints one table (format in docs/gpu.md, "Checks on a lent GPU"):
 
 - train: peak CUDA memory of one training pass (forward, backward, AdamW step) of a Llama-3.1-8B-shaped
   and a Kimi-K2.5-shaped drafter at the shipped configs' tokens per pass, bf16 autocast, with and without
-  checkpoint_ttt, against the memory plan's figure for that rank (draftsmith/core/memory.py); and the
+  checkpoint_ttt, against the memory plan's figure for that rank (draftsmith/core/planning/memory.py); and the
   training rate in tokens/s.
 - mask: the extra memory of a 7-step TTT attention (forward and backward) at T = 8,191 through a mask
   whose row stride is steps x T (before the stride fix) and one padded to a multiple of 8 (after).
@@ -36,14 +36,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 try:  # the image's torch and transformers; draftsmith's own small dependencies may be missing there
-    from draftsmith.core import drafter as drafter_module
-    from draftsmith.core.config import merged_config_files, text_config_json, with_defaults
-    from draftsmith.core.drafter import TTTKV, DrafterConfig
-    from draftsmith.core.kinds import KINDS, drafter_loss, new_drafter
-    from draftsmith.core.loader import Batch
-    from draftsmith.core.memory import GB, drafter_shape, train_memory
-    from draftsmith.core.objective import DraftingLoss, Objective
-    from draftsmith.core.target import load_target_config
+    from draftsmith.core.config.config import merged_config_files, text_config_json, with_defaults
+    from draftsmith.core.data.loader import Batch
+    from draftsmith.core.model import drafter as drafter_module
+    from draftsmith.core.model.drafter import TTTKV, DrafterConfig
+    from draftsmith.core.model.kinds import KINDS, drafter_loss, new_drafter
+    from draftsmith.core.model.target import load_target_config
+    from draftsmith.core.planning.memory import GB, drafter_shape, train_memory
+    from draftsmith.core.training.objective import DraftingLoss, Objective
     from draftsmith.stages.train import TrainSettings
 except ModuleNotFoundError as err:
     print(
@@ -227,7 +227,7 @@ def free_port() -> int:
 
 
 def ddp_case(kind: str, steps: int, device: torch.device, quick: bool) -> Row:
-    """Two DistributedDataParallel steps of this kind (one rank, as draftsmith.core.distributed wraps it)."""
+    """Two DistributedDataParallel steps of this kind (one rank, as draftsmith.core.training.distributed wraps it)."""
     from torch.nn.parallel import DistributedDataParallel
 
     # Llama-3.1-8B's width, a narrower MLP: the step's collectives are what is checked, not its size

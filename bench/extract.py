@@ -66,11 +66,11 @@ import torch
 from bench import harness
 from bench.harness import median
 from draftsmith.backends.hf import HfExtractor
-from draftsmith.core.config import section_defaults
-from draftsmith.core.layers import resolve_aux_layers
-from draftsmith.core.shards import ShardWriter, iter_samples
-from draftsmith.core.target import load_target
-from draftsmith.core.tokens import load_tokens, write_tokens
+from draftsmith.core.config.config import section_defaults
+from draftsmith.core.data.shards import ShardWriter, iter_samples
+from draftsmith.core.data.tokens import load_tokens, write_tokens
+from draftsmith.core.model.layers import resolve_aux_layers
+from draftsmith.core.model.target import load_target
 from draftsmith.stages.extract import ExtractSettings, extract_shard
 
 TINY_RUN_TOKENS = "/tmp/wf/results/tokens.safetensors"
@@ -113,8 +113,8 @@ def made_up_samples(target: str) -> tuple[list[list[int]], list[list[int]]]:
     few prompts (real-looking text, 70-470 tokens a sample). Throughput does not depend on the words."""
     from transformers import AutoTokenizer
 
-    from draftsmith.core.chat import render_with_response
-    from draftsmith.core.prompt_sources import read_prompt_file
+    from draftsmith.core.data.chat import render_with_response
+    from draftsmith.core.data.prompt_sources import read_prompt_file
 
     tokenizer = AutoTokenizer.from_pretrained(target)
     records = read_prompt_file(Path(__file__).resolve().parents[1] / "draftsmith" / "data" / "prompts.jsonl")

@@ -40,8 +40,8 @@ import click
 import yaml
 
 from bench import harness
-from draftsmith.core.atomic import write_text
-from draftsmith.core.digests import smallest_readable
+from draftsmith.core.io.atomic import write_text
+from draftsmith.core.io.digests import smallest_readable
 
 REPO = Path(__file__).resolve().parents[1]
 MODULES = ["tests/e2e/test_extract_kill.py", "tests/e2e/test_faults.py"]
@@ -334,9 +334,9 @@ def probe_manifest_without_min_teacher_agreement(p: Probe) -> str:
 # A small drafter export written by the checkout's own code (8-layer target, 256 tokens, 96 drafted).
 MAKE_EXPORT = """
 import torch
-from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter
-from draftsmith.core.export_formats import save_drafter
-from draftsmith.core.vocab import vocab_maps
+from draftsmith.core.model.drafter import DrafterConfig, Eagle3Drafter
+from draftsmith.core.export.formats import save_drafter
+from draftsmith.core.data.vocab import vocab_maps
 cfg = DrafterConfig(hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
                     intermediate_size=80, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512,
                     target_hidden_size=48, target_vocab_size=256, draft_vocab_size=96, kind="eagle3",
@@ -500,7 +500,7 @@ def probe_lock_file_link(p: Probe) -> str:
         """
         import os, socket
         from pathlib import Path
-        from draftsmith.core.devices import acquire, lock_namespace
+        from draftsmith.core.io.devices import acquire, lock_namespace
         Path("locks").mkdir()
         Path("locks", lock_namespace({}, socket.gethostname()) + "-gpu0.lock").symlink_to(Path("victim").absolute())
         try:
@@ -814,7 +814,7 @@ def probe_corrupt_vocab_after_a_run(p: Probe) -> str:
     vocab = p.root / "results" / "vocab_map.pt"
     vocab.write_bytes(b"a good map" * 100)
     p.python(
-        "import sys\ntry:\n    from draftsmith.core.digests import seal\nexcept ImportError:\n    sys.exit()\nseal(['results/vocab_map.pt'], 'vocab')"
+        "import sys\ntry:\n    from draftsmith.core.io.digests import seal\nexcept ImportError:\n    sys.exit()\nseal(['results/vocab_map.pt'], 'vocab')"
     )
     time.sleep(0.01)
     vocab.write_bytes(b"a corrupt!" * 100)
@@ -864,7 +864,7 @@ def probe_touch_rehashes(p: Probe) -> str:
     """A sealed 8 MiB file whose mtime Snakemake's touch moved: is it hashed again at start?"""
     proc = p.python(
         """
-        import os, draftsmith.core.digests as d
+        import os, draftsmith.core.io.digests as d
         from pathlib import Path
         f = Path("results/hidden/shard-0.safetensors"); f.parent.mkdir(parents=True)
         f.write_bytes(b"s" * 8 * 2**20); d.seal([f], "extract"); os.utime(f, ns=(5, 5))
@@ -880,7 +880,7 @@ def probe_touch_rehashes(p: Probe) -> str:
 SHARD_DAMAGE = """
 import os, sys
 from pathlib import Path
-from draftsmith.core import digests
+from draftsmith.core.io import digests
 out = Path("results/hidden/shard-0.safetensors")
 stashed = Path("results/hidden/.done/k/shard-0.safetensors"); stashed.parent.mkdir(parents=True)
 stashed.write_bytes(b"good" * 64); digests.seal([stashed], "extract")
@@ -1107,9 +1107,9 @@ def probe_leftover_lock(p: Probe) -> str:
 TARGET_DRAFTER = """
 import json, sys, torch
 from pathlib import Path
-from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter
-from draftsmith.core.export_formats import save_drafter
-from draftsmith.core.vocab import vocab_maps
+from draftsmith.core.model.drafter import DrafterConfig, Eagle3Drafter
+from draftsmith.core.export.formats import save_drafter
+from draftsmith.core.data.vocab import vocab_maps
 t = json.loads((Path(sys.argv[1]) / "config.json").read_text())
 layers, heads = t["num_hidden_layers"], t["num_attention_heads"]
 cfg = DrafterConfig(hidden_size=t["hidden_size"], num_attention_heads=heads,
@@ -1157,7 +1157,7 @@ def probe_checkpoint_disk_full(p: Probe) -> str:
     proc = p.python(
         """
         import errno, torch
-        import draftsmith.core.checkpoints as c
+        import draftsmith.core.training.checkpoints as c
         def full(*a, **k):
             raise OSError(errno.ENOSPC, "No space left on device")
         c.save_file = full
@@ -1354,7 +1354,7 @@ def marked(token: str) -> list[int]:
 
 def end_case(proc: subprocess.Popen, token: str) -> None:
     """SIGKILL a case's process, its tree and every process of its mark, all listed before any dies."""
-    from draftsmith.core.devices import process_tree
+    from draftsmith.core.io.devices import process_tree
 
     pids = set(marked(token))
     if proc.poll() is None:

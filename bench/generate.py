@@ -29,7 +29,7 @@ import click
 
 from bench import harness
 from bench.harness import median
-from draftsmith.core.prompt_sources import BUILTIN_PROMPTS
+from draftsmith.core.data.prompt_sources import BUILTIN_PROMPTS
 from draftsmith.stages.generate import GenerateSettings, generate_traces
 
 
@@ -80,7 +80,7 @@ def main(
     json_path: str,
 ) -> None:
     from draftsmith.backends.server import VllmServer
-    from draftsmith.core.precision import compute_dtype
+    from draftsmith.core.model.precision import compute_dtype
 
     dtype = compute_dtype(dtype)
     load_before = harness.load_average()

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from draftsmith.core.atomic import write_json
+from draftsmith.core.io.atomic import write_json
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -133,7 +133,7 @@ def machine(load_before: list[float]) -> dict[str, Any]:
 
 def base_settings(config_path: str | Path | None, overrides: Mapping[str, Any]) -> dict[str, Any]:
     """draftsmith's train settings as the workflow merges them: schema < the config's `train` < overrides."""
-    from draftsmith.core.config import section_from_file
+    from draftsmith.core.config.config import section_from_file
 
     return section_from_file("train", Path(config_path) if config_path else None, dict(overrides))
 

@@ -32,7 +32,7 @@ from typing import Any
 import click
 
 from bench import harness
-from draftsmith.core.config import section_from_file
+from draftsmith.core.config.config import section_from_file
 from draftsmith.stages.extract import RESULT_KEYS
 
 MODES = ("files", "stream", "hybrid")
@@ -111,7 +111,7 @@ def run_mode(
 
 
 def _tokens_meta(tokens: str) -> str:
-    from draftsmith.core.tokens import load_tokens
+    from draftsmith.core.data.tokens import load_tokens
 
     return json.dumps(load_tokens(tokens)[1])
 

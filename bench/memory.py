@@ -1,5 +1,5 @@
 """Bytes the TTT loss keeps for the backward pass, measured, and the per-token coefficients of
-draftsmith/core/memory.py fitted to them.
+draftsmith/core/planning/memory.py fitted to them.
 
     python -m bench.memory            # measure scaled-down drafters, fit, print the coefficients
 
@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.core import objective as objective_module
-from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter
-from draftsmith.core.loader import Batch
-from draftsmith.core.memory import CHECKPOINTED, CURRENT, DrafterShape, activation_bytes
-from draftsmith.core.objective import Objective, ttt_loss
+from draftsmith.core.data.loader import Batch
+from draftsmith.core.model.drafter import DrafterConfig, Eagle3Drafter
+from draftsmith.core.planning.memory import CHECKPOINTED, CURRENT, DrafterShape, activation_bytes
+from draftsmith.core.training import objective as objective_module
+from draftsmith.core.training.objective import Objective, ttt_loss
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def objective(steps: int, checkpoint_ttt: bool) -> Objective:
 
 def measure(case: Case, checkpoint_ttt: bool = False, seed: int = 0) -> int:
     """Bytes held for the backward pass after one `ttt_loss` forward on `case`, with autocast's weight
-    cache on as on a GPU (draftsmith.core.objective.CPU_AUTOCAST_CACHE)."""
+    cache on as on a GPU (draftsmith.core.training.objective.CPU_AUTOCAST_CACHE)."""
     objective_module.CPU_AUTOCAST_CACHE = True
     try:
         return _measure(case, checkpoint_ttt, seed)
@@ -197,8 +197,8 @@ def tables() -> str:
     """docs/gpu.md's tables: each shipped config's memory per GPU and stage on an H100 and an H200, before
     issue 32 (the loss as it was, no micro-batches, shares by sample count at their nominal batch_tokens /
     world) and now (with the vLLM stages' engines x GPUs each where the job runs several engines)."""
-    from draftsmith.core.config import merged_config_files, with_defaults
-    from draftsmith.core.memory import BEFORE, GB, GIB, GPU_PRESETS, plan_config
+    from draftsmith.core.config.config import merged_config_files, with_defaults
+    from draftsmith.core.planning.memory import BEFORE, GB, GIB, GPU_PRESETS, plan_config
 
     root = Path(__file__).resolve().parents[1]
     out = []

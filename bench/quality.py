@@ -27,7 +27,7 @@ from typing import Any
 import click
 
 from bench import harness
-from draftsmith.core.atomic import atomic_path
+from draftsmith.core.io.atomic import atomic_path
 
 
 def _floats(text: str) -> list[float]:
@@ -43,9 +43,9 @@ def subset_manifest(manifest_path: Path, fraction: float, val_fraction: float, f
     """A manifest of `fraction` of the training samples and every validation sample, in new shards.
 
     The subset shards' counts are their own; their teacher-agreement figures stay the full shards'."""
-    from draftsmith.core.loader import is_validation
-    from draftsmith.core.manifest import load_manifest
-    from draftsmith.core.shards import ShardWriter, iter_samples, read_shard_meta
+    from draftsmith.core.data.loader import is_validation
+    from draftsmith.core.data.manifest import load_manifest
+    from draftsmith.core.data.shards import ShardWriter, iter_samples, read_shard_meta
     from draftsmith.stages.manifest import ManifestSettings, build_manifest
 
     manifest = load_manifest(manifest_path)
@@ -122,7 +122,7 @@ def figures_by_set(
     """Tokens per target forward and tau with their bootstrap intervals over prompts, and acceptance per
     position, per held-out set, from the per-prompt counts of one batch holding every set (`spans`: set ->
     [start, end) in the batch)."""
-    from draftsmith.core.stats import bootstrap_ratio, bootstrap_tau
+    from draftsmith.core.evaluation.stats import bootstrap_ratio, bootstrap_tau
     from draftsmith.stages.evaluate import counts_summary
 
     out = {}

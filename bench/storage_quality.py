@@ -28,13 +28,13 @@ import torch
 import yaml
 
 from bench import harness
-from draftsmith.core.export_formats import load_drafter
-from draftsmith.core.loader import StreamingData
-from draftsmith.core.manifest import load_manifest
-from draftsmith.core.objective import Objective, StepStats, ttt_loss
-from draftsmith.core.stats import bootstrap_ratio, bootstrap_tau, paired_difference
-from draftsmith.core.target import load_target_head
-from draftsmith.core.vocab import load_vocab_map
+from draftsmith.core.data.loader import StreamingData
+from draftsmith.core.data.manifest import load_manifest
+from draftsmith.core.data.vocab import load_vocab_map
+from draftsmith.core.evaluation.stats import bootstrap_ratio, bootstrap_tau, paired_difference
+from draftsmith.core.export.formats import load_drafter
+from draftsmith.core.model.target import load_target_head
+from draftsmith.core.training.objective import Objective, StepStats, ttt_loss
 from draftsmith.stages.train import TrainSettings
 
 DTYPES = ("bf16", "fp8")

@@ -44,15 +44,15 @@ import torch
 
 from bench import harness
 from bench.harness import median
-from draftsmith.core.atomic import write_json
-from draftsmith.core.drafter import build_drafter
-from draftsmith.core.loader import Batch, InMemoryData, StreamingData, step_plan
-from draftsmith.core.manifest import load_manifest
-from draftsmith.core.objective import Objective, ttt_loss
-from draftsmith.core.optimizers import make_optimizer
-from draftsmith.core.shards import ShardWriter, iter_samples, read_shard_meta
-from draftsmith.core.target import load_target_head
-from draftsmith.core.vocab import load_vocab_map
+from draftsmith.core.data.loader import Batch, InMemoryData, StreamingData, step_plan
+from draftsmith.core.data.manifest import load_manifest
+from draftsmith.core.data.shards import ShardWriter, iter_samples, read_shard_meta
+from draftsmith.core.data.vocab import load_vocab_map
+from draftsmith.core.io.atomic import write_json
+from draftsmith.core.model.drafter import build_drafter
+from draftsmith.core.model.target import load_target_head
+from draftsmith.core.training.objective import Objective, ttt_loss
+from draftsmith.core.training.optimizers import make_optimizer
 from draftsmith.stages.train import TrainSettings
 
 
@@ -264,7 +264,7 @@ def attention_peak(fused: bool, heads: int, tokens: int, steps: int, threads: in
     128] fp32 inputs -> peak resident memory above the inputs (MiB) and seconds."""
     import resource
 
-    from draftsmith.core.drafter import TTTKV, ttt_attention_reference
+    from draftsmith.core.model.drafter import TTTKV, ttt_attention_reference
 
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
@@ -355,9 +355,9 @@ def ddp_worker(rank: int, world: int, port: int, args: dict[str, Any], out: str)
 
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    from draftsmith.core.distributed import init_distributed
-    from draftsmith.core.objective import DraftingLoss
-    from draftsmith.core.optimizers import make_scheduler
+    from draftsmith.core.training.distributed import init_distributed
+    from draftsmith.core.training.objective import DraftingLoss
+    from draftsmith.core.training.optimizers import make_scheduler
     from draftsmith.stages.train import load_inputs, train_step
 
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank)}

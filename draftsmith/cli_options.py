@@ -1,5 +1,5 @@
 """A stage's command, generated from the stage: an option for every field of its paths dataclass (as its
-`arg` spells it, draftsmith/core/stage_args.py) and for every setting of its settings class, named after
+`arg` spells it, draftsmith/core/config/stage_args.py) and for every setting of its settings class, named after
 the setting's key (`--batch-tokens`; a boolean `--key/--no-key`), typed by the schema (an enum is a
 choice), the schema's description as help. Parsing only: the stage's `run(paths, settings)` does the work.
 
@@ -19,9 +19,9 @@ from typing import Any
 
 import click
 
-from draftsmith.core.config import deep_merge, section_errors, settings_defaults
-from draftsmith.core.settings import ops_fields, schema_spec
-from draftsmith.core.stage_args import BAD_INPUT, Arg, args_of
+from draftsmith.core.config.config import deep_merge, section_errors, settings_defaults
+from draftsmith.core.config.settings import ops_fields, schema_spec
+from draftsmith.core.config.stage_args import BAD_INPUT, Arg, args_of
 
 _CLICK_TYPES = {"integer": int, "number": float, "string": str}
 _ITEM_TYPES = {"integer": int, "number": float, "string": str, "boolean": bool}
@@ -266,7 +266,7 @@ def stage_command(name: str, run: Callable[..., Iterable[str]], exits: dict[type
     """The command `name` of a stage's run(paths[, settings]): its options from the two classes its
     signature names, its help from its docstring; the lines it yields are printed, an error of `exits`
     is one line and its exit code. Outputs marked sealed are unsealed first and sealed when it succeeds."""
-    from draftsmith.core.digests import seal, unseal
+    from draftsmith.core.io.digests import seal, unseal
 
     hints = typing.get_type_hints(run)
     paths_class, settings_class = hints["paths"], hints.get("settings")

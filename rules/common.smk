@@ -7,32 +7,30 @@ from pathlib import Path
 from snakemake.utils import validate
 
 import draftsmith
-from draftsmith.core.benchmarks import BENCHMARKS
-from draftsmith.core.config import (
+from draftsmith.core.data.benchmarks import BENCHMARKS
+from draftsmith.core.config.config import (
     STREAM_MODES,
     ConfigSource,
-    combination_errors,
     config_errors,
-    input_file_errors,
     is_embedded_target,
     is_hub_target,
     locate,
     merge_sources,
     read_config_file,
     stop_at_start,
-    target_checks,
     target_folder,
     workdir_path,
 )
-from draftsmith.core.cost import serving_profile_errors
-from draftsmith.core.hidden_plan import plan_hidden_states
-from draftsmith.core.memory import GIB, config_target, device_memory, plan_config, runtime_line, uses_gpus
-from draftsmith.core.memory import refusal as memory_refusal
-from draftsmith.core.memory import table as memory_table
-from draftsmith.core.digests import damage_under, forced_rules, unreadable_under
-from draftsmith.core.runlock import lock_advice
-from draftsmith.core.settings import rule_ops, rule_settings
-from draftsmith.core.stage_settings import (
+from draftsmith.core.evaluation.cost import serving_profile_errors
+from draftsmith.core.planning.hidden_plan import plan_hidden_states
+from draftsmith.core.planning.memory import GIB, config_target, device_memory, plan_config, runtime_line, uses_gpus
+from draftsmith.core.planning.memory import refusal as memory_refusal
+from draftsmith.core.planning.memory import table as memory_table
+from draftsmith.core.io.digests import damage_under, forced_rules, unreadable_under
+from draftsmith.core.io.runlock import lock_advice
+from draftsmith.core.config.settings import rule_ops, rule_settings
+from draftsmith.core.workflow.startup import combination_errors, input_file_errors, target_checks
+from draftsmith.core.config.stage_settings import (
     ExtractSettings,
     GenerateSettings,
     ManifestSettings,
@@ -74,7 +72,7 @@ validate(config, schema="../draftsmith/config.schema.yaml")
 TARGET_ERRORS, TARGET_WARNINGS = target_checks(config)
 stop_if_invalid(TARGET_ERRORS + combination_errors(config))
 # train.hidden_states: auto becomes files, stream or hybrid from the states' bound and the free disk (one
-# line says which and why), and a files run whose shards cannot fit stops here (draftsmith.core.hidden_plan);
+# line says which and why), and a files run whose shards cannot fit stops here (draftsmith.core.planning.hidden_plan);
 # the rules follow the mode chosen (STREAM, HYBRID below: the manifest train reads says which to the job).
 HIDDEN_MODE, HIDDEN_LINE, HIDDEN_ERROR = plan_hidden_states(config)
 if workflow.is_main_process:
@@ -84,7 +82,7 @@ if workflow.is_main_process:
 # Every prompt file a job will read, read now (cluster jobs re-parse this file: the main process did it).
 INPUT_ERRORS, INPUT_WARNINGS = input_file_errors(config) if workflow.is_main_process else ([], [])
 stop_if_invalid(INPUT_ERRORS + serving_profile_errors(config["evaluate"]["serving"]))
-# Intermediates changed since their stage wrote them (draftsmith.core.digests: a stat, a hash where the inode
+# Intermediates changed since their stage wrote them (draftsmith.core.io.digests: a stat, a hash where the inode
 # changed), found before a job that reads one is run and its outputs deleted; a rule the user forces
 # (the advice given: --forcerun RULE) writes its file again, so its damage only warns.
 FORCED = forced_rules(sys.argv)
@@ -97,7 +95,7 @@ for warning in TARGET_WARNINGS + INPUT_WARNINGS + DAMAGE_WARNINGS + [LOCK_ADVICE
 # The pre-flight GPU memory plan (`draftsmith plan`): a GPU stage that cannot fit its device stops the
 # workflow here, before any job runs, instead of after a 25-minute weight load. A Hub target not downloaded
 # yet is planned from its config.json in the Hub cache, the shipped one (tests/data/target-configs), or
-# that file and the safetensors index fetched now (draftsmith.core.hub.plan_folder); the generation and
+# that file and the safetensors index fetched now (draftsmith.core.io.hub.plan_folder); the generation and
 # extraction jobs check their own line again before vLLM loads the target.
 if workflow.is_main_process and uses_gpus(config):
     try:
@@ -117,7 +115,7 @@ if workflow.is_main_process and uses_gpus(config):
         if memory_refusal(GPU_PLAN, GPU_DEVICE):
             stop_at_start("GPU memory plan", [memory_refusal(GPU_PLAN, GPU_DEVICE)])
 # Jobs inherit this process's environment: every transformers / vLLM load of the target honours it
-# (draftsmith.core.target.TRUST_REMOTE_CODE_ENV; not imported here, torch would slow every parse).
+# (draftsmith.core.model.target.TRUST_REMOTE_CODE_ENV; not imported here, torch would slow every parse).
 TRUST_REMOTE_CODE = "1" if config["target"]["trust_remote_code"] else "0"
 os.environ["DRAFTSMITH_TRUST_REMOTE_CODE"] = TRUST_REMOTE_CODE
 # What a target's config.json can rule out (extract.aux_layers, vocab.size), for the target job to check
@@ -226,16 +224,16 @@ def hidden_shards():
 
 
 def settings_json(cls, only=None, drop=()):
-    """The `--settings` of a command whose settings class is `cls` (draftsmith.core.stage_settings): every
+    """The `--settings` of a command whose settings class is `cls` (draftsmith.core.config.stage_settings): every
     key of its section it reads, or those of them `only` / not in `drop` where the others do not apply,
-    as stable JSON (draftsmith.core.settings.rule_settings). It is a param, so changing any of them reruns
+    as stable JSON (draftsmith.core.config.settings.rule_settings). It is a param, so changing any of them reruns
     the stage; operational knobs live in `resources` instead."""
     return json.dumps(rule_settings(cls, config, only, drop), sort_keys=True)
 
 
 def ops_json(cls):
     """The `--ops` of a command whose settings class is `cls`: its operational knobs (resources.<stage>)
-    as JSON (draftsmith.core.settings.rule_ops). A resource, not a param, so changing one reruns nothing."""
+    as JSON (draftsmith.core.config.settings.rule_ops). A resource, not a param, so changing one reruns nothing."""
     return json.dumps(rule_ops(cls, config), sort_keys=True)
 
 
@@ -359,7 +357,7 @@ def serving_profile_input(wildcards=None):
 
 def drafter_plan():
     """What the pre-flight costs a drafter by, before one exists: its kind and shape, the draft
-    vocabulary and the aux layers (draftsmith.core.preflight.planned_drafter_cost)."""
+    vocabulary and the aux layers (draftsmith.core.planning.preflight.planned_drafter_cost)."""
     plan = {
         "drafter": config["train"]["drafter"],
         "vocab_size": config["vocab"]["size"],

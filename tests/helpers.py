@@ -27,18 +27,18 @@ from click.testing import CliRunner
 
 from draftsmith.backends.openai import OpenAIClient
 from draftsmith.cli import main
-from draftsmith.core.checkpoints import list_checkpoints
-from draftsmith.core.cost import DEVICES, Device, ModelCost, ServingPoint
-from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter
-from draftsmith.core.kinds import new_drafter
-from draftsmith.core.layers import capture_aux, stack_aux
-from draftsmith.core.objective import Objective
-from draftsmith.core.projection import set_projection
-from draftsmith.core.settings import schema_default
-from draftsmith.core.shards import Sample, iter_samples, read_header, verify_shard, write_shard
-from draftsmith.core.target import file_sha256, load_target_head
-from draftsmith.core.verdict import GateSettings
-from draftsmith.core.vocab import save_vocab_map, vocab_maps
+from draftsmith.core.config.settings import schema_default
+from draftsmith.core.config.stage_settings import GateSettings
+from draftsmith.core.data.shards import Sample, iter_samples, read_header, verify_shard, write_shard
+from draftsmith.core.data.vocab import save_vocab_map, vocab_maps
+from draftsmith.core.evaluation.cost import DEVICES, Device, ModelCost, ServingPoint
+from draftsmith.core.evaluation.projection import set_projection
+from draftsmith.core.model.drafter import DrafterConfig, Eagle3Drafter
+from draftsmith.core.model.kinds import new_drafter
+from draftsmith.core.model.layers import capture_aux, stack_aux
+from draftsmith.core.model.target import file_sha256, load_target_head
+from draftsmith.core.training.checkpoints import list_checkpoints
+from draftsmith.core.training.objective import Objective
 from draftsmith.stages.eval_summary import provenance, summarize
 from draftsmith.stages.train import TrainSettings, train
 from draftsmith.stages.vocab import build_vocab_map
@@ -284,7 +284,7 @@ def objective(steps: int = 3, **over) -> Objective:
 def build(data: dict, seed: int = 0) -> tuple[Eagle3Drafter, torch.Tensor, torch.Tensor]:
     """A drafter for make_tiny_data's target, initialised from its head, with the target's embedding
     and the teacher's weights over the draft vocabulary."""
-    from draftsmith.core.vocab import load_vocab_map
+    from draftsmith.core.data.vocab import load_vocab_map
 
     torch.manual_seed(seed)
     head = load_target_head(data["target"])
@@ -604,7 +604,7 @@ def write_sample_tokens(
     path: Path, ids: list[list[int]], masks: list[list[int]], shards: list[list[int]]
 ) -> None:
     """A tokens.safetensors of these samples as `draftsmith tokenize` writes it, with the given shard plan."""
-    from draftsmith.core.tokens import write_tokens
+    from draftsmith.core.data.tokens import write_tokens
 
     lengths = [len(s) for s in ids]
     meta = {
@@ -621,8 +621,8 @@ def write_sample_tokens(
 
 def greedy_samples(target: Path, n: int = 4, new_tokens: int = 24) -> tuple[list[int], list[list[int]]]:
     """Chat prompts answered greedily by the target (fp32): a real teacher-agreement check."""
-    from draftsmith.core.chat import render_prompt
-    from draftsmith.core.target import load_target
+    from draftsmith.core.data.chat import render_prompt
+    from draftsmith.core.model.target import load_target
 
     model, tokenizer = load_target(target, torch.float32)
     questions = [

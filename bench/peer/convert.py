@@ -12,11 +12,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from draftsmith.core.atomic import atomic_path, write_json
-from draftsmith.core.layers import convert_layer_ids
-from draftsmith.core.loader import StreamingData
-from draftsmith.core.manifest import load_manifest
-from draftsmith.core.shards import Sample
+from draftsmith.core.data.loader import StreamingData
+from draftsmith.core.data.manifest import load_manifest
+from draftsmith.core.data.shards import Sample
+from draftsmith.core.io.atomic import atomic_path, write_json
+from draftsmith.core.model.layers import convert_layer_ids
 
 TARGET_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "chat_template.jinja")  # fmt: skip
@@ -69,7 +69,7 @@ def write_target_folder(target_dir: Path, out: Path) -> None:
     out as its own tensor)."""
     from safetensors.torch import save_file
 
-    from draftsmith.core.target import load_target_head
+    from draftsmith.core.model.target import load_target_head
 
     out.mkdir(parents=True, exist_ok=True)
     for name in TARGET_FILES:
@@ -126,7 +126,7 @@ def convert(
     manifest_path: Path, vocab_path: Path, settings: dict[str, Any], out: Path, fresh: bool
 ) -> dict[str, Any]:
     """This run's shards and vocabulary in SpecForge's offline format under out/ -> a summary."""
-    from draftsmith.core.vocab import load_vocab_map
+    from draftsmith.core.data.vocab import load_vocab_map
     from draftsmith.stages.train import TrainSettings
 
     manifest = load_manifest(manifest_path)

@@ -16,9 +16,9 @@ from torch import Tensor
 from bench.peer.convert import specforge_sample
 from bench.peer.install import shim_command, side_env
 from bench.peer.train import specforge_run_config
-from draftsmith.core.atomic import write_json
-from draftsmith.core.loader import StreamingData, collate
-from draftsmith.core.shards import Sample
+from draftsmith.core.data.loader import StreamingData, collate
+from draftsmith.core.data.shards import Sample
+from draftsmith.core.io.atomic import write_json
 
 
 def teacher_in_vocab_mask(batch: Any, teacher_full: Tensor, t2d: Tensor, mask_offset: int) -> Tensor:
@@ -42,7 +42,7 @@ def per_depth_grads(
 ) -> tuple[list[dict[str, Tensor]], list[float]]:
     """draftsmith's ttt_loss at depth 1..ttt_steps -> (the gradient of each depth's weighted loss, the
     per-step loss sums of the full depth)."""
-    from draftsmith.core.objective import ttt_loss
+    from draftsmith.core.training.objective import ttt_loss
 
     grads, sums = [], []
     for depth in range(1, objective.ttt_steps + 1):
@@ -86,8 +86,8 @@ def run_diff(
     samples: int, max_len: int, threads: int | None, out: Path,
 ) -> dict[str, Any]:  # fmt: skip
     """The differential check (module docstring)."""
-    from draftsmith.core.drafter import build_drafter
-    from draftsmith.core.objective import Objective, ttt_loss
+    from draftsmith.core.model.drafter import build_drafter
+    from draftsmith.core.training.objective import Objective, ttt_loss
     from draftsmith.stages.train import TrainSettings, load_inputs
 
     out.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ from typing import Any
 import click
 import torch
 
-from draftsmith.core.atomic import write_json
+from draftsmith.core.io.atomic import write_json
 
 SPECFORGE = "specforge==0.2.0"
 # What SpecForge 0.2.0's offline EAGLE-3 training imports. Its other requirements serve online capture

@@ -16,9 +16,9 @@ import torch
 from torch import Tensor
 
 from bench.peer.install import shim_command, side_env
-from draftsmith.core.atomic import write_json
-from draftsmith.core.loader import StreamingData
-from draftsmith.core.manifest import load_manifest
+from draftsmith.core.data.loader import StreamingData
+from draftsmith.core.data.manifest import load_manifest
+from draftsmith.core.io.atomic import write_json
 
 
 def draftsmith_steps(manifest_path: Path, settings: dict[str, Any]) -> tuple[int, int]:
@@ -83,13 +83,13 @@ def draftsmith_code() -> str:
     h = hashlib.sha256()
     for name in (
         "stages/train.py",
-        "core/objective.py",
-        "core/optimizers.py",
-        "core/drafter.py",
-        "core/loader.py",
-        "core/shards.py",
+        "core/training/objective.py",
+        "core/training/optimizers.py",
+        "core/model/drafter.py",
+        "core/data/loader.py",
+        "core/data/shards.py",
         "stages/vocab.py",
-        "core/vocab.py",
+        "core/data/vocab.py",
     ):
         h.update((root / name).read_bytes())
     return h.hexdigest()[:16]
@@ -199,7 +199,7 @@ def import_specforge(
     state_path: Path, manifest_path: Path, vocab_path: Path, settings: dict[str, Any], out_dir: Path
 ) -> Path:
     """SpecForge's trained weights in draftsmith's drafter, exported as draftsmith exports its own."""
-    from draftsmith.core.drafter import build_drafter
+    from draftsmith.core.model.drafter import build_drafter
     from draftsmith.stages.train import TrainSettings, load_inputs, write_drafter
 
     manifest, vocab, target = load_inputs(manifest_path, vocab_path)

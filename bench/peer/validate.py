@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from draftsmith.core.loader import StreamingData, collate
+from draftsmith.core.data.loader import StreamingData, collate
 
 
 def validation(
@@ -22,9 +22,9 @@ def validation(
     `train.validate` scores (`Objective.for_validation`: the inference view, the positions whose predicted
     token is an assistant token; float32) -> accuracy and agreement per TTT step, and each sample's counts
     for the paired interval."""
-    from draftsmith.core.export_formats import load_drafter
-    from draftsmith.core.kinds import drafter_loss
-    from draftsmith.core.objective import Objective, StepStats
+    from draftsmith.core.export.formats import load_drafter
+    from draftsmith.core.model.kinds import drafter_loss
+    from draftsmith.core.training.objective import Objective, StepStats
     from draftsmith.stages.train import TrainSettings, load_inputs
 
     manifest, vocab, target = load_inputs(manifest_path, vocab_path)

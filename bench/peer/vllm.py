@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 import yaml
 
-from draftsmith.core.atomic import write_json
-from draftsmith.core.config import section_from_file
-from draftsmith.core.speculate import target_forwards
-from draftsmith.core.stats import paired_difference, ratio_of_sums
+from draftsmith.core.config.config import section_from_file
+from draftsmith.core.evaluation.speculate import target_forwards
+from draftsmith.core.evaluation.stats import paired_difference, ratio_of_sums
+from draftsmith.core.io.atomic import write_json
 
 
 def heldout_sets(
@@ -60,7 +60,7 @@ def forward_counts(tokens: list[int], accepted: list[int]) -> tuple[list[int], l
 
 
 def tokens_per_forward(tokens: list[int], accepted: list[int]) -> float:
-    """Output tokens per target forward over some prompts (draftsmith.core.speculate's count)."""
+    """Output tokens per target forward over some prompts (draftsmith.core.evaluation.speculate's count)."""
     return ratio_of_sums(*(np.asarray(x, dtype=float) for x in forward_counts(tokens, accepted))).item()
 
 
@@ -73,7 +73,7 @@ def paired_interval(
     seed: int = 0,
 ) -> list[float]:
     """95% paired bootstrap interval of tokens_per_forward(a) - tokens_per_forward(b) over the same prompts
-    (draftsmith.core.stats, as the gate computes it)."""
+    (draftsmith.core.evaluation.stats, as the gate computes it)."""
     _, lo, hi = paired_difference(forward_counts(tokens_a, acc_a), forward_counts(tokens_b, acc_b),
                                   0.95, resamples, seed)  # fmt: skip
     return [lo, hi]

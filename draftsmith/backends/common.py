@@ -72,7 +72,7 @@ def attention_backend_for(target: str, dtype: str) -> str | None:
     """vllm_attention_backend for this target and machine; an override is said in the log."""
     import torch
 
-    from draftsmith.core.config import text_config_json
+    from draftsmith.core.config.config import text_config_json
 
     try:
         config = text_config_json(target)

@@ -13,9 +13,9 @@ import torch
 from torch import Tensor
 
 from draftsmith.backends.common import Answer, oversized, oversized_failure
-from draftsmith.core.chat import eos_token_ids
-from draftsmith.core.layers import capture_aux, decoder_layers, stack_aux
-from draftsmith.core.precision import compute_dtype
+from draftsmith.core.data.chat import eos_token_ids
+from draftsmith.core.model.layers import capture_aux, decoder_layers, stack_aux
+from draftsmith.core.model.precision import compute_dtype
 
 
 @dataclass
@@ -128,7 +128,7 @@ class HfExtractor:
     def from_target(
         cls, target: str, aux_layer_ids: list[int], dtype: str = "bfloat16", device: str = "cpu"
     ) -> HfExtractor:
-        from draftsmith.core.target import load_target_model
+        from draftsmith.core.model.target import load_target_model
 
         model = load_target_model(target, getattr(torch, dtype))
         return cls(model.to(device), aux_layer_ids)
@@ -215,7 +215,7 @@ class HfChatBackend:
 
     @classmethod
     def open(cls, settings: Any, target: str, render: Callable[[list[dict]], list[int]]) -> HfChatBackend:
-        from draftsmith.core.target import load_target
+        from draftsmith.core.model.target import load_target
 
         model, tokenizer = load_target(target, getattr(torch, compute_dtype(settings.dtype)))
         return cls(model, tokenizer, settings, render, str(target))

@@ -146,7 +146,7 @@ class OpenAIClient:
     def from_env(cls, base_url: str, api_key_env: str | None, **kw: Any) -> OpenAIClient:
         """The API key is read from the named environment variable, never from config files; not from
         the Hugging Face token's, and sent only over https or to this machine (loopback)."""
-        from draftsmith.core.config import api_key_env_error, api_key_url_error
+        from draftsmith.core.config.config import api_key_env_error, api_key_url_error
 
         key = None
         if api_key_env:

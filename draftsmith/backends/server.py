@@ -46,8 +46,8 @@ from draftsmith.backends.common import (
 )
 from draftsmith.backends.openai import OpenAIChatBackend, OpenAIClient
 from draftsmith.backends.vllm_api import API_SERVER_MODULE
-from draftsmith.core.config import server_args_error, server_host_error
-from draftsmith.core.devices import parse_visible, server_arg
+from draftsmith.core.config.config import server_args_error, server_host_error
+from draftsmith.core.io.devices import parse_visible, server_arg
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +95,8 @@ def server_layout(settings: Any, target: str | Path, gpus: int) -> tuple[int, in
     (memory.engine_layout): --tensor-parallel-size in server_args, else resources.generate.tensor_parallel,
     else the fewest GPUs that hold the target and each engine's share of the requests in flight at
     --max-model-len (default: the target's context)."""
-    from draftsmith.core.config import text_config_json
-    from draftsmith.core.memory import (
+    from draftsmith.core.config.config import text_config_json
+    from draftsmith.core.planning.memory import (
         GIB,
         device_memory,
         generate_layout,
@@ -126,8 +126,8 @@ def server_layout(settings: Any, target: str | Path, gpus: int) -> tuple[int, in
 def expert_parallel_args(target: str | Path, dtype: str | None, tp: int, engines: int) -> list[str]:
     """--enable-expert-parallel where the layout is data-parallel attention over an MLA MoE target
     (memory.uses_expert_parallel): the plan counted its experts split over every GPU."""
-    from draftsmith.core.config import text_config_json
-    from draftsmith.core.memory import target_size, uses_expert_parallel
+    from draftsmith.core.config.config import text_config_json
+    from draftsmith.core.planning.memory import target_size, uses_expert_parallel
 
     size = target_size(text_config_json(Path(target)), None, dtype)
     return ["--enable-expert-parallel"] if uses_expert_parallel(size, tp, engines) else []
@@ -490,7 +490,7 @@ class VllmServerBackend(OpenAIChatBackend):
     def server(settings: Any, target: str, log_path: str) -> VllmServer:
         """The (not yet started) server for the generate settings: tensor parallel over the job's GPUs
         (settings.gpus, or the devices given), its dtype, seed, memory share, address and server_args."""
-        from draftsmith.core.precision import compute_dtype
+        from draftsmith.core.model.precision import compute_dtype
 
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         try:

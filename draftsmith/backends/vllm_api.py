@@ -168,7 +168,7 @@ INTERNALS: tuple[Internal, ...] = (
         "Platform.import_kernels",
     ),
     Internal(
-        "a P-EAGLE export is served with parallel drafting (core/engines.drafting_fields)",
+        "a P-EAGLE export is served with parallel drafting (core/evaluation/engines.drafting_fields)",
         ("vllm/config/speculative.py",),
         "SpeculativeConfig.parallel_drafting",
     ),

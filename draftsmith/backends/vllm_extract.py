@@ -119,7 +119,7 @@ class VllmExtractor:
             one_process_worker,
             vllm_start,
         )
-        from draftsmith.core.target import read_head_tensors, text_config_dict, trust_remote_code
+        from draftsmith.core.model.target import read_head_tensors, text_config_dict, trust_remote_code
 
         config = text_config_dict(target)  # a wrapper's (Kimi-K2.5) text model settings
         self.num_layers = config["num_hidden_layers"]

@@ -1,4 +1,4 @@
-"""`draftsmith estimate`: the extraction estimate (draftsmith/core/estimate.py) measured before any job,
+"""`draftsmith estimate`: the extraction estimate (draftsmith/core/planning/estimate.py) measured before any job,
 by probing a tokens file with the transformers back-end, or with codec ratios measured on an existing
 shard.
 """
@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from draftsmith.core.estimate import codec_ratios, estimate_lines, mode_lines, probe_plan
-from draftsmith.core.precision import compute_dtype
-from draftsmith.core.shards import Sample, ShardError, ShardReader
-from draftsmith.core.stage_args import BAD_INPUT, arg
-from draftsmith.core.stage_settings import EstimateSettings
+from draftsmith.core.config.stage_args import BAD_INPUT, arg
+from draftsmith.core.config.stage_settings import EstimateSettings
+from draftsmith.core.data.shards import Sample, ShardError, ShardReader
+from draftsmith.core.model.precision import compute_dtype
+from draftsmith.core.planning.estimate import codec_ratios, estimate_lines, mode_lines, probe_plan
 
 RATIO_TOKENS = 50_000  # tokens of a shard that shard_codec_ratios encodes: ratios settle well before
 
@@ -74,9 +74,9 @@ def measure_on_tokens(
     """`probe` on a tokens file the way its extraction job would run it (the transformers back-end, the
     job's length-bucketed batches) -> (measured, tokens, stored layers (aux + final), hidden size)."""
     from draftsmith.backends.hf import HfExtractor
-    from draftsmith.core.layers import resolve_aux_layers
-    from draftsmith.core.target import load_target, text_config_dict
-    from draftsmith.core.tokens import load_tokens
+    from draftsmith.core.data.tokens import load_tokens
+    from draftsmith.core.model.layers import resolve_aux_layers
+    from draftsmith.core.model.target import load_target, text_config_dict
 
     tensors, _ = load_tokens(tokens_path)
     offsets = tensors["offsets"].tolist()

@@ -4,13 +4,13 @@ The figure that compares methods is tokens per target forward, every decode step
 interval over prompts; beside it the share of steps that had a draft, vLLM's tau and acceptance per draft
 position under their own names (counted over the steps that had a draft), the speed measured here only
 where it was measured fairly (`fair: true`), and the speedup projected to the serving point
-(draftsmith.core.cost). The gate's checks and verdict (draftsmith.core.verdict), tokens per target
+(draftsmith.core.evaluation.cost). The gate's checks and verdict (draftsmith.core.evaluation.verdict), tokens per target
 forward per prompt category (MT-Bench's) and the pre-flight's lines come with it.
 
     summarize(...)        offline.json + vllm.json per held-out set, data_config.json, the export,
                           metrics.jsonl -> the summary dict (rows with intervals, headline, checks, verdict,
                           and the provenance the model card shows: target, data, vocabulary, training)
-    summarize_files(...)  reads those files, writes summary.{json,tsv,html} and the plots (draftsmith.core.report)
+    summarize_files(...)  reads those files, writes summary.{json,tsv,html} and the plots (draftsmith.core.evaluation.report)
 """
 
 from __future__ import annotations
@@ -21,17 +21,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from draftsmith.core.cost import FORMULA
-from draftsmith.core.methods import PLAIN, method, ordered
-from draftsmith.core.projection import method_projection, set_projection, summary_of
-from draftsmith.core.stage_args import BAD_INPUT, arg
-from draftsmith.core.stage_settings import SummarySettings
-from draftsmith.core.stats import bootstrap_ratio
-from draftsmith.core.verdict import (
+from draftsmith.core.config.stage_args import BAD_INPUT, arg
+from draftsmith.core.config.stage_settings import GateSettings, SummarySettings
+from draftsmith.core.evaluation.cost import FORMULA
+from draftsmith.core.evaluation.methods import PLAIN, method, ordered
+from draftsmith.core.evaluation.projection import method_projection, set_projection, summary_of
+from draftsmith.core.evaluation.stats import bootstrap_ratio
+from draftsmith.core.evaluation.verdict import (
     FIGURE,
     PER_DRAFT,
     PER_FORWARD,
-    GateSettings,
     diagnose,
     fair_speed,
     learning_curve,
@@ -118,7 +117,7 @@ def summary_rows(
     projections: dict[str, dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """The summary table: per held-out set, plain decoding and each method, offline and in vLLM. The
-    judged measurement's rows carry the method's serving projection (draftsmith.core.projection): its chosen
+    judged measurement's rows carry the method's serving projection (draftsmith.core.evaluation.projection): its chosen
     draft length, tokens per target forward there and the projected speedup at each concurrency."""
     rows = []
     for heldout, results in sets.items():
@@ -249,8 +248,8 @@ def project_sets(
 ) -> dict[str, dict[str, Any]]:
     """Every set's judged measurement projected to the serving point (evaluate.serving), with the serving
     policy over its concurrency grid (1, 2, 4, ... to the largest configured)."""
-    from draftsmith.core.cost import drafter_cost, serving_bytes, serving_points, target_cost
-    from draftsmith.core.policy import concurrency_grid
+    from draftsmith.core.evaluation.cost import drafter_cost, serving_bytes, serving_points, target_cost
+    from draftsmith.core.evaluation.policy import concurrency_grid
 
     bytes_per = serving_bytes(serving)
     target = target_cost(target_path, bytes_per)
@@ -393,8 +392,8 @@ def provenance(
 def samples_by_source(manifest_path: str | Path) -> dict[str, dict[str, int]]:
     """Samples and tokens per sample source ("regenerated", "original") over the manifest's shards,
     from their headers and token offsets only."""
-    from draftsmith.core.manifest import DataError, load_manifest
-    from draftsmith.core.shards import ShardReader
+    from draftsmith.core.data.manifest import DataError, load_manifest
+    from draftsmith.core.data.shards import ShardReader
 
     out: dict[str, dict[str, int]] = {}
     try:
@@ -533,10 +532,10 @@ def summarize_files(
     (training writes its TensorBoard curves itself, as it goes). The vocabulary map, the prompts
     stage's summary and the config's target section (`target_source`) go into the provenance; the
     pre-flight's preflight.json (`preflight_json`), where it exists, leads the report."""
-    from draftsmith.core.chat import template_fingerprint
-    from draftsmith.core.export_formats import check_against_target
-    from draftsmith.core.report import write_report
-    from draftsmith.core.target import load_tokenizer
+    from draftsmith.core.data.chat import template_fingerprint
+    from draftsmith.core.evaluation.report import write_report
+    from draftsmith.core.export.formats import check_against_target
+    from draftsmith.core.model.target import load_tokenizer
 
     sets = load_sets(offline, vllm)
     manifest = read_json_object(manifest_path)
@@ -551,7 +550,7 @@ def summarize_files(
     projections = project_sets(sets, serving, target_path, drafters, settings) if serving else None
     vocab = None
     if vocab_path is not None:
-        from draftsmith.core.vocab import load_vocab_map
+        from draftsmith.core.data.vocab import load_vocab_map
 
         vocab = {k: v for k, v in load_vocab_map(vocab_path).items() if not hasattr(v, "shape")}
     prompts = read_json_object(prompts_summary) if prompts_summary else None
@@ -636,7 +635,7 @@ def run(paths: SummaryPaths, settings: SummarySettings) -> list[str]:
     """Summary table with intervals, diagnosis, verdict and plots of an evaluation on one or more held-out
     sets: summary.{json,tsv,html}, training.png, acceptance.png, per_forward.png. Never fails on the
     verdict; `draftsmith gate` does."""
-    from draftsmith.core.report import format_verdict
+    from draftsmith.core.evaluation.report import format_verdict
 
     if not paths.offline and not paths.vllm:
         raise ValueError("give each held-out set's --offline or --vllm measurement (or both)")

@@ -35,11 +35,20 @@ from tqdm import tqdm
 
 from draftsmith.backends.common import VllmStartError
 from draftsmith.backends.extraction import make_extractor, transformers_device  # noqa: F401 (re-exported)
-from draftsmith.core.atomic import atomic_path, disk_full
-from draftsmith.core.devices import parse_visible, process_tree
-from draftsmith.core.digests import file_sha256, intact, retouch, seal, seal_as, sidecar
-from draftsmith.core.distributed import rank_threads, usable_threads
-from draftsmith.core.estimate import (
+from draftsmith.core.config.settings import compile_mode_of
+from draftsmith.core.config.stage_args import BAD_INPUT, FAILED, arg
+from draftsmith.core.config.stage_settings import ExtractSettings
+from draftsmith.core.data.shards import Sample, ShardWriter, as_stored, remove_stale_temp_files
+from draftsmith.core.data.teacher import checked_positions, count_agreeing, teacher_agreement  # noqa: F401
+from draftsmith.core.data.tokens import load_tokens
+from draftsmith.core.evaluation.run_cache import target_identity
+from draftsmith.core.io.atomic import atomic_path, disk_full
+from draftsmith.core.io.devices import parse_visible, process_tree
+from draftsmith.core.io.digests import file_sha256, intact, retouch, seal, seal_as, sidecar
+from draftsmith.core.model.layers import resolve_aux_layers
+from draftsmith.core.model.precision import compute_dtype
+from draftsmith.core.model.target import text_config_dict
+from draftsmith.core.planning.estimate import (
     NotEnoughDisk,
     check_free_disk,
     disk_advice,
@@ -49,16 +58,7 @@ from draftsmith.core.estimate import (
     probe_plan,
     raw_state_bytes,
 )
-from draftsmith.core.layers import resolve_aux_layers
-from draftsmith.core.precision import compute_dtype
-from draftsmith.core.run_cache import target_identity
-from draftsmith.core.settings import compile_mode_of
-from draftsmith.core.shards import Sample, ShardWriter, as_stored, remove_stale_temp_files
-from draftsmith.core.stage_args import BAD_INPUT, FAILED, arg
-from draftsmith.core.stage_settings import ExtractSettings
-from draftsmith.core.target import text_config_dict
-from draftsmith.core.teacher import checked_positions, count_agreeing, teacher_agreement  # noqa: F401
-from draftsmith.core.tokens import load_tokens
+from draftsmith.core.training.distributed import rank_threads, usable_threads
 
 log = logging.getLogger(__name__)
 
@@ -562,8 +562,14 @@ def job_layout(
     nvidia-smi), so the job runs the layout `draftsmith plan` printed."""
     if backend != "vllm" or gpus <= 0:
         return 1, 1
-    from draftsmith.core.config import section_defaults, text_config_json
-    from draftsmith.core.memory import device_memory, extract_layout, extract_need, refusal, target_size
+    from draftsmith.core.config.config import section_defaults, text_config_json
+    from draftsmith.core.planning.memory import (
+        device_memory,
+        extract_layout,
+        extract_need,
+        refusal,
+        target_size,
+    )
 
     if gpu_memory_utilization is None:
         gpu_memory_utilization = section_defaults("resources.extract")["gpu_memory_utilization"]

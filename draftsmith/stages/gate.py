@@ -1,6 +1,6 @@
 """The gate stage (`draftsmith gate`): read the evaluation's summary.json, print the verdict, the table and
 every check, and fail (exit 3) when a blocking one failed; else record gate.json. The checks and the
-verdict themselves are computed with the summary (draftsmith.core.verdict)."""
+verdict themselves are computed with the summary (draftsmith.core.evaluation.verdict)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from draftsmith.core.atomic import write_json
-from draftsmith.core.checks import Check, checks_of, order_checks
-from draftsmith.core.report import format_checks, format_table, format_verdict
-from draftsmith.core.stage_args import BAD_INPUT, GATE, arg
-from draftsmith.core.verdict import passed
+from draftsmith.core.config.stage_args import BAD_INPUT, GATE, arg
+from draftsmith.core.evaluation.checks import Check, checks_of, order_checks
+from draftsmith.core.evaluation.report import format_checks, format_table, format_verdict
+from draftsmith.core.evaluation.verdict import passed
+from draftsmith.core.io.atomic import write_json
 
 
 class GateFailed(RuntimeError):

@@ -41,11 +41,11 @@ from draftsmith.backends import open_backend
 from draftsmith.backends.common import Answer, Failure
 from draftsmith.backends.openai import EndpointError
 from draftsmith.backends.server import ServerError
-from draftsmith.core.atomic import atomic_path, write_json, write_jsonl
-from draftsmith.core.chat import render_prompt, template_fingerprint
-from draftsmith.core.prompt_sources import PromptError, conversation_answers, read_prompt_file
-from draftsmith.core.stage_args import BAD_INPUT, FAILED, arg
-from draftsmith.core.stage_settings import GenerateSettings
+from draftsmith.core.config.stage_args import BAD_INPUT, FAILED, arg
+from draftsmith.core.config.stage_settings import GenerateSettings
+from draftsmith.core.data.chat import render_prompt, template_fingerprint
+from draftsmith.core.data.prompt_sources import PromptError, conversation_answers, read_prompt_file
+from draftsmith.core.io.atomic import atomic_path, write_json, write_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -337,7 +337,7 @@ def generate_traces(
     Raises PromptError (bad or empty prompt file, or an oversized prompt with oversized_prompts: error)
     and GenerateError (the stage stopped; finished traces stay in the partial file for the rerun).
     """
-    from draftsmith.core.target import check_target_dir, load_tokenizer
+    from draftsmith.core.model.target import check_target_dir, load_tokenizer
 
     settings = settings or GenerateSettings()
     if overrides:  # keyword form, e.g. generate_traces(..., max_new_tokens=8, batch_size=4)
@@ -533,7 +533,7 @@ def run(paths: GeneratePaths, settings: GenerateSettings) -> list[str]:
       draftsmith generate ... --backend openai --base-url http://127.0.0.1:8000/v1 --concurrency 16
       draftsmith generate ... --backend vllm-server --server-args '["--max-model-len","4096"]' --devices 0,1
     """
-    from draftsmith.core.precision import compute_dtype
+    from draftsmith.core.model.precision import compute_dtype
 
     devices = [d.strip() for d in paths.devices.split(",") if d.strip()] if paths.devices else None
     settings = replace(

@@ -1,5 +1,5 @@
 """Manifest stage: data_config.json from the extracted shards, each verified first, written last and
-atomically (what it records and how it is read and checked: draftsmith/core/manifest.py).
+atomically (what it records and how it is read and checked: draftsmith/core/data/manifest.py).
 """
 
 from __future__ import annotations
@@ -12,17 +12,17 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith import __version__
-from draftsmith.core.atomic import write_json
-from draftsmith.core.config import STREAM_MODES
-from draftsmith.core.digests import file_sha256
-from draftsmith.core.layers import resolve_aux_layers
-from draftsmith.core.manifest import MANIFEST_VERSION, DataError, allowed_shard_dirs, shard_location
-from draftsmith.core.settings import compile_mode_of
-from draftsmith.core.shards import ShardError, read_shard_meta, verify_shard
-from draftsmith.core.stage_args import BAD_INPUT, FAILED, arg
-from draftsmith.core.stage_settings import ManifestSettings
-from draftsmith.core.target import text_config_dict
-from draftsmith.core.tokens import load_tokens
+from draftsmith.core.config.config import STREAM_MODES
+from draftsmith.core.config.settings import compile_mode_of
+from draftsmith.core.config.stage_args import BAD_INPUT, FAILED, arg
+from draftsmith.core.config.stage_settings import ManifestSettings
+from draftsmith.core.data.manifest import MANIFEST_VERSION, DataError, allowed_shard_dirs, shard_location
+from draftsmith.core.data.shards import ShardError, read_shard_meta, verify_shard
+from draftsmith.core.data.tokens import load_tokens
+from draftsmith.core.io.atomic import write_json
+from draftsmith.core.io.digests import file_sha256
+from draftsmith.core.model.layers import resolve_aux_layers
+from draftsmith.core.model.target import text_config_dict
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def build_stream_manifest(
     tokens_path: str, out_path: str, target: str, settings: ManifestSettings, mode: str = "stream"
 ) -> dict[str, Any]:
     """The manifest for train.hidden_states stream or hybrid (`mode`): no shards; the tokens file (its
-    digest) and the extract settings the train job captures the states with (core/stream.py), for hybrid
+    digest) and the extract settings the train job captures the states with (core/data/stream.py), for hybrid
     also its cache shards' codec. The teacher agreement is measured by the train job as it captures."""
     if mode not in STREAM_MODES:
         raise ValueError(f"manifest --cache: hidden_states mode {mode!r} is not stream or hybrid")
@@ -85,7 +85,7 @@ def build_stream_manifest(
         "dtype": settings.storage_dtype,
         "dtype_note": DTYPE_NOTES[settings.storage_dtype],
         "codec": None,
-        "format": "no shards: the train job captures the states (draftsmith/core/stream.py)",
+        "format": "no shards: the train job captures the states (draftsmith/core/data/stream.py)",
         "chat_template_fingerprint": meta["template"],
         "num_samples": len(meta["sample_ids"]),
         "num_tokens": int(tensors["input_ids"].numel()),
@@ -164,7 +164,7 @@ def build_manifest(
         "dtype": metas[0]["dtype"],  # the storage dtype; reads return bf16 either way
         "dtype_note": DTYPE_NOTES[metas[0]["dtype"]],
         "codec": metas[0]["codec"],
-        "format": "safetensors shards; layout and codecs documented in draftsmith/core/shards.py",
+        "format": "safetensors shards; layout and codecs documented in draftsmith/core/data/shards.py",
         "chat_template_fingerprint": metas[0]["template"],
         "num_samples": sum(s["num_samples"] for s in shards),
         "num_tokens": sum(s["num_tokens"] for s in shards),

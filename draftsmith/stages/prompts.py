@@ -1,5 +1,5 @@
 """Prompt sources -> train / held-out JSONL files: select, split off (or read) the held-out set, add
-code prompts, write both. Reading and validating the sources: draftsmith/core/prompt_sources.py.
+code prompts, write both. Reading and validating the sources: draftsmith/core/data/prompt_sources.py.
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import hashlib
 import logging
 from collections.abc import Sequence
 
-from draftsmith.core.atomic import write_json, write_jsonl
-from draftsmith.core.prompt_sources import PromptError, check_heldout_size, load_source, read_prompt_file
-from draftsmith.core.stage_args import BAD_INPUT, arg
-from draftsmith.core.stage_settings import PromptSettings
+from draftsmith.core.config.stage_args import BAD_INPUT, arg
+from draftsmith.core.config.stage_settings import PromptSettings
+from draftsmith.core.data.prompt_sources import PromptError, check_heldout_size, load_source, read_prompt_file
+from draftsmith.core.io.atomic import write_json, write_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def prepare_prompts(
     `heldout_path`, that file is the held-out set, every selected prompt is train, and train prompts
     sharing an id with it are removed (counted in `overlap_removed`). `max_prompt_chars` <= 0: no limit.
     `code_prompts` code-completion prompts from the downloaded `code_wheel_files` join the training
-    prompts only (draftsmith.core.code_prompts). A PromptError says what is wrong with the input.
+    prompts only (draftsmith.core.data.code_prompts). A PromptError says what is wrong with the input.
     """
     s = settings
     if s.source == "sharegpt" and not wheel_file:
@@ -105,8 +105,8 @@ def prepare_prompts(
         check_heldout_size(len(heldout), s.num_heldout, len(selected), input_path, counts["skipped"])
     code = []
     if s.code_prompts:
-        from draftsmith.core.code_prompts import CodePromptError
-        from draftsmith.core.code_prompts import code_prompts as draw_code_prompts
+        from draftsmith.core.data.code_prompts import CodePromptError
+        from draftsmith.core.data.code_prompts import code_prompts as draw_code_prompts
 
         try:
             code = draw_code_prompts(list(code_wheel_files), s.code_prompts, seed)

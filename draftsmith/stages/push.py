@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from draftsmith.core.stage_args import BAD_INPUT, FAILED, GATE, arg
+from draftsmith.core.config.stage_args import BAD_INPUT, FAILED, GATE, arg
 
 ENGINE_FOLDERS = {"vllm": "drafter", "sglang": "drafter-sglang", "speculators": "drafter-speculators"}
 TOKEN_ENV = "HF_TOKEN"
@@ -102,7 +102,7 @@ def validate_repo_id(repo_id: str) -> str:
 def verdict_head(verdict: dict[str, Any]) -> str:
     """The verdict's first line as the report prints it (what to deploy, per held-out set when they
     differ). A verdict without the keys the report reads is bad input (PushInputError)."""
-    from draftsmith.core.report import format_verdict
+    from draftsmith.core.evaluation.report import format_verdict
 
     try:
         return format_verdict(verdict).splitlines()[0].removeprefix("VERDICT: ")
@@ -140,7 +140,7 @@ def gate_status(results: Path) -> GateStatus:
 def plan_push(results: str | Path, repo_id: str, engine: str = "vllm", private: bool = False) -> PushPlan:
     """What a push would upload, checked: the export folder exists and its engine's loader would read
     it (check_export), the repository id is well formed, and the gate's word. Touches no network."""
-    from draftsmith.core.export_formats import check_export
+    from draftsmith.core.export.formats import check_export
 
     results = Path(results)
     if engine not in ENGINE_FOLDERS:
@@ -193,7 +193,7 @@ def hf_token(environ: dict[str, str] | None = None) -> str:
 def hub_card(plan: PushPlan) -> str | None:
     """The export's model card with the repository as the drafter to serve (its serve command names
     the Hub id, not the local folder), from the run's summary.json; None without a card or summary."""
-    from draftsmith.core.model_card import CARD_NAME, render_card, serve_target
+    from draftsmith.core.export.model_card import CARD_NAME, render_card, serve_target
 
     summary_path = plan.folder.parent / "eval" / "summary.json"
     if CARD_NAME not in plan.files or not summary_path.is_file():

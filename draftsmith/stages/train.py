@@ -45,10 +45,24 @@ from typing import Any
 import torch
 
 from draftsmith.backends.extraction import make_extractor
-from draftsmith.core.atomic import atomic_dir, write_json, write_jsonl
-from draftsmith.core.checkpoints import CheckpointDiskFull, Run, open_run, resume_key
-from draftsmith.core.devices import engine_visible_devices, trainer_index, visible_devices
-from draftsmith.core.distributed import (
+from draftsmith.core.config.stage_args import BAD_INPUT, arg
+from draftsmith.core.config.stage_settings import TrainSettings, UntrainedSettings
+from draftsmith.core.data.loader import Batch, StreamingData, step_plan, verify_share
+from draftsmith.core.data.manifest import DataError, is_stream, load_manifest
+from draftsmith.core.data.stream import StateCache, StreamedData, StreamSpec, TeacherDisagrees
+from draftsmith.core.data.tokens import load_tokens
+from draftsmith.core.data.vocab import VocabMapError, load_vocab_map
+from draftsmith.core.export.formats import check_export, save_drafter
+from draftsmith.core.io.atomic import atomic_dir, write_json, write_jsonl
+from draftsmith.core.io.devices import engine_visible_devices, trainer_index, visible_devices
+from draftsmith.core.model.drafter import Eagle3Drafter, build_drafter
+from draftsmith.core.model.kinds import drafter_loss
+from draftsmith.core.model.layers import convert_layer_ids
+from draftsmith.core.model.precision import compute_dtype, train_precision
+from draftsmith.core.model.target import TargetHead, load_target_head
+from draftsmith.core.planning.memory import stream_engine_share
+from draftsmith.core.training.checkpoints import CheckpointDiskFull, Run, open_run, resume_key
+from draftsmith.core.training.distributed import (
     Dist,
     become_torchrun,
     init_distributed,
@@ -57,29 +71,15 @@ from draftsmith.core.distributed import (
     usable_threads,
     wants_cuda,
 )
-from draftsmith.core.drafter import Eagle3Drafter, build_drafter
-from draftsmith.core.export_formats import check_export, save_drafter
-from draftsmith.core.kinds import drafter_loss
-from draftsmith.core.layers import convert_layer_ids
-from draftsmith.core.loader import Batch, StreamingData, step_plan, verify_share
-from draftsmith.core.manifest import DataError, is_stream, load_manifest
-from draftsmith.core.memory import stream_engine_share
-from draftsmith.core.objective import (
+from draftsmith.core.training.objective import (
     DraftingLoss,
     Objective,
     StepStats,
     noise_seed,
     with_noise,
 )
-from draftsmith.core.optimizers import Chain, make_optimizer, make_scheduler
-from draftsmith.core.precision import compute_dtype, train_precision
-from draftsmith.core.stage_args import BAD_INPUT, arg
-from draftsmith.core.stage_settings import TrainSettings, UntrainedSettings
-from draftsmith.core.stream import StateCache, StreamedData, StreamSpec, TeacherDisagrees
-from draftsmith.core.target import TargetHead, load_target_head
-from draftsmith.core.tokens import load_tokens
-from draftsmith.core.tracking import Curves
-from draftsmith.core.vocab import VocabMapError, load_vocab_map
+from draftsmith.core.training.optimizers import Chain, make_optimizer, make_scheduler
+from draftsmith.core.training.tracking import Curves
 
 log = logging.getLogger(__name__)
 
@@ -530,9 +530,9 @@ def check_memory(
     before anything loads: ValueError with the figure (a rank out of memory at its first long batch
     would lose the job's hours). Reads only the manifest, the target's config.json and the vocab map.
     -> (the rank's planned bytes, the device's bytes), None when the device is unknown."""
-    from draftsmith.core.config import text_config_json
-    from draftsmith.core.memory import device_memory, drafter_shape, target_size, train_need
-    from draftsmith.core.memory import refusal as plan_refusal
+    from draftsmith.core.config.config import text_config_json
+    from draftsmith.core.planning.memory import device_memory, drafter_shape, target_size, train_need
+    from draftsmith.core.planning.memory import refusal as plan_refusal
 
     memory, device = device_memory({})
     if memory is None:
@@ -557,7 +557,7 @@ def open_data(
     planned: tuple[float, float] | None = None,
 ) -> StreamingData:
     """The training data: the shards a manifest lists, or for a stream manifest the states captured by
-    an extraction engine of its settings as training asks for them (core/stream.py); the engine loads
+    an extraction engine of its settings as training asks for them (core/data/stream.py); the engine loads
     at the first capture (an untrained drafter's export never loads it). On GPUs the vLLM engine runs
     where resources.train.engine_gpus puts it (memory.stream_train_needs): beside this rank at the share
     its `planned` (bytes, device bytes) leaves, or on the first engine_gpus GPUs."""

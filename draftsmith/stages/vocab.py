@@ -1,5 +1,5 @@
 """The vocab stage: the draft vocabulary, the most frequent target tokens among those the drafter must
-predict, as a vocabulary map (its form, d2t and t2d: draftsmith.core.vocab). Counts cover loss-masked
+predict, as a vocabulary map (its form, d2t and t2d: draftsmith.core.data.vocab). Counts cover loss-masked
 tokens only, like speculators and SpecForge: prompt tokens are never drafted.
 """
 
@@ -12,11 +12,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from draftsmith.core.config import read_target_config
-from draftsmith.core.stage_args import BAD_INPUT, arg
-from draftsmith.core.stage_settings import VocabSettings
-from draftsmith.core.tokens import load_tokens
-from draftsmith.core.vocab import save_vocab_map, vocab_maps
+from draftsmith.core.config.config import read_target_config
+from draftsmith.core.config.stage_args import BAD_INPUT, arg
+from draftsmith.core.config.stage_settings import VocabSettings
+from draftsmith.core.data.tokens import load_tokens
+from draftsmith.core.data.vocab import save_vocab_map, vocab_maps
 
 log = logging.getLogger(__name__)
 

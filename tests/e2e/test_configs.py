@@ -30,8 +30,8 @@ from helpers import REPO, cli_env
 from hubcache import add_repo
 
 from draftsmith import cli
-from draftsmith.core.config import read_numbers, replaced_mappings, schema
-from draftsmith.core.hidden_plan import FREE_BYTES_ENV
+from draftsmith.core.config.config import read_numbers, replaced_mappings, schema
+from draftsmith.core.planning.hidden_plan import FREE_BYTES_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -455,7 +455,9 @@ def test_generate_serves_the_target_on_all_the_jobs_gpus(plan, monkeypatch):
     # Kimi needs H200s (the job checks the plan's line again and refuses H100s): there, data-parallel
     # attention with expert parallelism (memory.engine_layout, issue 43 item 12)
     kimi = name == "kimi-k2.5-8gpu"
-    monkeypatch.setattr("draftsmith.core.memory.detect_gpu_memory_gib", lambda: 139.8 if kimi else 79.2)
+    monkeypatch.setattr(
+        "draftsmith.core.planning.memory.detect_gpu_memory_gib", lambda: 139.8 if kimi else 79.2
+    )
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
     cmd = VllmServerBackend.server(settings, target, "server.log").command()
     flags = dict(zip(cmd, cmd[1:], strict=False))
@@ -490,8 +492,8 @@ def test_each_extraction_engine_has_the_threads_to_compress_a_gpus_states(plan, 
     each GPU engine gets at least 4, 3 to compress ~1 GB/s of states at ~0.4 GB per CPU-second
     (bench/extract.py --only-writer) and one for vLLM's engine core (issue 43 item 9); Llama-3.1-8B runs
     8 engines of 1 GPU."""
-    from draftsmith.core.config import section_defaults
-    from draftsmith.core.distributed import rank_threads
+    from draftsmith.core.config.config import section_defaults
+    from draftsmith.core.training.distributed import rank_threads
     from draftsmith.stages.extract import job_layout
 
     name, jobs, workdir = plan

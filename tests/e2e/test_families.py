@@ -87,7 +87,7 @@ def test_both_extraction_engines_agree_on_each_family(tmp_path, target_model, fa
     most: research/targets-on-cpu.md measured up to 3.6% relative on DeepSeek-V3)."""
     from helpers import greedy_samples, vllm_extract, worst_cosines, write_sample_tokens
 
-    from draftsmith.core.shards import read_shard_meta
+    from draftsmith.core.data.shards import read_shard_meta
     from draftsmith.stages.extract import ExtractSettings, extract_shard
 
     target = tmp_path / f"{family}-twin"

@@ -25,7 +25,7 @@ import pytest
 import yaml
 from helpers import REPO, cli_env, random_sequences, write_sample_tokens
 
-from draftsmith.core.shards import read_header
+from draftsmith.core.data.shards import read_header
 
 pytestmark = pytest.mark.slow
 

@@ -33,7 +33,7 @@ from draftsmith.backends.openai import (
     split_reasoning,
 )
 from draftsmith.backends.server import VllmServer, group_alive, server_command, server_gpus
-from draftsmith.core.prompt_sources import PromptError
+from draftsmith.core.data.prompt_sources import PromptError
 from draftsmith.stages.generate import GenerateError, GenerateSettings, generate_traces
 
 TARGET = REPO / "resources" / "SmolLM2-135M-Instruct"
@@ -234,13 +234,13 @@ RESERVED_FORMS = [
 
 @pytest.mark.vllm
 def test_the_refused_server_args_are_what_vllms_parser_reads_as_the_reserved_settings(tmp_path):
-    """The check (draftsmith.core.config.server_args_error) against vLLM's FlexibleArgumentParser: each form
+    """The check (draftsmith.core.config.config.server_args_error) against vLLM's FlexibleArgumentParser: each form
     it refuses does set host, port, key, served name or config file there; a --config file sets the key."""
     pytest.importorskip("vllm")
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from draftsmith.core.config import server_args_error
+    from draftsmith.core.config.config import server_args_error
 
     def parsed(args):
         return vars(make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "/m", *args]))
@@ -278,7 +278,7 @@ def test_the_server_runs_data_parallel_engines_of_the_fewest_gpus_that_hold_the_
     (--data-parallel-size 8, no --tensor-parallel-size), as `draftsmith plan` lays it out; Qwen3-235B-A22B
     bf16 spans all 8; --tensor-parallel-size in server_args or resources.generate.tensor_parallel decide."""
     from draftsmith.backends.server import VllmServerBackend, server_layout
-    from draftsmith.core.config import section_defaults
+    from draftsmith.core.config.config import section_defaults
     from draftsmith.stages.generate import GenerateSettings
 
     targets = Path(__file__).resolve().parents[1] / "data" / "target-configs"
@@ -799,7 +799,7 @@ def test_openai_engine_against_real_vllm(vllm_server, tmp_path, monkeypatch):
     assert len(rows) == 4 and summary["errors"] == 0 and summary["model"] == "target"
     from transformers import AutoTokenizer
 
-    from draftsmith.core.chat import render_prompt
+    from draftsmith.core.data.chat import render_prompt
 
     tok = AutoTokenizer.from_pretrained(TARGET)
     for row in rows:

@@ -9,7 +9,7 @@ import json
 import pytest
 from helpers import snakemake
 
-from draftsmith.core.export_formats import check_export
+from draftsmith.core.export.formats import check_export
 
 pytestmark = pytest.mark.slow
 DRAFTER = "results/drafter/model.safetensors"

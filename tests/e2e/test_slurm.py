@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers import REPO
 
-from draftsmith.core.shards import iter_samples
+from draftsmith.core.data.shards import iter_samples
 
 TARGET = REPO / "resources" / "SmolLM2-135M-Instruct"
 TINY = REPO / "tests" / "config.tiny.yaml"

@@ -17,10 +17,10 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from draftsmith.core.drafter import TTTKV, DrafterConfig, Eagle3Drafter
-from draftsmith.core.export_formats import check_export, load_drafter, save_drafter
-from draftsmith.core.layers import capture_aux, default_aux_layers, stack_aux
-from draftsmith.core.vocab import vocab_maps
+from draftsmith.core.data.vocab import vocab_maps
+from draftsmith.core.export.formats import check_export, load_drafter, save_drafter
+from draftsmith.core.model.drafter import TTTKV, DrafterConfig, Eagle3Drafter
+from draftsmith.core.model.layers import capture_aux, default_aux_layers, stack_aux
 from draftsmith.stages.export import export_engines
 
 pytestmark = pytest.mark.slow

@@ -21,7 +21,7 @@ SUFFIX = {"max_tree_depth": 24, "max_spec_factor": 1.0, "min_token_prob": 0.1, "
 
 def test_suffix_decoding_offline_equals_vllm(tmp_path, target_model):
 
-    from draftsmith.core.target import load_tokenizer
+    from draftsmith.core.model.target import load_tokenizer
     from draftsmith.stages.evaluate import (
         EvaluateSettings,
         encode_prompts,

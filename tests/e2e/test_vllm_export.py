@@ -18,8 +18,8 @@ import pytest
 import torch
 from helpers import REPO, cli
 
-from draftsmith.core.engines import SCHEDULE_KEY
-from draftsmith.core.policy import vllm_schedule
+from draftsmith.core.evaluation.engines import SCHEDULE_KEY
+from draftsmith.core.evaluation.policy import vllm_schedule
 from draftsmith.stages.evaluate.vllm_runner import run_vllm_subprocess, spec_decode_summary
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

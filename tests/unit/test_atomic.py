@@ -7,9 +7,16 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from draftsmith.core.atomic import atomic_dir, atomic_path, process_umask, write_json, write_jsonl, write_text
-from draftsmith.core.shards import HEADER_ROOM, Sample, ShardWriter, write_shard
-from draftsmith.core.vocab import save_vocab_map
+from draftsmith.core.data.shards import HEADER_ROOM, Sample, ShardWriter, write_shard
+from draftsmith.core.data.vocab import save_vocab_map
+from draftsmith.core.io.atomic import (
+    atomic_dir,
+    atomic_path,
+    process_umask,
+    write_json,
+    write_jsonl,
+    write_text,
+)
 from draftsmith.stages.vocab import build_vocab_map
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from draftsmith.core.atomic import write_json
-from draftsmith.core.cost import Device, ModelCost, run_seconds
+from draftsmith.core.evaluation.cost import Device, ModelCost, run_seconds
+from draftsmith.core.io.atomic import write_json
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "cost.py"
 SMOL = ModelCost(1.35e8, 0.0, 1.0, 30 * 2 * 3 * 64 * 4, 30)

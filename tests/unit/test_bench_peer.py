@@ -14,11 +14,11 @@ import torch
 from helpers import make_tiny_data, settings
 from safetensors.torch import load_file
 
-from draftsmith.core.loader import Batch, StreamingData, is_validation
-from draftsmith.core.manifest import load_manifest
-from draftsmith.core.objective import ttt_step_targets
-from draftsmith.core.target import load_target_head
-from draftsmith.core.vocab import load_vocab_map
+from draftsmith.core.data.loader import Batch, StreamingData, is_validation
+from draftsmith.core.data.manifest import load_manifest
+from draftsmith.core.data.vocab import load_vocab_map
+from draftsmith.core.model.target import load_target_head
+from draftsmith.core.training.objective import ttt_step_targets
 
 OFFLINE_KEYS = {"input_ids", "loss_mask", "aux_hidden_state", "hidden_state"}
 

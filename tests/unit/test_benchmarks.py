@@ -15,9 +15,9 @@ from click.testing import CliRunner
 from helpers import method, results
 
 from draftsmith.cli import main
-from draftsmith.core.benchmarks import BENCHMARKS, MTBENCH_MEMBER, BenchmarkError, benchmark_prompts
-from draftsmith.core.config import NAMED_HELDOUT_SETS
-from draftsmith.core.report import category_rows
+from draftsmith.core.data.benchmarks import BENCHMARKS, MTBENCH_MEMBER, BenchmarkError, benchmark_prompts
+from draftsmith.core.evaluation.report import category_rows
+from draftsmith.core.workflow.startup import NAMED_HELDOUT_SETS
 from draftsmith.stages.eval_summary import by_category
 
 ROOT = Path(__file__).parents[2]

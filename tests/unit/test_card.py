@@ -9,10 +9,10 @@ import pytest
 from helpers import tiny_summary
 from huggingface_hub import ModelCard
 
-from draftsmith.core.atomic import write_json
-from draftsmith.core.engines import SCHEDULE_KEY, speculative_config
-from draftsmith.core.methods import method as method_of
-from draftsmith.core.model_card import CARD_NAME, EMBEDDED_BASE_MODEL, base_model, render_card
+from draftsmith.core.evaluation.engines import SCHEDULE_KEY, speculative_config
+from draftsmith.core.evaluation.methods import method as method_of
+from draftsmith.core.export.model_card import CARD_NAME, EMBEDDED_BASE_MODEL, base_model, render_card
+from draftsmith.core.io.atomic import write_json
 from draftsmith.stages.export.card import write_cards
 
 
@@ -211,7 +211,7 @@ def test_the_card_says_whether_the_gate_blocked():
 
 def _by_load(key: str, by_load: list[tuple[int, int, float]]) -> dict:
     """A serving policy where `key` has, per concurrency, its best k and speedup."""
-    from draftsmith.core.policy import crossover
+    from draftsmith.core.evaluation.policy import crossover
 
     at = [{"concurrency": c, "k": k, "speedup": s} for c, k, s in by_load]
     return {"grid": [c for c, _, _ in by_load], "methods": {key: at}, "crossover": {key: crossover(at)}}

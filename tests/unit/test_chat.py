@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from draftsmith.core.chat import eos_token_ids
+from draftsmith.core.data.chat import eos_token_ids
 
 
 def test_eos_token_ids_unites_every_source() -> None:

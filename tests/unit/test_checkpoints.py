@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith.core.checkpoints import (
+from draftsmith.core.training.checkpoints import (
     COMPLETE_MARKER,
     KEY_FILE,
     find_resume,
@@ -76,7 +76,7 @@ def test_find_resume_decisions(tmp_path: Path, caplog) -> None:
     _fake_checkpoint(other, 8)
     legacy = _fake_checkpoint(root, 2)
 
-    with caplog.at_level(logging.WARNING, logger="draftsmith.core.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="draftsmith.core.training.checkpoints"):
         latest, remove = find_resume(root, key, stop_at=10)
     assert latest == mine / "step-4" and set(remove) == {other, legacy}
     assert any("data.shards" in r.getMessage() for r in caplog.records)

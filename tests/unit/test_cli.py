@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from helpers import cli_env
 
 from draftsmith.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_GATE, main
-from draftsmith.core.config import section_schema
+from draftsmith.core.config.config import section_schema
 
 SETTING_HELP = re.compile(r"\[([a-z_.]+)\.([a-z_]+); default: (.*)\]$")
 
@@ -107,7 +107,7 @@ def test_ops_json_gives_the_knobs_under_the_options():
     and under single options; a key that is no knob of the command, or a value the schema refuses, is
     bad input naming it."""
     from draftsmith.cli_options import settings_from
-    from draftsmith.core.stage_settings import GenerateSettings
+    from draftsmith.core.config.stage_settings import GenerateSettings
 
     assert "--ops" in invoke("generate", "--help").output
     ops = json.dumps({"concurrency": 3, "timeout_s": 5})
@@ -396,7 +396,7 @@ def test_setting_options_are_generated_from_the_schema() -> None:
 
 
 def test_every_stage_command_is_generated_from_its_run():
-    """A stage's command is its run(paths[, settings]): an option per paths field (core/stage_args.arg)
+    """A stage's command is its run(paths[, settings]): an option per paths field (core/config/stage_args.arg)
     and per setting, its docstring as help; an option named otherwise than its key keeps its old name
     beside the key's."""
     import dataclasses

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.core.code_prompts import CodePromptError, code_prompts, wheel_code_prompts
-from draftsmith.core.prompt_sources import parse_record
+from draftsmith.core.data.code_prompts import CodePromptError, code_prompts, wheel_code_prompts
+from draftsmith.core.data.prompt_sources import parse_record
 from draftsmith.stages.prompts import PromptSettings, prepare_prompts
 
 MODULE = '''

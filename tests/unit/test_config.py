@@ -1,4 +1,4 @@
-"""draftsmith/core/config.py: the schema's defaults, its error lines, string coercion and the start-up checks
+"""draftsmith/core/config/config.py: the schema's defaults, its error lines, string coercion and the start-up checks
 against the target's config.json."""
 
 import json
@@ -8,16 +8,13 @@ import pytest
 import yaml
 from helpers import REPO
 
-from draftsmith.core.config import (
+from draftsmith.core.config.config import (
     EMBEDDED_TARGET,
     EMBEDDED_TARGET_CONFIG,
     ConfigFileError,
     ConfigSource,
-    aux_layer_errors,
     coerce_strings,
-    combination_errors,
     config_errors,
-    input_file_errors,
     locate,
     merge_sources,
     read_config_file,
@@ -30,9 +27,14 @@ from draftsmith.core.config import (
     section_errors,
     server_args_error,
     server_host_error,
-    target_checks,
     text_config_json,
     url_error,
+)
+from draftsmith.core.workflow.startup import (
+    aux_layer_errors,
+    combination_errors,
+    input_file_errors,
+    target_checks,
 )
 
 
@@ -724,7 +726,7 @@ def test_a_brace_in_a_path_is_named_not_taken_for_a_wildcard(values, key):
 
 def test_the_packaged_held_out_set_is_named_relative_to_a_working_folder_holding_it(tmp_path, monkeypatch):
     """A moved or copied checkout gives the same params (the hand-written set reruns no evaluation)."""
-    from draftsmith.core.config import workdir_path
+    from draftsmith.core.config.config import workdir_path
 
     packaged = REPO / "draftsmith" / "data" / "heldout_handwritten.jsonl"
     monkeypatch.chdir(REPO)
@@ -735,7 +737,7 @@ def test_the_packaged_held_out_set_is_named_relative_to_a_working_folder_holding
 
 def test_an_engine_on_gpus_of_its_own_leaves_the_trainer_exactly_one():
     """resources.train.engine_gpus N (stream / hybrid): the trainer on one more GPU; files ignores it."""
-    from draftsmith.core.config import engine_gpus_errors
+    from draftsmith.core.workflow.startup import engine_gpus_errors
 
     assert engine_gpus_errors({"gpus": 5, "engine_gpus": 4}, "stream") == []
     assert engine_gpus_errors({"gpus": 8, "engine_gpus": 0}, "hybrid") == []
@@ -747,7 +749,7 @@ def test_an_engine_on_gpus_of_its_own_leaves_the_trainer_exactly_one():
 def test_this_cpu_without_its_measured_profile_is_refused_at_start(tmp_path):
     """evaluate.serving.device this-cpu costs methods with bench/cost.py's profile: a missing or unreadable
     one is one line at start, naming the key and the command that writes it."""
-    from draftsmith.core.cost import serving_profile_errors
+    from draftsmith.core.evaluation.cost import serving_profile_errors
 
     missing = tmp_path / "this-cpu.json"
     (error,) = serving_profile_errors({"device": "this-cpu", "profile": str(missing)})

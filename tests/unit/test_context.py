@@ -9,7 +9,7 @@ import json
 import pytest
 from helpers import DEFAULT_TARGET
 
-from draftsmith.core.context import DRAFT_MARGIN, context_errors, evaluation_model_len, token_bound
+from draftsmith.core.data.context import DRAFT_MARGIN, context_errors, evaluation_model_len, token_bound
 from draftsmith.stages.evaluate import EvaluateSettings
 from draftsmith.stages.evaluate.stage import evaluate_vllm
 
@@ -84,12 +84,12 @@ def test_evaluate_vllm_refuses_a_prompt_the_target_cannot_hold_before_any_engine
 
 @needs_target
 def test_a_heldout_prompt_too_long_for_the_target_is_refused_at_start_by_file_and_line(tmp_path):
-    """At the workflow's parse (config.input_file_errors), before any job: line 2 is ~12K tokens, past
+    """At the workflow's parse (workflow.startup.input_file_errors), before any job: line 2 is ~12K tokens, past
     SmolLM2's 8,192; a ~3K-token prompt (past 2048) fits and is no error."""
     from helpers import REPO
     from snakemake.utils import validate
 
-    from draftsmith.core.config import input_file_errors
+    from draftsmith.core.workflow.startup import input_file_errors
 
     def errors_for(texts: list[str]) -> list[str]:
         heldout = tmp_path / "heldout.jsonl"
@@ -110,8 +110,8 @@ def test_the_plans_evaluation_line_holds_what_the_evaluation_asks_vllm_for():
     and the draft positions (context.sequence_tokens), as evaluate_vllm sizes its engines."""
     from helpers import REPO
 
-    from draftsmith.core.config import merged_config_files, text_config_json, with_defaults
-    from draftsmith.core.memory import GIB, plan, target_size
+    from draftsmith.core.config.config import merged_config_files, text_config_json, with_defaults
+    from draftsmith.core.planning.memory import GIB, plan, target_size
 
     config = with_defaults(merged_config_files([str(REPO / "configs" / "kimi-k2.5-8gpu.yaml")]))
     size = target_size(
@@ -129,7 +129,7 @@ def test_the_evaluation_job_checks_its_plan_line_before_any_engine(monkeypatch, 
 
     prompts = tmp_path / "p.jsonl"
     write_prompts(prompts, ["Hi."])
-    monkeypatch.setattr("draftsmith.core.memory.detect_gpu_memory_gib", lambda: 0.5)
+    monkeypatch.setattr("draftsmith.core.planning.memory.detect_gpu_memory_gib", lambda: 0.5)
     monkeypatch.setattr(runner, "run_vllm_subprocess", lambda **kw: pytest.fail("an engine was started"))
     settings = EvaluateSettings(max_new_tokens=16, num_draft_tokens=3, gpus=1, dtype="bfloat16")
     with pytest.raises(

@@ -1,4 +1,4 @@
-"""The cost model (draftsmith.core.cost): step times at a serving point, draft-length estimates from acceptance
+"""The cost model (draftsmith.core.evaluation.cost): step times at a serving point, draft-length estimates from acceptance
 histograms, and the model against published GPU measurements of EAGLE-3 (docs/evaluation.md names them)."""
 
 from __future__ import annotations
@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 from helpers import serving_point
 
-from draftsmith.core.atomic import write_json
-from draftsmith.core.cost import (
+from draftsmith.core.evaluation.cost import (
     DEVICES,
     THIS_CPU,
     Device,
@@ -32,6 +31,7 @@ from draftsmith.core.cost import (
     step_seconds,
     term_counts,
 )
+from draftsmith.core.io.atomic import write_json
 
 H100 = DEVICES["H100-80GB"]
 # Llama-3.1-8B-Instruct served in bf16: 8.03 B parameters, of which the 0.525 B embedding is not read
@@ -111,7 +111,7 @@ def test_drafter_cost_reads_how_an_export_drafts(tmp_path):
 
     from helpers import EXPORT_AUX_IDS, make_drafter
 
-    from draftsmith.core.export_formats import save_drafter
+    from draftsmith.core.export.formats import save_drafter
 
     chain = save_drafter(make_drafter(), tmp_path / "chain", EXPORT_AUX_IDS, "t")
     parallel = save_drafter(make_drafter(kind="peagle", mask_token_id=3), tmp_path / "p", EXPORT_AUX_IDS, "t")
@@ -119,7 +119,7 @@ def test_drafter_cost_reads_how_an_export_drafts(tmp_path):
     config = json.loads((chain / "config.json").read_text())
     (chain / "config.json").write_text(json.dumps({**config, "architectures": ["DFlashDraftModel"]}))
     assert drafter_cost(chain, 2.0).drafting == "block"
-    from draftsmith.core.engines import speculative_config
+    from draftsmith.core.evaluation.engines import speculative_config
 
     # the trained drafter's method ("eagle3" in the evaluation) is served as its export says
     assert speculative_config("eagle3", str(chain), 3)["method"] == "dflash"

@@ -1,4 +1,4 @@
-"""GPU slots per job (draftsmith/core/devices.py, `draftsmith run`): disjoint devices, waiting, release on death.
+"""GPU slots per job (draftsmith/core/io/devices.py, `draftsmith run`): disjoint devices, waiting, release on death.
 
 A fake device count (DRAFTSMITH_NUM_GPUS) stands in for the cards: the locking is the same either way.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.core.devices import (
+from draftsmith.core.io.devices import (
     DeviceError,
     acquire,
     choose_slots,
@@ -263,7 +263,7 @@ def _job_pid(parent: int, deadline: float) -> int:
 
 
 def _descends(pid: int, ancestor: int) -> bool:
-    from draftsmith.core.devices import proc_stat
+    from draftsmith.core.io.devices import proc_stat
 
     while (stat := proc_stat(pid)) is not None and pid > 1:
         if stat[1] == ancestor:
@@ -273,7 +273,7 @@ def _descends(pid: int, ancestor: int) -> bool:
 
 
 def _gone(pid: int, within: float) -> bool:
-    from draftsmith.core.devices import proc_stat
+    from draftsmith.core.io.devices import proc_stat
 
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
@@ -307,7 +307,7 @@ def test_a_job_dies_with_its_killed_snakemake(tmp_path, shell):
 
 
 def test_snakemake_owner_is_the_nearest_snakemake_ancestor(tmp_path):
-    from draftsmith.core.devices import is_snakemake, snakemake_owner
+    from draftsmith.core.io.devices import is_snakemake, snakemake_owner
 
     proc = tmp_path / "proc"
     table = {
@@ -326,7 +326,7 @@ def test_snakemake_owner_is_the_nearest_snakemake_ancestor(tmp_path):
 
 def test_a_streamed_jobs_engine_sees_its_ranks_gpu_or_the_first_engine_gpus():
     """Issue 45 item 2: engine_gpus 0 = the rank's own GPU; N = the first N, the trainer on GPU N."""
-    from draftsmith.core.devices import engine_visible_devices, trainer_index, visible_devices
+    from draftsmith.core.io.devices import engine_visible_devices, trainer_index, visible_devices
 
     assert engine_visible_devices("4,5,6,7", 0, 2) == ["6"]
     assert engine_visible_devices("4,5,6,7", 3, trainer_index(3, 0)) == ["4", "5", "6"]
@@ -343,7 +343,7 @@ def test_a_streamed_jobs_engine_sees_its_ranks_gpu_or_the_first_engine_gpus():
 def test_a_process_tree_is_the_process_and_every_live_descendant():
     """What `kill_tree`, the vLLM child's timeout and the fault bench signal: the process, its children,
     theirs (in a session of their own too)."""
-    from draftsmith.core.devices import process_tree
+    from draftsmith.core.io.devices import process_tree
 
     code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'], start_new_session=True); time.sleep(30)"
     proc = subprocess.Popen([sys.executable, "-c", code])

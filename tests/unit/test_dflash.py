@@ -14,7 +14,11 @@ import torch
 from helpers import objective
 from safetensors.torch import load_file
 
-from draftsmith.core.dflash import (
+from draftsmith.core.data.loader import Batch
+from draftsmith.core.data.vocab import vocab_maps
+from draftsmith.core.evaluation.engines import speculative_config
+from draftsmith.core.export.formats.vllm_dflash import load_dflash, save_dflash
+from draftsmith.core.model.dflash import (
     DFlashDrafter,
     DFlashProposer,
     dflash_anchor_mask,
@@ -22,13 +26,9 @@ from draftsmith.core.dflash import (
     dflash_param_count,
     dflash_train_mask,
 )
-from draftsmith.core.drafter import DrafterConfig, apply_rope
-from draftsmith.core.engines import speculative_config
-from draftsmith.core.export_formats.vllm_dflash import load_dflash, save_dflash
-from draftsmith.core.loader import Batch
-from draftsmith.core.objective import DraftingLoss, ttt_step_targets
-from draftsmith.core.objective_dflash import dflash_block_inputs, dflash_loss
-from draftsmith.core.vocab import vocab_maps
+from draftsmith.core.model.drafter import DrafterConfig, apply_rope
+from draftsmith.core.training.objective import DraftingLoss, ttt_step_targets
+from draftsmith.core.training.objective_dflash import dflash_block_inputs, dflash_loss
 
 V, VD, HT, A, MASK_ID = 64, 40, 24, 3, 7
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.core.digests import damage, damage_under, seal, sealed, sidecar, unseal
+from draftsmith.core.io.digests import damage, damage_under, seal, sealed, sidecar, unseal
 
 
 def _write(path, data: bytes):
@@ -91,7 +91,7 @@ def test_a_stage_seals_only_when_it_returns(tmp_path):
 def test_snakemakes_touch_rehashes_nothing_and_a_copy_is_hashed_once(tmp_path, monkeypatch):
     """Snakemake touches every output after its job: the mtime moves, the size and inode do not, so a
     start only stats it. A copy (new inode) is hashed once, then sealed with its new inode."""
-    import draftsmith.core.digests as digests
+    import draftsmith.core.io.digests as digests
 
     shard = _write(tmp_path / "results" / "hidden" / "shard-0.safetensors", b"s" * 64)
     seal([shard], "extract")
@@ -110,7 +110,7 @@ def test_snakemakes_touch_rehashes_nothing_and_a_copy_is_hashed_once(tmp_path, m
 def test_a_shard_rewritten_as_a_new_inode_is_named_at_its_own_path_not_the_stash(tmp_path):
     """The stash copy (results/hidden/.done/<key>/) is the extract stage's to check; the published shard
     carries its own seal, so damage is named where the user sees it, with a --forcerun that works."""
-    from draftsmith.core.digests import seal_as
+    from draftsmith.core.io.digests import seal_as
 
     hidden = tmp_path / "results" / "hidden"
     stashed = _write(hidden / ".done" / "k" / "shard-1.safetensors", b"a" * 32)
@@ -146,7 +146,7 @@ def test_unsealed_junk_a_rule_writes_is_named_with_its_rule_before_anything_runs
     let Snakemake delete the outputs of the job that reads them; found at start instead."""
     import zipfile
 
-    from draftsmith.core.digests import unreadable_under
+    from draftsmith.core.io.digests import unreadable_under
 
     root = tmp_path / "results"
     writers = {"vocab_map.pt": "vocab", "summary.json": "eval_summary", "model.safetensors": "train"}
@@ -177,7 +177,7 @@ def test_unsealed_junk_a_rule_writes_is_named_with_its_rule_before_anything_runs
 
 
 def test_forced_rules_are_read_from_snakemakes_command_line():
-    from draftsmith.core.digests import forced_rules
+    from draftsmith.core.io.digests import forced_rules
 
     assert forced_rules(["snakemake", "--cores", "1", "--forcerun", "extract", "vocab", "-n"]) == {
         "extract",

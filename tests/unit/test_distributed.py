@@ -36,12 +36,12 @@ from helpers import (
 )
 from safetensors.torch import load_file
 
-from draftsmith.core.devices import process_tree
-from draftsmith.core.distributed import Dist, rank_threads
-from draftsmith.core.loader import StreamingData, verify_share
-from draftsmith.core.manifest import load_manifest
-from draftsmith.core.objective import DraftingLoss, StepStats
-from draftsmith.core.shards import ShardReader
+from draftsmith.core.data.loader import StreamingData, verify_share
+from draftsmith.core.data.manifest import load_manifest
+from draftsmith.core.data.shards import ShardReader
+from draftsmith.core.io.devices import process_tree
+from draftsmith.core.training.distributed import Dist, rank_threads
+from draftsmith.core.training.objective import DraftingLoss, StepStats
 
 # 1 vs 2 processes differ only in how fp32 sums are grouped (one sum over the batch vs two partial sums
 # added). Measured on this data over 30 steps: loss curves agree to 1.2e-7 relative, fp32 weights to

@@ -4,7 +4,8 @@ import pytest
 import torch
 from helpers import fp_tolerance
 
-from draftsmith.core.drafter import (
+from draftsmith.core.export.formats import drafter_config_from_export, export_config
+from draftsmith.core.model.drafter import (
     TTTKV,
     CacheKV,
     DrafterConfig,
@@ -18,7 +19,6 @@ from draftsmith.core.drafter import (
     ttt_mask,
     ttt_prefix_mask,
 )
-from draftsmith.core.export_formats import drafter_config_from_export, export_config
 
 FP32_ULPS = 8 * torch.finfo(torch.float32).eps
 D = 16  # head dim of the small drafters
@@ -241,9 +241,9 @@ def test_ttt_mask_rows_are_aligned_for_cuda_sdpa_and_the_loss_is_unchanged(monke
     keeps that stride, and the loss and gradients equal those through a contiguous mask bit for bit."""
     from helpers import make_drafter, objective
 
-    import draftsmith.core.drafter as drafter_module
-    from draftsmith.core.loader import Batch
-    from draftsmith.core.objective import ttt_loss
+    import draftsmith.core.model.drafter as drafter_module
+    from draftsmith.core.data.loader import Batch
+    from draftsmith.core.training.objective import ttt_loss
 
     kv = TTTKV(steps=3)
     kv.ensure_bias(12, torch.float32, torch.device("cpu"))

@@ -8,10 +8,10 @@ import json
 import pytest
 from helpers import NGRAM, TRAINED, N, results, serving_point
 
-from draftsmith.core.cost import DEVICES, ModelCost, projected_speedup
-from draftsmith.core.projection import set_projection
-from draftsmith.core.report import format_table, format_tsv
-from draftsmith.core.verdict import GateSettings
+from draftsmith.core.config.stage_settings import GateSettings
+from draftsmith.core.evaluation.cost import DEVICES, ModelCost, projected_speedup
+from draftsmith.core.evaluation.projection import set_projection
+from draftsmith.core.evaluation.report import format_table, format_tsv
 from draftsmith.stages.eval_summary import headline, intervals, load_sets, summary_rows
 
 
@@ -92,7 +92,7 @@ def test_load_sets_checks_the_prompts_match(tmp_path):
 def test_without_the_offline_decoder_vllm_alone_fills_the_summary(tmp_path):
     """evaluate.offline: false (a target only vLLM can hold): the summary has vLLM's rows only, and the
     offline-vs-vLLM contract check says it could not be made instead of comparing vLLM with itself."""
-    from draftsmith.core.verdict import diagnose
+    from draftsmith.core.evaluation.verdict import diagnose
 
     served = tmp_path / "vllm.json"
     vllm = {**results({"eagle3": {**TRAINED, "kind": "eagle3"}}), "temperature": 0.0}
@@ -113,7 +113,7 @@ def test_summary_has_the_serving_policy_and_the_drafters_break_even_per_set():
     position against its break-even and ceiling at the first concurrency, every existing field kept."""
     from helpers import tiny_summary
 
-    from draftsmith.core.policy import position_acceptance
+    from draftsmith.core.evaluation.policy import position_acceptance
 
     summary = json.loads(json.dumps(tiny_summary()))  # as summary.json holds it
     for name, heldout in summary["heldout_sets"].items():

@@ -10,8 +10,8 @@ import pytest
 import yaml
 from helpers import DEFAULT_TARGET, REPO
 
-from draftsmith.core.config import text_config_json, with_defaults
-from draftsmith.core.memory import evaluation_engines, evaluation_minutes, runtime_line, target_size
+from draftsmith.core.config.config import text_config_json, with_defaults
+from draftsmith.core.planning.memory import evaluation_engines, evaluation_minutes, runtime_line, target_size
 
 TARGETS = REPO / "tests" / "data" / "target-configs"
 GPU_CONFIGS = {

@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 
 from draftsmith.cli import EXIT_GATE, main
-from draftsmith.core.stage_settings import EvaluateSettings
+from draftsmith.core.config.stage_settings import EvaluateSettings
 from draftsmith.stages.evaluate.stage import (
     NotLossless,
     VllmUnavailable,
@@ -62,12 +62,12 @@ def extract_tiny_data(root: Path, target_dir: Path) -> tuple[Path, Path]:
     """Greedy traces of the target on chat prompts -> one shard, data_config.json, vocab_map.pt."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from draftsmith.core.chat import render_prompt, template_fingerprint
-    from draftsmith.core.layers import capture_aux, stack_aux
-    from draftsmith.core.shards import Sample, verify_shard, write_shard
-    from draftsmith.core.speculate import greedy_decode
-    from draftsmith.core.target import file_sha256
-    from draftsmith.core.vocab import save_vocab_map
+    from draftsmith.core.data.chat import render_prompt, template_fingerprint
+    from draftsmith.core.data.shards import Sample, verify_shard, write_shard
+    from draftsmith.core.data.vocab import save_vocab_map
+    from draftsmith.core.evaluation.speculate import greedy_decode
+    from draftsmith.core.model.layers import capture_aux, stack_aux
+    from draftsmith.core.model.target import file_sha256
     from draftsmith.stages.vocab import build_vocab_map
 
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
@@ -127,7 +127,7 @@ def extract_tiny_data(root: Path, target_dir: Path) -> tuple[Path, Path]:
 def pipeline(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """target/, data_config.json, vocab_map.pt, a drafter trained for a few steps, metrics.jsonl,
     held-out prompts."""
-    from draftsmith.core.config import settings_defaults
+    from draftsmith.core.config.config import settings_defaults
     from draftsmith.stages.train import TrainSettings, train
 
     root = tmp_path_factory.mktemp("eval")
@@ -186,8 +186,8 @@ def untrained(pipeline) -> Path:
 def test_untrained_drafter_is_trainings_starting_point(pipeline, untrained):
     from safetensors.torch import load_file
 
-    from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter
-    from draftsmith.core.export_formats import check_export
+    from draftsmith.core.export.formats import check_export
+    from draftsmith.core.model.drafter import DrafterConfig, Eagle3Drafter
 
     assert check_export(untrained, target_num_layers=4, target_vocab_size=VOCAB) == []
     config = json.loads((untrained / "config.json").read_text())
@@ -591,8 +591,8 @@ def test_an_offline_evaluation_is_kept_by_what_it_measured_and_reused(tmp_path, 
     nothing: the kept result is written as the output. Another setting or drafter measures again; where
     it runs (threads) does not."""
     import draftsmith.stages.evaluate as ev
-    from draftsmith.core.atomic import write_json
-    from draftsmith.core.stage_settings import OfflineEvaluateSettings
+    from draftsmith.core.config.stage_settings import OfflineEvaluateSettings
+    from draftsmith.core.io.atomic import write_json
 
     target, drafter = tmp_path / "target", tmp_path / "drafter"
     for folder in (target, drafter):

@@ -11,9 +11,9 @@ import torch
 from helpers import EXPORT_AUX_IDS, EXPORT_DRAFT_VOCAB, EXPORT_TARGET_VOCAB, make_drafter
 from safetensors.torch import load_file, save_file
 
-from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter
-from draftsmith.core.export_formats import check_export, load_drafter, save_drafter
-from draftsmith.core.vocab import vocab_maps
+from draftsmith.core.data.vocab import vocab_maps
+from draftsmith.core.export.formats import check_export, load_drafter, save_drafter
+from draftsmith.core.model.drafter import DrafterConfig, Eagle3Drafter
 
 TARGET_LAYERS = 8
 
@@ -47,7 +47,7 @@ def test_round_trip_equal(export_dir: Path) -> None:
     with torch.no_grad():
         for p in rounded.parameters():
             p.copy_(p.to(torch.bfloat16).float())
-    from draftsmith.core.drafter import CacheKV
+    from draftsmith.core.model.drafter import CacheKV
 
     a = rounded(embeds, hidden, pos, CacheKV())[0]
     b = loaded(embeds, hidden, pos, CacheKV())[0]
@@ -426,7 +426,7 @@ def test_draft_vocabulary_larger_than_target_is_refused(tmp_path: Path) -> None:
 
 
 def test_draft_positions_warning() -> None:
-    from draftsmith.core.engines import draft_positions_warning, trained_ttt_steps
+    from draftsmith.core.evaluation.engines import draft_positions_warning, trained_ttt_steps
 
     assert draft_positions_warning(3, 3) is None and draft_positions_warning(5, None) is None
     assert "draft positions 4..5 were never trained" in draft_positions_warning(5, 3)

@@ -13,10 +13,13 @@ import torch
 from helpers import fp_tolerance
 
 from draftsmith.backends.hf import capture_states, stop_at_eos
-from draftsmith.core.atomic import write_json
-from draftsmith.core.batch_plan import token_batches
-from draftsmith.core.chat import training_sequence
-from draftsmith.core.estimate import (
+from draftsmith.core.data.batch_plan import token_batches
+from draftsmith.core.data.chat import training_sequence
+from draftsmith.core.data.shards import ShardWriter
+from draftsmith.core.data.vocab import vocab_maps
+from draftsmith.core.io.atomic import write_json
+from draftsmith.core.model.layers import convert_layer_ids, default_aux_layers, validate_aux_layers
+from draftsmith.core.planning.estimate import (
     NotEnoughDisk,
     check_free_disk,
     estimate_lines,
@@ -24,9 +27,6 @@ from draftsmith.core.estimate import (
     probe_batches,
     raw_state_bytes,
 )
-from draftsmith.core.layers import convert_layer_ids, default_aux_layers, validate_aux_layers
-from draftsmith.core.shards import ShardWriter
-from draftsmith.core.vocab import vocab_maps
 from draftsmith.stages.extract import ExtractSettings, disk_full, teacher_agreement
 from draftsmith.stages.manifest import ManifestSettings, build_manifest
 from draftsmith.stages.tokenize import TokenizeSettings, shard_bounds
@@ -209,7 +209,7 @@ def test_estimate_by_hand_takes_codec_ratios_from_a_bf16_shard(tmp_path):
     from click.testing import CliRunner
 
     from draftsmith.cli import main
-    from draftsmith.core.shards import Sample, write_shard
+    from draftsmith.core.data.shards import Sample, write_shard
 
     g = torch.Generator().manual_seed(0)
     samples = [
@@ -261,7 +261,7 @@ def test_extract_shard_reuses_the_probed_batches(tmp_path, tiny_llama):
     from safetensors.torch import save_file
 
     from draftsmith.backends.hf import HfExtractor
-    from draftsmith.core.shards import iter_samples, verify_shard
+    from draftsmith.core.data.shards import iter_samples, verify_shard
     from draftsmith.stages.extract import extract_shard
 
     target = tmp_path / "target"
@@ -311,7 +311,7 @@ def test_extract_shard_stores_float8_as_the_bf16_states_round_trip(tmp_path, tin
     from safetensors.torch import save_file
 
     from draftsmith.backends.hf import HfExtractor
-    from draftsmith.core.shards import as_stored, iter_samples, read_header, read_shard_meta
+    from draftsmith.core.data.shards import as_stored, iter_samples, read_header, read_shard_meta
     from draftsmith.stages.extract import extract_shard
 
     target = tmp_path / "target"
@@ -411,7 +411,7 @@ def _tokens_file(
 ) -> str:
     """A tokens file of random sequences of these lengths, every token loss-masked: `where` itself, or
     tokens.safetensors in the folder `where`; one shard unless `shards` ([start, end) sample ranges)."""
-    from draftsmith.core.tokens import write_tokens
+    from draftsmith.core.data.tokens import write_tokens
 
     path = where / "tokens.safetensors" if where.is_dir() else where
     g = torch.Generator().manual_seed(seed)
@@ -433,7 +433,7 @@ def test_pipelined_extraction_writes_the_sequential_shard(tmp_path, tiny_llama, 
     """Batch k's CPU-side work beside batch k+1's forward changes nothing: the shard's bytes (all but
     the header's timing stats) and its teacher counts are the sequential loop's."""
     from draftsmith.backends.hf import HfExtractor
-    from draftsmith.core.shards import read_header
+    from draftsmith.core.data.shards import read_header
     from draftsmith.stages.extract import extract_shard
 
     target = tmp_path / "target"
@@ -505,7 +505,7 @@ def test_a_failing_write_stops_extraction_with_the_sequential_loops_error(tmp_pa
     import errno
 
     from draftsmith.backends.hf import HfExtractor
-    from draftsmith.core.shards import ShardWriter
+    from draftsmith.core.data.shards import ShardWriter
     from draftsmith.stages.extract import extract_shard
 
     target = tmp_path / "target"
@@ -561,7 +561,7 @@ def test_sample_source_travels_from_traces_to_the_manifest(tmp_path, target_mode
     manifest. The shard's metadata lists each sample's source; the manifest reports agreement per
     source and gates on the regenerated sample only."""
 
-    from draftsmith.core.shards import read_shard_meta
+    from draftsmith.core.data.shards import read_shard_meta
     from draftsmith.stages.extract import extract_shard
     from draftsmith.stages.tokenize import tokenize_traces
 
@@ -704,8 +704,8 @@ def test_engine_devices_split_the_jobs_visible_gpus():
 def test_the_job_runs_the_layout_the_memory_plan_prints(tmp_path):
     """job_layout (what the job runs) against memory.plan (what `draftsmith plan` prints) on one config:
     the same engines x GPUs, whatever the device's memory."""
-    from draftsmith.core.config import with_defaults
-    from draftsmith.core.memory import plan_config
+    from draftsmith.core.config.config import with_defaults
+    from draftsmith.core.planning.memory import plan_config
     from draftsmith.stages.extract import job_layout
 
     target = tmp_path / "target"
@@ -778,7 +778,7 @@ def test_stash_key_is_the_targets_content_not_its_path(tmp_path):
 
 
 def test_prepare_stash_keeps_only_intact_sealed_shards_of_the_key(tmp_path):
-    from draftsmith.core.digests import seal, sidecar
+    from draftsmith.core.io.digests import seal, sidecar
     from draftsmith.stages.extract import prepare_stash
 
     root = tmp_path / ".done"
@@ -808,9 +808,9 @@ def test_extract_shards_loads_once_stashes_and_reuses_what_a_killed_run_finished
     same content as before."""
     import draftsmith.stages.extract as ex
     from draftsmith.backends.hf import HfExtractor
-    from draftsmith.core.atomic import shared_mode
-    from draftsmith.core.digests import intact
-    from draftsmith.core.shards import verify_shard
+    from draftsmith.core.data.shards import verify_shard
+    from draftsmith.core.io.atomic import shared_mode
+    from draftsmith.core.io.digests import intact
 
     target = tmp_path / "target"
     tiny_llama.save_pretrained(target)
@@ -935,7 +935,8 @@ def test_a_full_disk_says_what_the_shard_needs(tmp_path, tiny_llama, monkeypatch
 
     import draftsmith.stages.extract as extract
     from draftsmith.backends.hf import HfExtractor
-    from draftsmith.core.estimate import human_bytes, raw_state_bytes
+    from draftsmith.core.io.units import human_bytes
+    from draftsmith.core.planning.estimate import raw_state_bytes
 
     target = tmp_path / "target"
     tiny_llama.save_pretrained(target)
@@ -1012,7 +1013,7 @@ def test_extraction_runs_where_the_results_file_system_refuses_flock(tmp_path, t
 
     import draftsmith.stages.extract as ex
     from draftsmith.backends.hf import HfExtractor
-    from draftsmith.core.shards import verify_shard
+    from draftsmith.core.data.shards import verify_shard
 
     results = tmp_path / "results"
     flock = fcntl.flock

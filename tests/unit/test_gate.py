@@ -10,13 +10,13 @@ import math
 import pytest
 from helpers import serving_point
 
-from draftsmith.core.checks import Check, order_checks
-from draftsmith.core.cost import DEVICES, ModelCost
-from draftsmith.core.projection import set_projection
-from draftsmith.core.report import format_checks, format_verdict
-from draftsmith.core.verdict import (
+from draftsmith.core.config.stage_settings import GateSettings
+from draftsmith.core.evaluation.checks import Check, order_checks
+from draftsmith.core.evaluation.cost import DEVICES, ModelCost
+from draftsmith.core.evaluation.projection import set_projection
+from draftsmith.core.evaluation.report import format_checks, format_verdict
+from draftsmith.core.evaluation.verdict import (
     PER_DRAFT,
-    GateSettings,
     check_beats,
     check_beats_free,
     check_chat_template,
@@ -568,7 +568,7 @@ def test_two_engines_pair_on_the_prompts_both_decoded():
 
 
 def test_draft_positions_beyond_the_trained_ttt_steps_warn():
-    from draftsmith.core.verdict import check_draft_positions
+    from draftsmith.core.evaluation.verdict import check_draft_positions
 
     assert check_draft_positions(3, 3).status == "pass"
     warn = check_draft_positions(5, 3)

@@ -10,8 +10,8 @@ from helpers import REPO
 from draftsmith.backends.common import CPU_KV_CACHE_GIB, Answer, oversized, vllm_child_env
 from draftsmith.backends.hf import length_batches
 from draftsmith.backends.openai import check_served_prompt
-from draftsmith.core.chat import assistant_message, merge_turns, render_prompt, render_with_response
-from draftsmith.core.config import section_defaults
+from draftsmith.core.config.config import section_defaults
+from draftsmith.core.data.chat import assistant_message, merge_turns, render_prompt, render_with_response
 from draftsmith.stages.generate import (
     Conversation,
     GenerateSettings,
@@ -399,7 +399,7 @@ def test_uses_original_is_a_stable_share():
 def test_generate_writes_original_answers_without_generating(tmp_path):
     """Share 1 with only dataset conversations: every trace is an original, no model runs (the
     transformers engine has nothing to do); the summary counts them; the tokens carry the source."""
-    from draftsmith.core.tokens import load_tokens
+    from draftsmith.core.data.tokens import load_tokens
     from draftsmith.stages.tokenize import tokenize_traces
 
     prompts = tmp_path / "p.jsonl"
@@ -441,7 +441,7 @@ def test_the_cpu_kv_cache_is_set_only_for_vllms_cpu_build():
 def test_served_traffic_trains_on_the_served_answer_and_its_reasoning(thinking_tokenizer):
     """A served request + response (tests/data/shapes/served.jsonl) becomes an original-answer trace
     whose reasoning is trained in the template's thinking format, as the server generated it."""
-    from draftsmith.core.prompt_sources import read_jsonl_prompts
+    from draftsmith.core.data.prompt_sources import read_jsonl_prompts
 
     prompts, _ = read_jsonl_prompts(REPO / "tests" / "data" / "shapes" / "served.jsonl", 0, None)
     row = json.loads(json.dumps(original_row(prompts[0], "fp")))  # as read back from traces.jsonl

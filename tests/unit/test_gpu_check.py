@@ -103,7 +103,7 @@ def test_its_gate_judges_what_a_tiny_target_can_show_not_speed(gpu_check_plan):
     """The modes the gate runs with (the tiny config, then the overlay): the drafter must beat the
     untrained one; every other check of evaluate.gate only warns. A check added to the schema without a
     mode here would take its default (block, for most): this fails until GATE names it."""
-    from draftsmith.core.config import section_schema
+    from draftsmith.core.config.config import section_schema
 
     (summary,) = [line for line in gpu_check_plan.splitlines() if " draftsmith eval-summary " in line
                   or line.startswith("Shell command: draftsmith eval-summary ")]  # fmt: skip

@@ -1,4 +1,4 @@
-"""train.hidden_states planned at start (core/hidden_plan.py): the rule auto follows, the refusal of a files
+"""train.hidden_states planned at start (core/planning/hidden_plan.py): the rule auto follows, the refusal of a files
 run that cannot fit, the figures the plan reads, and a dry run that plans the mode the start line names."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import pytest
 from helpers import REPO, snakemake
 from snakemake.utils import validate
 
-from draftsmith.core.hidden_plan import (
+from draftsmith.core.data.tokens import write_tokens
+from draftsmith.core.planning.hidden_plan import (
     FREE_BYTES_ENV,
     StatesEstimate,
     choose_mode,
@@ -20,7 +21,6 @@ from draftsmith.core.hidden_plan import (
     plan_hidden_states,
     token_bound,
 )
-from draftsmith.core.tokens import write_tokens
 
 GB = 10**9
 

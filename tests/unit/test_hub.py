@@ -1,4 +1,4 @@
-"""Targets by Hugging Face Hub id (draftsmith/core/hub.py, rules/target.smk): what counts as a Hub id, the
+"""Targets by Hugging Face Hub id (draftsmith/core/io/hub.py, rules/target.smk): what counts as a Hub id, the
 start-up checks before and after the download, and what the workflow plans. Offline throughout: a
 prepared Hub cache (tests/hubcache.py) stands in for the Hub."""
 
@@ -16,9 +16,10 @@ from hubcache import COMMIT, add_model_folder
 from snakemake.api import SnakemakeApi
 from snakemake.settings.types import ConfigSettings, DAGSettings, OutputSettings, Quietness, ResourceSettings
 
-from draftsmith.core.config import is_hub_target, target_checks, target_folder
-from draftsmith.core.digests import smallest_readable
-from draftsmith.core.hub import hub_target_dir, is_hub_id
+from draftsmith.core.config.config import is_hub_target, target_folder
+from draftsmith.core.io.digests import smallest_readable
+from draftsmith.core.io.hub import hub_target_dir, is_hub_id
+from draftsmith.core.workflow.startup import target_checks
 
 TINY = REPO / "tests" / "config.tiny.yaml"
 AFTER_TRAINING = {"export", "evaluate_offline", "evaluate_vllm", "eval_summary", "gate", "all"}

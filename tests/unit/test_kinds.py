@@ -9,12 +9,12 @@ import pytest
 import torch
 from helpers import EXPORT_AUX_IDS, make_drafter, objective
 
-from draftsmith.core.drafter import CacheKV, DrafterConfig
-from draftsmith.core.engines import speculative_config
-from draftsmith.core.export_formats import check_export, load_drafter, save_drafter
-from draftsmith.core.kinds import drafter_proposer
-from draftsmith.core.loader import Batch
-from draftsmith.core.objective import ttt_loss
+from draftsmith.core.data.loader import Batch
+from draftsmith.core.evaluation.engines import speculative_config
+from draftsmith.core.export.formats import check_export, load_drafter, save_drafter
+from draftsmith.core.model.drafter import CacheKV, DrafterConfig
+from draftsmith.core.model.kinds import drafter_proposer
+from draftsmith.core.training.objective import ttt_loss
 
 MASK_ID = 7
 
@@ -182,7 +182,7 @@ def test_foreign_eagle31_export_is_read_as_eagle31(tmp_path):
 def test_engine_forms_only_where_the_engine_serves_the_kind(tmp_path, kind):
     """EAGLE 3.1's speculators form carries its flags (vLLM's reader of that format copies them); a form
     draftsmith has not checked for a kind is a folder with a note, not weights an engine would misread."""
-    from draftsmith.core.export_formats import load_drafter
+    from draftsmith.core.export.formats import load_drafter
     from draftsmith.stages.export import export_engines
     from draftsmith.stages.export.stage import NOT_WRITTEN
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftsmith.core.layers import (
+from draftsmith.core.model.layers import (
     aux_order_problem,
     capture_aux,
     convert_layer_ids,

@@ -7,9 +7,9 @@ import pytest
 import torch
 from helpers import make_tiny_data, settings
 
-from draftsmith.core.loader import InMemoryData, StreamingData, is_validation, plan_batches, prefetch
-from draftsmith.core.manifest import load_manifest
-from draftsmith.core.shards import ShardReader
+from draftsmith.core.data.loader import InMemoryData, StreamingData, is_validation, plan_batches, prefetch
+from draftsmith.core.data.manifest import load_manifest
+from draftsmith.core.data.shards import ShardReader
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +101,7 @@ def test_prefetch_keeps_order_and_stops_early() -> None:
 def test_rank_shares_balance_tokens_not_sample_count() -> None:
     """Data-parallel shares by tokens (LPT): no rank above the batch's tokens / world + one sample; each
     sample once; one rank gets the batch as it is. Two long samples no longer land on one rank."""
-    from draftsmith.core.loader import rank_shares
+    from draftsmith.core.data.loader import rank_shares
 
     assert rank_shares([3, 1, 2], [5, 6, 7, 8], 1) == [[3, 1, 2]]
     lengths = [7000, 300, 7000, 200, 100, 250]
@@ -121,7 +121,7 @@ def test_rank_shares_balance_tokens_not_sample_count() -> None:
 
 
 def test_step_plan_gives_every_rank_as_many_micro_batches_within_budget() -> None:
-    from draftsmith.core.loader import micro_batches, step_plan
+    from draftsmith.core.data.loader import micro_batches, step_plan
 
     lengths = [40, 10, 30, 20, 50, 5, 5, 60]
     batch = list(range(8))

@@ -10,10 +10,10 @@ from click.testing import CliRunner
 from helpers import flip_state_bit
 
 from draftsmith.cli import main
-from draftsmith.core.atomic import write_json
-from draftsmith.core.manifest import DataError, load_manifest, verify_manifest
-from draftsmith.core.shards import Sample, write_shard
-from draftsmith.core.vocab import save_vocab_map
+from draftsmith.core.data.manifest import DataError, load_manifest, verify_manifest
+from draftsmith.core.data.shards import Sample, write_shard
+from draftsmith.core.data.vocab import save_vocab_map
+from draftsmith.core.io.atomic import write_json
 from draftsmith.stages.manifest import ManifestSettings, build_manifest
 from draftsmith.stages.vocab import build_vocab_map
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith.core.config import merged_config_files, text_config_json, with_defaults
-from draftsmith.core.memory import (
+from draftsmith.core.config.config import merged_config_files, text_config_json, with_defaults
+from draftsmith.core.planning.memory import (
     CHECKPOINTED,
     GB,
     GIB,
@@ -152,7 +152,7 @@ def test_engine_layout_takes_the_fewest_gpus_that_hold_the_target() -> None:
 def test_the_extraction_line_counts_vllms_hidden_state_cache():
     """Issue 43 item 13 (part): per token in flight, the captured layers (aux + final) x hidden x 2 bytes
     beside the KV cache: +82% over Kimi-K2.5's MLA KV, +25-67% on the GQA targets."""
-    from draftsmith.core.memory import hidden_state_bytes_per_token, plan
+    from draftsmith.core.planning.memory import hidden_state_bytes_per_token, plan
 
     folders = TARGETS
     kimi = target_size(text_config_json(folders / "kimi-k2.5"), None, "bfloat16")
@@ -176,8 +176,13 @@ def test_kimi_is_served_data_parallel_with_expert_parallelism_where_that_holds_m
     8 x H200 is laid out so, `draftsmith plan` says so, and the server is started so. A GQA target
     (Qwen3-235B) is never laid out so."""
     from draftsmith.backends.server import VllmServerBackend
-    from draftsmith.core.config import section_defaults
-    from draftsmith.core.memory import generate_layout, plan_files, sequences_held, uses_expert_parallel
+    from draftsmith.core.config.config import section_defaults
+    from draftsmith.core.planning.memory import (
+        generate_layout,
+        plan_files,
+        sequences_held,
+        uses_expert_parallel,
+    )
     from draftsmith.stages.generate import GenerateSettings
 
     kimi = target_size(text_config_json(TARGETS / "kimi-k2.5"), None, "bfloat16")
@@ -240,7 +245,7 @@ def test_a_streamed_train_job_plans_its_engine_beside_each_trainer_rank_at_the_s
     """Issue 45 item 2: engine_gpus 0 puts an engine on each of the job's GPUs beside its trainer rank;
     the engine's vLLM share is what 95% of the device leaves after the trainer, and both lines fit
     together or are refused together. No extract line: the extract job does not run."""
-    from draftsmith.core.memory import TRAIN_UTILIZATION, stream_engine_share
+    from draftsmith.core.planning.memory import TRAIN_UTILIZATION, stream_engine_share
 
     needs = streamed("llama-3.1-8b", "llama-3.1-8b", "H100-80GB")
     stages = [n.stage for n in needs]
@@ -268,7 +273,7 @@ def test_a_target_too_large_to_share_a_gpu_is_refused_naming_engine_gpus_and_spl
     split = streamed("kimi-k2.5-8gpu", "kimi-k2.5", "H200-141GB", gpus=9, engine_gpus=8)
     engine, trainer = (next(n for n in split if n.stage == f"train: {w}") for w in ("engine", "trainer"))
     assert engine.gpus == 8 and trainer.gpus == 1 and engine.fits and trainer.fits
-    from draftsmith.core.config import tensor_parallel_errors
+    from draftsmith.core.workflow.startup import tensor_parallel_errors
 
     config = with_defaults(
         merged_config_files([ROOT / "configs" / "kimi-k2.5-8gpu.yaml"])

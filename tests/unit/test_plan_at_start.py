@@ -60,7 +60,7 @@ def test_each_gpu_job_checks_its_own_line_of_the_plan_before_vllm_loads(monkeypa
     """The extraction job and the generation server, on 8 H100s with Kimi-K2.5: one line with the figure,
     before any engine (the plan at start may have had no config.json, or another device)."""
     from draftsmith.backends.server import ServerError, VllmServerBackend
-    from draftsmith.core.config import section_defaults
+    from draftsmith.core.config.config import section_defaults
     from draftsmith.stages.extract import job_layout
     from draftsmith.stages.generate import GenerateSettings
 
@@ -98,9 +98,9 @@ def test_a_train_job_whose_plan_line_does_not_fit_refuses_before_loading_anythin
     from helpers import make_tiny_data
 
     import draftsmith.stages.train as train_stage
-    from draftsmith.core.config import merged_config_files, text_config_json, with_defaults
-    from draftsmith.core.memory import GB, plan_config
-    from draftsmith.core.vocab import save_vocab_map, vocab_maps
+    from draftsmith.core.config.config import merged_config_files, text_config_json, with_defaults
+    from draftsmith.core.data.vocab import save_vocab_map, vocab_maps
+    from draftsmith.core.planning.memory import GB, plan_config
 
     data = make_tiny_data(tmp_path / "data")
     manifest = json.loads(Path(data["manifest"]).read_text())
@@ -126,7 +126,7 @@ def test_a_train_job_whose_plan_line_does_not_fit_refuses_before_loading_anythin
 
     for name in ("verify_share", "init_distributed", "load_target_head", "build_drafter"):
         monkeypatch.setattr(train_stage, name, loads)
-    monkeypatch.setattr("draftsmith.core.memory.detect_gpu_memory_gib", lambda: 79.2)
+    monkeypatch.setattr("draftsmith.core.planning.memory.detect_gpu_memory_gib", lambda: 79.2)
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("RANK", "3")
     settings = train_stage.TrainSettings.from_dict({**config["train"], "micro_batch_tokens": 0, "threads": 1})

@@ -1,4 +1,4 @@
-"""The serving policy (draftsmith.core.policy): a drafter's ceiling and break-even from the cost model's own
+"""The serving policy (draftsmith.core.evaluation.policy): a drafter's ceiling and break-even from the cost model's own
 step times, the best method and k per concurrency, the crossover, and vLLM's per-batch-size schedule."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from helpers import serving_point
 
-from draftsmith.core.cost import (
+from draftsmith.core.evaluation.cost import (
     DEVICES,
     ModelCost,
     ServingPoint,
@@ -19,7 +19,7 @@ from draftsmith.core.cost import (
     projected_speedup,
     step_seconds,
 )
-from draftsmith.core.policy import (
+from draftsmith.core.evaluation.policy import (
     TOLERANCE,
     break_even,
     ceiling,
@@ -193,7 +193,7 @@ def _policy(ngram: list[tuple[int, int, float]], suffix_speeds: list[float]) -> 
         {"concurrency": c, "k": 3, "speedup": s} for c, s in zip(concurrency, suffix_speeds, strict=True)
     ]
     methods = {"ngram": [{"concurrency": c, "k": k, "speedup": s} for c, k, s in ngram], "suffix": suffix}
-    from draftsmith.core.policy import crossover
+    from draftsmith.core.evaluation.policy import crossover
 
     return {
         "grid": concurrency,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from draftsmith.core.precision import bf16_is_native, compute_dtype, train_precision
+from draftsmith.core.model.precision import bf16_is_native, compute_dtype, train_precision
 
 
 def test_explicit_choices_pass_through():
@@ -12,7 +12,7 @@ def test_explicit_choices_pass_through():
 
 def test_auto_follows_the_cpu(monkeypatch):
     for native, dtype, precision in [(True, "bfloat16", "bf16"), (False, "float32", "fp32")]:
-        monkeypatch.setattr("draftsmith.core.precision.bf16_is_native", lambda device=None, n=native: n)
+        monkeypatch.setattr("draftsmith.core.model.precision.bf16_is_native", lambda device=None, n=native: n)
         assert compute_dtype("auto", "cpu") == dtype
         assert train_precision("auto", "cpu") == precision
 

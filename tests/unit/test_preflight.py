@@ -1,4 +1,4 @@
-"""The pre-flight (draftsmith.core.preflight): the best choice without training at each load, a planned
+"""The pre-flight (draftsmith.core.planning.preflight): the best choice without training at each load, a planned
 drafter's cost before it exists, and the one line that says whether a drafter can pay."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from helpers import serving_point
 
-from draftsmith.core.cost import DEVICES, ModelCost
-from draftsmith.core.memory import drafter_shape
-from draftsmith.core.preflight import (
+from draftsmith.core.evaluation.cost import DEVICES, ModelCost
+from draftsmith.core.planning.memory import drafter_shape
+from draftsmith.core.planning.preflight import (
     blocked_message,
     free_best,
     outlook_line,
@@ -114,7 +114,7 @@ def test_only_an_estimate_that_could_change_the_decision_is_measured_again(best,
 
 
 def test_this_cpus_projection_is_added_where_its_profile_exists(tmp_path):
-    from draftsmith.core.atomic import write_json
+    from draftsmith.core.io.atomic import write_json
     from draftsmith.stages.eval_summary import _preflight_brief
     from draftsmith.stages.evaluate.preflight import this_cpu_view
 

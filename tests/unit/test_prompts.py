@@ -1,4 +1,4 @@
-"""Prompt reading and validation (draftsmith/core/prompt_sources.py), selection and split
+"""Prompt reading and validation (draftsmith/core/data/prompt_sources.py), selection and split
 (draftsmith/stages/prompts.py)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from helpers import REPO, cli_env
 
-from draftsmith.core.config import section_defaults
-from draftsmith.core.prompt_sources import (
+from draftsmith.core.config.config import section_defaults
+from draftsmith.core.data.prompt_sources import (
     BUILTIN_PROMPTS,
     SHAREGPT_MEMBER,
     PromptError,
@@ -396,7 +396,7 @@ def test_a_heldout_set_that_shrinks_to_zero_is_an_error(tmp_path):
 
 def test_a_heldout_set_smaller_than_asked_is_a_warning(tmp_path, caplog):
     f = write_lines(tmp_path / "three.jsonl", [{"id": str(i), "prompt": f"p{i}"} for i in range(3)])
-    with caplog.at_level("WARNING", logger="draftsmith.core.prompt_sources"):
+    with caplog.at_level("WARNING", logger="draftsmith.core.data.prompt_sources"):
         summary = prepare(tmp_path, source="jsonl", path=str(f), num_heldout=5)
     assert summary["heldout"] == 2 and summary["train"] == 1
     assert "held-out set has 2 prompt(s), not the 5 asked (prompts.num_heldout)" in caplog.text

@@ -17,8 +17,8 @@ from helpers import EXPORT_AUX_IDS, make_drafter, tiny_summary
 from huggingface_hub import HfApi
 
 from draftsmith.cli import main
-from draftsmith.core.atomic import write_json
-from draftsmith.core.export_formats import save_drafter
+from draftsmith.core.export.formats import save_drafter
+from draftsmith.core.io.atomic import write_json
 from draftsmith.stages.push import GateRefused, PushFailed, PushInputError, plan_push, push
 
 TOKEN = "hf_test_Secret0123456789"

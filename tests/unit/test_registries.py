@@ -11,17 +11,17 @@ import pytest
 import torch
 from helpers import EXPORT_AUX_IDS, make_drafter
 
-from draftsmith.core.benchmarks import BENCHMARKS
-from draftsmith.core.config import NAMED_HELDOUT_SETS
-from draftsmith.core.cost import DEVICES, THIS_CPU
-from draftsmith.core.engines import ENGINES, drafting_fields
-from draftsmith.core.export_formats import load_drafter, save_drafter
-from draftsmith.core.export_formats.vllm import save_eagle3
-from draftsmith.core.kinds import KINDS, Kind, kind, kind_of_export
-from draftsmith.core.methods import FREE_METHODS, METHODS, PLAIN
-from draftsmith.core.policy import DRAFTING_SHAPES, SCHEDULED, UNSERVED
-from draftsmith.core.settings import schema_default, schema_spec
-from draftsmith.core.verdict import ACTIONS, DEPLOY_ACTION
+from draftsmith.core.config.settings import schema_default, schema_spec
+from draftsmith.core.data.benchmarks import BENCHMARKS
+from draftsmith.core.evaluation.cost import DEVICES, THIS_CPU
+from draftsmith.core.evaluation.engines import ENGINES, drafting_fields
+from draftsmith.core.evaluation.methods import FREE_METHODS, METHODS, PLAIN
+from draftsmith.core.evaluation.policy import DRAFTING_SHAPES, SCHEDULED, UNSERVED
+from draftsmith.core.evaluation.verdict import ACTIONS, DEPLOY_ACTION
+from draftsmith.core.export.formats import load_drafter, save_drafter
+from draftsmith.core.export.formats.vllm import save_eagle3
+from draftsmith.core.model.kinds import KINDS, Kind, kind, kind_of_export
+from draftsmith.core.workflow.startup import NAMED_HELDOUT_SETS
 from draftsmith.stages.evaluate import EAGLE_METHODS, EvaluateSettings
 from draftsmith.stages.evaluate.stage import free_methods, method_runs
 

@@ -7,8 +7,8 @@ import json
 
 from helpers import tiny_summary
 
-from draftsmith.core.model_card import speed_section
-from draftsmith.core.report import decision_rows, format_table, format_tsv, write_report
+from draftsmith.core.evaluation.report import decision_rows, format_table, format_tsv, write_report
+from draftsmith.core.export.model_card import speed_section
 
 PNG = b"\x89PNG\r\n\x1a\n"
 PREFLIGHT = {

@@ -19,7 +19,7 @@ from snakemake.settings.types import (
     ResourceSettings,
 )
 
-from draftsmith.core.digests import smallest_readable
+from draftsmith.core.io.digests import smallest_readable
 
 TINY = REPO / "tests" / "config.tiny.yaml"
 # A target folder with just the config.json fields the start-up checks read (the embedded default's).
@@ -858,7 +858,7 @@ def test_every_setting_a_command_reads_reaches_it_from_its_rule(reach_calls, com
     """Each key of the command's settings set to a value other than its default: the settings the command
     builds from what its rule hands it hold that value (a key a rule drops would reach it as the schema's
     default, the user's value silently ignored)."""
-    from draftsmith.core.settings import schema_default
+    from draftsmith.core.config.settings import schema_default
 
     found, config = reach_calls(case)
     assert command in found, f"{case}: no rule calls draftsmith {command}"

@@ -1,4 +1,4 @@
-"""Engine runs kept by what they measured (draftsmith.core.run_cache): content decides, never a path."""
+"""Engine runs kept by what they measured (draftsmith.core.evaluation.run_cache): content decides, never a path."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
-from draftsmith.core.run_cache import RunCache, export_identity, run_key, target_identity
+from draftsmith.core.evaluation.run_cache import RunCache, export_identity, run_key, target_identity
 
 
 def _folder(path: Path, weights: bytes = b"w" * 10) -> Path:

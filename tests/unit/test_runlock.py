@@ -1,8 +1,8 @@
-"""A lock left by a killed Snakemake (draftsmith/core/runlock.py): stale or still in use, said at start."""
+"""A lock left by a killed Snakemake (draftsmith/core/io/runlock.py): stale or still in use, said at start."""
 
 from pathlib import Path
 
-from draftsmith.core.runlock import lock_advice
+from draftsmith.core.io.runlock import lock_advice
 
 
 def _proc(root: Path, pid: int, ppid: int, cwd: Path, argv: list[str], state: str = "S") -> None:

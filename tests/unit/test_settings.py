@@ -1,4 +1,4 @@
-"""draftsmith/core/settings.py: settings objects take their defaults and checks from the schema alone."""
+"""draftsmith/core/config/settings.py: settings objects take their defaults and checks from the schema alone."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ from dataclasses import replace
 
 import pytest
 
-from draftsmith.core.config import section_defaults
-from draftsmith.core.settings import REGISTRY, from_schema, rule_settings, schema_default
-from draftsmith.core.stage_settings import ManifestSettings, SummarySettings
+from draftsmith.core.config.config import section_defaults
+from draftsmith.core.config.settings import REGISTRY, from_schema, rule_settings, schema_default
+from draftsmith.core.config.stage_settings import ManifestSettings, SummarySettings
 from draftsmith.stages.generate import GenerateSettings
 from draftsmith.stages.train import TrainSettings
 
 # every module that defines a settings class (imported here so that each registers)
-SETTINGS_MODULES = ("draftsmith.core.stage_settings", "draftsmith.core.verdict")
+SETTINGS_MODULES = ("draftsmith.core.config.stage_settings", "draftsmith.core.evaluation.verdict")
 
 
 def settings_classes() -> list[type]:
@@ -92,7 +92,7 @@ def test_the_commands_settings_classes_import_no_torch() -> None:
     import subprocess
     import sys
 
-    probe = "import sys, draftsmith.core.stage_settings; print('torch' in sys.modules)"
+    probe = "import sys, draftsmith.core.config.stage_settings; print('torch' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert proc.stdout.strip() == "False"
 

@@ -27,10 +27,10 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from draftsmith.core.drafter import CacheKV, DrafterConfig, Eagle3Drafter
-from draftsmith.core.export_formats import save_drafter
-from draftsmith.core.layers import capture_aux, stack_aux
-from draftsmith.core.vocab import vocab_maps
+from draftsmith.core.data.vocab import vocab_maps
+from draftsmith.core.export.formats import save_drafter
+from draftsmith.core.model.drafter import CacheKV, DrafterConfig, Eagle3Drafter
+from draftsmith.core.model.layers import capture_aux, stack_aux
 from draftsmith.stages.export import export_engines
 
 AUX_IDS = [1, 3, 4]  # "input" convention, what the drafter is trained on

@@ -9,7 +9,7 @@ import torch
 import zstandard
 from safetensors import safe_open
 
-from draftsmith.core.shards import (
+from draftsmith.core.data.shards import (
     HEADER_ROOM,
     Sample,
     ShardError,

@@ -25,8 +25,8 @@ import pytest
 import draftsmith.backends
 import draftsmith.core
 import draftsmith.stages
-from draftsmith.core.config import section_schema
-from draftsmith.core.settings import schema
+from draftsmith.core.config.config import section_schema
+from draftsmith.core.config.settings import schema
 
 # the config sections each stage module reads
 SECTIONS = {
@@ -48,12 +48,12 @@ SECTIONS = {
 # core modules that implement one section's settings (their `dtype`s are storage or compute dtypes, not
 # target.dtype, so `target` is not theirs)
 CORE_SECTIONS = {
-    "draftsmith.core.prompt_sources": ("prompts",),
-    "draftsmith.core.estimate": ("extract",),
-    "draftsmith.core.shards": ("extract",),
-    "draftsmith.core.loader": ("train",),
-    "draftsmith.core.objective": ("train",),
-    "draftsmith.core.optimizers": ("train",),
+    "draftsmith.core.data.prompt_sources": ("prompts",),
+    "draftsmith.core.planning.estimate": ("extract",),
+    "draftsmith.core.data.shards": ("extract",),
+    "draftsmith.core.data.loader": ("train",),
+    "draftsmith.core.training.objective": ("train",),
+    "draftsmith.core.training.optimizers": ("train",),
 }
 STAGE_MODULES = sorted(
     m.name for m in pkgutil.walk_packages(draftsmith.stages.__path__, "draftsmith.stages.") if not m.ispkg
@@ -111,9 +111,9 @@ ALL_MODULES = sorted(
 )
 # `module.Function(parameter)` that shares a schema key's name without being that setting -> why
 NOT_THE_SETTING = {
-    "draftsmith.core.stats.bootstrap_ratio(seed)": "the bootstrap's resampling seed (verdict.GateSettings)",
-    "draftsmith.core.stats.bootstrap_tau(seed)": "the bootstrap's resampling seed (verdict.GateSettings)",
-    "draftsmith.core.stats.paired_difference(seed)": "the bootstrap's resampling seed (verdict.GateSettings)",
+    "draftsmith.core.evaluation.stats.bootstrap_ratio(seed)": "the bootstrap's resampling seed (verdict.GateSettings)",
+    "draftsmith.core.evaluation.stats.bootstrap_tau(seed)": "the bootstrap's resampling seed (verdict.GateSettings)",
+    "draftsmith.core.evaluation.stats.paired_difference(seed)": "the bootstrap's resampling seed (verdict.GateSettings)",
 }
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from helpers import fp_tolerance
 
-from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter
-from draftsmith.core.methods import METHODS
-from draftsmith.core.speculate import (
+from draftsmith.core.data.vocab import vocab_maps
+from draftsmith.core.evaluation.methods import METHODS
+from draftsmith.core.evaluation.speculate import (
     Eagle3Proposer,
     NgramProposer,
     SpecResult,
@@ -28,7 +28,7 @@ from draftsmith.core.speculate import (
     sample_decode,
     speculative_decode,
 )
-from draftsmith.core.vocab import vocab_maps
+from draftsmith.core.model.drafter import DrafterConfig, Eagle3Drafter
 
 VOCAB = 96
 AUX = [1, 2, 3]
@@ -355,7 +355,7 @@ def test_bad_arguments(target, drafter):
 def test_chain_step_inputs(drafter, target):
     """Draft step j feeds (embedding of draft j, prenorm of step j-1) at the next position, attending to
     the caught-up cache and the earlier drafts (vLLM's chain: positions += 1 per step)."""
-    from draftsmith.core.drafter import CacheKV
+    from draftsmith.core.model.drafter import CacheKV
 
     torch.manual_seed(3)
     embed = target.get_input_embeddings()
@@ -472,7 +472,7 @@ def test_suffix_speculation_is_lossless_and_drafts_from_the_sequence_itself(targ
 
 
 def test_the_hybrid_drafts_with_the_tree_else_the_drafter_losslessly(target, drafter):
-    from draftsmith.core.speculate import Eagle3Proposer, HybridProposer
+    from draftsmith.core.evaluation.speculate import Eagle3Proposer, HybridProposer
 
     ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 9, 5, 6]])
     plain = greedy_decode(target, ids, 30, eos_ids=[])

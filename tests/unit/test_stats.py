@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from draftsmith.core.stats import bootstrap_ratio, bootstrap_tau, paired_difference, ratio_of_sums
+from draftsmith.core.evaluation.stats import bootstrap_ratio, bootstrap_tau, paired_difference, ratio_of_sums
 
 
 def test_ratio_of_sums_is_zero_without_a_denominator():

@@ -1,5 +1,5 @@
 """train.hidden_states stream: the states a stream feeds the trainer are, bit for bit at the storage dtype,
-what the extract stage writes into shards for the same samples (core/stream.py)."""
+what the extract stage writes into shards for the same samples (core/data/stream.py)."""
 
 import json
 import os
@@ -22,10 +22,10 @@ from helpers import (
 from safetensors.torch import load_file
 
 from draftsmith.backends.hf import HfExtractor
-from draftsmith.core.digests import intact
-from draftsmith.core.loader import BatchSettings, collate
-from draftsmith.core.shards import ShardReader, verify_shard
-from draftsmith.core.stream import StateCache, StreamedData, StreamSpec, TeacherDisagrees
+from draftsmith.core.data.loader import BatchSettings, collate
+from draftsmith.core.data.shards import ShardReader, verify_shard
+from draftsmith.core.data.stream import StateCache, StreamedData, StreamSpec, TeacherDisagrees
+from draftsmith.core.io.digests import intact
 from draftsmith.stages import extract as ex
 from draftsmith.stages.extract import ExtractSettings
 from draftsmith.stages.train import train
@@ -294,7 +294,7 @@ def test_a_streams_epoch_is_shuffled_as_files_shuffles_within_windows_of_whole_u
     """The stream plans windows of whole capture units (memory: one window's states) holding at least
     pack_window training samples; each window shuffled and packed as `files` plans an epoch, so a batch
     mixes units and lengths do not run longest-first through the epoch."""
-    from draftsmith.core.stream import unit_windows
+    from draftsmith.core.data.stream import unit_windows
 
     units = [[0, 1, 2], [3, 4], [5], [6, 7, 8, 9]]
     position = {i: i for i in range(10) if i != 4}  # 4 is a validation sample
@@ -306,7 +306,7 @@ def test_a_streams_epoch_is_shuffled_as_files_shuffles_within_windows_of_whole_u
 def test_data_of_one_window_streams_in_the_batches_files_would_train(tmp_path):
     """At most pack_window training samples: the stream's epoch plan is the files plan of the same
     samples, batch for batch (equal data, equal order); more: windows of whole units."""
-    from draftsmith.core.loader import StreamingData
+    from draftsmith.core.data.loader import StreamingData
 
     tokens = tokens_file(tmp_path / "tokens.safetensors")
     spec = StreamSpec("bfloat16", 60, 0.0)

@@ -10,11 +10,11 @@ import pytest
 import torch
 import twins
 
-import draftsmith.core.target as target_mod
+import draftsmith.core.model.target as target_mod
 import draftsmith.stages.target as target_stage
 from draftsmith.backends.hf import HfExtractor
-from draftsmith.core.drafter import DrafterConfig, Eagle3Drafter, build_drafter, param_count
-from draftsmith.core.target import (
+from draftsmith.core.model.drafter import DrafterConfig, Eagle3Drafter, build_drafter, param_count
+from draftsmith.core.model.target import (
     TargetError,
     head_tensor_names,
     load_target_config,
@@ -127,7 +127,7 @@ def test_kimi_drafter_is_llama_style(tmp_path, caplog):
     head = load_target_head(tmp_path)
     d2t, t2d = torch.zeros(64, dtype=torch.long), torch.zeros(512, dtype=torch.bool)
     t2d[:64] = True
-    with caplog.at_level(logging.INFO, logger="draftsmith.core.drafter"):
+    with caplog.at_level(logging.INFO, logger="draftsmith.core.model.drafter"):
         drafter, _, _ = build_drafter(head, d2t, t2d, 3, TrainSettings(), "cpu")
     cfg = drafter.cfg
     assert (cfg.num_attention_heads, cfg.head_dim, cfg.num_key_value_heads, cfg.intermediate_size) == (
@@ -330,7 +330,7 @@ def test_a_wrapper_that_is_no_causal_lm_loads_as_its_language_model(tmp_path, ta
     engines load the class of its text_config with the `language_model.` weights, the same function."""
     from helpers import fp_tolerance
 
-    from draftsmith.core.target import language_model_keys, load_target
+    from draftsmith.core.model.target import language_model_keys, load_target
 
     twin, _ = twins.save_kimi(tmp_path, vocab_size=49152, tokenizer_from=target_model)
     assert language_model_keys(tmp_path) == {

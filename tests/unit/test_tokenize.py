@@ -34,7 +34,7 @@ def test_truncated_trace_line_names_file_and_line(target_model, tmp_path) -> Non
 def test_dropped_and_truncated_samples_are_reported(target_model, tmp_path, caplog) -> None:
     from transformers import AutoTokenizer
 
-    from draftsmith.core.chat import render_prompt
+    from draftsmith.core.data.chat import render_prompt
 
     tok = AutoTokenizer.from_pretrained(target_model)
     short = _trace("short", "Hi?")

@@ -1,4 +1,4 @@
-"""Live training curves (draftsmith/core/tracking.py): TensorBoard event files written as training goes, W&B
+"""Live training curves (draftsmith/core/training/tracking.py): TensorBoard event files written as training goes, W&B
 (offline mode, local files) and MLflow (a local file store) on request, a resumed run's curves without
 the steps a killed run logged after its checkpoint."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from helpers import make_tiny_data, rows, settings
 
-from draftsmith.core.checkpoints import list_checkpoints
-from draftsmith.core.tracking import scalars
+from draftsmith.core.training.checkpoints import list_checkpoints
+from draftsmith.core.training.tracking import scalars
 from draftsmith.stages.train import TrainSettings, train
 
 

@@ -32,11 +32,13 @@ from helpers import (
 )
 from safetensors.torch import load_file
 
-from draftsmith.core.checkpoints import list_checkpoints, step_of
-from draftsmith.core.drafter import TTTKV, build_drafter
-from draftsmith.core.export_formats import check_export, load_drafter
-from draftsmith.core.loader import collate
-from draftsmith.core.objective import (
+from draftsmith.core.data.loader import collate
+from draftsmith.core.data.shards import iter_samples, verify_shard, write_shard
+from draftsmith.core.export.formats import check_export, load_drafter
+from draftsmith.core.model.drafter import TTTKV, build_drafter
+from draftsmith.core.model.target import file_sha256, load_target_head
+from draftsmith.core.training.checkpoints import list_checkpoints, step_of
+from draftsmith.core.training.objective import (
     EVAL_MASK_OFFSET,
     Objective,
     real_positions,
@@ -44,9 +46,7 @@ from draftsmith.core.objective import (
     ttt_step_counts,
     ttt_step_targets,
 )
-from draftsmith.core.optimizers import lr_factor, make_optimizer
-from draftsmith.core.shards import iter_samples, verify_shard, write_shard
-from draftsmith.core.target import file_sha256, load_target_head
+from draftsmith.core.training.optimizers import lr_factor, make_optimizer
 from draftsmith.stages.train import TrainSettings, train
 
 
@@ -321,7 +321,7 @@ def test_partial_or_foreign_checkpoints_are_not_resumed(data: dict, tmp_path: Pa
     assert summary["resumed_from_step"] is None and summary["steps"] == 2
     assert not legacy.exists()
 
-    with caplog.at_level(logging.WARNING, logger="draftsmith.core.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="draftsmith.core.training.checkpoints"):
         summary = run(data, tmp_path, settings(max_steps=1, lr=1e-3))  # other settings: start fresh
     assert summary["resumed_from_step"] is None and summary["steps"] == 1
     assert any("not resuming" in r.getMessage() and "lr" in r.getMessage() for r in caplog.records)
@@ -337,7 +337,7 @@ def test_finished_run_trains_afresh(data: dict, tmp_path: Path, caplog) -> None:
     checkpoint and re-exporting it; --fresh discards the checkpoints of an unfinished one."""
     s = settings(max_steps=2)
     first = run(data, tmp_path, s)
-    with caplog.at_level(logging.INFO, logger="draftsmith.core.checkpoints"):
+    with caplog.at_level(logging.INFO, logger="draftsmith.core.training.checkpoints"):
         again = run(data, tmp_path, s)
     assert again["resumed_from_step"] is None and again["trained_tokens"] == first["trained_tokens"] > 0
     assert any("trains afresh" in r.getMessage() for r in caplog.records)
@@ -371,7 +371,7 @@ def test_changed_data_content_trains_afresh(data: dict, tmp_path: Path, caplog) 
     first = run(data, tmp_path, settings(max_steps=1, epochs=3))
     assert first["steps"] == 1
     other = changed_copy(data, tmp_path / "other")
-    with caplog.at_level(logging.WARNING, logger="draftsmith.core.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="draftsmith.core.training.checkpoints"):
         second = train(
             other, data["vocab"], tmp_path / "drafter", tmp_path / "checkpoints", tmp_path / "metrics.jsonl",
             settings(max_steps=2, epochs=3), progress=False,
@@ -512,7 +512,7 @@ def test_split_batch_with_global_counts_adds_up(data: dict, loss_norm: str, offs
 
 
 def test_head_init_target_or_random(data: dict) -> None:
-    from draftsmith.core.vocab import load_vocab_map
+    from draftsmith.core.data.vocab import load_vocab_map
 
     head = load_target_head(data["target"])
     vocab = load_vocab_map(data["vocab"])
@@ -532,7 +532,7 @@ def test_head_init_target_or_random(data: dict) -> None:
 
 
 def test_layer_init_normal_or_fan_in(data: dict) -> None:
-    from draftsmith.core.vocab import load_vocab_map
+    from draftsmith.core.data.vocab import load_vocab_map
 
     head = load_target_head(data["target"])
     vocab = load_vocab_map(data["vocab"])
@@ -616,8 +616,8 @@ def test_per_step_weights_replace_the_decay(data: dict) -> None:
 
 
 def test_draft_mass_is_the_targets_probability_of_the_draft_vocabulary(data: dict) -> None:
-    from draftsmith.core.objective import draft_mass
-    from draftsmith.core.vocab import load_vocab_map
+    from draftsmith.core.data.vocab import load_vocab_map
+    from draftsmith.core.training.objective import draft_mass
 
     head = load_target_head(data["target"])
     _, _, teacher = build(data)
@@ -657,7 +657,7 @@ def reference_lk(
     ("kind", "scale", "decay"), [("alpha", 1.0, 1.0), ("lambda", 1.0, 1.0), ("lambda", 0.7, 3.0)]
 )
 def test_lk_losses_match_their_formulas(data: dict, kind: str, scale: float, decay: float) -> None:
-    from draftsmith.core.objective import draft_mass
+    from draftsmith.core.training.objective import draft_mass
 
     drafter, embed, teacher = build(data)
     batch = collate(data["samples"][:4])
@@ -701,7 +701,7 @@ def test_lk_lambda_split_batch_with_global_sums_adds_up(data: dict) -> None:
 
 
 def test_muon_trains_the_weight_matrices_and_adamw_the_rest(data: dict) -> None:
-    from draftsmith.core.optimizers import Chain
+    from draftsmith.core.training.optimizers import Chain
 
     drafter, _, _ = build(data)
     optimizer = make_optimizer(drafter, settings(optimizer="muon", lr=1e-3, muon_lr_scale=10.0))
@@ -722,7 +722,7 @@ def test_muon_trains_the_weight_matrices_and_adamw_the_rest(data: dict) -> None:
 
 def test_a_checkpoint_of_muon_and_adamw_counts_both_states(data: dict) -> None:
     """The disk-full message's figure (checkpoint_bytes) reads the Chain's state as an optimizer's."""
-    from draftsmith.core.checkpoints import checkpoint_bytes
+    from draftsmith.core.training.checkpoints import checkpoint_bytes
 
     drafter, _, _ = build(data)
     optimizer = make_optimizer(drafter, settings(optimizer="muon"))
@@ -741,7 +741,7 @@ def test_muon_in_fp32_steps_as_torchs_bf16_muon(shape: tuple[int, int]) -> None:
     """A run training in fp32 orthogonalises in fp32 (`Muon.fp32_newton_schulz`), torch's Muon in bf16:
     two steps (momentum included) move the weights alike, to bf16's precision. Tolerance: bf16 keeps 8
     mantissa bits (2^-8 = 0.4%) and 5 Newton-Schulz iterations of 3 products each compound it."""
-    from draftsmith.core.optimizers import Muon
+    from draftsmith.core.training.optimizers import Muon
 
     torch.manual_seed(0)
     start = torch.randn(shape)
@@ -789,9 +789,9 @@ def test_muon_run_resumes_to_identical_weights(data: dict, tmp_path: Path) -> No
 
 def _one_step(data: dict, parts: list, **over) -> list[torch.Tensor]:
     """The drafter's weights after one optimizer step on `parts` (a batch's micro-batches)."""
-    from draftsmith.core.distributed import Dist
-    from draftsmith.core.objective import DraftingLoss
-    from draftsmith.core.optimizers import make_scheduler
+    from draftsmith.core.training.distributed import Dist
+    from draftsmith.core.training.objective import DraftingLoss
+    from draftsmith.core.training.optimizers import make_scheduler
     from draftsmith.stages.train import train_step
 
     s = settings(noise_std=0.0, precision="fp32", **over)
@@ -806,7 +806,7 @@ def _one_step(data: dict, parts: list, **over) -> list[torch.Tensor]:
 def test_micro_batches_accumulate_to_the_single_batch_step(data: dict) -> None:
     """One optimizer step over a batch's micro-batches (gradients accumulated, each loss divided by the
     whole batch's counts) gives the weights of the same step over the batch in one pass."""
-    from draftsmith.core.loader import micro_batches
+    from draftsmith.core.data.loader import micro_batches
 
     samples = data["samples"][:6]
     lengths = [s.num_tokens for s in samples]
@@ -842,7 +842,7 @@ def test_activation_checkpointing_per_ttt_step_changes_no_gradient(data: dict, p
 def test_soft_cross_entropy_gradient_is_log_softmaxs() -> None:
     """The soft cross-entropy that saves logits and p (not fp32 log-probabilities) has autograd's
     gradient of -(p * log_softmax(logits)).sum(-1), exactly (fp32 and bf16 logits)."""
-    from draftsmith.core.objective import soft_cross_entropy
+    from draftsmith.core.training.objective import soft_cross_entropy
 
     g = torch.Generator().manual_seed(0)
     p = torch.softmax(torch.randn(5, 40, generator=g), -1)
@@ -929,7 +929,7 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_naming_the_folder_and_the_bytes
 ) -> None:
     import errno
 
-    import draftsmith.core.checkpoints as checkpoints
+    import draftsmith.core.training.checkpoints as checkpoints
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")

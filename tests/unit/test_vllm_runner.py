@@ -54,7 +54,7 @@ def test_requests_sample_from_their_own_seed_on_gpus_and_from_the_engines_on_a_c
 
 
 def test_speculative_config_per_method():
-    from draftsmith.core.engines import speculative_config
+    from draftsmith.core.evaluation.engines import speculative_config
 
     assert speculative_config(None, None, 3) is None
     assert speculative_config("eagle3", "d", 2) == {

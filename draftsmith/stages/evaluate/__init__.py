@@ -11,11 +11,15 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftsmith.core.atomic import write_json
-from draftsmith.core.export_formats import export_draft_positions_warning
-from draftsmith.core.run_cache import RunCache
-from draftsmith.core.stage_args import BAD_INPUT, FAILED, GATE, arg
-from draftsmith.core.stage_settings import EvaluateSettings, OfflineEvaluateSettings, VllmEvaluateSettings
+from draftsmith.core.config.stage_args import BAD_INPUT, FAILED, GATE, arg
+from draftsmith.core.config.stage_settings import (
+    EvaluateSettings,
+    OfflineEvaluateSettings,
+    VllmEvaluateSettings,
+)
+from draftsmith.core.evaluation.run_cache import RunCache
+from draftsmith.core.export.formats import export_draft_positions_warning
+from draftsmith.core.io.atomic import write_json
 from draftsmith.stages.evaluate.preflight import PreflightBlocked, PreflightPaths, run_preflight
 from draftsmith.stages.evaluate.stage import (
     EAGLE_METHODS,

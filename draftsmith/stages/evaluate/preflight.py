@@ -1,4 +1,4 @@
-"""`draftsmith preflight`: before any generation, what a drafter could gain here (draftsmith.core.preflight).
+"""`draftsmith preflight`: before any generation, what a drafter could gain here (draftsmith.core.planning.preflight).
 
 Plain decoding, n-gram lookup and suffix decoding measured in vLLM on every held-out set (the runs kept
 by what they measured, so the final evaluation reuses them), then per set and concurrency the best free
@@ -13,13 +13,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from draftsmith.core.atomic import write_json
-from draftsmith.core.cost import THIS_CPU, describe_point, serving_bytes, serving_points, target_cost
-from draftsmith.core.policy import concurrency_grid
-from draftsmith.core.preflight import blocked_message, outlook_line, planned_drafter_cost, set_outlook
-from draftsmith.core.stage_args import arg
-from draftsmith.core.stage_settings import PreflightSettings
-from draftsmith.core.target import text_config_dict
+from draftsmith.core.config.stage_args import arg
+from draftsmith.core.config.stage_settings import PreflightSettings
+from draftsmith.core.evaluation.cost import (
+    THIS_CPU,
+    describe_point,
+    serving_bytes,
+    serving_points,
+    target_cost,
+)
+from draftsmith.core.evaluation.policy import concurrency_grid
+from draftsmith.core.io.atomic import write_json
+from draftsmith.core.model.target import text_config_dict
+from draftsmith.core.planning.preflight import (
+    blocked_message,
+    outlook_line,
+    planned_drafter_cost,
+    set_outlook,
+)
 from draftsmith.stages.evaluate.stage import evaluate_vllm
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Evaluate a drafter on held-out prompts, twice, with baselines: offline and in real vLLM.
 
-    evaluate_offline   draftsmith's own speculative decoding (draftsmith.core.speculate) with the target in
+    evaluate_offline   draftsmith's own speculative decoding (draftsmith.core.evaluation.speculate) with the target in
                        float32, batch size 1: the trained drafter, the untrained one and n-gram prompt
                        lookup, each against plain decoding of the same prompts. Greedy: every output must
                        equal plain greedy decoding token for token (else NotLossless). Reports tau,
@@ -39,21 +39,18 @@ from typing import Any
 
 import torch
 
-from draftsmith.core.atomic import write_json
-from draftsmith.core.chat import eos_token_ids
-from draftsmith.core.context import context_errors, evaluation_model_len
-from draftsmith.core.digests import file_sha256
-from draftsmith.core.distributed import usable_threads
-from draftsmith.core.kinds import drafter_proposer
-from draftsmith.core.methods import DRAFTED, METHODS, method
-from draftsmith.core.run_cache import (
+from draftsmith.core.config.stage_settings import OfflineEvaluateSettings, VllmEvaluateSettings
+from draftsmith.core.data.chat import eos_token_ids
+from draftsmith.core.data.context import context_errors, evaluation_model_len
+from draftsmith.core.evaluation.methods import DRAFTED, METHODS, method
+from draftsmith.core.evaluation.run_cache import (
     RunCache,
     export_identity,
     package_versions,
     run_key,
     target_identity,
 )
-from draftsmith.core.speculate import (
+from draftsmith.core.evaluation.speculate import (
     HybridProposer,
     SpecResult,
     acceptance_stats,
@@ -63,7 +60,10 @@ from draftsmith.core.speculate import (
     target_forwards,
     tokens_per_forward,
 )
-from draftsmith.core.stage_settings import OfflineEvaluateSettings, VllmEvaluateSettings
+from draftsmith.core.io.atomic import write_json
+from draftsmith.core.io.digests import file_sha256
+from draftsmith.core.model.kinds import drafter_proposer
+from draftsmith.core.training.distributed import usable_threads
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +83,8 @@ class VllmUnavailable(RuntimeError):
 
 def read_eval_prompts(path: str | Path, num_prompts: int) -> list[dict]:
     """The first `num_prompts` records {"id", "messages"} of a prompt JSONL file (0 or less: all),
-    validated by `draftsmith.core.prompt_sources` (which also accepts the `conversations` and `prompt` shapes)."""
-    from draftsmith.core.prompt_sources import read_prompt_file
+    validated by `draftsmith.core.data.prompt_sources` (which also accepts the `conversations` and `prompt` shapes)."""
+    from draftsmith.core.data.prompt_sources import read_prompt_file
 
     prompts = read_prompt_file(path)
     if num_prompts > 0:
@@ -97,7 +97,7 @@ def read_eval_prompts(path: str | Path, num_prompts: int) -> list[dict]:
 def encode_prompts(tokenizer: Any, prompts: list[dict]) -> list[list[int]]:
     """Prompt token ids exactly as serving renders them: the target's chat template + generation prompt.
     Both measurements use these ids, so they decode the same inputs."""
-    from draftsmith.core.chat import render_prompt
+    from draftsmith.core.data.chat import render_prompt
 
     return [render_prompt(tokenizer, p["messages"]) for p in prompts]
 
@@ -109,7 +109,7 @@ def aux_ids_from_export(config: dict) -> list[int]:
     `eagle_config.eagle_aux_hidden_state_layer_ids` from the convention the export declares
     (`draftsmith.aux_layer_convention`), and for a foreign export assumes vLLM's "input" convention.
     """
-    from draftsmith.core.layers import convert_layer_ids
+    from draftsmith.core.model.layers import convert_layer_ids
 
     block = config.get("draftsmith") or {}
     if block.get("aux_layer_ids_input") is not None:
@@ -128,7 +128,7 @@ def checked_drafters(
 ) -> dict[str, str]:
     """{"eagle3": trained, "untrained": baseline} with each export checked against the target first, so a
     missing or broken export is one line (ValueError) before the target or vLLM loads."""
-    from draftsmith.core.export_formats import check_against_target
+    from draftsmith.core.export.formats import check_against_target
 
     drafters = {"eagle3": str(drafter), **({"untrained": str(untrained)} if untrained else {})}
     for name, path in drafters.items():
@@ -141,7 +141,7 @@ def checked_drafters(
 
 
 def _check_pair(target: Any, drafter: Any, aux_ids: list[int]) -> None:
-    from draftsmith.core.layers import validate_aux_layers
+    from draftsmith.core.model.layers import validate_aux_layers
 
     tcfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
     validate_aux_layers(aux_ids, tcfg.num_hidden_layers)
@@ -177,7 +177,7 @@ def vllm_eval_dtype(requested: str, gpus: int) -> str:
     """vLLM's dtype in the evaluation: the target's (target.dtype, auto = bfloat16 where native) on GPUs,
     as it is served; float32 on a CPU, where vLLM's greedy tokens then equal the offline decoder's (also
     float32) token for token, so the two engines' acceptance compares exactly."""
-    from draftsmith.core.precision import compute_dtype
+    from draftsmith.core.model.precision import compute_dtype
 
     return compute_dtype(requested, "cuda") if gpus > 0 else "float32"
 
@@ -269,8 +269,8 @@ def evaluate_offline(
     """
     from tqdm import tqdm
 
-    from draftsmith.core.export_formats import load_drafter
-    from draftsmith.core.target import load_target
+    from draftsmith.core.export.formats import load_drafter
+    from draftsmith.core.model.target import load_target
 
     device = offline_device(settings.gpus)  # before any load: no CUDA for --gpus N is bad input
     num_prompts, max_new_tokens, num_draft_tokens = (
@@ -413,7 +413,7 @@ def evaluate_offline(
             f"speculative decoding ({', '.join(broken)}) is not lossless on {len(misses)} of {len(prompts)} "
             f"prompts; first: {name} on prompt {first['id']!r} differs at generated position "
             f"{first['position']} (plain {first['plain']}, speculative {first['speculative']}). The target "
-            "runs in float32, so this is likely a bug in draftsmith.core.speculate (cache crop / verify "
+            "runs in float32, so this is likely a bug in draftsmith.core.evaluation.speculate (cache crop / verify "
             f"indexing); an exact float32 near-tie of the top two logits is possible but rare. See {out_path}."
         )
     return summary
@@ -563,12 +563,12 @@ def evaluate_vllm(
     (vLLM's rejection sampler, every request seeded with `seed`). `set_num_prompts` caps a set's prompts
     where it differs from `num_prompts` (0 = all). The engine by device: vllm_engine. With
     `remeasure_chosen_k`, each method but the untrained drafter whose best draft length at the serving
-    point (evaluate.serving, draftsmith.core.cost) is shorter than num_draft_tokens on some set runs
+    point (evaluate.serving, draftsmith.core.evaluation.cost) is shorter than num_draft_tokens on some set runs
     again at that length (only where its estimate there could change the ranking: remeasure_targets): its
     counts there are under "at_k". log_dir: each vLLM run's output, if given. runs_dir: each finished
-    run is kept there by what it measured (draftsmith.core.run_cache) and reused by a rerun, or by the
+    run is kept there by what it measured (draftsmith.core.evaluation.run_cache) and reused by a rerun, or by the
     final evaluation after the pre-flight measured the free methods (no drafters: only those)."""
-    from draftsmith.core.target import load_tokenizer
+    from draftsmith.core.model.target import load_tokenizer
     from draftsmith.stages.evaluate.vllm_runner import run_vllm_subprocess
 
     if not vllm_available():
@@ -694,8 +694,14 @@ def check_memory(
     engine loads: ValueError with the figure (a 25-minute load would end out of memory)."""
     if settings.gpus <= 0:
         return
-    from draftsmith.core.config import text_config_json
-    from draftsmith.core.memory import device_memory, evaluate_need, refusal, safetensors_bytes, target_size
+    from draftsmith.core.config.config import text_config_json
+    from draftsmith.core.planning.memory import (
+        device_memory,
+        evaluate_need,
+        refusal,
+        safetensors_bytes,
+        target_size,
+    )
 
     memory, device = device_memory({})
     size = target_size(text_config_json(target_path), target_path, settings.dtype)
@@ -715,8 +721,8 @@ def check_context(
 ) -> None:
     """ValueError naming file:line of each prompt whose request cannot fit the target's context
     (max_position_embeddings), before an engine loads (vLLM would fail the whole batch after it)."""
-    from draftsmith.core.config import text_config_json
-    from draftsmith.core.prompt_sources import prompt_places
+    from draftsmith.core.config.config import text_config_json
+    from draftsmith.core.data.prompt_sources import prompt_places
 
     limit = int(text_config_json(target_path).get("max_position_embeddings") or 0)
     if limit <= 0:
@@ -780,7 +786,7 @@ def chosen_lengths(
     """Per method (not the untrained drafter), the best draft lengths at the serving point's first
     concurrency, over the sets where it is shorter than max_k and its estimate there could change what
     to deploy (remeasure_targets): what to re-measure."""
-    from draftsmith.core.cost import (
+    from draftsmith.core.evaluation.cost import (
         best_draft_length,
         draft_length_options,
         drafter_cost,

@@ -37,9 +37,9 @@ import click
 
 from draftsmith.backends.common import log_cause
 from draftsmith.backends.vllm_api import SPEC_METRICS
-from draftsmith.core.devices import process_tree
-from draftsmith.core.engines import speculative_config
-from draftsmith.core.settings import schema_default
+from draftsmith.core.config.settings import schema_default
+from draftsmith.core.evaluation.engines import speculative_config
+from draftsmith.core.io.devices import process_tree
 
 RESULT_MARKER = "DRAFTSMITH_VLLM_RESULT "  # prefix of the result line on stdout
 
@@ -143,9 +143,9 @@ def run_vllm_speculative(
         single_process_on_cpu,
     )
     from draftsmith.backends.vllm_cpu_sampling import fix_cpu_sampling
-    from draftsmith.core.context import evaluation_model_len
-    from draftsmith.core.devices import parse_visible
-    from draftsmith.core.target import trust_remote_code
+    from draftsmith.core.data.context import evaluation_model_len
+    from draftsmith.core.io.devices import parse_visible
+    from draftsmith.core.model.target import trust_remote_code
 
     # tensor parallel over the GPUs `draftsmith run --gpus N` gave this job (one process on a CPU)
     if tensor_parallel_size is None:
@@ -320,7 +320,7 @@ def run_with_timeout(cmd: list[str], env: dict[str, str], log_file: Path, timeou
 @click.option("--out", type=click.Path(dir_okay=False), help="Also write the result JSON here.")
 def main(request_path: str, out: str | None) -> None:
     """Run vLLM (greedy, optionally speculative) on token-id prompts; print the result as JSON."""
-    from draftsmith.core.atomic import write_json
+    from draftsmith.core.io.atomic import write_json
 
     request = json.loads(Path(request_path).read_text(encoding="utf-8"))
     result = run_vllm_speculative(**request)

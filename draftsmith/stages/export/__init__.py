@@ -4,7 +4,7 @@ each checked against what its engine reads, and the model card in every export f
     stage.py   the SGLang and speculators forms from the trained vLLM export
     card.py    README.md (the model card) into every export folder
 
-The formats themselves, their reader and their checks: draftsmith.core.export_formats.
+The formats themselves, their reader and their checks: draftsmith.core.export.formats.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from draftsmith.core.export_formats import export_draft_positions_warning
-from draftsmith.core.stage_args import BAD_INPUT, FAILED, arg
+from draftsmith.core.config.stage_args import BAD_INPUT, FAILED, arg
+from draftsmith.core.export.formats import export_draft_positions_warning
 from draftsmith.stages.export.stage import ExportError, export_engines, export_stage
 
 __all__ = ["ExportError", "export_engines", "export_stage"]

@@ -1,12 +1,12 @@
-"""The model card in every export folder: README.md rendered from summary.json (draftsmith.core.model_card)."""
+"""The model card in every export folder: README.md rendered from summary.json (draftsmith.core.export.model_card)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from draftsmith.core.atomic import write_text
-from draftsmith.core.model_card import CARD_NAME, render_card, serve_target
+from draftsmith.core.export.model_card import CARD_NAME, render_card, serve_target
+from draftsmith.core.io.atomic import write_text
 
 
 class SummaryError(ValueError):

@@ -10,20 +10,20 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.core.atomic import atomic_dir, write_text
-from draftsmith.core.drafter import DrafterConfig
-from draftsmith.core.engines import trained_ttt_steps
-from draftsmith.core.export_formats.check import check_export
-from draftsmith.core.export_formats.common import (
+from draftsmith.core.evaluation.engines import trained_ttt_steps
+from draftsmith.core.export.formats.check import check_export
+from draftsmith.core.export.formats.common import (
     CONFIG_NAME,
     DTYPES,
     WEIGHTS_NAME,
     draftsmith_block,
     write_files,
 )
-from draftsmith.core.export_formats.sglang import sglang_config
-from draftsmith.core.export_formats.speculators import speculators_export_config, speculators_names
-from draftsmith.core.kinds import KINDS, kind
+from draftsmith.core.export.formats.sglang import sglang_config
+from draftsmith.core.export.formats.speculators import speculators_export_config, speculators_names
+from draftsmith.core.io.atomic import atomic_dir, write_text
+from draftsmith.core.model.drafter import DrafterConfig
+from draftsmith.core.model.kinds import KINDS, kind
 
 NOT_WRITTEN = "NOT_WRITTEN.md"
 
@@ -113,7 +113,7 @@ def export_stage(
     `summary_path` the model card of every export (README.md, the trained one's included). Raises
     ExportError for an export or target that cannot be exported, RuntimeError when a written form fails
     its checks."""
-    from draftsmith.core.target import load_target_head, text_config_dict
+    from draftsmith.core.model.target import load_target_head, text_config_dict
     from draftsmith.stages.export.card import SummaryError, render_cards
 
     if summary_path is not None:  # a junk summary is refused before any export is written

@@ -1,0 +1,1 @@
+"""What is exported: the drafter's formats, one per engine (formats/), and the model card."""

@@ -1,0 +1,1 @@
+"""Training: the objectives, optimizers, checkpoints, data-parallel groups and live curves."""
