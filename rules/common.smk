@@ -1,13 +1,11 @@
 import json
 import os
-import re
 import sys
+from functools import partial
 from pathlib import Path
 
 from snakemake.utils import validate
 
-import draftsmith
-from draftsmith.core.data.benchmarks import BENCHMARKS
 from draftsmith.core.config.config import (
     STREAM_MODES,
     ConfigSource,
@@ -19,24 +17,13 @@ from draftsmith.core.config.config import (
     read_config_file,
     stop_at_start,
     target_folder,
-    workdir_path,
 )
-from draftsmith.core.evaluation.cost import serving_profile_errors
-from draftsmith.core.planning.hidden_plan import plan_hidden_states
-from draftsmith.core.planning.memory import GIB, config_target, device_memory, plan_config, runtime_line, uses_gpus
-from draftsmith.core.planning.memory import refusal as memory_refusal
-from draftsmith.core.planning.memory import table as memory_table
-from draftsmith.core.io.digests import damage_under, forced_rules, unreadable_under
-from draftsmith.core.io.runlock import lock_advice
-from draftsmith.core.config.settings import rule_ops, rule_settings
-from draftsmith.core.workflow.startup import combination_errors, input_file_errors, target_checks
 from draftsmith.core.config.stage_settings import (
     ExtractSettings,
     GenerateSettings,
     ManifestSettings,
     OfflineEvaluateSettings,
     PreflightSettings,
-    PromptSettings,
     SummarySettings,
     TargetSettings,
     TokenizeSettings,
@@ -45,6 +32,16 @@ from draftsmith.core.config.stage_settings import (
     VllmEvaluateSettings,
     VocabSettings,
 )
+from draftsmith.core.data.benchmarks import BENCHMARKS
+from draftsmith.core.evaluation.cost import serving_profile_errors
+from draftsmith.core.io.digests import damage_under, forced_rules, unreadable_under
+from draftsmith.core.io.runlock import lock_advice
+from draftsmith.core.planning.hidden_plan import plan_hidden_states
+from draftsmith.core.planning.memory import config_target, device_memory, plan_config, runtime_line, uses_gpus
+from draftsmith.core.planning.memory import refusal as memory_refusal
+from draftsmith.core.planning.memory import table as memory_table
+from draftsmith.core.workflow import rule_args
+from draftsmith.core.workflow.startup import combination_errors, input_file_errors, target_checks
 
 
 def config_layers():
@@ -186,13 +183,6 @@ STREAM = HIDDEN_MODE in STREAM_MODES
 HYBRID = HIDDEN_MODE == "hybrid"
 
 
-def train_processes():
-    """Training ranks (torchrun processes) of the train job: one per GPU, but those of a streamed job's
-    engine when it has GPUs of its own (resources.train.engine_gpus); one on a CPU."""
-    res = config["resources"]["train"]
-    return max(1, res["gpus"] - (res["engine_gpus"] if STREAM else 0))
-
-
 def data_config(wildcards):
     """The manifest train reads: results/data_config.json, through checkpoint manifest (rules/extract.smk):
     its readers are planned again once it is written, and an identical manifest does not retrain (content
@@ -207,89 +197,27 @@ def train_shards():
     return [] if STREAM else hidden_shards()
 
 
-def gpu_memory_gib():
-    """Each GPU's memory in GiB as the config gives it (resources.gpu_memory_gib, else resources.gpu_model's
-    preset) for a job's engine layout, "0" when it does not: the job then asks nvidia-smi, as the memory
-    plan did when the workflow started."""
-    memory, _ = device_memory(config["resources"], detect=False)
-    return str(memory / GIB if memory else 0)
-
-
-def hidden_shards():
-    """The extraction job's outputs, one per shard; the count comes from config so a dry-run shows them all."""
-    return expand(
-        "results/hidden/shard-{shard}.safetensors",
-        shard=range(config["extract"]["num_shards"]),
-    )
-
-
-def settings_json(cls, only=None, drop=()):
-    """The `--settings` of a command whose settings class is `cls` (draftsmith.core.config.stage_settings): every
-    key of its section it reads, or those of them `only` / not in `drop` where the others do not apply,
-    as stable JSON (draftsmith.core.config.settings.rule_settings). It is a param, so changing any of them reruns
-    the stage; operational knobs live in `resources` instead."""
-    return json.dumps(rule_settings(cls, config, only, drop), sort_keys=True)
-
-
-def ops_json(cls):
-    """The `--ops` of a command whose settings class is `cls`: its operational knobs (resources.<stage>)
-    as JSON (draftsmith.core.config.settings.rule_ops). A resource, not a param, so changing one reruns nothing."""
-    return json.dumps(rule_ops(cls, config), sort_keys=True)
-
-
-def prompt_settings():
-    """The prompts command's settings as JSON; the dataset's split, subset and revision, the column
-    mapping and the code prompts only where they apply: settings that do not apply change no params, so
-    they rerun nothing."""
-    prompts = config["prompts"]
-    drop = [] if prompts["source"] == "dataset" else ["split", "subset", "revision"]
-    drop += [] if prompts["columns"] else ["columns"]
-    drop += [] if prompts["code_prompts"] else ["code_prompts"]
-    return settings_json(PromptSettings, drop=drop)
-
-
-def code_wheel_name(requirement):
-    """A file name for a code wheel's requirement (rule fetch_code_wheel)."""
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", requirement).strip("_")
-
-
-def code_wheels():
-    """name -> requirement of prompts.code_wheels, when code prompts are asked for."""
-    if not config["prompts"]["code_prompts"]:
-        return {}
-    return {code_wheel_name(r): r for r in config["prompts"]["code_wheels"]}
-
-
-def code_wheel_files():
-    return [f"resources/data/code/{name}.whl" for name in code_wheels()]
-
-
-def code_wheel_options():
-    """--code-wheel FILE of every code wheel, as arguments."""
-    return [arg for path in code_wheel_files() for arg in ("--code-wheel", path)]
+# The rules' arguments, built from this run's config (draftsmith/core/workflow/rule_args.py says what each
+# is; tests/unit/workflow/test_rule_args.py calls them).
+settings_json = partial(rule_args.settings_json, config)
+ops_json = partial(rule_args.ops_json, config)
+prompt_settings = partial(rule_args.prompt_settings, config)
+code_wheels = partial(rule_args.code_wheels, config)
+code_wheel_files = partial(rule_args.code_wheel_files, config)
+code_wheel_options = partial(rule_args.code_wheel_options, config)
+prompt_wheel_option = partial(rule_args.prompt_wheel_option, config)
+prompt_source_inputs = partial(rule_args.prompt_source_inputs, config)
+hidden_shards = partial(rule_args.hidden_shards, config)
+train_processes = partial(rule_args.train_processes, config, STREAM)
+gpu_memory_gib = partial(rule_args.gpu_memory_gib, config)
+set_num_prompts = partial(rule_args.set_num_prompts, config)
+serving_profile_input = partial(rule_args.serving_profile_input, config)
+drafter_plan = partial(rule_args.drafter_plan, config)
+eval_summary_sets = partial(rule_args.eval_summary_sets, config)
 
 
 def code_wheel_requirement(wildcards):
     return code_wheels()[wildcards.code_wheel]
-
-
-def prompt_wheel_option():
-    """The downloaded ShareGPT wheel for source sharegpt (a file, not a setting), as arguments."""
-    if config["prompts"]["source"] == "sharegpt":
-        return ["--wheel", "resources/data/sharegpt.whl"]
-    return []
-
-
-def prompt_source_inputs():
-    prompts = config["prompts"]
-    held = [prompts["heldout_path"]] if prompts["heldout_path"] else []
-    if prompts["source"] == "jsonl":
-        return [prompts["path"], *held]
-    if prompts["source"] == "dataset" and prompts["path"] and Path(prompts["path"]).exists():
-        return [prompts["path"], *held]  # a local file or folder; a Hub dataset is no file here
-    if prompts["source"] == "sharegpt":
-        return ["resources/data/sharegpt.whl", *held]
-    return held
 
 
 def untrained_option(wildcards, input):
@@ -297,102 +225,26 @@ def untrained_option(wildcards, input):
     return ["--untrained", input.untrained] if "untrained" in input.keys() else []
 
 
-# ---- evaluation: held-out sets and gate modes (rules/evaluate.smk)
+# ---- evaluation: held-out sets (the prompts stage's held-out file is rule prompts' output)
 
 
 def heldout_prompts(wildcards):
-    return heldout_prompt_file(wildcards.heldout)
-
-
-def heldout_prompt_file(name):
-    """The prompt file of a held-out set: "heldout" = the prompts stage's held-out prompts, "handwritten" =
-    the packaged hand-written set, a benchmark's name ("humaneval", "mtbench") = its prompts from its
-    wheel (rule benchmark_prompts), anything else = a prompt file of the user's."""
-    source = config["evaluate"]["heldout_sets"][name]
-    if source == "heldout":
-        return rules.prompts.output.heldout
-    if source == "handwritten":
-        return workdir_path(Path(draftsmith.__file__).parent / "data" / "heldout_handwritten.jsonl")
-    if source in BENCHMARKS:
-        return f"resources/data/{source}.jsonl"
-    return source
+    return rule_args.heldout_prompt_file(config, wildcards.heldout, rules.prompts.output.heldout)
 
 
 def heldout_prompt_inputs(wildcards):
-    """Every held-out set's prompt file, keyed prompts_<set>."""
-    return {f"prompts_{name}": heldout_prompt_file(name) for name in config["evaluate"]["heldout_sets"]}
-
-
-def set_num_prompts(name):
-    """Prompts decoded of one held-out set (0 = all): evaluate.set_num_prompts, else num_prompts."""
-    return config["evaluate"]["set_num_prompts"].get(name, config["evaluate"]["num_prompts"])
+    return rule_args.heldout_prompt_inputs(config, rules.prompts.output.heldout)
 
 
 def vllm_set_options(outputs=True):
-    """--prompts/--out/--set-num-prompts SET=... of every held-out set for a vLLM job, as arguments
-    (the prompts decoded of each set: evaluate.set_num_prompts, else num_prompts); the pre-flight names
-    its one output folder instead of a file per set (outputs=False)."""
-    options = []
-    for name in config["evaluate"]["heldout_sets"]:
-        options += ["--prompts", f"{name}={heldout_prompt_file(name)}"]
-        options += ["--out", f"{name}=results/eval/{name}/vllm.json"] if outputs else []
-        options += ["--set-num-prompts", f"{name}={set_num_prompts(name)}"]
-    return options
+    return rule_args.vllm_set_options(config, rules.prompts.output.heldout, outputs)
+
+
+def offline_options(wildcards):
+    return rule_args.offline_options(config, wildcards.heldout)
 
 
 # The pre-flight (rules/evaluate.smk) measures the free methods in vLLM before any generation: it is
 # planned first (its priority), and where it blocks the run stops before generating. No input edge from
 # generate to it: a pre-flight redone for new serving settings must not make the traces stale.
 PREFLIGHT = "results/preflight/preflight.json"
-
-
-def serving_profile_input(wildcards=None):
-    """This CPU's measured serving profile (bench/cost.py) as an input of the jobs that project speed:
-    always with evaluate.serving.device: this-cpu (missing: Snakemake names it), else where it exists
-    (the pre-flight and the verdict then also report this CPU's projection). A new profile reruns them."""
-    serving = config["evaluate"]["serving"]
-    path = serving["profile"]
-    return {"serving_profile": path} if serving["device"] == "this-cpu" or os.path.isfile(path) else {}
-
-
-def drafter_plan():
-    """What the pre-flight costs a drafter by, before one exists: its kind and shape, the draft
-    vocabulary and the aux layers (draftsmith.core.planning.preflight.planned_drafter_cost)."""
-    plan = {
-        "drafter": config["train"]["drafter"],
-        "vocab_size": config["vocab"]["size"],
-        "aux_layers": config["extract"]["aux_layers"],
-    }
-    return json.dumps(plan, sort_keys=True)
-
-
-def eval_summary_sets():
-    """--offline/--vllm SET=PATH for every held-out set that each measured, in the configured order
-    (with evaluate.offline off, only vLLM measured)."""
-    options = []
-    if config["evaluate"]["offline"]:
-        for name in config["evaluate"]["heldout_sets"]:
-            options += ["--offline", f"{name}=results/eval/{name}/offline.json"]
-    if config["evaluate"]["vllm"]:
-        for name in config["evaluate"]["heldout_sets"]:
-            options += ["--vllm", f"{name}=results/eval/{name}/vllm.json"]
-    return options
-
-
-def offline_num_prompts(name):
-    """The contract check's prompts of a held-out set: never more than vLLM decodes (0 = all)."""
-    n, n_offline = set_num_prompts(name), config["evaluate"]["offline_num_prompts"]
-    return n if n > 0 and (n_offline == 0 or n_offline > n) else n_offline
-
-
-def offline_options(wildcards):
-    """What the offline job of a held-out set measures beyond its settings, derived from them. With vLLM,
-    the judged numbers (every method on every prompt) come from vLLM and the offline run is the contract
-    check: the trained drafter (and suffix decoding's offline twin), lossless and accepted as in vLLM, on
-    the first evaluate.offline_num_prompts prompts, and the untrained baseline (measured offline only).
-    Without vLLM, the offline run measures everything."""
-    evaluate = config["evaluate"]
-    if evaluate["vllm"]:
-        return ["--num-prompts", str(offline_num_prompts(wildcards.heldout)), "--no-ngram"]
-    ngram = "--ngram" if evaluate["ngram"] else "--no-ngram"
-    return ["--num-prompts", str(set_num_prompts(wildcards.heldout)), ngram]
