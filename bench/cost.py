@@ -42,7 +42,7 @@ What it does, in this order:
 
 A CPU is not a GPU: a small target's decode here is overhead-bound, which is exactly the term that makes
 a drafter's passes expensive. The GPU side is checked against published measurements
-(tests/unit/test_cost.py, docs/evaluation.md). Two vLLM-CPU engines on the same cores slow each other
+(tests/unit/evaluation/test_cost.py, docs/evaluation.md). Two vLLM-CPU engines on the same cores slow each other
 ~10x: run it alone (the load average is recorded).
 """
 

@@ -391,7 +391,7 @@ def probe_target_without_layer_count(p: Probe) -> str:
 def probe_vllm_that_does_not_start(p: Probe) -> str:
     """`draftsmith extract --backend vllm` on the real default target with a KV cache larger than the
     machine (VLLM_CPU_KVCACHE_SPACE): vLLM's worker fails at start. A minute or two per checkout."""
-    from tests.helpers import random_sequences, write_sample_tokens
+    from tests.helpers.data import random_sequences, write_sample_tokens
 
     target = REPO / "resources" / "SmolLM2-135M-Instruct"
     if not (target / "config.json").is_file():
@@ -1022,7 +1022,7 @@ EXTRACT_DISK_FULL = """
 import errno, sys
 import draftsmith.stages.extract as extract
 from draftsmith.cli import main
-from tests.helpers import random_sequences, write_sample_tokens
+from tests.helpers.data import random_sequences, write_sample_tokens
 ids, masks = random_sequences([40, 60])
 write_sample_tokens(__import__("pathlib").Path("tokens.safetensors"), ids, masks, [[0, 2]])
 def full(*args, **kwargs):
@@ -1103,7 +1103,7 @@ def probe_leftover_lock(p: Probe) -> str:
 
 # Valid inputs beside the junk one, so a command gets as far as the junk file (made by the checkout's own
 # code in the probe's folder; argv[1] is the default target): a drafter export for that target, or the
-# tiny data of tests/helpers.py (a random target, its shards, manifest and vocab map) in data/.
+# tiny data of tests/helpers/data.py (a random target, its shards, manifest and vocab map) in data/.
 TARGET_DRAFTER = """
 import json, sys, torch
 from pathlib import Path
@@ -1122,7 +1122,7 @@ model.set_vocab_map(*vocab_maps(torch.arange(256) * 2, t["vocab_size"]))
 save_drafter(model, "drafter", [2, layers // 2, layers - 3], sys.argv[1])
 """
 TINY_DATA = (
-    "from pathlib import Path\nfrom tests.helpers import make_tiny_data\nmake_tiny_data(Path('data'))\n"
+    "from pathlib import Path\nfrom tests.helpers.data import make_tiny_data\nmake_tiny_data(Path('data'))\n"
 )
 
 

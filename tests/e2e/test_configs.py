@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
-from helpers import REPO, cli_env
+from helpers.workflow import REPO, cli_env
 from hubcache import add_repo
 
 from draftsmith import cli

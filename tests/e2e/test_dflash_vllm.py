@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import twins
-from helpers import DEFAULT_TARGET, cli
+from helpers.workflow import DEFAULT_TARGET, cli
 
 from draftsmith.core.data.chat import eos_token_ids
 from draftsmith.core.data.shards import iter_samples

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import DEFAULT_TARGET, cli
+from helpers.workflow import DEFAULT_TARGET, cli
 
 from draftsmith.core.data.context import DRAFT_MARGIN
 

@@ -9,14 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import (
-    fp_tolerance,
-    greedy_samples,
-    random_sequences,
-    vllm_extract,
-    worst_cosines,
-    write_sample_tokens,
-)
+from helpers.data import greedy_samples, random_sequences, vllm_extract, worst_cosines, write_sample_tokens
+from helpers.model import fp_tolerance
 from safetensors.torch import save_file
 
 from draftsmith.backends.hf import HfExtractor, capture_states, pad_right

@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, cli_env, random_sequences, write_sample_tokens
+from helpers.data import random_sequences, write_sample_tokens
+from helpers.workflow import REPO, cli_env
 
 from draftsmith.core.data.manifest import verify_manifest
 from draftsmith.core.data.shards import iter_samples, verify_shard

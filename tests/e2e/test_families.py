@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 import twins
-from helpers import DEFAULT_TARGET, REPO, assert_vllm_accepts_as_offline, train_and_measure
+from helpers.evaluation import assert_vllm_accepts_as_offline, train_and_measure
+from helpers.workflow import DEFAULT_TARGET, REPO
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -85,7 +86,7 @@ def test_both_extraction_engines_agree_on_each_family(tmp_path, target_model, fa
     """The same greedy samples through transformers and vLLM (fp32): every aux layer and the final normed
     state agree, and so does the teacher agreement that gates the data (MLA attention on CPU differs
     most: research/targets-on-cpu.md measured up to 3.6% relative on DeepSeek-V3)."""
-    from helpers import greedy_samples, vllm_extract, worst_cosines, write_sample_tokens
+    from helpers.data import greedy_samples, vllm_extract, worst_cosines, write_sample_tokens
 
     from draftsmith.core.data.shards import read_shard_meta
     from draftsmith.stages.extract import ExtractSettings, extract_shard

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import REPO, cli_env, random_sequences, write_sample_tokens
+from helpers.data import random_sequences, write_sample_tokens
+from helpers.workflow import REPO, cli_env
 
 from draftsmith.core.data.shards import read_header
 

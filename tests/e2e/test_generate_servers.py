@@ -20,7 +20,8 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-from helpers import CLIENT_SETTINGS, REPO, listeners, openai_client
+from helpers.evaluation import CLIENT_SETTINGS, openai_client
+from helpers.workflow import REPO, listeners
 
 from draftsmith.backends.openai import (
     EndpointError,

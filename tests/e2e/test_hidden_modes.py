@@ -7,7 +7,7 @@ reruns only the stream manifest and train."""
 import json
 
 import pytest
-from helpers import snakemake
+from helpers.workflow import snakemake
 
 from draftsmith.core.export.formats import check_export
 

@@ -16,7 +16,7 @@ import subprocess
 import pytest
 import twins
 import yaml
-from helpers import REPO, cli_env
+from helpers.workflow import REPO, cli_env
 
 pytestmark = pytest.mark.slow
 

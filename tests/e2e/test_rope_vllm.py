@@ -15,7 +15,8 @@ import shutil
 
 import pytest
 import twins
-from helpers import DEFAULT_TARGET, assert_vllm_accepts_as_offline, train_and_measure
+from helpers.evaluation import assert_vllm_accepts_as_offline, train_and_measure
+from helpers.workflow import DEFAULT_TARGET
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

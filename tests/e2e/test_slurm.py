@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO
+from helpers.workflow import REPO
 
 from draftsmith.core.data.shards import iter_samples
 

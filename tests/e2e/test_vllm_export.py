@@ -16,7 +16,7 @@ import json
 
 import pytest
 import torch
-from helpers import REPO, cli
+from helpers.workflow import REPO, cli
 
 from draftsmith.core.evaluation.engines import SCHEDULE_KEY
 from draftsmith.core.evaluation.policy import vllm_schedule

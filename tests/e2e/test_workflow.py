@@ -7,7 +7,7 @@ import shutil
 import subprocess
 
 import pytest
-from helpers import REPO, cli_env, snakemake
+from helpers.workflow import REPO, cli_env, snakemake
 
 pytestmark = pytest.mark.slow
 # The jobs downstream of a new drafter: both evaluations, the summary, the gate, the engine exports.

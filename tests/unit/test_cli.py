@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
-from helpers import cli_env
+from helpers.workflow import cli_env
 
 from draftsmith.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_GATE, main
 from draftsmith.core.config.config import section_schema

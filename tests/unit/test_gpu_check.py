@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO, cli_env
+from helpers.workflow import REPO, cli_env
 
 SCRIPT = REPO / "scripts" / "gpu-check.sh"
 NO_GPU = "gpu-check: no NVIDIA GPU here (nvidia-smi -L lists none); run it on a GPU node\n"

@@ -15,7 +15,7 @@ import sys
 import tomllib
 
 import pytest
-from helpers import REPO
+from helpers.workflow import REPO
 
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 NODE_GLIBC = (2, 34)  # RHEL 9 / Rocky 9; Ubuntu 22.04 has 2.35: every wheel of the GPU stack must run there

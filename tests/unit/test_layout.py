@@ -1,4 +1,4 @@
-"""The test tree's layout: shared test code lives in tests/helpers.py (conftest.py holds only fixtures and
+"""The test tree's layout: shared test code lives in tests/helpers/ (conftest.py holds only fixtures and
 hooks, which pytest hands out), so no test module imports another one or conftest: running or changing one
 test module never depends on another, and each helper has one import path."""
 
@@ -8,7 +8,7 @@ import ast
 import re
 from pathlib import Path
 
-from helpers import REPO
+from helpers.workflow import REPO
 
 TESTS = REPO / "tests"
 
@@ -27,13 +27,17 @@ def imported_modules(path: Path) -> set[str]:
 def test_no_test_module_helper_or_bench_imports_a_test_module_or_conftest() -> None:
     modules = sorted(TESTS.rglob("test_*.py"))
     test_names = {p.stem for p in modules} | {"conftest"}
-    shared = [p for p in sorted(TESTS.glob("*.py")) if p.name != "conftest.py"]
+    shared = [
+        p
+        for p in [*sorted(TESTS.glob("*.py")), *sorted((TESTS / "helpers").glob("*.py"))]
+        if p.name != "conftest.py"
+    ]
     found = {
         (p.relative_to(REPO).as_posix(), name)
         for p in [*modules, *shared, *sorted((REPO / "bench").rglob("*.py"))]
         for name in imported_modules(p) & test_names
     }
-    assert found == set(), "import shared test code from tests/helpers.py instead"
+    assert found == set(), "import shared test code from tests/helpers/ instead"
 
 
 def test_bench_is_a_package_that_edits_no_sys_path() -> None:
@@ -61,3 +65,12 @@ def test_every_documented_bench_command_names_a_bench_module() -> None:
                and not (REPO / m.replace(".", "/") / "__main__.py").is_file()}  # fmt: skip
     by_path = {p.name for p, text in texts.items() if re.search(r"python3? bench/", text)}
     assert named and missing == set() and by_path == set()
+
+
+def test_the_unit_tests_mirror_the_sub_packages_of_core() -> None:
+    """tests/unit/<sub-package>/ for each of draftsmith/core/'s sub-packages (tests/unit/ also holds
+    backends/, bench/ and the tests of the whole tree), and tests/helpers/ split the same way."""
+    core = {p.name for p in (REPO / "draftsmith" / "core").iterdir() if (p / "__init__.py").is_file()}
+    unit = {p.name for p in (TESTS / "unit").iterdir() if (p / "__init__.py").is_file()}
+    helpers = {p.stem for p in (TESTS / "helpers").glob("*.py")} - {"__init__"}
+    assert core <= unit and helpers <= core, (core - unit, helpers - core)

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from helpers import EXPORT_AUX_IDS, make_drafter
+from helpers.model import EXPORT_AUX_IDS, make_drafter
 
 from draftsmith.core.config.settings import schema_default, schema_spec
 from draftsmith.core.data.benchmarks import BENCHMARKS

@@ -72,7 +72,9 @@ class GroupedSettings(SchemaSettings):
         def __getattr__(self, name: str) -> Any: ...
 
 
-REGISTRY: list[type] = []  # every settings class built here (tests/unit/test_settings.py checks them all)
+REGISTRY: list[
+    type
+] = []  # every settings class built here (tests/unit/config/test_settings.py checks them all)
 
 
 def schema_spec(path: str) -> dict[str, Any]:

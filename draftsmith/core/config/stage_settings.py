@@ -4,7 +4,7 @@ The Snakefile imports these (torch would slow every parse) and builds each rule'
 class of the command it calls (`rule_settings`, rules/common.smk: `settings_json`), and its `--ops`
 from the class's operational knobs (`rule_ops`, `ops_json`); the command parses them into the same class
 (draftsmith/cli_options.py). A key is read by a command exactly when it
-is a field of its class, so a rule cannot drop one (tests/unit/test_rules.py plans every command with
+is a field of its class, so a rule cannot drop one (tests/unit/workflow/test_rules.py plans every command with
 every key changed and finds each in the command it reaches). How a class is built from the schema:
 core/config/settings.py.
 """

@@ -38,7 +38,7 @@ With temperature > 0 the verify step is speculative *sampling* (Leviathan et al.
 2023): draft i with draft probability q_i is accepted with probability min(1, p_i/q_i) under the target
 probability p_i, else the step emits a token from norm(max(0, p_i - q_i)) and stops; after k accepted
 drafts a bonus token comes from p_k. The output is distributed exactly as plain sampling from the target
-(`rejection_sample`; tests/unit/test_speculate.py checks it statistically). Deterministic drafts (greedy
+(`rejection_sample`; tests/unit/evaluation/test_speculate.py checks it statistically). Deterministic drafts (greedy
 EAGLE drafts, as vLLM makes them, or n-gram lookups) are the special case q_i = one-hot.
 """
 

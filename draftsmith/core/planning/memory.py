@@ -12,7 +12,7 @@ Per GPU stage:
   evaluate (offline): the whole target on the first GPU, plus the drafter.
   train (per data-parallel rank): the drafter's fp32 weights, gradients and AdamW state, the frozen
       target tensors it reads, one pass's batch and the activations autograd keeps for the backward
-      pass (`activation_bytes`, measured: bench/memory.py, tests/unit/test_memory.py).
+      pass (`activation_bytes`, measured: bench/memory.py, tests/unit/planning/test_memory.py).
 """
 
 from __future__ import annotations
