@@ -1,2 +1,6 @@
-"""What the stages share: the drafter, its layers, the data files, decoding, statistics, cost and
-memory models, settings and the target's loading. Imports no stage."""
+"""What the stages share; imports no stage. One sub-package per concept, each importing only those below
+it (pyproject.toml's import contract; `a | b`: neither imports the other; docs/concepts.md says what each
+holds):
+
+    workflow  >  export | planning  >  training | evaluation  >  model  >  data  >  config  >  io
+"""
