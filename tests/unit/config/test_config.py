@@ -761,3 +761,13 @@ def test_this_cpu_without_its_measured_profile_is_refused_at_start(tmp_path):
     (error,) = serving_profile_errors({"device": "this-cpu", "profile": str(missing)})
     assert error.startswith(f"{missing}: not a serving profile (no key")
     assert serving_profile_errors({"device": "H100-80GB", "profile": str(tmp_path / "none.json")}) == []
+
+
+def test_every_benchmarks_wheel_is_checked_as_a_requirement() -> None:
+    """config.py reads the benchmarks' wheel keys from the schema (core/data/ sits above config/): they
+    are exactly the registry's."""
+    from draftsmith.core.config.config import VALUE_CHECKS
+    from draftsmith.core.data.benchmarks import BENCHMARKS
+
+    wheels = {key for section, key in VALUE_CHECKS if section == "evaluate"}
+    assert wheels == {b.wheel_setting for b in BENCHMARKS.values()}
