@@ -111,9 +111,9 @@ ALL_MODULES = sorted(
 )
 # `module.Function(parameter)` that shares a schema key's name without being that setting -> why
 NOT_THE_SETTING = {
-    "draftsmith.core.evaluation.stats.bootstrap_ratio(seed)": "the bootstrap's resampling seed (verdict.GateSettings)",
-    "draftsmith.core.evaluation.stats.bootstrap_tau(seed)": "the bootstrap's resampling seed (verdict.GateSettings)",
-    "draftsmith.core.evaluation.stats.paired_difference(seed)": "the bootstrap's resampling seed (verdict.GateSettings)",
+    "draftsmith.core.evaluation.stats.bootstrap_ratio(seed)": "the bootstrap's resampling seed (stage_settings.GateSettings)",
+    "draftsmith.core.evaluation.stats.bootstrap_tau(seed)": "the bootstrap's resampling seed (stage_settings.GateSettings)",
+    "draftsmith.core.evaluation.stats.paired_difference(seed)": "the bootstrap's resampling seed (stage_settings.GateSettings)",
 }
 
 

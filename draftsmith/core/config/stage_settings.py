@@ -1,7 +1,7 @@
 """Every command's settings class: the config keys it reads, torch-free.
 
 The Snakefile imports these (torch would slow every parse) and builds each rule's `--settings` from the
-class of the command it calls (`rule_settings`, rules/common.smk: `settings_json`), and its `--ops`
+class of the command it calls (`rule_settings`; core/workflow/rule_args.py: `settings_json`), and its `--ops`
 from the class's operational knobs (`rule_ops`, `ops_json`); the command parses them into the same class
 (draftsmith/cli_options.py). A key is read by a command exactly when it
 is a field of its class, so a rule cannot drop one (tests/unit/workflow/test_rules.py plans every command with
@@ -371,7 +371,7 @@ class OfflineEvaluateSettings(SchemaSettings):
     """`draftsmith evaluate`: the offline measurement (the contract check beside vLLM's). Suffix
     decoding's offline twin joins the contract check and the hybrid is measured offline only."""
 
-    num_prompts: int  # the rule derives it per set (rules/common.smk: offline_options) ...
+    num_prompts: int  # the rule derives it per set (core/workflow/rule_args.py: offline_options) ...
     max_new_tokens: int
     num_draft_tokens: int
     temperature: float
