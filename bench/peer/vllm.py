@@ -23,8 +23,8 @@ def heldout_sets(
     config_path: Path | None, manifest_path: Path, log: Callable[[str], None]
 ) -> dict[str, Path]:
     """The run's held-out prompt files as the workflow resolves them (core/workflow/rule_args.py:
-    heldout_prompt_file), relative to the
-    run's folder (the parent of results/); a set whose file is missing is left out, with a line to `log`."""
+    heldout_prompt_file), relative to the run's folder (the parent of results/); a set whose file is
+    missing is left out, with a line to `log`."""
     import draftsmith
 
     cfg = (
