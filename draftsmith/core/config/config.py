@@ -1,4 +1,7 @@
-"""The workflow configuration schema (one place for every key and default) and checks around it."""
+"""The workflow configuration schema (one place for every key and default) and checks around it: the
+config files (read, merged, each line located), single values and the schema's checks, the target's
+config.json read. The checks of the whole configuration against its inputs and its target at start are
+core/workflow/startup.py's (they read prompt files, which core/data/ owns)."""
 
 from __future__ import annotations
 
