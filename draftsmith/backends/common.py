@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import math
 import os
 import re
 import sys
@@ -23,19 +24,33 @@ log = logging.getLogger(__name__)
 THREAD_CAPS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
-CPU_KV_CACHE_GIB = "2"  # vLLM's CPU KV cache; unset, it reserves 92% of a NUMA node and may not start
+CPU_KV_CACHE_GIB = "2"  # vLLM's CPU KV cache at most; unset, it reserves 92% of a NUMA node and may not start
+CPU_KV_BLOCK_TOKENS = (
+    256  # the largest KV block a CPU attention backend uses: a request's unused tail at worst
+)
 
 
-def vllm_child_env(env: dict[str, str], cpu: bool | None = None) -> dict[str, str]:
+def cpu_kv_cache_gib(kv_bytes_per_token: float, tokens: int) -> str:
+    """VLLM_CPU_KVCACHE_SPACE (whole GiB, as vLLM reads it) for an engine that holds `tokens` at once: what
+    they need, at least 1, at most CPU_KV_CACHE_GIB. vLLM fills the whole cache at start: on the 2-core
+    machines each GiB past the first added ~13 s to an engine's start (0.3 s at 1 GiB, 13.5 s at 2, 25.8
+    s at 3), paid by every evaluation engine of a small run."""
+    need = math.ceil(kv_bytes_per_token * tokens / 2**30)
+    return str(min(int(CPU_KV_CACHE_GIB), max(1, need)))
+
+
+def vllm_child_env(
+    env: dict[str, str], cpu: bool | None = None, kv_cache_gib: str = CPU_KV_CACHE_GIB
+) -> dict[str, str]:
     """`env` for a vLLM child process. Without thread caps: vLLM binds its workers to cores itself and
     sizes torch's threads to them, unless OMP_NUM_THREADS is set; Snakemake sets it to the job's threads,
     and two threads bound to one core decoded 1.3 tokens/s where one decodes ~20 (2-core CPU). Where vLLM
-    runs on the CPU (`cpu`, default: vllm_on_cpu()) with a fixed KV cache (VLLM_CPU_KVCACHE_SPACE, GiB,
-    unless set): otherwise vLLM's CPU backend asks for 0.92 of a NUMA node's memory and refuses to start
+    runs on the CPU (`cpu`, default: vllm_on_cpu()) with a fixed KV cache (VLLM_CPU_KVCACHE_SPACE,
+    `kv_cache_gib`, unless set): otherwise vLLM's CPU backend asks for 0.92 of a NUMA node's memory and refuses to start
     beside anything else. The CUDA build sizes its cache by gpu_memory_utilization instead."""
     child = {key: value for key, value in env.items() if key not in THREAD_CAPS}
     if vllm_on_cpu(env) if cpu is None else cpu:
-        child.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
+        child.setdefault("VLLM_CPU_KVCACHE_SPACE", kv_cache_gib)
     return child
 
 

@@ -206,11 +206,16 @@ def run_vllm_speculative(
     }
 
 
-def vllm_env(cache_dir: str | Path, base: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for a CPU vLLM child (`vllm_child_env`), caches under cache_dir (not ~/.cache)."""
-    from draftsmith.backends.common import vllm_child_env
+def vllm_env(
+    cache_dir: str | Path, base: dict[str, str] | None = None, kv_cache_gib: str | None = None
+) -> dict[str, str]:
+    """Environment for a CPU vLLM child (`vllm_child_env`, its KV cache `kv_cache_gib` unless set), caches
+    under cache_dir (not ~/.cache)."""
+    from draftsmith.backends.common import CPU_KV_CACHE_GIB, vllm_child_env
 
-    env = vllm_child_env(dict(os.environ if base is None else base))
+    env = vllm_child_env(
+        dict(os.environ if base is None else base), kv_cache_gib=kv_cache_gib or CPU_KV_CACHE_GIB
+    )
     cache_dir = Path(cache_dir)
     env["VLLM_CACHE_ROOT"] = str(cache_dir / "vllm")
     env["HF_HOME"] = str(cache_dir / "hf")
@@ -262,7 +267,8 @@ def run_vllm_subprocess(
     with tempfile.TemporaryDirectory(prefix="draftsmith-vllm-") as tmp:
         req_path, out_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
         req_path.write_text(json.dumps(request), encoding="utf-8")
-        env = vllm_env(cache_dir or Path(tmp) / "cache")
+        kv_gib = engine_kv_cache_gib(target, dtype, prompts_token_ids, max_new_tokens, num_draft_tokens)
+        env = vllm_env(cache_dir or Path(tmp) / "cache", kv_cache_gib=kv_gib)
         cmd = [sys.executable, "-m", "draftsmith.stages.evaluate.vllm_runner", "--request", str(req_path)]
         cmd += ["--out", str(out_path)]
         log_file = Path(log_path) if log_path else Path(tmp) / "vllm.log"
@@ -283,6 +289,26 @@ def run_vllm_subprocess(
             cause = log_cause(log) or "no error line in its output"
             raise RuntimeError(f"vLLM run failed (exit {returncode}): {cause}\n{where}")
         return json.loads(out_path.read_text(encoding="utf-8"))
+
+
+def engine_kv_cache_gib(
+    target: str, dtype: str, prompts_token_ids: list[list[int]], max_new_tokens: int, num_draft_tokens: int
+) -> str | None:
+    """The CPU KV cache (GiB) an engine needs to hold every prompt with its answer and drafts at once
+    (a block of slack each, a quarter more for a drafter's own layers), from the target's config.json;
+    None (the default size) where the config cannot be read."""
+    from draftsmith.backends.common import CPU_KV_BLOCK_TOKENS, cpu_kv_cache_gib
+    from draftsmith.core.config.config import text_config_json
+    from draftsmith.core.planning.memory import DTYPE_BYTES, target_size
+
+    try:
+        size = target_size(text_config_json(target))
+    except (OSError, ValueError):
+        return None
+    # kv_bytes_per_token counts bfloat16; vLLM's cache takes the engine's dtype ("auto")
+    per_token = size.kv_bytes_per_token(1) * DTYPE_BYTES.get(dtype, 2) / 2 * 1.25
+    extra = max_new_tokens + num_draft_tokens + 1 + CPU_KV_BLOCK_TOKENS
+    return cpu_kv_cache_gib(per_token, sum(len(p) + extra for p in prompts_token_ids))
 
 
 class VllmTimeout(RuntimeError):

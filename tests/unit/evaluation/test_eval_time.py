@@ -81,3 +81,27 @@ def test_the_engines_share_one_compile_cache_beside_the_kept_runs(monkeypatch, t
             )
     assert caches == [str(tmp_path / "results" / "eval" / ".vllm-cache")] * 2
     assert runner.vllm_env(caches[0], {})["VLLM_CACHE_ROOT"].startswith(caches[0])
+
+
+def test_a_cpu_engines_kv_cache_is_sized_to_what_it_holds(tmp_path):
+    """Each GiB of CPU KV cache past the first costs ~13 s of engine start here: an engine gets what its
+    prompts, answers and drafts need at once (whole GiB, vLLM's unit), at least 1, at most the old fixed 2."""
+    import draftsmith.stages.evaluate.vllm_runner as runner
+    from draftsmith.backends.common import cpu_kv_cache_gib, vllm_child_env
+
+    assert cpu_kv_cache_gib(46_080, 1_000) == "1"
+    assert cpu_kv_cache_gib(46_080, 30_000) == "2"  # 1.29 GiB
+    assert cpu_kv_cache_gib(46_080, 10**7) == "2"  # the cap
+    # SmolLM2-135M's shape: 30 layers x 3 KV heads x 64, float32 = 46,080 bytes a token (a quarter more kept)
+    shape = {"hidden_size": 576, "num_hidden_layers": 30, "vocab_size": 49152, "num_attention_heads": 9}
+    (tmp_path / "config.json").write_text(json.dumps(shape | {"num_key_value_heads": 3}))
+    few, many = [[1] * 100] * 2, [[1] * 100] * 140  # a test's 2 prompts; the demo's 140
+    assert runner.engine_kv_cache_gib(str(tmp_path), "float32", few, 64, 3) == "1"
+    assert runner.engine_kv_cache_gib(str(tmp_path), "float32", many, 64, 3) == "2"
+    assert runner.engine_kv_cache_gib(str(tmp_path / "missing"), "float32", few, 64, 3) is None
+    assert vllm_child_env({}, cpu=True, kv_cache_gib="1")["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    # the user's own setting wins
+    assert (
+        vllm_child_env({"VLLM_CPU_KVCACHE_SPACE": "5"}, cpu=True, kv_cache_gib="1")["VLLM_CPU_KVCACHE_SPACE"]
+        == "5"
+    )
