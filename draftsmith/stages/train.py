@@ -55,7 +55,7 @@ from draftsmith.core.data.vocab import VocabMapError, load_vocab_map
 from draftsmith.core.export.formats import check_export, save_drafter
 from draftsmith.core.io.atomic import atomic_dir, write_json, write_jsonl
 from draftsmith.core.io.devices import engine_visible_devices, trainer_index, visible_devices
-from draftsmith.core.model.drafter import Eagle3Drafter, build_drafter
+from draftsmith.core.model.drafter import DraftHead, build_drafter
 from draftsmith.core.model.kinds import drafter_loss
 from draftsmith.core.model.layers import convert_layer_ids
 from draftsmith.core.model.precision import compute_dtype, train_precision
@@ -667,7 +667,7 @@ def timed(batches: Iterator[Any]) -> Iterator[tuple[Any, float]]:
 
 
 def write_drafter(
-    drafter: Eagle3Drafter,
+    drafter: DraftHead,
     out_dir: str | Path,
     manifest: dict[str, Any],
     target_config: Any,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -187,7 +188,8 @@ class DFlashDrafter(DraftHead, nn.Module):
         context keys and values [B, nkv, T, d]."""
         c = self.hidden_norm(self.fc(aux))  # [B, T, H]
         cos, sin = self.rotary(positions, c.dtype)
-        return [layer.self_attn.keys_values(c, cos, sin) for layer in self.layers]
+        layers = cast(list[DFlashLayer], list(self.layers))
+        return [layer.self_attn.keys_values(c, cos, sin) for layer in layers]
 
     def forward(
         self, embeds: Tensor, positions: Tensor, context: Sequence[tuple[Tensor, Tensor]], mask: Tensor

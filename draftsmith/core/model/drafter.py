@@ -625,7 +625,7 @@ def build_drafter(
     num_aux: int,
     settings: DrafterInit,
     device: torch.device | str,
-) -> tuple[nn.Module, Tensor, Tensor]:
+) -> tuple[DraftHead, Tensor, Tensor]:
     """-> (the drafter of the kind settings.drafter names at its initial weights, in train mode; the frozen
     target embedding [V, Ht]; the teacher weight [Vd, Ht] = the target's lm_head rows of the draft ids),
     on device.

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from draftsmith.core.config.stage_settings import ObjectiveSettings
 from draftsmith.core.data.loader import Batch
-from draftsmith.core.model.drafter import TTTKV, Eagle3Drafter
+from draftsmith.core.model.drafter import TTTKV, DraftHead, Eagle3Drafter
 from draftsmith.core.model.precision import train_precision
 from draftsmith.core.training.distributed import Dist
 
@@ -476,7 +476,7 @@ class DraftingLoss(torch.nn.Module):
 
     def __init__(
         self,
-        drafter: Eagle3Drafter,
+        drafter: DraftHead,
         embed: Tensor,
         teacher: Tensor,
         lm_head: Tensor | None = None,

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 from torch.optim._muon import _adjust_lr  # torch's own learning-rate rule per adjust_lr_fn, not a copy
 
-from draftsmith.core.model.drafter import Eagle3Drafter
+from draftsmith.core.model.drafter import DraftHead
 from draftsmith.core.model.precision import train_precision
 
 
@@ -30,7 +30,7 @@ class OptimizerSettings(Protocol):
     precision: str
 
 
-def make_optimizer(drafter: Eagle3Drafter, settings: OptimizerSettings) -> torch.optim.Optimizer | Chain:
+def make_optimizer(drafter: DraftHead, settings: OptimizerSettings) -> torch.optim.Optimizer | Chain:
     """AdamW over every trainable parameter (weight decay on matrices only); with optimizer "muon",
     torch's Muon over the weight matrices instead and AdamW over the rest (`muon_split`)."""
     named = [(n, p) for n, p in drafter.named_parameters() if p.requires_grad]

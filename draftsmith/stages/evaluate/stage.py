@@ -804,7 +804,7 @@ def chosen_lengths(
         best: dict[str, tuple[int, float]] = {}
         for run in runs[1:]:
             rows = summary["methods"][run.name].get("per_prompt")
-            if run.name == "untrained" or not rows:
+            if run.name == "untrained" or not rows or run.kind is None:
                 continue
             options = draft_length_options(rows, max_k, run.kind, target, points, drafters.get(run.name))
             k = best_draft_length(options)

@@ -16,7 +16,7 @@ from draftsmith.core.evaluation.engines import (
     draft_positions_warning,
     trained_ttt_steps,
 )
-from draftsmith.core.model.drafter import DrafterConfig, Eagle3Drafter
+from draftsmith.core.model.drafter import DrafterConfig, DraftHead
 from draftsmith.core.model.layers import aux_order_problem
 
 EXPORT_FORMAT_VERSION = 1
@@ -125,7 +125,7 @@ def draftsmith_block(
     }
 
 
-def state_tensors(model: Eagle3Drafter, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def state_tensors(model: DraftHead, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The drafter's state dict for an engine: floats in `dtype`, d2t int64 / t2d bool, and no vocab map
     at all for a full-size draft vocabulary (which must then be the identity)."""
     tensors = {}

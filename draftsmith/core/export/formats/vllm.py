@@ -22,7 +22,7 @@ from draftsmith.core.export.formats.common import (
     validate_for_export,
     write_files,
 )
-from draftsmith.core.model.drafter import DrafterConfig, Eagle3Drafter
+from draftsmith.core.model.drafter import DrafterConfig, DraftHead, Eagle3Drafter
 from draftsmith.core.model.kinds import kind
 from draftsmith.core.model.layers import convert_layer_ids
 
@@ -56,7 +56,7 @@ def export_config(
 
 
 def save_drafter(
-    model: Eagle3Drafter,
+    model: DraftHead,
     out_dir: str | Path,
     aux_layer_ids: list[int],
     target_path: str,
