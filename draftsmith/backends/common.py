@@ -25,9 +25,8 @@ THREAD_CAPS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 CPU_KV_CACHE_GIB = "2"  # vLLM's CPU KV cache at most; unset, it reserves 92% of a NUMA node and may not start
-CPU_KV_BLOCK_TOKENS = (
-    256  # the largest KV block a CPU attention backend uses: a request's unused tail at worst
-)
+# the largest KV block a CPU attention backend uses: a request's unused tail at worst
+CPU_KV_BLOCK_TOKENS = 256
 
 
 def cpu_kv_cache_gib(kv_bytes_per_token: float, tokens: int) -> str:
@@ -45,9 +44,9 @@ def vllm_child_env(
     """`env` for a vLLM child process. Without thread caps: vLLM binds its workers to cores itself and
     sizes torch's threads to them, unless OMP_NUM_THREADS is set; Snakemake sets it to the job's threads,
     and two threads bound to one core decoded 1.3 tokens/s where one decodes ~20 (2-core CPU). Where vLLM
-    runs on the CPU (`cpu`, default: vllm_on_cpu()) with a fixed KV cache (VLLM_CPU_KVCACHE_SPACE,
-    `kv_cache_gib`, unless set): otherwise vLLM's CPU backend asks for 0.92 of a NUMA node's memory and refuses to start
-    beside anything else. The CUDA build sizes its cache by gpu_memory_utilization instead."""
+    runs on the CPU (`cpu`, default: vllm_on_cpu()) with a fixed KV cache (VLLM_CPU_KVCACHE_SPACE =
+    `kv_cache_gib`, unless set): otherwise vLLM's CPU backend asks for 0.92 of a NUMA node's memory and
+    refuses to start beside anything else. The CUDA build sizes its cache by gpu_memory_utilization instead."""
     child = {key: value for key, value in env.items() if key not in THREAD_CAPS}
     if vllm_on_cpu(env) if cpu is None else cpu:
         child.setdefault("VLLM_CPU_KVCACHE_SPACE", kv_cache_gib)

@@ -35,7 +35,13 @@ from typing import Any
 
 import click
 
-from draftsmith.backends.common import log_cause
+from draftsmith.backends.common import (
+    CPU_KV_BLOCK_TOKENS,
+    CPU_KV_CACHE_GIB,
+    cpu_kv_cache_gib,
+    log_cause,
+    vllm_child_env,
+)
 from draftsmith.backends.vllm_api import SPEC_METRICS
 from draftsmith.core.config.settings import schema_default
 from draftsmith.core.evaluation.engines import speculative_config
@@ -207,15 +213,11 @@ def run_vllm_speculative(
 
 
 def vllm_env(
-    cache_dir: str | Path, base: dict[str, str] | None = None, kv_cache_gib: str | None = None
+    cache_dir: str | Path, base: dict[str, str] | None = None, kv_cache_gib: str = CPU_KV_CACHE_GIB
 ) -> dict[str, str]:
     """Environment for a CPU vLLM child (`vllm_child_env`, its KV cache `kv_cache_gib` unless set), caches
     under cache_dir (not ~/.cache)."""
-    from draftsmith.backends.common import CPU_KV_CACHE_GIB, vllm_child_env
-
-    env = vllm_child_env(
-        dict(os.environ if base is None else base), kv_cache_gib=kv_cache_gib or CPU_KV_CACHE_GIB
-    )
+    env = vllm_child_env(dict(os.environ if base is None else base), kv_cache_gib=kv_cache_gib)
     cache_dir = Path(cache_dir)
     env["VLLM_CACHE_ROOT"] = str(cache_dir / "vllm")
     env["HF_HOME"] = str(cache_dir / "hf")
@@ -293,18 +295,17 @@ def run_vllm_subprocess(
 
 def engine_kv_cache_gib(
     target: str, dtype: str, prompts_token_ids: list[list[int]], max_new_tokens: int, num_draft_tokens: int
-) -> str | None:
+) -> str:
     """The CPU KV cache (GiB) an engine needs to hold every prompt with its answer and drafts at once
     (a block of slack each, a quarter more for a drafter's own layers), from the target's config.json;
-    None (the default size) where the config cannot be read."""
-    from draftsmith.backends.common import CPU_KV_BLOCK_TOKENS, cpu_kv_cache_gib
+    the most it is given (CPU_KV_CACHE_GIB) where the config cannot be read."""
     from draftsmith.core.config.config import text_config_json
     from draftsmith.core.planning.memory import DTYPE_BYTES, target_size
 
     try:
         size = target_size(text_config_json(target))
     except (OSError, ValueError):
-        return None
+        return CPU_KV_CACHE_GIB
     # kv_bytes_per_token counts bfloat16; vLLM's cache takes the engine's dtype ("auto")
     per_token = size.kv_bytes_per_token(1) * DTYPE_BYTES.get(dtype, 2) / 2 * 1.25
     extra = max_new_tokens + num_draft_tokens + 1 + CPU_KV_BLOCK_TOKENS

@@ -98,7 +98,7 @@ def test_a_cpu_engines_kv_cache_is_sized_to_what_it_holds(tmp_path):
     few, many = [[1] * 100] * 2, [[1] * 100] * 140  # a test's 2 prompts; the demo's 140
     assert runner.engine_kv_cache_gib(str(tmp_path), "float32", few, 64, 3) == "1"
     assert runner.engine_kv_cache_gib(str(tmp_path), "float32", many, 64, 3) == "2"
-    assert runner.engine_kv_cache_gib(str(tmp_path / "missing"), "float32", few, 64, 3) is None
+    assert runner.engine_kv_cache_gib(str(tmp_path / "missing"), "float32", few, 64, 3) == "2"
     assert vllm_child_env({}, cpu=True, kv_cache_gib="1")["VLLM_CPU_KVCACHE_SPACE"] == "1"
     # the user's own setting wins
     assert (
