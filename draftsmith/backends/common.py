@@ -46,7 +46,8 @@ def vllm_child_env(
     and two threads bound to one core decoded 1.3 tokens/s where one decodes ~20 (2-core CPU). Where vLLM
     runs on the CPU (`cpu`, default: vllm_on_cpu()) with a fixed KV cache (VLLM_CPU_KVCACHE_SPACE =
     `kv_cache_gib`, unless set): otherwise vLLM's CPU backend asks for 0.92 of a NUMA node's memory and
-    refuses to start beside anything else. The CUDA build sizes its cache by gpu_memory_utilization instead."""
+    refuses to start beside anything else. The CUDA build sizes its cache by gpu_memory_utilization
+    instead."""
     child = {key: value for key, value in env.items() if key not in THREAD_CAPS}
     if vllm_on_cpu(env) if cpu is None else cpu:
         child.setdefault("VLLM_CPU_KVCACHE_SPACE", kv_cache_gib)
