@@ -418,8 +418,8 @@ def run_planned(job: dict, workdir, monkeypatch, recorded: str) -> tuple[tuple, 
         (workdir / path).parent.mkdir(parents=True, exist_ok=True)
         (workdir / path).touch()
     for flag, value in zip(args, args[1:], strict=False):  # held-out sets' files, benchmarks' included
-        if flag == "--prompts" and "=" in value:
-            path = workdir / value.split("=", 1)[1]
+        if flag == "--prompts":  # name=path (vLLM's, the summary's) or a path (one set's offline job)
+            path = workdir / value.split("=", 1)[-1]
             if not path.exists():  # never touch a real file (the packaged set, through the link below)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.touch()
