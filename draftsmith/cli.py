@@ -229,6 +229,8 @@ def run_cmd(gpus: int, command: tuple[str, ...]) -> None:
     choice is printed first (so it shows in the rule's log). Waits while too few are free. The GPUs are
     held until COMMAND ends, however it ends (a killed job's GPUs come back at once).
     Where a scheduler already chose (SLURM sets CUDA_VISIBLE_DEVICES), only those are used.
+    A job without GPUs whose threads (OMP_NUM_THREADS, set by Snakemake) are fewer than the cores it may
+    use runs on that many free cores of its own, held the same way (draftsmith.core.io.cores).
 
     \b
     Environment:
@@ -243,6 +245,12 @@ def run_cmd(gpus: int, command: tuple[str, ...]) -> None:
     except DeviceError as err:
         fail(str(err), EXIT_BAD_INPUT)
     click.echo(f"draftsmith run: {assignment.describe()}", err=True)
+    if not gpus:  # a CPU job: cores of its own where it may use fewer than the machine has
+        from draftsmith.core.io.cores import confine_to_own_cores
+
+        lease = confine_to_own_cores(os.environ)
+        if lease.cores:
+            click.echo(f"draftsmith run: CPU cores {','.join(map(str, lease.cores))} for this job", err=True)
     try:
         exec_with_devices(assignment, command, os.environ)
     except OSError as err:

@@ -184,6 +184,8 @@ rule evaluate_vllm:
         "logs/evaluate_vllm.log",
     benchmark:
         "benchmarks/evaluate_vllm.tsv"
+    # the evaluation's longest job first: the offline sets fit beside it, not it after them
+    priority: 5
     conda:
         "../envs/draftsmith.yaml"
     threads: config["resources"]["evaluate"]["threads"]

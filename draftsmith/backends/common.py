@@ -18,8 +18,6 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from draftsmith.core.io.cores import lease_cores
-
 log = logging.getLogger(__name__)
 
 # Thread caps a job runner sets (Snakemake: the rule's threads) that vLLM must not inherit.
@@ -54,32 +52,6 @@ def vllm_child_env(
     if vllm_on_cpu(env) if cpu is None else cpu:
         child.setdefault("VLLM_CPU_KVCACHE_SPACE", kv_cache_gib)
     return child
-
-
-@contextlib.contextmanager
-def job_cores(
-    child: dict[str, str], parent: Mapping[str, str], processes: int = 1
-) -> Iterator[dict[str, str]]:
-    """`child` (a vLLM child's environment) bound to cores of the job's own while the block runs: as many as
-    the job's threads (OMP_NUM_THREADS in `parent`, which Snakemake sets to the rule's threads) leased
-    among the free ones (core.io.cores) and given to vLLM as VLLM_CPU_OMP_THREADS_BIND. Unbound, vLLM puts
-    every engine on the first cores: the pre-flight and generation side by side on 2 cores shared core 0.
-    `child` as it is where the user set the binding, the job may use every core, the engine has several
-    processes (the binding is then one list a process) or runs on a GPU."""
-    threads = parent.get("OMP_NUM_THREADS", "")
-    if (
-        processes != 1
-        or "VLLM_CPU_OMP_THREADS_BIND" in child
-        or not threads.isdigit()
-        or not vllm_on_cpu(child)
-    ):
-        yield child
-        return
-    with lease_cores(int(threads)) as cores:
-        if cores:
-            log.info("vLLM engine bound to core(s) %s (the job's %s thread(s))", cores, threads)
-            child = {**child, "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
-        yield child
 
 
 def vllm_attention_backend(mla: bool, dtype: str, vllm_on_cpu: bool, cpu_has_amx: bool) -> str | None:

