@@ -83,7 +83,10 @@ def confine_to_own_cores(env: Mapping[str, str], folder: Path | None = None) -> 
     threads = job_threads(env)
     if threads is None or not hasattr(os, "sched_setaffinity"):
         return CoreLease([])
-    lease = lease_cores(threads, folder=folder)
+    try:
+        lease = lease_cores(threads, folder=folder)
+    except OSError:  # no lease folder (a read-only temp folder): run unconfined rather than not at all
+        return CoreLease([])
     if lease.cores:
         for fd in lease.lock_fds:
             os.set_inheritable(fd, True)

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from draftsmith.core.io import cores
 from draftsmith.core.io.cores import confine_to_own_cores, job_threads, lease_cores
 
 
@@ -81,3 +82,12 @@ def test_a_job_without_a_thread_count_or_with_every_core_is_left_alone(tmp_path)
     assert confine_to_own_cores({"OMP_NUM_THREADS": "1024"}, tmp_path).cores == []
     if before is not None:
         assert os.sched_getaffinity(0) == before
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux's")
+def test_a_lease_folder_that_cannot_be_made_leaves_the_job_unconfined(tmp_path, monkeypatch):
+    """A lease only speeds a job up: where its folder cannot be made, the job runs unconfined."""
+    monkeypatch.setattr(cores, "allowed_cores", lambda: [0, 1])  # a core to share, on any machine
+    blocked = tmp_path / "a file"
+    blocked.write_text("")
+    assert confine_to_own_cores({"OMP_NUM_THREADS": "1"}, blocked / "leases").cores == []
