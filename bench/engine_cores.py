@@ -27,6 +27,7 @@ from pathlib import Path
 import click
 
 from bench import harness
+from draftsmith.core.io.cores import allowed_cores
 from draftsmith.core.model.target import load_tokenizer
 from draftsmith.stages.evaluate.stage import encode_prompts, read_eval_prompts
 from draftsmith.stages.evaluate.vllm_runner import run_vllm_subprocess
@@ -87,7 +88,7 @@ def main(
 ) -> None:
     """Decode time of one vLLM-CPU engine on both cores, on one, and beside a one-thread job."""
     load = harness.load_average()
-    cores = sorted(os.sched_getaffinity(0))
+    cores = allowed_cores()
     if len(cores) < 2:
         raise click.ClickException("needs 2 cores or more: the variants differ in how many the engine gets")
     tokenizer = load_tokenizer(Path(target))

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from draftsmith.core.io.cores import allowed_cores
+
 log = logging.getLogger(__name__)
 
 
@@ -85,8 +87,7 @@ def usable_threads(threads: int) -> int:
     """`threads`, at most the cores this process may run on (its affinity: a cpuset, taskset, a test
     worker's share): torch's threads spin-wait at every barrier, so two threads on one core ran the
     offline evaluation over 10x slower than one."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(threads, cores))
+    return max(1, min(threads, len(allowed_cores())))
 
 
 def become_torchrun(nproc: int, module_args: Sequence[str]) -> None:
