@@ -46,7 +46,7 @@ test:
 
 # Unit tests only (seconds to a few minutes): no workflow runs, no servers.
 test-fast: setup
-	$(VENV)/bin/pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup tests/unit -m "not slow"
+	$(VENV)/bin/pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests/unit -m "not slow"
 
 # The workflow on a real single-node SLURM cluster with fake GPUs, started here (root, Debian or Ubuntu),
 # compared with a local run; prints the cluster's set-up time, both wall times and the GPUs each job got.

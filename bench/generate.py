@@ -32,6 +32,8 @@ from bench.harness import median
 from draftsmith.core.data.prompt_sources import BUILTIN_PROMPTS
 from draftsmith.stages.generate import GenerateSettings, generate_traces
 
+SERVER_KEY_ENV = "DRAFTSMITH_BENCH_SERVER_KEY"  # generate.api_key_env for the bench's own server
+
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
@@ -104,8 +106,16 @@ def main(
             target, extra_args=json.loads(server_args), log_path=tmp / f"server-{r}.log", dtype=dtype, seed=0
         ) as srv:
             startups.append(srv.startup_seconds)
+            # the server refuses a request without its key (drawn at each start), as a user's would
+            os.environ[SERVER_KEY_ENV] = srv.api_key or ""
             for c in _ints(concurrencies):
-                settings = GenerateSettings(backend="openai", base_url=srv.base_url, concurrency=c, **common)
+                settings = GenerateSettings(
+                    backend="openai",
+                    base_url=srv.base_url,
+                    api_key_env=SERVER_KEY_ENV,
+                    concurrency=c,
+                    **common,
+                )
                 runs.append(
                     {"round": r, "backend": "vllm server", "setting": f"concurrency {c}"}
                     | run_variant(target, prompts, tmp / f"r{r}-srv{c}", settings)

@@ -9,7 +9,7 @@ VENV=${VENV:-.venv}
 # One pytest-xdist worker per core (at most 4: each end-to-end worker peaks near 4 GB), each pinned to
 # its core (tests/conftest.py): the suite alone kept ~1 of 2 cores busy (imports, start-ups, Snakemake).
 WORKERS=${TEST_WORKERS:-$(n=$(nproc); echo $((n > 4 ? 4 : n)))}
-PYTEST=("$VENV/bin/pytest" -q -ra --durations=30 -n "$WORKERS" --dist loadgroup)
+PYTEST=("$VENV/bin/pytest" -q -ra --durations=30 -n "$WORKERS" --dist loadgroup --no-loadscope-reorder)
 summary=()
 status=0
 

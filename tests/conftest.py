@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.workers import busy_seconds, group_order
 from helpers.workflow import DEFAULT_TARGET, REPO, TinyRun, cli_env, snakemake
 
 # The shared tiny run's working folder: a space and shell metacharacters in every path of the run (its
@@ -76,16 +77,29 @@ def worker_cores(cores: list[int], worker: int, workers: int) -> set[int]:
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups into the tests' ids
 def pytest_collection_modifyitems(items):
     """Tests run by pytest-xdist worker in groups (`--dist loadgroup`): a module's tests together (its
-    module fixtures built once), and every test that reads the shared tiny run together (built once)."""
+    module fixtures built once), and every test that reads the shared tiny run together (built once);
+    the groups in the order they are handed out (group_order), a group's tests in collection order."""
     for item in items:
         if not item.get_closest_marker("xdist_group"):
             group = "tiny_run" if "tiny_run" in getattr(item, "fixturenames", ()) else item.module.__name__
             item.add_marker(pytest.mark.xdist_group(group))
+    group_of = {id(item): item.get_closest_marker("xdist_group").args[0] for item in items}
+    rank = group_order([group_of[id(item)] for item in items])
+    items.sort(key=lambda item: rank[group_of[id(item)]])  # stable: a group's tests keep their order
 
 
 def pytest_terminal_summary(terminalreporter):
-    """vLLM engine starts per test (each costs seconds to minutes here): every one is justified in
+    """Each worker's busy seconds and the longest test groups (LONGEST_GROUPS is kept from these), then
+    the vLLM engine starts per test (each costs seconds to minutes here): every one is justified in
     docs/testing.md."""
+    workers, groups = busy_seconds(r for reports in terminalreporter.stats.values() for r in reports)
+    if len(workers) > 1:
+        terminalreporter.section("test workers by busy time")
+        for name, seconds in sorted(workers.items()):
+            terminalreporter.write_line(f"{seconds:7.0f} s  {name}")
+        terminalreporter.section("test groups by time (the 12 longest)")
+        for name, seconds in sorted(groups.items(), key=lambda kv: -kv[1])[:12]:
+            terminalreporter.write_line(f"{seconds:7.0f} s  {name}")
     path = Path(os.environ.get("DRAFTSMITH_ENGINE_LOG", ""))
     lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
     if not lines:

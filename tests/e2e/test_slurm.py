@@ -67,22 +67,31 @@ def cluster():
         pytest.skip(why)
 
 
-def _snakemake(workdir: Path, *args: str, env: dict[str, str]) -> tuple[subprocess.CompletedProcess, float]:
-    """The data stages of the workflow in workdir; a hung Snakemake ignores SIGTERM, hence timeout -k."""
+def _start(workdir: Path, *args: str, env: dict[str, str]) -> tuple[subprocess.Popen, float]:
+    """The data stages of the workflow in workdir, started (and when), its output in workdir/snakemake.out
+    (a pipe nobody reads while the other run goes on would stall it); a hung Snakemake ignores SIGTERM,
+    hence timeout -k."""
     cmd = ["timeout", "-k", "10", str(RUN_TIMEOUT_S), "snakemake", *DATA]
     cmd += ["--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir), "--configfile", str(TINY)]
     cmd += [*args, "--config", *CONFIG]
-    start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=workdir)
-    seconds = time.monotonic() - start
+    with open(workdir / "snakemake.out", "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env, cwd=workdir)
+    return proc, time.monotonic()
+
+
+def _finish(run: tuple[subprocess.Popen, float]) -> float:
+    """The wall seconds of a run of _start, once it ended; AssertionError with the tail of its output
+    when it failed (no job of a failed SLURM run is left in the queue)."""
+    proc, started = run
+    proc.wait()
+    seconds = time.monotonic() - started
     if proc.returncode != 0:
-        run_id = re.search(r"SLURM run ID: (\S+)", proc.stdout + proc.stderr)
+        output = (Path(proc.args[proc.args.index("--directory") + 1]) / "snakemake.out").read_text()
+        run_id = re.search(r"SLURM run ID: (\S+)", output)
         if run_id:  # leave no job of ours behind in the queue
             subprocess.run(["scancel", "--name", run_id.group(1)], check=False)
-        raise AssertionError(
-            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
-        )
-    return proc, seconds
+        raise AssertionError(f"{' '.join(map(str, proc.args))} failed ({proc.returncode}):\n{output[-8000:]}")
+    return seconds
 
 
 def _samples(results: Path) -> dict[str, object]:
@@ -103,7 +112,8 @@ def _assignment(logs: Path, pattern: str) -> re.Match:
 @pytest.mark.slow
 def test_slurm_run_matches_local_run_and_gives_extraction_its_gpus(cluster, tmp_path_factory):
     slurm_dir, local_dir = tmp_path_factory.mktemp("slurm"), tmp_path_factory.mktemp("local")
-    _, slurm_s = _snakemake(
+    # Both runs side by side: the SLURM run spends most of its time waiting on the queue and its status checks
+    slurm_run = _start(
         slurm_dir,
         "--workflow-profile",
         str(REPO / "profiles" / "slurm"),
@@ -118,10 +128,16 @@ def test_slurm_run_matches_local_run_and_gives_extraction_its_gpus(cluster, tmp_
         "4",
         env=_env(),
     )
-    # The same work locally, on 4 fake GPUs: the extraction job takes 2 of them through the lock files.
-    _, local_s = _snakemake(
-        local_dir, "--cores", "2", "--resources", "gpu=4", env=_env(DRAFTSMITH_NUM_GPUS="4")
-    )
+    try:
+        # The same work locally, on 4 fake GPUs: the extraction job takes 2 of them through the lock files.
+        local_s = _finish(
+            _start(local_dir, "--cores", "2", "--resources", "gpu=4", env=_env(DRAFTSMITH_NUM_GPUS="4"))
+        )
+    except BaseException:
+        slurm_run[0].terminate()  # timeout hands SIGTERM on: Snakemake cancels its SLURM jobs
+        slurm_run[0].wait(timeout=60)
+        raise
+    slurm_s = _finish(slurm_run)
 
     slurm, local = slurm_dir / "results", local_dir / "results"
     assert (slurm / "traces.jsonl").read_bytes() == (local / "traces.jsonl").read_bytes()
@@ -145,7 +161,7 @@ def test_slurm_run_matches_local_run_and_gives_extraction_its_gpus(cluster, tmp_
     taken = _assignment(local_dir / "logs", r"CUDA_VISIBLE_DEVICES=(\d+),(\d+) \(2 of 4 GPUs on ")
 
     print(
-        f"\nSLURM run {slurm_s:.0f} s, local run {local_s:.0f} s (x{slurm_s / local_s:.2f}); extraction devices: "
+        f"\nside by side: SLURM run {slurm_s:.0f} s, local run {local_s:.0f} s; extraction devices: "
         f"SLURM job {given.group(3)} -> {given.group(1)},{given.group(2)}; locally {taken.group(1)},{taken.group(2)}"
     )
 

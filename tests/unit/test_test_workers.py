@@ -34,3 +34,28 @@ def test_one_xdist_group_runs_on_one_worker(tmp_path):
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     workers = {(out / f"ran-{i}").read_text() for i in range(4)}
     assert len(workers) == 1, f"one group ran on workers {sorted(workers)}"
+
+
+def test_the_longest_groups_are_handed_out_first_then_the_largest():
+    from helpers.workers import LONGEST_GROUPS, group_order
+
+    first, second = LONGEST_GROUPS[1], LONGEST_GROUPS[0]
+    collected = ["small", "big", "big", "big", first, "one", second, "small"]
+    order = group_order(collected)
+    assert sorted(order, key=order.get) == [second, first, "big", "small", "one"]
+
+
+def test_busy_seconds_add_up_by_worker_and_by_group():
+    from types import SimpleNamespace
+
+    from helpers.workers import busy_seconds
+
+    def report(worker: str, nodeid: str, seconds: float) -> SimpleNamespace:
+        return SimpleNamespace(
+            node=SimpleNamespace(gateway=SimpleNamespace(id=worker)), nodeid=nodeid, duration=seconds
+        )
+
+    reports = [report("gw0", "t.py::a@tiny_run", 300.0), report("gw0", "t.py::b@tiny_run", 20.0),
+               report("gw1", "u.py::c@u", 5.5), SimpleNamespace(nodeid="no worker", duration=1.0)]  # fmt: skip
+    workers, groups = busy_seconds(reports)
+    assert workers == {"gw0": 320.0, "gw1": 5.5} and groups == {"tiny_run": 320.0, "u": 5.5}
