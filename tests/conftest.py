@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.workers import busy_seconds, group_order
-from helpers.workflow import DEFAULT_TARGET, REPO, TinyRun, cli_env, snakemake
+from helpers.workflow import DEFAULT_TARGET, REPO, TinyRun, busy_seconds, cli_env, group_order, snakemake
 
 # The shared tiny run's working folder: a space and shell metacharacters in every path of the run (its
 # folder, the target folder and the prompt file below it). Every rule's command must hand them on as one

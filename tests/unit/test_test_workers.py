@@ -37,7 +37,7 @@ def test_one_xdist_group_runs_on_one_worker(tmp_path):
 
 
 def test_the_longest_groups_are_handed_out_first_then_the_largest():
-    from helpers.workers import LONGEST_GROUPS, group_order
+    from helpers.workflow import LONGEST_GROUPS, group_order
 
     first, second = LONGEST_GROUPS[1], LONGEST_GROUPS[0]
     collected = ["small", "big", "big", "big", first, "one", second, "small"]
@@ -48,7 +48,7 @@ def test_the_longest_groups_are_handed_out_first_then_the_largest():
 def test_busy_seconds_add_up_by_worker_and_by_group():
     from types import SimpleNamespace
 
-    from helpers.workers import busy_seconds
+    from helpers.workflow import busy_seconds
 
     def report(worker: str, nodeid: str, seconds: float) -> SimpleNamespace:
         return SimpleNamespace(
