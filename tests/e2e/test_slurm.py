@@ -67,30 +67,31 @@ def cluster():
         pytest.skip(why)
 
 
-def _start(workdir: Path, *args: str, env: dict[str, str]) -> tuple[subprocess.Popen, float]:
-    """The data stages of the workflow in workdir, started (and when), its output in workdir/snakemake.out
-    (a pipe nobody reads while the other run goes on would stall it); a hung Snakemake ignores SIGTERM,
+def _start(workdir: Path, *args: str, env: dict[str, str]) -> tuple[subprocess.Popen, float, Path]:
+    """The data stages of the workflow in workdir, started: the process, when, and the file its output goes
+    to (a pipe nobody reads while the other run goes on would stall it); a hung Snakemake ignores SIGTERM,
     hence timeout -k."""
     cmd = ["timeout", "-k", "10", str(RUN_TIMEOUT_S), "snakemake", *DATA]
     cmd += ["--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir), "--configfile", str(TINY)]
     cmd += [*args, "--config", *CONFIG]
-    with open(workdir / "snakemake.out", "w") as out:
+    output = workdir / "snakemake.out"
+    with open(output, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env, cwd=workdir)
-    return proc, time.monotonic()
+    return proc, time.monotonic(), output
 
 
-def _finish(run: tuple[subprocess.Popen, float]) -> float:
+def _finish(run: tuple[subprocess.Popen, float, Path]) -> float:
     """The wall seconds of a run of _start, once it ended; AssertionError with the tail of its output
     when it failed (no job of a failed SLURM run is left in the queue)."""
-    proc, started = run
+    proc, started, output = run
     proc.wait()
     seconds = time.monotonic() - started
     if proc.returncode != 0:
-        output = (Path(proc.args[proc.args.index("--directory") + 1]) / "snakemake.out").read_text()
-        run_id = re.search(r"SLURM run ID: (\S+)", output)
+        text = output.read_text()
+        run_id = re.search(r"SLURM run ID: (\S+)", text)
         if run_id:  # leave no job of ours behind in the queue
             subprocess.run(["scancel", "--name", run_id.group(1)], check=False)
-        raise AssertionError(f"{' '.join(map(str, proc.args))} failed ({proc.returncode}):\n{output[-8000:]}")
+        raise AssertionError(f"{' '.join(map(str, proc.args))} failed ({proc.returncode}):\n{text[-8000:]}")
     return seconds
 
 
